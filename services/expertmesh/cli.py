@@ -1,0 +1,54 @@
+"""The ``expertmesh`` command line.
+
+Every command exits 0 on success, 1 when a check it runs fails (e.g. ``verify``
+finds a difference), and 2 with one line on stderr when its input is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from expertmesh.errors import ExpertMeshError
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from expertmesh import verify
+
+    parser = argparse.ArgumentParser(prog="expertmesh", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench = commands.add_parser("bench", help="benchmarks: print a table and write JSON")
+    bench_commands = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+
+    verify.add_command(commands)
+    try:
+        from expertmesh.orchestrator.cli import add_commands as add_orchestrator_commands
+    except ImportError:  # the control plane is optional for a data-plane-only install
+        pass
+    else:
+        add_orchestrator_commands(commands, bench_commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return int(args.run(args) or 0)
+    except ExpertMeshError as err:
+        print(f"expertmesh {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

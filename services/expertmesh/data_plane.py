@@ -1,0 +1,123 @@
+"""The data plane in one object: expert groups on Ray Serve, their endpoints and
+routing table in the state store, and the router's model dispatching to them.
+
+``DataPlane.start(config)`` checks everything it can before starting anything
+(checkpoint, placement), so a bad input is refused at start-up, not at the
+first token. ``close()`` undeploys the groups and stops Ray if it started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from expertmesh import placement as placement_mod
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.config import DataPlaneConfig
+from expertmesh.placement import GroupPlacement
+from expertmesh.routing_table import RoutingTable
+from expertmesh.state import StateStore, open_store
+
+if TYPE_CHECKING:
+    from expertmesh.router.dispatch import ExpertDispatcher
+
+
+def progress(message: str) -> None:
+    """One line of progress on stderr for long steps (loading, starting groups)."""
+    print(f"[expertmesh] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class DataPlane:
+    config: DataPlaneConfig
+    checkpoint: Checkpoint
+    placement: GroupPlacement
+    store: StateStore
+    model: nn.Module
+    dispatcher: "ExpertDispatcher"
+    addresses: dict[str, str]
+    _started_ray: bool
+
+    @classmethod
+    def start(cls, config: DataPlaneConfig) -> "DataPlane":
+        import ray
+
+        from expertmesh.expert_group import deployment
+        from expertmesh.router.dispatch import ExpertDispatcher
+        from expertmesh.router.model import build_router_model
+
+        t0 = time.monotonic()
+        checkpoint = Checkpoint(config.model)
+        spec = checkpoint.spec
+        if config.placement is not None:
+            placement = placement_mod.load(config.placement, spec)
+        else:
+            placement = placement_mod.contiguous(spec, config.groups)
+        placement_mod.validate(placement, spec)
+        store = open_store(config.state_url)
+
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        started_ray = False
+        if not ray.is_initialized():
+            progress(f"starting Ray ({config.ray_address or 'local'})")
+            ray.init(
+                address=config.ray_address, include_dashboard=False, log_to_driver=False, logging_level="WARNING"
+            )
+            started_ray = config.ray_address is None
+        gpus = 1 if deployment.cluster_has_gpus() else 0
+        specs = [
+            deployment.GroupSpec(
+                name=name,
+                model_path=str(checkpoint.path.resolve()),
+                pairs=pairs,
+                dtype=config.dtype,
+                host=config.group_host,
+                num_cpus=config.group_num_cpus,
+                num_gpus=gpus,
+            )
+            for name, pairs in placement.groups.items()
+        ]
+        progress(
+            f"starting {len(specs)} expert groups on Ray Serve for {spec.model_type} "
+            f"({len(spec.moe_layers)} MoE layers x {spec.num_experts} experts, {'GPU' if gpus else 'CPU'})"
+        )
+        addresses = deployment.deploy(specs)
+        for group, address in addresses.items():
+            store.set_endpoint(group, address)
+        table = RoutingTable.from_placement(placement, spec.num_experts, version=store.routing_table_version() + 1)
+        if not store.publish_routing_table(table):
+            raise RuntimeError("another writer changed the routing table while the groups started; retry")
+
+        progress("building the router (no routed-expert weights)")
+        dispatcher = ExpertDispatcher(store, timeout_s=config.dispatch_timeout_s)
+        model = build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
+        progress(f"data plane ready in {time.monotonic() - t0:.1f}s: " + ", ".join(f"{g}@{a}" for g, a in addresses.items()))
+        return cls(config, checkpoint, placement, store, model, dispatcher, addresses, started_ray)
+
+    def close(self) -> None:
+        import ray
+
+        from expertmesh.expert_group import deployment
+
+        self.dispatcher.close()
+        for group in self.addresses:
+            self.store.remove_endpoint(group)
+        self.store.close()
+        if self._started_ray:
+            # Ray's shutdown ends Serve's actors with it; shutting Serve down first only
+            # makes the driver's long-poll clients print retry warnings.
+            ray.shutdown()
+        else:
+            deployment.undeploy()
+
+    def __enter__(self) -> "DataPlane":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,126 @@
+"""Remote experts: transformers' ExpertsInterface implementation ``"expertmesh"``.
+
+Every MoE block of the router's model keeps its stock gate (and shared
+experts); only the routed-experts call lands here. For one layer:
+
+1. map each chosen (token, expert) slot to the group that holds the expert,
+   from the cached routing table;
+2. send each group the hidden states of the tokens that need it (each token
+   at most once per group), with only the expert ids and weights that group
+   must apply (others are -1 / 0);
+3. call every group of the layer concurrently and sum the returned weighted
+   partials per token.
+
+The routing table is re-read only at step boundaries (``refresh``, called from
+a forward pre-hook on the whole model), so one forward pass never mixes two
+placements.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import torch
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface
+
+from expertmesh import wire
+from expertmesh.errors import GroupUnavailable
+from expertmesh.router.group_client import GroupClients
+from expertmesh.routing_table import RoutingTable
+from expertmesh.state import StateStore
+from expertmesh.v1 import experts_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATION = "expertmesh"
+
+
+class ExpertDispatcher:
+    def __init__(self, store: StateStore, timeout_s: float = 30.0):
+        self._store = store
+        self._timeout = timeout_s
+        self._clients = GroupClients()
+        self._lock = threading.Lock()
+        self.table: RoutingTable | None = None
+        #: layer -> [num_experts] int64 index into self._groups of the replica used, -1 if none
+        self._owner: dict[int, torch.Tensor] = {}
+        self._groups: list[str] = []
+
+    def refresh(self) -> None:
+        """Switch to the newest routing table, if it changed. Cheap when it did not."""
+        version = self._store.routing_table_version()
+        if self.table is not None and version == self.table.version:
+            return
+        table = self._store.routing_table()
+        if table is None:
+            raise GroupUnavailable("no routing table in the state store; start the expert groups first")
+        groups = table.groups()
+        owner = {}
+        for (layer, expert), replicas in table.replicas.items():
+            row = owner.setdefault(layer, torch.full((table.num_experts,), -1, dtype=torch.long))
+            row[expert] = groups.index(replicas[0])
+        with self._lock:
+            self._clients.update({g: a for g, a in self._store.endpoints().items() if g in groups})
+            self.table, self._groups, self._owner = table, groups, owner
+        log.info("routing table version %d: %d groups", table.version, len(groups))
+
+    def dispatch(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> weighted expert sum [T, H]."""
+        if self.table is None:
+            self.refresh()
+        owner_row = self._owner.get(layer)
+        if owner_row is None:
+            raise GroupUnavailable(f"the routing table has no groups for MoE layer {layer}")
+        num_experts = owner_row.shape[0]
+        index = top_k_index.to("cpu", torch.long)
+        # An index >= num_experts is transformers' expert-parallel sentinel: that slot is skipped.
+        valid = index < num_experts
+        owner = torch.where(valid, owner_row[index.clamp(max=num_experts - 1)], -1)  # [T, K]
+        weights_cpu = top_k_weights.detach().to("cpu")
+        hidden_cpu = hidden.detach().to("cpu")
+
+        calls = []
+        for g in torch.unique(owner[owner >= 0]).tolist():
+            group = self._groups[g]
+            mine = owner == g  # [T, K]
+            tokens = mine.any(dim=1).nonzero().squeeze(1)  # [Tg]
+            request = pb.DispatchRequest(
+                layer=layer,
+                hidden_states=wire.encode(hidden_cpu[tokens]),  # [Tg, H]
+                expert_ids=wire.encode(torch.where(mine, index, -1)[tokens].to(torch.int32)),  # [Tg, K]
+                routing_weights=wire.encode(torch.where(mine, weights_cpu, 0)[tokens]),  # [Tg, K]
+                routing_table_version=self.table.version,
+            )
+            stub = self._clients.stub(group)
+            if stub is None:
+                raise GroupUnavailable(f"expert group {group} has no registered endpoint")
+            calls.append((group, tokens, stub.Dispatch.future(request, timeout=self._timeout)))
+
+        out = torch.zeros_like(hidden_cpu)  # [T, H]
+        for group, tokens, future in calls:
+            try:
+                response = future.result()
+            except grpc.RpcError as err:
+                raise GroupUnavailable(
+                    f"expert group {group} at {self._clients.address(group)} failed layer {layer}: "
+                    f"{err.code().name}: {err.details()}"
+                ) from None
+            out.index_add_(0, tokens, wire.decode(response.partial_sums, f"partial sums from {group}").to(out.dtype))
+        return out.to(hidden.device)
+
+    def close(self) -> None:
+        self._clients.close()
+
+
+def _remote_experts_forward(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    return module._expertmesh_dispatcher.dispatch(module._expertmesh_layer, hidden_states, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register(IMPLEMENTATION, _remote_experts_forward)

@@ -1,0 +1,47 @@
+"""The router's model: stock transformers code and weights for everything but
+the routed experts, which are never materialised here.
+
+Built on the meta device; each experts module loses its stacked expert
+parameters and is bound to the dispatcher; then the non-expert weights are
+read from the checkpoint, keeping transformers' fp32 rules for gates in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from expertmesh.checkpoint import Checkpoint, experts_modules
+from expertmesh.errors import CheckpointError
+from expertmesh.router.dispatch import IMPLEMENTATION, ExpertDispatcher
+
+
+def build_router_model(checkpoint: Checkpoint, dispatcher: ExpertDispatcher, dtype: torch.dtype) -> nn.Module:
+    model = checkpoint.skeleton(IMPLEMENTATION, dtype)
+    for layer, (_, module) in experts_modules(model).items():
+        for name in checkpoint.spec.expert_params:
+            module._parameters[name] = None
+        module._expertmesh_layer = layer
+        module._expertmesh_dispatcher = dispatcher
+    model.to_empty(device="cpu")
+
+    # from_pretrained keeps some modules in fp32 at low precision (e.g. DeepSeek-V3's gate); do the same.
+    fp32_patterns = list(model._get_dtype_plan(dtype))
+    dtype_of = {
+        key: (torch.float32 if any(p in key for p in fp32_patterns) else dtype) if t.is_floating_point() else t.dtype
+        for key, t in model.state_dict().items()
+    }
+    state = checkpoint.non_expert_state(dtype_of)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if k not in getattr(model, "all_tied_weights_keys", {})]
+    if missing:
+        raise CheckpointError(f"{checkpoint.path} lacks router weights: {missing[:5]}")
+    model.tie_weights()
+    # Non-persistent buffers (rotary inv_freq) are not in the checkpoint; transformers' own init recomputes them.
+    for module in model.modules():
+        if "RotaryEmbedding" in type(module).__name__:
+            model._init_weights(module)
+    model.requires_grad_(False)
+    model.eval()
+    model.register_forward_pre_hook(lambda *_: dispatcher.refresh())
+    return model

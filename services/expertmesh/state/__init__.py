@@ -1,0 +1,99 @@
+"""The state store: routing table, group endpoints (and later load windows and
+health), shared by routers, expert groups and the orchestrator.
+
+``open_store(url)`` picks a backend: ``memory://`` (in-process, the embedded
+default) or ``redis://host:port/db`` (a cluster). ``StateStore`` is the typed
+face every component uses; backends only implement a handful of key-value
+primitives (``KeyValueBackend``), so both behave the same by construction.
+
+Keys (all under the ``expertmesh:`` prefix, one namespace per deployment):
+- ``routing_table``         JSON of the current RoutingTable
+- ``routing_table:version`` its version alone, so routers poll cheaply
+- ``endpoints``             hash: group name -> "host:port" of its gRPC server
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from expertmesh.routing_table import RoutingTable
+
+
+class KeyValueBackend(Protocol):
+    def get(self, key: str) -> bytes | None: ...
+
+    def compare_and_set_many(self, guard_key: str, expected: bytes | None, items: dict[str, bytes]) -> bool:
+        """Write ``items`` atomically if ``guard_key`` still holds ``expected``."""
+        ...
+
+    def hset(self, key: str, field: str, value: bytes) -> None: ...
+
+    def hdel(self, key: str, field: str) -> None: ...
+
+    def hgetall(self, key: str) -> dict[str, bytes]: ...
+
+    def close(self) -> None: ...
+
+
+class StateStore:
+    def __init__(self, backend: KeyValueBackend, namespace: str = "expertmesh"):
+        self._kv = backend
+        self._ns = namespace
+
+    def _key(self, name: str) -> str:
+        return f"{self._ns}:{name}"
+
+    # -- routing table -------------------------------------------------------------
+
+    def routing_table_version(self) -> int:
+        raw = self._kv.get(self._key("routing_table:version"))
+        return int(raw) if raw is not None else 0
+
+    def routing_table(self) -> RoutingTable | None:
+        raw = self._kv.get(self._key("routing_table"))
+        return RoutingTable.from_json(raw) if raw is not None else None
+
+    def publish_routing_table(self, table: RoutingTable) -> bool:
+        """Store ``table`` if it is the next version after the stored one.
+
+        Returns False, writing nothing, when another writer got there first: the
+        caller re-reads and re-plans, as a Kubernetes controller does on conflict.
+        """
+        current = self.routing_table_version()
+        if table.version != current + 1:
+            return False
+        expected = str(current).encode() if current else None
+        return self._kv.compare_and_set_many(
+            self._key("routing_table:version"),
+            expected,
+            {
+                self._key("routing_table"): table.to_json().encode(),
+                self._key("routing_table:version"): str(table.version).encode(),
+            },
+        )
+
+    # -- endpoints -----------------------------------------------------------------
+
+    def set_endpoint(self, group: str, address: str) -> None:
+        self._kv.hset(self._key("endpoints"), group, address.encode())
+
+    def remove_endpoint(self, group: str) -> None:
+        self._kv.hdel(self._key("endpoints"), group)
+
+    def endpoints(self) -> dict[str, str]:
+        return {g: a.decode() for g, a in self._kv.hgetall(self._key("endpoints")).items()}
+
+    def close(self) -> None:
+        self._kv.close()
+
+
+def open_store(url: str = "memory://", namespace: str = "expertmesh") -> StateStore:
+    if url.startswith("memory://"):
+        from expertmesh.state._memory import MemoryBackend
+
+        return StateStore(MemoryBackend(), namespace)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from expertmesh.state._redis import RedisBackend
+
+        return StateStore(RedisBackend(url), namespace)
+    raise ValueError(f"unknown state store URL {url!r}; use memory:// or redis://host:port/db")

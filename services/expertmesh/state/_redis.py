@@ -1,0 +1,44 @@
+"""Redis state backend for clusters. Compare-and-set uses WATCH/MULTI, so two
+orchestrators editing the routing table never overwrite each other."""
+
+from __future__ import annotations
+
+import redis
+
+
+class RedisBackend:
+    def __init__(self, url: str) -> None:
+        self._client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        try:
+            self._client.ping()
+        except redis.RedisError as err:
+            raise ConnectionError(f"cannot reach the Redis state store at {url}: {err}") from None
+
+    def get(self, key: str) -> bytes | None:
+        return self._client.get(key)
+
+    def compare_and_set_many(self, guard_key: str, expected: bytes | None, items: dict[str, bytes]) -> bool:
+        with self._client.pipeline() as pipe:
+            try:
+                pipe.watch(guard_key)
+                if pipe.get(guard_key) != expected:
+                    pipe.unwatch()
+                    return False
+                pipe.multi()
+                pipe.mset(items)
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                return False
+
+    def hset(self, key: str, field: str, value: bytes) -> None:
+        self._client.hset(key, field, value)
+
+    def hdel(self, key: str, field: str) -> None:
+        self._client.hdel(key, field)
+
+    def hgetall(self, key: str) -> dict[str, bytes]:
+        return {k.decode(): v for k, v in self._client.hgetall(key).items()}
+
+    def close(self) -> None:
+        self._client.close()

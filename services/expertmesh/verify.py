@@ -1,0 +1,124 @@
+"""``expertmesh verify``: the platform against stock transformers on one checkpoint.
+
+Loads the checkpoint into stock transformers (``experts_implementation="eager"``)
+and into the platform (router + N expert groups on Ray Serve), runs the same
+seeded token batch through both, and greedily decodes 16 tokens with each.
+Fails (exit 1) if max |Δ logits| exceeds the tolerance of the dtype or any
+token differs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from expertmesh.config import DataPlaneConfig
+from expertmesh.errors import CheckpointError
+
+TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
+GREEDY_TOKENS = 16
+PROMPT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    model_type: str
+    dtype: str
+    groups: int
+    tokens: int
+    max_abs_diff: float
+    tolerance: float
+    reference_tokens: list[int]
+    platform_tokens: list[int]
+
+    @property
+    def tokens_equal(self) -> bool:
+        return self.reference_tokens == self.platform_tokens
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= self.tolerance and self.tokens_equal
+
+    def summary(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        return (
+            f"{verdict} {self.model_type} {self.dtype} groups={self.groups} tokens={self.tokens}: "
+            f"max |Δ logits| = {self.max_abs_diff:.3g} (tolerance {self.tolerance:g}); "
+            f"greedy {GREEDY_TOKENS} tokens {'identical' if self.tokens_equal else 'DIFFER'}"
+        )
+
+
+def _greedy(model, prompt: torch.Tensor) -> list[int]:
+    out = model.generate(
+        prompt, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, do_sample=False, pad_token_id=0
+    )
+    return out[0, prompt.shape[1] :].tolist()
+
+
+def compare(plane, tokens: int = 32, seed: int = 0) -> VerifyReport:
+    """Run the seeded batch through ``plane.model`` and stock transformers."""
+    from transformers import AutoModelForCausalLM
+
+    config = plane.checkpoint.config.get_text_config()
+    limit = getattr(config, "max_position_embeddings", None)
+    if tokens < 1 or (limit and tokens > limit) or (limit and PROMPT_TOKENS + GREEDY_TOKENS > limit):
+        raise CheckpointError(f"--tokens must be between 1 and the model's context of {limit} tokens, got {tokens}")
+    dtype = getattr(torch, plane.config.dtype)
+    reference = AutoModelForCausalLM.from_pretrained(
+        plane.checkpoint.path, experts_implementation="eager", dtype=dtype, local_files_only=True
+    ).eval()
+    generator = torch.Generator().manual_seed(seed)
+    batch = torch.randint(0, config.vocab_size, (2, tokens), generator=generator)  # [2, tokens]
+    with torch.no_grad():
+        expected = reference(batch).logits.float()
+        actual = plane.model(batch).logits.float()
+        prompt = batch[:1, :PROMPT_TOKENS]
+        reference_tokens = _greedy(reference, prompt)
+        platform_tokens = _greedy(plane.model, prompt)
+    return VerifyReport(
+        model_type=plane.checkpoint.spec.model_type,
+        dtype=plane.config.dtype,
+        groups=len(plane.placement.groups),
+        tokens=tokens,
+        max_abs_diff=float((expected - actual).abs().max()),
+        tolerance=TOLERANCE[plane.config.dtype],
+        reference_tokens=reference_tokens,
+        platform_tokens=platform_tokens,
+    )
+
+
+def run(config: DataPlaneConfig, tokens: int = 32, seed: int = 0) -> VerifyReport:
+    from expertmesh.data_plane import DataPlane
+
+    with DataPlane.start(config) as plane:
+        return compare(plane, tokens, seed)
+
+
+def add_command(commands) -> None:
+    parser = commands.add_parser("verify", help="check the platform against stock transformers on a checkpoint")
+    parser.add_argument("--model", type=Path, help="local checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--groups", type=int, default=2, help="expert groups (default contiguous split)")
+    parser.add_argument("--placement", type=Path, help="placement YAML instead of --groups")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence of the seeded batch")
+    parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(run=_main)
+
+
+def _main(args) -> int:
+    from expertmesh.embedded import default_checkpoint
+
+    config = DataPlaneConfig(
+        model=args.model or default_checkpoint(), groups=args.groups, placement=args.placement, dtype=args.dtype, ray_address=args.ray_address
+    )
+    report = run(config, tokens=args.tokens, seed=args.seed)
+    if args.json:
+        print(json.dumps({**asdict(report), "passed": report.passed}))
+    else:
+        print(report.summary())
+    return 0 if report.passed else 1

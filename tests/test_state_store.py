@@ -1,0 +1,73 @@
+"""The state store against both backends: in-process and a real redis-server
+(the one `make test` starts on loopback)."""
+
+import threading
+
+import pytest
+
+from expertmesh.placement import GroupPlacement
+from expertmesh.routing_table import RoutingTable
+from expertmesh.state import open_store
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request):
+    if request.param == "memory":
+        s = open_store("memory://")
+    else:
+        s = open_store(request.getfixturevalue("redis_url"), namespace=f"test-{request.node.name}")
+        s._kv._client.flushdb()
+    yield s
+    s.close()
+
+
+def _table(version: int) -> RoutingTable:
+    return RoutingTable.from_placement(GroupPlacement({"g0": ((0, 0), (0, 1))}), 2, version=version)
+
+
+def test_empty_store(store):
+    assert store.routing_table() is None
+    assert store.routing_table_version() == 0
+    assert store.endpoints() == {}
+
+
+def test_routing_table_versions_advance_one_at_a_time(store):
+    assert store.publish_routing_table(_table(1))
+    assert store.routing_table() == _table(1)
+    assert not store.publish_routing_table(_table(1)), "same version twice must be refused"
+    assert not store.publish_routing_table(_table(3)), "skipping a version must be refused"
+    assert store.publish_routing_table(_table(2))
+    assert store.routing_table_version() == 2
+
+
+def test_concurrent_writers_one_wins(store):
+    assert store.publish_routing_table(_table(1))
+    results = []
+    barrier = threading.Barrier(8)
+
+    def writer():
+        barrier.wait()
+        results.append(store.publish_routing_table(_table(2)))
+
+    threads = [threading.Thread(target=writer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(True) == 1
+    assert store.routing_table_version() == 2
+
+
+def test_endpoints(store):
+    store.set_endpoint("g0", "127.0.0.1:1000")
+    store.set_endpoint("g1", "127.0.0.1:1001")
+    store.set_endpoint("g0", "127.0.0.1:2000")
+    store.remove_endpoint("g1")
+    assert store.endpoints() == {"g0": "127.0.0.1:2000"}
+
+
+def test_unknown_url_and_unreachable_redis():
+    with pytest.raises(ValueError, match="unknown state store URL"):
+        open_store("etcd://x")
+    with pytest.raises(ConnectionError, match="cannot reach the Redis state store"):
+        open_store("redis://127.0.0.1:1/0")

@@ -1,0 +1,130 @@
+"""Control-plane commands: ``topology``, ``plan`` and ``bench placement``.
+
+``expertmesh.cli`` calls ``add_commands``; each command's ``run(args)`` returns
+the exit code, and input errors raise PlacementError (the CLI prints one line and
+exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from expertmesh.errors import PlacementError
+from expertmesh.orchestrator.topology import Topology, topology_to_dict
+
+
+def add_commands(commands, bench_commands) -> None:
+    topo = commands.add_parser("topology", help="print the GPU topology tree (nodes, NUMA, NVLink islands, GPUs)")
+    topo.add_argument("--source", choices=["nvml", "k8s", "file"], help="default: file when --file is given, else nvml")
+    topo.add_argument("--file", help="topology YAML (--source file) or saved `kubectl get nodes -o json` (--source k8s)")
+    topo.add_argument("--format", choices=["tree", "yaml"], default="tree", help="yaml: the topology file format")
+    topo.set_defaults(run=run_topology)
+
+    p = commands.add_parser("plan", help="plan expert placement from load stats and topology")
+    p.add_argument("--stats", required=True, help="load stats JSON (num_layers, num_experts, top_k, load, coactivation)")
+    p.add_argument("--topology", required=True, help="topology YAML")
+    p.add_argument("--redundant", type=int, required=True, help="redundant replicas per layer beyond one per expert")
+    p.add_argument("--slots-per-gpu", type=int, help="replicas one GPU holds per layer (default ceil((E+N)/GPUs))")
+    p.add_argument("--current", help="current placement JSON: keep what is good enough, move few weights")
+    p.add_argument("--min-gain", type=float, default=0.0, help="keep a current layer within this balancedness of the plan")
+    p.add_argument("--balance-tolerance", type=float, default=0.0, help="relative max-load slack traded for island locality")
+    p.add_argument("--eplb-groups", type=int, default=1, help="expert groups for the EPLB baseline (hierarchical policy)")
+    p.add_argument("--out", default="placement.json", help="placement JSON to write (default placement.json)")
+    p.set_defaults(run=run_plan)
+
+    b = bench_commands.add_parser("placement", help="placement planner vs DeepSeek EPLB on synthetic workloads")
+    b.add_argument("--out", default="bench-placement.json", help="JSON results (default bench-placement.json)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--quick", action="store_true", help="two tiny cases (for tests)")
+    b.set_defaults(run=run_bench_placement)
+
+
+def load_topology(source: str | None, path: str | None) -> Topology:
+    from expertmesh.orchestrator import topology_discovery as disc
+
+    source = source or ("file" if path else "nvml")
+    if source == "file":
+        if not path:
+            raise PlacementError("--source file needs --file PATH")
+        return disc.load_topology_file(path)
+    if source == "k8s":
+        return disc.load_k8s_topology(path)
+    return disc.discover_nvml()
+
+
+def run_topology(args: argparse.Namespace) -> int:
+    topo = load_topology(args.source, args.file)
+    print(topo.render() if args.format == "tree" else yaml.safe_dump(topology_to_dict(topo), sort_keys=False), end="\n")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from expertmesh.orchestrator import topology_discovery as disc
+    from expertmesh.orchestrator.placement.bench import format_rows
+    from expertmesh.orchestrator.placement.metrics import summarize
+    from expertmesh.orchestrator.placement.plan import parse_placement_json, placement_to_dict
+    from expertmesh.orchestrator.placement.planner import PlanOptions, plan
+    from expertmesh.orchestrator.placement.stats import parse_stats_json
+
+    stats = parse_stats_json(disc.read_text(args.stats, "stats file"))
+    topo = disc.load_topology_file(args.topology)
+    sites = topo.sites()
+    gpu_ids = tuple(s.gpu.id for s in sites)
+    current = None
+    if args.current:
+        current = parse_placement_json(disc.read_text(args.current, "current placement"), gpu_ids, stats.num_layers, stats.num_experts)
+    if not 0.0 <= args.min_gain <= 1.0:
+        raise PlacementError(f"--min-gain must be between 0 and 1, got {args.min_gain}")
+    if args.balance_tolerance < 0:
+        raise PlacementError(f"--balance-tolerance must be >= 0, got {args.balance_tolerance}")
+    options = PlanOptions(
+        redundant=args.redundant,
+        slots_per_gpu=args.slots_per_gpu,
+        min_gain=args.min_gain,
+        balance_tolerance=args.balance_tolerance,
+        eplb_groups=max(1, args.eplb_groups),
+    )
+    start = time.perf_counter()
+    result = plan(stats, topo, options, current)
+    seconds = time.perf_counter() - start
+    result.placement.check(result.slots_per_gpu)
+    try:
+        Path(args.out).write_text(json.dumps(placement_to_dict(result.placement)) + "\n")
+    except OSError as err:
+        raise PlacementError(f"cannot write {args.out!r}: {err.strerror}") from None
+
+    island = np.array([s.island for s in sites])
+    node = np.array([s.node for s in sites])
+    before = None if current is None else current.shares
+    rows = [
+        ("planner", summarize(stats.load, stats.coactivation, island, node, result.placement.shares, before, seconds)),
+        ("eplb", summarize(stats.load, stats.coactivation, island, node, result.baseline.shares, before)),
+    ]
+    print(
+        f"{stats.num_layers} layers x {stats.num_experts} experts onto {len(gpu_ids)} GPUs,"
+        f" {args.redundant} redundant, {result.slots_per_gpu} slots per GPU"
+        + (f", {result.layers_kept} layers kept as current" if current is not None else "")
+    )
+    print(format_rows(rows))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def run_bench_placement(args: argparse.Namespace) -> int:
+    from expertmesh.orchestrator.placement.bench import results_json, results_table, run_bench
+
+    results = run_bench(args.quick, args.seed)
+    print(results_table(results))
+    try:
+        Path(args.out).write_text(results_json(results, args.seed) + "\n")
+    except OSError as err:
+        raise PlacementError(f"cannot write {args.out!r}: {err.strerror}") from None
+    print(f"wrote {args.out}")
+    return 0
+

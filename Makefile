@@ -23,7 +23,7 @@ proto: $(VENV)/.installed
 		--pyi_out=services protos/expertmesh/v1/*.proto
 
 run: install
-	$(VENV)/bin/expertmesh verify
+	$(VENV)/bin/expertmesh up
 
 redis-start:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)

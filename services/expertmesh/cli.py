@@ -16,6 +16,7 @@ from expertmesh.errors import ExpertMeshError
 
 def _build_parser() -> argparse.ArgumentParser:
     from expertmesh import verify
+    from expertmesh.serving import generate_cli, up
 
     parser = argparse.ArgumentParser(prog="expertmesh", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -23,6 +24,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks: print a table and write JSON")
     bench_commands = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
+    up.add_command(commands)
+    generate_cli.add_command(commands)
     verify.add_command(commands)
     try:
         from expertmesh.orchestrator.cli import add_commands as add_orchestrator_commands

@@ -9,6 +9,7 @@ first token. ``close()`` undeploys the groups and stops Ray if it started it.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from torch import nn
 from expertmesh import placement as placement_mod
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import DataPlaneConfig
+from expertmesh.errors import GroupUnavailable
 from expertmesh.placement import GroupPlacement
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore, open_store
@@ -31,6 +33,17 @@ if TYPE_CHECKING:
 def progress(message: str) -> None:
     """One line of progress on stderr for long steps (loading, starting groups)."""
     print(f"[expertmesh] {message}", file=sys.stderr, flush=True)
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds, not minutes, when a Ray address has nobody listening (ray.init retries for long)."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():
+        return  # "auto", ray:// client addresses: let Ray resolve them
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as err:
+        raise GroupUnavailable(f"cannot reach the Ray cluster at {address}: {err}") from None
 
 
 @dataclass
@@ -66,9 +79,14 @@ class DataPlane:
         started_ray = False
         if not ray.is_initialized():
             progress(f"starting Ray ({config.ray_address or 'local'})")
-            ray.init(
-                address=config.ray_address, include_dashboard=False, log_to_driver=False, logging_level="WARNING"
-            )
+            if config.ray_address:
+                _check_reachable(config.ray_address)
+            try:
+                ray.init(
+                    address=config.ray_address, include_dashboard=False, log_to_driver=False, logging_level="WARNING"
+                )
+            except ConnectionError as err:
+                raise GroupUnavailable(f"cannot join the Ray cluster at {config.ray_address}: {err}") from None
             started_ray = config.ray_address is None
         gpus = 1 if deployment.cluster_has_gpus() else 0
         specs = [

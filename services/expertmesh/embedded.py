@@ -1,5 +1,5 @@
-"""The embedded default model: a small random-weight Mixtral-style checkpoint,
-created once and cached, so `make run` and `expertmesh verify` work on a fresh
+"""The embedded default model: a small random-weight Mixtral-style checkpoint
+with a byte-level tokenizer, created once and cached, so `make run` and `expertmesh verify` work on a fresh
 machine with nothing downloaded.
 
 Cache folder: ``$EXPERTMESH_HOME`` or ``~/.cache/expertmesh``.
@@ -39,7 +39,7 @@ def default_checkpoint() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=path.parent))
     try:
-        make_tiny_checkpoint("mixtral", staging, seed=0, **SHAPE)
+        make_tiny_checkpoint("mixtral", staging, seed=0, with_tokenizer=True, **SHAPE)
         staging.rename(path)
     except OSError:
         if not (path / "config.json").is_file():

@@ -34,3 +34,15 @@ class GroupUnavailable(ExpertMeshError):
     """An expert group could not be reached or failed a call."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Overloaded(ExpertMeshError):
+    """The server's active-sequence and queue limits are full; retry later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class ShuttingDown(ExpertMeshError):
+    """The server is draining and takes no new requests."""
+
+    code = grpc.StatusCode.UNAVAILABLE

@@ -137,11 +137,13 @@ def make_tiny_checkpoint(
     *,
     seed: int = 0,
     max_shard_size: str | None = None,
+    with_tokenizer: bool = False,
     **config_overrides: Any,
 ) -> Path:
     """Write a random-weight checkpoint of ``arch`` to ``out_dir`` and return the path.
 
     ``max_shard_size`` (e.g. ``"20KB"``) produces a sharded checkpoint with an index.
+    ``with_tokenizer`` adds a byte-level tokenizer that needs no download.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -156,6 +158,10 @@ def make_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
+    if with_tokenizer:
+        from expertmesh.tokenizer import save_byte_tokenizer
+
+        save_byte_tokenizer(out, vocab_size=config.vocab_size)
     return out
 
 

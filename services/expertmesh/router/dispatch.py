@@ -12,14 +12,20 @@ experts); only the routed-experts call lands here. For one layer:
    partials per token.
 
 The routing table is re-read only at step boundaries (``refresh``, called from
-a forward pre-hook on the whole model), so one forward pass never mixes two
-placements.
+a forward pre-hook on the whole model, or once per step by the serving engine),
+so one forward pass never mixes two placements.
+
+Under continuous batching a thread may be ``gathering`` into a StepGather: its
+experts calls then meet those of the other sequences of the step and go out as
+one dispatch per layer.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import grpc
 import torch
@@ -29,6 +35,7 @@ from transformers.integrations.moe import ExpertsInterface
 from expertmesh import wire
 from expertmesh.errors import GroupUnavailable
 from expertmesh.router.group_client import GroupClients
+from expertmesh.router.step_gather import StepGather
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore
 from expertmesh.v1 import experts_pb2 as pb
@@ -48,6 +55,22 @@ class ExpertDispatcher:
         #: layer -> [num_experts] int64 index into self._groups of the replica used, -1 if none
         self._owner: dict[int, torch.Tensor] = {}
         self._groups: list[str] = []
+        self._local = threading.local()
+
+    @contextmanager
+    def gathering(self, gather: StepGather) -> Iterator[None]:
+        """Within this block, this thread's experts calls join ``gather``; it leaves at the end."""
+        self._local.gather = gather
+        try:
+            yield
+        finally:
+            self._local.gather = None
+            gather.leave()
+
+    def on_forward(self) -> None:
+        """Forward pre-hook: a new step, unless the serving engine already refreshed for this one."""
+        if getattr(self._local, "gather", None) is None:
+            self.refresh()
 
     def refresh(self) -> None:
         """Switch to the newest routing table, if it changed. Cheap when it did not."""
@@ -66,6 +89,15 @@ class ExpertDispatcher:
             self._clients.update({g: a for g, a in self._store.endpoints().items() if g in groups})
             self.table, self._groups, self._owner = table, groups, owner
         log.info("routing table version %d: %d groups", table.version, len(groups))
+
+    def experts(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts call of one MoE layer: gathered with the step's other sequences, or sent now."""
+        gather = getattr(self._local, "gather", None)
+        if gather is not None:
+            return gather.experts(layer, hidden, top_k_index, top_k_weights)
+        return self.dispatch(layer, hidden, top_k_index, top_k_weights)
 
     def dispatch(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -120,7 +152,7 @@ class ExpertDispatcher:
 def _remote_experts_forward(
     module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    return module._expertmesh_dispatcher.dispatch(module._expertmesh_layer, hidden_states, top_k_index, top_k_weights)
+    return module._expertmesh_dispatcher.experts(module._expertmesh_layer, hidden_states, top_k_index, top_k_weights)
 
 
 ExpertsInterface.register(IMPLEMENTATION, _remote_experts_forward)

@@ -43,5 +43,5 @@ def build_router_model(checkpoint: Checkpoint, dispatcher: ExpertDispatcher, dty
             model._init_weights(module)
     model.requires_grad_(False)
     model.eval()
-    model.register_forward_pre_hook(lambda *_: dispatcher.refresh())
+    model.register_forward_pre_hook(lambda *_: dispatcher.on_forward())
     return model

@@ -1,0 +1,251 @@
+"""The ``expertmesh.v1.Inference`` gRPC service, with ``grpc.health.v1`` and
+server reflection so standard tools (grpcurl, grpc_health_probe, Kubernetes
+gRPC probes) work without the .proto files.
+
+Requests are validated before they reach the engine; a bad one gets
+INVALID_ARGUMENT with a message naming the field, a full server
+RESOURCE_EXHAUSTED, and everyone else keeps streaming. Generate and Score take
+raw request bytes and parse them here, so a prompt that is not valid UTF-8 is
+an INVALID_ARGUMENT too rather than gRPC's generic deserialisation failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent import futures
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from expertmesh import wire
+from expertmesh.config import ServingConfig
+from expertmesh.errors import ExpertMeshError, InvalidRequest
+from expertmesh.serving.engine import (
+    Engine,
+    ErrorEvent,
+    FinishEvent,
+    GenerationRequest,
+    ScoreEvent,
+    TokenEvent,
+)
+from expertmesh.serving.sampling import SamplingParams
+from expertmesh.v1 import inference_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "expertmesh.v1.Inference"
+_FINISH = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+    "eos": pb.FINISH_REASON_EOS,
+    "context": pb.FINISH_REASON_CONTEXT,
+}
+
+
+class InferenceServicer:
+    def __init__(self, engine: Engine, tokenizer, info: pb.ModelInfo, config: ServingConfig, table_version):
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._info = info
+        self._config = config
+        self._table_version = table_version
+
+    # -- validation ------------------------------------------------------------------
+
+    @staticmethod
+    def _parse(message_type, raw: bytes):
+        try:
+            return message_type.FromString(raw)
+        except DecodeError as err:
+            hint = " (the prompt text must be valid UTF-8)" if "UTF-8" in str(err) else ""
+            raise InvalidRequest(f"cannot parse {message_type.DESCRIPTOR.name}: {err}{hint}") from None
+
+    def _prompt_ids(self, request) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise InvalidRequest("prompt is empty: set text or token_ids")
+            if self._tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer; send the prompt as token_ids")
+            ids = list(self._tokenizer(request.text)["input_ids"])
+        elif which == "token_ids":
+            ids = list(request.token_ids.ids)
+        else:
+            ids = []
+        if not ids:
+            raise InvalidRequest("prompt is empty: set text or token_ids")
+        vocab = self._info.vocab_size
+        bad = [i for i in ids if i >= vocab]
+        if bad:
+            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary (0-{vocab - 1})")
+        return ids
+
+    def _generation_request(self, request: pb.GenerateRequest, context) -> GenerationRequest:
+        ids = self._prompt_ids(request)
+        context_len = self._info.max_context
+        if len(ids) >= context_len:
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens; the model's context is {context_len} tokens, "
+                "leaving no room for a new one"
+            )
+        cap = self._config.max_new_tokens_cap
+        if request.HasField("max_new_tokens"):
+            max_new = request.max_new_tokens
+            if max_new <= 0:
+                raise InvalidRequest(f"max_new_tokens must be at least 1, got {max_new}")
+            if max_new > cap:
+                raise InvalidRequest(f"max_new_tokens {max_new} is above this server's cap of {cap}")
+        else:
+            max_new = self._config.default_max_new_tokens
+        s = request.sampling
+        sampling = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+        )
+        problems = sampling.problems()
+        if problems:
+            raise InvalidRequest("; ".join(problems))
+        remaining = context.time_remaining()
+        return GenerationRequest(
+            request_id=request.request_id or uuid.uuid4().hex[:16],
+            prompt_ids=tuple(ids),
+            max_new_tokens=max_new,
+            sampling=sampling,
+            stop=tuple(request.stop),
+            stop_at_eos=request.stop_at_eos if request.HasField("stop_at_eos") else True,
+            deadline=None if remaining is None else time.monotonic() + remaining,
+        )
+
+    # -- handlers --------------------------------------------------------------------
+
+    def Generate(self, raw: bytes, context):
+        try:
+            request = self._generation_request(self._parse(pb.GenerateRequest, raw), context)
+            seq = self._engine.submit(request)
+        except ExpertMeshError as err:
+            context.abort(err.code, str(err))
+        context.add_callback(seq.cancel)
+        started = time.monotonic()
+        for event in seq:
+            if isinstance(event, TokenEvent):
+                yield pb.GenerateResponse(
+                    request_id=request.request_id, delta=pb.TokenDelta(token_ids=event.token_ids, text=event.text)
+                )
+            elif isinstance(event, FinishEvent):
+                log.info(
+                    "request %s finished (%s): %d prompt + %d completion tokens in %.3fs",
+                    request.request_id, event.reason, event.prompt_tokens, event.completion_tokens,
+                    time.monotonic() - started,
+                )
+                yield pb.GenerateResponse(
+                    request_id=request.request_id,
+                    finished=pb.Finished(
+                        reason=_FINISH[event.reason],
+                        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+                    ),
+                )
+            elif isinstance(event, ErrorEvent):
+                context.abort(event.code, event.message)
+
+    def Score(self, raw: bytes, context) -> pb.ScoreResponse:
+        try:
+            request = self._parse(pb.ScoreRequest, raw)
+            ids = self._prompt_ids(request)
+            if len(ids) > self._info.max_context:
+                raise InvalidRequest(
+                    f"the prompt has {len(ids)} tokens; the model's context is {self._info.max_context} tokens"
+                )
+            remaining = context.time_remaining()
+            seq = self._engine.submit(
+                GenerationRequest(
+                    request_id=uuid.uuid4().hex[:16],
+                    prompt_ids=tuple(ids),
+                    deadline=None if remaining is None else time.monotonic() + remaining,
+                    score_only=True,
+                )
+            )
+        except ExpertMeshError as err:
+            context.abort(err.code, str(err))
+        context.add_callback(seq.cancel)
+        event = list(seq)[-1]
+        if isinstance(event, ErrorEvent):
+            context.abort(event.code, event.message)
+        assert isinstance(event, ScoreEvent)
+        logits = event.logits  # [P, V]
+        dist = logits if request.raw_logits else logits.log_softmax(dim=-1)
+        scores = [0.0] + [float(dist[i - 1, ids[i]]) for i in range(1, len(ids))]
+        response = pb.ScoreResponse(token_ids=ids, token_scores=scores)
+        if request.full_distribution:
+            response.distribution.CopyFrom(wire.encode(dist.float()))
+        return response
+
+    def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        info = pb.ModelInfo()
+        info.CopyFrom(self._info)
+        info.routing_table_version = self._table_version()
+        return pb.ListModelsResponse(models=[info])
+
+
+class InferenceServer:
+    """The gRPC server of a router: Inference + health + reflection."""
+
+    def __init__(self, servicer: InferenceServicer, engine: Engine, config: ServingConfig):
+        self.engine = engine
+        self._config = config
+        limits = engine.limits
+        # Streams hold a thread each; past this many concurrent RPCs gRPC answers RESOURCE_EXHAUSTED itself.
+        concurrent = limits.max_active + limits.max_queued + 8
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=concurrent, thread_name_prefix="expertmesh-rpc"),
+            maximum_concurrent_rpcs=concurrent,
+        )
+        self._server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    SERVICE_NAME,
+                    {
+                        "Generate": grpc.unary_stream_rpc_method_handler(
+                            servicer.Generate, response_serializer=pb.GenerateResponse.SerializeToString
+                        ),
+                        "Score": grpc.unary_unary_rpc_method_handler(
+                            servicer.Score, response_serializer=pb.ScoreResponse.SerializeToString
+                        ),
+                        "ListModels": grpc.unary_unary_rpc_method_handler(
+                            servicer.ListModels,
+                            request_deserializer=pb.ListModelsRequest.FromString,
+                            response_serializer=pb.ListModelsResponse.SerializeToString,
+                        ),
+                    },
+                )
+            ]
+        )
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind the Inference gRPC server to {config.host}:{config.port}")
+
+    def start(self) -> "InferenceServer":
+        self.engine.start()
+        self._server.start()
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def drain_and_stop(self) -> bool:
+        """Stop taking requests, let in-flight ones finish (up to the drain timeout), then stop."""
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        drained = self.engine.drain(self._config.drain_timeout_s)
+        self._server.stop(grace=2).wait()
+        self.engine.stop()
+        return drained

@@ -1,0 +1,52 @@
+"""Incremental detokenisation with stop sequences.
+
+Text is released only when it is final: bytes of a UTF-8 character split
+across tokens wait for the rest, and text that could be the start of a stop
+sequence waits until it either completes the stop (then it is dropped and the
+stream ends) or stops matching.
+"""
+
+from __future__ import annotations
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self._tokenizer = tokenizer
+        self._stop = tuple(s for s in stop if s)
+        self._ids: list[int] = []
+        self._released = 0  # characters of the decoded text already handed out
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that became final (maybe empty)."""
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+            return ""
+        for stop in self._stop:
+            at = text.find(stop, max(0, self._released - len(stop) + 1))
+            if at != -1:
+                self.stopped = True
+                return self._release(text, at)
+        hold = max((self._partial_stop(text, s) for s in self._stop), default=0)
+        return self._release(text, len(text) - hold)
+
+    def flush(self) -> str:
+        """At the end of generation: everything not yet released (held stop prefixes are real text)."""
+        if self.stopped:
+            return ""
+        return self._release(self._tokenizer.decode(self._ids, skip_special_tokens=True), None)
+
+    def _release(self, text: str, upto: int | None) -> str:
+        upto = len(text) if upto is None else upto
+        out = text[self._released : upto] if upto > self._released else ""
+        self._released = max(self._released, upto)
+        return out
+
+    @staticmethod
+    def _partial_stop(text: str, stop: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if stop.startswith(text[-n:]):
+                return n
+        return 0

@@ -1,0 +1,241 @@
+"""The public Inference API end to end: real Ray Serve expert groups, the router's
+continuous-batching engine, a real gRPC server and clients on loopback."""
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from transformers import AutoModelForCausalLM
+
+from expertmesh.client import AsyncClient, Client, generate_request
+from expertmesh.config import DataPlaneConfig, ServingConfig
+from expertmesh.data_plane import DataPlane
+from expertmesh.serving.up import serve_plane
+from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.v1 import inference_pb2 as pb
+from expertmesh.v1 import inference_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+CONTEXT = 96
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(
+        "mixtral", tmp_path_factory.mktemp("ckpt"), with_tokenizer=True, vocab_size=300, max_position_embeddings=CONTEXT
+    )
+
+
+@pytest.fixture(scope="module")
+def plane(checkpoint):
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    plane = DataPlane.start(DataPlaneConfig(model=checkpoint, groups=2))
+    yield plane
+    plane.close()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(plane):
+    server = serve_plane(plane, ServingConfig(port=0, max_active_sequences=16, max_new_tokens_cap=64))
+    yield server
+    server.drain_and_stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(f"127.0.0.1:{server.port}") as c:
+        yield c
+
+
+def _tokens(client, prompt, n):
+    chunks = list(client.generate(prompt, max_new_tokens=n, stop_at_eos=False))
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].completion_tokens == n
+    return [t for c in chunks for t in c.token_ids]
+
+
+def test_greedy_matches_stock_transformers(client, checkpoint):
+    prompt = [5, 17, 99, 3, 250, 42]
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, experts_implementation="eager").eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):  # plain greedy, EOS included like any token (the request sets stop_at_eos=False)
+            ids.append(int(stock(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert _tokens(client, prompt, 12) == ids[len(prompt):]
+
+
+def test_concurrent_requests_share_steps_and_match_running_alone(client, server):
+    requests = [([(7 * i + j) % 250 + 3 for j in range(3 + 4 * i)], 6 + 3 * i) for i in range(10)]
+    alone = [_tokens(client, prompt, n) for prompt, n in requests]
+    steps_before = server.engine.steps
+    together = [None] * len(requests)
+    barrier = threading.Barrier(len(requests))
+
+    def run(i):
+        barrier.wait()
+        together[i] = _tokens(client, *requests[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert together == alone
+    steps = server.engine.steps - steps_before
+    assert steps < sum(n for _, n in requests) / 2, f"{steps} steps for {len(requests)} requests: not batched"
+
+
+def test_text_prompt_stop_sequence_and_usage(client):
+    chunks = list(client.generate("Hello", max_new_tokens=30, stop_at_eos=False))
+    text = "".join(c.text for c in chunks)
+    assert chunks[-1].prompt_tokens == 5
+    if len(text) > 3:
+        stop = text[2:4]
+        stopped = list(client.generate("Hello", max_new_tokens=30, stop=[stop], stop_at_eos=False))
+        assert stopped[-1].finish_reason == "stop"
+        assert "".join(c.text for c in stopped) == text[: text.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kwargs = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    assert client.generate_text([9, 8, 7], **kwargs) == client.generate_text([9, 8, 7], **kwargs)
+
+
+def test_score_matches_stock_log_probs(client, checkpoint):
+    ids = [3, 44, 120, 7, 9, 250, 31]
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, experts_implementation="eager").eval()
+    with torch.no_grad():
+        logprobs = stock(torch.tensor([ids])).logits[0].log_softmax(-1)
+    expected = [0.0] + [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))]
+    response = client.score(ids)
+    assert list(response.token_ids) == ids
+    assert response.token_scores == pytest.approx(expected, abs=1e-5)
+
+
+def test_list_models(client, plane):
+    (info,) = client.models()
+    assert (info.architecture, info.num_experts, info.top_k, info.vocab_size) == ("mixtral", 4, 2, 300)
+    assert list(info.groups) == ["g0", "g1"] and info.max_context == CONTEXT
+    assert info.routing_table_version == plane.store.routing_table_version()
+
+
+def test_async_client(server):
+    async def main():
+        async with AsyncClient(f"127.0.0.1:{server.port}") as c:
+            texts = await asyncio.gather(*[c.generate_text([4, 5, 6], max_new_tokens=5) for _ in range(3)])
+            return texts, await c.models()
+
+    texts, models = asyncio.run(main())
+    assert len(set(texts)) == 1 and models[0].architecture == "mixtral"
+
+
+def _bad_generate_requests():
+    r = lambda **kw: generate_request(**{"prompt": [1, 2, 3], "max_new_tokens": 4, **kw})
+    return {
+        "empty text": (pb.GenerateRequest(text=""), "prompt is empty"),
+        "no prompt": (pb.GenerateRequest(), "prompt is empty"),
+        "too long": (r(prompt=[5] * CONTEXT), f"the prompt has {CONTEXT} tokens; the model's context is {CONTEXT}"),
+        "max_new_tokens 0": (r(max_new_tokens=0), "max_new_tokens must be at least 1, got 0"),
+        "max_new_tokens negative": (r(max_new_tokens=-3), "max_new_tokens must be at least 1, got -3"),
+        "max_new_tokens above cap": (r(max_new_tokens=65), "max_new_tokens 65 is above this server's cap of 64"),
+        "negative temperature": (r(temperature=-1.0), "temperature must be >= 0"),
+        "top_p zero": (r(top_p=0.0), "top_p must be in (0, 1]"),
+        "top_p above one": (r(top_p=1.5), "top_p must be in (0, 1]"),
+        "token outside vocab": (r(prompt=[1, 300, 7]), "token ids [300] are outside the vocabulary (0-299)"),
+    }
+
+
+@pytest.fixture(scope="module")
+def long_stream(server):
+    """A generation that keeps streaming while the bad requests arrive."""
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+    return iter(stub.Generate(generate_request([11, 12, 13], max_new_tokens=64, stop_at_eos=False)))
+
+
+@pytest.mark.parametrize("case", list(_bad_generate_requests()))
+def test_bad_generate_is_invalid_argument_and_others_keep_streaming(server, long_stream, case):
+    request, message = _bad_generate_requests()[case]
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    assert next(long_stream).WhichOneof("event") in ("delta", "finished")
+
+
+def test_long_stream_finished_intact(long_stream):
+    rest = list(long_stream)
+    assert rest[-1].finished.usage.completion_tokens == 64
+
+
+def test_invalid_utf8_is_invalid_argument(server):
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    raw = channel.unary_stream("/expertmesh.v1.Inference/Generate")  # raw bytes in, raw bytes out
+    bad = pb.GenerateRequest(text="ab").SerializeToString().replace(b"ab", b"a\xff")
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw(bad))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "valid UTF-8" in err.value.details()
+
+
+def test_deadline_is_honoured(server, client):
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generate_request([1, 2], max_new_tokens=64, stop_at_eos=False), timeout=0.3))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_idle(server)
+    assert client.generate_text([1, 2], max_new_tokens=3) is not None
+
+
+def _wait_idle(server, timeout=30):
+    end = time.monotonic() + timeout
+    while server.engine.load() != (0, 0):
+        assert time.monotonic() < end, f"engine still busy: {server.engine.load()}"
+        time.sleep(0.05)
+
+
+def test_cancel_frees_the_sequence(server):
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+    call = stub.Generate(generate_request([1, 2, 3], max_new_tokens=64, stop_at_eos=False))
+    next(call)
+    assert server.engine.load()[0] == 1
+    call.cancel()
+    _wait_idle(server)
+
+
+def test_limits_give_resource_exhausted(plane):
+    small = serve_plane(plane, ServingConfig(port=0, max_active_sequences=1, max_queued_requests=1))
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{small.port}"))
+        first = stub.Generate(generate_request([1, 2], max_new_tokens=64, stop_at_eos=False))
+        next(first)
+        second = stub.Generate(generate_request([1, 2], max_new_tokens=2, stop_at_eos=False))
+        end = time.monotonic() + 10
+        while small.engine.load() != (1, 1):
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generate_request([1, 2], max_new_tokens=2)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 active sequences, 1 queued" in err.value.details()
+        first.cancel()
+        assert list(second)[-1].finished.usage.completion_tokens == 2
+    finally:
+        small.drain_and_stop()
+
+
+def test_health_and_reflection(server):
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="expertmesh.v1.Inference")).status == health_pb2.HealthCheckResponse.SERVING
+    db = ProtoReflectionDescriptorDatabase(channel)
+    assert "expertmesh.v1.Inference" in db.get_services()
+    service = db.FindFileContainingSymbol("expertmesh.v1.Inference")
+    assert "expertmesh/v1/inference.proto" == service.name

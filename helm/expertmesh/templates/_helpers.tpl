@@ -1,0 +1,364 @@
+{{/* Names ------------------------------------------------------------------ */}}
+
+{{- define "expertmesh.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Object-name prefix, kept short: KubeRay derives RayCluster, pod and Service names from it. */}}
+{{- define "expertmesh.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "expertmesh.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels; call with (dict "ctx" $ "component" "router"). */}}
+{{- define "expertmesh.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "expertmesh.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "expertmesh.labels" -}}
+{{ include "expertmesh.selectorLabels" . }}
+app.kubernetes.io/part-of: expertmesh
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+helm.sh/chart: {{ include "expertmesh.chart" .ctx }}
+{{- end -}}
+
+{{/* Labels every platform pod carries: the Redis NetworkPolicy admits exactly these. */}}
+{{- define "expertmesh.platformPodSelector" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: expertmesh
+{{- end -}}
+
+{{- define "expertmesh.serviceAccountName" -}}
+{{- include "expertmesh.fullname" . -}}
+{{- end -}}
+
+{{- define "expertmesh.orchestratorServiceAccountName" -}}
+{{- include "expertmesh.fullname" . -}}-orchestrator
+{{- end -}}
+
+{{- define "expertmesh.rayServiceName" -}}
+{{- include "expertmesh.fullname" . -}}-groups
+{{- end -}}
+
+{{/* Images ----------------------------------------------------------------- */}}
+
+{{- define "expertmesh.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{- define "expertmesh.workerImage" -}}
+{{- if eq .Values.mode "gpu" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.gpuTag | default (printf "%s-cuda" (.Values.image.tag | default .Chart.AppVersion))) -}}
+{{- else -}}
+{{- include "expertmesh.image" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Redis ------------------------------------------------------------------ */}}
+
+{{- define "expertmesh.redisBundled" -}}
+{{- if not .Values.redis.external.url -}}true{{- end -}}
+{{- end -}}
+
+{{- define "expertmesh.redisURL" -}}
+{{- if .Values.redis.external.url -}}
+{{- .Values.redis.external.url -}}
+{{- else -}}
+{{- printf "redis://%s-redis:6379/0" (include "expertmesh.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "expertmesh.redisPasswordSecret" -}}
+{{- if .Values.redis.external.url -}}
+{{- with .Values.redis.external.existingSecret }}{{ . }}|{{ $.Values.redis.external.passwordKey }}{{ end -}}
+{{- else -}}
+{{- with .Values.redis.auth.existingSecret }}{{ . }}|{{ $.Values.redis.auth.passwordKey }}{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment of every expertmesh container; call with (dict "ctx" $ "component" "router"). */}}
+{{- define "expertmesh.env" -}}
+{{- $ctx := .ctx -}}
+- name: EXPERTMESH_STATE_URL
+  value: {{ include "expertmesh.redisURL" $ctx | quote }}
+{{- with include "expertmesh.redisPasswordSecret" $ctx }}
+{{- $ref := splitList "|" . }}
+- name: EXPERTMESH_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ index $ref 0 | quote }}
+      key: {{ index $ref 1 | quote }}
+{{- end }}
+{{- if and $ctx.Values.redis.external.url $ctx.Values.redis.external.tls.caSecret }}
+- name: EXPERTMESH_REDIS_CA_FILE
+  value: /etc/expertmesh-tls/redis/{{ $ctx.Values.redis.external.tls.caKey }}
+{{- end }}
+- name: EXPERTMESH_DTYPE
+  value: {{ $ctx.Values.model.dtype | quote }}
+- name: EXPERTMESH_K8S_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: EXPERTMESH_RAYSERVICE
+  value: {{ include "expertmesh.rayServiceName" $ctx | quote }}
+- name: HOME
+  value: /tmp/home
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+- name: HF_HUB_OFFLINE
+  value: "1"
+{{- if $ctx.Values.otel.enabled }}
+- name: OTEL_SERVICE_NAME
+  value: {{ printf "expertmesh-%s" .component | quote }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $ctx.Values.otel.endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ $ctx.Values.otel.protocol | quote }}
+{{- with $ctx.Values.otel.headers.existingSecret }}
+- name: OTEL_EXPORTER_OTLP_HEADERS
+  valueFrom:
+    secretKeyRef:
+      name: {{ . | quote }}
+      key: {{ $ctx.Values.otel.headers.key | quote }}
+{{- end }}
+- name: OTEL_TRACES_SAMPLER
+  value: parentbased_traceidratio
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $ctx.Values.otel.samplingRatio | toString | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "service.namespace=expertmesh,k8s.namespace.name=%s%s" $ctx.Release.Namespace (ternary (printf ",%s" $ctx.Values.otel.resourceAttributes) "" (ne $ctx.Values.otel.resourceAttributes "")) | quote }}
+{{- else }}
+- name: OTEL_SDK_DISABLED
+  value: "true"
+{{- end }}
+{{- with $ctx.Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Volumes: model (read-only), writable /tmp, Redis CA. */}}
+{{- define "expertmesh.volumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if .Values.model.pvc.claimName }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName | quote }}
+    readOnly: true
+{{- else if .Values.model.hostPath }}
+- name: model
+  hostPath:
+    path: {{ .Values.model.hostPath | quote }}
+    type: Directory
+{{- end }}
+{{- if and .Values.redis.external.url .Values.redis.external.tls.caSecret }}
+- name: redis-tls
+  secret:
+    secretName: {{ .Values.redis.external.tls.caSecret | quote }}
+    defaultMode: 0444
+{{- end }}
+{{- end -}}
+
+{{- define "expertmesh.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if or .Values.model.pvc.claimName .Values.model.hostPath }}
+- name: model
+  mountPath: {{ .Values.model.mountPath | quote }}
+  readOnly: true
+  {{- if and .Values.model.pvc.claimName .Values.model.pvc.subPath }}
+  subPath: {{ .Values.model.pvc.subPath | quote }}
+  {{- end }}
+{{- end }}
+{{- if and .Values.redis.external.url .Values.redis.external.tls.caSecret }}
+- name: redis-tls
+  mountPath: /etc/expertmesh-tls/redis
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Topology ----------------------------------------------------------------
+  JSON with
+    islands: [{name, node, clique, gpuProduct, gpus, resources, groups: [names], resource}]
+    groups:  [{name, index, port, island, gpus, experts}]; index = position in name order, the
+             order of serveConfigV2 args.placement.groups (toYaml sorts keys), so port = portBase + index
+    pooled:  [names of groups in the default worker pool]
+  Checks what the schema cannot: unique names, one node per island, GPUs fit.
+*/}}
+{{- define "expertmesh.topology" -}}
+{{- $gpu := eq .Values.mode "gpu" -}}
+{{- $eg := .Values.expertGroups -}}
+{{- $islands := dict -}}
+{{- $order := list -}}
+{{- range $eg.islands -}}
+{{- if hasKey $islands .name -}}
+{{- fail (printf "expertGroups.islands: island %q is listed twice" .name) -}}
+{{- end -}}
+{{- $_ := set $islands .name (dict "name" .name "node" (.node | default "") "clique" (.clique | default "") "gpuProduct" (.gpuProduct | default "") "declaredGpus" (.gpus | default 0 | int) "resources" (.resources | default dict) "groups" list "used" 0) -}}
+{{- $order = append $order .name -}}
+{{- end -}}
+{{- $groups := list -}}
+{{- $pooled := list -}}
+{{- $names := dict -}}
+{{- $sorted := list -}}
+{{- range $eg.groups -}}{{- $sorted = append $sorted .name -}}{{- end -}}
+{{- $sorted = sortAlpha $sorted -}}
+{{- range $g := $eg.groups -}}
+{{- $i := 0 -}}
+{{- range $j, $n := $sorted -}}{{- if eq $n $g.name -}}{{- $i = $j -}}{{- end -}}{{- end -}}
+{{- if hasKey $names $g.name -}}
+{{- fail (printf "expertGroups.groups: group %q is listed twice" $g.name) -}}
+{{- end -}}
+{{- $_ := set $names $g.name true -}}
+{{- $gpus := 0 -}}
+{{- if $gpu -}}
+{{- $gpus = (hasKey $g "gpus" | ternary $g.gpus $eg.gpusPerGroup) | int -}}
+{{- end -}}
+{{- $island := $g.island | default "" -}}
+{{- if $island -}}
+{{- if not (hasKey $islands $island) -}}
+{{- $_ := set $islands $island (dict "name" $island "node" ($g.node | default "") "clique" "" "gpuProduct" "" "declaredGpus" 0 "resources" dict "groups" list "used" 0) -}}
+{{- $order = append $order $island -}}
+{{- end -}}
+{{- $isl := get $islands $island -}}
+{{- if and $g.node $isl.node (ne $g.node $isl.node) -}}
+{{- fail (printf "expertGroups.groups: group %q names node %q but island %q is on node %q (an NVLink island lives on one node; name islands uniquely across nodes)" $g.name $g.node $island $isl.node) -}}
+{{- end -}}
+{{- if and $g.node (not $isl.node) -}}
+{{- $_ := set $isl "node" $g.node -}}
+{{- end -}}
+{{- $_ := set $isl "groups" (append $isl.groups $g.name) -}}
+{{- $_ := set $isl "used" (add $isl.used $gpus) -}}
+{{- else -}}
+{{- $pooled = append $pooled $g.name -}}
+{{- end -}}
+{{- $groups = append $groups (dict "name" $g.name "index" $i "port" (add $eg.portBase $i) "island" $island "gpus" $gpus "experts" $g.experts) -}}
+{{- end -}}
+{{- if gt (len $groups) (add $.Values.networkPolicy.groupPortSpan 1 | int) -}}
+{{- fail (printf "expertGroups.groups: %d groups need ports %d-%d, beyond networkPolicy.groupPortSpan=%d" (len $groups) ($eg.portBase | int) (add $eg.portBase (len $groups) -1) ($.Values.networkPolicy.groupPortSpan | int)) -}}
+{{- end -}}
+{{- $out := list -}}
+{{- range $order -}}
+{{- $isl := get $islands . -}}
+{{- $cap := $isl.used -}}
+{{- if $gpu -}}
+{{- if $isl.declaredGpus -}}
+{{- if gt (int $isl.used) (int $isl.declaredGpus) -}}
+{{- fail (printf "expertGroups: island %q has %d GPUs but its groups %v need %d" $isl.name (int $isl.declaredGpus) $isl.groups (int $isl.used)) -}}
+{{- end -}}
+{{- $cap = $isl.declaredGpus -}}
+{{- end -}}
+{{- if lt (int $cap) 1 -}}
+{{- fail (printf "expertGroups: island %q has no GPUs (set islands[].gpus or the groups' gpus)" $isl.name) -}}
+{{- end -}}
+{{- else -}}
+{{- $cap = max (len $isl.groups) 1 -}}
+{{- end -}}
+{{- $_ := set $isl "gpus" (ternary (int $cap) 0 $gpu) -}}
+{{- $_ := set $isl "capacity" (int $cap) -}}
+{{- $_ := set $isl "resource" (printf "expertmesh.io/island-%s" $isl.name) -}}
+{{- $out = append $out $isl -}}
+{{- end -}}
+{{- toJson (dict "islands" $out "groups" $groups "pooled" $pooled) -}}
+{{- end -}}
+
+{{/* Container security context; call with (dict "ctx" $ "readOnly" bool). */}}
+{{- define "expertmesh.containerSecurityContext" -}}
+{{- $sc := deepCopy .ctx.Values.securityContext -}}
+{{- if hasKey . "readOnly" -}}
+{{- $_ := set $sc "readOnlyRootFilesystem" .readOnly -}}
+{{- end -}}
+{{- toYaml $sc -}}
+{{- end -}}
+
+{{/* Pod template of a Ray head or worker. Call with (dict "ctx" $ "role" "head"|"worker"
+     "island" name? "image" "resources" "nodeSelector" "tolerations" "gpus"). KubeRay adds the
+     `ray start` command, its probes and its ports' wiring to the first container. */}}
+{{- define "expertmesh.rayPodTemplate" -}}
+{{- $ctx := .ctx -}}
+{{- $gpu := and (eq $ctx.Values.mode "gpu") (gt (int .gpus) 0) -}}
+{{- $w := $ctx.Values.expertGroups.worker -}}
+metadata:
+  labels:
+    {{- include "expertmesh.labels" (dict "ctx" $ctx "component" "expert-group") | nindent 4 }}
+    expertmesh.io/ray-role: {{ .role }}
+    {{- with .island }}
+    expertmesh.io/island: {{ . | quote }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ include "expertmesh.serviceAccountName" $ctx }}
+  automountServiceAccountToken: false
+  securityContext:
+    {{- toYaml $ctx.Values.podSecurityContext | nindent 4 }}
+  {{- with $ctx.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ printf "ray-%s" .role }}
+      image: {{ .image | quote }}
+      imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
+      {{- if eq .role "head" }}
+      ports:
+        - {name: gcs-server, containerPort: 6379, protocol: TCP}
+        - {name: dashboard, containerPort: 8265, protocol: TCP}
+        - {name: client, containerPort: 10001, protocol: TCP}
+        - {name: serve, containerPort: 8000, protocol: TCP}
+      {{- end }}
+      env:
+        {{- include "expertmesh.env" (dict "ctx" $ctx "component" "expert-group") | nindent 8 }}
+      resources:
+        {{- $res := deepCopy .resources }}
+        {{- if $gpu }}
+        {{- $_ := set $res "limits" (merge (dict "nvidia.com/gpu" (int .gpus)) ($res.limits | default dict)) }}
+        {{- $_ := set $res "requests" (merge (dict "nvidia.com/gpu" (int .gpus)) ($res.requests | default dict)) }}
+        {{- end }}
+        {{- toYaml $res | nindent 8 }}
+      securityContext:
+        {{- include "expertmesh.containerSecurityContext" (dict "ctx" $ctx "readOnly" $w.readOnlyRootFilesystem) | nindent 8 }}
+      volumeMounts:
+        {{- include "expertmesh.volumeMounts" $ctx | nindent 8 }}
+        - name: shm
+          mountPath: /dev/shm
+  volumes:
+    {{- include "expertmesh.volumes" $ctx | nindent 4 }}
+    - name: shm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $w.shmSize | quote }}
+  {{- with .nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if and $gpu $w.requireGpuPresentLabel }}
+  affinity:
+    nodeAffinity:
+      requiredDuringSchedulingIgnoredDuringExecution:
+        nodeSelectorTerms:
+          - matchExpressions:
+              - {key: nvidia.com/gpu.present, operator: In, values: ["true"]}
+  {{- end }}
+  {{- $tol := .tolerations | default list }}
+  {{- if $gpu }}
+  {{- $tol = prepend $tol (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") }}
+  {{- end }}
+  {{- with $tol }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}

@@ -1,0 +1,651 @@
+"""The Helm chart helm/expertmesh, rendered and validated without a cluster.
+
+Per value set (chart defaults; GPU 2 nodes x 8 GPUs in 2 NVLink islands each; external
+Redis with TLS; CPU-only): `helm lint --strict`, `helm template`, every object validated
+against the Kubernetes 1.30 and newest bundled OpenAPI schemas (kubernetes-validate, strict:
+unknown fields fail), the RayService against KubeRay's CRD rules (kuberay_crd.py) and its
+pod templates as core/v1 PodTemplates; then what the issue asks of the objects.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from helmchart import CHART, NAMESPACE, RELEASE, VALUE_SETS, VALUES_DIR, template_args, values_of
+from kuberay_crd import check_rayservice, check_serve_config, parse_start_resources
+
+SETS = list(VALUE_SETS)
+K8S_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
+QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+FULLNAME = f"{RELEASE}-expertmesh"
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+def by_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs, kind, name):
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def rayservice(docs):
+    (rs,) = by_kind(docs, "RayService")
+    return rs
+
+
+def serve_app(docs):
+    cfg = yaml.safe_load(rayservice(docs)["spec"]["serveConfigV2"])
+    (app,) = cfg["applications"]
+    return app
+
+
+def pod_templates(docs):
+    """(where, pod template) for every pod the release creates, Ray pods included."""
+    out = []
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            out.append((f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]))
+        elif d["kind"] == "RayService":
+            cluster = d["spec"]["rayClusterConfig"]
+            out.append(("RayService head", cluster["headGroupSpec"]["template"]))
+            for wg in cluster["workerGroupSpecs"]:
+                out.append((f"RayService worker {wg['groupName']}", wg["template"]))
+    return out
+
+
+def env_of(container):
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+# -- lint, render, schemas ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SETS)
+def test_helm_lint_strict(helm, name):
+    args = ["lint", "--strict", str(CHART), "--kube-version", "1.30.0", "--set", "kuberay.checkCRD=false"]
+    if VALUE_SETS[name] is not None:
+        args += ["-f", str(VALUE_SETS[name])]
+    res = helm(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 chart(s) failed" in res.stdout
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_every_object_validates_against_kubernetes_openapi(render, name):
+    docs = render(name)
+    assert len(docs) >= 10
+    failures = []
+    for version in K8S_VERSIONS:
+        for obj in docs:
+            where = f"{obj['kind']}/{obj['metadata']['name']} (k8s {version})"
+            if obj["kind"] == "RayService":
+                # A CRD: its pod templates are core/v1 PodTemplateSpecs, validated as PodTemplates.
+                for tw, tpl in pod_templates([obj]):
+                    wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": tpl}
+                    try:
+                        kubernetes_validate.validate(wrapped, version, strict=True)
+                    except kubernetes_validate.ValidationError as exc:
+                        failures.append(f"{where} {tw}: {'.'.join(map(str, exc.path))}: {exc.message}")
+                continue
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                failures.append(f"{where}: {'.'.join(map(str, exc.path))}: {exc.message}")
+            except kubernetes_validate.SchemaNotFoundError as exc:
+                failures.append(f"{where}: no schema: {exc.message}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_rayservice_satisfies_kuberay_crd(render, name):
+    rs = rayservice(render(name))
+    assert check_rayservice(rs) == []
+
+
+def test_kuberay_checker_catches_missing_fields(render):
+    import copy
+    rs = copy.deepcopy(rayservice(render("defaults")))
+    del rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    wg = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    del wg["groupName"]
+    wg["rayStartParams"]["num-gpus"] = 1
+    rs["spec"]["serveConfigV2"] = "applications:\n- name: x\n"
+    errors = "\n".join(check_rayservice(rs))
+    assert "headGroupSpec.template: required" in errors
+    assert "workerGroupSpecs[0].groupName: required" in errors
+    assert "rayStartParams.num-gpus: must be a string" in errors
+    assert "applications[0].import_path: required" in errors
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_namespaced_objects_and_names(render, name):
+    for obj in render(name):
+        assert obj["metadata"]["name"].startswith(FULLNAME) or obj["kind"] in ("ClusterRole", "ClusterRoleBinding")
+        assert "namespace" not in obj["metadata"], "helm sets the namespace at install"
+        labels = obj["metadata"].get("labels", {})
+        assert labels.get("app.kubernetes.io/instance") == RELEASE
+        assert labels.get("helm.sh/chart", "").startswith("expertmesh-")
+
+
+# -- pods: security context and resources on everything ----------------------------------
+
+@pytest.mark.parametrize("name", SETS)
+def test_every_pod_is_non_root_with_hardened_containers(render, name):
+    for where, tpl in pod_templates(render(name)):
+        spec = tpl["spec"]
+        psc = spec.get("securityContext", {})
+        assert psc.get("runAsNonRoot") is True, where
+        assert psc.get("runAsUser", 0) != 0, where
+        assert psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", where
+        assert spec.get("automountServiceAccountToken") is (where.endswith("-orchestrator")), where
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False, (where, c["name"])
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], (where, c["name"])
+            assert sc.get("readOnlyRootFilesystem") is True, (where, c["name"])
+            assert not sc.get("privileged"), (where, c["name"])
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            assert "/tmp" in mounts, f"{where}/{c['name']}: read-only root needs a writable /tmp"
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_every_container_has_requests_and_limits(render, name):
+    for where, tpl in pod_templates(render(name)):
+        for c in tpl["spec"]["containers"] + tpl["spec"].get("initContainers", []):
+            res = c.get("resources", {})
+            for kind in ("requests", "limits"):
+                for r in ("cpu", "memory"):
+                    q = str(res.get(kind, {}).get(r, ""))
+                    assert QUANTITY.match(q), f"{where}/{c['name']}: resources.{kind}.{r}={q!r}"
+
+
+# -- router --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SETS)
+def test_router_grpc_service_probes_and_pdb(render, name):
+    docs = render(name)
+    dep = one(docs, "Deployment", f"{FULLNAME}-router")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["expertmesh"]
+    args = c["args"]
+    assert args[:2] == ["up", "--router-only"]
+    flags = dict(zip(args[2::2], args[3::2]))
+    assert flags["--host"] == "0.0.0.0" and flags["--port"] == "50051"
+    assert set(flags) >= {"--model", "--state-url", "--dtype"}
+    assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"}]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["grpc"] == {"port": 50051}, probe
+    svc = one(docs, "Service", f"{FULLNAME}-router")
+    assert svc["spec"]["ports"][0]["port"] == 50051 and svc["spec"]["ports"][0]["appProtocol"] == "grpc"
+    assert selects({"matchLabels": svc["spec"]["selector"]}, dep["spec"]["template"]["metadata"]["labels"])
+    pdbs = by_kind(docs, "PodDisruptionBudget")
+    if values_of(name)["router"]["podDisruptionBudget"]["enabled"]:
+        (pdb,) = pdbs
+        assert selects(pdb["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])
+    else:
+        assert pdbs == []
+
+
+def test_router_hpa_optional(render):
+    assert by_kind(render("defaults"), "HorizontalPodAutoscaler") == []
+    docs = render("external-redis-tls")
+    (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{FULLNAME}-router"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    assert "replicas" not in one(docs, "Deployment", f"{FULLNAME}-router")["spec"], "the HPA owns replicas"
+
+
+# -- orchestrator and RBAC -------------------------------------------------------------------
+
+def test_orchestrator_rbac_grants_only_what_it_uses(render):
+    docs = render("defaults")
+    sa = f"{FULLNAME}-orchestrator"
+    dep = one(docs, "Deployment", sa)
+    spec = dep["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == sa
+    args = spec["containers"][0]["args"]
+    assert args[0] == "orchestrator"
+    flags = dict(zip(args[1::2], args[2::2]))
+    assert flags["--placement"] == "/etc/expertmesh/placement.yaml" and flags["--admin-port"] == "50052"
+    (cr,) = by_kind(docs, "ClusterRole")
+    assert cr["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+    (role,) = by_kind(docs, "Role")
+    assert role["rules"] == [
+        {"apiGroups": ["ray.io"], "resources": ["rayservices"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]},
+    ]
+    for kind, role_kind, role_name in (("ClusterRoleBinding", "ClusterRole", cr["metadata"]["name"]),
+                                       ("RoleBinding", "Role", role["metadata"]["name"])):
+        (b,) = by_kind(docs, kind)
+        assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": role_name}
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    # Nobody else gets a token.
+    accounts = {d["metadata"]["name"]: d for d in by_kind(docs, "ServiceAccount")}
+    assert accounts[FULLNAME]["automountServiceAccountToken"] is False
+
+
+def test_placement_configmap_from_values(render):
+    for name in ("gpu-2x8", "cpu-only", "defaults"):
+        docs = render(name)
+        cm = one(docs, "ConfigMap", f"{FULLNAME}-placement")
+        placement = yaml.safe_load(cm["data"]["placement.yaml"])
+        want = {g["name"]: {str(k): v for k, v in g["experts"].items()} for g in values_of(name)["expertGroups"]["groups"]}
+        assert placement == {"groups": want}
+        assert serve_app(docs)["args"]["placement"] == {"groups": want}
+        vols = one(docs, "Deployment", f"{FULLNAME}-orchestrator")["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "placement", "configMap": {"name": cm["metadata"]["name"]}} in vols
+
+
+# -- expert groups: RayService --------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SETS)
+def test_serve_config_one_deployment_per_group(render, name):
+    docs = render(name)
+    values = values_of(name)
+    app = serve_app(docs)
+    _, errors = check_serve_config(rayservice(docs)["spec"]["serveConfigV2"])
+    assert errors == []
+    assert app["name"] == "expertmesh-groups"
+    assert app["import_path"] == "expertmesh.expert_group.deployment:build_app"
+    args = app["args"]
+    assert args["host"] == "0.0.0.0" and args["port_base"] == values["expertGroups"]["portBase"]
+    assert args["model"] == values["model"]["path"] and args["dtype"] == values["model"]["dtype"]
+    assert args["state_url"] == env_of(one(docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0])["EXPERTMESH_STATE_URL"]["value"]
+    deps = {d["name"]: d for d in app["deployments"]}
+    groups = [g["name"] for g in values["expertGroups"]["groups"]]
+    assert set(deps) == {"directory"} | {f"group-{g}" for g in groups}
+    assert deps["directory"]["ray_actor_options"]["num_cpus"] == 0
+    for g in groups:
+        assert deps[f"group-{g}"]["num_replicas"] == 1
+    # Group i listens on port_base + i (i in name order): the NetworkPolicy range covers them all.
+    np_ = one(docs, "NetworkPolicy", f"{FULLNAME}-expert-groups")
+    ranges = [p for rule in np_["spec"]["ingress"] for p in rule.get("ports", []) if "endPort" in p]
+    (rng,) = ranges
+    assert rng["port"] == args["port_base"] and rng["endPort"] >= args["port_base"] + len(groups) - 1
+
+
+def test_gpu_placement_lands_each_group_on_its_node_and_island(render):
+    """Each group's Serve deployment requests the custom resource of its island, which exactly
+    one Ray worker group declares, and that worker group's pod is pinned to the group's node
+    (kubernetes.io/hostname) and the island's clique and GPU product, with enough GPUs."""
+    docs = render("gpu-2x8")
+    values = values_of("gpu-2x8")
+    islands = {i["name"]: i for i in values["expertGroups"]["islands"]}
+    rs = rayservice(docs)
+    workers = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    provides = {}
+    for wg in workers:
+        for res, amount in parse_start_resources(wg["rayStartParams"].get("resources", "{}")).items():
+            assert res not in provides, f"{res} declared by two worker groups"
+            provides[res] = (wg, amount)
+    deps = {d["name"]: d for d in serve_app(docs)["deployments"]}
+    gpus_used: dict[str, int] = {}
+    assert len(values["expertGroups"]["groups"]) == 8
+    for group in values["expertGroups"]["groups"]:
+        dep = deps[f"group-{group['name']}"]
+        opts = dep["ray_actor_options"]
+        gpus = group.get("gpus", values["expertGroups"]["gpusPerGroup"])
+        assert opts["num_gpus"] == gpus == 2
+        (res,) = opts["resources"]
+        assert res == f"expertmesh.io/island-{group['island']}"
+        wg, capacity = provides[res]
+        assert capacity >= 1
+        tpl = wg["template"]["spec"]
+        island = islands[group["island"]]
+        assert tpl["nodeSelector"]["kubernetes.io/hostname"] == group["node"] == island["node"]
+        assert tpl["nodeSelector"]["nvidia.com/gpu.clique"] == island["clique"]
+        assert tpl["nodeSelector"]["nvidia.com/gpu.product"] == island["gpuProduct"]
+        assert wg["template"]["metadata"]["labels"]["expertmesh.io/island"] == group["island"]
+        assert wg["replicas"] == wg["minReplicas"] == wg["maxReplicas"] == 1, "one pod = one island"
+        limits = tpl["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == island["gpus"]
+        # The placement group packs the replica's CPUs, GPUs and island token on one Ray node.
+        (bundle,) = dep["placement_group_bundles"]
+        assert dep["placement_group_strategy"] == "STRICT_PACK"
+        assert bundle == {"CPU": opts["num_cpus"], "GPU": gpus, res: 1}
+        gpus_used[wg["groupName"]] = gpus_used.get(wg["groupName"], 0) + gpus
+        # The serveConfigV2 args carry the same per-group resources.
+        assert serve_app(docs)["args"]["resources"][group["name"]] == {res: 1}
+    # 2 nodes x 2 islands, each island's 4 GPUs filled by its 2 groups.
+    assert len(workers) == 4
+    assert {wg["groupName"]: wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+            for wg in workers} == gpus_used == {f"island-{n}": 4 for n in islands}
+    nodes = {wg["template"]["spec"]["nodeSelector"]["kubernetes.io/hostname"] for wg in workers}
+    assert nodes == {"gpu-node-0", "gpu-node-1"}
+
+
+@pytest.mark.parametrize("name", ["defaults", "gpu-2x8"])
+def test_gpu_workers_request_gpus_tolerate_taints_and_select_gpu_nodes(render, name):
+    for wg in rayservice(render(name))["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        spec = wg["template"]["spec"]
+        res = spec["containers"][0]["resources"]
+        assert res["limits"]["nvidia.com/gpu"] >= 1 and res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]} in terms[0]["matchExpressions"]
+        assert spec["containers"][0]["image"].endswith("-cuda")
+    head = rayservice(render(name))["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0", "no expert group on the head"
+    assert "nvidia.com/gpu" not in str(head["template"])
+
+
+def test_cpu_only_has_no_gpu_anything(render):
+    docs = render("cpu-only")
+    assert "nvidia.com" not in json.dumps(docs), "no GPU request, selector, affinity or toleration"
+    app = serve_app(docs)
+    assert app["args"]["num_gpus"] == 0
+    for d in app["deployments"]:
+        assert "num_gpus" not in d["ray_actor_options"]
+        assert "GPU" not in str(d.get("placement_group_bundles", ""))
+    workers = {wg["groupName"]: wg for wg in rayservice(docs)["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert set(workers) == {"island-local-a", "workers"}
+    assert workers["workers"]["replicas"] == 2
+    assert workers["island-local-a"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/hostname": "kind-worker"}
+    for wg in workers.values():
+        assert "tolerations" not in wg["template"]["spec"] and "affinity" not in wg["template"]["spec"]
+        assert not wg["template"]["spec"]["containers"][0]["image"].endswith("-cuda")
+
+
+# -- Redis -----------------------------------------------------------------------------------
+
+def test_bundled_redis_statefulset_with_pvc(render):
+    docs = render("defaults")
+    sts = one(docs, "StatefulSet", f"{FULLNAME}-redis")
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data" and claim["spec"]["resources"]["requests"]["storage"] == "2Gi"
+    assert sts["spec"]["replicas"] == 1
+    one(docs, "Service", f"{FULLNAME}-redis")
+    url = serve_app(docs)["args"]["state_url"]
+    assert url == f"redis://{FULLNAME}-redis:6379/0"
+    # cpu-only: same Redis on an emptyDir.
+    sts = one(render("cpu-only"), "StatefulSet", f"{FULLNAME}-redis")
+    assert "volumeClaimTemplates" not in sts["spec"]
+    assert {"name": "data", "emptyDir": {}} in sts["spec"]["template"]["spec"]["volumes"]
+
+
+def test_external_redis_tls_password_from_secret(render):
+    docs = render("external-redis-tls")
+    assert by_kind(docs, "StatefulSet") == []
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-redis")]
+    url = "rediss://redis.data.svc.cluster.local:6380/0"
+    assert serve_app(docs)["args"]["state_url"] == url
+    for where, tpl in pod_templates(docs):
+        c = tpl["spec"]["containers"][0]
+        env = env_of(c)
+        assert env["EXPERTMESH_STATE_URL"]["value"] == url, where
+        assert env["EXPERTMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "expertmesh-redis", "key": "redis-password"}, where
+        ca = env["EXPERTMESH_REDIS_CA_FILE"]["value"]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "redis-tls")
+        assert ca.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+        vol = next(v for v in tpl["spec"]["volumes"] if v["name"] == "redis-tls")
+        assert vol["secret"]["secretName"] == "expertmesh-redis-ca"
+
+
+# -- OpenTelemetry -----------------------------------------------------------------------------
+
+def test_otel_environment(render):
+    docs = render("external-redis-tls")
+    names = set()
+    for where, tpl in pod_templates(docs):
+        env = env_of(tpl["spec"]["containers"][0])
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "https://otlp.example.com:4317", where
+        assert env["OTEL_EXPORTER_OTLP_HEADERS"]["valueFrom"]["secretKeyRef"] == {"name": "expertmesh-otlp", "key": "headers"}
+        assert env["OTEL_TRACES_SAMPLER"]["value"] == "parentbased_traceidratio"
+        assert float(env["OTEL_TRACES_SAMPLER_ARG"]["value"]) == 0.25
+        assert "deployment.environment=prod" in env["OTEL_RESOURCE_ATTRIBUTES"]["value"]
+        names.add(env["OTEL_SERVICE_NAME"]["value"])
+    assert names == {"expertmesh-router", "expertmesh-orchestrator", "expertmesh-expert-group"}
+    for where, tpl in pod_templates(render("defaults")):
+        if "redis" in where:
+            continue
+        env = env_of(tpl["spec"]["containers"][0])
+        assert env["OTEL_SDK_DISABLED"]["value"] == "true" and "OTEL_EXPORTER_OTLP_ENDPOINT" not in env
+
+
+# -- NetworkPolicies -------------------------------------------------------------------------
+
+def _policies_for(docs, labels):
+    return [np_ for np_ in by_kind(docs, "NetworkPolicy") if selects(np_["spec"]["podSelector"], labels)]
+
+
+def _allowed(docs, src_labels, dst_labels, port) -> bool:
+    """Whether some ingress rule of a policy selecting dst admits src on port (same namespace)."""
+    for np_ in _policies_for(docs, dst_labels):
+        for rule in np_["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(p["port"] <= port <= p.get("endPort", p["port"]) for p in ports):
+                continue
+            peers = rule.get("from")
+            if peers is None or any("namespaceSelector" not in p and "podSelector" in p and selects(p["podSelector"], src_labels) for p in peers):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_network_policies(render, name):
+    docs = render(name)
+    labels = {}
+    for where, tpl in pod_templates(docs):
+        comp = tpl["metadata"]["labels"]["app.kubernetes.io/component"]
+        labels.setdefault(comp, tpl["metadata"]["labels"])
+        assert _policies_for(docs, tpl["metadata"]["labels"]), f"{where} is selected by no NetworkPolicy"
+    router, orch, groups = labels["router"], labels["orchestrator"], labels["expert-group"]
+    stranger = {"app.kubernetes.io/name": "other", "app.kubernetes.io/instance": "other"}
+    admin = {"expertmesh.io/admin": "true"}
+    base = values_of(name)["expertGroups"]["portBase"]
+    # Only the router (and the orchestrator, whose LoadExperts calls share the port) reaches group gRPC ports.
+    assert _allowed(docs, router, groups, base) and _allowed(docs, router, groups, base + 7)
+    assert _allowed(docs, orch, groups, base)
+    assert not _allowed(docs, stranger, groups, base) and not _allowed(docs, admin, groups, base)
+    # Ray internals stay between Ray pods; admin surfaces only from the orchestrator and admins.
+    assert _allowed(docs, groups, groups, 6379)
+    assert not _allowed(docs, router, groups, 6379) and not _allowed(docs, stranger, groups, 8265)
+    assert _allowed(docs, orch, groups, 8265) and _allowed(docs, admin, groups, 8265)
+    assert not _allowed(docs, router, groups, 8265)
+    # Orchestrator admin API: admins only.
+    assert _allowed(docs, admin, orch, 50052)
+    assert not _allowed(docs, router, orch, 50052) and not _allowed(docs, stranger, orch, 50052)
+    # Router gRPC: clients (anyone unless clientFrom is set); nothing else on the router.
+    assert _allowed(docs, stranger, router, 50051) == (not values_of(name)["networkPolicy"]["clientFrom"])
+    assert not _allowed(docs, stranger, router, 8080)
+    if "redis" in labels:
+        redis = labels["redis"]
+        for comp in ("router", "orchestrator", "expert-group"):
+            assert _allowed(docs, labels[comp], redis, 6379), comp
+        assert not _allowed(docs, stranger, redis, 6379)
+
+
+# -- values.schema.json: negative cases and descriptions -------------------------------------
+
+def names_key(out: str, key: str) -> bool:
+    """Helm <= 3.17 names a key as router.replicas, Helm >= 3.18 as '/router/replicas'."""
+    return key in out or "/" + key.replace(".", "/") in out
+
+
+# (value file, the key the message must name, words of which one must appear: both Helm schema libraries)
+@pytest.mark.parametrize("case,key,words", [
+    ("wrong-type.yaml", "router.replicas", ["integer"]),
+    ("unknown-key.yaml", "expertGroups", ["portbase"]),
+])
+@pytest.mark.parametrize("command", ["template", "lint"])
+def test_bad_values_fail_schema_validation_naming_the_key(helm, case, key, words, command):
+    if command == "template":
+        res = helm(*template_args(VALUES_DIR / case))
+        out = res.stderr
+    else:
+        res = helm("lint", str(CHART), "--set", "kuberay.checkCRD=false", "-f", str(VALUES_DIR / case))
+        out = res.stdout + res.stderr
+    assert res.returncode != 0
+    assert "values don't meet the specifications of the schema" in out, out
+    assert names_key(out, key) and all(w in out for w in words), out
+    if "Invalid type" in out or "Additional property" in out:  # the pinned Helm 3.17: exact wording
+        assert {"wrong-type.yaml": "- router.replicas: Invalid type. Expected: integer, given: string",
+                "unknown-key.yaml": "- expertGroups: Additional property portbase is not allowed"}[case] in out, out
+
+
+@pytest.mark.parametrize("sets,key", [
+    (["mode=tpu"], "mode"),
+    (["router.resources.limits.memory=lots"], "router.resources.limits.memory"),
+    (["redis.external.url=http://redis:6379"], "redis.external.url"),
+    (["otel.enabled=true"], "otel.endpoint"),
+    (["expertGroups.groups[0].name=g0", "expertGroups.groups[0].experts.x[0]=1"], "expertGroups.groups.0.experts"),
+])
+def test_more_schema_violations_are_named(helm, sets, key):
+    args = template_args(None)
+    for s in sets:
+        args += ["--set", s]
+    res = helm(*args)
+    assert res.returncode != 0 and "values don't meet the specifications of the schema" in res.stderr, res.stderr
+    assert names_key(res.stderr, key), res.stderr
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"expertGroups": {"groups": [{"name": "a", "experts": {"*": [0]}, "island": "i0", "node": "n1"},
+                                  {"name": "b", "experts": {"*": [1]}, "island": "i0", "node": "n2"}]}},
+     'group "b" names node "n2" but island "i0" is on node "n1"'),
+    ({"expertGroups": {"islands": [{"name": "i0", "node": "n1", "gpus": 2}],
+                       "groups": [{"name": "a", "experts": {"*": [0]}, "island": "i0", "gpus": 2},
+                                  {"name": "b", "experts": {"*": [1]}, "island": "i0", "gpus": 1}]}},
+     'island "i0" has 2 GPUs but its groups [a b] need 3'),
+    ({"expertGroups": {"groups": [{"name": "a", "experts": {"*": [0]}}, {"name": "a", "experts": {"*": [1]}}]}},
+     'group "a" is listed twice'),
+])
+def test_topology_mistakes_fail_with_a_clear_message(helm, tmp_path, values, message):
+    path = tmp_path / "v.yaml"
+    path.write_text(yaml.safe_dump(values))
+    res = helm(*template_args(path))
+    assert res.returncode != 0 and message in res.stderr, res.stderr
+
+
+def test_missing_kuberay_crd_fails_clearly(helm):
+    res = helm(*template_args(None, api_versions=False))
+    assert res.returncode != 0 and "does not serve ray.io/v1 RayService" in res.stderr
+    res = helm(*template_args(None, "--set", "kuberay.checkCRD=false", api_versions=False))
+    assert res.returncode == 0, res.stderr
+
+
+def _schema_nodes(node, path="$"):
+    yield path, node
+    if isinstance(node, dict):
+        for key, child in node.get("properties", {}).items():
+            yield from _schema_nodes(child, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            yield from _schema_nodes(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            yield from _schema_nodes(node["additionalProperties"], f"{path}.*")
+
+
+def test_schema_describes_every_value_and_accepts_the_value_sets():
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())
+    defs = schema["definitions"]
+    missing = [p for root in [schema, *defs.values()] for p, n in _schema_nodes(root)
+               if isinstance(n, dict) and "$ref" not in n and "description" not in n
+               and not p.endswith((".cpu", ".memory", ".*"))]
+    assert not missing, f"schema nodes without a description: {missing}"
+    validator = jsonschema.Draft7Validator(schema)
+    for name in SETS:
+        errors = [e.message for e in validator.iter_errors(values_of(name))]
+        assert not errors, (name, errors)
+    for bad in ("wrong-type.yaml", "unknown-key.yaml"):
+        merged = yaml.safe_load((CHART / "values.yaml").read_text())
+        override = yaml.safe_load((VALUES_DIR / bad).read_text())
+        for k, v in override.items():
+            merged[k] = {**merged[k], **v}
+        assert list(validator.iter_errors(merged)), bad
+
+
+def _leaf_paths(node, prefix=""):
+    if isinstance(node, dict) and node and not prefix.endswith(("resources", "securityContext", "SecurityContext", "experts")):
+        for k, v in node.items():
+            yield from _leaf_paths(v, f"{prefix}.{k}" if prefix else k)
+    else:
+        yield prefix
+
+
+def test_readme_lists_every_value_with_its_default():
+    readme = (CHART / "README.md").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    undocumented = [p for p in _leaf_paths(values) if f"`{p}`" not in readme]
+    assert not undocumented, f"values missing from helm/expertmesh/README.md: {undocumented}"
+    for heading in ("Prerequisites", "Install", "Upgrade", "Uninstall", "Values"):
+        assert re.search(rf"^#+ .*{heading}", readme, re.M), heading
+
+
+def test_notes_tell_how_to_reach_the_grpc_api(helm, tmp_path):
+    """NOTES.txt is only rendered by install/upgrade (which need a cluster), so render it
+    here through a copy of the chart where a ConfigMap carries `tpl` of the notes."""
+    import shutil
+    chart = tmp_path / "expertmesh"
+    shutil.copytree(CHART, chart)
+    (chart / "notes.txt").write_text((CHART / "templates" / "NOTES.txt").read_text())
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n'
+        'data:\n  notes: {{ tpl (.Files.Get "notes.txt") . | quote }}\n')
+    args = template_args(None, "--show-only", "templates/zz-notes.yaml")
+    args[2] = str(chart)
+    res = helm(*args)
+    assert res.returncode == 0, res.stderr
+    notes = yaml.safe_load(res.stdout)["data"]["notes"]
+    assert f"{FULLNAME}-router.{NAMESPACE}.svc.cluster.local:50051" in notes
+    assert f"kubectl port-forward -n {NAMESPACE} svc/{FULLNAME}-router 50051:50051" in notes
+    assert "grpc.health.v1.Health/Check" in notes
+
+
+@pytest.mark.parametrize("sets", [
+    ["orchestrator.enabled=false"],
+    ["networkPolicy.enabled=false", "router.podDisruptionBudget.enabled=false"],
+    ["redis.auth.existingSecret=redis-auth", "model.pvc.claimName=models", "model.pvc.subPath=mixtral"],
+    ["mode=cpu", "expertGroups.defaultWorkers.replicas=3", "expertGroups.worker.readOnlyRootFilesystem=false"],
+    ["expertGroups.defaultWorkers.replicas=2", "expertGroups.defaultWorkers.gpus=4", "image.tag=1.2.3"],
+])
+def test_toggles_render_and_validate(helm, sets):
+    args = template_args(None)
+    for s in sets:
+        args += ["--set", s]
+    res = helm(*args)
+    assert res.returncode == 0, res.stderr
+    docs = res.docs
+    for obj in docs:
+        if obj["kind"] == "RayService":
+            assert check_rayservice(obj) == []
+        else:
+            kubernetes_validate.validate(obj, "1.30.0", strict=True)
+    kinds = {d["kind"] for d in docs}
+    if "orchestrator.enabled=false" in sets:
+        assert not kinds & {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
+        assert not [d for d in docs if d["metadata"]["name"].endswith("-orchestrator")]
+    if "networkPolicy.enabled=false" in sets:
+        assert "NetworkPolicy" not in kinds and "PodDisruptionBudget" not in kinds
+    if "redis.auth.existingSecret=redis-auth" in sets:
+        sts = one(docs, "StatefulSet", f"{FULLNAME}-redis")
+        assert env_of(sts["spec"]["template"]["spec"]["containers"][0])["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "redis-auth"
+        for where, tpl in pod_templates(docs):
+            c = tpl["spec"]["containers"][0]
+            if "redis" not in where:
+                assert env_of(c)["EXPERTMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "redis-auth"
+                model = next(m for m in c["volumeMounts"] if m["name"] == "model")
+                assert model == {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "mixtral"}
+                vol = next(v for v in tpl["spec"]["volumes"] if v["name"] == "model")
+                assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    if "expertGroups.defaultWorkers.gpus=4" in sets:
+        (wg,) = rayservice(docs)["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        assert wg["replicas"] == 2 and wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+        assert one(docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":1.2.3")
+        assert wg["template"]["spec"]["containers"][0]["image"].endswith(":1.2.3-cuda")
+    if "expertGroups.worker.readOnlyRootFilesystem=false" in sets:
+        for wg in rayservice(docs)["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+            assert wg["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is False

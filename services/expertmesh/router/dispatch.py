@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -36,6 +37,7 @@ from expertmesh import wire
 from expertmesh.errors import GroupUnavailable
 from expertmesh.router.group_client import GroupClients
 from expertmesh.router.step_gather import StepGather
+from expertmesh.router.traffic import TrafficCounters
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore
 from expertmesh.v1 import experts_pb2 as pb
@@ -56,6 +58,7 @@ class ExpertDispatcher:
         self._owner: dict[int, torch.Tensor] = {}
         self._groups: list[str] = []
         self._local = threading.local()
+        self.traffic = TrafficCounters()
 
     @contextmanager
     def gathering(self, gather: StepGather) -> Iterator[None]:
@@ -103,6 +106,7 @@ class ExpertDispatcher:
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> weighted expert sum [T, H]."""
+        started = time.perf_counter()
         if self.table is None:
             self.refresh()
         owner_row = self._owner.get(layer)
@@ -117,6 +121,7 @@ class ExpertDispatcher:
         hidden_cpu = hidden.detach().to("cpu")
 
         calls = []
+        sent = received = pairs = 0
         for g in torch.unique(owner[owner >= 0]).tolist():
             group = self._groups[g]
             mine = owner == g  # [T, K]
@@ -132,6 +137,8 @@ class ExpertDispatcher:
             if stub is None:
                 raise GroupUnavailable(f"expert group {group} has no registered endpoint")
             calls.append((group, tokens, stub.Dispatch.future(request, timeout=self._timeout)))
+            sent += request.ByteSize()
+            pairs += tokens.numel()
 
         out = torch.zeros_like(hidden_cpu)  # [T, H]
         for group, tokens, future in calls:
@@ -142,7 +149,18 @@ class ExpertDispatcher:
                     f"expert group {group} at {self._clients.address(group)} failed layer {layer}: "
                     f"{err.code().name}: {err.details()}"
                 ) from None
+            received += response.ByteSize()
             out.index_add_(0, tokens, wire.decode(response.partial_sums, f"partial sums from {group}").to(out.dtype))
+        self.traffic.record(
+            layer,
+            calls=1,
+            tokens=index.shape[0],
+            group_calls=len(calls),
+            token_group_pairs=pairs,
+            bytes_sent=sent,
+            bytes_received=received,
+            seconds=time.perf_counter() - started,
+        )
         return out.to(hidden.device)
 
     def close(self) -> None:

@@ -1,0 +1,42 @@
+"""Counters of what the router's dispatch puts on the wire, per MoE layer.
+
+The dispatch benchmark reads them (bytes per token per layer against the
+minimum); observability exports them. Cheap: a few integer additions per
+layer call under a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+
+
+@dataclass
+class LayerTraffic:
+    calls: int = 0  # experts calls of this layer (one per forward step)
+    tokens: int = 0  # tokens routed
+    group_calls: int = 0  # Dispatch RPCs (groups touched, summed over calls)
+    token_group_pairs: int = 0  # hidden states sent: each token once per group it needs
+    bytes_sent: int = 0  # serialized DispatchRequest bytes
+    bytes_received: int = 0  # serialized DispatchResponse bytes
+    seconds: float = 0.0  # wall time inside dispatch
+
+
+class TrafficCounters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._layers: dict[int, LayerTraffic] = {}
+
+    def record(self, layer: int, **amounts) -> None:
+        with self._lock:
+            traffic = self._layers.setdefault(layer, LayerTraffic())
+            for name, amount in amounts.items():
+                setattr(traffic, name, getattr(traffic, name) + amount)
+
+    def snapshot(self) -> dict[int, LayerTraffic]:
+        with self._lock:
+            return {layer: replace(t) for layer, t in sorted(self._layers.items())}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._layers.clear()

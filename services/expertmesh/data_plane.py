@@ -4,6 +4,10 @@ routing table in the state store, and the router's model dispatching to them.
 ``DataPlane.start(config)`` checks everything it can before starting anything
 (checkpoint, placement), so a bad input is refused at start-up, not at the
 first token. ``close()`` undeploys the groups and stops Ray if it started it.
+
+``DataPlane.attach(config)`` is the router alone (``expertmesh up
+--router-only``, as in Kubernetes): the groups run elsewhere (a RayService)
+and the routing table and endpoints come from the shared state store.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch import nn
 from expertmesh import placement as placement_mod
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import DataPlaneConfig
-from expertmesh.errors import GroupUnavailable
+from expertmesh.errors import GroupUnavailable, PlacementError
 from expertmesh.placement import GroupPlacement
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore, open_store
@@ -46,6 +50,15 @@ def _check_reachable(address: str) -> None:
         raise GroupUnavailable(f"cannot reach the Ray cluster at {address}: {err}") from None
 
 
+def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig):
+    from expertmesh.router.dispatch import ExpertDispatcher
+    from expertmesh.router.model import build_router_model
+
+    progress("building the router (no routed-expert weights)")
+    dispatcher = ExpertDispatcher(store, timeout_s=config.dispatch_timeout_s)
+    return dispatcher, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
+
+
 @dataclass
 class DataPlane:
     config: DataPlaneConfig
@@ -56,14 +69,13 @@ class DataPlane:
     dispatcher: "ExpertDispatcher"
     addresses: dict[str, str]
     _started_ray: bool
+    _owns_groups: bool = True
 
     @classmethod
     def start(cls, config: DataPlaneConfig) -> "DataPlane":
         import ray
 
         from expertmesh.expert_group import deployment
-        from expertmesh.router.dispatch import ExpertDispatcher
-        from expertmesh.router.model import build_router_model
 
         t0 = time.monotonic()
         checkpoint = Checkpoint(config.model)
@@ -112,11 +124,34 @@ class DataPlane:
         if not store.publish_routing_table(table):
             raise RuntimeError("another writer changed the routing table while the groups started; retry")
 
-        progress("building the router (no routed-expert weights)")
-        dispatcher = ExpertDispatcher(store, timeout_s=config.dispatch_timeout_s)
-        model = build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
+        dispatcher, model = _router(checkpoint, store, config)
         progress(f"data plane ready in {time.monotonic() - t0:.1f}s: " + ", ".join(f"{g}@{a}" for g, a in addresses.items()))
         return cls(config, checkpoint, placement, store, model, dispatcher, addresses, started_ray)
+
+    @classmethod
+    def attach(cls, config: DataPlaneConfig, wait_s: float = 300.0) -> "DataPlane":
+        """The router alone, over groups and a routing table that others publish in the shared store."""
+        checkpoint = Checkpoint(config.model)
+        store = open_store(config.state_url)
+        deadline = time.monotonic() + wait_s
+        table = store.routing_table()
+        if table is None:
+            progress(f"waiting up to {wait_s:.0f}s for a routing table in {config.state_url}")
+        while table is None:
+            if time.monotonic() >= deadline:
+                raise GroupUnavailable(
+                    f"no routing table in {config.state_url} after {wait_s:.0f}s; is the orchestrator running?"
+                )
+            time.sleep(1.0)
+            table = store.routing_table()
+        placement = table.placement()
+        try:
+            placement_mod.validate(placement, checkpoint.spec)
+        except PlacementError as err:
+            raise PlacementError(f"the published routing table does not fit {checkpoint.path}: {err}") from None
+        dispatcher, model = _router(checkpoint, store, config)
+        progress(f"router attached to routing table version {table.version} ({len(placement.groups)} groups)")
+        return cls(config, checkpoint, placement, store, model, dispatcher, store.endpoints(), False, _owns_groups=False)
 
     def close(self) -> None:
         import ray
@@ -124,6 +159,9 @@ class DataPlane:
         from expertmesh.expert_group import deployment
 
         self.dispatcher.close()
+        if not self._owns_groups:
+            self.store.close()
+            return
         for group in self.addresses:
             self.store.remove_endpoint(group)
         self.store.close()

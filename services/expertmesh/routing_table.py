@@ -29,6 +29,14 @@ class RoutingTable:
     def from_placement(cls, placement: GroupPlacement, num_experts: int, version: int = 1) -> "RoutingTable":
         return cls(version=version, num_experts=num_experts, replicas=placement.hosts())
 
+    def placement(self) -> GroupPlacement:
+        """Which pairs each group holds, as a placement."""
+        groups: dict[str, list[tuple[int, int]]] = {}
+        for pair, names in sorted(self.replicas.items()):
+            for name in names:
+                groups.setdefault(name, []).append(pair)
+        return GroupPlacement({name: tuple(pairs) for name, pairs in sorted(groups.items())})
+
     def groups(self) -> list[str]:
         return sorted({g for names in self.replicas.values() for g in names})
 

@@ -1,4 +1,4 @@
-"""Control-plane commands: ``topology``, ``plan`` and ``bench placement``.
+"""Control-plane commands: ``orchestrator``, ``topology``, ``plan`` and ``bench placement``.
 
 ``expertmesh.cli`` calls ``add_commands``; each command's ``run(args)`` returns
 the exit code, and input errors raise PlacementError (the CLI prints one line and
@@ -20,6 +20,9 @@ from expertmesh.orchestrator.topology import Topology, topology_to_dict
 
 
 def add_commands(commands, bench_commands) -> None:
+    from expertmesh.orchestrator import process
+
+    process.add_command(commands)
     topo = commands.add_parser("topology", help="print the GPU topology tree (nodes, NUMA, NVLink islands, GPUs)")
     topo.add_argument("--source", choices=["nvml", "k8s", "file"], help="default: file when --file is given, else nvml")
     topo.add_argument("--file", help="topology YAML (--source file) or saved `kubectl get nodes -o json` (--source k8s)")

@@ -9,13 +9,23 @@ router dials those servers directly, so the data path skips Serve's proxy.
 
 ``num_gpus`` is requested only when the Ray cluster has GPUs; each group then
 computes on its GPU, otherwise on CPU.
+
+Two ways in: ``deploy(specs)`` from a driver (``expertmesh up``, ``verify``),
+which collects the addresses through the directory; and ``build_app(args)``, the
+Serve application builder a KubeRay RayService names in ``serveConfigV2``
+(``import_path: expertmesh.expert_group.deployment:build_app``). There each
+replica listens on ``port_base + i`` (group ``i`` in name order, so
+NetworkPolicies can name the ports) and registers its address in the shared
+state store itself.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 log = logging.getLogger(__name__)
@@ -33,6 +43,11 @@ class GroupSpec:
     host: str = "127.0.0.1"
     num_cpus: float = 0.25
     num_gpus: float = 0
+    port: int = 0  # 0: any free port
+    #: Ray custom resources the replica needs, e.g. {"expertmesh.io/island-nvl-0": 1}
+    resources: dict[str, float] = field(default_factory=dict)
+    #: shared state store the replica registers its address in; None when the driver collects addresses
+    state_url: str | None = None
 
 
 class ExpertGroupReplica:
@@ -49,9 +64,15 @@ class ExpertGroupReplica:
         device = "cuda" if spec.num_gpus and torch.cuda.is_available() else "cpu"
         self._hosted = HostedExperts(Checkpoint(spec.model_path), getattr(torch, spec.dtype), device)
         self._hosted.load(list(spec.pairs))
-        self._server, port = start_server(spec.name, self._hosted, host=spec.host)
+        self._server, port = start_server(spec.name, self._hosted, host=spec.host, port=spec.port)
         advertised = ray.util.get_node_ip_address() if spec.host in ("0.0.0.0", "::") else spec.host
         self._address = f"{advertised}:{port}"
+        if spec.state_url:
+            from expertmesh.state import open_store
+
+            store = open_store(spec.state_url)
+            store.set_endpoint(spec.name, self._address)
+            store.close()
         log.info("expert group %s: %d experts on %s, serving %s", spec.name, len(spec.pairs), device, self._address)
 
     def address(self) -> str:
@@ -77,6 +98,8 @@ def actor_options(spec: GroupSpec) -> dict:
     options: dict = {"num_cpus": spec.num_cpus}
     if spec.num_gpus:
         options["num_gpus"] = spec.num_gpus
+    if spec.resources:
+        options["resources"] = dict(spec.resources)
     return options
 
 
@@ -86,9 +109,8 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def deploy(specs: list[GroupSpec]) -> dict[str, str]:
-    """Deploy (or update) every group; blocks until all serve. Returns group -> gRPC address."""
-    serve.start(proxy_location="Disabled")
+def application(specs: list[GroupSpec]):
+    """The Serve application: one deployment per group behind the directory ingress."""
     groups = {
         spec.name: serve.deployment(ExpertGroupReplica)
         .options(name=f"group-{spec.name}", num_replicas=1, ray_actor_options=actor_options(spec))
@@ -96,10 +118,62 @@ def deploy(specs: list[GroupSpec]) -> dict[str, str]:
         for spec in specs
     }
     directory = serve.deployment(GroupDirectory).options(name="directory", ray_actor_options={"num_cpus": 0})
-    handle = serve.run(
-        directory.bind(**groups), name=APP_NAME, route_prefix=None, logging_config={"log_level": "WARNING"}
-    )
+    return directory.bind(**groups)
+
+
+def deploy(specs: list[GroupSpec]) -> dict[str, str]:
+    """Deploy (or update) every group; blocks until all serve. Returns group -> gRPC address."""
+    serve.start(proxy_location="Disabled")
+    handle = serve.run(application(specs), name=APP_NAME, route_prefix=None, logging_config={"log_level": "WARNING"})
     return handle.addresses.remote().result()
+
+
+class GroupsAppArgs(BaseModel):
+    """``args`` of the groups application in a RayService's ``serveConfigV2``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="checkpoint directory inside the Ray worker containers")
+    placement: dict[str, Any] = Field(description="placement, as in a placement YAML: {groups: {name: {layer: [experts]}}}")
+    dtype: str = "float32"
+    state_url: str = Field(description="shared state store (redis://...) the groups register their addresses in")
+    host: str = "0.0.0.0"
+    port_base: int = Field(50100, ge=1, le=65000, description="group i (in name order) listens on port_base + i")
+    num_cpus: float = 1.0
+    num_gpus: float = 0
+    #: group name -> Ray custom resources (e.g. its NVLink island)
+    resources: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+
+def build_app(args: dict):
+    """Serve application builder for RayService: validates everything before any replica starts."""
+    from expertmesh import placement as placement_mod
+    from expertmesh.checkpoint import Checkpoint
+
+    config = GroupsAppArgs.model_validate(args)
+    spec = Checkpoint(config.model).spec
+    placement = placement_mod.parse(config.placement, spec)
+    placement_mod.validate(placement, spec)
+    unknown = sorted(set(config.resources) - set(placement.groups))
+    if unknown:
+        raise ValueError(f"resources name groups that the placement does not have: {unknown}")
+    return application(
+        [
+            GroupSpec(
+                name=name,
+                model_path=config.model,
+                pairs=placement.groups[name],
+                dtype=config.dtype,
+                host=config.host,
+                num_cpus=config.num_cpus,
+                num_gpus=config.num_gpus,
+                port=config.port_base + i,
+                resources=config.resources.get(name, {}),
+                state_url=config.state_url,
+            )
+            for i, name in enumerate(sorted(placement.groups))
+        ]
+    )
 
 
 def undeploy() -> None:

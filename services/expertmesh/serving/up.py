@@ -8,12 +8,14 @@ process down.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
 
 from expertmesh.config import DataPlaneConfig, ServingConfig
 from expertmesh.data_plane import DataPlane, progress
+from expertmesh.errors import PlacementError
 from expertmesh.serving.engine import Engine, EngineLimits
 from expertmesh.serving.service import InferenceServer, InferenceServicer
 from expertmesh.v1 import inference_pb2 as pb
@@ -72,7 +74,15 @@ def add_command(commands) -> None:
     parser.add_argument("--placement", type=Path, help="placement YAML instead of --groups")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
-    parser.add_argument("--state-url", default="memory://", help="memory:// or redis://host:port/db")
+    parser.add_argument(
+        "--state-url", default=os.environ.get("EXPERTMESH_STATE_URL", "memory://"), help="memory:// or redis://host:port/db"
+    )
+    parser.add_argument(
+        "--router-only",
+        action="store_true",
+        help="serve only the router: groups and routing table come from --state-url (as in Kubernetes)",
+    )
+    parser.add_argument("--wait-for-table", type=float, default=300.0, help="--router-only: seconds to wait for a routing table")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--max-active", type=int, default=32, help="sequences decoded together")
@@ -103,7 +113,12 @@ def _main(args) -> int:
         max_new_tokens_cap=args.max_new_tokens_cap,
         drain_timeout_s=args.drain_timeout,
     )
-    plane = DataPlane.start(data_config)
+    if args.router_only:
+        if data_config.state_url.startswith("memory://"):
+            raise PlacementError("--router-only needs a shared --state-url (redis://host:port/db) with a routing table")
+        plane = DataPlane.attach(data_config, wait_s=args.wait_for_table)
+    else:
+        plane = DataPlane.start(data_config)
     # After Ray's start: its core worker installs a SIGTERM handler of its own that would exit without draining.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -3,12 +3,20 @@ orchestrators editing the routing table never overwrite each other."""
 
 from __future__ import annotations
 
+import os
+
 import redis
 
 
 class RedisBackend:
     def __init__(self, url: str) -> None:
-        self._client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        # Credentials stay out of URLs that end up in logs and manifests (the Helm chart mounts them).
+        options: dict = {"socket_timeout": 5, "socket_connect_timeout": 5}
+        if os.environ.get("EXPERTMESH_REDIS_PASSWORD"):
+            options["password"] = os.environ["EXPERTMESH_REDIS_PASSWORD"]
+        if url.startswith("rediss://") and os.environ.get("EXPERTMESH_REDIS_CA_FILE"):
+            options["ssl_ca_certs"] = os.environ["EXPERTMESH_REDIS_CA_FILE"]
+        self._client = redis.Redis.from_url(url, **options)
         try:
             self._client.ping()
         except redis.RedisError as err:

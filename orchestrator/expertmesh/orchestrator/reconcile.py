@@ -1,0 +1,55 @@
+"""The orchestrator's control loop: keep the routing table in the state store
+equal to the desired placement.
+
+Like a Kubernetes controller: read the desired state (the placement file, e.g.
+a mounted ConfigMap that can change), read the observed state (the stored
+routing table), and when they differ publish the next version. Publishing is a
+compare-and-set, so a conflicting writer makes this round a no-op and the next
+round re-reads; every action is safe to retry.
+
+``next_table`` is the pure decision; ``Reconciler`` does the I/O around it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from expertmesh import placement as placement_mod
+from expertmesh.checkpoint import MoESpec
+from expertmesh.placement import GroupPlacement
+from expertmesh.routing_table import RoutingTable
+from expertmesh.state import StateStore
+
+log = logging.getLogger(__name__)
+
+
+def next_table(current: RoutingTable | None, desired: GroupPlacement, num_experts: int) -> RoutingTable | None:
+    """The table to publish so the store matches ``desired``, or None when it already does."""
+    replicas = desired.hosts()
+    if current is not None and current.replicas == replicas and current.num_experts == num_experts:
+        return None
+    return RoutingTable(version=(current.version if current else 0) + 1, num_experts=num_experts, replicas=replicas)
+
+
+class Reconciler:
+    def __init__(self, store: StateStore, spec: MoESpec, placement_path: Path):
+        self._store = store
+        self._spec = spec
+        self._path = placement_path
+
+    def desired(self) -> GroupPlacement:
+        desired = placement_mod.load(self._path, self._spec)
+        placement_mod.validate(desired, self._spec)
+        return desired
+
+    def reconcile_once(self) -> RoutingTable | None:
+        """One round; returns the table it published, if any. A bad placement file raises PlacementError."""
+        table = next_table(self._store.routing_table(), self.desired(), self._spec.num_experts)
+        if table is None:
+            return None
+        if not self._store.publish_routing_table(table):
+            log.info("routing table changed under us; will re-read next round")
+            return None
+        log.info("published routing table version %d (%d groups)", table.version, len(table.groups()))
+        return table

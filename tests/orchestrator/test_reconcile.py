@@ -1,0 +1,37 @@
+"""The orchestrator's reconcile decision (pure) and one round against the in-process store."""
+
+import pytest
+import yaml
+
+from expertmesh.checkpoint import MoESpec
+from expertmesh.errors import PlacementError
+from expertmesh.orchestrator.reconcile import Reconciler, next_table
+from expertmesh.placement import GroupPlacement
+from expertmesh.state import open_store
+
+SPEC = MoESpec("mixtral", 2, (0, 1), 2, 1, 8, ("gate_up_proj", "down_proj"))
+A = GroupPlacement({"g0": ((0, 0), (0, 1), (1, 0), (1, 1))})
+B = GroupPlacement({"g0": ((0, 0), (1, 0)), "g1": ((0, 1), (1, 1))})
+
+
+def test_next_table_publishes_first_then_only_on_change():
+    first = next_table(None, A, 2)
+    assert first.version == 1 and first.replicas == A.hosts()
+    assert next_table(first, A, 2) is None
+    second = next_table(first, B, 2)
+    assert second.version == 2 and second.replicas[(0, 1)] == ("g1",)
+
+
+def test_reconciler_rounds(tmp_path):
+    path = tmp_path / "placement.yaml"
+    path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}}}))
+    store = open_store()
+    reconciler = Reconciler(store, SPEC, path)
+    assert reconciler.reconcile_once().version == 1
+    assert reconciler.reconcile_once() is None
+    path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0]}, "g1": {"*": [1]}}}))
+    assert reconciler.reconcile_once().version == 2
+    path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0]}}}))
+    with pytest.raises(PlacementError, match="unhosted"):
+        reconciler.reconcile_once()
+    assert store.routing_table_version() == 2

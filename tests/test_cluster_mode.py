@@ -1,0 +1,167 @@
+"""The Kubernetes shape of the platform on one machine: expert groups built by
+``build_app`` (what a KubeRay RayService runs from ``serveConfigV2``) that
+register themselves in a real redis-server, the ``expertmesh orchestrator``
+process publishing the routing table from a placement file it keeps watching,
+and ``expertmesh up --router-only`` serving from what the store holds. Only the
+Kubernetes API server and KubeRay operator are absent: Serve is driven
+directly with the same application and args."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+import torch
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ray import serve
+from transformers import AutoModelForCausalLM
+
+from expertmesh.client import Client
+from expertmesh.expert_group.deployment import APP_NAME, build_app
+from expertmesh.state import open_store
+from expertmesh.tiny import make_tiny_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _placement(hot_only: bool) -> dict:
+    layer1_a = [1] if hot_only else [0, 1]
+    return {"groups": {"a": {0: [0, 1], 1: layer1_a}, "b": {"*": ["2-3"]}, "hot": {1: [0]}}}
+
+
+def _spawn(*args):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "expertmesh.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    return proc, lines
+
+
+def _wait(predicate, what, timeout=120):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
+    model = make_tiny_checkpoint("mixtral", tmp_path / "mixtral", with_tokenizer=True, vocab_size=300)
+    store = open_store(redis_url)
+    store._kv._client.flushdb()
+    placement_file = tmp_path / "placement.yaml"
+    placement_file.write_text(yaml.safe_dump(_placement(hot_only=False)))
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    procs = []
+    try:
+        port_base = _free_port()
+        serve.run(
+            build_app(
+                {
+                    "model": str(model),
+                    "placement": yaml.safe_load(placement_file.read_text()),
+                    "state_url": redis_url,
+                    "host": "127.0.0.1",
+                    "port_base": port_base,
+                    "num_cpus": 0.25,
+                }
+            ),
+            name=APP_NAME,
+            route_prefix=None,
+        )
+        endpoints = store.endpoints()
+        assert endpoints == {g: f"127.0.0.1:{port_base + i}" for i, g in enumerate(["a", "b", "hot"])}
+
+        admin_port = _free_port()
+        orchestrator, orch_log = _spawn(
+            "orchestrator", "--state-url", redis_url, "--model", str(model), "--placement", str(placement_file),
+            "--admin-port", str(admin_port), "--admin-host", "127.0.0.1", "--interval", "0.3",
+        )
+        procs.append(orchestrator)
+        _wait(lambda: store.routing_table_version() == 1, "the first routing table")
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{admin_port}"))
+        _wait(lambda: _serving(health), "the orchestrator's health")
+        assert store.routing_table().replicas[(1, 0)] == ("a", "hot")
+
+        router_port = _free_port()
+        router, router_log = _spawn(
+            "up", "--router-only", "--model", str(model), "--state-url", redis_url, "--port", str(router_port)
+        )
+        procs.append(router)
+        assert "expertmesh is serving" in router.stdout.readline(), "".join(router_log)[-3000:]
+
+        prompt = [5, 9, 77, 3]
+        stock = AutoModelForCausalLM.from_pretrained(model, experts_implementation="eager").eval()
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(8):
+                ids.append(int(stock(torch.tensor([ids])).logits[0, -1].argmax()))
+        with Client(f"127.0.0.1:{router_port}") as client:
+            def tokens():
+                chunks = list(client.generate(prompt, max_new_tokens=8, stop_at_eos=False))
+                return [t for c in chunks for t in c.token_ids]
+
+            assert tokens() == ids[len(prompt):]
+            # An operator edits the placement: layer 1 expert 0 now only on "hot".
+            placement_file.write_text(yaml.safe_dump(_placement(hot_only=True)))
+            _wait(lambda: store.routing_table_version() == 2, "the orchestrator to publish version 2")
+            assert store.routing_table().replicas[(1, 0)] == ("hot",)
+            assert tokens() == ids[len(prompt):]
+            assert client.models()[0].routing_table_version == 2
+            # A broken edit is refused and the last good table stays.
+            placement_file.write_text(yaml.safe_dump({"groups": {"a": {"*": [0]}}}))
+            _wait(lambda: any("is invalid, keeping routing table version 2" in l for l in orch_log), "the refusal")
+            assert store.routing_table_version() == 2
+
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        assert router.wait(timeout=60) == 0
+        assert orchestrator.wait(timeout=60) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        ray.shutdown()
+        store.close()
+
+
+def _serving(health) -> bool:
+    try:
+        return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def test_router_only_and_orchestrator_refuse_an_in_process_store(tmp_path):
+    model = make_tiny_checkpoint("mixtral", tmp_path / "m")
+    for args in (["up", "--router-only", "--model", str(model)], ["orchestrator", "--model", str(model), "--placement", "x.yaml"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "expertmesh.cli", *args], capture_output=True, text=True, timeout=120,
+            env={k: v for k, v in os.environ.items() if k != "EXPERTMESH_STATE_URL"},
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "needs a shared --state-url" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_build_app_refuses_a_bad_placement_before_any_replica(tmp_path):
+    from expertmesh.errors import PlacementError
+
+    model = make_tiny_checkpoint("mixtral", tmp_path / "m")
+    with pytest.raises(PlacementError, match="leaves 2 experts unhosted"):
+        build_app({"model": str(model), "placement": {"groups": {"a": {"*": [0, 1, 2]}}}, "state_url": "redis://x"})
+    with pytest.raises(ValueError, match="extra_forbidden|Extra inputs"):
+        build_app({"model": str(model), "placement": {}, "state_url": "redis://x", "colour": "red"})

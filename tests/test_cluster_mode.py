@@ -131,6 +131,17 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
             proc.send_signal(signal.SIGTERM)
         assert router.wait(timeout=60) == 0
         assert orchestrator.wait(timeout=60) == 0
+
+        # The router published its load window to Redis on the way out; export sums all routers.
+        out = tmp_path / "stats.json"
+        export = subprocess.run(
+            [sys.executable, "-m", "expertmesh.cli", "stats", "export", "--state-url", redis_url, "--out", str(out)],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert export.returncode == 0, export.stderr
+        stats = yaml.safe_load(out.read_text())
+        routed = (len(prompt) + 7) * 2  # two generations: prompt prefill + 7 decode steps each
+        assert [sum(row) for row in stats["load"]] == [routed * 2] * 2  # x top-2, in both MoE layers
     finally:
         for proc in procs:
             if proc.poll() is None:

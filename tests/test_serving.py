@@ -239,3 +239,39 @@ def test_health_and_reflection(server):
     assert "expertmesh.v1.Inference" in db.get_services()
     service = db.FindFileContainingSymbol("expertmesh.v1.Inference")
     assert "expertmesh/v1/inference.proto" == service.name
+
+
+def test_load_stats_match_the_routing_and_feed_the_planner(server, tmp_path):
+    """Every routed token is counted once per chosen expert, in every MoE layer, and
+    `expertmesh stats export` writes a file `expertmesh plan` accepts."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    out = tmp_path / "stats.json"
+    export = subprocess.run(
+        [sys.executable, "-m", "expertmesh.cli", "stats", "export", "--target", f"127.0.0.1:{server.port}", "--out", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert export.returncode == 0, export.stderr
+    stats = json.loads(out.read_text())
+    load = torch.tensor(stats["load"])  # [L, E]
+    tokens = load.sum(dim=1) / stats["top_k"]
+    assert tokens[0] > 100 and torch.all(tokens == tokens[0]), "every layer saw the same tokens"
+    coact = torch.tensor(stats["coactivation"])
+    # top-2 without duplicates: each token adds one pair, counted in both directions
+    assert torch.all(coact.sum(dim=(1, 2)) == 2 * tokens)
+
+    topology = tmp_path / "topo.yaml"
+    topology.write_text(yaml.safe_dump({"nodes": [{"name": "n0", "islands": [
+        {"name": "i0", "numa": 0, "gpus": [{"id": 0, "memory_gb": 80}, {"id": 1, "memory_gb": 80}]}]}]}))
+    plan = subprocess.run(
+        [sys.executable, "-m", "expertmesh.cli", "plan", "--stats", str(out), "--topology", str(topology),
+         "--redundant", "2", "--out", str(tmp_path / "placement.json")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert plan.returncode == 0, plan.stderr
+    placement = json.loads((tmp_path / "placement.json").read_text())
+    assert len(placement["layers"]) == stats["num_layers"]

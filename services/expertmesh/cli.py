@@ -15,7 +15,8 @@ from expertmesh.errors import ExpertMeshError
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from expertmesh import verify
+    from expertmesh import stats_cli, verify
+    from expertmesh.bench import add_commands as add_bench_commands
     from expertmesh.serving import generate_cli, up
 
     parser = argparse.ArgumentParser(prog="expertmesh", description=__doc__.splitlines()[0])
@@ -27,6 +28,8 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_command(commands)
     generate_cli.add_command(commands)
     verify.add_command(commands)
+    stats_cli.add_command(commands)
+    add_bench_commands(bench_commands)
     try:
         from expertmesh.orchestrator.cli import add_commands as add_orchestrator_commands
     except ImportError:  # the control plane is optional for a data-plane-only install

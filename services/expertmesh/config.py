@@ -22,6 +22,8 @@ class DataPlaneConfig(BaseSettings):
     group_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per expert group")
     group_host: str = Field("127.0.0.1", description="address group gRPC servers bind; 0.0.0.0 in a cluster")
     dispatch_timeout_s: float = Field(30.0, gt=0, description="deadline of one expert-group call")
+    load_window_s: float = Field(600.0, gt=0, description="sliding window of the router's expert-load statistics")
+    load_publish_s: float = Field(10.0, gt=0, description="how often a router writes its load window to a shared store")
 
 
 class ServingConfig(BaseSettings):

@@ -27,11 +27,13 @@ from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import DataPlaneConfig
 from expertmesh.errors import GroupUnavailable, PlacementError
 from expertmesh.placement import GroupPlacement
+from expertmesh.router.load_window import LoadWindow
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore, open_store
 
 if TYPE_CHECKING:
     from expertmesh.router.dispatch import ExpertDispatcher
+    from expertmesh.router.load_publisher import LoadPublisher
 
 
 def progress(message: str) -> None:
@@ -55,7 +57,9 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig):
     from expertmesh.router.model import build_router_model
 
     progress("building the router (no routed-expert weights)")
-    dispatcher = ExpertDispatcher(store, timeout_s=config.dispatch_timeout_s)
+    spec = checkpoint.spec
+    window = LoadWindow(spec.moe_layers, spec.num_experts, spec.top_k, window_s=config.load_window_s)
+    dispatcher = ExpertDispatcher(store, timeout_s=config.dispatch_timeout_s, load_window=window)
     return dispatcher, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
 
 
@@ -70,6 +74,13 @@ class DataPlane:
     addresses: dict[str, str]
     _started_ray: bool
     _owns_groups: bool = True
+    _publisher: "LoadPublisher | None" = None
+
+    def __post_init__(self) -> None:
+        if not self.config.state_url.startswith("memory://"):
+            from expertmesh.router.load_publisher import LoadPublisher
+
+            self._publisher = LoadPublisher(self.store, self.dispatcher.load_window, self.config.load_publish_s).start()
 
     @classmethod
     def start(cls, config: DataPlaneConfig) -> "DataPlane":
@@ -158,6 +169,8 @@ class DataPlane:
 
         from expertmesh.expert_group import deployment
 
+        if self._publisher is not None:
+            self._publisher.stop()
         self.dispatcher.close()
         if not self._owns_groups:
             self.store.close()

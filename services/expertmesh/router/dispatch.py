@@ -36,6 +36,7 @@ from transformers.integrations.moe import ExpertsInterface
 from expertmesh import wire
 from expertmesh.errors import GroupUnavailable
 from expertmesh.router.group_client import GroupClients
+from expertmesh.router.load_window import LoadWindow
 from expertmesh.router.step_gather import StepGather
 from expertmesh.router.traffic import TrafficCounters
 from expertmesh.routing_table import RoutingTable
@@ -48,8 +49,9 @@ IMPLEMENTATION = "expertmesh"
 
 
 class ExpertDispatcher:
-    def __init__(self, store: StateStore, timeout_s: float = 30.0):
+    def __init__(self, store: StateStore, timeout_s: float = 30.0, load_window: LoadWindow | None = None):
         self._store = store
+        self.load_window = load_window
         self._timeout = timeout_s
         self._clients = GroupClients()
         self._lock = threading.Lock()
@@ -114,6 +116,8 @@ class ExpertDispatcher:
             raise GroupUnavailable(f"the routing table has no groups for MoE layer {layer}")
         num_experts = owner_row.shape[0]
         index = top_k_index.to("cpu", torch.long)
+        if self.load_window is not None:
+            self.load_window.record(layer, index)
         # An index >= num_experts is transformers' expert-parallel sentinel: that slot is skipped.
         valid = index < num_experts
         owner = torch.where(valid, owner_row[index.clamp(max=num_experts - 1)], -1)  # [T, K]

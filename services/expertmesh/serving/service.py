@@ -11,6 +11,7 @@ an INVALID_ARGUMENT too rather than gRPC's generic deserialisation failure.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -47,7 +48,8 @@ _FINISH = {
 
 
 class InferenceServicer:
-    def __init__(self, engine: Engine, tokenizer, info: pb.ModelInfo, config: ServingConfig, table_version):
+    def __init__(self, engine: Engine, tokenizer, info: pb.ModelInfo, config: ServingConfig, table_version, load_window):
+        self._load_window = load_window
         self._engine = engine
         self._tokenizer = tokenizer
         self._info = info
@@ -191,6 +193,9 @@ class InferenceServicer:
         info.routing_table_version = self._table_version()
         return pb.ListModelsResponse(models=[info])
 
+    def GetLoadStats(self, request: pb.LoadStatsRequest, context) -> pb.LoadStatsResponse:
+        return pb.LoadStatsResponse(stats_json=json.dumps(self._load_window.snapshot().to_stats_dict()))
+
 
 class InferenceServer:
     """The gRPC server of a router: Inference + health + reflection."""
@@ -220,6 +225,11 @@ class InferenceServer:
                             servicer.ListModels,
                             request_deserializer=pb.ListModelsRequest.FromString,
                             response_serializer=pb.ListModelsResponse.SerializeToString,
+                        ),
+                        "GetLoadStats": grpc.unary_unary_rpc_method_handler(
+                            servicer.GetLoadStats,
+                            request_deserializer=pb.LoadStatsRequest.FromString,
+                            response_serializer=pb.LoadStatsResponse.SerializeToString,
                         ),
                     },
                 )

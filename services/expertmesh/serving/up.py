@@ -62,7 +62,12 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         max_context=info.max_context,
     )
     servicer = InferenceServicer(
-        engine, tokenizer, info, config, lambda: plane.dispatcher.table.version if plane.dispatcher.table else 0
+        engine,
+        tokenizer,
+        info,
+        config,
+        lambda: plane.dispatcher.table.version if plane.dispatcher.table else 0,
+        plane.dispatcher.load_window,
     )
     return InferenceServer(servicer, engine, config).start()
 

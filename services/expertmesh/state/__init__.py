@@ -10,6 +10,7 @@ Keys (all under the ``expertmesh:`` prefix, one namespace per deployment):
 - ``routing_table``         JSON of the current RoutingTable
 - ``routing_table:version`` its version alone, so routers poll cheaply
 - ``endpoints``             hash: group name -> "host:port" of its gRPC server
+- ``load``                  hash: router id -> its load window (``router.load_window`` .npz bytes)
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ class StateStore:
 
     def endpoints(self) -> dict[str, str]:
         return {g: a.decode() for g, a in self._kv.hgetall(self._key("endpoints")).items()}
+
+    # -- load windows ----------------------------------------------------------------
+
+    def publish_load(self, router_id: str, data: bytes) -> None:
+        self._kv.hset(self._key("load"), router_id, data)
+
+    def loads(self) -> dict[str, bytes]:
+        return self._kv.hgetall(self._key("load"))
 
     def close(self) -> None:
         self._kv.close()

@@ -1,0 +1,132 @@
+"""Expert load as the router sees it: tokens per expert and co-activation per
+MoE layer over a sliding window, the placement planner's input.
+
+Glossary
+- *row*: the ordinal of an MoE layer among the model's MoE layers (DeepSeek-V3's
+  dense first layers have none), the layer index of stats and placement files.
+- *load[row, e]*: tokens that chose expert ``e``.
+- *coactivation[row, e, f]*: tokens that chose both ``e`` and ``f`` (symmetric,
+  zero diagonal).
+- *bucket*: ``window_s / buckets`` seconds of counts; the window is the last
+  ``buckets`` of them, so old traffic ages out a bucket at a time.
+
+Stored (per router, in the state store) as an ``.npz`` without pickles, so
+routers, the orchestrator and ``expertmesh stats export`` read the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class LoadSnapshot:
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    load: np.ndarray  # [L, E] float64
+    coactivation: np.ndarray  # [L, E, E] float64
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        np.savez_compressed(
+            buf,
+            moe_layers=np.array(self.moe_layers, dtype=np.int64),
+            shape=np.array([self.num_experts, self.top_k], dtype=np.int64),
+            load=self.load,
+            coactivation=self.coactivation,
+        )
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "LoadSnapshot":
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            num_experts, top_k = (int(v) for v in z["shape"])
+            return cls(tuple(int(v) for v in z["moe_layers"]), num_experts, top_k, z["load"], z["coactivation"])
+
+    def __add__(self, other: "LoadSnapshot") -> "LoadSnapshot":
+        if (self.moe_layers, self.num_experts) != (other.moe_layers, other.num_experts):
+            raise ValueError("load snapshots of different models cannot be added")
+        return LoadSnapshot(
+            self.moe_layers, self.num_experts, self.top_k, self.load + other.load, self.coactivation + other.coactivation
+        )
+
+    def to_stats_dict(self) -> dict:
+        """The stats file format of ``expertmesh plan`` (rows = MoE layers in order)."""
+        return {
+            "num_layers": len(self.moe_layers),
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "moe_layers": list(self.moe_layers),
+            "load": self.load.tolist(),
+            "coactivation": self.coactivation.tolist(),
+        }
+
+
+class LoadWindow:
+    def __init__(
+        self,
+        moe_layers: tuple[int, ...],
+        num_experts: int,
+        top_k: int,
+        window_s: float = 600.0,
+        buckets: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.moe_layers = tuple(moe_layers)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self._row = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self._bucket_s = window_s / buckets
+        self._clock = clock
+        L, E = len(self.moe_layers), num_experts
+        # float32 keeps DeepSeek-V3 scale (58 x 256 x 256 per bucket) at 15 MiB a bucket
+        self._load = np.zeros((buckets, L, E), dtype=np.float32)
+        self._coact = np.zeros((buckets, L, E, E), dtype=np.float32)
+        self._epoch = np.full(buckets, -1, dtype=np.int64)  # which time slot each bucket holds
+        self._lock = threading.Lock()
+
+    def _bucket(self) -> int:
+        slot = int(self._clock() // self._bucket_s)
+        b = slot % len(self._epoch)
+        if self._epoch[b] != slot:  # reused: its counts are a window old
+            self._load[b] = 0
+            self._coact[b] = 0
+            self._epoch[b] = slot
+        return b
+
+    def record(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """top_k_index [T, K] global expert ids; ids >= num_experts (expert-parallel sentinels) are skipped."""
+        E = self.num_experts
+        ids = top_k_index.detach().to("cpu", torch.long)
+        valid = ids < E
+        onehot = torch.zeros(ids.shape[0], E + 1)  # [T, E+1]; the last column collects sentinels
+        onehot.scatter_(1, torch.where(valid, ids, E), 1.0)
+        onehot = onehot[:, :E]
+        counts = onehot.sum(dim=0).numpy()  # [E]
+        coact = (onehot.T @ onehot).numpy()  # [E, E]
+        np.fill_diagonal(coact, 0)
+        row = self._row[layer]
+        with self._lock:
+            b = self._bucket()
+            self._load[b, row] += counts
+            self._coact[b, row] += coact
+
+    def snapshot(self) -> LoadSnapshot:
+        with self._lock:
+            current = int(self._clock() // self._bucket_s)
+            live = (self._epoch >= 0) & (self._epoch > current - len(self._epoch))
+            return LoadSnapshot(
+                self.moe_layers,
+                self.num_experts,
+                self.top_k,
+                self._load[live].sum(axis=0, dtype=np.float64),
+                self._coact[live].sum(axis=0, dtype=np.float64),
+            )

@@ -1,0 +1,51 @@
+"""The router's load window: counts, co-activation, ageing, and the stats file the planner reads."""
+
+import numpy as np
+import torch
+
+from expertmesh.orchestrator.placement.stats import stats_from_dict
+from expertmesh.router.load_window import LoadSnapshot, LoadWindow
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_counts_and_coactivation():
+    window = LoadWindow((1, 3), num_experts=4, top_k=2, clock=Clock())
+    window.record(1, torch.tensor([[0, 1], [1, 2], [0, 1]]))
+    window.record(3, torch.tensor([[3, 2], [2, 4]]))  # 4 = expert-parallel sentinel, skipped
+    snap = window.snapshot()
+    assert snap.load.tolist() == [[2, 3, 1, 0], [0, 0, 2, 1]]
+    assert snap.coactivation[0][0][1] == 2 and snap.coactivation[0][1][2] == 1
+    assert np.array_equal(snap.coactivation, snap.coactivation.transpose(0, 2, 1))
+    assert np.all(np.diagonal(snap.coactivation, axis1=1, axis2=2) == 0)
+    assert snap.coactivation[1][2][3] == 1 and snap.coactivation[1].sum() == 2
+
+
+def test_old_buckets_age_out():
+    clock = Clock()
+    window = LoadWindow((0,), num_experts=2, top_k=1, window_s=40, buckets=4, clock=clock)
+    window.record(0, torch.tensor([[0]]))
+    clock.now += 20
+    window.record(0, torch.tensor([[1], [1]]))
+    assert window.snapshot().load.tolist() == [[1, 2]]
+    clock.now += 25  # the first bucket is now older than the window
+    assert window.snapshot().load.tolist() == [[0, 2]]
+    clock.now += 100
+    assert window.snapshot().load.tolist() == [[0, 0]]
+
+
+def test_bytes_round_trip_sum_and_stats_file():
+    window = LoadWindow((1,), num_experts=3, top_k=2, clock=Clock())
+    window.record(1, torch.tensor([[0, 2], [1, 2]]))
+    snap = LoadSnapshot.from_bytes(window.snapshot().to_bytes())
+    total = snap + snap
+    assert total.load.tolist() == [[2, 2, 4]]
+    stats = stats_from_dict(total.to_stats_dict())
+    assert (stats.num_layers, stats.num_experts, stats.top_k) == (1, 3, 2)
+    assert stats.coactivation[0][0][2] == 2

@@ -85,3 +85,38 @@ def test_bad_placement_is_refused_before_anything_starts(tiny_checkpoints, tmp_p
     with pytest.raises(PlacementError, match=message):
         DataPlane.start(DataPlaneConfig(model=tiny_checkpoints("mixtral"), placement=placement))
     assert "expertmesh-groups" not in serve.status().applications
+
+
+def test_planned_gpu_placement_with_hot_replicas_runs_as_logical_groups(tiny_checkpoints, tmp_path):
+    """`expertmesh plan` output (replicas of hot experts on GPUs, with shares) applied to
+    running groups: on this GPU-less machine each GPU becomes a logical group on CPU,
+    replicated experts' tokens are split across their replicas, and verify still passes."""
+    import json
+
+    import numpy as np
+
+    from expertmesh.orchestrator.placement.plan import placement_to_dict
+    from expertmesh.orchestrator.placement.planner import PlanOptions, plan
+    from expertmesh.orchestrator.placement.stats import LoadStats
+    from expertmesh.orchestrator.topology import topology_from_dict
+
+    path = tiny_checkpoints("deepseek_v3")  # 8 experts, MoE layer 1 only
+    topo_doc = {"nodes": [{"name": "n0", "islands": [
+        {"name": "a", "numa": 0, "gpus": [{"id": 0, "memory_gb": 80}, {"id": 1, "memory_gb": 80}]},
+        {"name": "b", "numa": 0, "gpus": [{"id": 2, "memory_gb": 80}, {"id": 3, "memory_gb": 80}]}]}]}
+    load = np.array([[400.0, 300, 20, 20, 10, 10, 5, 5]])  # two hot experts
+    result = plan(LoadStats(1, 8, 2, load), topology_from_dict(topo_doc), PlanOptions(redundant=4))
+    (tmp_path / "placement.json").write_text(json.dumps(placement_to_dict(result.placement)))
+    (tmp_path / "topo.yaml").write_text(yaml.safe_dump(topo_doc))
+
+    config = DataPlaneConfig(model=path, gpu_placement=tmp_path / "placement.json", topology=tmp_path / "topo.yaml")
+    with DataPlane.start(config) as plane:
+        table = plane.store.routing_table()
+        replicated = {pair: g for pair, g in table.replicas.items() if len(g) > 1}
+        assert (1, 0) in replicated and (1, 1) in replicated, "the hot experts have replicas"
+        assert set(plane.placement.groups) <= {"gpu-0", "gpu-1", "gpu-2", "gpu-3"}
+        report = verify.compare(plane, tokens=24)
+        assert report.passed, report.summary()
+        sent = plane.dispatcher.traffic.group_tokens()
+        for groups in replicated.values():
+            assert all(sent.get(g, 0) > 0 for g in groups), f"every replica takes tokens: {sent}"

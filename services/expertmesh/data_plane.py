@@ -52,6 +52,21 @@ def _check_reachable(address: str) -> None:
         raise GroupUnavailable(f"cannot reach the Ray cluster at {address}: {err}") from None
 
 
+def _gpu_layout(config: DataPlaneConfig, spec):
+    """Expert groups from a GPU placement of `expertmesh plan` and its topology."""
+    from expertmesh.orchestrator import topology_discovery
+    from expertmesh.orchestrator.placement.groups import groups_from_placement
+    from expertmesh.orchestrator.placement.plan import parse_placement_json
+
+    if config.topology is None:
+        raise PlacementError("a GPU placement needs the topology it was planned for (--topology)")
+    topology = topology_discovery.load_topology_file(config.topology)
+    gpu_ids = tuple(site.gpu.id for site in topology.sites())
+    text = topology_discovery.read_text(config.gpu_placement, "GPU placement")
+    gpu_placement = parse_placement_json(text, gpu_ids, len(spec.moe_layers), spec.num_experts)
+    return groups_from_placement(gpu_placement, topology, spec.moe_layers, config.group_per)
+
+
 def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig):
     from expertmesh.router.dispatch import ExpertDispatcher
     from expertmesh.router.model import build_router_model
@@ -91,7 +106,10 @@ class DataPlane:
         t0 = time.monotonic()
         checkpoint = Checkpoint(config.model)
         spec = checkpoint.spec
-        if config.placement is not None:
+        layout = _gpu_layout(config, spec) if config.gpu_placement is not None else None
+        if layout is not None:
+            placement = layout.placement
+        elif config.placement is not None:
             placement = placement_mod.load(config.placement, spec)
         else:
             placement = placement_mod.contiguous(spec, config.groups)
@@ -111,7 +129,8 @@ class DataPlane:
             except ConnectionError as err:
                 raise GroupUnavailable(f"cannot join the Ray cluster at {config.ray_address}: {err}") from None
             started_ray = config.ray_address is None
-        gpus = 1 if deployment.cluster_has_gpus() else 0
+        has_gpus = deployment.cluster_has_gpus()
+        gpus = 1 if has_gpus else 0
         specs = [
             deployment.GroupSpec(
                 name=name,
@@ -121,6 +140,7 @@ class DataPlane:
                 host=config.group_host,
                 num_cpus=config.group_num_cpus,
                 num_gpus=gpus,
+                **(deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {}),
             )
             for name, pairs in placement.groups.items()
         ]
@@ -131,7 +151,12 @@ class DataPlane:
         addresses = deployment.deploy(specs)
         for group, address in addresses.items():
             store.set_endpoint(group, address)
-        table = RoutingTable.from_placement(placement, spec.num_experts, version=store.routing_table_version() + 1)
+        table = RoutingTable.from_placement(
+            placement,
+            spec.num_experts,
+            version=store.routing_table_version() + 1,
+            shares=layout.shares if layout else None,
+        )
         if not store.publish_routing_table(table):
             raise RuntimeError("another writer changed the routing table while the groups started; retry")
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from expertmesh.config import DataPlaneConfig
+from expertmesh.config import DataPlaneConfig, add_data_plane_arguments, data_plane_config
 from expertmesh.errors import CheckpointError
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
@@ -99,24 +98,15 @@ def run(config: DataPlaneConfig, tokens: int = 32, seed: int = 0) -> VerifyRepor
 
 def add_command(commands) -> None:
     parser = commands.add_parser("verify", help="check the platform against stock transformers on a checkpoint")
-    parser.add_argument("--model", type=Path, help="local checkpoint directory (default: the embedded tiny model)")
-    parser.add_argument("--groups", type=int, default=2, help="expert groups (default contiguous split)")
-    parser.add_argument("--placement", type=Path, help="placement YAML instead of --groups")
+    add_data_plane_arguments(parser)
     parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence of the seeded batch")
-    parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(run=_main)
 
 
 def _main(args) -> int:
-    from expertmesh.embedded import default_checkpoint
-
-    config = DataPlaneConfig(
-        model=args.model or default_checkpoint(), groups=args.groups, placement=args.placement, dtype=args.dtype, ray_address=args.ray_address
-    )
-    report = run(config, tokens=args.tokens, seed=args.seed)
+    report = run(data_plane_config(args), tokens=args.tokens, seed=args.seed)
     if args.json:
         print(json.dumps({**asdict(report), "passed": report.passed}))
     else:

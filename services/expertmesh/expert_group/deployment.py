@@ -48,6 +48,8 @@ class GroupSpec:
     resources: dict[str, float] = field(default_factory=dict)
     #: shared state store the replica registers its address in; None when the driver collects addresses
     state_url: str | None = None
+    #: NUMA node whose CPUs the replica pins itself to (its GPUs' node)
+    numa: int | None = None
 
 
 class ExpertGroupReplica:
@@ -59,6 +61,8 @@ class ExpertGroupReplica:
         from expertmesh.expert_group.hosted import HostedExperts
         from expertmesh.expert_group.service import start_server
 
+        if spec.numa is not None:
+            pin_to_numa_node(spec.numa)
         # Intra-op threads follow the CPU share: oversubscribing a small host costs more than it gains.
         torch.set_num_threads(max(1, int(spec.num_cpus)))
         device = "cuda" if spec.num_gpus and torch.cuda.is_available() else "cpu"
@@ -101,6 +105,53 @@ def actor_options(spec: GroupSpec) -> dict:
     if spec.resources:
         options["resources"] = dict(spec.resources)
     return options
+
+
+def island_resource(island: str) -> str:
+    """The Ray custom resource a node declares for each NVLink island it has (the Helm chart sets it)."""
+    return f"expertmesh.io/island-{island}"
+
+
+def hardware_binding(hardware, has_gpus: bool) -> dict:
+    """GroupSpec fields for a group's GPUs: on a GPU cluster its GPU count, its island's
+    resource when the cluster declares it, and NUMA pinning; on CPU a logical group."""
+    import ray
+
+    if not has_gpus:
+        return {}
+    resource = island_resource(hardware.island)
+    declared = resource in ray.cluster_resources()
+    return {
+        "num_gpus": len(hardware.gpu_ids),
+        "resources": {resource: 1} if declared else {},
+        "numa": hardware.numa,
+    }
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """Linux cpulist format ("0-3,8,10-11") -> CPU ids."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if "-" in part:
+            lo, hi = part.split("-")
+            cpus.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            cpus.append(int(part))
+    return cpus
+
+
+def pin_to_numa_node(numa: int, sysfs: str = "/sys/devices/system/node") -> list[int]:
+    """Pin this process to the CPUs of NUMA node ``numa``; returns them ([] when the node is unknown here)."""
+    import os
+
+    try:
+        with open(f"{sysfs}/node{numa}/cpulist") as f:
+            cpus = parse_cpulist(f.read())
+    except OSError:
+        log.warning("NUMA node %d is not known on this host; not pinning CPUs", numa)
+        return []
+    os.sched_setaffinity(0, cpus)
+    return cpus
 
 
 def cluster_has_gpus() -> bool:

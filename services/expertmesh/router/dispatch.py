@@ -4,7 +4,8 @@ Every MoE block of the router's model keeps its stock gate (and shared
 experts); only the routed-experts call lands here. For one layer:
 
 1. map each chosen (token, expert) slot to the group that holds the expert,
-   from the cached routing table;
+   from the cached routing table; a replicated expert's tokens are split across
+   its replicas by share (``replica_split``);
 2. send each group the hidden states of the tokens that need it (each token
    at most once per group), with only the expert ids and weights that group
    must apply (others are -1 / 0);
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -37,6 +39,7 @@ from expertmesh import wire
 from expertmesh.errors import GroupUnavailable
 from expertmesh.router.group_client import GroupClients
 from expertmesh.router.load_window import LoadWindow
+from expertmesh.router.replica_split import split_by_share
 from expertmesh.router.step_gather import StepGather
 from expertmesh.router.traffic import TrafficCounters
 from expertmesh.routing_table import RoutingTable
@@ -59,6 +62,9 @@ class ExpertDispatcher:
         #: layer -> [num_experts] int64 index into self._groups of the replica used, -1 if none
         self._owner: dict[int, torch.Tensor] = {}
         self._groups: list[str] = []
+        #: layer -> [(expert, group indices of its replicas, their shares)] for replicated experts
+        self._multi: dict[int, list[tuple[int, tuple[int, ...], tuple[float, ...]]]] = {}
+        self._in_flight: Counter[int] = Counter()
         self._local = threading.local()
         self.traffic = TrafficCounters()
 
@@ -87,12 +93,16 @@ class ExpertDispatcher:
             raise GroupUnavailable("no routing table in the state store; start the expert groups first")
         groups = table.groups()
         owner = {}
+        multi: dict[int, list[tuple[int, tuple[int, ...], tuple[float, ...]]]] = {}
         for (layer, expert), replicas in table.replicas.items():
             row = owner.setdefault(layer, torch.full((table.num_experts,), -1, dtype=torch.long))
             row[expert] = groups.index(replicas[0])
+            if len(replicas) > 1:
+                indices = tuple(groups.index(g) for g in replicas)
+                multi.setdefault(layer, []).append((expert, indices, table.shares_of((layer, expert))))
         with self._lock:
             self._clients.update({g: a for g, a in self._store.endpoints().items() if g in groups})
-            self.table, self._groups, self._owner = table, groups, owner
+            self.table, self._groups, self._owner, self._multi = table, groups, owner, multi
         log.info("routing table version %d: %d groups", table.version, len(groups))
 
     def experts(
@@ -121,11 +131,17 @@ class ExpertDispatcher:
         # An index >= num_experts is transformers' expert-parallel sentinel: that slot is skipped.
         valid = index < num_experts
         owner = torch.where(valid, owner_row[index.clamp(max=num_experts - 1)], -1)  # [T, K]
+        for expert, replicas, shares in self._multi.get(layer, ()):
+            slots = (index == expert).nonzero()  # [n, 2] (token, k) of this expert's tokens
+            if len(slots):
+                counts = split_by_share(len(slots), shares, [self._in_flight[g] for g in replicas])
+                owner[slots[:, 0], slots[:, 1]] = torch.repeat_interleave(torch.tensor(replicas), torch.tensor(counts))
         weights_cpu = top_k_weights.detach().to("cpu")
         hidden_cpu = hidden.detach().to("cpu")
 
         calls = []
         sent = received = pairs = 0
+        group_tokens: dict[str, int] = {}
         for g in torch.unique(owner[owner >= 0]).tolist():
             group = self._groups[g]
             mine = owner == g  # [T, K]
@@ -140,12 +156,15 @@ class ExpertDispatcher:
             stub = self._clients.stub(group)
             if stub is None:
                 raise GroupUnavailable(f"expert group {group} has no registered endpoint")
-            calls.append((group, tokens, stub.Dispatch.future(request, timeout=self._timeout)))
+            calls.append((g, tokens, stub.Dispatch.future(request, timeout=self._timeout)))
+            self._in_flight[g] += 1
             sent += request.ByteSize()
             pairs += tokens.numel()
+            group_tokens[group] = tokens.numel()
 
         out = torch.zeros_like(hidden_cpu)  # [T, H]
-        for group, tokens, future in calls:
+        for g, tokens, future in calls:
+            group = self._groups[g]
             try:
                 response = future.result()
             except grpc.RpcError as err:
@@ -153,6 +172,8 @@ class ExpertDispatcher:
                     f"expert group {group} at {self._clients.address(group)} failed layer {layer}: "
                     f"{err.code().name}: {err.details()}"
                 ) from None
+            finally:
+                self._in_flight[g] -= 1
             received += response.ByteSize()
             out.index_add_(0, tokens, wire.decode(response.partial_sums, f"partial sums from {group}").to(out.dtype))
         self.traffic.record(
@@ -165,6 +186,7 @@ class ExpertDispatcher:
             bytes_received=received,
             seconds=time.perf_counter() - started,
         )
+        self.traffic.record_groups(group_tokens)
         return out.to(hidden.device)
 
     def close(self) -> None:

@@ -26,12 +26,23 @@ class TrafficCounters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._layers: dict[int, LayerTraffic] = {}
+        self._group_tokens: dict[str, int] = {}
 
     def record(self, layer: int, **amounts) -> None:
         with self._lock:
             traffic = self._layers.setdefault(layer, LayerTraffic())
             for name, amount in amounts.items():
                 setattr(traffic, name, getattr(traffic, name) + amount)
+
+    def record_groups(self, tokens_by_group: dict[str, int]) -> None:
+        with self._lock:
+            for group, tokens in tokens_by_group.items():
+                self._group_tokens[group] = self._group_tokens.get(group, 0) + tokens
+
+    def group_tokens(self) -> dict[str, int]:
+        """Hidden states sent to each group, all layers together."""
+        with self._lock:
+            return dict(sorted(self._group_tokens.items()))
 
     def snapshot(self) -> dict[int, LayerTraffic]:
         with self._lock:
@@ -40,3 +51,4 @@ class TrafficCounters:
     def reset(self) -> None:
         with self._lock:
             self._layers.clear()
+            self._group_tokens.clear()

@@ -8,12 +8,11 @@ process down.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from pathlib import Path
 
-from expertmesh.config import DataPlaneConfig, ServingConfig
+from expertmesh.config import ServingConfig, add_data_plane_arguments, data_plane_config
 from expertmesh.data_plane import DataPlane, progress
 from expertmesh.errors import PlacementError
 from expertmesh.serving.engine import Engine, EngineLimits
@@ -74,14 +73,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
 
 def add_command(commands) -> None:
     parser = commands.add_parser("up", help="run the platform: expert groups, router and the Inference gRPC API")
-    parser.add_argument("--model", type=Path, help="local checkpoint directory (default: the embedded tiny model)")
-    parser.add_argument("--groups", type=int, default=2, help="expert groups (default contiguous split)")
-    parser.add_argument("--placement", type=Path, help="placement YAML instead of --groups")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
-    parser.add_argument(
-        "--state-url", default=os.environ.get("EXPERTMESH_STATE_URL", "memory://"), help="memory:// or redis://host:port/db"
-    )
+    add_data_plane_arguments(parser)
     parser.add_argument(
         "--router-only",
         action="store_true",
@@ -98,18 +90,7 @@ def add_command(commands) -> None:
 
 
 def _main(args) -> int:
-    from expertmesh.embedded import default_checkpoint
-
-    if args.model is None:
-        progress("using the embedded tiny model (random weights)")
-    data_config = DataPlaneConfig(
-        model=args.model or default_checkpoint(),
-        groups=args.groups,
-        placement=args.placement,
-        dtype=args.dtype,
-        ray_address=args.ray_address,
-        state_url=args.state_url,
-    )
+    data_config = data_plane_config(args)
     serving_config = ServingConfig(
         host=args.host,
         port=args.port,

@@ -49,3 +49,12 @@ def test_bytes_round_trip_sum_and_stats_file():
     stats = stats_from_dict(total.to_stats_dict())
     assert (stats.num_layers, stats.num_experts, stats.top_k) == (1, 3, 2)
     assert stats.coactivation[0][0][2] == 2
+
+
+def test_position_bins():
+    window = LoadWindow((0,), num_experts=2, top_k=1, clock=Clock(), max_context=64, position_bins=4)
+    window.record(0, torch.tensor([[0], [1], [1]]), positions=torch.tensor([0, 17, 63]))
+    window.record(0, torch.tensor([[0]]))  # no positions known: counted in load only
+    snap = window.snapshot()
+    assert snap.load.tolist() == [[2, 2]]
+    assert snap.position_load[0].tolist() == [[1, 0], [0, 1], [0, 0], [0, 1]]

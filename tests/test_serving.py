@@ -124,6 +124,11 @@ def test_list_models(client, plane):
     assert (info.architecture, info.num_experts, info.top_k, info.vocab_size) == ("mixtral", 4, 2, 300)
     assert list(info.groups) == ["g0", "g1"] and info.max_context == CONTEXT
     assert info.routing_table_version == plane.store.routing_table_version()
+    stock = AutoModelForCausalLM.from_pretrained(plane.checkpoint.path)
+    assert info.total_parameters == sum(p.numel() for p in stock.parameters())
+    experts = sum(p.numel() for n, p in stock.named_parameters() if ".experts." in n)
+    assert info.dense_parameters == info.total_parameters - experts
+    assert info.parameters_per_expert * 4 * 2 == experts  # 4 experts x 2 MoE layers
 
 
 def test_async_client(server):
@@ -241,7 +246,7 @@ def test_health_and_reflection(server):
     assert "expertmesh/v1/inference.proto" == service.name
 
 
-def test_load_stats_match_the_routing_and_feed_the_planner(server, tmp_path):
+def test_load_stats_match_the_routing_and_feed_the_planner(server, client, tmp_path):
     """Every routed token is counted once per chosen expert, in every MoE layer, and
     `expertmesh stats export` writes a file `expertmesh plan` accepts."""
     import json
@@ -249,6 +254,9 @@ def test_load_stats_match_the_routing_and_feed_the_planner(server, tmp_path):
     import sys
 
     import yaml
+
+    for i in range(4):
+        client.generate_text([3 + i] * (20 + i), max_new_tokens=16, stop_at_eos=False)
 
     out = tmp_path / "stats.json"
     export = subprocess.run(
@@ -263,6 +271,8 @@ def test_load_stats_match_the_routing_and_feed_the_planner(server, tmp_path):
     coact = torch.tensor(stats["coactivation"])
     # top-2 without duplicates: each token adds one pair, counted in both directions
     assert torch.all(coact.sum(dim=(1, 2)) == 2 * tokens)
+    positions = torch.tensor(stats["position_load"])  # [L, bins, E]: every generated token knows its position
+    assert torch.equal(positions.sum(dim=1), load)
 
     topology = tmp_path / "topo.yaml"
     topology.write_text(yaml.safe_dump({"nodes": [{"name": "n0", "islands": [

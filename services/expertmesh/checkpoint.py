@@ -118,6 +118,8 @@ class Checkpoint:
             name for name, p in first.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == first.num_experts
         )
         text_config = self.config.get_text_config()
+        self.total_parameters = sum(p.numel() for p in skeleton.parameters())
+        self.parameters_per_expert = sum(getattr(first, name).numel() for name in expert_params) // first.num_experts
         self.spec = MoESpec(
             model_type=self.config.model_type,
             num_layers=text_config.num_hidden_layers,

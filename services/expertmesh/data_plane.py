@@ -73,7 +73,8 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig):
 
     progress("building the router (no routed-expert weights)")
     spec = checkpoint.spec
-    window = LoadWindow(spec.moe_layers, spec.num_experts, spec.top_k, window_s=config.load_window_s)
+    context = getattr(checkpoint.config.get_text_config(), "max_position_embeddings", None) or 4096
+    window = LoadWindow(spec.moe_layers, spec.num_experts, spec.top_k, window_s=config.load_window_s, max_context=context)
     dispatcher = ExpertDispatcher(store, timeout_s=config.dispatch_timeout_s, load_window=window)
     return dispatcher, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
 

@@ -69,13 +69,18 @@ class ExpertDispatcher:
         self.traffic = TrafficCounters()
 
     @contextmanager
-    def gathering(self, gather: StepGather) -> Iterator[None]:
-        """Within this block, this thread's experts calls join ``gather``; it leaves at the end."""
+    def gathering(self, gather: StepGather, positions: torch.Tensor | None = None) -> Iterator[None]:
+        """Within this block, this thread's experts calls join ``gather``; it leaves at the end.
+
+        ``positions`` [n]: the sequence positions of this forward's tokens, for the load statistics.
+        """
         self._local.gather = gather
+        self._local.positions = positions
         try:
             yield
         finally:
             self._local.gather = None
+            self._local.positions = None
             gather.leave()
 
     def on_forward(self) -> None:
@@ -111,13 +116,21 @@ class ExpertDispatcher:
         """The experts call of one MoE layer: gathered with the step's other sequences, or sent now."""
         gather = getattr(self._local, "gather", None)
         if gather is not None:
-            return gather.experts(layer, hidden, top_k_index, top_k_weights)
+            return gather.experts(layer, hidden, top_k_index, top_k_weights, self._local.positions)
         return self.dispatch(layer, hidden, top_k_index, top_k_weights)
 
     def dispatch(
-        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> weighted expert sum [T, H]."""
+        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> weighted expert sum [T, H].
+
+        positions [T] (optional): each token's position in its sequence, for the load statistics.
+        """
         started = time.perf_counter()
         if self.table is None:
             self.refresh()
@@ -127,7 +140,7 @@ class ExpertDispatcher:
         num_experts = owner_row.shape[0]
         index = top_k_index.to("cpu", torch.long)
         if self.load_window is not None:
-            self.load_window.record(layer, index)
+            self.load_window.record(layer, index, positions)
         # An index >= num_experts is transformers' expert-parallel sentinel: that slot is skipped.
         valid = index < num_experts
         owner = torch.where(valid, owner_row[index.clamp(max=num_experts - 1)], -1)  # [T, K]

@@ -7,6 +7,9 @@ Glossary
 - *load[row, e]*: tokens that chose expert ``e``.
 - *coactivation[row, e, f]*: tokens that chose both ``e`` and ``f`` (symmetric,
   zero diagonal).
+- *position_load[row, p, e]*: of those, tokens at sequence positions in
+  position bin ``p`` (``max_context / position_bins`` positions a bin), when the
+  caller knows positions (the serving engine does), for heatmaps.
 - *bucket*: ``window_s / buckets`` seconds of counts; the window is the last
   ``buckets`` of them, so old traffic ages out a bucket at a time.
 
@@ -33,29 +36,46 @@ class LoadSnapshot:
     top_k: int
     load: np.ndarray  # [L, E] float64
     coactivation: np.ndarray  # [L, E, E] float64
+    position_load: np.ndarray  # [L, P, E] float64
+    max_context: int
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         np.savez_compressed(
             buf,
             moe_layers=np.array(self.moe_layers, dtype=np.int64),
-            shape=np.array([self.num_experts, self.top_k], dtype=np.int64),
+            shape=np.array([self.num_experts, self.top_k, self.max_context], dtype=np.int64),
             load=self.load,
             coactivation=self.coactivation,
+            position_load=self.position_load,
         )
         return buf.getvalue()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "LoadSnapshot":
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            num_experts, top_k = (int(v) for v in z["shape"])
-            return cls(tuple(int(v) for v in z["moe_layers"]), num_experts, top_k, z["load"], z["coactivation"])
+            num_experts, top_k, max_context = (int(v) for v in z["shape"])
+            return cls(
+                tuple(int(v) for v in z["moe_layers"]),
+                num_experts,
+                top_k,
+                z["load"],
+                z["coactivation"],
+                z["position_load"],
+                max_context,
+            )
 
     def __add__(self, other: "LoadSnapshot") -> "LoadSnapshot":
         if (self.moe_layers, self.num_experts) != (other.moe_layers, other.num_experts):
             raise ValueError("load snapshots of different models cannot be added")
         return LoadSnapshot(
-            self.moe_layers, self.num_experts, self.top_k, self.load + other.load, self.coactivation + other.coactivation
+            self.moe_layers,
+            self.num_experts,
+            self.top_k,
+            self.load + other.load,
+            self.coactivation + other.coactivation,
+            self.position_load + other.position_load,
+            self.max_context,
         )
 
     def to_stats_dict(self) -> dict:
@@ -67,6 +87,8 @@ class LoadSnapshot:
             "moe_layers": list(self.moe_layers),
             "load": self.load.tolist(),
             "coactivation": self.coactivation.tolist(),
+            "max_context": self.max_context,
+            "position_load": self.position_load.tolist(),
         }
 
 
@@ -79,6 +101,8 @@ class LoadWindow:
         window_s: float = 600.0,
         buckets: int = 4,
         clock: Callable[[], float] = time.monotonic,
+        max_context: int = 4096,
+        position_bins: int = 16,
     ):
         self.moe_layers = tuple(moe_layers)
         self.num_experts = num_experts
@@ -90,6 +114,9 @@ class LoadWindow:
         # float32 keeps DeepSeek-V3 scale (58 x 256 x 256 per bucket) at 15 MiB a bucket
         self._load = np.zeros((buckets, L, E), dtype=np.float32)
         self._coact = np.zeros((buckets, L, E, E), dtype=np.float32)
+        self.max_context = max_context
+        self._bins = position_bins
+        self._position = np.zeros((buckets, L, position_bins, E), dtype=np.float32)
         self._epoch = np.full(buckets, -1, dtype=np.int64)  # which time slot each bucket holds
         self._lock = threading.Lock()
 
@@ -99,11 +126,13 @@ class LoadWindow:
         if self._epoch[b] != slot:  # reused: its counts are a window old
             self._load[b] = 0
             self._coact[b] = 0
+            self._position[b] = 0
             self._epoch[b] = slot
         return b
 
-    def record(self, layer: int, top_k_index: torch.Tensor) -> None:
-        """top_k_index [T, K] global expert ids; ids >= num_experts (expert-parallel sentinels) are skipped."""
+    def record(self, layer: int, top_k_index: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """top_k_index [T, K] global expert ids; ids >= num_experts (expert-parallel sentinels) are skipped.
+        positions [T] (optional): sequence position of each token."""
         E = self.num_experts
         ids = top_k_index.detach().to("cpu", torch.long)
         valid = ids < E
@@ -113,11 +142,17 @@ class LoadWindow:
         counts = onehot.sum(dim=0).numpy()  # [E]
         coact = (onehot.T @ onehot).numpy()  # [E, E]
         np.fill_diagonal(coact, 0)
+        by_bin = None
+        if positions is not None:
+            bins = (positions.to("cpu", torch.long) * self._bins // self.max_context).clamp(0, self._bins - 1)  # [T]
+            by_bin = torch.zeros(self._bins, E).index_add_(0, bins, onehot).numpy()  # [P, E]
         row = self._row[layer]
         with self._lock:
             b = self._bucket()
             self._load[b, row] += counts
             self._coact[b, row] += coact
+            if by_bin is not None:
+                self._position[b, row] += by_bin
 
     def snapshot(self) -> LoadSnapshot:
         with self._lock:
@@ -129,4 +164,6 @@ class LoadWindow:
                 self.top_k,
                 self._load[live].sum(axis=0, dtype=np.float64),
                 self._coact[live].sum(axis=0, dtype=np.float64),
+                self._position[live].sum(axis=0, dtype=np.float64),
+                self.max_context,
             )

@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-DispatchFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (layer, hidden [T, H], top_k_index [T, K], top_k_weights [T, K], positions [T] or None) -> [T, H]
+DispatchFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 class StepGather:
@@ -27,15 +28,20 @@ class StepGather:
         self._cond = threading.Condition()
         self._active = participants
         self._layer: int | None = None
-        # (hidden [n_i, H], top_k_index [n_i, K], top_k_weights [n_i, K]) per arrived participant
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # (hidden [n_i, H], top_k_index [n_i, K], top_k_weights [n_i, K], positions [n_i] | None) per participant
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self._round = 0
         self._results: dict[int, list[torch.Tensor] | BaseException] = {}
         self._collected: dict[int, int] = {}  # round -> participants that took their result
         self._participants_of: dict[int, int] = {}  # round -> participants in it
 
     def experts(
-        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Called by each participant at each MoE layer; returns its own [n_i, H] expert output."""
         with self._cond:
@@ -43,7 +49,7 @@ class StepGather:
                 raise RuntimeError(f"step participants diverged: layer {layer} while layer {self._layer} is pending")
             self._layer = layer
             my_round, my_slot = self._round, len(self._pending)
-            self._pending.append((hidden, top_k_index, top_k_weights))
+            self._pending.append((hidden, top_k_index, top_k_weights, positions))
             if len(self._pending) >= self._active:
                 self._flush()
             while my_round not in self._results:
@@ -66,13 +72,15 @@ class StepGather:
     def _flush(self) -> None:
         """Dispatch the pending layer for everyone (lock held: the others are waiting anyway)."""
         pending, self._pending = self._pending, []
-        sizes = [h.shape[0] for h, _, _ in pending]
+        sizes = [p[0].shape[0] for p in pending]
+        positions = [p[3] for p in pending]
         try:
             out = self._dispatch(
                 self._layer,
-                torch.cat([h for h, _, _ in pending]),  # [sum n_i, H]
-                torch.cat([i for _, i, _ in pending]),  # [sum n_i, K]
-                torch.cat([w for _, _, w in pending]),  # [sum n_i, K]
+                torch.cat([p[0] for p in pending]),  # [sum n_i, H]
+                torch.cat([p[1] for p in pending]),  # [sum n_i, K]
+                torch.cat([p[2] for p in pending]),  # [sum n_i, K]
+                None if any(x is None for x in positions) else torch.cat(positions),  # [sum n_i]
             )
             result: list[torch.Tensor] | BaseException = list(torch.split(out, sizes))
         except BaseException as err:  # every participant of the round must see the failure

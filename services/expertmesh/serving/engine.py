@@ -243,7 +243,9 @@ class Engine:
 
     def _forward(self, seq: Sequence, gather: StepGather) -> torch.Tensor:
         ids = torch.tensor([seq.next_input], dtype=torch.long)  # [1, n]
-        with self._dispatcher.gathering(gather), torch.no_grad():
+        start = seq.cache.get_seq_length()
+        positions = torch.arange(start, start + ids.shape[1])  # [n]
+        with self._dispatcher.gathering(gather, positions), torch.no_grad():
             out = self._model(input_ids=ids, cache=seq.cache, use_cache=True)
         return out.logits[0].float()  # [n, V]
 

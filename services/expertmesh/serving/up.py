@@ -35,6 +35,10 @@ def model_info(plane: DataPlane) -> pb.ModelInfo:
         max_context=getattr(text, "max_position_embeddings", 0) or 0,
         groups=sorted(plane.placement.groups),
         dtype=plane.config.dtype,
+        total_parameters=plane.checkpoint.total_parameters,
+        dense_parameters=plane.checkpoint.total_parameters
+        - plane.checkpoint.parameters_per_expert * spec.num_experts * len(spec.moe_layers),
+        parameters_per_expert=plane.checkpoint.parameters_per_expert,
     )
 
 
@@ -51,6 +55,7 @@ def load_tokenizer(path: Path):
 
 def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
     """Start the Inference API over a running data plane."""
+    plane.dispatcher.refresh()  # load the routing table now: a missing one fails at start, not at the first request
     info = model_info(plane)
     tokenizer = load_tokenizer(plane.checkpoint.path)
     engine = Engine(

@@ -13,7 +13,7 @@ class RecordingDispatch:
         self.calls = []
         self.fail_on_layer = fail_on_layer
 
-    def __call__(self, layer, hidden, index, weights, positions=None):
+    def __call__(self, layer, hidden, index, weights, positions=None, links=()):
         self.calls.append((layer, hidden.shape[0]))
         if layer == self.fail_on_layer:
             raise RuntimeError("group down")

@@ -7,20 +7,30 @@ finds a difference), and 2 with one line on stderr when its input is wrong.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 from expertmesh.errors import ExpertMeshError
+from expertmesh.telemetry.logs import configure_logging
+
+#: long-running processes: structured logs, one line per request at info
+SERVER_COMMANDS = {"up", "orchestrator"}
 
 
 def _build_parser() -> argparse.ArgumentParser:
     from expertmesh import stats_cli, verify
     from expertmesh.bench import add_commands as add_bench_commands
+    from expertmesh.observability import heatmap_cli, probe_cli
     from expertmesh.serving import generate_cli, up
 
     parser = argparse.ArgumentParser(prog="expertmesh", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default=os.environ.get("EXPERTMESH_LOG_FORMAT"),
+        help="default: json for the servers (up, orchestrator), text otherwise",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench = commands.add_parser("bench", help="benchmarks: print a table and write JSON")
     bench_commands = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -29,6 +39,8 @@ def _build_parser() -> argparse.ArgumentParser:
     generate_cli.add_command(commands)
     verify.add_command(commands)
     stats_cli.add_command(commands)
+    probe_cli.add_command(commands)
+    heatmap_cli.add_command(commands)
     add_bench_commands(bench_commands)
     try:
         from expertmesh.orchestrator.cli import add_commands as add_orchestrator_commands
@@ -42,10 +54,8 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    server = args.command in SERVER_COMMANDS
+    configure_logging(args.log_format or ("json" if server else "text"), args.verbose, server)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return int(args.run(args) or 0)

@@ -30,6 +30,7 @@ from expertmesh.placement import GroupPlacement
 from expertmesh.router.load_window import LoadWindow
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore, open_store
+from expertmesh.telemetry import propagation_env
 
 if TYPE_CHECKING:
     from expertmesh.router.dispatch import ExpertDispatcher
@@ -141,6 +142,7 @@ class DataPlane:
                 host=config.group_host,
                 num_cpus=config.group_num_cpus,
                 num_gpus=gpus,
+                telemetry_env=propagation_env(),
                 **(deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {}),
             )
             for name, pairs in placement.groups.items()

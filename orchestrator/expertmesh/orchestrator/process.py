@@ -36,7 +36,9 @@ def add_command(commands) -> None:
 
 def start_admin_server(host: str, port: int):
     """Returns (server, bound port, health servicer)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    from expertmesh.telemetry import server_interceptors
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=server_interceptors())
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -54,6 +56,9 @@ def run(args) -> int:
 
     if not args.state_url or args.state_url.startswith("memory://"):
         raise PlacementError("the orchestrator needs a shared --state-url (redis://host:port/db) that routers also read")
+    from expertmesh.telemetry import setup as setup_telemetry
+
+    telemetry = setup_telemetry("expertmesh-orchestrator")
     spec = Checkpoint(args.model).spec
     store = open_store(args.state_url)
     reconciler = Reconciler(store, spec, args.placement)
@@ -77,4 +82,5 @@ def run(args) -> int:
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     server.stop(grace=2).wait()
     store.close()
+    telemetry.shutdown()
     return 0

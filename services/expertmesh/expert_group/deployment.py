@@ -50,6 +50,8 @@ class GroupSpec:
     state_url: str | None = None
     #: NUMA node whose CPUs the replica pins itself to (its GPUs' node)
     numa: int | None = None
+    #: OTEL_* settings of the process that deployed the group, so its traces join the router's
+    telemetry_env: dict[str, str] = field(default_factory=dict)
 
 
 class ExpertGroupReplica:
@@ -63,6 +65,12 @@ class ExpertGroupReplica:
 
         if spec.numa is not None:
             pin_to_numa_node(spec.numa)
+        import os
+
+        from expertmesh.telemetry import setup as setup_telemetry
+
+        os.environ.update(spec.telemetry_env)
+        self._telemetry = setup_telemetry("expertmesh-expert-group")
         # Intra-op threads follow the CPU share: oversubscribing a small host costs more than it gains.
         torch.set_num_threads(max(1, int(spec.num_cpus)))
         device = "cuda" if spec.num_gpus and torch.cuda.is_available() else "cpu"
@@ -86,6 +94,9 @@ class ExpertGroupReplica:
         server = getattr(self, "_server", None)
         if server is not None:
             server.stop(grace=2).wait()
+        telemetry = getattr(self, "_telemetry", None)
+        if telemetry is not None:
+            telemetry.shutdown()
 
 
 class GroupDirectory:

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from expertmesh import wire
 from expertmesh.errors import ExpertMeshError
 from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.telemetry.setup import server_interceptors, tracer
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
@@ -65,7 +66,11 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
         hidden = wire.decode(request.hidden_states, "hidden_states")
         ids = wire.decode(request.expert_ids, "expert_ids")
         weights = wire.decode(request.routing_weights, "routing_weights")
-        partial = self.hosted.compute(request.layer, hidden, ids, weights)
+        with tracer().start_as_current_span(
+            "expertmesh.group.compute",
+            attributes={"expertmesh.group": self.group, "expertmesh.layer": request.layer, "expertmesh.tokens": hidden.shape[0]},
+        ):
+            partial = self.hosted.compute(request.layer, hidden, ids, weights)
         return pb.DispatchResponse(partial_sums=wire.encode(partial))
 
     @_guard
@@ -95,7 +100,9 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
 
 def start_server(group: str, hosted: HostedExperts, host: str = "127.0.0.1", port: int = 0, workers: int = 4):
     """Start the gRPC server; returns (server, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers), options=CHANNEL_OPTIONS, interceptors=server_interceptors()
+    )
     pb_grpc.add_ExpertGroupServicer_to_server(ExpertGroupServicer(group, hosted), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

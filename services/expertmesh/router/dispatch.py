@@ -28,10 +28,12 @@ import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import grpc
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
@@ -44,6 +46,7 @@ from expertmesh.router.step_gather import StepGather
 from expertmesh.router.traffic import TrafficCounters
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore
+from expertmesh.telemetry.setup import meter, tracer
 from expertmesh.v1 import experts_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,9 @@ class ExpertDispatcher:
         #: layer -> [(expert, group indices of its replicas, their shares)] for replicated experts
         self._multi: dict[int, list[tuple[int, tuple[int, ...], tuple[float, ...]]]] = {}
         self._in_flight: Counter[int] = Counter()
+        self._call_seconds = meter().create_histogram(
+            "expertmesh.group.call.duration", unit="s", description="expert-group Dispatch round trip, by group"
+        )
         self._local = threading.local()
         self.traffic = TrafficCounters()
 
@@ -114,10 +120,13 @@ class ExpertDispatcher:
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """The experts call of one MoE layer: gathered with the step's other sequences, or sent now."""
-        gather = getattr(self._local, "gather", None)
-        if gather is not None:
-            return gather.experts(layer, hidden, top_k_index, top_k_weights, self._local.positions)
-        return self.dispatch(layer, hidden, top_k_index, top_k_weights)
+        with tracer().start_as_current_span("expertmesh.moe_layer", attributes={"expertmesh.layer": layer}) as span:
+            gather = getattr(self._local, "gather", None)
+            if gather is not None:
+                return gather.experts(
+                    layer, hidden, top_k_index, top_k_weights, self._local.positions, span.get_span_context()
+                )
+            return self.dispatch(layer, hidden, top_k_index, top_k_weights)
 
     def dispatch(
         self,
@@ -126,10 +135,12 @@ class ExpertDispatcher:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
         positions: torch.Tensor | None = None,
+        links: Sequence[SpanContext] = (),
     ) -> torch.Tensor:
         """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> weighted expert sum [T, H].
 
         positions [T] (optional): each token's position in its sequence, for the load statistics.
+        links: trace contexts of the other sequences whose tokens ride in this dispatch.
         """
         started = time.perf_counter()
         if self.table is None:
@@ -152,6 +163,7 @@ class ExpertDispatcher:
         weights_cpu = top_k_weights.detach().to("cpu")
         hidden_cpu = hidden.detach().to("cpu")
 
+        links = [Link(c) for c in links if c.is_valid]
         calls = []
         sent = received = pairs = 0
         group_tokens: dict[str, int] = {}
@@ -169,24 +181,42 @@ class ExpertDispatcher:
             stub = self._clients.stub(group)
             if stub is None:
                 raise GroupUnavailable(f"expert group {group} has no registered endpoint")
-            calls.append((g, tokens, stub.Dispatch.future(request, timeout=self._timeout)))
+            span = tracer().start_span(
+                "expertmesh.group_call",
+                links=links,
+                attributes={
+                    "expertmesh.layer": layer,
+                    "expertmesh.group": group,
+                    "expertmesh.tokens": tokens.numel(),
+                    "expertmesh.bytes_sent": request.ByteSize(),
+                },
+            )
+            if span.is_recording():
+                span.set_attribute("expertmesh.experts_hit", torch.unique(index[mine]).tolist())
+            with trace.use_span(span, end_on_exit=False):  # the gRPC client span nests under it
+                future = stub.Dispatch.future(request, timeout=self._timeout)
+            calls.append((g, tokens, future, span, time.perf_counter()))
             self._in_flight[g] += 1
             sent += request.ByteSize()
             pairs += tokens.numel()
             group_tokens[group] = tokens.numel()
 
         out = torch.zeros_like(hidden_cpu)  # [T, H]
-        for g, tokens, future in calls:
+        for g, tokens, future, span, sent_at in calls:
             group = self._groups[g]
             try:
                 response = future.result()
+                span.set_attribute("expertmesh.bytes_received", response.ByteSize())
             except grpc.RpcError as err:
+                span.set_status(Status(StatusCode.ERROR, err.code().name))
                 raise GroupUnavailable(
                     f"expert group {group} at {self._clients.address(group)} failed layer {layer}: "
                     f"{err.code().name}: {err.details()}"
                 ) from None
             finally:
                 self._in_flight[g] -= 1
+                span.end()
+            self._call_seconds.record(time.perf_counter() - sent_at, {"group": group})
             received += response.ByteSize()
             out.index_add_(0, tokens, wire.decode(response.partial_sums, f"partial sums from {group}").to(out.dtype))
         self.traffic.record(
@@ -199,8 +229,12 @@ class ExpertDispatcher:
             bytes_received=received,
             seconds=time.perf_counter() - started,
         )
-        self.traffic.record_groups(group_tokens)
+        self.traffic.record_groups(layer, group_tokens)
         return out.to(hidden.device)
+
+    def queue_depths(self) -> dict[str, int]:
+        """Dispatch calls in flight from this router, by group."""
+        return {group: self._in_flight[g] for g, group in enumerate(self._groups)}
 
     def close(self) -> None:
         self._clients.close()

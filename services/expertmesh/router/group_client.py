@@ -7,6 +7,7 @@ import threading
 import grpc
 
 from expertmesh.expert_group.service import CHANNEL_OPTIONS
+from expertmesh.telemetry.setup import intercept_client
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
 
@@ -30,7 +31,7 @@ class GroupClients:
                 if group not in self._addresses:
                     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
                     self._channels[group] = channel
-                    self._stubs[group] = pb_grpc.ExpertGroupStub(channel)
+                    self._stubs[group] = pb_grpc.ExpertGroupStub(intercept_client(channel))
                     self._addresses[group] = address
 
     def stub(self, group: str) -> pb_grpc.ExpertGroupStub | None:

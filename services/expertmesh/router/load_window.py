@@ -118,6 +118,7 @@ class LoadWindow:
         self._bins = position_bins
         self._position = np.zeros((buckets, L, position_bins, E), dtype=np.float32)
         self._epoch = np.full(buckets, -1, dtype=np.int64)  # which time slot each bucket holds
+        self._since_start = np.zeros((L, E), dtype=np.float64)  # never ages out: monotonic metrics read it
         self._lock = threading.Lock()
 
     def _bucket(self) -> int:
@@ -150,9 +151,15 @@ class LoadWindow:
         with self._lock:
             b = self._bucket()
             self._load[b, row] += counts
+            self._since_start[row] += counts
             self._coact[b, row] += coact
             if by_bin is not None:
                 self._position[b, row] += by_bin
+
+    def since_start(self) -> np.ndarray:
+        """[L, E] tokens per expert since the router started."""
+        with self._lock:
+            return self._since_start.copy()
 
     def snapshot(self) -> LoadSnapshot:
         with self._lock:

@@ -18,18 +18,20 @@ from typing import Callable
 
 import torch
 
-# (layer, hidden [T, H], top_k_index [T, K], top_k_weights [T, K], positions [T] or None) -> [T, H]
-DispatchFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# (layer, hidden [T, H], top_k_index [T, K], top_k_weights [T, K], positions [T] or None, links) -> [T, H]
+DispatchFn = Callable[..., torch.Tensor]
 
 
 class StepGather:
     def __init__(self, dispatch: DispatchFn, participants: int):
+        self.size = participants
         self._dispatch = dispatch
         self._cond = threading.Condition()
         self._active = participants
         self._layer: int | None = None
-        # (hidden [n_i, H], top_k_index [n_i, K], top_k_weights [n_i, K], positions [n_i] | None) per participant
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        # (hidden [n_i, H], top_k_index [n_i, K], top_k_weights [n_i, K], positions [n_i] | None,
+        #  trace context | None) per arrived participant
+        self._pending: list[tuple] = []
         self._round = 0
         self._results: dict[int, list[torch.Tensor] | BaseException] = {}
         self._collected: dict[int, int] = {}  # round -> participants that took their result
@@ -42,14 +44,18 @@ class StepGather:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
         positions: torch.Tensor | None = None,
+        trace_context=None,
     ) -> torch.Tensor:
-        """Called by each participant at each MoE layer; returns its own [n_i, H] expert output."""
+        """Called by each participant at each MoE layer; returns its own [n_i, H] expert output.
+
+        ``trace_context``: the participant's span, linked from the shared dispatch's spans.
+        """
         with self._cond:
             if self._pending and layer != self._layer:
                 raise RuntimeError(f"step participants diverged: layer {layer} while layer {self._layer} is pending")
             self._layer = layer
             my_round, my_slot = self._round, len(self._pending)
-            self._pending.append((hidden, top_k_index, top_k_weights, positions))
+            self._pending.append((hidden, top_k_index, top_k_weights, positions, trace_context))
             if len(self._pending) >= self._active:
                 self._flush()
             while my_round not in self._results:
@@ -81,6 +87,7 @@ class StepGather:
                 torch.cat([p[1] for p in pending]),  # [sum n_i, K]
                 torch.cat([p[2] for p in pending]),  # [sum n_i, K]
                 None if any(x is None for x in positions) else torch.cat(positions),  # [sum n_i]
+                [p[4] for p in pending if p[4] is not None],
             )
             result: list[torch.Tensor] | BaseException = list(torch.split(out, sizes))
         except BaseException as err:  # every participant of the round must see the failure

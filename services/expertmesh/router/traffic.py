@@ -26,7 +26,7 @@ class TrafficCounters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._layers: dict[int, LayerTraffic] = {}
-        self._group_tokens: dict[str, int] = {}
+        self._group_tokens: dict[tuple[int, str], int] = {}  # (layer, group) -> hidden states sent
 
     def record(self, layer: int, **amounts) -> None:
         with self._lock:
@@ -34,15 +34,22 @@ class TrafficCounters:
             for name, amount in amounts.items():
                 setattr(traffic, name, getattr(traffic, name) + amount)
 
-    def record_groups(self, tokens_by_group: dict[str, int]) -> None:
+    def record_groups(self, layer: int, tokens_by_group: dict[str, int]) -> None:
         with self._lock:
             for group, tokens in tokens_by_group.items():
-                self._group_tokens[group] = self._group_tokens.get(group, 0) + tokens
+                self._group_tokens[(layer, group)] = self._group_tokens.get((layer, group), 0) + tokens
+
+    def layer_group_tokens(self) -> dict[tuple[int, str], int]:
+        """Hidden states sent to each group in each layer, since start."""
+        with self._lock:
+            return dict(sorted(self._group_tokens.items()))
 
     def group_tokens(self) -> dict[str, int]:
         """Hidden states sent to each group, all layers together."""
-        with self._lock:
-            return dict(sorted(self._group_tokens.items()))
+        out: dict[str, int] = {}
+        for (_, group), tokens in self.layer_group_tokens().items():
+            out[group] = out.get(group, 0) + tokens
+        return out
 
     def snapshot(self) -> dict[int, LayerTraffic]:
         with self._lock:

@@ -28,6 +28,7 @@ from typing import Iterator, Union
 
 import grpc
 import torch
+from opentelemetry import context as otel_context
 from transformers import DynamicCache
 
 from expertmesh.errors import ExpertMeshError, Overloaded, ShuttingDown
@@ -35,6 +36,7 @@ from expertmesh.router.dispatch import ExpertDispatcher
 from expertmesh.router.step_gather import StepGather
 from expertmesh.serving.sampling import SamplingParams, make_generator, next_token
 from expertmesh.serving.text_stream import TextStream
+from expertmesh.telemetry.setup import tracer
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,8 @@ class Sequence:
     generator: torch.Generator | None = None
     next_input: list[int] = field(default_factory=list)
     done: bool = False
+    #: the caller's trace context: this sequence's step spans belong to its request's trace
+    trace_context: otel_context.Context | None = None
 
     def cancel(self) -> None:
         """Free this sequence at the next step boundary (the caller went away)."""
@@ -164,7 +168,7 @@ class Engine:
     # -- requests --------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> Sequence:
-        seq = Sequence(request, TextStream(self._tokenizer, request.stop))
+        seq = Sequence(request, TextStream(self._tokenizer, request.stop), trace_context=otel_context.get_current())
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the server is draining and takes no new requests")
@@ -245,7 +249,15 @@ class Engine:
         ids = torch.tensor([seq.next_input], dtype=torch.long)  # [1, n]
         start = seq.cache.get_seq_length()
         positions = torch.arange(start, start + ids.shape[1])  # [n]
-        with self._dispatcher.gathering(gather, positions), torch.no_grad():
+        with (
+            tracer().start_as_current_span(
+                "expertmesh.step",
+                context=seq.trace_context,
+                attributes={"expertmesh.step": self.steps, "expertmesh.tokens": ids.shape[1], "expertmesh.batch": gather.size},
+            ),
+            self._dispatcher.gathering(gather, positions),
+            torch.no_grad(),
+        ):
             out = self._model(input_ids=ids, cache=seq.cache, use_cache=True)
         return out.logits[0].float()  # [n, V]
 

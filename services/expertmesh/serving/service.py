@@ -19,6 +19,8 @@ from concurrent import futures
 
 import grpc
 from google.protobuf.message import DecodeError
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -34,6 +36,7 @@ from expertmesh.serving.engine import (
     TokenEvent,
 )
 from expertmesh.serving.sampling import SamplingParams
+from expertmesh.telemetry.setup import meter, server_interceptors, tracer
 from expertmesh.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,11 @@ _FINISH = {
 class InferenceServicer:
     def __init__(self, engine: Engine, tokenizer, info: pb.ModelInfo, config: ServingConfig, table_version, load_window):
         self._load_window = load_window
+        m = meter()
+        self._duration = m.create_histogram("expertmesh.request.duration", unit="s", description="Generate, first byte in to last out")
+        self._ttft = m.create_histogram("expertmesh.time_to_first_token", unit="s", description="Generate request to first token")
+        self._itl = m.create_histogram("expertmesh.inter_token_latency", unit="s", description="between streamed tokens")
+        self._errors = m.create_counter("expertmesh.errors", description="requests answered with an error, by gRPC status")
         self._engine = engine
         self._tokenizer = tokenizer
         self._info = info
@@ -127,33 +135,70 @@ class InferenceServicer:
     # -- handlers --------------------------------------------------------------------
 
     def Generate(self, raw: bytes, context):
-        try:
-            request = self._generation_request(self._parse(pb.GenerateRequest, raw), context)
-            seq = self._engine.submit(request)
-        except ExpertMeshError as err:
-            context.abort(err.code, str(err))
-        context.add_callback(seq.cancel)
         started = time.monotonic()
-        for event in seq:
-            if isinstance(event, TokenEvent):
-                yield pb.GenerateResponse(
-                    request_id=request.request_id, delta=pb.TokenDelta(token_ids=event.token_ids, text=event.text)
-                )
-            elif isinstance(event, FinishEvent):
-                log.info(
-                    "request %s finished (%s): %d prompt + %d completion tokens in %.3fs",
-                    request.request_id, event.reason, event.prompt_tokens, event.completion_tokens,
-                    time.monotonic() - started,
-                )
-                yield pb.GenerateResponse(
-                    request_id=request.request_id,
-                    finished=pb.Finished(
-                        reason=_FINISH[event.reason],
-                        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
-                    ),
-                )
-            elif isinstance(event, ErrorEvent):
-                context.abort(event.code, event.message)
+        # Not made current across yields (each resumes the generator anew); made current where children start.
+        span = tracer().start_span("expertmesh.request")
+        try:
+            with trace.use_span(span):
+                try:
+                    request = self._generation_request(self._parse(pb.GenerateRequest, raw), context)
+                    seq = self._engine.submit(request)  # captures this span as the parent of its steps
+                except ExpertMeshError as err:
+                    self._fail(span, context, err.code, str(err))
+            span.set_attributes(
+                {
+                    "expertmesh.request_id": request.request_id,
+                    "expertmesh.prompt_tokens": len(request.prompt_ids),
+                    "expertmesh.max_new_tokens": request.max_new_tokens,
+                }
+            )
+            context.add_callback(seq.cancel)
+            last = None
+            for event in seq:
+                now = time.monotonic()
+                if isinstance(event, TokenEvent):
+                    if last is None:
+                        self._ttft.record(now - started)
+                    else:
+                        self._itl.record(now - last)
+                    last = now
+                    yield pb.GenerateResponse(
+                        request_id=request.request_id, delta=pb.TokenDelta(token_ids=event.token_ids, text=event.text)
+                    )
+                elif isinstance(event, FinishEvent):
+                    self._duration.record(now - started)
+                    span.set_attributes(
+                        {"expertmesh.completion_tokens": event.completion_tokens, "expertmesh.finish_reason": event.reason}
+                    )
+                    with trace.use_span(span):
+                        log.info(
+                            "request %s finished (%s): %d prompt + %d completion tokens in %.3fs",
+                            request.request_id, event.reason, event.prompt_tokens, event.completion_tokens, now - started,
+                            extra={
+                                "request_id": request.request_id,
+                                "finish_reason": event.reason,
+                                "prompt_tokens": event.prompt_tokens,
+                                "completion_tokens": event.completion_tokens,
+                                "duration_s": round(now - started, 6),
+                            },
+                        )
+                    yield pb.GenerateResponse(
+                        request_id=request.request_id,
+                        finished=pb.Finished(
+                            reason=_FINISH[event.reason],
+                            usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+                        ),
+                    )
+                elif isinstance(event, ErrorEvent):
+                    self._fail(span, context, event.code, event.message)
+        finally:
+            span.end()
+
+    def _fail(self, span, context, code: grpc.StatusCode, message: str):
+        """Count the error, mark the span, and abort the RPC with ``code``."""
+        self._errors.add(1, {"code": code.name})
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}"))
+        context.abort(code, message)
 
     def Score(self, raw: bytes, context) -> pb.ScoreResponse:
         try:
@@ -173,10 +218,12 @@ class InferenceServicer:
                 )
             )
         except ExpertMeshError as err:
+            self._errors.add(1, {"code": err.code.name})
             context.abort(err.code, str(err))
         context.add_callback(seq.cancel)
         event = list(seq)[-1]
         if isinstance(event, ErrorEvent):
+            self._errors.add(1, {"code": event.code.name})
             context.abort(event.code, event.message)
         assert isinstance(event, ScoreEvent)
         logits = event.logits  # [P, V]
@@ -209,6 +256,7 @@ class InferenceServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=concurrent, thread_name_prefix="expertmesh-rpc"),
             maximum_concurrent_rpcs=concurrent,
+            interceptors=server_interceptors(),
         )
         self._server.add_generic_rpc_handlers(
             [

@@ -8,6 +8,7 @@ process down.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -17,6 +18,8 @@ from expertmesh.data_plane import DataPlane, progress
 from expertmesh.errors import PlacementError
 from expertmesh.serving.engine import Engine, EngineLimits
 from expertmesh.serving.service import InferenceServer, InferenceServicer
+from expertmesh.telemetry import setup as setup_telemetry
+from expertmesh.telemetry.router_metrics import register_router_metrics
 from expertmesh.v1 import inference_pb2 as pb
 
 
@@ -57,6 +60,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
     """Start the Inference API over a running data plane."""
     plane.dispatcher.refresh()  # load the routing table now: a missing one fails at start, not at the first request
     info = model_info(plane)
+    register_router_metrics(plane.dispatcher, info.dense_parameters, info.parameters_per_expert)
     tokenizer = load_tokenizer(plane.checkpoint.path)
     engine = Engine(
         plane.model,
@@ -91,6 +95,12 @@ def add_command(commands) -> None:
     parser.add_argument("--max-queued", type=int, default=128, help="requests that may wait for a slot")
     parser.add_argument("--max-new-tokens-cap", type=int, default=1024)
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ["EXPERTMESH_METRICS_PORT"]) if os.environ.get("EXPERTMESH_METRICS_PORT") else None,
+        help="serve Prometheus metrics on this port (default off; OTLP follows the OTEL_* environment)",
+    )
     parser.set_defaults(run=_main)
 
 
@@ -104,6 +114,9 @@ def _main(args) -> int:
         max_new_tokens_cap=args.max_new_tokens_cap,
         drain_timeout_s=args.drain_timeout,
     )
+    telemetry = setup_telemetry("expertmesh-router", prometheus_port=args.metrics_port)
+    if telemetry.prometheus_port is not None:
+        progress(f"Prometheus metrics on :{telemetry.prometheus_port}/metrics")
     if args.router_only:
         if data_config.state_url.startswith("memory://"):
             raise PlacementError("--router-only needs a shared --state-url (redis://host:port/db) with a routing table")
@@ -130,4 +143,5 @@ def _main(args) -> int:
     finally:
         progress("stopping expert groups and Ray")
         plane.close()
+        telemetry.shutdown()
     return 0

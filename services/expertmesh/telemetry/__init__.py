@@ -1,0 +1,34 @@
+"""OpenTelemetry for every expertmesh process: traces, metrics, structured logs.
+
+``setup(service_name)`` wires the SDK from the standard ``OTEL_*`` environment
+(``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_HEADERS``,
+``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``, ``OTEL_SDK_DISABLED``)
+plus an optional Prometheus scrape port. With no exporter configured nothing is
+installed and the API stays the no-op default, so instrumented code costs
+next to nothing.
+
+Trace of one Generate call::
+
+    /expertmesh.v1.Inference/Generate          (gRPC server span)
+      expertmesh.request                       (request id, prompt/completion tokens)
+        expertmesh.step                        (one per forward pass of this sequence)
+          expertmesh.moe_layer                 (layer; waits for the step's other sequences)
+            expertmesh.group_call              (layer, group, tokens, bytes, experts hit)
+              /expertmesh.v1.ExpertGroup/Dispatch  (client, then server span in the group)
+                expertmesh.group.compute
+
+Under continuous batching one sequence's thread sends the layer for everyone;
+its group calls link to the other sequences' ``moe_layer`` spans.
+"""
+
+from expertmesh.telemetry.setup import (
+    TelemetryHandle,
+    intercept_client,
+    meter,
+    propagation_env,
+    server_interceptors,
+    setup,
+    tracer,
+)
+
+__all__ = ["TelemetryHandle", "intercept_client", "meter", "propagation_env", "server_interceptors", "setup", "tracer"]

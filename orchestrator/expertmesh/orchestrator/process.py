@@ -12,13 +12,10 @@ import logging
 import os
 import signal
 import threading
-from concurrent import futures
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from expertmesh.errors import PlacementError
+from expertmesh.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
 
@@ -32,20 +29,6 @@ def add_command(commands) -> None:
     p.add_argument("--admin-host", default="0.0.0.0")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between reconcile rounds")
     p.set_defaults(run=run)
-
-
-def start_admin_server(host: str, port: int):
-    """Returns (server, bound port, health servicer)."""
-    from expertmesh.telemetry import server_interceptors
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=server_interceptors())
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind the admin gRPC server to {host}:{port}")
-    server.start()
-    return server, bound, health_servicer
 
 
 def run(args) -> int:
@@ -63,8 +46,8 @@ def run(args) -> int:
     store = open_store(args.state_url)
     reconciler = Reconciler(store, spec, args.placement)
     first = reconciler.reconcile_once()  # a bad placement fails here, before we report healthy
-    server, port, health_servicer = start_admin_server(args.admin_host, args.admin_port)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    server = GrpcServer("admin", args.admin_host, args.admin_port).start()
+    port = server.port
     version = first.version if first else store.routing_table_version()
     progress(f"orchestrator: routing table version {version}; admin gRPC on {args.admin_host}:{port}")
 
@@ -79,8 +62,8 @@ def run(args) -> int:
             continue
         if table is not None:
             progress(f"orchestrator: published routing table version {table.version}")
-    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    server.stop(grace=2).wait()
+    server.set_serving(False)
+    server.stop()
     store.close()
     telemetry.shutdown()
     return 0

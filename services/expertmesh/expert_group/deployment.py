@@ -93,7 +93,7 @@ class ExpertGroupReplica:
     def __del__(self):
         server = getattr(self, "_server", None)
         if server is not None:
-            server.stop(grace=2).wait()
+            server.stop()
         telemetry = getattr(self, "_telemetry", None)
         if telemetry is not None:
             telemetry.shutdown()

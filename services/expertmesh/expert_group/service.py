@@ -9,15 +9,14 @@ keeps serving everyone else.
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh import wire
 from expertmesh.errors import ExpertMeshError
 from expertmesh.expert_group.hosted import HostedExperts
-from expertmesh.telemetry.setup import server_interceptors, tracer
+from expertmesh.grpc_server import GrpcServer
+from expertmesh.telemetry.setup import tracer
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
@@ -100,17 +99,7 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
 
 def start_server(group: str, hosted: HostedExperts, host: str = "127.0.0.1", port: int = 0, workers: int = 4):
     """Start the gRPC server; returns (server, bound port)."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers), options=CHANNEL_OPTIONS, interceptors=server_interceptors()
-    )
-    pb_grpc.add_ExpertGroupServicer_to_server(ExpertGroupServicer(group, hosted), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind the expert-group gRPC server to {host}:{port}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
-
+    server = GrpcServer("expert-group", host, port, workers, options=CHANNEL_OPTIONS)
+    pb_grpc.add_ExpertGroupServicer_to_server(ExpertGroupServicer(group, hosted), server.server)
+    server.start((SERVICE_NAME,))
+    return server, server.port

@@ -15,18 +15,18 @@ import json
 import logging
 import time
 import uuid
-from concurrent import futures
 
 import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from expertmesh import wire
 from expertmesh.config import ServingConfig
 from expertmesh.errors import ExpertMeshError, InvalidRequest
+from expertmesh.grpc_server import GrpcServer
 from expertmesh.serving.engine import (
     Engine,
     ErrorEvent,
@@ -36,7 +36,7 @@ from expertmesh.serving.engine import (
     TokenEvent,
 )
 from expertmesh.serving.sampling import SamplingParams
-from expertmesh.telemetry.setup import meter, server_interceptors, tracer
+from expertmesh.telemetry.setup import meter, tracer
 from expertmesh.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -253,11 +253,10 @@ class InferenceServer:
         limits = engine.limits
         # Streams hold a thread each; past this many concurrent RPCs gRPC answers RESOURCE_EXHAUSTED itself.
         concurrent = limits.max_active + limits.max_queued + 8
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=concurrent, thread_name_prefix="expertmesh-rpc"),
-            maximum_concurrent_rpcs=concurrent,
-            interceptors=server_interceptors(),
+        self._grpc = GrpcServer(
+            "rpc", config.host, config.port, workers=concurrent, maximum_concurrent_rpcs=concurrent
         )
+        self._server = self._grpc.server
         self._server.add_generic_rpc_handlers(
             [
                 grpc.method_handlers_generic_handler(
@@ -283,27 +282,20 @@ class InferenceServer:
                 )
             ]
         )
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind the Inference gRPC server to {config.host}:{config.port}")
+        self.port = self._grpc.port
 
     def start(self) -> "InferenceServer":
         self.engine.start()
-        self._server.start()
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._grpc.start((SERVICE_NAME,))
         return self
 
     def drain_and_stop(self) -> bool:
         """Stop taking requests, let in-flight ones finish (up to the drain timeout), then stop."""
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._grpc.set_serving(False, (SERVICE_NAME,))
         drained = self.engine.drain(self._config.drain_timeout_s)
-        self._server.stop(grace=2).wait()
+        self._grpc.stop()
         self.engine.stop()
         return drained

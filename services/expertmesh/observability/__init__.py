@@ -1,0 +1,14 @@
+"""Looking at how a served MoE model routes: the sparsity probe and the heatmaps.
+
+- ``sparsity``: pure computations over the router's load counts (numpy in,
+  dataclasses out): active parameters per token, expert utilisation, routing
+  entropy, balancedness over expert groups. Its docstring is the glossary.
+- ``heatmap``: pure rendering of expert x token-position activation
+  frequency per MoE layer to a PNG (matplotlib, no display needed).
+- ``remote``: the I/O both commands share: ``ListModels``, ``GetLoadStats``
+  snapshots and the probe's own traffic over the Inference API.
+- ``probe_cli`` / ``heatmap_cli``: ``expertmesh probe`` and ``expertmesh heatmap``.
+
+Traces and Prometheus metrics live in ``expertmesh.telemetry``; the Grafana
+dashboard over those metrics is ``deploy/grafana/expertmesh-dashboard.json``.
+"""

@@ -1,0 +1,238 @@
+"""The I/O of ``expertmesh probe`` and ``expertmesh heatmap``: what a router says
+about its model (``ListModels``) and its routing (``GetLoadStats``), and the
+probe's own traffic (``Generate``).
+
+The router's load counts are cumulative over its sliding window, so a command
+that sends traffic reads the counts before and after and uses the difference
+(``LoadDelta``); other clients' requests in the meantime are counted too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from expertmesh.errors import ExpertMeshError, GroupUnavailable, InvalidRequest
+from expertmesh.observability.sparsity import ModelShape
+from expertmesh.v1 import inference_pb2 as pb
+from expertmesh.v1 import inference_pb2_grpc as pb_grpc
+
+#: Prompts of different kinds, cycled through by the probe's traffic.
+PROMPTS = (
+    "The history of the Roman Empire begins with",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Solve for x: 3x + 7 = 22. First, subtract 7 from both sides",
+    "Dear hiring manager, I am writing to apply for the position of",
+    "SELECT name, COUNT(*) FROM orders JOIN customers ON",
+    "Photosynthesis converts light energy into chemical energy by",
+    "Once upon a time, in a village at the edge of a dark forest,",
+    "Translate into French: The weather is lovely today and",
+    "The patient presented with a persistent cough and a fever of",
+    "In 1969 the Apollo 11 mission landed on the Moon, and",
+    "To configure a Kubernetes deployment, first write a YAML manifest that",
+    "The stock market fell sharply on Monday after the central bank",
+)
+
+
+class RouterError(GroupUnavailable):
+    """The router could not be reached or refused a call."""
+
+
+def _rpc_error(target: str, what: str, err: grpc.RpcError) -> RouterError:
+    details = " ".join(str(err.details() or "").split())  # one line
+    return RouterError(f"cannot {what} from {target}: {err.code().name}: {details}")
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """One ``GetLoadStats`` answer, as arrays."""
+
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    max_context: int
+    load: np.ndarray  # [L, E] tokens per expert over the window
+    position_load: np.ndarray  # [L, P, E] of those, by position bin
+
+    @classmethod
+    def from_json(cls, text: str) -> "LoadStats":
+        stats = json.loads(text)
+        L, E = stats["num_layers"], stats["num_experts"]
+        load = np.asarray(stats["load"], dtype=np.float64).reshape(L, E)
+        position = np.asarray(stats.get("position_load") or np.zeros((L, 0, E)), dtype=np.float64)
+        return cls(
+            tuple(stats["moe_layers"]), E, stats["top_k"], int(stats.get("max_context") or 0), load, position.reshape(L, -1, E)
+        )
+
+    def __sub__(self, before: "LoadStats") -> "LoadStats":
+        """The counts added since ``before``; raises when the window dropped old counts in between."""
+        load = self.load - before.load
+        position = self.position_load - before.position_load
+        if (load < -1e-6).any() or (position < -1e-6).any():
+            raise ExpertMeshError(
+                "the router's load window aged out old counts during the probe, so the difference is not this "
+                "probe's traffic; run it again (or use --requests 0 to report the whole window)"
+            )
+        return LoadStats(self.moe_layers, self.num_experts, self.top_k, self.max_context, load.clip(0), position.clip(0))
+
+
+@dataclass(frozen=True)
+class Traffic:
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    seconds: float
+
+
+class Router:
+    """A router's Inference API, for the observability commands."""
+
+    def __init__(self, target: str, timeout: float = 30.0):
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.InferenceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Router":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def model(self) -> pb.ModelInfo:
+        try:
+            models = self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout).models
+        except grpc.RpcError as err:
+            raise _rpc_error(self.target, "list models", err) from None
+        if not models:
+            raise RouterError(f"the router at {self.target} serves no model")
+        return models[0]
+
+    def load_stats(self) -> LoadStats:
+        try:
+            response = self._stub.GetLoadStats(pb.LoadStatsRequest(), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise _rpc_error(self.target, "read load stats", err) from None
+        return LoadStats.from_json(response.stats_json)
+
+    def send(
+        self,
+        requests: int,
+        max_new_tokens: int,
+        concurrency: int = 4,
+        prompts: Sequence[str] = PROMPTS,
+        vocab_size: int = 0,
+        seed: int = 0,
+    ) -> Traffic:
+        """Send ``requests`` generations (prompts cycled, sampled with a per-request
+        seed, no stop at EOS) and wait for all. A model without a tokenizer gets
+        random token-id prompts instead of text."""
+        as_ids = False
+
+        def prompt(i: int):
+            if as_ids:
+                rng = np.random.default_rng(seed + i)
+                return [int(t) for t in rng.integers(0, max(vocab_size, 1), size=8 + (i * 7) % 40)]
+            return prompts[i % len(prompts)]
+
+        def one(i: int) -> tuple[int, int]:
+            request_prompt = prompt(i)
+            try:
+                last = None
+                for response in self._stub.Generate(
+                    _request(request_prompt, max_new_tokens, seed + i, f"probe-{seed}-{i}"), timeout=None
+                ):
+                    last = response
+            except grpc.RpcError as err:
+                raise _rpc_error(self.target, f"generate (probe request {i})", err) from None
+            if last is None or last.WhichOneof("event") != "finished":
+                raise RouterError(f"probe request {i} to {self.target} ended without a finish message")
+            return last.finished.usage.prompt_tokens, last.finished.usage.completion_tokens
+
+        start = time.monotonic()
+        if requests <= 0:
+            return Traffic(0, 0, 0, 0.0)
+        try:
+            first = [one(0)]
+        except RouterError as err:
+            if "tokenizer" not in str(err):
+                raise
+            as_ids = True  # this model takes token ids only
+            first = [one(0)]
+        with ThreadPoolExecutor(max(1, concurrency)) as pool:
+            rest = list(pool.map(one, range(1, requests)))
+        usage = first + rest
+        return Traffic(
+            requests, sum(p for p, _ in usage), sum(c for _, c in usage), time.monotonic() - start
+        )
+
+
+def _request(prompt, max_new_tokens: int, seed: int, request_id: str) -> pb.GenerateRequest:
+    from expertmesh.client import generate_request
+
+    return generate_request(
+        prompt, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed, stop_at_eos=False, request_id=request_id
+    )
+
+
+def model_shape(info: pb.ModelInfo) -> ModelShape:
+    return ModelShape(
+        name=info.name,
+        moe_layers=tuple(info.moe_layers),
+        num_experts=info.num_experts,
+        top_k=info.top_k,
+        total_parameters=info.total_parameters,
+        dense_parameters=info.dense_parameters,
+        parameters_per_expert=info.parameters_per_expert,
+    )
+
+
+def expert_groups(info: pb.ModelInfo, placement_file: Path | None) -> tuple[dict, str]:
+    """(group name -> hosted (layer, expert) pairs, how they were obtained).
+
+    ``ModelInfo`` does not say which group holds which expert: with a placement
+    file we read it; otherwise we assume ``expertmesh.placement.contiguous``
+    over as many groups as the router reports (what ``--groups N`` starts)."""
+    from expertmesh import placement
+    from expertmesh.checkpoint import MoESpec
+
+    spec = MoESpec(
+        model_type=info.architecture,
+        num_layers=info.num_layers,
+        moe_layers=tuple(info.moe_layers),
+        num_experts=info.num_experts,
+        top_k=info.top_k,
+        hidden_size=info.hidden_size,
+        expert_params=(),
+    )
+    if placement_file is not None:
+        groups = placement.load(placement_file, spec)
+        placement.validate(groups, spec)
+        return dict(groups.groups), f"from {placement_file}"
+    names = list(info.groups) or ["g0"]
+    groups = placement.contiguous(spec, len(names))
+    note = ""
+    if sorted(groups.groups) != sorted(names):
+        note = f"; the router's groups are {', '.join(names)}, so it may use another placement"
+    return (
+        dict(groups.groups),
+        f"assumed contiguous split over {len(names)} groups ({', '.join(groups.groups)}); "
+        f"pass --placement FILE for the real one{note}",
+    )
+
+
+def check_not_empty(stats: LoadStats, target: str, source: str) -> None:
+    if stats.load.sum() <= 0:
+        raise InvalidRequest(
+            f"no routed tokens in {source} of {target}: send traffic first or pass --requests N"
+        )

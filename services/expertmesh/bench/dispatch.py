@@ -1,0 +1,386 @@
+"""``expertmesh bench dispatch``: the platform against stock transformers on one checkpoint.
+
+In one run, on the same checkpoint, dtype, inputs and intra-op thread count:
+
+* *monolithic*: ``AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")``,
+  every expert computed in this process;
+* *platform*: the router's model (``DataPlane.start``), whose routed experts go
+  over gRPC to N expert groups on Ray Serve.
+
+Phases
+- *prefill*: one forward of ``--prefill-tokens`` tokens (batch 1, fresh cache).
+- *decode at batch B*: B sequences of a short prompt are prefilled once (not
+  timed), one warm-up step, then ``--decode-steps`` single-token forward steps
+  with the cache (``DynamicCache``) are timed; the step time is their mean.
+
+Each phase runs once untimed on each side (warm-up), then ``--repeats`` times,
+alternating monolithic and platform; the figure is the median over repeats.
+Input tokens are seeded and identical on both sides, so both route the same.
+
+Derived figures (per phase)
+- *ratio* = platform seconds / monolithic seconds (> 1: the platform is slower).
+- *added ms per MoE layer* = (platform step − monolithic step) / MoE layers.
+- *dispatch ms per layer*: wall time inside the router's dispatch of one layer
+  (encode, RPCs to all groups concurrently, decode, sum), from the traffic counters
+  (median over the timed runs, like the step times).
+- *bytes per token per layer*: (request + response bytes) / tokens routed,
+  summed over the MoE layers of the timed steps; the *minimum* is
+  hidden_size × dtype bytes × 2 (hidden state out, partial sum back) × groups
+  touched per token (token–group pairs / tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+from expertmesh.bench.report import (
+    BenchError,
+    check_positive,
+    format_table,
+    machine,
+    median,
+    parse_int_list,
+    write_json,
+)
+from expertmesh.data_plane import progress
+
+DECODE_PROMPT_TOKENS = 8  # prompt of each sequence before the timed decode steps
+WARMUP_STEPS = 1  # untimed decode steps after the prompt, before the timed ones
+FIRST_TOKEN_ID = 3  # seeded inputs avoid the tiny models' pad/bos/eos ids (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Options:
+    model: Path
+    groups: int = 2
+    dtype: str = "float32"
+    repeats: int = 5
+    prefill_tokens: int = 512
+    batches: tuple[int, ...] = (1, 8, 32)
+    decode_steps: int = 16
+    threads: int | None = None  # None: torch's current intra-op thread count
+    seed: int = 0
+    ray_address: str | None = None
+
+
+def add_command(bench_commands) -> None:
+    p = bench_commands.add_parser(
+        "dispatch", help="prefill and decode latency: stock transformers vs the platform (experts over gRPC)"
+    )
+    p.add_argument("--model", type=Path, help="local checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--groups", type=int, default=2, help="expert groups of the contiguous split (default 2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="tokens of the prefill phase (default 512)")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated (default 1,8,32)")
+    p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per repeat (default 16)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per phase and side; median reported (default 5)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads for both sides (default: torch's, = cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--out", default="bench-dispatch.json", help="JSON results (default bench-dispatch.json)")
+    p.set_defaults(run=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from expertmesh.embedded import default_checkpoint
+
+    options = Options(
+        model=args.model or default_checkpoint(),
+        groups=check_positive(args.groups, "--groups"),
+        dtype=args.dtype,
+        repeats=check_positive(args.repeats, "--repeats"),
+        prefill_tokens=check_positive(args.prefill_tokens, "--prefill-tokens"),
+        batches=tuple(parse_int_list(args.batches, "--batches")),
+        decode_steps=check_positive(args.decode_steps, "--decode-steps"),
+        threads=None if args.threads is None else check_positive(args.threads, "--threads"),
+        seed=args.seed,
+        ray_address=args.ray_address,
+    )
+    result = run(options)
+    print(table(result))
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+# -- measuring --------------------------------------------------------------------------
+
+
+class _WireMeter:
+    """Sums the router's traffic counters over the timed parts only (snapshot diffs, nothing reset)."""
+
+    COUNTERS = ("calls", "tokens", "group_calls", "token_group_pairs", "bytes_sent", "bytes_received", "seconds")
+
+    def __init__(self, traffic) -> None:
+        self._traffic = traffic
+        self._before: dict | None = None
+        self.totals = dict.fromkeys(self.COUNTERS, 0)
+        self.ms_per_layer: list[float] = []  # per timed run: seconds inside dispatch / experts calls
+
+    def _sums(self) -> dict:
+        snap = self._traffic.snapshot()
+        return {name: sum(getattr(t, name) for t in snap.values()) for name in self.COUNTERS}
+
+    def begin(self) -> None:
+        self._before = self._sums()
+
+    def end(self) -> None:
+        after = self._sums()
+        diff = {name: after[name] - self._before[name] for name in self.COUNTERS}
+        for name in self.COUNTERS:
+            self.totals[name] += diff[name]
+        if diff["calls"]:
+            self.ms_per_layer.append(1e3 * diff["seconds"] / diff["calls"])
+
+
+class _NoMeter:
+    def begin(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+def _prefill_seconds(model, ids, meter) -> float:
+    """ids [1, P]: one forward with a fresh cache."""
+    meter.begin()
+    start = time.perf_counter()
+    model(input_ids=ids, use_cache=True)
+    seconds = time.perf_counter() - start
+    meter.end()
+    return seconds
+
+
+def _decode_seconds(model, prompt, steps, meter) -> float:
+    """prompt [B, DECODE_PROMPT_TOKENS], steps [B, WARMUP_STEPS + n]: mean seconds of the n timed steps."""
+    cache = model(input_ids=prompt, use_cache=True).cache
+    for i in range(WARMUP_STEPS):
+        cache = model(input_ids=steps[:, i : i + 1], cache=cache, use_cache=True).cache
+    n = steps.shape[1] - WARMUP_STEPS
+    meter.begin()
+    start = time.perf_counter()
+    for i in range(WARMUP_STEPS, steps.shape[1]):
+        cache = model(input_ids=steps[:, i : i + 1], cache=cache, use_cache=True).cache
+    seconds = (time.perf_counter() - start) / n
+    meter.end()
+    return seconds
+
+
+def _measure(run_once: Callable[[object, object], float], mono, platform, meter, repeats: int) -> tuple[list, list]:
+    """One untimed run on each side, then ``repeats`` alternating timed runs."""
+    run_once(mono, _NoMeter())
+    run_once(platform, _NoMeter())
+    mono_s, plat_s = [], []
+    for _ in range(repeats):
+        mono_s.append(run_once(mono, _NoMeter()))
+        plat_s.append(run_once(platform, meter))
+    return mono_s, plat_s
+
+
+def _side(samples: list[float], tokens_per_step: int) -> dict:
+    seconds = median(samples)
+    return {"seconds": seconds, "tokens_per_s": tokens_per_step / seconds, "samples": samples}
+
+
+def _wire(meter: _WireMeter, hidden_size: int, dtype_bytes: int) -> dict:
+    totals = meter.totals
+    tokens = totals["tokens"]
+    calls = totals["calls"]
+    wire_bytes = totals["bytes_sent"] + totals["bytes_received"]
+    groups_touched = totals["token_group_pairs"] / tokens if tokens else math.nan
+    per_token = wire_bytes / tokens if tokens else math.nan
+    minimum = hidden_size * dtype_bytes * 2 * groups_touched
+    return {
+        **totals,
+        "bytes_per_token_per_layer": per_token,
+        "groups_touched_per_token": groups_touched,
+        "groups_per_layer_call": totals["group_calls"] / calls if calls else math.nan,
+        "min_bytes_per_token_per_layer": minimum,
+        "overhead_vs_min": per_token / minimum if minimum else math.nan,
+        "dispatch_ms_per_layer": median(meter.ms_per_layer),  # median over the timed runs, like the step times
+        "dispatch_ms_per_layer_samples": meter.ms_per_layer,
+    }
+
+
+def _phase(name, batch, tokens_per_step, mono_s, plat_s, meter, moe_layers, hidden_size, dtype_bytes) -> dict:
+    mono, plat = _side(mono_s, tokens_per_step), _side(plat_s, tokens_per_step)
+    return {
+        "name": name,
+        "batch": batch,
+        "tokens_per_step": tokens_per_step,
+        "monolithic": mono,
+        "platform": plat,
+        "ratio": plat["seconds"] / mono["seconds"],
+        "added_ms_per_moe_layer": 1e3 * (plat["seconds"] - mono["seconds"]) / moe_layers,
+        "wire": _wire(meter, hidden_size, dtype_bytes),
+    }
+
+
+def validate(options: Options):
+    """Check the inputs against the checkpoint before starting anything; returns the Checkpoint."""
+    from expertmesh.checkpoint import Checkpoint
+
+    checkpoint = Checkpoint(options.model)
+    context = getattr(checkpoint.config.get_text_config(), "max_position_embeddings", None)
+    if context and options.prefill_tokens > context:
+        raise BenchError(
+            f"--prefill-tokens {options.prefill_tokens} is above the model's context of {context} tokens"
+        )
+    decode_len = DECODE_PROMPT_TOKENS + WARMUP_STEPS + options.decode_steps
+    if context and decode_len > context:
+        raise BenchError(
+            f"--decode-steps {options.decode_steps} needs {decode_len} positions, above the model's context of {context}"
+        )
+    return checkpoint
+
+
+def run(options: Options) -> dict:
+    """Run every phase on both sides; returns the JSON-ready results."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from expertmesh.config import DataPlaneConfig
+    from expertmesh.data_plane import DataPlane
+
+    checkpoint = validate(options)
+    spec = checkpoint.spec
+    text = checkpoint.config.get_text_config()
+    dtype = getattr(torch, options.dtype)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    moe_layers = len(spec.moe_layers)
+
+    previous_threads = torch.get_num_threads()
+    threads = options.threads or previous_threads
+    torch.set_num_threads(threads)
+    try:
+        progress(f"bench dispatch: loading stock transformers ({spec.model_type}, {options.dtype})")
+        mono = AutoModelForCausalLM.from_pretrained(
+            checkpoint.path, experts_implementation="eager", dtype=dtype, local_files_only=True
+        ).eval()
+        plane = DataPlane.start(
+            DataPlaneConfig(
+                model=checkpoint.path, groups=options.groups, dtype=options.dtype, ray_address=options.ray_address
+            )
+        )
+        try:
+            phases = _run_phases(options, mono, plane, text.vocab_size, moe_layers, spec.hidden_size, dtype_bytes)
+            groups = len(plane.placement.groups)
+        finally:
+            progress("bench dispatch: stopping the platform")
+            plane.close()
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    return {
+        "benchmark": "dispatch",
+        "model": {
+            "path": str(checkpoint.path),
+            "model_type": spec.model_type,
+            "num_layers": spec.num_layers,
+            "moe_layers": moe_layers,
+            "num_experts": spec.num_experts,
+            "top_k": spec.top_k,
+            "hidden_size": spec.hidden_size,
+            "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+            "parameters": sum(p.numel() for p in mono.parameters()),
+        },
+        "setup": {
+            **{f.name: _plain(getattr(options, f.name)) for f in fields(options)},
+            "threads": threads,
+            "groups": groups,
+            "dtype_bytes": dtype_bytes,
+            "warmup": "1 untimed run per phase and side; 1 untimed decode step per repeat",
+            "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
+            "machine": machine(),
+        },
+        "phases": phases,
+    }
+
+
+def _plain(value):
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _run_phases(options: Options, mono, plane, vocab: int, moe_layers: int, hidden: int, dtype_bytes: int) -> list:
+    import torch
+
+    platform = plane.model
+    gen = torch.Generator().manual_seed(options.seed)
+
+    def tokens(*shape):
+        return torch.randint(FIRST_TOKEN_ID, vocab, shape, generator=gen)
+
+    phases = []
+    with torch.no_grad():
+        ids = tokens(1, options.prefill_tokens)  # [1, P]
+        progress(f"bench dispatch: prefill {options.prefill_tokens} tokens, {options.repeats} repeats per side")
+        meter = _WireMeter(plane.dispatcher.traffic)
+        mono_s, plat_s = _measure(lambda m, w: _prefill_seconds(m, ids, w), mono, platform, meter, options.repeats)
+        phases.append(
+            _phase(
+                f"prefill {options.prefill_tokens}", 1, options.prefill_tokens, mono_s, plat_s, meter,
+                moe_layers, hidden, dtype_bytes,
+            )
+        )
+        for batch in options.batches:
+            prompt = tokens(batch, DECODE_PROMPT_TOKENS)  # [B, prompt]
+            steps = tokens(batch, WARMUP_STEPS + options.decode_steps)  # [B, steps]
+            progress(
+                f"bench dispatch: decode at batch {batch}, {options.decode_steps} steps x {options.repeats} repeats per side"
+            )
+            meter = _WireMeter(plane.dispatcher.traffic)
+            mono_s, plat_s = _measure(
+                lambda m, w: _decode_seconds(m, prompt, steps, w), mono, platform, meter, options.repeats
+            )
+            phases.append(
+                _phase(f"decode b={batch}", batch, batch, mono_s, plat_s, meter, moe_layers, hidden, dtype_bytes)
+            )
+    return phases
+
+
+# -- reporting --------------------------------------------------------------------------
+
+
+def table(result: dict) -> str:
+    model, setup = result["model"], result["setup"]
+    rows = []
+    for p in result["phases"]:
+        mono, plat, wire = p["monolithic"], p["platform"], p["wire"]
+        rows.append(
+            [
+                p["name"],
+                1e3 * mono["seconds"],
+                1e3 * plat["seconds"],
+                p["ratio"],
+                mono["tokens_per_s"],
+                plat["tokens_per_s"],
+                p["added_ms_per_moe_layer"],
+                wire["dispatch_ms_per_layer"],
+                wire["groups_touched_per_token"],
+                wire["bytes_per_token_per_layer"],
+                wire["min_bytes_per_token_per_layer"],
+                wire["overhead_vs_min"],
+            ]
+        )
+    title = (
+        f"{model['model_type']} {Path(model['path']).name}: {model['moe_layers']} MoE layers x "
+        f"{model['num_experts']} experts top-{model['top_k']}, hidden {model['hidden_size']}, {setup['dtype']}; "
+        f"platform = router + {setup['groups']} expert groups (Ray Serve, gRPC); "
+        f"{setup['threads']} torch threads both sides; {setup['machine']['cpus']} CPUs; median of {setup['repeats']}"
+    )
+    body = format_table(
+        ["phase", "mono ms", "plat ms", "ratio", "mono tok/s", "plat tok/s", "+ms/layer",
+         "dispatch ms/layer", "groups/tok", "B/tok/layer", "min B", "x min"],
+        rows,
+        ["", ".2f", ".2f", ".2f", ".1f", ".1f", ".3f", ".3f", ".2f", ".0f", ".0f", ".2f"],
+    )
+    return title + "\n" + body

@@ -1,0 +1,96 @@
+"""What every ``expertmesh bench`` command of the data plane shares: one table
+printer, the JSON file, percentiles, the machine description, and the error
+that makes the CLI exit 2 with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from expertmesh.errors import ExpertMeshError
+
+
+class BenchError(ExpertMeshError):
+    """A benchmark's input is wrong (bad flag value, prompt longer than the model's context)."""
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], formats: Sequence[str] | None = None) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned,
+    a rule under the header. ``formats`` gives a format spec per column for
+    numbers (e.g. ``".2f"``); ``None`` and NaN print as ``-``."""
+    formats = list(formats or [""] * len(headers))
+
+    def cell(value: Any, spec: str) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "-"
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return format(value, spec)
+        return str(value)
+
+    cells = [[cell(v, f) for v, f in zip(row, formats)] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        first, *rest = values
+        return " ".join([first.ljust(widths[0])] + [v.rjust(w) for v, w in zip(rest, widths[1:])]).rstrip()
+
+    head = line(list(headers))
+    return "\n".join([head, "-" * len(head)] + [line(r) for r in cells])
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    try:
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as err:
+        raise BenchError(f"cannot write {str(path)!r}: {err.strerror}") from None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def machine() -> dict:
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def parse_int_list(text: str, flag: str) -> list[int]:
+    """``"1,8,32"`` -> [1, 8, 32]; each a positive integer, else BenchError naming the flag."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise BenchError(f"{flag} takes positive integers separated by commas (e.g. 1,8,32), got {text!r}")
+    return values
+
+
+def check_positive(value: int, flag: str) -> int:
+    if value < 1:
+        raise BenchError(f"{flag} must be at least 1, got {value}")
+    return value

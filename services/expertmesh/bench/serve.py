@@ -1,0 +1,377 @@
+"""``expertmesh bench serve``: streaming clients against ``expertmesh up``, next to
+plain transformers ``generate`` on the same checkpoint.
+
+Workload: ``--clients`` N threads, each with its own ``expertmesh.client.Client``,
+each sending ``--requests-per-client`` R requests one after the other (greedy,
+``stop_at_eos=False``, exactly ``--max-new-tokens`` M tokens each). Prompts are
+seeded token ids of ``--prompt-tokens``/2 to ``--prompt-tokens`` tokens; request r
+of client c uses prompt ``r * N + c``.
+
+Runs
+- *platform*: the N clients stream from ``expertmesh up`` — started in this
+  process over a fresh data plane (local Ray, ``--groups`` expert groups), or an
+  already running one at ``--target`` (then ``--model`` must be its checkpoint).
+- *transformers generate, one at a time*: the N × R prompts one after the other.
+- *transformers generate, batched*: R calls, each with N prompts left-padded
+  into one batch (``min_new_tokens = max_new_tokens``, greedy).
+
+Figures: tokens/s = generated tokens / wall time of the run; inter-token
+latency (ITL) = time between consecutive streamed tokens of one request
+(a streamed chunk's gap divided by the tokens it carries; for ``generate``, the
+gaps between its streamer's calls, one per step); time to first token (TTFT)
+from sending the request (or calling ``generate``) to its first token. One
+untimed warm-up request precedes each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from expertmesh.bench.report import (
+    BenchError,
+    check_positive,
+    format_table,
+    machine,
+    percentile,
+    write_json,
+)
+from expertmesh.data_plane import progress
+
+FIRST_TOKEN_ID = 3  # seeded prompts avoid the tiny models' pad/bos/eos ids (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Options:
+    model: Path
+    target: str | None = None
+    groups: int = 2
+    dtype: str = "float32"
+    clients: int = 8
+    requests_per_client: int = 2
+    max_new_tokens: int = 32
+    prompt_tokens: int = 32
+    threads: int | None = None  # None: torch's current intra-op thread count
+    seed: int = 0
+    ray_address: str | None = None
+
+
+@dataclass
+class _Request:
+    """One request as its caller saw it: when it was sent and when each token arrived."""
+
+    sent: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in that chunk)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.arrivals)
+
+
+def add_command(bench_commands) -> None:
+    p = bench_commands.add_parser(
+        "serve", help="N streaming clients against `expertmesh up` vs transformers generate (one at a time, batched)"
+    )
+    p.add_argument("--model", type=Path, help="local checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--target", help="host:port of a running `expertmesh up` serving --model (default: start one here)")
+    p.add_argument("--groups", type=int, default=2, help="expert groups when starting the platform here (default 2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default 8)")
+    p.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends in turn (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="longest prompt; prompts are half to this (default 32)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads in this process (default: torch's, = cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ray-address", help="join this Ray cluster when starting the platform here")
+    p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
+    p.set_defaults(run=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from expertmesh.embedded import default_checkpoint
+
+    options = Options(
+        model=args.model or default_checkpoint(),
+        target=args.target,
+        groups=check_positive(args.groups, "--groups"),
+        dtype=args.dtype,
+        clients=check_positive(args.clients, "--clients"),
+        requests_per_client=check_positive(args.requests_per_client, "--requests-per-client"),
+        max_new_tokens=check_positive(args.max_new_tokens, "--max-new-tokens"),
+        prompt_tokens=check_positive(args.prompt_tokens, "--prompt-tokens"),
+        threads=None if args.threads is None else check_positive(args.threads, "--threads"),
+        seed=args.seed,
+        ray_address=args.ray_address,
+    )
+    result = run(options)
+    print(table(result))
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def validate(options: Options):
+    from expertmesh.checkpoint import Checkpoint
+
+    checkpoint = Checkpoint(options.model)
+    context = getattr(checkpoint.config.get_text_config(), "max_position_embeddings", None)
+    if context and options.prompt_tokens + options.max_new_tokens > context:
+        raise BenchError(
+            f"--prompt-tokens {options.prompt_tokens} + --max-new-tokens {options.max_new_tokens} "
+            f"is above the model's context of {context} tokens"
+        )
+    return checkpoint
+
+
+def prompts(options: Options, vocab_size: int) -> list[list[int]]:
+    """N x R seeded prompts of prompt_tokens/2 .. prompt_tokens token ids."""
+    import torch
+
+    gen = torch.Generator().manual_seed(options.seed)
+    shortest = max(1, options.prompt_tokens // 2)
+    out = []
+    for _ in range(options.clients * options.requests_per_client):
+        length = int(torch.randint(shortest, options.prompt_tokens + 1, (1,), generator=gen))
+        out.append(torch.randint(FIRST_TOKEN_ID, vocab_size, (length,), generator=gen).tolist())
+    return out
+
+
+def run(options: Options) -> dict:
+    import torch
+
+    checkpoint = validate(options)
+    spec = checkpoint.spec
+    text = checkpoint.config.get_text_config()
+    work = prompts(options, text.vocab_size)
+
+    previous_threads = torch.get_num_threads()
+    threads = options.threads or previous_threads
+    torch.set_num_threads(threads)
+    try:
+        if options.target:
+            _check_target(options.target, checkpoint, text)
+            platform = _platform_run(options.target, options, work)
+            baselines = _baseline_runs(checkpoint.path, options, work, text)
+        else:
+            from expertmesh.config import DataPlaneConfig, ServingConfig
+            from expertmesh.data_plane import DataPlane
+            from expertmesh.serving.up import serve_plane
+
+            plane = DataPlane.start(
+                DataPlaneConfig(
+                    model=checkpoint.path, groups=options.groups, dtype=options.dtype, ray_address=options.ray_address
+                )
+            )
+            try:
+                server = serve_plane(
+                    plane,
+                    ServingConfig(
+                        port=0,
+                        max_active_sequences=max(32, options.clients),
+                        max_queued_requests=max(128, options.clients),
+                        max_new_tokens_cap=max(1024, options.max_new_tokens),
+                    ),
+                )
+                try:
+                    platform = _platform_run(f"127.0.0.1:{server.port}", options, work)
+                finally:
+                    server.drain_and_stop()
+                baselines = _baseline_runs(checkpoint.path, options, work, text)
+            finally:
+                progress("bench serve: stopping the platform")
+                plane.close()
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    runs = [platform, *baselines]
+    return {
+        "benchmark": "serve",
+        "model": {
+            "path": str(checkpoint.path),
+            "model_type": spec.model_type,
+            "num_layers": spec.num_layers,
+            "moe_layers": len(spec.moe_layers),
+            "num_experts": spec.num_experts,
+            "top_k": spec.top_k,
+            "hidden_size": spec.hidden_size,
+        },
+        "setup": {
+            **{f.name: str(v) if isinstance(v := getattr(options, f.name), Path) else v for f in fields(options)},
+            "threads": threads,
+            "platform": options.target or "in-process expertmesh up (local data plane, gRPC on loopback)",
+            "prompt_lengths": [len(p) for p in work],
+            "machine": machine(),
+        },
+        "runs": runs,
+        "platform_vs": {r["name"]: platform["tokens_per_s"] / r["tokens_per_s"] for r in baselines},
+    }
+
+
+# -- the platform -------------------------------------------------------------------------
+
+
+def _check_target(target: str, checkpoint, text) -> None:
+    import grpc
+
+    from expertmesh.client import Client
+
+    try:
+        with Client(target, timeout=10) as client:
+            models = client.models()
+    except grpc.RpcError as err:
+        raise BenchError(f"cannot reach `expertmesh up` at {target}: {err.code().name}: {err.details()}") from None
+    spec = checkpoint.spec
+    mine = (spec.num_layers, spec.hidden_size, spec.num_experts, text.vocab_size)
+    if not any((m.num_layers, m.hidden_size, m.num_experts, m.vocab_size) == mine for m in models):
+        served = ", ".join(f"{m.name} ({m.architecture}, hidden {m.hidden_size})" for m in models) or "nothing"
+        raise BenchError(
+            f"{target} serves {served}, not the checkpoint {checkpoint.path}; pass --model with the served checkpoint"
+        )
+
+
+def _platform_run(target: str, options: Options, work: list[list[int]]) -> dict:
+    import grpc
+
+    from expertmesh.client import Client
+
+    n, m = options.clients, options.max_new_tokens
+    progress(f"bench serve: {n} streaming clients x {options.requests_per_client} requests of {m} tokens at {target}")
+    with Client(target, timeout=600) as client:  # warm-up
+        list(client.generate(work[0], max_new_tokens=2, stop_at_eos=False))
+
+    records: list[list[_Request]] = [[] for _ in range(n)]
+    errors: list[str] = []
+    barrier = threading.Barrier(n)
+
+    def one_client(c: int) -> None:
+        try:
+            with Client(target, timeout=600) as client:
+                barrier.wait()
+                for r in range(options.requests_per_client):
+                    request = _Request(time.perf_counter())
+                    records[c].append(request)
+                    for chunk in client.generate(work[r * n + c], max_new_tokens=m, stop_at_eos=False):
+                        if chunk.token_ids:
+                            request.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+        except grpc.RpcError as err:
+            errors.append(f"{err.code().name}: {err.details()}")
+        except threading.BrokenBarrierError:
+            pass
+
+    threads = [threading.Thread(target=one_client, args=(c,), name=f"bench-client-{c}") for c in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise BenchError(f"a streaming request to {target} failed: {errors[0]}")
+    return _summary(f"platform: {n} streaming clients", n, [r for rs in records for r in rs])
+
+
+# -- plain transformers ---------------------------------------------------------------------
+
+
+class _Clock:
+    """A transformers streamer that only notes when generate hands it tokens (the prompt first, then each step)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _baseline_runs(path: Path, options: Options, work: list[list[int]], text) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    progress(f"bench serve: loading stock transformers ({options.dtype})")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, experts_implementation="eager", dtype=getattr(torch, options.dtype), local_files_only=True
+    ).eval()
+    pad = text.pad_token_id if text.pad_token_id is not None else 0
+    m, n = options.max_new_tokens, options.clients
+
+    def generate(batch: list[list[int]], new_tokens: int) -> list[_Request]:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # [B, width], left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])  # [B, width]
+        clock = _Clock()
+        sent = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=pad, streamer=clock,
+            )
+        steps = clock.times[1:]  # the first call hands over the prompt
+        return [_Request(sent, [(t, 1) for t in steps]) for _ in batch]
+
+    progress(f"bench serve: transformers generate, {len(work)} requests one at a time")
+    generate(work[:1], 2)  # warm-up
+    sequential = [r for p in work for r in generate([p], m)]
+    progress(f"bench serve: transformers generate, {options.requests_per_client} batches of {n}")
+    generate(work[:n], 2)  # warm-up
+    batched = [r for b in range(options.requests_per_client) for r in generate(work[b * n : (b + 1) * n], m)]
+    return [
+        _summary("transformers generate, one at a time", 1, sequential),
+        _summary(f"transformers generate, batched x{n}", n, batched),
+    ]
+
+
+# -- figures ----------------------------------------------------------------------------------
+
+
+def _summary(name: str, concurrency: int, requests: list[_Request]) -> dict:
+    itl, ttft = [], []
+    for r in requests:
+        if r.arrivals:
+            ttft.append(r.arrivals[0][0] - r.sent)
+        for (before, _), (after, k) in zip(r.arrivals, r.arrivals[1:]):
+            itl.append((after - before) / k)
+    tokens = sum(r.tokens for r in requests)
+    wall = max(t for r in requests for t, _ in r.arrivals) - min(r.sent for r in requests)
+
+    def ms(values, q):
+        return 1e3 * percentile(values, q)
+
+    return {
+        "name": name,
+        "concurrency": concurrency,
+        "requests": len(requests),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "itl_ms": {"p50": ms(itl, 50), "p99": ms(itl, 99), "mean": 1e3 * sum(itl) / len(itl) if itl else None},
+        "ttft_ms": {"p50": ms(ttft, 50), "p99": ms(ttft, 99)},
+    }
+
+
+def table(result: dict) -> str:
+    model, setup = result["model"], result["setup"]
+    rows = [
+        [
+            r["name"], r["requests"], r["concurrency"], r["tokens"], r["seconds"], r["tokens_per_s"],
+            r["itl_ms"]["p50"], r["itl_ms"]["p99"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"],
+        ]
+        for r in result["runs"]
+    ]
+    title = (
+        f"{model['model_type']} {Path(model['path']).name}: {model['moe_layers']} MoE layers x {model['num_experts']} "
+        f"experts, hidden {model['hidden_size']}, {setup['dtype']}; {setup['max_new_tokens']} new tokens per request, "
+        f"prompts {min(setup['prompt_lengths'])}-{max(setup['prompt_lengths'])} tokens; "
+        f"{setup['threads']} torch threads; {setup['machine']['cpus']} CPUs"
+    )
+    body = format_table(
+        ["run", "requests", "concurrent", "tokens", "seconds", "tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms",
+         "TTFT p99 ms"],
+        rows,
+        ["", "d", "d", "d", ".2f", ".1f", ".2f", ".2f", ".1f", ".1f"],
+    )
+    ratios = "; ".join(f"{v:.2f}x {k}" for k, v in result["platform_vs"].items())
+    return f"{title}\n{body}\nplatform tok/s = {ratios}"

@@ -1,0 +1,176 @@
+"""`expertmesh bench dispatch` and `expertmesh bench serve`: tiny, fast runs that
+check the JSON's structure and that its figures are consistent (never how fast
+anything was), and the error paths (exit 2, one line)."""
+
+import json
+
+import pytest
+import ray
+
+from expertmesh.bench.report import BenchError, format_table, parse_int_list, percentile
+from expertmesh.cli import main
+from expertmesh.tiny import make_tiny_checkpoint
+
+CONTEXT = 128
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(
+        "mixtral", tmp_path_factory.mktemp("ckpt"), with_tokenizer=True, vocab_size=300, max_position_embeddings=CONTEXT
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_once():
+    """One local Ray for the module; each benchmark's DataPlane reuses it (and leaves it running)."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _run(capsys, *argv):
+    capsys.readouterr()  # drop what set-up printed
+    code = main(["bench", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- fast: the shared printer and the error paths (nothing started) ---------------------------
+
+
+def test_table_aligns_columns_and_prints_missing_values_as_dash():
+    text = format_table(["name", "ms", "n"], [["a", 1.234, 3], ["longer", None, 10]], ["", ".2f", "d"])
+    lines = text.splitlines()
+    assert lines[0].split() == ["name", "ms", "n"]
+    assert set(lines[1]) == {"-"} and len(lines[1]) == len(lines[0])
+    assert lines[2].split() == ["a", "1.23", "3"] and lines[3].split() == ["longer", "-", "10"]
+    assert len({len(line) for line in lines[2:]}) == 1, "right-aligned columns end together"
+
+
+def test_percentile_and_int_lists():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert parse_int_list("1, 8,32", "--batches") == [1, 8, 32]
+    for bad in ("", "1,x", "0", "4,-1"):
+        with pytest.raises(BenchError, match="--batches"):
+            parse_int_list(bad, "--batches")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["dispatch", "--batches", "1,x"], "--batches takes positive integers"),
+        (["dispatch", "--batches", "0"], "--batches takes positive integers"),
+        (["dispatch", "--prefill-tokens", CONTEXT + 1], f"above the model's context of {CONTEXT}"),
+        (["dispatch", "--decode-steps", CONTEXT], f"above the model's context of {CONTEXT}"),
+        (["dispatch", "--repeats", "0"], "--repeats must be at least 1"),
+        (["serve", "--prompt-tokens", "100", "--max-new-tokens", "64"], f"above the model's context of {CONTEXT}"),
+        (["serve", "--clients", "0"], "--clients must be at least 1"),
+        (["serve", "--target", "127.0.0.1:1"], "cannot reach `expertmesh up` at 127.0.0.1:1"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(capsys, checkpoint, tmp_path, argv, message):
+    code, out, err = _run(capsys, *argv, "--model", checkpoint, "--out", tmp_path / "x.json")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_missing_checkpoint_exits_2(capsys, tmp_path):
+    code, _, err = _run(capsys, "dispatch", "--model", tmp_path / "nope")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "does not exist" in err
+
+
+# -- slow: the real thing, tiny ---------------------------------------------------------------
+
+
+@slow
+def test_dispatch_reports_both_sides_and_consistent_wire_figures(capsys, checkpoint, ray_once, tmp_path):
+    out_file = tmp_path / "dispatch.json"
+    code, out, _ = _run(
+        capsys, "dispatch", "--model", checkpoint, "--prefill-tokens", 32, "--batches", "1,2",
+        "--decode-steps", 2, "--repeats", 1, "--out", out_file,
+    )
+    assert code == 0
+    result = json.loads(out_file.read_text())
+    assert "phase" in out and "prefill 32" in out and "decode b=2" in out and f"wrote {out_file}" in out
+
+    model, setup = result["model"], result["setup"]
+    layers, hidden = model["moe_layers"], model["hidden_size"]
+    assert layers == 2 and hidden == 32 and setup["groups"] == 2 and setup["dtype_bytes"] == 4
+    assert setup["threads"] >= 1 and setup["machine"]["cpus"] >= 1
+    assert [p["name"] for p in result["phases"]] == ["prefill 32", "decode b=1", "decode b=2"]
+
+    for phase, steps in zip(result["phases"], (1, 2, 2)):
+        mono, plat, wire = phase["monolithic"], phase["platform"], phase["wire"]
+        for side in (mono, plat):
+            assert side["seconds"] > 0 and len(side["samples"]) == 1
+            assert side["tokens_per_s"] == pytest.approx(phase["tokens_per_step"] / side["seconds"])
+        assert phase["ratio"] == pytest.approx(plat["seconds"] / mono["seconds"])
+        assert phase["added_ms_per_moe_layer"] == pytest.approx(1e3 * (plat["seconds"] - mono["seconds"]) / layers)
+        # Only the timed steps are counted: one experts call per MoE layer per step.
+        assert wire["calls"] == layers * steps
+        assert wire["tokens"] == layers * steps * phase["tokens_per_step"]
+        assert 1 <= wire["groups_touched_per_token"] <= 2
+        assert wire["token_group_pairs"] <= wire["tokens"] * 2
+        assert wire["min_bytes_per_token_per_layer"] == pytest.approx(hidden * 4 * 2 * wire["groups_touched_per_token"])
+        assert wire["bytes_per_token_per_layer"] >= wire["min_bytes_per_token_per_layer"]
+        assert wire["bytes_per_token_per_layer"] == pytest.approx(
+            (wire["bytes_sent"] + wire["bytes_received"]) / wire["tokens"]
+        )
+        assert wire["overhead_vs_min"] >= 1 and wire["dispatch_ms_per_layer"] > 0
+
+
+@slow
+def test_serve_reports_platform_and_both_generate_baselines(capsys, checkpoint, ray_once, tmp_path):
+    out_file = tmp_path / "serve.json"
+    code, out, _ = _run(
+        capsys, "serve", "--model", checkpoint, "--clients", 2, "--requests-per-client", 2,
+        "--max-new-tokens", 4, "--prompt-tokens", 8, "--out", out_file,
+    )
+    assert code == 0
+    result = json.loads(out_file.read_text())
+    assert "platform: 2 streaming clients" in out and "ITL p50 ms" in out
+    names = [r["name"] for r in result["runs"]]
+    assert names == [
+        "platform: 2 streaming clients", "transformers generate, one at a time", "transformers generate, batched x2",
+    ]
+    assert [r["concurrency"] for r in result["runs"]] == [2, 1, 2]
+    assert all(4 <= n <= 8 for n in result["setup"]["prompt_lengths"]) and len(result["setup"]["prompt_lengths"]) == 4
+    for r in result["runs"]:
+        assert r["requests"] == 4 and r["tokens"] == 16, "every request streams exactly max_new_tokens tokens"
+        assert r["seconds"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+        assert 0 <= r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+    platform = result["runs"][0]
+    for r in result["runs"][1:]:
+        assert result["platform_vs"][r["name"]] == pytest.approx(platform["tokens_per_s"] / r["tokens_per_s"])
+
+
+@slow
+def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, checkpoint, ray_once, tmp_path):
+    from expertmesh.config import DataPlaneConfig, ServingConfig
+    from expertmesh.data_plane import DataPlane
+    from expertmesh.serving.up import serve_plane
+
+    other = make_tiny_checkpoint("mixtral", tmp_path / "other", hidden_size=48, max_position_embeddings=CONTEXT)
+    with DataPlane.start(DataPlaneConfig(model=checkpoint, groups=1)) as plane:
+        server = serve_plane(plane, ServingConfig(port=0))
+        target = f"127.0.0.1:{server.port}"
+        try:
+            code, _, err = _run(capsys, "serve", "--model", other, "--target", target, "--out", tmp_path / "bad.json")
+            assert code == 2 and len(err.strip().splitlines()) == 1 and "pass --model with the served checkpoint" in err
+
+            out_file = tmp_path / "serve.json"
+            code, _, _ = _run(
+                capsys, "serve", "--model", checkpoint, "--target", target, "--clients", 2,
+                "--requests-per-client", 1, "--max-new-tokens", 3, "--prompt-tokens", 6, "--out", out_file,
+            )
+            assert code == 0
+            result = json.loads(out_file.read_text())
+            assert result["setup"]["platform"] == target
+            assert [r["tokens"] for r in result["runs"]] == [6, 6, 6]
+        finally:
+            server.drain_and_stop()

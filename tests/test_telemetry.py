@@ -1,6 +1,7 @@
 """Traces and metrics end to end: `expertmesh up` (router, expert groups in Ray
-workers) exports over OTLP/gRPC to a real receiver on loopback (the collector's
-trace and metrics services from opentelemetry-proto), and serves Prometheus text.
+workers) exports over OTLP/gRPC to a real receiver on loopback (``OtlpSink``: the
+collector's trace and metrics services from opentelemetry-proto), and serves
+Prometheus text.
 Known requests go in; the test finds one trace per request with the documented
 span tree, and metric values that match the routing the router did."""
 
@@ -13,34 +14,15 @@ import threading
 import time
 import urllib.request
 from collections import defaultdict
-from concurrent import futures
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from expertmesh.client import Client
+from expertmesh.telemetry.sink import OtlpSink
 from expertmesh.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
-
-
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer, metrics_service_pb2_grpc.MetricsServiceServicer):
-    def __init__(self):
-        self.spans = []  # (service name, span)
-        self.metrics = []  # ExportMetricsServiceRequest, in arrival order
-        self.lock = threading.Lock()
-
-    def Export(self, request, context):
-        with self.lock:
-            if isinstance(request, trace_service_pb2.ExportTraceServiceRequest):
-                for rs in request.resource_spans:
-                    service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
-                    self.spans.extend((service, s) for ss in rs.scope_spans for s in ss.spans)
-                return trace_service_pb2.ExportTraceServiceResponse()
-            self.metrics.append(request)
-            return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
 def _free_port():
@@ -60,14 +42,9 @@ def _attrs(span):
 
 @pytest.fixture(scope="module")
 def receiver():
-    r = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(r, server)
-    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(r, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield r, port
-    server.stop(0)
+    sink = OtlpSink().start()
+    yield sink, sink.port
+    sink.stop()
 
 
 PROMPTS = [[5, 6, 7, 8], [9, 10]]

@@ -27,6 +27,12 @@ Derived figures (per phase)
   summed over the MoE layers of the timed steps; the *minimum* is
   hidden_size × dtype bytes × 2 (hidden state out, partial sum back) × groups
   touched per token (token–group pairs / tokens).
+
+``--tracing``: after the run above (tracing off: no SDK installed), the platform
+is started again with OpenTelemetry on in the router and in every expert group,
+exporting over OTLP/gRPC to a loopback receiver (``telemetry.sink``), and the
+phases are measured again; the report puts platform step times with tracing
+off and on side by side.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class Options:
     threads: int | None = None  # None: torch's current intra-op thread count
     seed: int = 0
     ray_address: str | None = None
+    tracing: bool = False  # also measure with OpenTelemetry tracing on
 
 
 def add_command(bench_commands) -> None:
@@ -82,6 +89,7 @@ def add_command(bench_commands) -> None:
     p.add_argument("--threads", type=int, help="torch intra-op threads for both sides (default: torch's, = cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--tracing", action="store_true", help="measure again with OpenTelemetry tracing on (OTLP to loopback)")
     p.add_argument("--out", default="bench-dispatch.json", help="JSON results (default bench-dispatch.json)")
     p.set_defaults(run=_main)
 
@@ -100,6 +108,7 @@ def _main(args: argparse.Namespace) -> int:
         threads=None if args.threads is None else check_positive(args.threads, "--threads"),
         seed=args.seed,
         ray_address=args.ray_address,
+        tracing=args.tracing,
     )
     result = run(options)
     print(table(result))
@@ -262,17 +271,21 @@ def run(options: Options) -> dict:
         mono = AutoModelForCausalLM.from_pretrained(
             checkpoint.path, experts_implementation="eager", dtype=dtype, local_files_only=True
         ).eval()
-        plane = DataPlane.start(
-            DataPlaneConfig(
-                model=checkpoint.path, groups=options.groups, dtype=options.dtype, ray_address=options.ray_address
-            )
+        config = DataPlaneConfig(
+            model=checkpoint.path, groups=options.groups, dtype=options.dtype, ray_address=options.ray_address
         )
-        try:
-            phases = _run_phases(options, mono, plane, text.vocab_size, moe_layers, spec.hidden_size, dtype_bytes)
-            groups = len(plane.placement.groups)
-        finally:
-            progress("bench dispatch: stopping the platform")
-            plane.close()
+
+        def measure() -> tuple[list, int]:
+            plane = DataPlane.start(config)
+            try:
+                phases = _run_phases(options, mono, plane, text.vocab_size, moe_layers, spec.hidden_size, dtype_bytes)
+                return phases, len(plane.placement.groups)
+            finally:
+                progress("bench dispatch: stopping the platform")
+                plane.close()
+
+        phases, groups = measure()
+        traced = _measure_traced(measure) if options.tracing else None
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -299,7 +312,33 @@ def run(options: Options) -> dict:
             "machine": machine(),
         },
         "phases": phases,
+        **({"tracing_on": traced} if traced is not None else {}),
     }
+
+
+def _measure_traced(measure: Callable[[], tuple[list, int]]) -> dict:
+    """The same phases with tracing on in router and groups, exporting to a loopback OTLP receiver."""
+    import os
+
+    from expertmesh.telemetry import setup as setup_telemetry
+    from expertmesh.telemetry.sink import OtlpSink
+
+    sink = OtlpSink().start()
+    saved = {k: os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_INSECURE")}
+    os.environ.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"})
+    telemetry = setup_telemetry("expertmesh-bench")
+    try:
+        progress("bench dispatch: again with OpenTelemetry tracing on (router and groups, OTLP to loopback)")
+        phases, _ = measure()
+    finally:
+        telemetry.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        sink.stop()
+    return {"phases": phases, "spans_received": len(sink.spans)}
 
 
 def _plain(value):
@@ -383,4 +422,26 @@ def table(result: dict) -> str:
         rows,
         ["", ".2f", ".2f", ".2f", ".1f", ".1f", ".3f", ".3f", ".2f", ".0f", ".0f", ".2f"],
     )
-    return title + "\n" + body
+    if "tracing_on" not in result:
+        return title + "\n" + body
+    traced = result["tracing_on"]
+    rows = [
+        [
+            off["name"],
+            1e3 * off["platform"]["seconds"],
+            1e3 * on["platform"]["seconds"],
+            100 * (on["platform"]["seconds"] / off["platform"]["seconds"] - 1),
+            off["wire"]["dispatch_ms_per_layer"],
+            on["wire"]["dispatch_ms_per_layer"],
+        ]
+        for off, on in zip(result["phases"], traced["phases"])
+    ]
+    tracing = format_table(
+        ["phase", "plat ms off", "plat ms on", "on vs off %", "dispatch ms/layer off", "on"],
+        rows,
+        ["", ".2f", ".2f", "+.1f", ".3f", ".3f"],
+    )
+    return (
+        f"{title}\n{body}\n\ntracing off vs on (router and groups export spans over OTLP; "
+        f"{traced['spans_received']} spans received)\n{tracing}"
+    )

@@ -2,6 +2,7 @@
 continuous-batching engine, a real gRPC server and clients on loopback."""
 
 import asyncio
+import os
 import threading
 import time
 
@@ -285,3 +286,27 @@ def test_load_stats_match_the_routing_and_feed_the_planner(server, client, tmp_p
     assert plan.returncode == 0, plan.stderr
     placement = json.loads((tmp_path / "placement.json").read_text())
     assert len(placement["layers"]) == stats["num_layers"]
+
+
+def test_a_restarting_expert_group_under_a_running_server(client, plane):
+    """Kill the process of group g0's Serve replica while a request streams: Serve starts a
+    new replica (on a new port), the router re-resolves g0's address and resends the layer,
+    and the stream finishes with the same tokens as before the crash."""
+    import signal
+
+    from expertmesh.v1 import experts_pb2, experts_pb2_grpc
+
+    prompt, n = [21, 22, 23, 24, 25], 40
+    expected = _tokens(client, prompt, n)
+    before = plane.store.endpoints()["g0"]
+    with grpc.insecure_channel(before) as channel:
+        pid = experts_pb2_grpc.ExpertGroupStub(channel).Describe(experts_pb2.DescribeRequest()).pid
+    assert pid != os.getpid()
+    stream = client.generate(prompt, max_new_tokens=n, stop_at_eos=False)
+    first = next(stream)
+    os.kill(pid, signal.SIGKILL)
+    rest = list(stream)
+    assert [t for c in [first, *rest] for t in c.token_ids] == expected
+    assert rest[-1].finish_reason == "length"
+    assert plane.store.endpoints()["g0"] != before, "the new replica's address was recorded"
+    assert _tokens(client, prompt, 8) == expected[:8]

@@ -68,7 +68,7 @@ def _gpu_layout(config: DataPlaneConfig, spec):
     return groups_from_placement(gpu_placement, topology, spec.moe_layers, config.group_per)
 
 
-def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig):
+def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, resolve_endpoints=None):
     from expertmesh.router.dispatch import ExpertDispatcher
     from expertmesh.router.model import build_router_model
 
@@ -76,7 +76,9 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig):
     spec = checkpoint.spec
     context = getattr(checkpoint.config.get_text_config(), "max_position_embeddings", None) or 4096
     window = LoadWindow(spec.moe_layers, spec.num_experts, spec.top_k, window_s=config.load_window_s, max_context=context)
-    dispatcher = ExpertDispatcher(store, timeout_s=config.dispatch_timeout_s, load_window=window)
+    dispatcher = ExpertDispatcher(
+        store, timeout_s=config.dispatch_timeout_s, load_window=window, resolve_endpoints=resolve_endpoints
+    )
     return dispatcher, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
 
 
@@ -163,7 +165,14 @@ class DataPlane:
         if not store.publish_routing_table(table):
             raise RuntimeError("another writer changed the routing table while the groups started; retry")
 
-        dispatcher, model = _router(checkpoint, store, config)
+        def resolve_endpoints() -> dict[str, str]:
+            """A restarted replica listens on a new port: ask Serve's directory and record the answer."""
+            fresh = deployment.current_addresses()
+            for group, address in fresh.items():
+                store.set_endpoint(group, address)
+            return fresh
+
+        dispatcher, model = _router(checkpoint, store, config, resolve_endpoints)
         progress(f"data plane ready in {time.monotonic() - t0:.1f}s: " + ", ".join(f"{g}@{a}" for g, a in addresses.items()))
         return cls(config, checkpoint, placement, store, model, dispatcher, addresses, started_ray)
 

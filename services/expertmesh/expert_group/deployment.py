@@ -238,5 +238,10 @@ def build_app(args: dict):
     )
 
 
+def current_addresses() -> dict[str, str]:
+    """Group -> gRPC address as the running replicas report it (waits for a restarting one)."""
+    return serve.get_app_handle(APP_NAME).addresses.remote().result(timeout_s=120)
+
+
 def undeploy() -> None:
     serve.delete(APP_NAME)

@@ -9,6 +9,7 @@ keeps serving everyone else.
 from __future__ import annotations
 
 import logging
+import os
 
 import grpc
 
@@ -94,6 +95,7 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
             dtype=wire.dtype_to_proto(self.hosted.dtype),
             device=str(self.hosted.device),
             hidden_size=self.hosted.spec.hidden_size,
+            pid=os.getpid(),
         )
 
 

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import grpc
 import torch
@@ -55,8 +55,16 @@ IMPLEMENTATION = "expertmesh"
 
 
 class ExpertDispatcher:
-    def __init__(self, store: StateStore, timeout_s: float = 30.0, load_window: LoadWindow | None = None):
+    def __init__(
+        self,
+        store: StateStore,
+        timeout_s: float = 30.0,
+        load_window: LoadWindow | None = None,
+        resolve_endpoints: Callable[[], dict[str, str]] | None = None,
+    ):
         self._store = store
+        #: fresh group -> address map when a group stops answering; default: what the store lists
+        self._resolve_endpoints = resolve_endpoints or store.endpoints
         self.load_window = load_window
         self._timeout = timeout_s
         self._clients = GroupClients()
@@ -195,17 +203,23 @@ class ExpertDispatcher:
                 span.set_attribute("expertmesh.experts_hit", torch.unique(index[mine]).tolist())
             with trace.use_span(span, end_on_exit=False):  # the gRPC client span nests under it
                 future = stub.Dispatch.future(request, timeout=self._timeout)
-            calls.append((g, tokens, future, span, time.perf_counter()))
+            calls.append((g, tokens, request, future, span, time.perf_counter()))
             self._in_flight[g] += 1
             sent += request.ByteSize()
             pairs += tokens.numel()
             group_tokens[group] = tokens.numel()
 
         out = torch.zeros_like(hidden_cpu)  # [T, H]
-        for g, tokens, future, span, sent_at in calls:
+        for g, tokens, request, future, span, sent_at in calls:
             group = self._groups[g]
             try:
-                response = future.result()
+                try:
+                    response = future.result()
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    span.add_event("group unavailable; re-resolving its address", {"error": err.details() or ""})
+                    response = self._retry_unavailable(group, request, sent_at)
                 span.set_attribute("expertmesh.bytes_received", response.ByteSize())
             except grpc.RpcError as err:
                 span.set_status(Status(StatusCode.ERROR, err.code().name))
@@ -231,6 +245,26 @@ class ExpertDispatcher:
         )
         self.traffic.record_groups(layer, group_tokens)
         return out.to(hidden.device)
+
+    def _retry_unavailable(self, group: str, request: pb.DispatchRequest, sent_at: float) -> pb.DispatchResponse:
+        """A group that went away (a replica restarting, say): look its address up again and resend
+        until the call's deadline. Dispatch computes a pure function of the request, so resending is safe."""
+        delay = 0.1
+        while True:
+            with self._lock:
+                self._clients.update(self._resolve_endpoints())
+            stub = self._clients.stub(group)
+            left = self._timeout - (time.perf_counter() - sent_at)
+            try:
+                if stub is None:
+                    raise GroupUnavailable(f"expert group {group} has no registered endpoint")
+                return stub.Dispatch(request, timeout=max(left, 0.001))
+            except (grpc.RpcError, GroupUnavailable) as err:
+                retryable = isinstance(err, GroupUnavailable) or err.code() == grpc.StatusCode.UNAVAILABLE
+                if not retryable or left <= delay:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     def queue_depths(self) -> dict[str, int]:
         """Dispatch calls in flight from this router, by group."""

@@ -200,7 +200,13 @@ class Engine:
                     self._active.append(self._admit(self._queued.popleft()))
                 batch = list(self._active)
             if batch:
-                self._step(batch)
+                try:
+                    self._step(batch)
+                except Exception as err:  # the loop must outlive any one step, or every later request hangs
+                    log.exception("decode step failed")
+                    for seq in batch:
+                        if not seq.done:
+                            self._fail(seq, grpc.StatusCode.INTERNAL, f"decode step failed: {type(err).__name__}: {err}")
             with self._cond:
                 self._retire_finished()
                 self._cond.notify_all()
@@ -229,6 +235,10 @@ class Engine:
         except ExpertMeshError as err:
             for seq in batch:
                 self._fail(seq, err.code, str(err))
+            return
+        except ConnectionError as err:  # the state store is unreachable: the groups may be fine, retry next step
+            for seq in batch:
+                self._fail(seq, grpc.StatusCode.UNAVAILABLE, f"cannot read the routing table: {err}")
             return
         gather = StepGather(self._dispatcher.dispatch, len(batch))
         futures = [self._pool.submit(self._forward, seq, gather) for seq in batch]

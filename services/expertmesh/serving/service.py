@@ -121,6 +121,8 @@ class InferenceServicer:
         problems = sampling.problems()
         if problems:
             raise InvalidRequest("; ".join(problems))
+        if request.stop and self._tokenizer is None:
+            raise InvalidRequest("stop sequences need the model's tokenizer, and this model has none")
         remaining = context.time_remaining()
         return GenerationRequest(
             request_id=request.request_id or uuid.uuid4().hex[:16],

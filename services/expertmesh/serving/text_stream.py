@@ -20,6 +20,8 @@ class TextStream:
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became final (maybe empty)."""
         self._ids.append(token_id)
+        if self._tokenizer is None:  # a model without a tokenizer streams token ids only
+            return ""
         text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
             return ""
@@ -33,7 +35,7 @@ class TextStream:
 
     def flush(self) -> str:
         """At the end of generation: everything not yet released (held stop prefixes are real text)."""
-        if self.stopped:
+        if self.stopped or self._tokenizer is None:
             return ""
         return self._release(self._tokenizer.decode(self._ids, skip_special_tokens=True), None)
 

@@ -9,21 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from expertmesh.telemetry import PROMETHEUS_METRICS
+
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "expertmesh-dashboard.json"
 
-#: The Prometheus names of expertmesh's OpenTelemetry metrics (histograms as their _bucket series).
-METRICS = {
-    "expertmesh_expert_tokens_total",
-    "expertmesh_layer_balancedness",
-    "expertmesh_layer_routing_entropy_bits",
-    "expertmesh_group_call_duration_seconds_bucket",
-    "expertmesh_group_queue_depth",
-    "expertmesh_request_duration_seconds_bucket",
-    "expertmesh_time_to_first_token_seconds_bucket",
-    "expertmesh_inter_token_latency_seconds_bucket",
-    "expertmesh_active_parameters_per_token",
-    "expertmesh_errors_total",
-}
+
 PROMQL_WORDS = {
     # functions and aggregations the dashboard may use
     "rate", "irate", "increase", "sum", "avg", "min", "max", "count", "topk", "bottomk", "quantile",
@@ -88,11 +78,11 @@ def test_queries_use_only_expertmesh_metrics(dashboard):
     used = set()
     for title, expr in _queries(dashboard):
         names = _identifiers(expr)
-        unknown = names - METRICS - PROMQL_WORDS
+        unknown = names - PROMETHEUS_METRICS - PROMQL_WORDS
         assert not unknown, f"{title}: {expr!r} uses {unknown}"
-        assert names & METRICS, f"{title}: {expr!r} reads no expertmesh metric"
-        used |= names & METRICS
-    assert used == METRICS, f"metrics without a panel: {METRICS - used}"
+        assert names & PROMETHEUS_METRICS, f"{title}: {expr!r} reads no expertmesh metric"
+        used |= names & PROMETHEUS_METRICS
+    assert used == PROMETHEUS_METRICS, f"metrics without a panel: {PROMETHEUS_METRICS - used}"
 
 
 def test_the_identifier_check_catches_a_stray_metric():

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from expertmesh.client import Client
+from expertmesh.telemetry import PROMETHEUS_METRICS
 from expertmesh.telemetry.sink import OtlpSink
 from expertmesh.tiny import make_tiny_checkpoint
 
@@ -159,18 +160,7 @@ def test_prometheus_text_and_json_request_logs(run):
     import json
 
     _, prometheus, stderr = run
-    for name in (
-        "expertmesh_expert_tokens_total",
-        "expertmesh_layer_balancedness",
-        "expertmesh_layer_routing_entropy_bits",
-        "expertmesh_group_call_duration_seconds_bucket",
-        "expertmesh_group_queue_depth",
-        "expertmesh_request_duration_seconds_bucket",
-        "expertmesh_time_to_first_token_seconds_bucket",
-        "expertmesh_inter_token_latency_seconds_bucket",
-        "expertmesh_active_parameters_per_token",
-        "expertmesh_errors_total",
-    ):
+    for name in sorted(PROMETHEUS_METRICS):
         assert name in prometheus, name
     finished = [json.loads(line) for line in stderr.splitlines() if line.startswith("{") and "finished" in line]
     assert len(finished) == len(PROMPTS), "one info line per request"

@@ -31,4 +31,22 @@ from expertmesh.telemetry.setup import (
     tracer,
 )
 
-__all__ = ["TelemetryHandle", "intercept_client", "meter", "propagation_env", "server_interceptors", "setup", "tracer"]
+#: Prometheus names of the metrics a router exports (histograms as their ``_bucket`` series); the
+#: Grafana dashboard under deploy/ uses exactly these, and the tests check both sides.
+PROMETHEUS_METRICS = frozenset(
+    {
+        "expertmesh_expert_tokens_total",
+        "expertmesh_layer_balancedness",
+        "expertmesh_layer_routing_entropy_bits",
+        "expertmesh_group_call_duration_seconds_bucket",
+        "expertmesh_group_queue_depth",
+        "expertmesh_request_duration_seconds_bucket",
+        "expertmesh_time_to_first_token_seconds_bucket",
+        "expertmesh_inter_token_latency_seconds_bucket",
+        "expertmesh_active_parameters_per_token",
+        "expertmesh_errors_total",
+    }
+)
+
+__all__ = [
+    "PROMETHEUS_METRICS","TelemetryHandle", "intercept_client", "meter", "propagation_env", "server_interceptors", "setup", "tracer"]

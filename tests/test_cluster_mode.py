@@ -7,8 +7,8 @@ Kubernetes API server and KubeRay operator are absent: Serve is driven
 directly with the same application and args."""
 
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,14 +27,9 @@ from expertmesh.client import Client
 from expertmesh.expert_group.deployment import APP_NAME, build_app
 from expertmesh.state import open_store
 from expertmesh.tiny import make_tiny_checkpoint
+from helpers import free_port, serving_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _placement(hot_only: bool) -> dict:
@@ -68,7 +63,7 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     procs = []
     try:
-        port_base = _free_port()
+        port_base = free_port()
         serve.run(
             build_app(
                 {
@@ -86,23 +81,23 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
         endpoints = store.endpoints()
         assert endpoints == {g: f"127.0.0.1:{port_base + i}" for i, g in enumerate(["a", "b", "hot"])}
 
-        admin_port = _free_port()
         orchestrator, orch_log = _spawn(
             "orchestrator", "--state-url", redis_url, "--model", str(model), "--placement", str(placement_file),
-            "--admin-port", str(admin_port), "--admin-host", "127.0.0.1", "--interval", "0.3",
+            "--admin-port", "0", "--admin-host", "127.0.0.1", "--interval", "0.3",
         )
         procs.append(orchestrator)
         _wait(lambda: store.routing_table_version() == 1, "the first routing table")
-        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{admin_port}"))
+        _wait(lambda: any("admin gRPC on" in line for line in orch_log), "the orchestrator's admin port")
+        admin = next(re.search(r"admin gRPC on (\S+:\d+)", l).group(1) for l in orch_log if "admin gRPC on" in l)
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(admin))
         _wait(lambda: _serving(health), "the orchestrator's health")
         assert store.routing_table().replicas[(1, 0)] == ("a", "hot")
 
-        router_port = _free_port()
-        router, router_log = _spawn(
-            "up", "--router-only", "--model", str(model), "--state-url", redis_url, "--port", str(router_port)
-        )
+        router, router_log = _spawn("up", "--router-only", "--model", str(model), "--state-url", redis_url, "--port", "0")
         procs.append(router)
-        assert "expertmesh is serving" in router.stdout.readline(), "".join(router_log)[-3000:]
+        banner = router.stdout.readline()
+        assert "expertmesh is serving" in banner, "".join(router_log)[-3000:]
+        router_address = serving_address(banner)
 
         prompt = [5, 9, 77, 3]
         stock = AutoModelForCausalLM.from_pretrained(model, experts_implementation="eager").eval()
@@ -110,7 +105,7 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
         with torch.no_grad():
             for _ in range(8):
                 ids.append(int(stock(torch.tensor([ids])).logits[0, -1].argmax()))
-        with Client(f"127.0.0.1:{router_port}") as client:
+        with Client(router_address) as client:
             def tokens():
                 chunks = list(client.generate(prompt, max_new_tokens=8, stop_at_eos=False))
                 return [t for c in chunks for t in c.token_ids]

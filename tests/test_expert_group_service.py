@@ -140,3 +140,14 @@ def test_standard_health_service(served):
     for service in ("", "expertmesh.v1.ExpertGroup"):
         status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
         assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_taken_port_is_refused_not_shared(tiny_checkpoints):
+    """gRPC would share a port through SO_REUSEPORT and split the connections; ours refuse."""
+    hosted = HostedExperts(Checkpoint(tiny_checkpoints("mixtral")))
+    first, port = start_server("g-a", hosted)
+    try:
+        with pytest.raises(OSError, match=f"cannot bind the expert-group gRPC server to 127.0.0.1:{port}"):
+            start_server("g-b", hosted, port=port)
+    finally:
+        first.stop(0)

@@ -6,8 +6,8 @@ Known requests go in; the test finds one trace per request with the documented
 span tree, and metric values that match the routing the router did."""
 
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,14 +22,9 @@ from expertmesh.client import Client
 from expertmesh.telemetry import PROMETHEUS_METRICS
 from expertmesh.telemetry.sink import OtlpSink
 from expertmesh.tiny import make_tiny_checkpoint
+from helpers import serving_address
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _attrs(span):
@@ -63,17 +58,18 @@ def run(receiver, tmp_path_factory):
         "OTEL_BSP_SCHEDULE_DELAY": "100",
         "OTEL_METRIC_EXPORT_INTERVAL": "300",
     }
-    api_port, metrics_port = _free_port(), _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "expertmesh.cli", "up", "--model", str(model), "--port", str(api_port),
-         "--metrics-port", str(metrics_port)],
+        [sys.executable, "-m", "expertmesh.cli", "up", "--model", str(model), "--port", "0", "--metrics-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
     try:
-        assert "expertmesh is serving" in proc.stdout.readline(), "".join(stderr)[-3000:]
-        with Client(f"127.0.0.1:{api_port}") as client:
+        banner = proc.stdout.readline()
+        assert "expertmesh is serving" in banner, "".join(stderr)[-3000:]
+        # printed before the banner: "Prometheus metrics on :PORT/metrics"
+        metrics_port = next(re.search(r"Prometheus metrics on :(\d+)", l).group(1) for l in stderr if "Prometheus" in l)
+        with Client(serving_address(banner)) as client:
             for prompt in PROMPTS:
                 assert len(list(client.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False))) > 0
             with pytest.raises(grpc.RpcError):

@@ -4,7 +4,6 @@ stopped with SIGTERM, which drains in-flight requests first."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,22 +14,18 @@ import pytest
 
 from expertmesh.client import Client
 from expertmesh.tiny import make_tiny_checkpoint
+from helpers import free_port, serving_address
 
 pytestmark = pytest.mark.slow
 BIN = os.path.dirname(sys.executable)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Up:
     def __init__(self, *args, env=None):
-        self.port = _free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "expertmesh.cli", "up", "--port", str(self.port), *args],
+            # Port 0, read back from the banner: a port picked in advance can be taken by one of
+            # the Ray workers the command starts before it binds.
+            [sys.executable, "-m", "expertmesh.cli", "up", "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -40,7 +35,7 @@ class Up:
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
         self.banner = self.proc.stdout.readline()  # blocks until it serves (or exits)
         assert "expertmesh is serving" in self.banner, "".join(self.stderr)[-3000:]
-        self.target = f"127.0.0.1:{self.port}"
+        self.target = serving_address(self.banner)
 
     def stop(self, timeout=90) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -84,7 +79,7 @@ def test_up_joins_an_existing_ray_cluster(tmp_path, monkeypatch):
     # A cluster with token authentication, as multi-node Ray runs by default: `up` must present the token.
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", os.urandom(16).hex())
-    ray_port = _free_port()
+    ray_port = free_port()
     ray_bin = os.path.join(BIN, "ray")
     subprocess.run(
         [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ray_port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
@@ -116,7 +111,7 @@ def test_up_joins_an_existing_ray_cluster(tmp_path, monkeypatch):
 
 def test_up_with_an_unreachable_ray_cluster_fails_fast():
     proc = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "up", "--ray-address", f"127.0.0.1:{_free_port()}", "--port", "0"],
+        [sys.executable, "-m", "expertmesh.cli", "up", "--ray-address", f"127.0.0.1:{free_port()}", "--port", "0"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2

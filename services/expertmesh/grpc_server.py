@@ -1,6 +1,6 @@
 """The gRPC server every expertmesh process runs: thread pool, OpenTelemetry
 interceptors when tracing is on, the standard ``grpc.health.v1`` service, and a
-bind that fails loudly."""
+bind that fails loudly (also when another process holds the port)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ class GrpcServer:
     ):
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"expertmesh-{what}"),
-            options=options or [],
+            # gRPC sets SO_REUSEPORT by default: a second server on a taken port would start "fine"
+            # and silently take half the connections. A taken port must be an error instead.
+            options=[("grpc.so_reuseport", 0), *(options or [])],
             interceptors=server_interceptors(),
             maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         )

@@ -171,3 +171,26 @@ def test_build_app_refuses_a_bad_placement_before_any_replica(tmp_path):
         build_app({"model": str(model), "placement": {"groups": {"a": {"*": [0, 1, 2]}}}, "state_url": "redis://x"})
     with pytest.raises(ValueError, match="extra_forbidden|Extra inputs"):
         build_app({"model": str(model), "placement": {}, "state_url": "redis://x", "colour": "red"})
+
+
+def test_orchestrator_on_a_taken_admin_port_exits_2(tmp_path, redis_url):
+    import socket
+
+    model = make_tiny_checkpoint("mixtral", tmp_path / "m")
+    placement = tmp_path / "p.yaml"
+    placement.write_text(yaml.safe_dump({"groups": {"a": {"*": ["0-3"]}}}))
+    store = open_store(redis_url)
+    store._kv._client.flushdb()
+    store.close()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "expertmesh.cli", "orchestrator", "--state-url", redis_url, "--model", str(model),
+             "--placement", str(placement), "--admin-host", "127.0.0.1", "--admin-port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"expertmesh orchestrator: error: cannot bind the admin gRPC server to 127.0.0.1:{port}")

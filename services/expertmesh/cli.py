@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return int(args.run(args) or 0)
-    except ExpertMeshError as err:
+    except (ExpertMeshError, OSError) as err:  # bad input, or the machine refused (a taken port, say)
         print(f"expertmesh {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

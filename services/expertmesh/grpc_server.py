@@ -32,7 +32,10 @@ class GrpcServer:
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as err:  # recent grpcio raises; older ones return 0
+            raise OSError(f"cannot bind the {what} gRPC server to {host}:{port}: {err}") from None
         if self.port == 0:
             raise OSError(f"cannot bind the {what} gRPC server to {host}:{port}")
 

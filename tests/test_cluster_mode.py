@@ -27,7 +27,7 @@ from expertmesh.client import Client
 from expertmesh.expert_group.deployment import APP_NAME, build_app
 from expertmesh.state import open_store
 from expertmesh.tiny import make_tiny_checkpoint
-from helpers import free_port, serving_address
+from helpers import free_port_range, serving_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -63,7 +63,7 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     procs = []
     try:
-        port_base = free_port()
+        port_base = free_port_range(3)
         serve.run(
             build_app(
                 {

@@ -51,6 +51,8 @@ class MoESpec:
     hidden_size: int
     #: parameter names of the experts module stacked over experts, e.g. ("gate_up_proj", "down_proj")
     expert_params: tuple[str, ...]
+    #: positions the model supports (max_position_embeddings); None when its config does not say
+    max_context: int | None = None
 
     def all_experts(self) -> list[tuple[int, int]]:
         return [(layer, e) for layer in self.moe_layers for e in range(self.num_experts)]
@@ -128,6 +130,7 @@ class Checkpoint:
             top_k=int(getattr(text_config, "num_experts_per_tok", 0) or getattr(text_config, "top_k", 0)),
             hidden_size=text_config.hidden_size,
             expert_params=expert_params,
+            max_context=getattr(text_config, "max_position_embeddings", None),
         )
         self._expert_keys = {f"{name}.{p}": layer for layer, (name, _) in moe.items() for p in expert_params}
         self._targets = self._map_keys(skeleton)

@@ -74,8 +74,9 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, 
 
     progress("building the router (no routed-expert weights)")
     spec = checkpoint.spec
-    context = getattr(checkpoint.config.get_text_config(), "max_position_embeddings", None) or 4096
-    window = LoadWindow(spec.moe_layers, spec.num_experts, spec.top_k, window_s=config.load_window_s, max_context=context)
+    window = LoadWindow(
+        spec.moe_layers, spec.num_experts, spec.top_k, window_s=config.load_window_s, max_context=spec.max_context or 4096
+    )
     dispatcher = ExpertDispatcher(
         store, timeout_s=config.dispatch_timeout_s, load_window=window, resolve_endpoints=resolve_endpoints
     )

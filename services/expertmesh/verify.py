@@ -62,7 +62,7 @@ def compare(plane, tokens: int = 32, seed: int = 0) -> VerifyReport:
     from transformers import AutoModelForCausalLM
 
     config = plane.checkpoint.config.get_text_config()
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = plane.checkpoint.spec.max_context
     if tokens < 1 or (limit and tokens > limit) or (limit and PROMPT_TOKENS + GREEDY_TOKENS > limit):
         raise CheckpointError(f"--tokens must be between 1 and the model's context of {limit} tokens, got {tokens}")
     dtype = getattr(torch, plane.config.dtype)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -50,7 +50,10 @@ from expertmesh.bench.report import (
     format_table,
     machine,
     median,
+    model_summary,
+    options_summary,
     parse_int_list,
+    torch_threads,
     write_json,
 )
 from expertmesh.data_plane import progress
@@ -235,7 +238,7 @@ def validate(options: Options):
     from expertmesh.checkpoint import Checkpoint
 
     checkpoint = Checkpoint(options.model)
-    context = getattr(checkpoint.config.get_text_config(), "max_position_embeddings", None)
+    context = checkpoint.spec.max_context
     if context and options.prefill_tokens > context:
         raise BenchError(
             f"--prefill-tokens {options.prefill_tokens} is above the model's context of {context} tokens"
@@ -263,10 +266,7 @@ def run(options: Options) -> dict:
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     moe_layers = len(spec.moe_layers)
 
-    previous_threads = torch.get_num_threads()
-    threads = options.threads or previous_threads
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(options.threads) as threads:
         progress(f"bench dispatch: loading stock transformers ({spec.model_type}, {options.dtype})")
         mono = AutoModelForCausalLM.from_pretrained(
             checkpoint.path, experts_implementation="eager", dtype=dtype, local_files_only=True
@@ -286,24 +286,16 @@ def run(options: Options) -> dict:
 
         phases, groups = measure()
         traced = _measure_traced(measure) if options.tracing else None
-    finally:
-        torch.set_num_threads(previous_threads)
 
     return {
         "benchmark": "dispatch",
         "model": {
-            "path": str(checkpoint.path),
-            "model_type": spec.model_type,
-            "num_layers": spec.num_layers,
-            "moe_layers": moe_layers,
-            "num_experts": spec.num_experts,
-            "top_k": spec.top_k,
-            "hidden_size": spec.hidden_size,
-            "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+            **model_summary(checkpoint),
+            "max_position_embeddings": spec.max_context,
             "parameters": sum(p.numel() for p in mono.parameters()),
         },
         "setup": {
-            **{f.name: _plain(getattr(options, f.name)) for f in fields(options)},
+            **options_summary(options),
             "threads": threads,
             "groups": groups,
             "dtype_bytes": dtype_bytes,
@@ -339,14 +331,6 @@ def _measure_traced(measure: Callable[[], tuple[list, int]]) -> dict:
                 os.environ[key] = value
         sink.stop()
     return {"phases": phases, "spans_received": len(sink.spans)}
-
-
-def _plain(value):
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple):
-        return list(value)
-    return value
 
 
 def _run_phases(options: Options, mono, plane, vocab: int, moe_layers: int, hidden: int, dtype_bytes: int) -> list:

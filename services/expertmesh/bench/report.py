@@ -1,6 +1,7 @@
 """What every ``expertmesh bench`` command of the data plane shares: one table
-printer, the JSON file, percentiles, the machine description, and the error
-that makes the CLI exit 2 with one line.
+printer, the JSON file, percentiles, the machine and model descriptions, the
+torch thread count both sides run with, and the error that makes the CLI exit 2
+with one line.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import math
 import os
 import platform
 import statistics
+from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from expertmesh.errors import ExpertMeshError
 
@@ -94,3 +97,44 @@ def check_positive(value: int, flag: str) -> int:
     if value < 1:
         raise BenchError(f"{flag} must be at least 1, got {value}")
     return value
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[int]:
+    """Run the block with ``threads`` torch intra-op threads (None: the current count), then restore.
+    Yields the count in force, for the report."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        yield threads or previous
+    finally:
+        torch.set_num_threads(previous)
+
+
+def model_summary(checkpoint) -> dict:
+    """The checkpoint's shape, as every benchmark's JSON reports it."""
+    spec = checkpoint.spec
+    return {
+        "path": str(checkpoint.path),
+        "model_type": spec.model_type,
+        "num_layers": spec.num_layers,
+        "moe_layers": len(spec.moe_layers),
+        "num_experts": spec.num_experts,
+        "top_k": spec.top_k,
+        "hidden_size": spec.hidden_size,
+    }
+
+
+def options_summary(options) -> dict:
+    """A benchmark's options dataclass as JSON-ready values (paths as text, tuples as lists)."""
+
+    def plain(value):
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, tuple):
+            return list(value)
+        return value
+
+    return {f.name: plain(getattr(options, f.name)) for f in fields(options)}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from expertmesh.bench.report import (
@@ -36,7 +36,10 @@ from expertmesh.bench.report import (
     check_positive,
     format_table,
     machine,
+    model_summary,
+    options_summary,
     percentile,
+    torch_threads,
     write_json,
 )
 from expertmesh.data_plane import progress
@@ -117,7 +120,7 @@ def validate(options: Options):
     from expertmesh.checkpoint import Checkpoint
 
     checkpoint = Checkpoint(options.model)
-    context = getattr(checkpoint.config.get_text_config(), "max_position_embeddings", None)
+    context = checkpoint.spec.max_context
     if context and options.prompt_tokens + options.max_new_tokens > context:
         raise BenchError(
             f"--prompt-tokens {options.prompt_tokens} + --max-new-tokens {options.max_new_tokens} "
@@ -140,17 +143,11 @@ def prompts(options: Options, vocab_size: int) -> list[list[int]]:
 
 
 def run(options: Options) -> dict:
-    import torch
-
     checkpoint = validate(options)
-    spec = checkpoint.spec
     text = checkpoint.config.get_text_config()
     work = prompts(options, text.vocab_size)
 
-    previous_threads = torch.get_num_threads()
-    threads = options.threads or previous_threads
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(options.threads) as threads:
         if options.target:
             _check_target(options.target, checkpoint, text)
             platform = _platform_run(options.target, options, work)
@@ -183,23 +180,13 @@ def run(options: Options) -> dict:
             finally:
                 progress("bench serve: stopping the platform")
                 plane.close()
-    finally:
-        torch.set_num_threads(previous_threads)
 
     runs = [platform, *baselines]
     return {
         "benchmark": "serve",
-        "model": {
-            "path": str(checkpoint.path),
-            "model_type": spec.model_type,
-            "num_layers": spec.num_layers,
-            "moe_layers": len(spec.moe_layers),
-            "num_experts": spec.num_experts,
-            "top_k": spec.top_k,
-            "hidden_size": spec.hidden_size,
-        },
+        "model": model_summary(checkpoint),
         "setup": {
-            **{f.name: str(v) if isinstance(v := getattr(options, f.name), Path) else v for f in fields(options)},
+            **options_summary(options),
             "threads": threads,
             "platform": options.target or "in-process expertmesh up (local data plane, gRPC on loopback)",
             "prompt_lengths": [len(p) for p in work],

@@ -35,7 +35,7 @@ def model_info(plane: DataPlane) -> pb.ModelInfo:
         top_k=spec.top_k,
         hidden_size=spec.hidden_size,
         vocab_size=text.vocab_size,
-        max_context=getattr(text, "max_position_embeddings", 0) or 0,
+        max_context=spec.max_context or 0,
         groups=sorted(plane.placement.groups),
         dtype=plane.config.dtype,
         total_parameters=plane.checkpoint.total_parameters,

@@ -5,12 +5,6 @@ Prometheus text.
 Known requests go in; the test finds one trace per request with the documented
 span tree, and metric values that match the routing the router did."""
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from collections import defaultdict
@@ -22,7 +16,7 @@ from expertmesh.client import Client
 from expertmesh.telemetry import PROMETHEUS_METRICS
 from expertmesh.telemetry.sink import OtlpSink
 from expertmesh.tiny import make_tiny_checkpoint
-from helpers import serving_address
+from helpers import Up
 
 pytestmark = pytest.mark.slow
 
@@ -52,36 +46,27 @@ def run(receiver, tmp_path_factory):
     r, port = receiver
     model = make_tiny_checkpoint("mixtral", tmp_path_factory.mktemp("m"), with_tokenizer=True, vocab_size=300)
     env = {
-        **os.environ,
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
         "OTEL_METRIC_EXPORT_INTERVAL": "300",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "expertmesh.cli", "up", "--model", str(model), "--port", "0", "--metrics-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
-    stderr: list[str] = []
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    up = Up("--model", str(model), "--metrics-port", "0", env=env)
     try:
-        banner = proc.stdout.readline()
-        assert "expertmesh is serving" in banner, "".join(stderr)[-3000:]
-        # printed before the banner: "Prometheus metrics on :PORT/metrics"
-        metrics_port = next(re.search(r"Prometheus metrics on :(\d+)", l).group(1) for l in stderr if "Prometheus" in l)
-        with Client(serving_address(banner)) as client:
+        metrics_port = up.wait_for_stderr(r"Prometheus metrics on :(\d+)").group(1)
+        with Client(up.target) as client:
             for prompt in PROMPTS:
                 assert len(list(client.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False))) > 0
             with pytest.raises(grpc.RpcError):
                 list(client.generate([], max_new_tokens=1))
         prometheus = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
         time.sleep(1.5)  # the groups' span batches go out every 100 ms
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
+        assert up.stop() == 0
+        up.wait_for_stderr("stopping expert groups")  # its last line: the reader thread may lag the exit
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    return r, prometheus, "".join(stderr)
+        if up.proc.poll() is None:
+            up.proc.kill()
+    return r, prometheus, "".join(up.stderr)
 
 
 def test_one_trace_per_request_with_the_span_tree(run):

@@ -3,10 +3,10 @@ with local Ray or an existing Ray cluster, queried with the CLI and the client,
 stopped with SIGTERM, which drains in-flight requests first."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -14,32 +14,10 @@ import pytest
 
 from expertmesh.client import Client
 from expertmesh.tiny import make_tiny_checkpoint
-from helpers import free_port, serving_address
+from helpers import Up, free_port
 
 pytestmark = pytest.mark.slow
 BIN = os.path.dirname(sys.executable)
-
-
-class Up:
-    def __init__(self, *args, env=None):
-        self.proc = subprocess.Popen(
-            # Port 0, read back from the banner: a port picked in advance can be taken by one of
-            # the Ray workers the command starts before it binds.
-            [sys.executable, "-m", "expertmesh.cli", "up", "--port", "0", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.stderr: list[str] = []
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-        self.banner = self.proc.stdout.readline()  # blocks until it serves (or exits)
-        assert "expertmesh is serving" in self.banner, "".join(self.stderr)[-3000:]
-        self.target = serving_address(self.banner)
-
-    def stop(self, timeout=90) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
 
 
 def test_up_with_no_arguments_serves_the_embedded_model_and_drains_on_sigterm(tmp_path):
@@ -71,8 +49,8 @@ def test_up_with_no_arguments_serves_the_embedded_model_and_drains_on_sigterm(tm
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
-    log = "".join(up.stderr)
-    assert "draining in-flight requests" in log and "drained" in log and "stopping expert groups" in log
+    for line in ("draining in-flight requests", "drained", "stopping expert groups"):
+        up.wait_for_stderr(re.escape(line))
 
 
 def test_up_joins_an_existing_ray_cluster(tmp_path, monkeypatch):
@@ -95,7 +73,7 @@ def test_up_joins_an_existing_ray_cluster(tmp_path, monkeypatch):
                 assert len(client.generate_text("abc", max_new_tokens=4, stop_at_eos=False)) > 0
         finally:
             assert up.stop() == 0
-        assert f"starting Ray (127.0.0.1:{ray_port})" in "".join(up.stderr)
+        up.wait_for_stderr(re.escape(f"starting Ray (127.0.0.1:{ray_port})"))
         # The cluster outlives `up`, and `up` took its expert groups with it.
         probe = subprocess.run(
             [sys.executable, "-c",

@@ -11,13 +11,27 @@ Keys (all under the ``expertmesh:`` prefix, one namespace per deployment):
 - ``routing_table:version`` its version alone, so routers poll cheaply
 - ``endpoints``             hash: group name -> "host:port" of its gRPC server
 - ``load``                  hash: router id -> its load window (``router.load_window`` .npz bytes)
+- ``routers``               hash: router id -> JSON ``RouterHeartbeat`` (the routing-table version
+  it serves and when it last said so); migrations drain on it
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from expertmesh.routing_table import RoutingTable
+
+
+@dataclass(frozen=True)
+class RouterHeartbeat:
+    """What one router last reported: the routing-table version its steps use now."""
+
+    router_id: str
+    table_version: int
+    #: wall-clock seconds (time.time()) of the report; a router silent for long is presumed gone
+    at: float
 
 
 class KeyValueBackend(Protocol):
@@ -91,6 +105,17 @@ class StateStore:
 
     def loads(self) -> dict[str, bytes]:
         return self._kv.hgetall(self._key("load"))
+
+    # -- router heartbeats ------------------------------------------------------------
+
+    def publish_router_heartbeat(self, beat: RouterHeartbeat) -> None:
+        self._kv.hset(self._key("routers"), beat.router_id, json.dumps(asdict(beat)).encode())
+
+    def remove_router_heartbeat(self, router_id: str) -> None:
+        self._kv.hdel(self._key("routers"), router_id)
+
+    def router_heartbeats(self) -> dict[str, RouterHeartbeat]:
+        return {rid: RouterHeartbeat(**json.loads(raw)) for rid, raw in self._kv.hgetall(self._key("routers")).items()}
 
     def close(self) -> None:
         self._kv.close()

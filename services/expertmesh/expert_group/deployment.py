@@ -52,6 +52,8 @@ class GroupSpec:
     numa: int | None = None
     #: OTEL_* settings of the process that deployed the group, so its traces join the router's
     telemetry_env: dict[str, str] = field(default_factory=dict)
+    #: most bytes of expert weights the group holds; LoadExperts past it is refused. None: unlimited
+    budget_bytes: int | None = None
 
 
 class ExpertGroupReplica:
@@ -74,7 +76,7 @@ class ExpertGroupReplica:
         # Intra-op threads follow the CPU share: oversubscribing a small host costs more than it gains.
         torch.set_num_threads(max(1, int(spec.num_cpus)))
         device = "cuda" if spec.num_gpus and torch.cuda.is_available() else "cpu"
-        self._hosted = HostedExperts(Checkpoint(spec.model_path), getattr(torch, spec.dtype), device)
+        self._hosted = HostedExperts(Checkpoint(spec.model_path), getattr(torch, spec.dtype), device, spec.budget_bytes)
         self._hosted.load(list(spec.pairs))
         self._server, port = start_server(spec.name, self._hosted, host=spec.host, port=spec.port)
         advertised = ray.util.get_node_ip_address() if spec.host in ("0.0.0.0", "::") else spec.host
@@ -205,6 +207,7 @@ class GroupsAppArgs(BaseModel):
     num_gpus: float = 0
     #: group name -> Ray custom resources (e.g. its NVLink island)
     resources: dict[str, dict[str, float]] = Field(default_factory=dict)
+    budget_bytes: int | None = Field(None, ge=1, description="bytes of expert weights each group may hold; unset: unlimited")
 
 
 def build_app(args: dict):
@@ -232,6 +235,7 @@ def build_app(args: dict):
                 port=config.port_base + i,
                 resources=config.resources.get(name, {}),
                 state_url=config.state_url,
+                budget_bytes=config.budget_bytes,
             )
             for i, name in enumerate(sorted(placement.groups))
         ]

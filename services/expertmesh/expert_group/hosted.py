@@ -6,47 +6,137 @@ parameters hold only the hosted experts, in ascending global id. A request's
 global expert ids are mapped to local rows, and the module's stock ``eager``
 forward does the math, so activation, biases, clamping and gate layout are the
 architecture's, not ours.
+
+Loading and unloading never touch what a concurrent ``compute`` may be
+reading: each changed layer gets a new module, ids and id map built off to the
+side, and the layer map is replaced with one assignment. ``compute`` reads the
+map once and uses that snapshot throughout, so it sees either the old layer or
+the new one, never a half-built mix of two experts' weights.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from expertmesh.checkpoint import Checkpoint, experts_modules
-from expertmesh.errors import InvalidRequest, NotHosted
+from expertmesh.errors import InvalidRequest, NotHosted, OverBudget
+
+#: Columns of expert_ids a Dispatch may carry beyond the model's top-k: the router's
+#: dynamic top-k may widen a token's choice by one expert.
+TOP_K_ALLOWANCE = 1
+#: Default cap on the (token, slot) pairs of one Dispatch, T·K.
+MAX_ROWS = 1 << 20
 
 
 @dataclass
+class OutputStats:
+    """Output statistics of one hosted expert since it was loaded.
+
+    The norm statistics cover the L2 norms of the expert's unweighted output
+    rows, merged batch by batch (Chan et al.'s parallel form of Welford's
+    algorithm); ``norm_var`` is the population variance.
+    """
+
+    calls: int = 0
+    rows: int = 0
+    #: rows whose output held a NaN or an Inf
+    non_finite: int = 0
+    #: rows in the norm statistics: finite, with a non-zero routing weight
+    normed: int = 0
+    norm_mean: float = 0.0
+    #: sum of squared deviations from norm_mean
+    norm_m2: float = 0.0
+
+    @property
+    def norm_var(self) -> float:
+        return self.norm_m2 / self.normed if self.normed else 0.0
+
+    def merge(self, rows: int, non_finite: int, normed: int, mean: float, m2: float) -> None:
+        """Add one Dispatch's rows of this expert: ``normed`` norms with mean ``mean`` and squared deviations ``m2``."""
+        self.calls += 1
+        self.rows += rows
+        self.non_finite += non_finite
+        if not normed:
+            return
+        total = self.normed + normed
+        delta = mean - self.norm_mean
+        self.norm_mean += delta * normed / total
+        self.norm_m2 += m2 + delta * delta * self.normed * normed / total
+        self.normed = total
+
+
+@dataclass(frozen=True)
 class _LayerExperts:
+    """One layer's hosted experts; never changed once published (``stats`` only accumulate)."""
+
     module: nn.Module
     #: global expert ids held, ascending; row i of each stacked parameter is expert ids[i]
-    ids: list[int]
+    ids: tuple[int, ...]
     #: [num_experts] int64: global id -> local row, -1 where not held
     local_of: torch.Tensor
+    #: global id -> its statistics; carried into the next build while the expert stays loaded
+    stats: Mapping[int, OutputStats]
 
 
 class HostedExperts:
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        budget_bytes: int | None = None,
+        max_rows: int = MAX_ROWS,
+    ):
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         self.dtype = dtype
         self.device = torch.device(device)
-        # A meta skeleton gives us one experts-module instance per MoE layer to fill.
+        #: most bytes of expert weights held at once; None = unlimited
+        self.budget_bytes = budget_bytes
+        self.max_rows = max_rows
+        # A config that does not name its top-k leaves it 0: bound K by the expert count instead.
+        self.max_columns = (self.spec.top_k or self.spec.num_experts) + TOP_K_ALLOWANCE
+        # A meta skeleton gives one experts-module template per MoE layer; each build copies one.
         self._templates = {layer: module for layer, (_, module) in experts_modules(checkpoint.skeleton("eager", dtype)).items()}
-        self._layers: dict[int, _LayerExperts] = {}
-        self._lock = threading.Lock()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self._bytes_per_expert = {
+            layer: itemsize * sum(getattr(t, name)[0].numel() for name in self.spec.expert_params)
+            for layer, t in self._templates.items()
+        }
+        for template in self._templates.values():
+            for name in self.spec.expert_params:
+                template._parameters[name] = None
+        #: layer -> its experts; replaced whole (one assignment), never mutated
+        self._layers: Mapping[int, _LayerExperts] = MappingProxyType({})
+        self._lock = threading.Lock()  # serialises load and unload
+        self._stats_lock = threading.Lock()
 
     # -- what is held ----------------------------------------------------------------
 
     def pairs(self) -> list[tuple[int, int]]:
-        return [(layer, e) for layer, held in sorted(self._layers.items()) for e in held.ids]
+        layers = self._layers
+        return [(layer, e) for layer, held in sorted(layers.items()) for e in held.ids]
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for held in self._layers.values() for p in held.module.parameters())
+        layers = self._layers
+        return sum(p.numel() * p.element_size() for held in layers.values() for p in held.module.parameters())
+
+    def expert_bytes(self, pairs: list[tuple[int, int]]) -> int:
+        """Bytes the weights of ``pairs`` take once loaded, from the checkpoint's shapes alone."""
+        return sum(self._bytes_per_expert[layer] for layer, _ in pairs)
+
+    def expert_stats(self) -> list[tuple[int, int, OutputStats]]:
+        """(layer, expert, a copy of its statistics) for every hosted expert."""
+        layers = self._layers
+        with self._stats_lock:
+            return [(layer, e, replace(held.stats[e])) for layer, held in sorted(layers.items()) for e in held.ids]
 
     # -- load / unload -----------------------------------------------------------------
 
@@ -57,63 +147,75 @@ class HostedExperts:
             if not 0 <= expert < self.spec.num_experts:
                 raise NotHosted(f"expert {expert} of layer {layer} does not exist ({self.spec.num_experts} experts)")
 
+    def _check_budget(self, added: list[tuple[int, int]]) -> None:
+        """Refuse a load past the budget before anything is read or allocated."""
+        if self.budget_bytes is None or not added:
+            return
+        held = self.weight_bytes()
+        extra = self.expert_bytes(added)
+        if held + extra > self.budget_bytes:
+            raise OverBudget(
+                f"loading {len(added)} experts ({extra} bytes) would take this group's expert weights from "
+                f"{held} to {held + extra} bytes, over its budget of {self.budget_bytes} bytes; "
+                "unload experts first or place these on another group"
+            )
+
     def load(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Start holding ``pairs``; returns those that were not held before."""
         self._check_pairs(pairs)
         with self._lock:
             added = sorted(set(pairs) - set(self.pairs()))
+            self._check_budget(added)
+            changed = {}
             for layer in sorted({layer for layer, _ in added}):
                 held = set(self._layers[layer].ids) if layer in self._layers else set()
-                self._rebuild(layer, sorted(held | {e for l, e in added if l == layer}))
+                changed[layer] = self._build(layer, sorted(held | {e for l, e in added if l == layer}))
+            self._publish(changed)
             return added
 
     def unload(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Stop holding ``pairs``; returns those that were held."""
+        """Stop holding ``pairs``; returns those that were held. Their statistics go with them."""
         self._check_pairs(pairs)
         with self._lock:
             removed = sorted(set(pairs) & set(self.pairs()))
+            changed = {}
             for layer in sorted({layer for layer, _ in removed}):
                 keep = sorted(set(self._layers[layer].ids) - {e for l, e in removed if l == layer})
-                self._rebuild(layer, keep)
+                changed[layer] = self._build(layer, keep)
+            self._publish(changed)
             return removed
 
-    def _rebuild(self, layer: int, ids: list[int]) -> None:
-        """Point ``layer``'s module at exactly ``ids``: rows already held are reused, new ones read from disk."""
+    def _publish(self, changed: dict[int, _LayerExperts | None]) -> None:
+        """Swap in the changed layers (None: the layer is no longer held) with one assignment."""
+        layers = {**self._layers, **changed}
+        self._layers = MappingProxyType({layer: held for layer, held in layers.items() if held is not None})
+
+    def _build(self, layer: int, ids: list[int]) -> _LayerExperts | None:
+        """A new module holding exactly ``ids``: rows already held are copied, new ones read from disk.
+        Reads the published layer but changes nothing a concurrent compute may see."""
         if not ids:
-            self._layers.pop(layer, None)
-            return
+            return None
         old = self._layers.get(layer)
-        new_ids = [e for e in ids if old is None or e not in old.ids]
+        old_row = {e: i for i, e in enumerate(old.ids)} if old is not None else {}
+        new_ids = [e for e in ids if e not in old_row]
         fresh = self.checkpoint.expert_weights(layer, new_ids, self.dtype) if new_ids else {}
-        module = old.module if old is not None else self._instantiate(layer)
+        module = copy.deepcopy(self._templates[layer]).to_empty(device=self.device)
+        module.requires_grad_(False)
         for name in self.spec.expert_params:
-            rows = []
-            for e in ids:
-                if old is not None and e in old.ids:
-                    rows.append(getattr(old.module, name)[old.ids.index(e)])
-                else:
-                    rows.append(fresh[name][new_ids.index(e)])
-            module._parameters[name] = nn.Parameter(torch.stack(rows).to(self.device), requires_grad=False)
+            rows = [
+                getattr(old.module, name)[old_row[e]] if e in old_row else fresh[name][new_ids.index(e)].to(self.device)
+                for e in ids
+            ]
+            module._parameters[name] = nn.Parameter(torch.stack(rows), requires_grad=False)  # [len(ids), ...]
         module.num_experts = len(ids)
         local_of = torch.full((self.spec.num_experts,), -1, dtype=torch.long)
         local_of[ids] = torch.arange(len(ids))
-        self._layers[layer] = _LayerExperts(module, list(ids), local_of.to(self.device))
-
-    def _instantiate(self, layer: int) -> nn.Module:
-        """A real (non-meta) copy of the layer's experts module without its stacked parameters."""
-        template = self._templates[layer]
-        for name in self.spec.expert_params:
-            template._parameters[name] = None
-        module = template.to_empty(device=self.device)
-        module.requires_grad_(False)
-        return module
+        stats = {e: old.stats[e] if e in old_row else OutputStats() for e in ids}
+        return _LayerExperts(module, tuple(ids), local_of.to(self.device), MappingProxyType(stats))
 
     # -- compute -------------------------------------------------------------------------
 
-    def compute(
-        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """hidden [T, H], expert_ids [T, K] (global ids, -1 = empty), weights [T, K] -> partial sums [T, H]."""
+    def _check_request(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
             raise InvalidRequest(
                 f"hidden_states must be [tokens, {self.spec.hidden_size}], got {list(hidden.shape)}"
@@ -128,10 +230,31 @@ class HostedExperts:
             raise InvalidRequest(f"expert_ids must be int32 or int64, got {expert_ids.dtype}")
         if not weights.is_floating_point():
             raise InvalidRequest(f"routing_weights must be floating point, got {weights.dtype}")
-        held = self._layers.get(layer)
+        tokens, columns = expert_ids.shape
+        if columns > self.max_columns:
+            raise InvalidRequest(
+                f"expert_ids has {columns} columns; this model routes a token to at most {self.max_columns} experts "
+                f"(top-k {self.spec.top_k} + {TOP_K_ALLOWANCE})"
+            )
+        if tokens * columns > self.max_rows:
+            raise InvalidRequest(
+                f"this Dispatch carries {tokens}x{columns} = {tokens * columns} (token, expert) slots, over this "
+                f"group's cap of {self.max_rows}; split it into smaller calls"
+            )
+        for name, tensor in (("hidden_states", hidden), ("routing_weights", weights)):
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise InvalidRequest(f"{name} holds {bad} non-finite values (NaN or Inf)")
+
+    def compute(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, H], expert_ids [T, K] (global ids, -1 = empty), weights [T, K] -> partial sums [T, H]."""
+        self._check_request(hidden, expert_ids, weights)
+        layers = self._layers  # the one snapshot this call uses
+        held = layers.get(layer)
         if held is None:
-            layers = sorted(self._layers)
-            raise NotHosted(f"layer {layer} has no experts in this group (it holds layers {layers})")
+            raise NotHosted(f"layer {layer} has no experts in this group (it holds layers {sorted(layers)})")
 
         expert_ids = expert_ids.to(self.device, torch.long)
         token_idx, slot = (expert_ids >= 0).nonzero(as_tuple=True)  # [S] each: one row per (token, expert) pair
@@ -140,18 +263,41 @@ class HostedExperts:
         local = held.local_of[global_ids.clamp(max=self.spec.num_experts - 1)]  # [S]
         if bool(unknown.any()) or bool((local < 0).any()):
             missing = sorted(set(global_ids[unknown | (local < 0)].tolist()))
-            raise NotHosted(f"experts {missing} of layer {layer} are not held by this group (it holds {held.ids})")
+            raise NotHosted(f"experts {missing} of layer {layer} are not held by this group (it holds {list(held.ids)})")
 
         hidden = hidden.to(self.device, self.dtype)
         partial = torch.zeros_like(hidden)  # [T, H]
         if token_idx.numel():
+            row_weights = weights.to(self.device)[token_idx, slot]  # [S]
             with torch.no_grad():
                 # Each (token, expert) pair is its own row with top-k 1, so the stock eager loop sees
                 # no sentinels (GPT-OSS's has no slot for one) and computes every pair exactly once.
-                rows = held.module(
-                    hidden[token_idx],  # [S, H]
-                    local.unsqueeze(1),  # [S, 1]
-                    weights.to(self.device)[token_idx, slot].unsqueeze(1),  # [S, 1]
-                )  # [S, H], already weighted
+                rows = held.module(hidden[token_idx], local.unsqueeze(1), row_weights.unsqueeze(1))  # [S, H], weighted
                 partial.index_add_(0, token_idx, rows.to(partial.dtype))
+            self._record(held, local, row_weights, rows)
         return partial
+
+    def _record(self, held: _LayerExperts, local: torch.Tensor, row_weights: torch.Tensor, rows: torch.Tensor) -> None:
+        """Merge one call's output rows into each expert's statistics.
+
+        local [S] local rows, row_weights [S], rows [S, H] weighted outputs. The module
+        applies the routing weight itself, so an unweighted norm is the weighted one over
+        |weight|; rows with weight 0 (no norm to recover) or a non-finite output count in
+        rows but not in the norm statistics.
+        """
+        n = len(held.ids)
+        finite = torch.isfinite(rows).all(dim=1)  # [S]
+        scale = row_weights.abs().double()  # [S]
+        usable = finite & (scale > 0)  # [S]
+        norms = torch.where(usable, rows.float().norm(dim=1).double() / scale, 0.0)  # [S]
+        count = torch.bincount(local, minlength=n).double()  # [n]
+        non_finite = torch.bincount(local, weights=(~finite).double(), minlength=n)  # [n]
+        normed = torch.bincount(local, weights=usable.double(), minlength=n)  # [n]
+        mean = torch.bincount(local, weights=norms, minlength=n) / normed.clamp(min=1)  # [n]
+        deviation = torch.where(usable, norms - mean[local], 0.0)  # [S]
+        m2 = torch.bincount(local, weights=deviation * deviation, minlength=n)  # [n]
+        hit = count.nonzero().squeeze(1)  # [h]
+        table = torch.stack([count, non_finite, normed, mean, m2], dim=1)[hit].tolist()  # [h, 5]
+        with self._stats_lock:
+            for i, (rows_n, bad, k, mu, sq) in zip(hit.tolist(), table):
+                held.stats[held.ids[i]].merge(int(rows_n), int(bad), int(k), mu, sq)

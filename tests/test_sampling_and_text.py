@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from expertmesh.serving.sampling import SamplingParams, make_generator, next_token
-from expertmesh.serving.text_stream import TextStream
+from expertmesh.errors import NonFiniteLogits
+from expertmesh.serving.sampling import MIN_TEMPERATURE, SamplingParams, make_generator, next_token
+from expertmesh.serving.text_stream import MAX_STOP_BYTES, MAX_STOP_SEQUENCES, TextStream, stop_problems
 from expertmesh.tokenizer import save_byte_tokenizer
 
 
@@ -42,14 +43,69 @@ def test_top_p_keeps_the_nucleus_only():
     "params, problem",
     [
         (SamplingParams(temperature=-0.5), "temperature must be >= 0"),
-        (SamplingParams(temperature=float("nan")), "temperature must be >= 0"),
+        (SamplingParams(temperature=float("nan")), "temperature must be >= 0 and finite"),
+        (SamplingParams(temperature=float("inf")), "temperature must be >= 0 and finite"),
+        (SamplingParams(temperature=1e-3), "temperature must be 0 or at least 0.01, got 0.001; use 0 for greedy"),
+        (SamplingParams(temperature=MIN_TEMPERATURE / 2), "use 0 for greedy"),
         (SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
         (SamplingParams(top_p=1.5), "top_p must be in (0, 1]"),
+        (SamplingParams(top_p=float("nan")), "top_p must be in (0, 1]"),
+        (SamplingParams(top_p=float("inf")), "top_p must be in (0, 1]"),
         (SamplingParams(top_k=-1), "top_k must be >= 0"),
     ],
 )
 def test_invalid_sampling_params(params, problem):
     assert any(problem in p for p in params.problems())
+
+
+def test_temperature_floor_is_accepted_also_as_the_float32_a_client_sends():
+    as_float32 = float(torch.tensor(MIN_TEMPERATURE, dtype=torch.float32))  # 0.0099999998
+    for temperature in (0.0, MIN_TEMPERATURE, as_float32, 1.0):
+        assert SamplingParams(temperature=temperature).problems() == []
+
+
+def test_top_k_above_the_vocabulary_keeps_every_token():
+    logits = torch.zeros(4)
+    params = SamplingParams(temperature=1.0, top_k=10**9, seed=5)
+    gen = make_generator(params)
+    assert {next_token(logits, params, gen) for _ in range(200)} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(), SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.0, top_k=2, top_p=0.5, seed=1)],
+)
+def test_non_finite_logits_are_refused_not_sampled(params, bad):
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    logits[2] = bad  # greedy argmax would pick a NaN index, multinomial would draw from NaN
+    with pytest.raises(NonFiniteLogits, match="logits held") as err:
+        next_token(logits, params, make_generator(params))
+    assert err.value.code.name == "INTERNAL"
+
+
+def test_logits_that_overflow_when_divided_by_the_temperature_are_refused():
+    logits = torch.tensor([0.0, 1e37])  # finite, but / 0.01 is Inf in float32
+    params = SamplingParams(temperature=MIN_TEMPERATURE, seed=1)
+    with pytest.raises(NonFiniteLogits, match="0 NaN and 1 Inf"):
+        next_token(logits, params, make_generator(params))
+
+
+@pytest.mark.parametrize(
+    "stop, problem",
+    [
+        (("x",) * (MAX_STOP_SEQUENCES + 1), f"stop has 17 sequences; at most {MAX_STOP_SEQUENCES} are allowed"),
+        (("ok", ""), "stop[1] is empty"),
+        (("é" * (MAX_STOP_BYTES // 2 + 1),), f"stop[0] is 258 bytes of UTF-8; at most {MAX_STOP_BYTES} are allowed"),
+    ],
+)
+def test_invalid_stop_sequences(stop, problem):
+    assert any(problem in p for p in stop_problems(stop))
+
+
+def test_stop_sequences_at_the_limits_are_accepted():
+    assert stop_problems(("é" * (MAX_STOP_BYTES // 2),) * MAX_STOP_SEQUENCES) == []
+    assert stop_problems(()) == []
 
 
 @pytest.fixture(scope="module")

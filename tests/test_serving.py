@@ -109,6 +109,12 @@ def test_seeded_sampling_is_reproducible(client):
     assert client.generate_text([9, 8, 7], **kwargs) == client.generate_text([9, 8, 7], **kwargs)
 
 
+def test_temperature_floor_and_stop_limits_are_accepted(client):
+    """The limits themselves pass: 0.01 arrives as the float32 0.0099999998, and 16 stops of 256 bytes."""
+    kwargs = dict(max_new_tokens=3, temperature=0.01, seed=1, stop=["é" * 128] * 16, stop_at_eos=False)
+    assert list(client.generate([9, 8, 7], **kwargs))[-1].finish_reason == "length"
+
+
 def test_score_matches_stock_log_probs(client, checkpoint):
     ids = [3, 44, 120, 7, 9, 250, 31]
     stock = AutoModelForCausalLM.from_pretrained(checkpoint, experts_implementation="eager").eval()
@@ -152,6 +158,10 @@ def _bad_generate_requests():
         "max_new_tokens negative": (r(max_new_tokens=-3), "max_new_tokens must be at least 1, got -3"),
         "max_new_tokens above cap": (r(max_new_tokens=65), "max_new_tokens 65 is above this server's cap of 64"),
         "negative temperature": (r(temperature=-1.0), "temperature must be >= 0"),
+        "temperature below floor": (r(temperature=1e-3), "temperature must be 0 or at least 0.01, got 0.001"),
+        "too many stops": (r(stop=["x"] * 17), "stop has 17 sequences; at most 16 are allowed"),
+        "empty stop": (r(stop=["ok", ""]), "stop[1] is empty"),
+        "stop too long": (r(stop=["é" * 129]), "stop[0] is 258 bytes of UTF-8; at most 256 are allowed"),
         "top_p zero": (r(top_p=0.0), "top_p must be in (0, 1]"),
         "top_p above one": (r(top_p=1.5), "top_p must be in (0, 1]"),
         "token outside vocab": (r(prompt=[1, 300, 7]), "token ids [300] are outside the vocabulary (0-299)"),

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
@@ -34,7 +35,7 @@ from transformers import DynamicCache
 from expertmesh.errors import ExpertMeshError, Overloaded, ShuttingDown
 from expertmesh.router.dispatch import ExpertDispatcher
 from expertmesh.router.step_gather import StepGather
-from expertmesh.serving.sampling import SamplingParams, make_generator, next_token
+from expertmesh.serving.sampling import SamplingParams, make_generator, next_token, require_finite
 from expertmesh.serving.text_stream import TextStream
 from expertmesh.telemetry.setup import tracer
 
@@ -243,17 +244,23 @@ class Engine:
         gather = StepGather(self._dispatcher.dispatch, len(batch))
         futures = [self._pool.submit(self._forward, seq, gather) for seq in batch]
         for seq, future in zip(batch, futures):
-            try:
-                logits = future.result()  # [n, V]
-            except ExpertMeshError as err:
-                self._fail(seq, err.code, str(err))
-                continue
-            except Exception as err:
-                log.exception("forward of request %s failed", seq.request.request_id)
-                self._fail(seq, grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
-                continue
-            self._advance(seq, logits)
+            with self._failing_alone(seq):
+                self._advance(seq, future.result())  # logits [n, V]
         self.steps += 1
+
+    @contextmanager
+    def _failing_alone(self, seq: Sequence) -> Iterator[None]:
+        """A failure of one sequence's forward or sampling fails that sequence only: the
+        others of its step keep their tokens, as if the failed one had never joined."""
+        rid = seq.request.request_id
+        try:
+            yield
+        except ExpertMeshError as err:
+            log.warning("request %s failed: %s", rid, err)
+            self._fail(seq, err.code, f"request {rid}: {err}")
+        except Exception as err:
+            log.exception("request %s failed", rid)
+            self._fail(seq, grpc.StatusCode.INTERNAL, f"request {rid}: {type(err).__name__}: {err}")
 
     def _forward(self, seq: Sequence, gather: StepGather) -> torch.Tensor:
         ids = torch.tensor([seq.next_input], dtype=torch.long)  # [1, n]
@@ -274,6 +281,7 @@ class Engine:
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         request = seq.request
         if request.score_only:
+            require_finite(logits)
             seq.events.put(ScoreEvent(logits))
             seq.done = True
             return

@@ -1,15 +1,31 @@
-"""Choosing the next token of one sequence. Pure: logits and parameters in, a token id out."""
+"""Choosing the next token of one sequence. Pure: logits and parameters in, a token id out.
+
+No token is ever chosen from NaN or Inf: argmax picks the NaN index and
+torch.multinomial fails or draws garbage, a wrong answer with status OK. Such
+logits (a faulty expert, an overflow) raise ``NonFiniteLogits`` instead.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from expertmesh.errors import NonFiniteLogits
+
+#: The smallest temperature above 0 (vLLM's floor too). Below it, dividing by the
+#: temperature blows logit gaps up until sampling is greedy in all but name and, far
+#: enough down, overflows float32 to Inf; 0 asks for greedy decoding explicitly.
+MIN_TEMPERATURE = 1e-2
+# temperature is a float32 on the wire: a client that sends 0.01 arrives as 0.0099999998.
+_MIN_TEMPERATURE_F32 = float(torch.tensor(MIN_TEMPERATURE, dtype=torch.float32))
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 is no limit; top_p 1.0 is no nucleus cut."""
+    """temperature 0 is greedy, else at least MIN_TEMPERATURE; top_k 0 is no limit (a top_k
+    above the vocabulary keeps every token); top_p 1.0 is no nucleus cut."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -18,9 +34,12 @@ class SamplingParams:
 
     def problems(self) -> list[str]:
         out = []
-        if not self.temperature >= 0:  # also catches NaN
-            out.append(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        temperature = self.temperature
+        if not (math.isfinite(temperature) and temperature >= 0):
+            out.append(f"temperature must be >= 0 and finite, got {temperature}")
+        elif 0 < temperature < _MIN_TEMPERATURE_F32:
+            out.append(f"temperature must be 0 or at least {MIN_TEMPERATURE}, got {temperature}; use 0 for greedy")
+        if not 0 < self.top_p <= 1:  # also catches NaN and Inf
             out.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             out.append(f"top_k must be >= 0, got {self.top_k}")
@@ -38,11 +57,24 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return generator
 
 
+def require_finite(logits: torch.Tensor) -> None:
+    """Raise NonFiniteLogits if any value of ``logits`` (any shape) is NaN or Inf."""
+    nan = int(torch.isnan(logits).sum())
+    inf = int(torch.isinf(logits).sum())
+    if nan or inf:
+        raise NonFiniteLogits(
+            f"the logits held {nan} NaN and {inf} Inf values (of {logits.numel()}): "
+            "a faulty expert or an overflow; no token can be chosen from them"
+        )
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits [V] -> token id."""
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    scores = logits.float() / params.temperature  # [V]
+    greedy = params.temperature == 0
+    scores = logits.float() if greedy else logits.float() / params.temperature  # [V]
+    require_finite(scores)  # after the division, which can overflow
+    if greedy:
+        return int(torch.argmax(scores))
     if params.top_k and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -36,6 +36,7 @@ from expertmesh.serving.engine import (
     TokenEvent,
 )
 from expertmesh.serving.sampling import SamplingParams
+from expertmesh.serving.text_stream import stop_problems
 from expertmesh.telemetry.setup import meter, tracer
 from expertmesh.v1 import inference_pb2 as pb
 
@@ -118,7 +119,7 @@ class InferenceServicer:
             top_k=s.top_k,
             seed=s.seed if s.HasField("seed") else None,
         )
-        problems = sampling.problems()
+        problems = sampling.problems() + stop_problems(request.stop)
         if problems:
             raise InvalidRequest("; ".join(problems))
         if request.stop and self._tokenizer is None:

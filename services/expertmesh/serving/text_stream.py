@@ -8,6 +8,30 @@ stream ends) or stops matching.
 
 from __future__ import annotations
 
+from typing import Sequence
+
+# Every stop sequence is searched for in the decoded text on each new token, so a
+# request's per-token cost grows with how many it sends and how long they are.
+#: the most stop sequences one request may set
+MAX_STOP_SEQUENCES = 16
+#: the longest stop sequence, in bytes of UTF-8
+MAX_STOP_BYTES = 256
+
+
+def stop_problems(stop: Sequence[str]) -> list[str]:
+    """What is wrong with a request's stop sequences: too many, too long, or empty (an
+    empty one matches everywhere, so it can only be a mistake)."""
+    if len(stop) > MAX_STOP_SEQUENCES:
+        return [f"stop has {len(stop)} sequences; at most {MAX_STOP_SEQUENCES} are allowed"]
+    out = []
+    for i, sequence in enumerate(stop):
+        size = len(sequence.encode("utf-8"))
+        if size == 0:
+            out.append(f"stop[{i}] is empty; a stop sequence needs at least one character")
+        elif size > MAX_STOP_BYTES:
+            out.append(f"stop[{i}] is {size} bytes of UTF-8; at most {MAX_STOP_BYTES} are allowed")
+    return out
+
 
 class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):

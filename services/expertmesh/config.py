@@ -27,9 +27,13 @@ class DataPlaneConfig(BaseSettings):
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     group_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per expert group")
     group_host: str = Field("127.0.0.1", description="address group gRPC servers bind; 0.0.0.0 in a cluster")
+    group_budget_bytes: int | None = Field(
+        None, ge=1, description="bytes of expert weights one group may hold; LoadExperts past it is refused (unset: unlimited)"
+    )
     dispatch_timeout_s: float = Field(30.0, gt=0, description="deadline of one expert-group call")
     load_window_s: float = Field(600.0, gt=0, description="sliding window of the router's expert-load statistics")
     load_publish_s: float = Field(10.0, gt=0, description="how often a router writes its load window to a shared store")
+    heartbeat_s: float = Field(1.0, gt=0, description="how often a router reports the routing-table version it serves")
 
 
 class ServingConfig(BaseSettings):

@@ -34,6 +34,7 @@ from expertmesh.telemetry import propagation_env
 
 if TYPE_CHECKING:
     from expertmesh.router.dispatch import ExpertDispatcher
+    from expertmesh.router.heartbeat import Heartbeat
     from expertmesh.router.load_publisher import LoadPublisher
 
 
@@ -70,6 +71,8 @@ def _gpu_layout(config: DataPlaneConfig, spec):
 
 def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, resolve_endpoints=None):
     from expertmesh.router.dispatch import ExpertDispatcher
+    from expertmesh.router.heartbeat import Heartbeat
+    from expertmesh.router.load_publisher import router_id
     from expertmesh.router.model import build_router_model
 
     progress("building the router (no routed-expert weights)")
@@ -77,10 +80,17 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, 
     window = LoadWindow(
         spec.moe_layers, spec.num_experts, spec.top_k, window_s=config.load_window_s, max_context=spec.max_context or 4096
     )
+    heartbeat = Heartbeat(store, router_id(), config.heartbeat_s)
     dispatcher = ExpertDispatcher(
-        store, timeout_s=config.dispatch_timeout_s, load_window=window, resolve_endpoints=resolve_endpoints
+        store,
+        spec.moe_layers,
+        timeout_s=config.dispatch_timeout_s,
+        load_window=window,
+        resolve_endpoints=resolve_endpoints,
+        on_switch=heartbeat.beat,
     )
-    return dispatcher, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
+    heartbeat.start(dispatcher)
+    return dispatcher, heartbeat, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
 
 
 @dataclass
@@ -91,6 +101,7 @@ class DataPlane:
     store: StateStore
     model: nn.Module
     dispatcher: "ExpertDispatcher"
+    heartbeat: "Heartbeat"
     addresses: dict[str, str]
     _started_ray: bool
     _owns_groups: bool = True
@@ -146,6 +157,7 @@ class DataPlane:
                 num_cpus=config.group_num_cpus,
                 num_gpus=gpus,
                 telemetry_env=propagation_env(),
+                budget_bytes=config.group_budget_bytes,
                 **(deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {}),
             )
             for name, pairs in placement.groups.items()
@@ -173,9 +185,9 @@ class DataPlane:
                 store.set_endpoint(group, address)
             return fresh
 
-        dispatcher, model = _router(checkpoint, store, config, resolve_endpoints)
+        dispatcher, heartbeat, model = _router(checkpoint, store, config, resolve_endpoints)
         progress(f"data plane ready in {time.monotonic() - t0:.1f}s: " + ", ".join(f"{g}@{a}" for g, a in addresses.items()))
-        return cls(config, checkpoint, placement, store, model, dispatcher, addresses, started_ray)
+        return cls(config, checkpoint, placement, store, model, dispatcher, heartbeat, addresses, started_ray)
 
     @classmethod
     def attach(cls, config: DataPlaneConfig, wait_s: float = 300.0) -> "DataPlane":
@@ -198,9 +210,11 @@ class DataPlane:
             placement_mod.validate(placement, checkpoint.spec)
         except PlacementError as err:
             raise PlacementError(f"the published routing table does not fit {checkpoint.path}: {err}") from None
-        dispatcher, model = _router(checkpoint, store, config)
+        dispatcher, heartbeat, model = _router(checkpoint, store, config)
         progress(f"router attached to routing table version {table.version} ({len(placement.groups)} groups)")
-        return cls(config, checkpoint, placement, store, model, dispatcher, store.endpoints(), False, _owns_groups=False)
+        return cls(
+            config, checkpoint, placement, store, model, dispatcher, heartbeat, store.endpoints(), False, _owns_groups=False
+        )
 
     def close(self) -> None:
         import ray
@@ -209,6 +223,7 @@ class DataPlane:
 
         if self._publisher is not None:
             self._publisher.stop()
+        self.heartbeat.stop()
         self.dispatcher.close()
         if not self._owns_groups:
             self.store.close()

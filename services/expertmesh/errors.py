@@ -37,7 +37,13 @@ class GroupUnavailable(ExpertMeshError):
 
 
 class Overloaded(ExpertMeshError):
-    """The server's active-sequence and queue limits are full; retry later."""
+    """The server's concurrency or queue limits are full; retry later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class OverBudget(ExpertMeshError):
+    """Loading these experts would take a group's expert weights past its memory budget."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -46,3 +52,34 @@ class ShuttingDown(ExpertMeshError):
     """The server is draining and takes no new requests."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class NonFiniteLogits(ExpertMeshError):
+    """A forward pass produced NaN or Inf logits (a faulty expert, an overflow):
+    any token chosen from them would be a wrong answer, so the request fails instead."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class UnhostedExperts(ExpertMeshError):
+    """A routing table leaves some experts without a group; routers refuse it and keep their last good one."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class BadGroupResponse(ExpertMeshError):
+    """An expert group answered OK with partial sums that cannot be right (shape, dtype, NaN/Inf)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class MigrationRefused(ExpertMeshError):
+    """A migration cannot start or go on as asked: the expert, a group or the routing table does not allow it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class MigrationNotFound(ExpertMeshError):
+    """No migration with that id is in the state store."""
+
+    code = grpc.StatusCode.NOT_FOUND

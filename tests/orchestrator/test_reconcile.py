@@ -35,3 +35,20 @@ def test_reconciler_rounds(tmp_path):
     with pytest.raises(PlacementError, match="unhosted"):
         reconciler.reconcile_once()
     assert store.routing_table_version() == 2
+
+
+def test_a_restarted_reconciler_keeps_live_edits_until_the_file_changes(tmp_path):
+    """Migrations edit the table; re-applying an unchanged placement file would undo them."""
+    path = tmp_path / "placement.yaml"
+    path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0]}, "g1": {"*": [1]}}}))
+    store = open_store()
+    assert Reconciler(store, SPEC, path).reconcile_once().version == 1
+    from expertmesh.routing_table import RoutingTable
+
+    moved = dict(store.routing_table().replicas)
+    moved[(0, 1)] = ("g0",)
+    assert store.publish_routing_table(RoutingTable(2, 2, moved))
+    assert Reconciler(store, SPEC, path).reconcile_once() is None  # a restart
+    assert store.routing_table().replicas[(0, 1)] == ("g0",)
+    path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}, "g1": {"*": [1]}}}))
+    assert Reconciler(store, SPEC, path).reconcile_once().version == 3

@@ -1,5 +1,4 @@
-"""The orchestrator's control loop: keep the routing table in the state store
-equal to the desired placement.
+"""The orchestrator's control loop: apply the placement file to the routing table.
 
 Like a Kubernetes controller: read the desired state (the placement file, e.g.
 a mounted ConfigMap that can change), read the observed state (the stored
@@ -7,11 +6,16 @@ routing table), and when they differ publish the next version. Publishing is a
 compare-and-set, so a conflicting writer makes this round a no-op and the next
 round re-reads; every action is safe to retry.
 
+Live migrations edit the table too, so the file is applied when its content
+changes (its digest differs from the one last applied, kept in the store), not
+every round: a restarted orchestrator does not undo the moves made since.
+
 ``next_table`` is the pure decision; ``Reconciler`` does the I/O around it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -45,11 +49,16 @@ class Reconciler:
 
     def reconcile_once(self) -> RoutingTable | None:
         """One round; returns the table it published, if any. A bad placement file raises PlacementError."""
-        table = next_table(self._store.routing_table(), self.desired(), self._spec.num_experts)
-        if table is None:
+        desired = self.desired()
+        digest = hashlib.sha256(repr(sorted(desired.hosts().items())).encode()).hexdigest()
+        current = self._store.routing_table()
+        if current is not None and self._store.placement_digest() == digest:
             return None
-        if not self._store.publish_routing_table(table):
+        table = next_table(current, desired, self._spec.num_experts)
+        if table is not None and not self._store.publish_routing_table(table):
             log.info("routing table changed under us; will re-read next round")
             return None
-        log.info("published routing table version %d (%d groups)", table.version, len(table.groups()))
+        self._store.set_placement_digest(digest)
+        if table is not None:
+            log.info("published routing table version %d (%d groups)", table.version, len(table.groups()))
         return table

@@ -1,20 +1,24 @@
 """Remote experts: transformers' ExpertsInterface implementation ``"expertmesh"``.
 
 Every MoE block of the router's model keeps its stock gate (and shared
-experts); only the routed-experts call lands here. For one layer:
+experts); only the routed-experts call lands here. Dispatch has three parts:
 
-1. map each chosen (token, expert) slot to the group that holds the expert,
-   from the cached routing table; a replicated expert's tokens are split across
-   its replicas by share (``replica_split``);
-2. send each group the hidden states of the tokens that need it (each token
-   at most once per group), with only the expert ids and weights that group
-   must apply (others are -1 / 0);
-3. call every group of the layer concurrently and sum the returned weighted
-   partials per token.
+1. ``routing_view.RoutingView``: the current routing-table version as tensors,
+   validated (no expert left unhosted) and swapped in with one assignment;
+2. ``dispatch_plan.plan_layer``: pure, which tokens with which masked expert ids
+   and weights go to which group (replicated experts split by share);
+3. ``transport.Transport``: carries one request to one group.
+
+Above the transport sit replica choice, retries and checks: every response is
+checked (shape, dtype, finite values) before it is summed; a group that fails or
+answers wrongly has its tokens re-planned onto other replicas within the same
+step, and only when none exists does the step fail, with UNAVAILABLE (the group
+failed) or INTERNAL (it answered wrongly), naming the group.
 
 The routing table is re-read only at step boundaries (``refresh``, called from
-a forward pre-hook on the whole model, or once per step by the serving engine),
-so one forward pass never mixes two placements.
+a forward pre-hook on the whole model, or once per step by the serving engine).
+A store that cannot be reached, or a table that leaves experts unhosted, keeps
+the last good view in use.
 
 Under continuous batching a thread may be ``gathering`` into a StepGather: its
 experts calls then meet those of the other sequences of the step and go out as
@@ -28,6 +32,7 @@ import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import grpc
@@ -38,12 +43,14 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from expertmesh import wire
-from expertmesh.errors import GroupUnavailable
-from expertmesh.router.group_client import GroupClients
+from expertmesh.errors import BadGroupResponse, ExpertMeshError, GroupUnavailable, UnhostedExperts
+from expertmesh.router.circuit import CircuitBreakers
+from expertmesh.router.dispatch_plan import GroupCall, NoHealthyReplica, plan_layer, restrict_to
 from expertmesh.router.load_window import LoadWindow
-from expertmesh.router.replica_split import split_by_share
+from expertmesh.router.routing_view import RoutingView
 from expertmesh.router.step_gather import StepGather
 from expertmesh.router.traffic import TrafficCounters
+from expertmesh.router.transport import GrpcTransport, PendingCall, Transport, TransportError
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore
 from expertmesh.telemetry.setup import meter, tracer
@@ -54,33 +61,69 @@ log = logging.getLogger(__name__)
 IMPLEMENTATION = "expertmesh"
 
 
+@dataclass
+class _InFlight:
+    """One group call of a layer on its way."""
+
+    call: GroupCall
+    group: str
+    request: pb.DispatchRequest
+    pending: PendingCall | None  # None: the transport refused to start it
+    error: TransportError | None
+    span: trace.Span
+    sent_at: float
+    received: int = 0  # response bytes
+
+
+class _GroupFailed(Exception):
+    """One group call of a layer failed; ``error`` is what the step raises if no replica takes over."""
+
+    def __init__(self, flight: _InFlight, error: ExpertMeshError, retryable: bool):
+        super().__init__(str(error))
+        self.flight = flight
+        self.error = error
+        self.retryable = retryable  # the group may be back at a new address (a restarted replica)
+
+
 class ExpertDispatcher:
     def __init__(
         self,
         store: StateStore,
+        moe_layers: Sequence[int],
         timeout_s: float = 30.0,
         load_window: LoadWindow | None = None,
         resolve_endpoints: Callable[[], dict[str, str]] | None = None,
+        transport: Transport | None = None,
+        on_switch: Callable[[int], None] | None = None,
+        breakers: CircuitBreakers | None = None,
     ):
         self._store = store
+        self._moe_layers = tuple(moe_layers)
         #: fresh group -> address map when a group stops answering; default: what the store lists
         self._resolve_endpoints = resolve_endpoints or store.endpoints
         self.load_window = load_window
         self._timeout = timeout_s
-        self._clients = GroupClients()
-        self._lock = threading.Lock()
-        self.table: RoutingTable | None = None
-        #: layer -> [num_experts] int64 index into self._groups of the replica used, -1 if none
-        self._owner: dict[int, torch.Tensor] = {}
-        self._groups: list[str] = []
-        #: layer -> [(expert, group indices of its replicas, their shares)] for replicated experts
-        self._multi: dict[int, list[tuple[int, tuple[int, ...], tuple[float, ...]]]] = {}
-        self._in_flight: Counter[int] = Counter()
+        self._transport = transport or GrpcTransport()
+        self.breakers = breakers or CircuitBreakers()
+        #: called with the new version after every table switch (the router's heartbeat)
+        self._on_switch = on_switch
+        self._refresh_lock = threading.Lock()
+        self.view: RoutingView | None = None
+        self._rejected_version = 0
+        self._store_errors = 0
+        #: time.monotonic() of the latest layer dispatch: the heartbeat refreshes an idle router itself
+        self.last_dispatch = 0.0
+        self._in_flight: Counter[str] = Counter()
         self._call_seconds = meter().create_histogram(
             "expertmesh.group.call.duration", unit="s", description="expert-group Dispatch round trip, by group"
         )
         self._local = threading.local()
         self.traffic = TrafficCounters()
+
+    @property
+    def table(self) -> RoutingTable | None:
+        view = self.view
+        return view.table if view is not None else None
 
     @contextmanager
     def gathering(self, gather: StepGather, positions: torch.Tensor | None = None) -> Iterator[None]:
@@ -102,27 +145,48 @@ class ExpertDispatcher:
         if getattr(self._local, "gather", None) is None:
             self.refresh()
 
+    # -- the routing view ----------------------------------------------------------------
+
     def refresh(self) -> None:
-        """Switch to the newest routing table, if it changed. Cheap when it did not."""
-        version = self._store.routing_table_version()
-        if self.table is not None and version == self.table.version:
-            return
-        table = self._store.routing_table()
-        if table is None:
-            raise GroupUnavailable("no routing table in the state store; start the expert groups first")
-        groups = table.groups()
-        owner = {}
-        multi: dict[int, list[tuple[int, tuple[int, ...], tuple[float, ...]]]] = {}
-        for (layer, expert), replicas in table.replicas.items():
-            row = owner.setdefault(layer, torch.full((table.num_experts,), -1, dtype=torch.long))
-            row[expert] = groups.index(replicas[0])
-            if len(replicas) > 1:
-                indices = tuple(groups.index(g) for g in replicas)
-                multi.setdefault(layer, []).append((expert, indices, table.shares_of((layer, expert))))
-        with self._lock:
-            self._clients.update({g: a for g, a in self._store.endpoints().items() if g in groups})
-            self.table, self._groups, self._owner, self._multi = table, groups, owner, multi
-        log.info("routing table version %d: %d groups", table.version, len(groups))
+        """Switch to the newest routing table, if it changed and is usable. Cheap when it did not.
+
+        With a view in use, an unreachable store or a table that leaves experts unhosted is logged and
+        the last good view stays; without one, they raise (ConnectionError / UnhostedExperts).
+        """
+        with self._refresh_lock:
+            current = self.view
+            try:
+                version = self._store.routing_table_version()
+                if current is not None and version in (current.version, self._rejected_version):
+                    self._store_errors = 0
+                    return
+                table = self._store.routing_table()
+                endpoints = self._store.endpoints()
+            except ConnectionError as err:
+                if current is None:
+                    raise
+                self._store_errors += 1
+                if self._store_errors == 1:  # once per outage, not once per step
+                    log.warning("state store unreachable; serving on routing table version %d: %s", current.version, err)
+                return
+            self._store_errors = 0
+            if table is None:
+                raise GroupUnavailable("no routing table in the state store; start the expert groups first")
+            try:
+                view = RoutingView.build(table, self._moe_layers)
+            except UnhostedExperts as err:
+                self._rejected_version = table.version
+                if current is None:
+                    raise
+                log.error("refused %s; still serving version %d", err, current.version)
+                return
+            self._transport.update({g: a for g, a in endpoints.items() if g in view.groups})
+            self.view = view
+        log.info("routing table version %d: %d groups", view.version, len(view.groups))
+        if self._on_switch is not None:
+            self._on_switch(view.version)
+
+    # -- one layer -------------------------------------------------------------------------
 
     def experts(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -151,127 +215,201 @@ class ExpertDispatcher:
         links: trace contexts of the other sequences whose tokens ride in this dispatch.
         """
         started = time.perf_counter()
-        if self.table is None:
+        self.last_dispatch = time.monotonic()
+        if self.view is None:
             self.refresh()
-        owner_row = self._owner.get(layer)
-        if owner_row is None:
+        view = self.view  # one view for the whole layer, whatever refresh does meanwhile
+        if layer not in view.primary:
             raise GroupUnavailable(f"the routing table has no groups for MoE layer {layer}")
-        num_experts = owner_row.shape[0]
-        index = top_k_index.to("cpu", torch.long)
+        index = top_k_index.to("cpu", torch.long)  # [T, K]
         if self.load_window is not None:
             self.load_window.record(layer, index, positions)
-        # An index >= num_experts is transformers' expert-parallel sentinel: that slot is skipped.
-        valid = index < num_experts
-        owner = torch.where(valid, owner_row[index.clamp(max=num_experts - 1)], -1)  # [T, K]
-        for expert, replicas, shares in self._multi.get(layer, ()):
-            slots = (index == expert).nonzero()  # [n, 2] (token, k) of this expert's tokens
-            if len(slots):
-                counts = split_by_share(len(slots), shares, [self._in_flight[g] for g in replicas])
-                owner[slots[:, 0], slots[:, 1]] = torch.repeat_interleave(torch.tensor(replicas), torch.tensor(counts))
-        weights_cpu = top_k_weights.detach().to("cpu")
-        hidden_cpu = hidden.detach().to("cpu")
-
+        weights_cpu = top_k_weights.detach().to("cpu")  # [T, K]
+        hidden_cpu = hidden.detach().to("cpu")  # [T, H]
         links = [Link(c) for c in links if c.is_valid]
-        calls = []
-        sent = received = pairs = 0
-        group_tokens: dict[str, int] = {}
-        for g in torch.unique(owner[owner >= 0]).tolist():
-            group = self._groups[g]
-            mine = owner == g  # [T, K]
-            tokens = mine.any(dim=1).nonzero().squeeze(1)  # [Tg]
-            request = pb.DispatchRequest(
-                layer=layer,
-                hidden_states=wire.encode(hidden_cpu[tokens]),  # [Tg, H]
-                expert_ids=wire.encode(torch.where(mine, index, -1)[tokens].to(torch.int32)),  # [Tg, K]
-                routing_weights=wire.encode(torch.where(mine, weights_cpu, 0)[tokens]),  # [Tg, K]
-                routing_table_version=self.table.version,
-            )
-            stub = self._clients.stub(group)
-            if stub is None:
-                raise GroupUnavailable(f"expert group {group} has no registered endpoint")
-            span = tracer().start_span(
-                "expertmesh.group_call",
-                links=links,
-                attributes={
-                    "expertmesh.layer": layer,
-                    "expertmesh.group": group,
-                    "expertmesh.tokens": tokens.numel(),
-                    "expertmesh.bytes_sent": request.ByteSize(),
-                },
-            )
-            if span.is_recording():
-                span.set_attribute("expertmesh.experts_hit", torch.unique(index[mine]).tolist())
-            with trace.use_span(span, end_on_exit=False):  # the gRPC client span nests under it
-                future = stub.Dispatch.future(request, timeout=self._timeout)
-            calls.append((g, tokens, request, future, span, time.perf_counter()))
-            self._in_flight[g] += 1
-            sent += request.ByteSize()
-            pairs += tokens.numel()
-            group_tokens[group] = tokens.numel()
 
+        calls = self._plan(view, layer, index, weights_cpu)
+        flights = [self._send(view, layer, hidden_cpu, call, links) for call in calls]
         out = torch.zeros_like(hidden_cpu)  # [T, H]
-        for g, tokens, request, future, span, sent_at in calls:
-            group = self._groups[g]
+        failed: list[_GroupFailed] = []
+        for flight in flights:
             try:
-                try:
-                    response = future.result()
-                except grpc.RpcError as err:
-                    if err.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise
-                    span.add_event("group unavailable; re-resolving its address", {"error": err.details() or ""})
-                    response = self._retry_unavailable(group, request, sent_at)
-                span.set_attribute("expertmesh.bytes_received", response.ByteSize())
-            except grpc.RpcError as err:
-                span.set_status(Status(StatusCode.ERROR, err.code().name))
-                raise GroupUnavailable(
-                    f"expert group {group} at {self._clients.address(group)} failed layer {layer}: "
-                    f"{err.code().name}: {err.details()}"
-                ) from None
-            finally:
-                self._in_flight[g] -= 1
-                span.end()
-            self._call_seconds.record(time.perf_counter() - sent_at, {"group": group})
-            received += response.ByteSize()
-            out.index_add_(0, tokens, wire.decode(response.partial_sums, f"partial sums from {group}").to(out.dtype))
+                out.index_add_(0, flight.call.tokens, self._collect(layer, hidden_cpu, flight))
+            except _GroupFailed as failure:
+                failed.append(failure)
+        if failed:
+            flights += self._fail_over(view, layer, hidden_cpu, index.shape[0], failed, links, out)
         self.traffic.record(
             layer,
             calls=1,
             tokens=index.shape[0],
-            group_calls=len(calls),
-            token_group_pairs=pairs,
-            bytes_sent=sent,
-            bytes_received=received,
+            group_calls=len(flights),
+            token_group_pairs=sum(f.call.tokens.numel() for f in flights),
+            bytes_sent=sum(f.request.ByteSize() for f in flights),
+            bytes_received=sum(f.received for f in flights),
             seconds=time.perf_counter() - started,
         )
+        group_tokens: Counter[str] = Counter()
+        for f in flights:
+            group_tokens[f.group] += f.call.tokens.numel()
         self.traffic.record_groups(layer, group_tokens)
         return out.to(hidden.device)
 
-    def _retry_unavailable(self, group: str, request: pb.DispatchRequest, sent_at: float) -> pb.DispatchResponse:
+    def _plan(self, view: RoutingView, layer: int, index: torch.Tensor, weights: torch.Tensor) -> list[GroupCall]:
+        """The layer's calls, around groups whose breaker is open when their experts have other replicas."""
+        in_flight = self._in_flight_by_index(view)
+        avoided = self.breakers.avoided(view.groups)
+        if avoided:
+            try:
+                return plan_layer(view, layer, index, weights, in_flight, frozenset(map(view.groups.index, avoided)))
+            except NoHealthyReplica:
+                pass  # a broken group is still better than none: try it
+        return plan_layer(view, layer, index, weights, in_flight)
+
+    def _in_flight_by_index(self, view: RoutingView) -> list[int]:
+        return [self._in_flight[g] for g in view.groups]
+
+    def _send(
+        self, view: RoutingView, layer: int, hidden: torch.Tensor, call: GroupCall, links: list[Link]
+    ) -> _InFlight:
+        group = view.groups[call.group]
+        request = pb.DispatchRequest(
+            layer=layer,
+            hidden_states=wire.encode(hidden[call.tokens]),  # [Tg, H]
+            expert_ids=wire.encode(call.expert_ids),  # [Tg, K]
+            routing_weights=wire.encode(call.weights),  # [Tg, K]
+            routing_table_version=view.version,
+        )
+        span = tracer().start_span(
+            "expertmesh.group_call",
+            links=links,
+            attributes={
+                "expertmesh.layer": layer,
+                "expertmesh.group": group,
+                "expertmesh.tokens": call.tokens.numel(),
+                "expertmesh.bytes_sent": request.ByteSize(),
+            },
+        )
+        if span.is_recording():
+            span.set_attribute("expertmesh.experts_hit", torch.unique(call.expert_ids[call.expert_ids >= 0]).tolist())
+        pending, error = None, None
+        with trace.use_span(span, end_on_exit=False):  # the gRPC client span nests under it
+            try:
+                pending = self._transport.send(group, request, self._timeout)
+            except TransportError as err:
+                error = err
+        self._in_flight[group] += 1
+        return _InFlight(call, group, request, pending, error, span, time.perf_counter())
+
+    def _collect(self, layer: int, hidden: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        """The checked [Tg, H] partial sums of one call; raises _GroupFailed."""
+        group, span = flight.group, flight.span
+        try:
+            if flight.error is not None:
+                raise flight.error
+            response = flight.pending.result()
+            flight.received = response.ByteSize()
+            span.set_attribute("expertmesh.bytes_received", flight.received)
+            partial = self._checked(layer, group, response, flight.call.tokens.numel(), hidden)
+            self.breakers.success(group)
+            return partial
+        except TransportError as err:
+            self.breakers.failure(group)
+            span.set_status(Status(StatusCode.ERROR, err.code.name))
+            error = GroupUnavailable(
+                f"expert group {group} at {self._transport.address(group)} failed layer {layer}: {err}"
+            )
+            raise _GroupFailed(flight, error, retryable=err.code == grpc.StatusCode.UNAVAILABLE) from None
+        except BadGroupResponse as err:
+            self.breakers.failure(group)
+            span.set_status(Status(StatusCode.ERROR, "bad response"))
+            raise _GroupFailed(flight, err, retryable=False) from None
+        finally:
+            self._in_flight[group] -= 1
+            span.end()
+            self._call_seconds.record(time.perf_counter() - flight.sent_at, {"group": group})
+
+    @staticmethod
+    def _checked(
+        layer: int, group: str, response: pb.DispatchResponse, rows: int, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """Partial sums the router may add: [rows, H], the hidden states' dtype, finite. Else BadGroupResponse."""
+        what = f"expert group {group} answered layer {layer} with"
+        try:
+            partial = wire.decode(response.partial_sums, "partial sums")
+        except ExpertMeshError as err:
+            raise BadGroupResponse(f"{what} an undecodable tensor: {err}") from None
+        expected = (rows, hidden.shape[1])
+        if tuple(partial.shape) != expected:
+            raise BadGroupResponse(f"{what} partial sums of shape {list(partial.shape)}, expected {list(expected)}")
+        if partial.dtype != hidden.dtype:
+            raise BadGroupResponse(f"{what} {partial.dtype} partial sums, expected {hidden.dtype}")
+        if not bool(torch.isfinite(partial).all()):
+            raise BadGroupResponse(f"{what} NaN/Inf in its partial sums; its experts may be corrupt")
+        return partial
+
+    def _fail_over(
+        self,
+        view: RoutingView,
+        layer: int,
+        hidden: torch.Tensor,
+        num_tokens: int,
+        failed: list[_GroupFailed],
+        links: list[Link],
+        out: torch.Tensor,
+    ) -> list[_InFlight]:
+        """Re-plan the failed calls' slots onto other replicas, within this step; adds into ``out``.
+
+        A call whose experts have no other replica is resent to the same group if it may be back at a
+        new address (UNAVAILABLE), else its error fails the step.
+        """
+        avoid = frozenset(view.groups.index(f.flight.group) for f in failed)
+        flights = []
+        for failure in failed:
+            log.warning("%s; failing over", failure.error)
+            index, weights = restrict_to(failure.flight.call, num_tokens, view.num_experts)
+            try:
+                calls = plan_layer(view, layer, index, weights, self._in_flight_by_index(view), avoid)
+            except NoHealthyReplica:
+                if not failure.retryable:
+                    raise failure.error from None
+                out.index_add_(0, failure.flight.call.tokens, self._resend(layer, hidden, failure))
+                continue
+            retries = [self._send(view, layer, hidden, call, links) for call in calls]
+            for flight in retries:
+                try:
+                    out.index_add_(0, flight.call.tokens, self._collect(layer, hidden, flight))
+                except _GroupFailed as second:
+                    raise second.error from None
+            flights += retries
+        return flights
+
+    def _resend(self, layer: int, hidden: torch.Tensor, failure: _GroupFailed) -> torch.Tensor:
         """A group that went away (a replica restarting, say): look its address up again and resend
         until the call's deadline. Dispatch computes a pure function of the request, so resending is safe."""
+        flight, group = failure.flight, failure.flight.group
         delay = 0.1
         while True:
-            with self._lock:
-                self._clients.update(self._resolve_endpoints())
-            stub = self._clients.stub(group)
-            left = self._timeout - (time.perf_counter() - sent_at)
+            self._transport.update(self._resolve_endpoints())
+            left = self._timeout - (time.perf_counter() - flight.sent_at)
             try:
-                if stub is None:
-                    raise GroupUnavailable(f"expert group {group} has no registered endpoint")
-                return stub.Dispatch(request, timeout=max(left, 0.001))
-            except (grpc.RpcError, GroupUnavailable) as err:
-                retryable = isinstance(err, GroupUnavailable) or err.code() == grpc.StatusCode.UNAVAILABLE
-                if not retryable or left <= delay:
-                    raise
+                response = self._transport.send(group, flight.request, max(left, 0.001)).result()
+                return self._checked(layer, group, response, flight.call.tokens.numel(), hidden)
+            except TransportError as err:
+                if err.code != grpc.StatusCode.UNAVAILABLE or left <= delay:
+                    raise GroupUnavailable(
+                        f"expert group {group} at {self._transport.address(group)} failed layer {layer}: {err}"
+                    ) from None
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
     def queue_depths(self) -> dict[str, int]:
         """Dispatch calls in flight from this router, by group."""
-        return {group: self._in_flight[g] for g, group in enumerate(self._groups)}
+        view = self.view
+        return {group: self._in_flight[group] for group in (view.groups if view else ())}
 
     def close(self) -> None:
-        self._clients.close()
+        self._transport.close()
 
 
 def _remote_experts_forward(

@@ -9,10 +9,13 @@ primitives (``KeyValueBackend``), so both behave the same by construction.
 Keys (all under the ``expertmesh:`` prefix, one namespace per deployment):
 - ``routing_table``         JSON of the current RoutingTable
 - ``routing_table:version`` its version alone, so routers poll cheaply
+- ``placement``             hash: ``digest`` -> the placement file last applied to the table
 - ``endpoints``             hash: group name -> "host:port" of its gRPC server
 - ``load``                  hash: router id -> its load window (``router.load_window`` .npz bytes)
 - ``routers``               hash: router id -> JSON ``RouterHeartbeat`` (the routing-table version
   it serves and when it last said so); migrations drain on it
+- ``migrations``            hash: migration id -> the orchestrator's JSON migration record
+  (``expertmesh.orchestrator.migration.state``; opaque here)
 """
 
 from __future__ import annotations
@@ -87,6 +90,14 @@ class StateStore:
             },
         )
 
+    def placement_digest(self) -> str | None:
+        """Digest of the placement file the orchestrator last applied (it re-applies only a changed file)."""
+        raw = self._kv.hgetall(self._key("placement")).get("digest")
+        return raw.decode() if raw is not None else None
+
+    def set_placement_digest(self, digest: str) -> None:
+        self._kv.hset(self._key("placement"), "digest", digest.encode())
+
     # -- endpoints -----------------------------------------------------------------
 
     def set_endpoint(self, group: str, address: str) -> None:
@@ -116,6 +127,20 @@ class StateStore:
 
     def router_heartbeats(self) -> dict[str, RouterHeartbeat]:
         return {rid: RouterHeartbeat(**json.loads(raw)) for rid, raw in self._kv.hgetall(self._key("routers")).items()}
+
+    # -- migrations -------------------------------------------------------------------
+    # Records are opaque bytes: the orchestrator owns their format, and the data plane
+    # does not import the orchestrator.
+
+    def save_migration(self, migration_id: str, record: bytes) -> None:
+        self._kv.hset(self._key("migrations"), migration_id, record)
+
+    def migration(self, migration_id: str) -> bytes | None:
+        return self._kv.hgetall(self._key("migrations")).get(migration_id)
+
+    def migrations(self) -> dict[str, bytes]:
+        """migration id -> record, every migration this deployment has run or is running."""
+        return self._kv.hgetall(self._key("migrations"))
 
     def close(self) -> None:
         self._kv.close()

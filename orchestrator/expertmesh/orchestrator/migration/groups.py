@@ -1,0 +1,147 @@
+"""The orchestrator's gRPC calls to expert groups, with typed answers.
+
+Channels follow the endpoints the state store lists: one per address, reopened
+when a group's address changes. A failed call raises ``GroupCallFailed`` with
+the gRPC status, and the caller decides what it means there (RESOURCE_EXHAUSTED
+on LoadExperts is a full memory budget; on Dispatch, a busy group).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from expertmesh import wire
+from expertmesh.errors import ExpertMeshError
+from expertmesh.expert_group.service import CHANNEL_OPTIONS
+from expertmesh.orchestrator.migration.plan import Canary, InFlightCalls, Pair
+from expertmesh.telemetry.setup import intercept_client
+from expertmesh.v1 import experts_pb2 as pb
+from expertmesh.v1 import experts_pb2_grpc as pb_grpc
+
+#: Describe, Dispatch and UnloadExperts are quick; LoadExperts reads weights from disk.
+CALL_TIMEOUT_S = 30.0
+LOAD_TIMEOUT_S = 600.0
+
+
+class GroupCallFailed(Exception):
+    def __init__(self, group: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"group {group!r}: {code.name}: {details}")
+        self.group = group
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """One Describe answer, in the terms a migration needs."""
+
+    group: str
+    dtype: torch.dtype
+    hidden_size: int
+    pairs: frozenset[Pair]
+    weight_bytes: int
+    #: 0 = unlimited
+    budget_bytes: int
+    #: pair -> Dispatch calls executing now for it, by routing-table version
+    in_flight: dict[Pair, tuple[InFlightCalls, ...]]
+
+    def holds(self, pair: Pair) -> bool:
+        return pair in self.pairs
+
+    def in_flight_for(self, pair: Pair) -> tuple[InFlightCalls, ...]:
+        return self.in_flight.get(pair, ())
+
+
+@dataclass(frozen=True)
+class Loaded:
+    #: False when the group held the expert already
+    added: bool
+    #: the group's expert weights after the call
+    weight_bytes: int
+
+
+def _ref(pair: Pair) -> pb.ExpertRef:
+    return pb.ExpertRef(layer=pair[0], expert=pair[1])
+
+
+class GroupChannels:
+    def __init__(self, endpoints: Callable[[], dict[str, str]]):
+        self._endpoints = endpoints
+        self._lock = threading.Lock()
+        #: group -> (address, channel, stub)
+        self._open: dict[str, tuple[str, grpc.Channel, pb_grpc.ExpertGroupStub]] = {}
+
+    def _stub(self, group: str) -> pb_grpc.ExpertGroupStub:
+        address = self._endpoints().get(group)
+        if address is None:
+            raise GroupCallFailed(group, grpc.StatusCode.UNAVAILABLE, "no endpoint in the state store")
+        with self._lock:
+            known = self._open.get(group)
+            if known is not None and known[0] == address:
+                return known[2]
+            if known is not None:
+                known[1].close()
+            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            stub = pb_grpc.ExpertGroupStub(intercept_client(channel))
+            self._open[group] = (address, channel, stub)
+            return stub
+
+    def _call(self, group: str, method: str, request, timeout: float = CALL_TIMEOUT_S):
+        try:
+            return getattr(self._stub(group), method)(request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise GroupCallFailed(group, err.code(), err.details() or "") from None
+
+    def describe(self, group: str) -> GroupView:
+        r = self._call(group, "Describe", pb.DescribeRequest())
+        in_flight: dict[Pair, list[InFlightCalls]] = {}
+        for f in r.in_flight:
+            in_flight.setdefault((f.layer, f.expert), []).append(InFlightCalls(f.routing_table_version, f.calls))
+        try:
+            dtype = wire.dtype_from_proto(r.dtype, f"group {group}'s dtype")
+        except ExpertMeshError as err:
+            raise GroupCallFailed(group, grpc.StatusCode.INTERNAL, str(err)) from None
+        return GroupView(
+            group=group,
+            dtype=dtype,
+            hidden_size=r.hidden_size,
+            pairs=frozenset((e.layer, e.expert) for e in r.experts),
+            weight_bytes=r.weight_bytes,
+            budget_bytes=r.budget_bytes,
+            in_flight={pair: tuple(calls) for pair, calls in in_flight.items()},
+        )
+
+    def load(self, group: str, pair: Pair) -> Loaded:
+        r = self._call(group, "LoadExperts", pb.LoadExpertsRequest(experts=[_ref(pair)]), LOAD_TIMEOUT_S)
+        return Loaded(added=any((e.layer, e.expert) == pair for e in r.loaded), weight_bytes=r.weight_bytes)
+
+    def unload(self, group: str, pair: Pair) -> bool:
+        """Whether the group held the expert until now."""
+        r = self._call(group, "UnloadExperts", pb.UnloadExpertsRequest(experts=[_ref(pair)]))
+        return any((e.layer, e.expert) == pair for e in r.unloaded)
+
+    def dispatch(self, group: str, layer: int, canary: Canary) -> torch.Tensor:
+        """The group's partial sums [T, H] for ``canary``, sent with routing-table version 0 (none)."""
+        request = pb.DispatchRequest(
+            layer=layer,
+            hidden_states=wire.encode(canary.hidden),
+            expert_ids=wire.encode(canary.expert_ids),
+            routing_weights=wire.encode(canary.weights),
+            routing_table_version=0,
+        )
+        r = self._call(group, "Dispatch", request)
+        try:
+            return wire.decode(r.partial_sums, f"group {group}'s partial sums")
+        except ExpertMeshError as err:
+            raise GroupCallFailed(group, grpc.StatusCode.INTERNAL, str(err)) from None
+
+    def close(self) -> None:
+        with self._lock:
+            for _, channel, _ in self._open.values():
+                channel.close()
+            self._open.clear()

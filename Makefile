@@ -22,8 +22,10 @@ proto: $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=services --grpc_python_out=services \
 		--pyi_out=services protos/expertmesh/v1/*.proto
 
+# The embedded platform with its orchestrator (live migrations, drift with ARGS=--drift) and the
+# OpenAI-compatible HTTP API on :8000; ARGS adds flags of `expertmesh up`.
 run: install
-	$(VENV)/bin/expertmesh up
+	$(VENV)/bin/expertmesh up --orchestrator --http-port 8000 $(ARGS)
 
 redis-start:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)

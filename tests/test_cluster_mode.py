@@ -17,6 +17,7 @@ import time
 import grpc
 import pytest
 import ray
+import redis
 import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -122,6 +123,17 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
             _wait(lambda: any("is invalid, keeping routing table version 2" in l for l in orch_log), "the refusal")
             assert store.routing_table_version() == 2
 
+            # Redis flushed: the router serves on its cached table, the groups register again and the
+            # orchestrator restores the table at a later version than any router has seen.
+            placement_file.write_text(yaml.safe_dump(_placement(hot_only=True)))
+            redis.Redis.from_url(redis_url).flushdb()
+            assert tokens() == ids[len(prompt):]
+            _wait(lambda: store.routing_table_version() == 3, "the orchestrator to restore the table as version 3")
+            _wait(lambda: set(store.endpoints()) == {"a", "b", "hot"}, "the groups to register again")
+            assert store.routing_table().replicas[(1, 0)] == ("hot",)
+            _wait(lambda: client.models()[0].routing_table_version == 3, "the router to take version 3")
+            assert tokens() == ids[len(prompt):]
+
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         assert router.wait(timeout=60) == 0
@@ -135,7 +147,7 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
         )
         assert export.returncode == 0, export.stderr
         stats = yaml.safe_load(out.read_text())
-        routed = (len(prompt) + 7) * 2  # two generations: prompt prefill + 7 decode steps each
+        routed = (len(prompt) + 7) * 4  # four generations: prompt prefill + 7 decode steps each
         assert [sum(row) for row in stats["load"]] == [routed * 2] * 2  # x top-2, in both MoE layers
     finally:
         for proc in procs:

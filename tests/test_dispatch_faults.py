@@ -1,9 +1,12 @@
 """The router's dispatcher against real expert-group gRPC servers on loopback (no Ray):
-exact against stock transformers, and never a wrong answer with status OK.
+exact against stock transformers, and never a wrong answer with status OK, over
+every transport (``transport`` fixture: unary gRPC, the gRPC stream, and ``auto``,
+which is shared memory for these same-host groups).
 
-Faults are injected at the group's gRPC servicer (a subclass whose Dispatch answers
-with NaN, a wrong shape or a wrong dtype), by stopping a group's server, by
-publishing a routing table that leaves an expert unhosted, and by killing a real
+Faults are injected at the group's servicer (a subclass whose compute answers
+with NaN, a wrong shape or a wrong dtype, or hangs; undecodable answers are cut
+short on the transport's own codec), by stopping a group's server, by publishing
+a routing table that leaves an expert unhosted, and by killing a real
 redis-server under a router that has a table cached.
 """
 
@@ -18,57 +21,87 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from expertmesh import wire
 from expertmesh.checkpoint import Checkpoint, experts_modules
-from expertmesh.errors import BadGroupResponse, GroupUnavailable, UnhostedExperts
+from expertmesh.errors import BadGroupResponse, DeadlineExceeded, GroupUnavailable, UnhostedExperts
 from expertmesh.expert_group.hosted import HostedExperts
-from expertmesh.expert_group.service import ExpertGroupServicer, start_server
+from expertmesh.expert_group import local_server, stream_service
+from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
+from expertmesh.router import transport as transports
 from expertmesh.router.circuit import CircuitBreakers
 from expertmesh.router.dispatch import ExpertDispatcher
 from expertmesh.router.heartbeat import Heartbeat
 from expertmesh.routing_table import RoutingTable
-from expertmesh.state import open_store
-from expertmesh.v1 import experts_pb2 as pb
+from expertmesh.state import QuarantinedReplica, open_store
 from tests.helpers import free_port
 
 LAYERS = (0, 1)
 
 
+TRANSPORTS = ["grpc-unary", "grpc", "auto"]
+
+
 class FaultyServicer(ExpertGroupServicer):
-    """A group whose Dispatch computes correctly and then corrupts its answer (``fault``), as a
-    group with overwritten weights or a buggy build would."""
+    """A group that computes correctly and then corrupts its answer (``fault``), as a group with
+    overwritten weights or a buggy build would; whichever transport carried the call."""
 
     fault: str | None = None
     calls = 0
 
-    def Dispatch(self, request, context):
+    def compute(self, *args, **kwargs):
         self.calls += 1
-        response = super().Dispatch(request, context)
-        partial = wire.decode(response.partial_sums)
+        partial = super().compute(*args, **kwargs)
         if self.fault == "nan":
             partial[0, 0] = float("nan")
         elif self.fault == "shape":
             partial = partial[:, :-1]
         elif self.fault == "dtype":
             partial = partial.double().float().to(torch.bfloat16)
-        elif self.fault == "bytes":
+        elif self.fault == "hang":
+            time.sleep(3)
+        return partial
+
+    def Dispatch(self, request, context):
+        response = super().Dispatch(request, context)
+        if self.fault == "bytes":  # the answer's tensor two bytes short
             response.partial_sums.data = response.partial_sums.data[:-2]
-            return response
-        return pb.DispatchResponse(partial_sums=wire.encode(partial))
+        return response
+
+
+@pytest.fixture(scope="module", autouse=True)
+def short_answers_on_the_fast_paths():
+    """The "bytes" fault on the stream and shared-memory paths: answers that say more bytes than they carry."""
+    stream_answer, local_call = stream_service.answer, local_server.LocalServer._call
+
+    def cut_stream_answer(servicer, data):
+        answer = stream_answer(servicer, data)
+        return answer[:-2] if getattr(servicer, "fault", None) == "bytes" else answer
+
+    def cut_local_answer(self, state, data, fds, flags):
+        reply = local_call(self, state, data, fds, flags)
+        if getattr(self._servicer, "fault", None) == "bytes" and reply.tensors:
+            reply.tensors[0].nbytes -= 2
+        return reply
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stream_service, "answer", cut_stream_answer)
+        patch.setattr(local_server.LocalServer, "_call", cut_local_answer)
+        yield
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    return request.param
+
+
+def _dispatcher(store, transport, **kwargs):
+    return ExpertDispatcher(store, LAYERS, transport=transports.build(transport), **kwargs)
 
 
 def _start(name, checkpoint, pairs, servicer_cls=ExpertGroupServicer):
     hosted = HostedExperts(checkpoint)
     hosted.load(pairs)
-    from expertmesh.grpc_server import GrpcServer
-    from expertmesh.expert_group.service import CHANNEL_OPTIONS, SERVICE_NAME
-    from expertmesh.v1 import experts_pb2_grpc as pb_grpc
-
-    server = GrpcServer("expert-group", "127.0.0.1", 0, 4, options=CHANNEL_OPTIONS)
     servicer = servicer_cls(name, hosted)
-    pb_grpc.add_ExpertGroupServicer_to_server(servicer, server.server)
-    server.start((SERVICE_NAME,))
-    return server, servicer
+    return GroupServer(servicer).start(), servicer
 
 
 @pytest.fixture(scope="module")
@@ -129,19 +162,21 @@ def faulty(cluster):
     servicer.fault = None
 
 
-def test_dispatch_matches_stock_and_splits_replicated_experts(cluster):
-    dispatcher = ExpertDispatcher(_store(cluster), LAYERS)
+def test_dispatch_matches_stock_and_splits_replicated_experts(cluster, transport):
+    dispatcher = _dispatcher(_store(cluster), transport)
     for layer in LAYERS:
         _check_exact(dispatcher, cluster[1], layer)
     sent = dispatcher.traffic.group_tokens()
     assert sent["g1"] > 0 and sent["g2"] > 0
+    carried_by = {"grpc-unary": "grpc-unary", "grpc": "grpc-stream", "auto": "shm"}[transport]
+    assert set(dispatcher.transports().values()) == {carried_by}
     assert set(dispatcher.queue_depths().values()) == {0}
     dispatcher.close()
 
 
 @pytest.mark.parametrize("fault", ["nan", "shape", "dtype", "bytes"])
-def test_a_bad_answer_fails_over_to_another_replica_in_the_same_step(cluster, faulty, fault):
-    dispatcher = ExpertDispatcher(_store(cluster), LAYERS)
+def test_a_bad_answer_fails_over_to_another_replica_in_the_same_step(cluster, faulty, fault, transport):
+    dispatcher = _dispatcher(_store(cluster), transport)
     faulty.fault = fault
     for seed in range(3):
         _check_exact(dispatcher, cluster[1], seed=seed)
@@ -149,8 +184,8 @@ def test_a_bad_answer_fails_over_to_another_replica_in_the_same_step(cluster, fa
     dispatcher.close()
 
 
-def test_a_group_that_keeps_failing_is_skipped_once_its_breaker_opens(cluster, faulty):
-    dispatcher = ExpertDispatcher(_store(cluster), LAYERS, breakers=CircuitBreakers(threshold=2, cooldown_s=600))
+def test_a_group_that_keeps_failing_is_skipped_once_its_breaker_opens(cluster, faulty, transport):
+    dispatcher = _dispatcher(_store(cluster), transport, breakers=CircuitBreakers(threshold=2, cooldown_s=600))
     faulty.fault = "nan"
     before = faulty.calls
     for seed in range(5):
@@ -158,7 +193,7 @@ def test_a_group_that_keeps_failing_is_skipped_once_its_breaker_opens(cluster, f
     assert faulty.calls - before == 2  # then the plan sends its replicas' tokens to g2 only
     dispatcher.close()
 
-    alone = ExpertDispatcher(_store(cluster, ("g1",)), LAYERS, breakers=CircuitBreakers(threshold=1, cooldown_s=600))
+    alone = _dispatcher(_store(cluster, ("g1",)), transport, breakers=CircuitBreakers(threshold=1, cooldown_s=600))
     faulty.fault = None
     alone.breakers.failure("g1")
     _check_exact(alone, cluster[1])  # open, but the only holder of experts 2-3: still tried
@@ -170,8 +205,10 @@ def test_a_group_that_keeps_failing_is_skipped_once_its_breaker_opens(cluster, f
     [("nan", "NaN/Inf in its partial sums"), ("shape", "shape [12, 31], expected [12, 32]"),
      ("dtype", "torch.bfloat16 partial sums"), ("bytes", "undecodable tensor")],
 )
-def test_a_bad_answer_with_no_other_replica_fails_the_step_as_internal_naming_the_group(cluster, faulty, fault, message):
-    dispatcher = ExpertDispatcher(_store(cluster, replicas_of_high=("g1",)), LAYERS)
+def test_a_bad_answer_with_no_other_replica_fails_the_step_as_internal_naming_the_group(
+    cluster, faulty, fault, message, transport
+):
+    dispatcher = _dispatcher(_store(cluster, replicas_of_high=("g1",)), transport)
     faulty.fault = fault
     hidden, _, weights = _inputs()
     index = torch.full((12, 2), 3)
@@ -186,13 +223,13 @@ def test_a_bad_answer_with_no_other_replica_fails_the_step_as_internal_naming_th
     dispatcher.close()
 
 
-def test_a_vanished_group_fails_over_or_fails_unavailable(cluster, tiny_checkpoints):
+def test_a_vanished_group_fails_over_or_fails_unavailable(cluster, tiny_checkpoints, transport):
     """A fourth group, stopped under the router: with a replica elsewhere its tokens go there."""
     checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
     server, _ = _start("g3", checkpoint, [(layer, e) for layer in LAYERS for e in (2, 3)])
     store = _store(cluster, replicas_of_high=("g3", "g2"))
     store.set_endpoint("g3", f"127.0.0.1:{server.port}")
-    dispatcher = ExpertDispatcher(store, LAYERS, timeout_s=1.0)
+    dispatcher = _dispatcher(store, transport, timeout_s=1.0)
     dispatcher.refresh()
     server.stop(0)
     _check_exact(dispatcher, cluster[1])
@@ -205,9 +242,9 @@ def test_a_vanished_group_fails_over_or_fails_unavailable(cluster, tiny_checkpoi
     dispatcher.close()
 
 
-def test_a_table_leaving_an_expert_unhosted_is_refused_and_the_last_good_one_stays(cluster):
+def test_a_table_leaving_an_expert_unhosted_is_refused_and_the_last_good_one_stays(cluster, transport):
     store = _store(cluster)
-    dispatcher = ExpertDispatcher(store, LAYERS)
+    dispatcher = _dispatcher(store, transport)
     dispatcher.refresh()
     good = dispatcher.table.version
     _publish(store, ("g1", "g2"), drop=[(1, 3)])
@@ -221,7 +258,7 @@ def test_a_table_leaving_an_expert_unhosted_is_refused_and_the_last_good_one_sta
     fresh_store = open_store("memory://")
     _publish(fresh_store, ("g2",), drop=[(0, 2)])
     with pytest.raises(UnhostedExperts, match="0/2"):
-        ExpertDispatcher(fresh_store, LAYERS).refresh()
+        _dispatcher(fresh_store, transport).refresh()
     dispatcher.close()
 
 
@@ -250,27 +287,27 @@ def own_redis(tmp_path):
     proc.wait()
 
 
-def test_an_unreachable_store_keeps_the_cached_table_serving(cluster, own_redis):
+def test_an_unreachable_store_keeps_the_cached_table_serving(cluster, own_redis, transport):
     store, proc = own_redis
     servers, stock = cluster
     for name, (server, _) in servers.items():
         store.set_endpoint(name, f"127.0.0.1:{server.port}")
     _publish(store, ("g1", "g2"))
-    dispatcher = ExpertDispatcher(store, LAYERS)
+    dispatcher = _dispatcher(store, transport)
     dispatcher.refresh()
     proc.kill()
     proc.wait()
     dispatcher.refresh()  # logged, not raised
     _check_exact(dispatcher, stock)
     with pytest.raises(ConnectionError):
-        ExpertDispatcher(store, LAYERS).refresh()  # nothing cached: the caller must know
+        _dispatcher(store, transport).refresh()  # nothing cached: the caller must know
     dispatcher.close()
 
 
-def test_heartbeat_reports_the_served_version_and_refreshes_an_idle_router(cluster):
+def test_heartbeat_reports_the_served_version_and_refreshes_an_idle_router(cluster, transport):
     store = _store(cluster)
     heartbeat = Heartbeat(store, "router-a", interval_s=0.05)
-    dispatcher = ExpertDispatcher(store, LAYERS, on_switch=heartbeat.beat)
+    dispatcher = _dispatcher(store, transport, on_switch=heartbeat.beat)
     dispatcher.refresh()
     assert store.router_heartbeats()["router-a"].table_version == 1
     heartbeat.start(dispatcher)
@@ -282,4 +319,114 @@ def test_heartbeat_reports_the_served_version_and_refreshes_an_idle_router(clust
     assert dispatcher.table.version == 2
     heartbeat.stop()
     assert "router-a" not in store.router_heartbeats()
+    dispatcher.close()
+
+
+def test_group_calls_end_with_the_steps_last_request_deadline(cluster, faulty, transport):
+    dispatcher = _dispatcher(_store(cluster, replicas_of_high=("g1",)), transport)
+    dispatcher.step_deadline = time.monotonic() - 0.1
+    with pytest.raises(DeadlineExceeded, match="before MoE layer 1") as err:
+        dispatcher.dispatch(1, *_inputs())
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    faulty.fault = "hang"
+    dispatcher.step_deadline = time.monotonic() + 0.5
+    hidden, _, weights = _inputs()
+    index = torch.full((12, 2), 3)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="expert group g1 did not answer layer 1"):
+        dispatcher.dispatch(1, hidden, index, weights)
+    assert time.monotonic() - started < 2.5, "the call waited for the group instead of the requests' deadline"
+    assert set(dispatcher.queue_depths().values()) == {0}
+    dispatcher.step_deadline = None
+    faulty.fault = None
+    dispatcher.close()
+
+
+def test_a_flushed_store_keeps_routers_serving_and_heals_as_groups_register_again(cluster, transport):
+    servers, stock = cluster
+    store = _store(cluster)
+    dispatcher = _dispatcher(store, transport)
+    dispatcher.refresh()
+    store._kv._values.clear(), store._kv._hashes.clear()  # FLUSHDB of the in-process backend
+    dispatcher.refresh()
+    assert dispatcher.table.version == 1
+    _check_exact(dispatcher, stock)
+    # The orchestrator restores the table at a later version before any group has re-registered.
+    replicas = {(layer, e): ("g0",) if e < 2 else ("g1", "g2") for layer in LAYERS for e in range(4)}
+    assert store.publish_routing_table(RoutingTable(version=5, num_experts=4, replicas=replicas))
+    dispatcher.refresh()
+    assert dispatcher.table.version == 5
+    _check_exact(dispatcher, stock, seed=1)
+    dispatcher.close()
+
+
+def _quarantine(store, layer, expert, group, withdrawn=False):
+    store.set_quarantined(QuarantinedReplica(layer, expert, group, "quarantined", "test", time.time(), withdrawn))
+
+
+def test_a_quarantined_replica_gets_no_tokens_when_another_one_is_healthy(cluster, faulty, transport):
+    store = _store(cluster)
+    dispatcher = _dispatcher(store, transport)
+    dispatcher.refresh()
+    _quarantine(store, 1, 3, "g1")
+    dispatcher.refresh_quarantine()
+    before = faulty.calls
+    hidden, _, weights = _inputs()
+    index = torch.full((12, 2), 3)
+    got = dispatcher.dispatch(1, hidden, index, weights)
+    with torch.no_grad():
+        torch.testing.assert_close(got, cluster[1][1][1](hidden, index, weights), rtol=0, atol=1e-6)
+    assert faulty.calls == before, "the quarantined replica was called"
+    _check_exact(dispatcher, cluster[1], layer=0)  # expert 3 of layer 0 still uses both
+    assert faulty.calls > before
+    store.clear_quarantined(1, 3, "g1")
+    dispatcher.refresh_quarantine()
+    assert dispatcher.view.fallback == {} and dispatcher.view.quarantined == frozenset()
+    dispatcher.close()
+
+
+def test_an_expert_with_every_replica_quarantined_is_renormalised_around_and_counted(cluster, faulty, transport):
+    store = _store(cluster, replicas_of_high=("g1",))
+    dispatcher = _dispatcher(store, transport, fallback="renormalise")
+    dispatcher.refresh()
+    _quarantine(store, 1, 3, "g1")
+    dispatcher.refresh_quarantine()
+    assert dispatcher.view.fallback == {1: frozenset({3})}
+    hidden, index, weights = _inputs(seed=4)
+    before = faulty.calls
+    got = dispatcher.dispatch(1, hidden, index, weights)
+    kept = torch.where(index == 3, 0.0, weights)
+    renormalised = kept * (weights.sum(dim=1, keepdim=True) / kept.sum(dim=1, keepdim=True))
+    with torch.no_grad():
+        expected = cluster[1][1][1](hidden, index.clamp(max=3), renormalised)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    hits_expert_2 = bool((index == 2).any())
+    assert (faulty.calls > before) == hits_expert_2, "only expert 2's tokens may reach g1"
+    dispatcher.close()
+
+
+def test_next_best_fallback_equals_the_stock_model_whose_gate_never_picks_the_expert(
+    cluster, tiny_checkpoints, transport
+):
+    """The router's whole model over real groups, against stock transformers with the same gate mask."""
+    from expertmesh.router.gate_hook import GateBias, masked
+    from expertmesh.router.model import build_router_model
+
+    path = tiny_checkpoints("mixtral")
+    store = _store(cluster, replicas_of_high=("g1",))
+    dispatcher = _dispatcher(store, transport)
+    router = build_router_model(Checkpoint(path), dispatcher, torch.float32)
+    stock = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    ids = torch.randint(3, 100, (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = stock(input_ids=ids).logits
+        GateBias(stock).set({1: masked(4, frozenset({3}))})
+        expected = stock(input_ids=ids).logits
+        torch.testing.assert_close(router(input_ids=ids).logits, plain, rtol=0, atol=1e-5)
+        _quarantine(store, 1, 3, "g1")
+        dispatcher.refresh_quarantine()
+        got = router(input_ids=ids).logits
+    assert not torch.allclose(expected, plain), "the mask changed nothing: a test that cannot fail"
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     dispatcher.close()

@@ -13,6 +13,7 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM
 
+from expertmesh.errors import GroupUnavailable
 from expertmesh.serving.engine import (
     Engine,
     EngineLimits,
@@ -28,10 +29,14 @@ from expertmesh.tiny import CONFIG_BUILDERS
 
 
 class FlakyStoreDispatcher:
-    """Refreshes like ExpertDispatcher, but the store is down for the first ``down`` steps."""
+    """Refreshes like ExpertDispatcher, but the store is down for the first ``down`` steps;
+    the step numbers in ``failing_steps`` fail in their dispatch, as a group that went away would."""
 
-    def __init__(self, down: int):
+    def __init__(self, down: int, failing_steps=()):
         self.down = down
+        self.failing_steps = set(failing_steps)
+        self.steps = 0
+        self.step_deadline = None
 
     def refresh(self):
         if self.down:
@@ -39,14 +44,11 @@ class FlakyStoreDispatcher:
             raise ConnectionError("the Redis state store is unreachable: connection refused")
 
     @contextmanager
-    def gathering(self, gather, positions=None):
-        try:
-            yield
-        finally:
-            gather.leave()
-
-    def dispatch(self, *args, **kwargs):  # eager experts never call it
-        raise AssertionError("unexpected dispatch")
+    def serving_step(self, positions, links=()):
+        step, self.steps = self.steps, self.steps + 1
+        if step in self.failing_steps:
+            raise GroupUnavailable(f"expert group g0 at 127.0.0.1:1 failed layer 0 (step {step})")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -73,20 +75,19 @@ GOOD = (
 )
 
 
-def _run(model, requests, corrupt=None):
+def _run(model, requests, corrupt=None, packed=True):
     """Serve ``requests`` together, from the first step on; ``corrupt`` rewrites the logits of
     request "bad" at its second step (its first, for a score) as a broken expert would.
     Returns (events by request id, steps taken)."""
-    engine = Engine(model, None, FlakyStoreDispatcher(down=0), EngineLimits(4, 4), max_context=64)
-    forward = engine._forward
+    engine = Engine(model, None, FlakyStoreDispatcher(down=0), EngineLimits(4, 4), max_context=64, packed=packed)
+    advance = engine._advance
 
-    def corrupting(seq, gather):
-        logits = forward(seq, gather)  # [n, V]
+    def corrupting(seq, chunk, logits):  # logits [rows, V]
         at = 0 if seq.request.score_only else 1
         hit = corrupt is not None and seq.request.request_id == "bad" and len(seq.generated) == at
-        return corrupt(logits) if hit else logits
+        return advance(seq, chunk, corrupt(logits) if hit else logits)
 
-    engine._forward = corrupting
+    engine._advance = corrupting
     seqs = [engine.submit(r) for r in requests]  # queued before the loop starts, so all join step one
     engine.start()
     try:
@@ -126,9 +127,10 @@ def _no_vocab(logits):  # the sampler raises on them
     ],
     ids=["nan-greedy", "inf-sampled", "sampler-raises", "nan-score"],
 )
-def test_one_bad_request_fails_alone(model, bad, corrupt, message):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-sequence"])
+def test_one_bad_request_fails_alone(model, bad, corrupt, message, packed):
     alone = {r.request_id: _tokens(_run(model, [r])[0][r.request_id]) for r in GOOD}
-    events, steps = _run(model, [*GOOD, bad], corrupt)
+    events, steps = _run(model, [*GOOD, bad], corrupt, packed)
     assert steps == 5  # all three shared the steps: none ran after another
     failed = events["bad"][-1]
     assert isinstance(failed, ErrorEvent) and failed.code == grpc.StatusCode.INTERNAL
@@ -139,6 +141,29 @@ def test_one_bad_request_fails_alone(model, bad, corrupt, message):
     for r in GOOD:
         assert isinstance(events[r.request_id][-1], FinishEvent)
         assert _tokens(events[r.request_id]) == alone[r.request_id]
+
+
+def test_a_failed_step_fails_its_own_requests_only(model):
+    """Step 0 fails in its dispatch. With a budget of 3 tokens a step, only the first prompt
+    is in it: that request fails UNAVAILABLE; the two waiting ones are untouched and get the
+    tokens they get alone, and a request sent afterwards is served."""
+    prompts = {"first": (5, 6, 7), "second": (9, 8, 7), "third": (4, 4, 4)}
+    requests = [GenerationRequest(rid, p, max_new_tokens=3, stop_at_eos=False) for rid, p in prompts.items()]
+    alone = {r.request_id: _tokens(_run(model, [r])[0][r.request_id]) for r in requests[1:]}
+    engine = Engine(model, None, FlakyStoreDispatcher(0, failing_steps={0}), EngineLimits(4, 4, 3), max_context=64)
+    seqs = [engine.submit(r) for r in requests]
+    engine.start()
+    try:
+        events = {r.request_id: list(seq) for r, seq in zip(requests, seqs)}
+        later = list(engine.submit(GenerationRequest("later", (5, 6, 7), max_new_tokens=2, stop_at_eos=False)))
+    finally:
+        engine.stop()
+    failed = events["first"][-1]
+    assert isinstance(failed, ErrorEvent) and failed.code == grpc.StatusCode.UNAVAILABLE
+    assert "request first: expert group g0" in failed.message
+    for rid in ("second", "third"):
+        assert isinstance(events[rid][-1], FinishEvent) and _tokens(events[rid]) == alone[rid]
+    assert isinstance(later[-1], FinishEvent) and later[-1].completion_tokens == 2
 
 
 def test_redis_errors_surface_as_connection_error(monkeypatch, redis_url):

@@ -5,7 +5,6 @@ bfloat16, with one group and with three."""
 
 import pytest
 import ray
-import torch
 import yaml
 from ray import serve
 
@@ -13,6 +12,7 @@ from expertmesh import verify
 from expertmesh.config import DataPlaneConfig
 from expertmesh.data_plane import DataPlane
 from expertmesh.errors import PlacementError
+from expertmesh.security.admin_auth import admin_metadata
 from expertmesh.tiny import MOE_ARCHITECTURES
 from expertmesh.v1 import experts_pb2 as pb
 
@@ -58,7 +58,9 @@ def test_placement_file_with_hot_replica_and_live_load(tiny_checkpoints, tmp_pat
         clients.update(plane.addresses)
         described = clients.stub("hot").Describe(pb.DescribeRequest())
         assert [(r.layer, r.expert) for r in described.experts] == [(1, 0)]
-        clients.stub("hot").LoadExperts(pb.LoadExpertsRequest(experts=[pb.ExpertRef(layer=0, expert=e) for e in range(4)]))
+        clients.stub("hot").LoadExperts(
+            pb.LoadExpertsRequest(experts=[pb.ExpertRef(layer=0, expert=e) for e in range(4)]), metadata=admin_metadata()
+        )
         # Route all of layer 0 to the "hot" group: a new table version, picked up at the next step.
         from expertmesh.routing_table import RoutingTable
 

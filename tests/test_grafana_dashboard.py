@@ -1,5 +1,6 @@
 """deploy/grafana/expertmesh-dashboard.json: a valid Grafana dashboard whose
-queries use only the metric names expertmesh exports."""
+queries use only the metric names expertmesh exports (the router's and the
+orchestrator's health gauges), each of them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.telemetry import PROMETHEUS_METRICS
+from expertmesh.telemetry import ORCHESTRATOR_PROMETHEUS_METRICS, PROMETHEUS_METRICS
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "expertmesh-dashboard.json"
+METRICS = PROMETHEUS_METRICS | ORCHESTRATOR_PROMETHEUS_METRICS
 
 
 PROMQL_WORDS = {
@@ -78,11 +80,11 @@ def test_queries_use_only_expertmesh_metrics(dashboard):
     used = set()
     for title, expr in _queries(dashboard):
         names = _identifiers(expr)
-        unknown = names - PROMETHEUS_METRICS - PROMQL_WORDS
+        unknown = names - METRICS - PROMQL_WORDS
         assert not unknown, f"{title}: {expr!r} uses {unknown}"
-        assert names & PROMETHEUS_METRICS, f"{title}: {expr!r} reads no expertmesh metric"
-        used |= names & PROMETHEUS_METRICS
-    assert used == PROMETHEUS_METRICS, f"metrics without a panel: {PROMETHEUS_METRICS - used}"
+        assert names & METRICS, f"{title}: {expr!r} reads no expertmesh metric"
+        used |= names & METRICS
+    assert used == METRICS, f"metrics without a panel: {METRICS - used}"
 
 
 def test_the_identifier_check_catches_a_stray_metric():
@@ -92,7 +94,8 @@ def test_the_identifier_check_catches_a_stray_metric():
 def test_required_panels_are_there(dashboard):
     titles = " | ".join(panel["title"].lower() for panel in _panels(dashboard))
     for words in ("load", "balancedness", "entropy", "group call latency", "queue depth", "request latency",
-                  "time to first token", "inter-token latency", "errors", "active parameters"):
+                  "time to first token", "inter-token latency", "errors", "active parameters",
+                  "expert health", "kl divergence", "not healthy"):
         assert words in titles, words
     exprs = " ".join(expr for _, expr in _queries(dashboard))
     assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs

@@ -131,6 +131,7 @@ def test_list_models(client, plane):
     assert (info.architecture, info.num_experts, info.top_k, info.vocab_size) == ("mixtral", 4, 2, 300)
     assert list(info.groups) == ["g0", "g1"] and info.max_context == CONTEXT
     assert info.routing_table_version == plane.store.routing_table_version()
+    assert (info.batching, info.batching_note) == (pb.BATCHING_PACKED, "")
     stock = AutoModelForCausalLM.from_pretrained(plane.checkpoint.path)
     assert info.total_parameters == sum(p.numel() for p in stock.parameters())
     experts = sum(p.numel() for n, p in stock.named_parameters() if ".experts." in n)

@@ -71,3 +71,10 @@ def test_unknown_url_and_unreachable_redis():
         open_store("etcd://x")
     with pytest.raises(ConnectionError, match="cannot reach the Redis state store"):
         open_store("redis://127.0.0.1:1/0")
+
+
+def test_an_empty_store_takes_a_restored_later_version(store):
+    """After a flush the orchestrator restores the table after the last version routers saw."""
+    assert store.publish_routing_table(_table(7))
+    assert store.routing_table_version() == 7
+    assert not store.publish_routing_table(_table(9)), "once a table is there, versions advance one at a time"

@@ -7,7 +7,8 @@
 
 ``generate`` yields ``Chunk``s (new token ids and text); the last one carries
 the finish reason and token usage. ``AsyncClient`` has the same methods as
-coroutines / async iterators.
+coroutines / async iterators. Both dial TLS when ``tls`` (default: the
+``EXPERTMESH_TLS_*`` environment) names a CA or a client certificate.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator, Sequence
 
-import grpc
-
+from expertmesh.config import TlsConfig
+from expertmesh.security.tls import secure_or_insecure_channel
 from expertmesh.v1 import inference_pb2 as pb
 from expertmesh.v1 import inference_pb2_grpc as pb_grpc
 
@@ -74,8 +75,8 @@ def _chunk(response: pb.GenerateResponse) -> Chunk:
 
 
 class Client:
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None):
-        self._channel = grpc.insecure_channel(target)
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, tls: TlsConfig | None = None):
+        self._channel = secure_or_insecure_channel(target, tls=tls)
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._timeout = timeout
 
@@ -108,8 +109,8 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None):
-        self._channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, tls: TlsConfig | None = None):
+        self._channel = secure_or_insecure_channel(target, tls=tls, aio=True)
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._timeout = timeout
 

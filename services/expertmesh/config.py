@@ -7,10 +7,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class DataPlaneConfig(BaseSettings):
@@ -34,10 +34,15 @@ class DataPlaneConfig(BaseSettings):
     load_window_s: float = Field(600.0, gt=0, description="sliding window of the router's expert-load statistics")
     load_publish_s: float = Field(10.0, gt=0, description="how often a router writes its load window to a shared store")
     heartbeat_s: float = Field(1.0, gt=0, description="how often a router reports the routing-table version it serves")
+    quarantine_fallback: Literal["next_best", "renormalise"] = Field(
+        "next_best",
+        description="an expert whose every replica is quarantined: the gate picks the next-best expert in its slot, "
+        "or its slot is dropped and the token's other experts renormalised",
+    )
 
 
 class ServingConfig(BaseSettings):
-    """The public gRPC API of a router (``expertmesh up``)."""
+    """The public APIs of a router (``expertmesh up``): gRPC, and OpenAI-compatible HTTP with ``http_port``."""
 
     model_config = SettingsConfigDict(env_prefix="EXPERTMESH_", extra="forbid")
 
@@ -48,6 +53,90 @@ class ServingConfig(BaseSettings):
     default_max_new_tokens: int = Field(64, ge=1, description="when a request does not say")
     max_new_tokens_cap: int = Field(1024, ge=1, description="requests asking for more are refused")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time in-flight requests get to finish")
+    health_port: int | None = Field(
+        None, ge=0, le=65535, description="also serve grpc.health.v1 alone, in plaintext, on this port (kubelet gRPC probes cannot speak TLS)"
+    )
+    http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="also serve the OpenAI-compatible HTTP API, /health and /metrics on this port, on host (0 picks one; unset: off)",
+    )
+    http_max_body_bytes: int = Field(4 << 20, ge=1024, description="HTTP request bodies larger than this are refused with 413")
+
+
+class TlsConfig(BaseSettings):
+    """TLS of every gRPC server and client of one process (``EXPERTMESH_TLS_*``).
+
+    Environment only, no flags: a router passes these variables on to the expert
+    groups it starts, so one setting covers every process of a deployment.
+    Servers turn TLS on when ``cert_file`` and ``key_file`` are set; clients when
+    ``ca_file`` or ``cert_file`` is, sending ``cert_file`` as their client
+    certificate. Expert groups always require a client certificate signed by
+    ``ca_file`` (mutual TLS: only routers and the orchestrator call them); the
+    router's Inference API and the orchestrator's admin API only with
+    ``require_client_cert``. Nothing set: plaintext (the embedded default).
+    One certificate may serve both ends when it carries both the serverAuth and
+    clientAuth key usages.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="EXPERTMESH_TLS_", extra="forbid")
+
+    cert_file: Path | None = Field(None, description="PEM certificate chain this process presents, as server and as client")
+    key_file: Path | None = Field(None, description="PEM private key of cert_file")
+    ca_file: Path | None = Field(None, description="PEM CA bundle peers' certificates must chain to (unset: clients trust the system roots)")
+    require_client_cert: bool = Field(
+        False, description="also require client certificates on the Inference and admin APIs (expert groups always do)"
+    )
+    group_server_name: str | None = Field(
+        None, description="name expert-group certificates are issued for; group channels verify it instead of the IP they dial"
+    )
+
+    @model_validator(mode="after")
+    def _complete(self) -> "TlsConfig":
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("EXPERTMESH_TLS_CERT_FILE and EXPERTMESH_TLS_KEY_FILE go together: set both or neither")
+        if self.require_client_cert and self.ca_file is None:
+            raise ValueError("EXPERTMESH_TLS_REQUIRE_CLIENT_CERT needs EXPERTMESH_TLS_CA_FILE, the CA client certificates chain to")
+        return self
+
+    @property
+    def serves_tls(self) -> bool:
+        return self.cert_file is not None
+
+    @property
+    def dials_tls(self) -> bool:
+        return self.ca_file is not None or self.cert_file is not None
+
+
+class AdminAuthConfig(BaseSettings):
+    """Who may call admin RPCs (``EXPERTMESH_ADMIN_*``): LoadExperts/UnloadExperts on expert
+    groups and the orchestrator's ``expertmesh.v1.Admin`` service.
+
+    An identity is a bearer token equal to ``token`` (or the contents of
+    ``token_file``), or, over mutual TLS, a client certificate whose subject CN is
+    in ``allowed_cns``. With neither configured (the embedded default) admin calls
+    are accepted from loopback peers only. Clients send ``token`` when it is set.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="EXPERTMESH_ADMIN_", extra="forbid")
+
+    token: str | None = Field(None, description="bearer token of admin calls; prefer token_file on a cluster")
+    token_file: Path | None = Field(None, description="file holding the token (read at start; surrounding whitespace ignored)")
+    allowed_cns: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="client-certificate subject CNs accepted as admins (comma-separated in the environment)"
+    )
+
+    @field_validator("allowed_cns", mode="before")
+    @classmethod
+    def _split(cls, value):
+        return tuple(n.strip() for n in value.split(",") if n.strip()) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> "AdminAuthConfig":
+        if self.token and self.token_file:
+            raise ValueError("set EXPERTMESH_ADMIN_TOKEN or EXPERTMESH_ADMIN_TOKEN_FILE, not both")
+        return self
 
 
 def add_data_plane_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,13 +16,14 @@ import logging
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from expertmesh import placement as placement_mod
+from expertmesh import security, telemetry
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import DataPlaneConfig
 from expertmesh.errors import GroupUnavailable, PlacementError
@@ -30,7 +31,6 @@ from expertmesh.placement import GroupPlacement
 from expertmesh.router.load_window import LoadWindow
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore, open_store
-from expertmesh.telemetry import propagation_env
 
 if TYPE_CHECKING:
     from expertmesh.router.dispatch import ExpertDispatcher
@@ -88,6 +88,7 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, 
         load_window=window,
         resolve_endpoints=resolve_endpoints,
         on_switch=heartbeat.beat,
+        fallback=config.quarantine_fallback,
     )
     heartbeat.start(dispatcher)
     return dispatcher, heartbeat, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
@@ -105,13 +106,13 @@ class DataPlane:
     addresses: dict[str, str]
     _started_ray: bool
     _owns_groups: bool = True
-    _publisher: "LoadPublisher | None" = None
+    _publisher: "LoadPublisher" = field(init=False)
 
     def __post_init__(self) -> None:
-        if not self.config.state_url.startswith("memory://"):
-            from expertmesh.router.load_publisher import LoadPublisher
+        # The in-process store too: an orchestrator embedded in this process (`up --orchestrator`) reads it.
+        from expertmesh.router.load_publisher import LoadPublisher
 
-            self._publisher = LoadPublisher(self.store, self.dispatcher.load_window, self.config.load_publish_s).start()
+        self._publisher = LoadPublisher(self.store, self.dispatcher.load_window, self.config.load_publish_s).start()
 
     @classmethod
     def start(cls, config: DataPlaneConfig) -> "DataPlane":
@@ -156,7 +157,7 @@ class DataPlane:
                 host=config.group_host,
                 num_cpus=config.group_num_cpus,
                 num_gpus=gpus,
-                telemetry_env=propagation_env(),
+                inherited_env={**telemetry.propagation_env(), **security.propagation_env()},
                 budget_bytes=config.group_budget_bytes,
                 **(deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {}),
             )
@@ -221,8 +222,7 @@ class DataPlane:
 
         from expertmesh.expert_group import deployment
 
-        if self._publisher is not None:
-            self._publisher.stop()
+        self._publisher.stop()
         self.heartbeat.stop()
         self.dispatcher.close()
         if not self._owns_groups:

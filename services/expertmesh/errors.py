@@ -79,7 +79,23 @@ class MigrationRefused(ExpertMeshError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class QuarantineRefused(ExpertMeshError):
+    """A quarantine or release cannot be done as asked: the expert, the group or its state does not allow it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class MigrationNotFound(ExpertMeshError):
     """No migration with that id is in the state store."""
 
     code = grpc.StatusCode.NOT_FOUND
+
+
+class SecurityMisconfigured(ExpertMeshError):
+    """TLS or admin-auth settings are incomplete or unreadable (a certificate without its key, a missing file)."""
+
+
+class DeadlineExceeded(ExpertMeshError):
+    """Every request a step serves has passed its deadline; waiting longer for a group helps nobody."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

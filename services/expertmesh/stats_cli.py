@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from expertmesh.errors import GroupUnavailable
+from expertmesh.security.tls import secure_or_insecure_channel
 
 
 def add_command(commands) -> None:
@@ -43,7 +44,7 @@ def _export(args) -> int:
         from expertmesh.v1 import inference_pb2 as pb
         from expertmesh.v1 import inference_pb2_grpc as pb_grpc
 
-        with grpc.insecure_channel(args.target) as channel:
+        with secure_or_insecure_channel(args.target) as channel:
             try:
                 response = pb_grpc.InferenceStub(channel).GetLoadStats(pb.LoadStatsRequest(), timeout=30)
             except grpc.RpcError as err:

@@ -26,6 +26,8 @@ _TO_PROTO = {
     torch.int64: pb.DTYPE_INT64,
 }
 _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
+#: Largest tensor a shape may describe, in bytes: what torch can size (int64, with room to spare).
+_MAX_BYTES = 1 << 62
 
 
 def dtype_to_proto(dtype: torch.dtype) -> int:
@@ -45,18 +47,29 @@ def dtype_from_proto(code: int, what: str = "tensor") -> torch.dtype:
 def encode(tensor: torch.Tensor) -> pb.Tensor:
     """[any shape] tensor -> Tensor message (copies to CPU if needed)."""
     t = tensor.detach().to("cpu").contiguous()
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""  # reshape: 0-d tensors too
     return pb.Tensor(dtype=dtype_to_proto(t.dtype), shape=list(t.shape), data=data)
+
+
+def layout(dtype_code: int, shape, what: str = "tensor") -> tuple[torch.dtype, list[int], int]:
+    """The dtype, shape and byte count a tensor's description (dtype code, shape) stands for; raises
+    InvalidRequest naming ``what`` for an unknown dtype, a negative dimension or an impossible size.
+    Shared by ``decode`` and the fast paths' frames (``wire_frames``)."""
+    dtype = dtype_from_proto(dtype_code, what)
+    shape = list(shape)
+    if any(d < 0 for d in shape):
+        raise InvalidRequest(f"{what}: negative dimension in shape {shape}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # Checked before the byte count: a zero dimension makes any other dimension "match" no bytes,
+    # and torch refuses to size storage past int64 even for an empty tensor.
+    if math.prod(d for d in shape if d) * itemsize > _MAX_BYTES:
+        raise InvalidRequest(f"{what}: shape {shape} describes more than {_MAX_BYTES} bytes of {dtype}")
+    return dtype, shape, math.prod(shape) * itemsize
 
 
 def decode(msg: pb.Tensor, what: str = "tensor") -> torch.Tensor:
     """Tensor message -> CPU tensor. Raises InvalidRequest naming ``what`` on bad input."""
-    dtype = dtype_from_proto(msg.dtype, what)
-    shape = list(msg.shape)
-    if any(d < 0 for d in shape):
-        raise InvalidRequest(f"{what}: negative dimension in shape {shape}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
+    dtype, shape, expected = layout(msg.dtype, msg.shape, what)
     if len(msg.data) != expected:
         raise InvalidRequest(
             f"{what}: {len(msg.data)} bytes do not match shape {shape} of {dtype} ({expected} bytes expected)"

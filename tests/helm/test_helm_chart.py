@@ -9,6 +9,7 @@ pod templates as core/v1 PodTemplates; then what the issue asks of the objects.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 
@@ -186,8 +187,10 @@ def test_router_grpc_service_probes_and_pdb(render, name):
     assert flags["--host"] == "0.0.0.0" and flags["--port"] == "50051"
     assert set(flags) >= {"--model", "--state-url", "--dtype"}
     assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"}]
+    # Under TLS (the default) the kubelet's plaintext gRPC probes use the health-only port.
+    assert flags["--health-port"] == "50061"
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert c[probe]["grpc"] == {"port": 50051}, probe
+        assert c[probe]["grpc"] == {"port": 50061}, probe
     svc = one(docs, "Service", f"{FULLNAME}-router")
     assert svc["spec"]["ports"][0]["port"] == 50051 and svc["spec"]["ports"][0]["appProtocol"] == "grpc"
     assert selects({"matchLabels": svc["spec"]["selector"]}, dep["spec"]["template"]["metadata"]["labels"])
@@ -220,13 +223,19 @@ def test_orchestrator_rbac_grants_only_what_it_uses(render):
     assert args[0] == "orchestrator"
     flags = dict(zip(args[1::2], args[2::2]))
     assert flags["--placement"] == "/etc/expertmesh/placement.yaml" and flags["--admin-port"] == "50052"
+    assert flags["--health-port"] == "50062"
+    c = spec["containers"][0]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"] == {"port": 50062}, probe
     (cr,) = by_kind(docs, "ClusterRole")
     assert cr["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+    # What the ExpertMigration controller calls, nothing else: no RayService writes, no pods, no
+    # ConfigMaps (the placement is a volume).
     (role,) = by_kind(docs, "Role")
     assert role["rules"] == [
-        {"apiGroups": ["ray.io"], "resources": ["rayservices"], "verbs": ["get", "list", "watch", "patch"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["expertmesh.io"], "resources": ["expertmigrations"], "verbs": ["get", "list", "watch", "create"]},
+        {"apiGroups": ["expertmesh.io"], "resources": ["expertmigrations/status"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]
     for kind, role_kind, role_name in (("ClusterRoleBinding", "ClusterRole", cr["metadata"]["name"]),
                                        ("RoleBinding", "Role", role["metadata"]["name"])):
@@ -467,6 +476,223 @@ def test_network_policies(render, name):
         for comp in ("router", "orchestrator", "expert-group"):
             assert _allowed(docs, labels[comp], redis, 6379), comp
         assert not _allowed(docs, stranger, redis, 6379)
+
+
+# -- Security: Redis password, gRPC TLS, admin token, egress --------------------------------------
+
+TLS_DIR = "/etc/expertmesh-tls/grpc"
+TLS_ENV = {"EXPERTMESH_TLS_CERT_FILE": "tls.crt", "EXPERTMESH_TLS_KEY_FILE": "tls.key", "EXPERTMESH_TLS_CA_FILE": "ca.crt"}
+
+
+def render_with(helm, *sets: str) -> list[dict]:
+    args = template_args(None)
+    for s in sets:
+        args += ["--set", s]
+    res = helm(*args)
+    assert res.returncode == 0, res.stderr
+    return res.docs
+
+
+def platform_pods(docs):
+    """(where, component, first container, pod spec) of every expertmesh pod (not Redis)."""
+    for where, tpl in pod_templates(docs):
+        component = tpl["metadata"]["labels"]["app.kubernetes.io/component"]
+        if component != "redis":
+            yield where, component, tpl["spec"]["containers"][0], tpl["spec"]
+
+
+def test_bundled_redis_requires_a_generated_password(helm, render):
+    docs = render("defaults")
+    secret = one(docs, "Secret", f"{FULLNAME}-redis-auth")
+    assert secret["type"] == "Opaque" and len(base64.b64decode(secret["data"]["password"])) == 40
+    ref = {"name": f"{FULLNAME}-redis-auth", "key": "password"}
+    redis = one(docs, "StatefulSet", f"{FULLNAME}-redis")["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(redis)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
+    assert '--requirepass "$REDIS_PASSWORD"' in redis["args"][0]
+    for where, _, c, _ in platform_pods(docs):
+        assert env_of(c)["EXPERTMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref, where
+    # The Secret is looked up before it is generated, so upgrades keep the password.
+    template = (CHART / "templates" / "secrets.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template and "randAlphaNum" in template
+    # An existing Secret replaces the generated one; an external Redis brings its own.
+    assert not [d for d in render_with(helm, "redis.auth.existingSecret=mine") if d["metadata"]["name"].endswith("-redis-auth")]
+    assert not [d for d in render("external-redis-tls") if d["metadata"]["name"].endswith("-redis-auth")]
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_grpc_tls_is_on_by_default(render, name):
+    """Every expertmesh pod mounts its component's certificate Secret and points EXPERTMESH_TLS_* at it;
+    routers and the orchestrator verify the name the expert groups' certificate carries."""
+    docs = render(name)
+    secrets = {d["metadata"]["name"]: d for d in by_kind(docs, "Secret")}
+    for where, component, c, spec in platform_pods(docs):
+        env = env_of(c)
+        for var, key in TLS_ENV.items():
+            assert env[var]["value"] == f"{TLS_DIR}/{key}", (where, var)
+        assert {"name": "grpc-tls", "mountPath": TLS_DIR, "readOnly": True} in c["volumeMounts"], where
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "grpc-tls"]
+        assert vol["secret"]["defaultMode"] == 0o440, where
+        secret = secrets[vol["secret"]["secretName"]]
+        assert secret["metadata"]["name"] == f"{FULLNAME}-tls-{component}", where
+        assert secret["type"] == "kubernetes.io/tls" and set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+        if component == "expert-group":
+            assert "EXPERTMESH_TLS_GROUP_SERVER_NAME" not in env, "groups dial no groups"
+        else:
+            assert env["EXPERTMESH_TLS_GROUP_SERVER_NAME"]["value"] == f"{FULLNAME}-groups", where
+        assert "EXPERTMESH_TLS_REQUIRE_CLIENT_CERT" not in env, where
+    assert one(docs, "Secret", f"{FULLNAME}-tls-ca")["type"] == "kubernetes.io/tls"
+
+
+def test_tls_disabled_renders_no_certificates(helm):
+    docs = render_with(helm, "tls.enabled=false")
+    assert not [d for d in by_kind(docs, "Secret") if "-tls-" in d["metadata"]["name"]]
+    for where, component, c, spec in platform_pods(docs):
+        assert not [k for k in env_of(c) if k.startswith("EXPERTMESH_TLS_")], where
+        assert "grpc-tls" not in {v["name"] for v in spec["volumes"]}, where
+        assert "--health-port" not in c.get("args", []), where
+    router = one(docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["readinessProbe"]["grpc"] == {"port": 50051}
+
+
+def test_tls_from_existing_secrets_as_cert_manager_writes_them(helm):
+    docs = render_with(
+        helm, "tls.routerSecret=cm-router", "tls.orchestratorSecret=cm-orch", "tls.expertGroupsSecret=cm-groups",
+        "tls.groupServerName=groups.example.internal", "tls.requireClientCert=true",
+    )
+    assert not [d for d in by_kind(docs, "Secret") if "-tls-" in d["metadata"]["name"]]
+    want = {"router": "cm-router", "orchestrator": "cm-orch", "expert-group": "cm-groups"}
+    for where, component, c, spec in platform_pods(docs):
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "grpc-tls"]
+        assert vol["secret"]["secretName"] == want[component], where
+        env = env_of(c)
+        if component != "expert-group":
+            assert env["EXPERTMESH_TLS_GROUP_SERVER_NAME"]["value"] == "groups.example.internal"
+            assert env["EXPERTMESH_TLS_REQUIRE_CLIENT_CERT"]["value"] == "true"
+        # Only the generated orchestrator certificate is an admin CN by default.
+        assert "EXPERTMESH_ADMIN_ALLOWED_CNS" not in env, where
+    res = helm(*template_args(None, "--set", "tls.routerSecret=cm-router"))
+    assert res.returncode != 0 and "set routerSecret, orchestratorSecret and expertGroupsSecret together" in res.stderr
+
+
+def test_admin_token_reaches_the_servers_that_check_it_and_the_orchestrator(helm, render):
+    docs = render("defaults")
+    secret = one(docs, "Secret", f"{FULLNAME}-admin-token")
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    seen = set()
+    for where, component, c, _ in platform_pods(docs):
+        env = env_of(c)
+        if component == "router":
+            assert "EXPERTMESH_ADMIN_TOKEN" not in env, "the router makes no admin calls"
+            continue
+        seen.add(component)
+        assert env["EXPERTMESH_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-admin-token", "key": "token"}
+        assert env["EXPERTMESH_ADMIN_ALLOWED_CNS"]["value"] == f"{FULLNAME}-orchestrator", where
+    assert seen == {"orchestrator", "expert-group"}
+    docs = render_with(helm, "auth.existingSecret=admins", "auth.tokenKey=t", "auth.adminCommonNames={ops,ci}")
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-admin-token")]
+    (orch,) = [c for _, component, c, _ in platform_pods(docs) if component == "orchestrator"]
+    assert env_of(orch)["EXPERTMESH_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "admins", "key": "t"}
+    assert env_of(orch)["EXPERTMESH_ADMIN_ALLOWED_CNS"]["value"] == f"ops,ci,{FULLNAME}-orchestrator"
+
+
+def test_generated_certificates_complete_mutual_tls_with_expertmesh(render, tmp_path):
+    """Real: the chart's generated Secrets, written to files, drive expertmesh's own TLS code: a group
+    server with mutual TLS and the admin CNs the chart sets; the router's certificate reaches it
+    by the name the chart gives routers, and is no admin; the orchestrator's certificate is."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from expertmesh.config import AdminAuthConfig, TlsConfig
+    from expertmesh.expert_group.service import group_channel
+    from expertmesh.grpc_server import GrpcServer
+    from expertmesh.v1 import admin_pb2, admin_pb2_grpc
+
+    docs = render("defaults")
+    pods = {component: env_of(c) for _, component, c, _ in platform_pods(docs)}
+
+    def files(component: str) -> dict[str, str]:
+        secret = one(docs, "Secret", f"{FULLNAME}-tls-{component}")
+        out = {}
+        for key, field in (("tls.crt", "cert_file"), ("tls.key", "key_file"), ("ca.crt", "ca_file")):
+            path = tmp_path / f"{component}-{key}"
+            path.write_bytes(base64.b64decode(secret["data"][key]))
+            out[field] = str(path)
+        return out
+
+    admin = AdminAuthConfig(allowed_cns=pods["expert-group"]["EXPERTMESH_ADMIN_ALLOWED_CNS"]["value"])
+    server = GrpcServer("chart-tls", "127.0.0.1", 0, tls=TlsConfig(**files("expert-group")), admin=admin, require_client_cert=True)
+    admin_pb2_grpc.add_AdminServicer_to_server(admin_pb2_grpc.AdminServicer(), server.server)
+    server.start()
+    try:
+        for component, admin_code in (("router", grpc.StatusCode.PERMISSION_DENIED), ("orchestrator", grpc.StatusCode.UNIMPLEMENTED)):
+            tls = TlsConfig(**files(component), group_server_name=pods[component]["EXPERTMESH_TLS_GROUP_SERVER_NAME"]["value"])
+            with group_channel(f"127.0.0.1:{server.port}", tls) as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert check.status == health_pb2.HealthCheckResponse.SERVING
+                with pytest.raises(grpc.RpcError) as err:
+                    admin_pb2_grpc.AdminStub(channel).ListMigrations(admin_pb2.ListMigrationsRequest(), timeout=10)
+                assert err.value.code() == admin_code, (component, err.value.details())
+    finally:
+        server.stop(0)
+
+
+def _peer_admits(peer: dict, labels: dict | None) -> bool:
+    """labels None: an address outside the cluster (only ipBlock peers name one)."""
+    if labels is None:
+        return "ipBlock" in peer
+    return "podSelector" in peer and selects(peer["podSelector"], labels)
+
+
+def _egress_allowed(docs, src_labels, dst_labels, port, protocol="TCP") -> bool:
+    """Whether the policies selecting src let it connect to dst on port (unrestricted without an Egress policy)."""
+    policies = [p for p in _policies_for(docs, src_labels) if "Egress" in p["spec"]["policyTypes"]]
+    if not policies:
+        return True
+    for np_ in policies:
+        for rule in np_["spec"].get("egress", []):
+            ports = rule.get("ports")
+            if ports and not any(p.get("protocol", "TCP") == protocol and p["port"] <= port <= p.get("endPort", p["port"]) for p in ports):
+                continue
+            peers = rule.get("to")
+            if peers is None or any(_peer_admits(p, dst_labels) for p in peers):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_network_policies_restrict_egress(render, name):
+    docs = render(name)
+    values = values_of(name)
+    labels = {}
+    for _, tpl in pod_templates(docs):
+        labels.setdefault(tpl["metadata"]["labels"]["app.kubernetes.io/component"], tpl["metadata"]["labels"])
+    router, orch, groups = labels["router"], labels["orchestrator"], labels["expert-group"]
+    dns = {"k8s-app": "kube-dns"}
+    base = values["expertGroups"]["portBase"]
+    for src in (router, orch, groups):
+        assert _egress_allowed(docs, src, dns, 53, "UDP") and _egress_allowed(docs, src, dns, 53, "TCP")
+        assert not _egress_allowed(docs, src, None, 80), "no egress to the internet"
+        if "redis" in labels:
+            assert _egress_allowed(docs, src, labels["redis"], 6379)
+        else:
+            assert _egress_allowed(docs, src, None, 6380), "the external Redis on its URL's port"
+        assert _egress_allowed(docs, src, None, 4317) == values["otel"]["enabled"]
+    # The router calls the groups' gRPC ports, nothing else of theirs; the orchestrator also their admin surfaces.
+    assert _egress_allowed(docs, router, groups, base) and not _egress_allowed(docs, router, groups, 8265)
+    assert _egress_allowed(docs, orch, groups, base) and _egress_allowed(docs, orch, groups, 8265)
+    # Ray pods talk among themselves on any port (GCS, raylets, object transfer).
+    assert _egress_allowed(docs, groups, groups, 6379) and _egress_allowed(docs, groups, groups, 45123)
+    # Only the orchestrator reaches the Kubernetes API server.
+    assert _egress_allowed(docs, orch, None, 443) and _egress_allowed(docs, orch, None, 6443)
+    assert not _egress_allowed(docs, router, None, 443) and not _egress_allowed(docs, groups, None, 6443)
+    if "redis" in labels:
+        (redis_np,) = _policies_for(docs, labels["redis"])
+        assert "Egress" in redis_np["spec"]["policyTypes"] and not redis_np["spec"].get("egress")
+
+
+def test_egress_rules_can_be_left_out(helm):
+    for np_ in by_kind(render_with(helm, "networkPolicy.egress.enabled=false"), "NetworkPolicy"):
+        assert np_["spec"]["policyTypes"] == ["Ingress"] and "egress" not in np_["spec"]
 
 
 # -- values.schema.json: negative cases and descriptions -------------------------------------

@@ -8,9 +8,8 @@ router's ``router.heartbeat.Heartbeat`` speaks: ``FollowingRouter`` reports the
 store's current table version every few milliseconds, as a router that switches
 at every step boundary would; a stuck router is one heartbeat that never moves on.
 
-Tiny Mixtral: 2 MoE layers x 4 experts. ``g0`` holds experts 0-1 of both layers,
-``g1`` experts 2-3, ``g2`` starts empty; routing table v1 says so. The migrated
-pair is layer 1, expert 1 (on ``g0``).
+The groups, placement and pair are ``migration_mesh``'s (shared with the
+Kubernetes controller's tests).
 """
 
 from __future__ import annotations
@@ -19,71 +18,23 @@ import shutil
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Self
 
 import grpc
 import pytest
 import torch
+from migration_mesh import EXPERT, FAST, LAYER, PAIR, PLACEMENT, FollowingRouter, Mesh, start_mesh
 from safetensors.torch import load_file, save_file
 
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.errors import InvalidRequest, MigrationRefused
 from expertmesh.expert_group.hosted import HostedExperts
-from expertmesh.expert_group.service import start_server
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
 from expertmesh.orchestrator.migration.plan import PHASES
 from expertmesh.orchestrator.migration.state import Failure, MigrationMode, Phase, load
-from expertmesh.placement import GroupPlacement
 from expertmesh.routing_table import RoutingTable
-from expertmesh.state import RouterHeartbeat, StateStore, open_store
+from expertmesh.state import QuarantinedReplica, RouterHeartbeat, open_store
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
-
-LAYER, EXPERT = 1, 1
-PAIR = (LAYER, EXPERT)
-PLACEMENT = GroupPlacement(
-    {
-        "g0": ((0, 0), (0, 1), (1, 0), (1, 1)),
-        "g1": ((0, 2), (0, 3), (1, 2), (1, 3)),
-    }
-)
-FAST = dict(poll_s=0.01, drain_timeout_s=10.0)
-
-
-@dataclass
-class Group:
-    hosted: HostedExperts
-    server: object
-    address: str
-
-
-@dataclass
-class Mesh:
-    store: StateStore
-    groups: dict[str, Group]
-
-    def held(self, group: str) -> set[tuple[int, int]]:
-        """What the group says it holds (Describe over gRPC)."""
-        with grpc.insecure_channel(self.groups[group].address) as channel:
-            response = pb_grpc.ExpertGroupStub(channel).Describe(pb.DescribeRequest(), timeout=10)
-        return {(e.layer, e.expert) for e in response.experts}
-
-    def replicas(self) -> tuple[str, ...]:
-        return self.store.routing_table().replicas[PAIR]
-
-
-def start_mesh(store: StateStore, path, target_path=None, target_budget: int | None = None) -> Mesh:
-    groups = {}
-    for name, pairs in [*PLACEMENT.groups.items(), ("g2", ())]:
-        checkpoint = Checkpoint(target_path if name == "g2" and target_path else path)
-        hosted = HostedExperts(checkpoint, budget_bytes=target_budget if name == "g2" else None)
-        hosted.load(list(pairs))
-        server, port = start_server(name, hosted, max_concurrent_dispatch=4, workers=2)
-        groups[name] = Group(hosted, server, f"127.0.0.1:{port}")
-        store.set_endpoint(name, f"127.0.0.1:{port}")
-    assert store.publish_routing_table(RoutingTable.from_placement(PLACEMENT, num_experts=4, version=1))
-    return Mesh(store, groups)
 
 
 @pytest.fixture
@@ -97,31 +48,6 @@ def mesh(path):
     yield m
     for group in m.groups.values():
         group.server.stop(0)
-
-
-class FollowingRouter:
-    """A router stand-in that reports the store's table version, up to ``stop_at``, every 5 ms."""
-
-    def __init__(self, store: StateStore, router_id: str, stop_at: int | None = None):
-        self._store, self._id, self._stop_at = store, router_id, stop_at
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            version = self._store.routing_table_version()
-            if self._stop_at is not None:
-                version = min(version, self._stop_at)
-            self._store.publish_router_heartbeat(RouterHeartbeat(self._id, version, time.time()))
-            self._stop.wait(0.005)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def phases(migration) -> list[Phase]:
@@ -194,6 +120,10 @@ def test_submit_refuses_what_cannot_be_done(mesh):
         executor.submit(LAYER, EXPERT)
     with pytest.raises(MigrationRefused, match="layer 5 expert 1 is not in routing table v1"):
         executor.submit(5, EXPERT, target="g2")
+    mesh.store.set_quarantined(QuarantinedReplica(LAYER, EXPERT, "g2", "quarantined", "corrupt", 0.0, True))
+    with pytest.raises(MigrationRefused, match="'g2' holds a quarantined copy of layer 1 expert 1"):
+        executor.submit(LAYER, EXPERT, target="g2")
+    mesh.store.clear_quarantined(LAYER, EXPERT, "g2")
     pending = executor.submit(LAYER, EXPERT, target="g2")
     with pytest.raises(MigrationRefused, match=f"{pending.id}.* is still pending"):
         executor.submit(LAYER, EXPERT, target="g1")

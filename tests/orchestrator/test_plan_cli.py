@@ -117,10 +117,14 @@ def test_topology_from_file_and_k8s(files, capsys, tmp_path):
     assert "needs --file" in capsys.readouterr().err
 
 
-def test_topology_k8s_without_file_runs_kubectl(monkeypatch, capsys):
-    monkeypatch.setenv("PATH", "/nonexistent")
+def test_topology_k8s_without_file_or_credentials_says_so(monkeypatch, tmp_path, capsys):
+    # Nodes come from the Kubernetes API (tests/orchestrator/test_kube_topology.py); without a
+    # service account or kubeconfig the command says what to do instead.
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
     assert main(["topology", "--source", "k8s"]) == 2
-    assert "kubectl not found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no Kubernetes credentials" in err and "pass --file with saved `kubectl get nodes -o json`" in err
 
 
 def test_bench_placement_quick(tmp_path, capsys):

@@ -52,3 +52,17 @@ def test_a_restarted_reconciler_keeps_live_edits_until_the_file_changes(tmp_path
     assert store.routing_table().replicas[(0, 1)] == ("g0",)
     path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}, "g1": {"*": [1]}}}))
     assert Reconciler(store, SPEC, path).reconcile_once().version == 3
+
+
+def test_a_flushed_store_gets_the_table_back_at_a_later_version(tmp_path):
+    """Routers cached version N; a table restored as version 1 would look older than what they serve."""
+    path = tmp_path / "placement.yaml"
+    path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0]}, "g1": {"*": [1]}}}))
+    store = open_store()
+    reconciler = Reconciler(store, SPEC, path)
+    assert reconciler.reconcile_once().version == 1
+    path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}, "g1": {"*": [1]}}}))
+    assert reconciler.reconcile_once().version == 2
+    store._kv._values.clear(), store._kv._hashes.clear()  # what FLUSHDB does to the in-process backend
+    assert reconciler.reconcile_once().version == 3
+    assert store.routing_table().replicas[(0, 1)] == ("g0", "g1")

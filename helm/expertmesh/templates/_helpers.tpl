@@ -83,12 +83,59 @@ app.kubernetes.io/part-of: expertmesh
 {{- end -}}
 {{- end -}}
 
+{{/* "secret|key" of the Redis password: external Redis's when given; the bundled one always has one
+     (auth.existingSecret, else the generated <fullname>-redis-auth). */}}
 {{- define "expertmesh.redisPasswordSecret" -}}
 {{- if .Values.redis.external.url -}}
 {{- with .Values.redis.external.existingSecret }}{{ . }}|{{ $.Values.redis.external.passwordKey }}{{ end -}}
+{{- else if .Values.redis.auth.existingSecret -}}
+{{- .Values.redis.auth.existingSecret }}|{{ .Values.redis.auth.passwordKey -}}
 {{- else -}}
-{{- with .Values.redis.auth.existingSecret }}{{ . }}|{{ $.Values.redis.auth.passwordKey }}{{ end -}}
+{{- include "expertmesh.fullname" . }}-redis-auth|password
 {{- end -}}
+{{- end -}}
+
+{{/* Security ---------------------------------------------------------------- */}}
+
+{{/* "true" when the chart generates the TLS CA and certificates (tls.enabled, no Secrets given). */}}
+{{- define "expertmesh.tlsGenerated" -}}
+{{- $t := .Values.tls -}}
+{{- $given := compact (list $t.routerSecret $t.orchestratorSecret $t.expertGroupsSecret) -}}
+{{- if and $given (lt (len $given) 3) -}}
+{{- fail "tls: set routerSecret, orchestratorSecret and expertGroupsSecret together (one CA must sign all three), or none and the chart generates them" -}}
+{{- end -}}
+{{- if and $t.enabled (not $given) -}}true{{- end -}}
+{{- end -}}
+
+{{/* TLS Secret of a component; call with (dict "ctx" $ "component" "router"|"orchestrator"|"expert-group"). */}}
+{{- define "expertmesh.tlsSecret" -}}
+{{- $t := .ctx.Values.tls -}}
+{{- $given := get (dict "router" $t.routerSecret "orchestrator" $t.orchestratorSecret "expert-group" $t.expertGroupsSecret) .component -}}
+{{- $given | default (printf "%s-tls-%s" (include "expertmesh.fullname" .ctx) .component) -}}
+{{- end -}}
+
+{{/* The name routers and the orchestrator verify in the expert groups' certificate. */}}
+{{- define "expertmesh.groupServerName" -}}
+{{- .Values.tls.groupServerName | default (include "expertmesh.rayServiceName" .) -}}
+{{- end -}}
+
+{{- define "expertmesh.adminTokenSecret" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-admin-token" (include "expertmesh.fullname" .)) -}}
+{{- end -}}
+
+{{/* Comma-separated admin CNs: auth.adminCommonNames, plus the orchestrator's generated certificate. */}}
+{{- define "expertmesh.adminCommonNames" -}}
+{{- $cns := .Values.auth.adminCommonNames -}}
+{{- if and (include "expertmesh.tlsGenerated" .) .Values.orchestrator.enabled -}}
+{{- $cns = append $cns (printf "%s-orchestrator" (include "expertmesh.fullname" .)) -}}
+{{- end -}}
+{{- join "," (uniq $cns) -}}
+{{- end -}}
+
+{{/* Port of a URL (call with (dict "url" u "default" p)): its explicit port, else the default. */}}
+{{- define "expertmesh.urlPort" -}}
+{{- $host := (urlParse .url).host -}}
+{{- if regexMatch ":[0-9]+$" $host -}}{{ regexFind "[0-9]+$" $host }}{{- else -}}{{ .default }}{{- end -}}
 {{- end -}}
 
 {{/* Environment of every expertmesh container; call with (dict "ctx" $ "component" "router"). */}}
@@ -107,6 +154,34 @@ app.kubernetes.io/part-of: expertmesh
 {{- if and $ctx.Values.redis.external.url $ctx.Values.redis.external.tls.caSecret }}
 - name: EXPERTMESH_REDIS_CA_FILE
   value: /etc/expertmesh-tls/redis/{{ $ctx.Values.redis.external.tls.caKey }}
+{{- end }}
+{{- if $ctx.Values.tls.enabled }}
+- name: EXPERTMESH_TLS_CERT_FILE
+  value: /etc/expertmesh-tls/grpc/tls.crt
+- name: EXPERTMESH_TLS_KEY_FILE
+  value: /etc/expertmesh-tls/grpc/tls.key
+- name: EXPERTMESH_TLS_CA_FILE
+  value: /etc/expertmesh-tls/grpc/ca.crt
+{{- if ne .component "expert-group" }}
+- name: EXPERTMESH_TLS_GROUP_SERVER_NAME
+  value: {{ include "expertmesh.groupServerName" $ctx | quote }}
+{{- if $ctx.Values.tls.requireClientCert }}
+- name: EXPERTMESH_TLS_REQUIRE_CLIENT_CERT
+  value: "true"
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* Admin identities: the servers that check them (groups, orchestrator) and the orchestrator as caller; not the router. */}}
+{{- if ne .component "router" }}
+- name: EXPERTMESH_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "expertmesh.adminTokenSecret" $ctx | quote }}
+      key: {{ $ctx.Values.auth.tokenKey | quote }}
+{{- with include "expertmesh.adminCommonNames" $ctx }}
+- name: EXPERTMESH_ADMIN_ALLOWED_CNS
+  value: {{ . | quote }}
+{{- end }}
 {{- end }}
 - name: EXPERTMESH_DTYPE
   value: {{ $ctx.Values.model.dtype | quote }}
@@ -151,26 +226,35 @@ app.kubernetes.io/part-of: expertmesh
 {{- end }}
 {{- end -}}
 
-{{/* Volumes: model (read-only), writable /tmp, Redis CA. */}}
+{{/* Volumes: model (read-only), writable /tmp, Redis CA, the component's gRPC TLS Secret.
+     Call with (dict "ctx" $ "component" "router"|"orchestrator"|"expert-group"). */}}
 {{- define "expertmesh.volumes" -}}
+{{- $ctx := .ctx -}}
 - name: tmp
   emptyDir: {}
-{{- if .Values.model.pvc.claimName }}
+{{- if $ctx.Values.model.pvc.claimName }}
 - name: model
   persistentVolumeClaim:
-    claimName: {{ .Values.model.pvc.claimName | quote }}
+    claimName: {{ $ctx.Values.model.pvc.claimName | quote }}
     readOnly: true
-{{- else if .Values.model.hostPath }}
+{{- else if $ctx.Values.model.hostPath }}
 - name: model
   hostPath:
-    path: {{ .Values.model.hostPath | quote }}
+    path: {{ $ctx.Values.model.hostPath | quote }}
     type: Directory
 {{- end }}
-{{- if and .Values.redis.external.url .Values.redis.external.tls.caSecret }}
+{{- if and $ctx.Values.redis.external.url $ctx.Values.redis.external.tls.caSecret }}
 - name: redis-tls
   secret:
-    secretName: {{ .Values.redis.external.tls.caSecret | quote }}
+    secretName: {{ $ctx.Values.redis.external.tls.caSecret | quote }}
     defaultMode: 0444
+{{- end }}
+{{- if $ctx.Values.tls.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ include "expertmesh.tlsSecret" . | quote }}
+    # Owner and group (fsGroup) only: it holds the private key.
+    defaultMode: 0440
 {{- end }}
 {{- end -}}
 
@@ -188,6 +272,11 @@ app.kubernetes.io/part-of: expertmesh
 {{- if and .Values.redis.external.url .Values.redis.external.tls.caSecret }}
 - name: redis-tls
   mountPath: /etc/expertmesh-tls/redis
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: grpc-tls
+  mountPath: /etc/expertmesh-tls/grpc
   readOnly: true
 {{- end }}
 {{- end -}}
@@ -336,7 +425,7 @@ spec:
         - name: shm
           mountPath: /dev/shm
   volumes:
-    {{- include "expertmesh.volumes" $ctx | nindent 4 }}
+    {{- include "expertmesh.volumes" (dict "ctx" $ctx "component" "expert-group") | nindent 4 }}
     - name: shm
       emptyDir:
         medium: Memory

@@ -1,4 +1,5 @@
-"""Control-plane commands: ``orchestrator``, ``topology``, ``plan`` and ``bench placement``.
+"""Control-plane commands: ``orchestrator``, ``migrate``, ``migrations``, ``drift``, ``experts``,
+``quarantine``, ``release``, ``topology``, ``plan`` and ``bench placement``.
 
 ``expertmesh.cli`` calls ``add_commands``; each command's ``run(args)`` returns
 the exit code, and input errors raise PlacementError (the CLI prints one line and
@@ -20,9 +21,14 @@ from expertmesh.orchestrator.topology import Topology, topology_to_dict
 
 
 def add_commands(commands, bench_commands) -> None:
-    from expertmesh.orchestrator import process
+    from expertmesh.orchestrator import bench_migration, migrate_cli, process
+    from expertmesh.orchestrator.drift import cli as drift_cli
+    from expertmesh.orchestrator.health import cli as health_cli
 
     process.add_command(commands)
+    migrate_cli.add_commands(commands)
+    drift_cli.add_command(commands)
+    health_cli.add_commands(commands)
     topo = commands.add_parser("topology", help="print the GPU topology tree (nodes, NUMA, NVLink islands, GPUs)")
     topo.add_argument("--source", choices=["nvml", "k8s", "file"], help="default: file when --file is given, else nvml")
     topo.add_argument("--file", help="topology YAML (--source file) or saved `kubectl get nodes -o json` (--source k8s)")
@@ -41,6 +47,7 @@ def add_commands(commands, bench_commands) -> None:
     p.add_argument("--out", default="placement.json", help="placement JSON to write (default placement.json)")
     p.set_defaults(run=run_plan)
 
+    bench_migration.add_command(bench_commands)
     b = bench_commands.add_parser("placement", help="placement planner vs DeepSeek EPLB on synthetic workloads")
     b.add_argument("--out", default="bench-placement.json", help="JSON results (default bench-placement.json)")
     b.add_argument("--seed", type=int, default=0)

@@ -1,13 +1,19 @@
 """``expertmesh orchestrator``: the control-plane process.
 
-Reconciles the routing table with the placement file every few seconds and
-serves the admin gRPC port (``grpc.health.v1`` now; the admin API of later
-issues lands on the same server). A bad placement at start-up is refused with
-one line; a bad edit later is logged and the last good table stays.
+Applies the placement file to the routing table (when it changes) and serves
+the admin gRPC port: ``grpc.health.v1`` and ``expertmesh.v1.Admin`` (live
+migrations; half-done ones are resumed at start; drift scans). With ``--drift``
+(or ``EXPERTMESH_DRIFT_ENABLED``) the drift controller's loop runs too. With
+``--kube`` (the default in a pod) the ExpertMigration controller runs too
+(``orchestrator.kube``). The expert health monitor always answers the admin API's
+health calls; with ``--health-monitor`` (or ``EXPERTMESH_HEALTH_ENABLED``) its loop
+probes every replica every ``interval_s`` (``orchestrator.health``). A bad placement at start-up is refused with one line; a
+bad edit later is logged and the last good table stays.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -15,7 +21,8 @@ import threading
 from pathlib import Path
 
 from expertmesh.errors import PlacementError
-from expertmesh.grpc_server import GrpcServer
+from expertmesh.orchestrator.drift.config import add_drift_argument, drift_config
+from expertmesh.orchestrator.health.config import add_health_argument, health_config
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +34,58 @@ def add_command(commands) -> None:
     p.add_argument("--placement", required=True, type=Path, help="placement YAML (re-read every --interval)")
     p.add_argument("--admin-port", type=int, default=50052)
     p.add_argument("--admin-host", default="0.0.0.0")
+    p.add_argument(
+        "--health-port", type=int, help="also serve grpc.health.v1 alone in plaintext here (Kubernetes probes under TLS)"
+    )
     p.add_argument("--interval", type=float, default=5.0, help="seconds between reconcile rounds")
+    add_migration_arguments(p)
+    add_drift_argument(p)
+    add_health_argument(p)
+    add_kube_arguments(p)
     p.set_defaults(run=run)
+
+
+def add_migration_arguments(parser) -> None:
+    parser.add_argument("--max-concurrent-moves", type=int, default=2, help="migrations run at once (default 2)")
+    parser.add_argument(
+        "--drain-timeout", dest="migration_drain_timeout", type=float, default=60.0,
+        help="seconds a migration waits for every router to take a new table before it fails (default 60)",
+    )
+
+
+def add_kube_arguments(parser) -> None:
+    parser.add_argument(
+        "--kube", action=argparse.BooleanOptionalAction, default=None,
+        help="run the ExpertMigration controller (default: when running in a Kubernetes pod)",
+    )
+    parser.add_argument("--kube-namespace", help="namespace whose ExpertMigrations it runs (default: the pod's)")
+
+
+def kube_connection(args):
+    """The Kubernetes API connection of the ExpertMigration controller, or None: off with --no-kube,
+    and by default outside a pod. Unset --kube and no usable service account: a warning, not an
+    exit (the rest still works). Made before anything starts, so an explicit --kube fails early."""
+    from expertmesh.orchestrator.kube.api import KubeApiError, connect, in_cluster
+
+    if args.kube is False or (args.kube is None and not in_cluster()):
+        return None
+    try:
+        return connect()
+    except KubeApiError as err:
+        if args.kube:
+            raise
+        log.warning("not running the ExpertMigration controller: %s", err)
+        return None
 
 
 def run(args) -> int:
     from expertmesh.checkpoint import Checkpoint
     from expertmesh.data_plane import progress
+    from expertmesh.orchestrator.admin import start_admin
+    from expertmesh.orchestrator.health.monitor import HealthMonitor
+    from expertmesh.orchestrator.kube.api import ExpertMigrationApi
+    from expertmesh.orchestrator.kube.controller import start_controller
+    from expertmesh.orchestrator.kube.drift_objects import DriftObjects
     from expertmesh.orchestrator.reconcile import Reconciler
     from expertmesh.state import open_store
 
@@ -42,14 +94,37 @@ def run(args) -> int:
     from expertmesh.telemetry import setup as setup_telemetry
 
     telemetry = setup_telemetry("expertmesh-orchestrator")
-    spec = Checkpoint(args.model).spec
+    checkpoint = Checkpoint(args.model)
+    spec = checkpoint.spec
+    drift_settings = drift_config(args)  # a bad EXPERTMESH_DRIFT_* setting fails here, before anything starts
+    health_settings = health_config(args)  # likewise EXPERTMESH_HEALTH_*
+    connection = kube_connection(args)
     store = open_store(args.state_url)
     reconciler = Reconciler(store, spec, args.placement)
     first = reconciler.reconcile_once()  # a bad placement fails here, before we report healthy
-    server = GrpcServer("admin", args.admin_host, args.admin_port).start()
+    health = HealthMonitor(store, checkpoint, health_settings)
+    namespace = (args.kube_namespace or connection.namespace) if connection else None
+    server, runner, drift = start_admin(
+        store,
+        args.admin_host,
+        args.admin_port,
+        max_concurrent=args.max_concurrent_moves,
+        drain_timeout_s=args.migration_drain_timeout,
+        drift=drift_settings,
+        health=health,
+        # In cluster mode every move drift starts is also an ExpertMigration object.
+        on_drift_decision=DriftObjects(ExpertMigrationApi(connection), namespace) if connection else None,
+    )
+    if health.config.enabled:
+        health.start()
     port = server.port
+    if args.health_port is not None:
+        server.serve_plaintext_health(args.health_port)
+    kube = start_controller(connection, runner, store, namespace) if connection else None
     version = first.version if first else store.routing_table_version()
     progress(f"orchestrator: routing table version {version}; admin gRPC on {args.admin_host}:{port}")
+    if kube is not None:
+        progress(f"orchestrator: running ExpertMigrations of namespace {kube.namespace}")
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -64,6 +139,11 @@ def run(args) -> int:
             progress(f"orchestrator: published routing table version {table.version}")
     server.set_serving(False)
     server.stop()
+    drift.stop()
+    health.stop()
+    runner.close()
+    if kube is not None:  # after the runner: the migrations it finished on the way out are reported
+        kube.stop()
     store.close()
     telemetry.shutdown()
     return 0

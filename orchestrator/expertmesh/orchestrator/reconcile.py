@@ -28,12 +28,19 @@ from expertmesh.state import StateStore
 log = logging.getLogger(__name__)
 
 
-def next_table(current: RoutingTable | None, desired: GroupPlacement, num_experts: int) -> RoutingTable | None:
-    """The table to publish so the store matches ``desired``, or None when it already does."""
+def next_table(
+    current: RoutingTable | None, desired: GroupPlacement, num_experts: int, last_seen: int = 0
+) -> RoutingTable | None:
+    """The table to publish so the store matches ``desired``, or None when it already does.
+
+    ``last_seen``: the newest version this orchestrator has seen; an empty (flushed) store
+    continues after it rather than restarting at 1.
+    """
     replicas = desired.hosts()
     if current is not None and current.replicas == replicas and current.num_experts == num_experts:
         return None
-    return RoutingTable(version=(current.version if current else 0) + 1, num_experts=num_experts, replicas=replicas)
+    version = max(current.version if current else 0, last_seen) + 1
+    return RoutingTable(version=version, num_experts=num_experts, replicas=replicas)
 
 
 class Reconciler:
@@ -41,6 +48,7 @@ class Reconciler:
         self._store = store
         self._spec = spec
         self._path = placement_path
+        self._last_seen = 0
 
     def desired(self) -> GroupPlacement:
         desired = placement_mod.load(self._path, self._spec)
@@ -52,13 +60,16 @@ class Reconciler:
         desired = self.desired()
         digest = hashlib.sha256(repr(sorted(desired.hosts().items())).encode()).hexdigest()
         current = self._store.routing_table()
-        if current is not None and self._store.placement_digest() == digest:
-            return None
-        table = next_table(current, desired, self._spec.num_experts)
+        if current is not None:
+            self._last_seen = max(self._last_seen, current.version)
+            if self._store.placement_digest() == digest:
+                return None
+        table = next_table(current, desired, self._spec.num_experts, self._last_seen)
         if table is not None and not self._store.publish_routing_table(table):
             log.info("routing table changed under us; will re-read next round")
             return None
         self._store.set_placement_digest(digest)
         if table is not None:
+            self._last_seen = table.version
             log.info("published routing table version %d (%d groups)", table.version, len(table.groups()))
         return table

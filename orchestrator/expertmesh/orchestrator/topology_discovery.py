@@ -1,14 +1,16 @@
-"""Topology discovery I/O: NVML on this machine, ``kubectl get nodes`` for a cluster.
+"""Topology discovery I/O: NVML on this machine, the Kubernetes API's nodes for a cluster.
 
 The pure halves (grouping GPUs into islands, reading labels) are in ``topology``;
-this module only gathers facts.
+this module only gathers facts. Nodes are read with the ``kubernetes`` client
+(the orchestrator pod's service account, or a kubeconfig outside a cluster), not
+by running kubectl: an orchestrator image has no kubectl, and the chart grants
+its service account get/list/watch on nodes for exactly this.
 """
 
 from __future__ import annotations
 
 import json
 import socket
-import subprocess
 from pathlib import Path
 
 from expertmesh.errors import PlacementError
@@ -26,28 +28,36 @@ def load_topology_file(path: str | Path) -> Topology:
 
 
 def load_k8s_topology(path: str | Path | None = None) -> Topology:
-    """From a saved ``kubectl get nodes -o json``, or by running kubectl when no path."""
+    """From a saved ``kubectl get nodes -o json``, or from the Kubernetes API when no path."""
     if path is not None:
-        text = read_text(path, "k8s nodes file")
-        where = str(path)
+        text, where = read_text(path, "k8s nodes file"), str(path)
     else:
-        try:
-            done = subprocess.run(
-                ["kubectl", "get", "nodes", "-o", "json"], capture_output=True, text=True, timeout=60, check=False
-            )
-        except FileNotFoundError:
-            raise PlacementError("kubectl not found on PATH; pass --file with saved `kubectl get nodes -o json`") from None
-        except subprocess.TimeoutExpired:
-            raise PlacementError("kubectl get nodes timed out after 60 s") from None
-        if done.returncode != 0:
-            msg = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-            raise PlacementError(f"kubectl get nodes failed: {msg}")
-        text, where = done.stdout, "kubectl output"
+        text, where = _list_nodes(), "the Kubernetes API's node list"
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
         raise PlacementError(f"{where} is not valid JSON: {err}") from None
     return topology_from_k8s_nodes(doc)
+
+
+def _list_nodes() -> str:
+    """``GET /api/v1/nodes`` as JSON text, the same document ``kubectl get nodes -o json`` prints."""
+    import kubernetes
+    import urllib3
+    from kubernetes.client.exceptions import ApiException
+
+    from expertmesh.orchestrator.kube.api import KubeApiError, connect
+
+    try:
+        connection = connect()
+        response = kubernetes.client.CoreV1Api(connection.client).list_node(_preload_content=False, _request_timeout=60)
+        return response.data.decode()
+    except KubeApiError as err:
+        raise PlacementError(f"{err}; pass --file with saved `kubectl get nodes -o json`") from None
+    except ApiException as err:
+        raise PlacementError(f"cannot list nodes: {err.status} {err.reason}") from None
+    except urllib3.exceptions.HTTPError as err:
+        raise PlacementError(f"cannot list nodes: the Kubernetes API is unreachable ({err})") from None
 
 
 def discover_nvml(node_name: str | None = None) -> Topology:

@@ -4,8 +4,9 @@ One application, ``expertmesh-groups``, holds one deployment per group
 (``group-<name>``, one replica each: a second copy of an expert is a second
 group in the routing table, not a second Serve replica) and a small ingress,
 ``directory``, that reports each group's gRPC address. Each replica loads its
-experts and starts an ``ExpertGroup`` gRPC server on an ephemeral port; the
-router dials those servers directly, so the data path skips Serve's proxy.
+experts and starts an ``ExpertGroup`` gRPC server on an ephemeral port
+(``runtime.RunningGroup``, the same as ``expertmesh group serve``); the router
+dials those servers directly, so the data path skips Serve's proxy.
 
 ``num_gpus`` is requested only when the Ray cluster has GPUs; each group then
 computes on its GPU, otherwise on CPU.
@@ -16,89 +17,43 @@ Serve application builder a KubeRay RayService names in ``serveConfigV2``
 (``import_path: expertmesh.expert_group.deployment:build_app``). There each
 replica listens on ``port_base + i`` (group ``i`` in name order, so
 NetworkPolicies can name the ports) and registers its address in the shared
-state store itself.
+state store itself, again every few seconds (``registration``), so a flushed
+store heals without restarts.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+
+from expertmesh.expert_group.runtime import GroupSpec, RunningGroup
+# At home in runtime (which needs no Ray); still importable from here.
+from expertmesh.expert_group.runtime import parse_cpulist as parse_cpulist
+from expertmesh.expert_group.runtime import pin_to_numa_node as pin_to_numa_node
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "expertmesh-groups"
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    name: str
-    model_path: str
-    pairs: tuple[tuple[int, int], ...]
-    dtype: str = "float32"
-    #: address the gRPC server binds; 0.0.0.0 advertises the node's IP instead
-    host: str = "127.0.0.1"
-    num_cpus: float = 0.25
-    num_gpus: float = 0
-    port: int = 0  # 0: any free port
-    #: Ray custom resources the replica needs, e.g. {"expertmesh.io/island-nvl-0": 1}
-    resources: dict[str, float] = field(default_factory=dict)
-    #: shared state store the replica registers its address in; None when the driver collects addresses
-    state_url: str | None = None
-    #: NUMA node whose CPUs the replica pins itself to (its GPUs' node)
-    numa: int | None = None
-    #: OTEL_* settings of the process that deployed the group, so its traces join the router's
-    telemetry_env: dict[str, str] = field(default_factory=dict)
-    #: most bytes of expert weights the group holds; LoadExperts past it is refused. None: unlimited
-    budget_bytes: int | None = None
-
-
 class ExpertGroupReplica:
+    """A Serve replica is one ``RunningGroup``, advertising the Ray node's IP."""
+
     def __init__(self, spec: GroupSpec):
         import ray
-        import torch
 
-        from expertmesh.checkpoint import Checkpoint
-        from expertmesh.expert_group.hosted import HostedExperts
-        from expertmesh.expert_group.service import start_server
-
-        if spec.numa is not None:
-            pin_to_numa_node(spec.numa)
-        import os
-
-        from expertmesh.telemetry import setup as setup_telemetry
-
-        os.environ.update(spec.telemetry_env)
-        self._telemetry = setup_telemetry("expertmesh-expert-group")
-        # Intra-op threads follow the CPU share: oversubscribing a small host costs more than it gains.
-        torch.set_num_threads(max(1, int(spec.num_cpus)))
-        device = "cuda" if spec.num_gpus and torch.cuda.is_available() else "cpu"
-        self._hosted = HostedExperts(Checkpoint(spec.model_path), getattr(torch, spec.dtype), device, spec.budget_bytes)
-        self._hosted.load(list(spec.pairs))
-        self._server, port = start_server(spec.name, self._hosted, host=spec.host, port=spec.port)
-        advertised = ray.util.get_node_ip_address() if spec.host in ("0.0.0.0", "::") else spec.host
-        self._address = f"{advertised}:{port}"
-        if spec.state_url:
-            from expertmesh.state import open_store
-
-            store = open_store(spec.state_url)
-            store.set_endpoint(spec.name, self._address)
-            store.close()
-        log.info("expert group %s: %d experts on %s, serving %s", spec.name, len(spec.pairs), device, self._address)
+        self._group = RunningGroup(spec, advertise=ray.util.get_node_ip_address)
 
     def address(self) -> str:
-        return self._address
+        return self._group.address
 
     def __del__(self):
-        server = getattr(self, "_server", None)
-        if server is not None:
-            server.stop()
-        telemetry = getattr(self, "_telemetry", None)
-        if telemetry is not None:
-            telemetry.shutdown()
+        group = getattr(self, "_group", None)
+        if group is not None:
+            group.stop()
 
 
 class GroupDirectory:
@@ -139,32 +94,6 @@ def hardware_binding(hardware, has_gpus: bool) -> dict:
         "resources": {resource: 1} if declared else {},
         "numa": hardware.numa,
     }
-
-
-def parse_cpulist(text: str) -> list[int]:
-    """Linux cpulist format ("0-3,8,10-11") -> CPU ids."""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if "-" in part:
-            lo, hi = part.split("-")
-            cpus.extend(range(int(lo), int(hi) + 1))
-        elif part:
-            cpus.append(int(part))
-    return cpus
-
-
-def pin_to_numa_node(numa: int, sysfs: str = "/sys/devices/system/node") -> list[int]:
-    """Pin this process to the CPUs of NUMA node ``numa``; returns them ([] when the node is unknown here)."""
-    import os
-
-    try:
-        with open(f"{sysfs}/node{numa}/cpulist") as f:
-            cpus = parse_cpulist(f.read())
-    except OSError:
-        log.warning("NUMA node %d is not known on this host; not pinning CPUs", numa)
-        return []
-    os.sched_setaffinity(0, cpus)
-    return cpus
 
 
 def cluster_has_gpus() -> bool:

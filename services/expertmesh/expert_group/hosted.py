@@ -12,6 +12,12 @@ reading: each changed layer gets a new module, ids and id map built off to the
 side, and the layer map is replaced with one assignment. ``compute`` reads the
 map once and uses that snapshot throughout, so it sees either the old layer or
 the new one, never a half-built mix of two experts' weights.
+
+Each expert carries a weight fingerprint (``fingerprint``) taken when its rows
+were read from disk; ``fingerprints`` recomputes it now, and a difference means
+the weights changed in memory since. A reload (``load(..., reload=True)``) reads
+held experts from disk again, swapped in the same way: the health monitor's
+repair, with no moment at which the expert is missing.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import nn
 
 from expertmesh.checkpoint import Checkpoint, experts_modules
 from expertmesh.errors import InvalidRequest, NotHosted, OverBudget
+from expertmesh.expert_group.fingerprint import fingerprint
 
 #: Columns of expert_ids a Dispatch may carry beyond the model's top-k: the router's
 #: dynamic top-k may widen a token's choice by one expert.
@@ -83,6 +90,13 @@ class _LayerExperts:
     local_of: torch.Tensor
     #: global id -> its statistics; carried into the next build while the expert stays loaded
     stats: Mapping[int, OutputStats]
+    #: global id -> its weight fingerprint when its rows were read from disk; carried like ``stats``
+    fingerprints: Mapping[int, str]
+
+    def rows_of(self, expert: int) -> dict[str, torch.Tensor]:
+        """The expert's row of each stacked parameter (views, not copies)."""
+        row = self.ids.index(expert)
+        return {name: param[row] for name, param in self.module.named_parameters()}
 
 
 class HostedExperts:
@@ -132,6 +146,18 @@ class HostedExperts:
         """Bytes the weights of ``pairs`` take once loaded, from the checkpoint's shapes alone."""
         return sum(self._bytes_per_expert[layer] for layer, _ in pairs)
 
+    def fingerprints(self, pairs: list[tuple[int, int]] | None = None) -> list[tuple[int, int, str, str]]:
+        """(layer, expert, fingerprint at load, fingerprint recomputed now) for ``pairs`` (default:
+        every hosted expert). Raises NotHosted for a pair not held."""
+        layers = self._layers
+        wanted = self.pairs() if pairs is None else sorted(set(pairs))
+        missing = [p for p in wanted if p[0] not in layers or p[1] not in layers[p[0]].ids]
+        if missing:
+            raise NotHosted(f"(layer, expert) {missing[:5]} are not held by this group")
+        return [
+            (layer, e, layers[layer].fingerprints[e], fingerprint(layers[layer].rows_of(e))) for layer, e in wanted
+        ]
+
     def expert_stats(self) -> list[tuple[int, int, OutputStats]]:
         """(layer, expert, a copy of its statistics) for every hosted expert."""
         layers = self._layers
@@ -160,18 +186,21 @@ class HostedExperts:
                 "unload experts first or place these on another group"
             )
 
-    def load(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Start holding ``pairs``; returns those that were not held before."""
+    def load(self, pairs: list[tuple[int, int]], reload: bool = False) -> list[tuple[int, int]]:
+        """Start holding ``pairs``; returns those read from disk: the ones not held before, and with
+        ``reload`` the held ones too (their statistics and fingerprints start afresh)."""
         self._check_pairs(pairs)
         with self._lock:
             added = sorted(set(pairs) - set(self.pairs()))
             self._check_budget(added)
+            read = sorted(set(pairs)) if reload else added
             changed = {}
-            for layer in sorted({layer for layer, _ in added}):
+            for layer in sorted({layer for layer, _ in read}):
                 held = set(self._layers[layer].ids) if layer in self._layers else set()
-                changed[layer] = self._build(layer, sorted(held | {e for l, e in added if l == layer}))
+                reread = {e for l, e in read if l == layer}
+                changed[layer] = self._build(layer, sorted(held | reread), reread)
             self._publish(changed)
-            return added
+            return read
 
     def unload(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Stop holding ``pairs``; returns those that were held. Their statistics go with them."""
@@ -181,7 +210,7 @@ class HostedExperts:
             changed = {}
             for layer in sorted({layer for layer, _ in removed}):
                 keep = sorted(set(self._layers[layer].ids) - {e for l, e in removed if l == layer})
-                changed[layer] = self._build(layer, keep)
+                changed[layer] = self._build(layer, keep, set())
             self._publish(changed)
             return removed
 
@@ -190,13 +219,13 @@ class HostedExperts:
         layers = {**self._layers, **changed}
         self._layers = MappingProxyType({layer: held for layer, held in layers.items() if held is not None})
 
-    def _build(self, layer: int, ids: list[int]) -> _LayerExperts | None:
-        """A new module holding exactly ``ids``: rows already held are copied, new ones read from disk.
-        Reads the published layer but changes nothing a concurrent compute may see."""
+    def _build(self, layer: int, ids: list[int], reread: set[int]) -> _LayerExperts | None:
+        """A new module holding exactly ``ids``: rows already held are copied, new ones and ``reread``
+        ones read from disk. Reads the published layer but changes nothing a concurrent compute may see."""
         if not ids:
             return None
         old = self._layers.get(layer)
-        old_row = {e: i for i, e in enumerate(old.ids)} if old is not None else {}
+        old_row = {e: i for i, e in enumerate(old.ids) if e not in reread} if old is not None else {}
         new_ids = [e for e in ids if e not in old_row]
         fresh = self.checkpoint.expert_weights(layer, new_ids, self.dtype) if new_ids else {}
         module = copy.deepcopy(self._templates[layer]).to_empty(device=self.device)
@@ -211,7 +240,9 @@ class HostedExperts:
         local_of = torch.full((self.spec.num_experts,), -1, dtype=torch.long)
         local_of[ids] = torch.arange(len(ids))
         stats = {e: old.stats[e] if e in old_row else OutputStats() for e in ids}
-        return _LayerExperts(module, tuple(ids), local_of.to(self.device), MappingProxyType(stats))
+        built = _LayerExperts(module, tuple(ids), local_of.to(self.device), MappingProxyType(stats), MappingProxyType({}))
+        prints = {e: old.fingerprints[e] if e in old_row else fingerprint(built.rows_of(e)) for e in ids}
+        return replace(built, fingerprints=MappingProxyType(prints))
 
     # -- compute -------------------------------------------------------------------------
 

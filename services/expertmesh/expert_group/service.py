@@ -6,28 +6,47 @@ INVALID_ARGUMENT or NOT_FOUND and a message naming the problem, and the server
 keeps serving everyone else. At most ``max_concurrent_dispatch`` Dispatch calls
 execute at once; one more is refused at once with RESOURCE_EXHAUSTED rather
 than queued, so a router can try another replica instead of waiting.
+LoadExperts and UnloadExperts are admin RPCs: the server's interceptor lets
+them through only with an admin identity (``expertmesh.security.admin_auth``).
 
 The servicer counts the Dispatch calls executing now per (routing-table
 version, layer, expert): a migration unloads a source only once no call of an
-older version is in flight for the expert it moves.
+older version is in flight for the expert it moves. It also keeps the group's
+busy time (``busy.BusyClock``), which the drift controller turns into a busy fraction.
+Fingerprint recomputes hosted experts' weight checksums for the health monitor,
+and LoadExperts with ``reload`` is its repair.
+
+Dispatch arrives by three transports, all computed by ``ExpertGroupServicer.compute``
+(one set of limits, counts and checks): unary Dispatch, the ExpertGroupStream
+service (``stream_service``: one gRPC stream per router, raw-bytes frames) and,
+for routers on this host, shared memory (``local_server``). ``GroupServer``
+serves all three; Transports tells a router how to reach the same-host ones.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import threading
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 import grpc
 import torch
+from opentelemetry import propagate
 
-from expertmesh import wire
+from expertmesh import shared_buffer, wire
+from expertmesh.config import AdminAuthConfig, TlsConfig
+from expertmesh.expert_group.busy import BusyClock
 from expertmesh.errors import ExpertMeshError, Overloaded
 from expertmesh.expert_group.hosted import HostedExperts
-from expertmesh.grpc_server import GrpcServer
+from expertmesh.expert_group.transport_use import TransportUse
+from expertmesh.grpc_server import GrpcServer, guarded
+from expertmesh.security import from_env
+from expertmesh.security.tls import secure_or_insecure_channel
 from expertmesh.telemetry.setup import tracer
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
@@ -43,6 +62,16 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+def group_channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
+    """A channel to the group at ``address`` (router and orchestrator alike): these message limits,
+    and mutual TLS when configured (``tls``, default the environment's), verifying the name the
+    groups' certificate is issued for (``group_server_name``) since groups are dialled by IP."""
+    tls = tls if tls is not None else from_env(TlsConfig)
+    return secure_or_insecure_channel(address, CHANNEL_OPTIONS, tls=tls, server_name=tls.group_server_name)
+
+
 #: Dispatch calls one group executes at once by default; more are refused with RESOURCE_EXHAUSTED.
 MAX_CONCURRENT_DISPATCH = 64
 
@@ -56,22 +85,6 @@ def _pairs(refs) -> list[tuple[int, int]]:
 
 def _refs(pairs) -> list[pb.ExpertRef]:
     return [pb.ExpertRef(layer=layer, expert=e) for layer, e in pairs]
-
-
-def _guard(handler):
-    """Turn ExpertMeshError into the matching gRPC status; anything else is INTERNAL, logged."""
-
-    def wrapped(self, request, context):
-        try:
-            return handler(self, request, context)
-        except ExpertMeshError as err:
-            context.abort(err.code, str(err))
-        except Exception as err:  # a bug must not take the server down
-            log.exception("%s failed", handler.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
-
-    wrapped.__name__ = handler.__name__
-    return wrapped
 
 
 def _named_experts(ids: torch.Tensor, num_experts: int) -> list[int]:
@@ -89,6 +102,12 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
         self._slots = threading.BoundedSemaphore(max_concurrent_dispatch)
         self._in_flight: Counter[InFlightKey] = Counter()
         self._in_flight_lock = threading.Lock()
+        self.busy = BusyClock()
+        self.transport_use = TransportUse()
+        #: what Transports answers; the server fills in its same-host paths once they listen
+        self.transports = pb.TransportsResponse(
+            host_id=shared_buffer.host_id(), gpu_uuid=shared_buffer.gpu_uuid(hosted.device) or ""
+        )
 
     def in_flight(self) -> dict[InFlightKey, int]:
         """Dispatch calls executing now, by (routing_table_version, layer, expert); only non-zero counts."""
@@ -110,41 +129,70 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
                     if self._in_flight[key] <= 0:
                         del self._in_flight[key]
 
-    @_guard
-    def Dispatch(self, request: pb.DispatchRequest, context) -> pb.DispatchResponse:
+    def compute(
+        self, layer: int, version: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, parent=None
+    ) -> torch.Tensor:
+        """One Dispatch, whichever transport carried it: hidden [T, H], ids [T, K], weights [T, K] ->
+        partial sums [T, H]. Takes a slot (none free: Overloaded), counts the call in flight and busy,
+        and traces it under ``parent`` (an OpenTelemetry context; None: the current one)."""
         if not self._slots.acquire(blocking=False):
             raise Overloaded(
                 f"expert group {self.group} is executing {self.max_concurrent_dispatch} Dispatch calls, its limit; "
                 "retry shortly or send to another replica"
             )
         try:
-            hidden = wire.decode(request.hidden_states, "hidden_states")
-            ids = wire.decode(request.expert_ids, "expert_ids")
-            weights = wire.decode(request.routing_weights, "routing_weights")
             experts = _named_experts(ids, self.hosted.spec.num_experts)
             tokens = hidden.shape[0] if hidden.dim() else 0
-            with self._tracking(request.routing_table_version, request.layer, experts), tracer().start_as_current_span(
+            with self._tracking(version, layer, experts), tracer().start_as_current_span(
                 "expertmesh.group.compute",
-                attributes={"expertmesh.group": self.group, "expertmesh.layer": request.layer, "expertmesh.tokens": tokens},
-            ):
-                partial = self.hosted.compute(request.layer, hidden, ids, weights)
-            return pb.DispatchResponse(partial_sums=wire.encode(partial))
+                context=parent,
+                attributes={"expertmesh.group": self.group, "expertmesh.layer": layer, "expertmesh.tokens": tokens},
+            ), self.busy.running():
+                return self.hosted.compute(layer, hidden, ids, weights)
         finally:
             self._slots.release()
 
-    @_guard
+    def answer(
+        self, frame: pb.DispatchFrame, transport: str, tensors: Callable[[], list[torch.Tensor]]
+    ) -> tuple[pb.DispatchFrame, torch.Tensor | None]:
+        """The answer to one frame of the fast paths: (frame, partial sums [T, H]), or an error frame and
+        None. ``tensors()`` reads the call's tensors (validating them). Never raises: one bad frame must
+        not end the stream or connection it came on, let alone the group."""
+        answer = pb.DispatchFrame(call_id=frame.call_id, layer=frame.layer)
+        try:
+            self.transport_use.called(transport)
+            hidden, ids, weights = tensors()
+            parent = propagate.extract(frame.trace_context) if frame.trace_context else None
+            return answer, self.compute(frame.layer, frame.routing_table_version, hidden, ids, weights, parent)
+        except ExpertMeshError as err:
+            answer.code, answer.message = err.code.value[0], str(err)
+        except Exception as err:
+            log.exception("Dispatch over %s failed", transport)
+            answer.code, answer.message = grpc.StatusCode.INTERNAL.value[0], f"{type(err).__name__}: {err}"
+        return answer, None
+
+    @guarded
+    def Dispatch(self, request: pb.DispatchRequest, context) -> pb.DispatchResponse:
+        self.transport_use.called("grpc-unary")
+        hidden = wire.decode(request.hidden_states, "hidden_states")
+        ids = wire.decode(request.expert_ids, "expert_ids")
+        weights = wire.decode(request.routing_weights, "routing_weights")
+        partial = self.compute(request.layer, request.routing_table_version, hidden, ids, weights)
+        return pb.DispatchResponse(partial_sums=wire.encode(partial))
+
+    @guarded
     def LoadExperts(self, request: pb.LoadExpertsRequest, context) -> pb.LoadExpertsResponse:
-        loaded = self.hosted.load(_pairs(request.experts))
-        log.info("group %s loaded %d experts", self.group, len(loaded))
+        loaded = self.hosted.load(_pairs(request.experts), reload=request.reload)
+        log.info("group %s %s %d experts", self.group, "reloaded" if request.reload else "loaded", len(loaded))
         return pb.LoadExpertsResponse(loaded=_refs(loaded), weight_bytes=self.hosted.weight_bytes())
 
-    @_guard
+    @guarded
     def UnloadExperts(self, request: pb.UnloadExpertsRequest, context) -> pb.UnloadExpertsResponse:
         unloaded = self.hosted.unload(_pairs(request.experts))
         log.info("group %s unloaded %d experts", self.group, len(unloaded))
         return pb.UnloadExpertsResponse(unloaded=_refs(unloaded), weight_bytes=self.hosted.weight_bytes())
 
-    @_guard
+    @guarded
     def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
         return pb.DescribeResponse(
             group=self.group,
@@ -172,7 +220,98 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
                 )
                 for layer, expert, stats in self.hosted.expert_stats()
             ],
+            busy_seconds=self.busy.seconds(),
+            transports=self.transport_use.report(),
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
         )
+
+    @guarded
+    def Fingerprint(self, request: pb.FingerprintRequest, context) -> pb.FingerprintResponse:
+        pairs = _pairs(request.experts) or None
+        return pb.FingerprintResponse(
+            fingerprints=[
+                pb.ExpertFingerprint(layer=layer, expert=expert, loaded=loaded, current=current)
+                for layer, expert, loaded, current in self.hosted.fingerprints(pairs)
+            ]
+        )
+
+    @guarded
+    def Transports(self, request: pb.TransportsRequest, context) -> pb.TransportsResponse:
+        return self.transports
+
+
+#: gRPC streams (one per router) a group serves at once; each holds a server thread while open.
+MAX_STREAMS = 32
+
+
+class GroupServer(GrpcServer):
+    """An expert group's gRPC server with every Dispatch path: unary, the stream service and, unless
+    ``same_host`` is off, for routers on this host a unix socket of this same gRPC server and the
+    shared-memory socket (their files live in ``local_server.runtime_dir()`` and go at stop).
+
+    The thread pool has one thread per Dispatch slot and per stream plus ``workers`` more, so a full
+    set of Dispatch calls neither blocks Describe, LoadExperts and health checks nor delays the
+    refusal of one call too many. With TLS (``tls``, default the environment's) the server requires
+    client certificates: only routers and the orchestrator call groups. LoadExperts and UnloadExperts
+    need an admin identity (``admin``; see expertmesh.security).
+    """
+
+    def __init__(
+        self,
+        servicer: ExpertGroupServicer,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        workers: int = 4,
+        *,
+        tls: TlsConfig | None = None,
+        admin: AdminAuthConfig | None = None,
+        same_host: bool = True,
+    ):
+        from expertmesh.expert_group.local_server import LocalServer, runtime_dir
+        from expertmesh.expert_group.stream_service import STREAM_SERVICE_NAME, add_stream_service
+
+        super().__init__(
+            "expert-group",
+            host,
+            port,
+            servicer.max_concurrent_dispatch + MAX_STREAMS + workers,
+            options=CHANNEL_OPTIONS,
+            tls=tls,
+            admin=admin,
+            require_client_cert=True,
+        )
+        self.servicer = servicer
+        self._services = (SERVICE_NAME, STREAM_SERVICE_NAME)
+        pb_grpc.add_ExpertGroupServicer_to_server(servicer, self.server)
+        add_stream_service(self.server, servicer, MAX_STREAMS)
+        self.local: LocalServer | None = None
+        self._unix_path: Path | None = None
+        if not same_host:
+            return
+        try:
+            directory = runtime_dir()
+            unix_path = directory / f"{os.getpid()}-{os.urandom(4).hex()}-grpc.sock"
+            servicer.transports.grpc_unix_address = self.add_unix_port(str(unix_path))
+            self._unix_path = unix_path
+            self.local = LocalServer(servicer, directory)
+        except OSError as err:
+            log.warning("expert group %s serves no same-host paths (gRPC over TCP only): %s", servicer.group, err)
+            return
+        servicer.transports.shm_socket = str(self.local.path)
+        servicer.transports.shm_token = self.local.token
+
+    def start(self, services: tuple[str, ...] = ()) -> "GroupServer":
+        if self.local is not None:
+            self.local.start()
+        super().start((*self._services, *services))
+        return self
+
+    def stop(self, grace: float = 2.0) -> None:
+        super().stop(grace)
+        if self.local is not None:
+            self.local.stop()
+        if self._unix_path is not None:
+            self._unix_path.unlink(missing_ok=True)
 
 
 def start_server(
@@ -182,15 +321,10 @@ def start_server(
     port: int = 0,
     workers: int = 4,
     max_concurrent_dispatch: int = MAX_CONCURRENT_DISPATCH,
-):
-    """Start the gRPC server; returns (server, bound port).
-
-    The thread pool has one thread per Dispatch slot plus ``workers`` more, so a full
-    set of Dispatch calls neither blocks Describe, LoadExperts and health checks nor
-    delays the refusal of one call too many.
-    """
+    tls: TlsConfig | None = None,
+    admin: AdminAuthConfig | None = None,
+) -> tuple[GroupServer, int]:
+    """Serve ``hosted`` as group ``group`` (see GroupServer); returns (server, bound TCP port)."""
     servicer = ExpertGroupServicer(group, hosted, max_concurrent_dispatch)
-    server = GrpcServer("expert-group", host, port, max_concurrent_dispatch + workers, options=CHANNEL_OPTIONS)
-    pb_grpc.add_ExpertGroupServicer_to_server(servicer, server.server)
-    server.start((SERVICE_NAME,))
+    server = GroupServer(servicer, host, port, workers, tls=tls, admin=admin).start()
     return server, server.port

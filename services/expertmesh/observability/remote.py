@@ -21,6 +21,7 @@ import numpy as np
 
 from expertmesh.errors import ExpertMeshError, GroupUnavailable, InvalidRequest
 from expertmesh.observability.sparsity import ModelShape
+from expertmesh.security.tls import secure_or_insecure_channel
 from expertmesh.v1 import inference_pb2 as pb
 from expertmesh.v1 import inference_pb2_grpc as pb_grpc
 
@@ -97,7 +98,7 @@ class Router:
     def __init__(self, target: str, timeout: float = 30.0):
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target)
+        self._channel = secure_or_insecure_channel(target)
         self._stub = pb_grpc.InferenceStub(self._channel)
 
     def close(self) -> None:

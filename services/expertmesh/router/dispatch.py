@@ -7,7 +7,8 @@ experts); only the routed-experts call lands here. Dispatch has three parts:
    validated (no expert left unhosted) and swapped in with one assignment;
 2. ``dispatch_plan.plan_layer``: pure, which tokens with which masked expert ids
    and weights go to which group (replicated experts split by share);
-3. ``transport.Transport``: carries one request to one group.
+3. ``transport.Transport``: carries one request to one group (shared memory for
+   a group on this host, a gRPC stream otherwise; see ``router.transport``).
 
 Above the transport sit replica choice, retries and checks: every response is
 checked (shape, dtype, finite values) before it is summed; a group that fails or
@@ -20,9 +21,10 @@ a forward pre-hook on the whole model, or once per step by the serving engine).
 A store that cannot be reached, or a table that leaves experts unhosted, keeps
 the last good view in use.
 
-Under continuous batching a thread may be ``gathering`` into a StepGather: its
-experts calls then meet those of the other sequences of the step and go out as
-one dispatch per layer.
+The serving engine runs each step as one packed forward of all its sequences,
+inside ``serving_step``: each MoE layer is then one dispatch of every token of
+the step, carrying their positions (load statistics) and trace links to the
+step's other requests.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import grpc
 import torch
@@ -42,23 +44,26 @@ from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from expertmesh import wire
-from expertmesh.errors import BadGroupResponse, ExpertMeshError, GroupUnavailable, UnhostedExperts
+from expertmesh.errors import BadGroupResponse, DeadlineExceeded, ExpertMeshError, GroupUnavailable, UnhostedExperts
 from expertmesh.router.circuit import CircuitBreakers
 from expertmesh.router.dispatch_plan import GroupCall, NoHealthyReplica, plan_layer, restrict_to
+from expertmesh.router.gate_hook import GateBias, masked
 from expertmesh.router.load_window import LoadWindow
 from expertmesh.router.routing_view import RoutingView
-from expertmesh.router.step_gather import StepGather
 from expertmesh.router.traffic import TrafficCounters
-from expertmesh.router.transport import GrpcTransport, PendingCall, Transport, TransportError
+from expertmesh.router.transport import GroupReply, GroupRequest, PendingCall, Transport, TransportError
+from expertmesh.router.transport import build as build_transport
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore
 from expertmesh.telemetry.setup import meter, tracer
-from expertmesh.v1 import experts_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 IMPLEMENTATION = "expertmesh"
+
+#: Serving an expert whose every replica is quarantined: ``next_best`` makes the gate pick the next-best
+#: expert in its slot; ``renormalise`` drops the slot and scales the token's other experts up.
+Fallback = Literal["next_best", "renormalise"]
 
 
 @dataclass
@@ -67,11 +72,12 @@ class _InFlight:
 
     call: GroupCall
     group: str
-    request: pb.DispatchRequest
+    request: GroupRequest
     pending: PendingCall | None  # None: the transport refused to start it
     error: TransportError | None
     span: trace.Span
     sent_at: float
+    timeout_s: float
     received: int = 0  # response bytes
 
 
@@ -96,6 +102,7 @@ class ExpertDispatcher:
         transport: Transport | None = None,
         on_switch: Callable[[int], None] | None = None,
         breakers: CircuitBreakers | None = None,
+        fallback: Fallback = "next_best",
     ):
         self._store = store
         self._moe_layers = tuple(moe_layers)
@@ -103,8 +110,17 @@ class ExpertDispatcher:
         self._resolve_endpoints = resolve_endpoints or store.endpoints
         self.load_window = load_window
         self._timeout = timeout_s
-        self._transport = transport or GrpcTransport()
+        self._transport = transport or build_transport("auto")
         self.breakers = breakers or CircuitBreakers()
+        #: how tokens of an expert whose every replica is quarantined are served (see ``Fallback``)
+        self.fallback = fallback
+        #: biases the gates' scores; set by the router's model builder (None: a bare dispatcher)
+        self.gate_bias: GateBias | None = None
+        self._quarantined: frozenset[tuple[int, int, str]] = frozenset()
+        self._degraded = meter().create_counter(
+            "expertmesh.tokens.degraded",
+            description="tokens that chose an expert whose every replica is quarantined (served by the fallback)",
+        )
         #: called with the new version after every table switch (the router's heartbeat)
         self._on_switch = on_switch
         self._refresh_lock = threading.Lock()
@@ -113,6 +129,9 @@ class ExpertDispatcher:
         self._store_errors = 0
         #: time.monotonic() of the latest layer dispatch: the heartbeat refreshes an idle router itself
         self.last_dispatch = 0.0
+        #: time.monotonic() after which no request of the current step wants its tokens (None: no deadline);
+        #: the serving engine sets it at every step boundary
+        self.step_deadline: float | None = None
         self._in_flight: Counter[str] = Counter()
         self._call_seconds = meter().create_histogram(
             "expertmesh.group.call.duration", unit="s", description="expert-group Dispatch round trip, by group"
@@ -126,23 +145,20 @@ class ExpertDispatcher:
         return view.table if view is not None else None
 
     @contextmanager
-    def gathering(self, gather: StepGather, positions: torch.Tensor | None = None) -> Iterator[None]:
-        """Within this block, this thread's experts calls join ``gather``; it leaves at the end.
-
-        ``positions`` [n]: the sequence positions of this forward's tokens, for the load statistics.
-        """
-        self._local.gather = gather
-        self._local.positions = positions
+    def serving_step(self, positions: torch.Tensor, links: Sequence[SpanContext] = ()) -> Iterator[None]:
+        """Within this block, this thread's forward is one step of the serving engine, which has
+        refreshed the routing table for it. Each MoE layer's dispatch carries ``positions`` [T] (the
+        sequence position of each of the forward's T tokens, for the load statistics) and ``links``
+        (the trace contexts of the step's other requests)."""
+        self._local.step = (positions, tuple(links))
         try:
             yield
         finally:
-            self._local.gather = None
-            self._local.positions = None
-            gather.leave()
+            self._local.step = None
 
     def on_forward(self) -> None:
         """Forward pre-hook: a new step, unless the serving engine already refreshed for this one."""
-        if getattr(self._local, "gather", None) is None:
+        if getattr(self._local, "step", None) is None:
             self.refresh()
 
     # -- the routing view ----------------------------------------------------------------
@@ -170,35 +186,61 @@ class ExpertDispatcher:
                     log.warning("state store unreachable; serving on routing table version %d: %s", current.version, err)
                 return
             self._store_errors = 0
-            if table is None:
+            if table is None:  # with a view in use, version 0 (a flushed store) returned above: serve on
                 raise GroupUnavailable("no routing table in the state store; start the expert groups first")
+            if current is not None and table.version < current.version:
+                log.warning(
+                    "routing table version went back from %d to %d: the state store was reset", current.version, table.version
+                )
             try:
-                view = RoutingView.build(table, self._moe_layers)
+                view = RoutingView.build(table, self._moe_layers, self._quarantined)
             except UnhostedExperts as err:
                 self._rejected_version = table.version
                 if current is None:
                     raise
                 log.error("refused %s; still serving version %d", err, current.version)
                 return
-            self._transport.update({g: a for g, a in endpoints.items() if g in view.groups})
-            self.view = view
+            # A group not (yet again) listed in the store keeps the address we know: a flushed store heals
+            # as groups re-register, and its calls go on meanwhile.
+            known = {g: self._transport.address(g) for g in view.groups}
+            self._transport.update({g: a for g in view.groups if (a := endpoints.get(g) or known[g])})
+            self._use(view)
         log.info("routing table version %d: %d groups", view.version, len(view.groups))
         if self._on_switch is not None:
             self._on_switch(view.version)
+
+    def refresh_quarantine(self) -> None:
+        """Take the health monitor's quarantined replicas into the view when they changed (the
+        heartbeat calls this every interval: a quarantine need not wait for a new table version)."""
+        quarantined = frozenset(self._store.quarantined())
+        with self._refresh_lock:
+            if quarantined == self._quarantined:
+                return
+            self._quarantined = quarantined
+            if self.view is None:
+                return
+            view = RoutingView.build(self.view.table, self._moe_layers, quarantined)
+            self._use(view)
+        log.warning(
+            "quarantined replicas now %s; experts served by the %s fallback: %s",
+            sorted(quarantined) or "none", self.fallback, {layer: sorted(e) for layer, e in view.fallback.items()} or "none",
+        )
+
+    def _use(self, view: RoutingView) -> None:
+        """Swap ``view`` in; the gates stop choosing its fallback experts (next-best fallback)."""
+        if self.gate_bias is not None and self.fallback == "next_best":
+            self.gate_bias.set({layer: masked(view.num_experts, experts) for layer, experts in view.fallback.items()})
+        self.view = view
 
     # -- one layer -------------------------------------------------------------------------
 
     def experts(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """The experts call of one MoE layer: gathered with the step's other sequences, or sent now."""
-        with tracer().start_as_current_span("expertmesh.moe_layer", attributes={"expertmesh.layer": layer}) as span:
-            gather = getattr(self._local, "gather", None)
-            if gather is not None:
-                return gather.experts(
-                    layer, hidden, top_k_index, top_k_weights, self._local.positions, span.get_span_context()
-                )
-            return self.dispatch(layer, hidden, top_k_index, top_k_weights)
+        """The experts call of one MoE layer, with the serving step's positions and links when in one."""
+        with tracer().start_as_current_span("expertmesh.moe_layer", attributes={"expertmesh.layer": layer}):
+            positions, links = getattr(self._local, "step", None) or (None, ())
+            return self.dispatch(layer, hidden, top_k_index, top_k_weights, positions, links)
 
     def dispatch(
         self,
@@ -227,9 +269,12 @@ class ExpertDispatcher:
         weights_cpu = top_k_weights.detach().to("cpu")  # [T, K]
         hidden_cpu = hidden.detach().to("cpu")  # [T, H]
         links = [Link(c) for c in links if c.is_valid]
+        if layer in view.fallback:
+            weights_cpu = self._route_around(view, layer, index, weights_cpu)
 
         calls = self._plan(view, layer, index, weights_cpu)
-        flights = [self._send(view, layer, hidden_cpu, call, links) for call in calls]
+        timeout = self._call_timeout(layer)
+        flights = [self._send(view, layer, hidden_cpu, call, links, timeout) for call in calls]
         out = torch.zeros_like(hidden_cpu)  # [T, H]
         failed: list[_GroupFailed] = []
         for flight in flights:
@@ -238,14 +283,14 @@ class ExpertDispatcher:
             except _GroupFailed as failure:
                 failed.append(failure)
         if failed:
-            flights += self._fail_over(view, layer, hidden_cpu, index.shape[0], failed, links, out)
+            flights += self._fail_over(view, layer, hidden_cpu, index.shape[0], failed, links, out, timeout)
         self.traffic.record(
             layer,
             calls=1,
             tokens=index.shape[0],
             group_calls=len(flights),
             token_group_pairs=sum(f.call.tokens.numel() for f in flights),
-            bytes_sent=sum(f.request.ByteSize() for f in flights),
+            bytes_sent=sum(f.request.nbytes for f in flights),
             bytes_received=sum(f.received for f in flights),
             seconds=time.perf_counter() - started,
         )
@@ -254,6 +299,27 @@ class ExpertDispatcher:
             group_tokens[f.group] += f.call.tokens.numel()
         self.traffic.record_groups(layer, group_tokens)
         return out.to(hidden.device)
+
+    def _route_around(
+        self, view: RoutingView, layer: int, index: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Weights [T, K] for a layer with fallback experts, whose slots the plan drops.
+
+        next_best: the gate already chose another expert in their place; a slot left on one (a
+        sigmoid gate's weight-0 pick) adds nothing. renormalise: the token's other experts are scaled
+        up to the weight it gave all its experts.
+        """
+        fell = torch.isin(index, torch.tensor(sorted(view.fallback[layer])))  # [T, K]
+        hit = fell & (weights != 0)
+        tokens = int(hit.any(dim=1).sum())
+        if tokens:
+            self._degraded.add(tokens, {"layer": layer, "fallback": self.fallback})
+            trace.get_current_span().set_attribute("expertmesh.degraded_tokens", tokens)
+        if self.fallback != "renormalise":
+            return weights
+        kept = torch.where(fell, 0, weights)
+        total, left = weights.sum(dim=1, keepdim=True), kept.sum(dim=1, keepdim=True)  # [T, 1]
+        return torch.where(left != 0, kept * (total / left), kept)
 
     def _plan(self, view: RoutingView, layer: int, index: torch.Tensor, weights: torch.Tensor) -> list[GroupCall]:
         """The layer's calls, around groups whose breaker is open when their experts have other replicas."""
@@ -266,20 +332,24 @@ class ExpertDispatcher:
                 pass  # a broken group is still better than none: try it
         return plan_layer(view, layer, index, weights, in_flight)
 
+    def _call_timeout(self, layer: int) -> float:
+        """The group calls' deadline: the configured one, or less when the step's requests expire sooner."""
+        if self.step_deadline is None:
+            return self._timeout
+        left = self.step_deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"every request of this step passed its deadline before MoE layer {layer}")
+        return min(self._timeout, left)
+
     def _in_flight_by_index(self, view: RoutingView) -> list[int]:
         return [self._in_flight[g] for g in view.groups]
 
     def _send(
-        self, view: RoutingView, layer: int, hidden: torch.Tensor, call: GroupCall, links: list[Link]
+        self, view: RoutingView, layer: int, hidden: torch.Tensor, call: GroupCall, links: list[Link], timeout_s: float
     ) -> _InFlight:
         group = view.groups[call.group]
-        request = pb.DispatchRequest(
-            layer=layer,
-            hidden_states=wire.encode(hidden[call.tokens]),  # [Tg, H]
-            expert_ids=wire.encode(call.expert_ids),  # [Tg, K]
-            routing_weights=wire.encode(call.weights),  # [Tg, K]
-            routing_table_version=view.version,
-        )
+        # hidden [T, H]: the transport gathers the group's rows itself (into shared memory, where it can)
+        request = GroupRequest(layer, view.version, hidden, call.tokens, call.expert_ids, call.weights)
         span = tracer().start_span(
             "expertmesh.group_call",
             links=links,
@@ -287,7 +357,7 @@ class ExpertDispatcher:
                 "expertmesh.layer": layer,
                 "expertmesh.group": group,
                 "expertmesh.tokens": call.tokens.numel(),
-                "expertmesh.bytes_sent": request.ByteSize(),
+                "expertmesh.bytes_sent": request.nbytes,
             },
         )
         if span.is_recording():
@@ -295,11 +365,11 @@ class ExpertDispatcher:
         pending, error = None, None
         with trace.use_span(span, end_on_exit=False):  # the gRPC client span nests under it
             try:
-                pending = self._transport.send(group, request, self._timeout)
+                pending = self._transport.send(group, request, timeout_s)
             except TransportError as err:
                 error = err
         self._in_flight[group] += 1
-        return _InFlight(call, group, request, pending, error, span, time.perf_counter())
+        return _InFlight(call, group, request, pending, error, span, time.perf_counter(), timeout_s)
 
     def _collect(self, layer: int, hidden: torch.Tensor, flight: _InFlight) -> torch.Tensor:
         """The checked [Tg, H] partial sums of one call; raises _GroupFailed."""
@@ -307,18 +377,23 @@ class ExpertDispatcher:
         try:
             if flight.error is not None:
                 raise flight.error
-            response = flight.pending.result()
-            flight.received = response.ByteSize()
+            reply = flight.pending.result()
+            flight.received = reply.nbytes
             span.set_attribute("expertmesh.bytes_received", flight.received)
-            partial = self._checked(layer, group, response, flight.call.tokens.numel(), hidden)
+            partial = self._checked(layer, group, reply, flight.call.tokens.numel(), hidden)
             self.breakers.success(group)
             return partial
         except TransportError as err:
             self.breakers.failure(group)
             span.set_status(Status(StatusCode.ERROR, err.code.name))
-            error = GroupUnavailable(
-                f"expert group {group} at {self._transport.address(group)} failed layer {layer}: {err}"
-            )
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and flight.timeout_s < self._timeout:
+                error: ExpertMeshError = DeadlineExceeded(
+                    f"expert group {group} did not answer layer {layer} before the step's requests expired"
+                )
+            else:
+                error = GroupUnavailable(
+                    f"expert group {group} at {self._transport.address(group)} failed layer {layer}: {err}"
+                )
             raise _GroupFailed(flight, error, retryable=err.code == grpc.StatusCode.UNAVAILABLE) from None
         except BadGroupResponse as err:
             self.breakers.failure(group)
@@ -327,18 +402,18 @@ class ExpertDispatcher:
         finally:
             self._in_flight[group] -= 1
             span.end()
-            self._call_seconds.record(time.perf_counter() - flight.sent_at, {"group": group})
+            transport = flight.pending.transport if flight.pending is not None else self._transport.kind(group)
+            self._call_seconds.record(time.perf_counter() - flight.sent_at, {"group": group, "transport": transport})
 
     @staticmethod
     def _checked(
-        layer: int, group: str, response: pb.DispatchResponse, rows: int, hidden: torch.Tensor
+        layer: int, group: str, reply: GroupReply, rows: int, hidden: torch.Tensor
     ) -> torch.Tensor:
         """Partial sums the router may add: [rows, H], the hidden states' dtype, finite. Else BadGroupResponse."""
         what = f"expert group {group} answered layer {layer} with"
-        try:
-            partial = wire.decode(response.partial_sums, "partial sums")
-        except ExpertMeshError as err:
-            raise BadGroupResponse(f"{what} an undecodable tensor: {err}") from None
+        if reply.partial is None:
+            raise BadGroupResponse(f"{what} an undecodable tensor: {reply.problem}")
+        partial = reply.partial
         expected = (rows, hidden.shape[1])
         if tuple(partial.shape) != expected:
             raise BadGroupResponse(f"{what} partial sums of shape {list(partial.shape)}, expected {list(expected)}")
@@ -357,6 +432,7 @@ class ExpertDispatcher:
         failed: list[_GroupFailed],
         links: list[Link],
         out: torch.Tensor,
+        timeout_s: float,
     ) -> list[_InFlight]:
         """Re-plan the failed calls' slots onto other replicas, within this step; adds into ``out``.
 
@@ -375,7 +451,7 @@ class ExpertDispatcher:
                     raise failure.error from None
                 out.index_add_(0, failure.flight.call.tokens, self._resend(layer, hidden, failure))
                 continue
-            retries = [self._send(view, layer, hidden, call, links) for call in calls]
+            retries = [self._send(view, layer, hidden, call, links, timeout_s) for call in calls]
             for flight in retries:
                 try:
                     out.index_add_(0, flight.call.tokens, self._collect(layer, hidden, flight))
@@ -391,10 +467,10 @@ class ExpertDispatcher:
         delay = 0.1
         while True:
             self._transport.update(self._resolve_endpoints())
-            left = self._timeout - (time.perf_counter() - flight.sent_at)
+            left = flight.timeout_s - (time.perf_counter() - flight.sent_at)
             try:
-                response = self._transport.send(group, flight.request, max(left, 0.001)).result()
-                return self._checked(layer, group, response, flight.call.tokens.numel(), hidden)
+                reply = self._transport.send(group, flight.request, max(left, 0.001)).result()
+                return self._checked(layer, group, reply, flight.call.tokens.numel(), hidden)
             except TransportError as err:
                 if err.code != grpc.StatusCode.UNAVAILABLE or left <= delay:
                     raise GroupUnavailable(
@@ -402,6 +478,11 @@ class ExpertDispatcher:
                     ) from None
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    def transports(self) -> dict[str, str]:
+        """What carries this router's calls to each group now ("" before its first call)."""
+        view = self.view
+        return {group: self._transport.kind(group) for group in (view.groups if view else ())}
 
     def queue_depths(self) -> dict[str, int]:
         """Dispatch calls in flight from this router, by group."""

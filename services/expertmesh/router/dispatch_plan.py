@@ -52,8 +52,8 @@ def plan_layer(
     """
     num_experts = view.num_experts
     valid = index < num_experts  # [T, K]
-    owner = torch.where(valid, view.primary[layer][index.clamp(max=num_experts - 1)], -1)  # [T, K]
-    present = torch.unique(index[valid]).tolist()
+    owner = torch.where(valid, view.primary[layer][index.clamp(max=num_experts - 1)], -1)  # [T, K]; -1: fallback experts
+    present = [e for e in torch.unique(index[valid]).tolist() if view.holders[(layer, e)]]
     splits = {r.expert: (r.groups, r.shares) for r in view.replicated.get(layer, ())}
     if avoid:
         for expert in present:

@@ -4,7 +4,9 @@ A migration unloads an expert from its old group only once every live router
 serves a table without that replica, so each router reports its version on every
 switch and every ``interval_s``. An idle router takes no steps, so it would never
 switch; the heartbeat refreshes it itself when it has not dispatched for a
-whole interval (its next step would have switched anyway). Races with a step
+whole interval (its next step would have switched anyway). Each beat also picks
+up the health monitor's quarantined replicas, which change without a new table
+version. Races with a step
 that starts meanwhile are harmless: a view is swapped in one assignment, and
 migrations keep both replicas serving until every router has acknowledged.
 """
@@ -48,6 +50,7 @@ class Heartbeat:
             try:
                 if time.monotonic() - dispatcher.last_dispatch > self._interval:
                     dispatcher.refresh()
+                dispatcher.refresh_quarantine()
                 if dispatcher.view is not None:
                     self.beat(dispatcher.view.version)
             except Exception:  # the heartbeat must outlive any one failure; the next round retries

@@ -14,6 +14,7 @@ from torch import nn
 from expertmesh.checkpoint import Checkpoint, experts_modules
 from expertmesh.errors import CheckpointError
 from expertmesh.router.dispatch import IMPLEMENTATION, ExpertDispatcher
+from expertmesh.router.gate_hook import GateBias
 
 
 def build_router_model(checkpoint: Checkpoint, dispatcher: ExpertDispatcher, dtype: torch.dtype) -> nn.Module:
@@ -44,4 +45,5 @@ def build_router_model(checkpoint: Checkpoint, dispatcher: ExpertDispatcher, dty
     model.requires_grad_(False)
     model.eval()
     model.register_forward_pre_hook(lambda *_: dispatcher.on_forward())
+    dispatcher.gate_bias = GateBias(model)
     return model

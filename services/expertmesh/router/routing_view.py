@@ -13,6 +13,12 @@ Glossary
 A table that leaves any (MoE layer, expert) of the model without a replica is
 refused (``UnhostedExperts``): its tokens would be dropped silently, a wrong
 answer with status OK. The router then keeps serving its last good view.
+
+Quarantined replicas (the health monitor's, in the state store) are left out of
+the view. An expert whose every listed replica is quarantined is a *fallback*
+expert: no group gets its tokens (its primary is -1), and the router routes
+around it (``router.gate_hook``: the gate picks the next-best expert instead, or
+the token's other experts are renormalised).
 """
 
 from __future__ import annotations
@@ -45,9 +51,18 @@ class RoutingView:
     replicated: dict[int, tuple[Replicated, ...]]
     #: (layer, expert) -> every group index holding it
     holders: dict[tuple[int, int], tuple[int, ...]]
+    #: layer -> experts whose every replica is quarantined (their tokens go nowhere)
+    fallback: dict[int, frozenset[int]]
+    #: the quarantined (layer, expert, group) replicas this view leaves out
+    quarantined: frozenset[tuple[int, int, str]] = frozenset()
 
     @classmethod
-    def build(cls, table: RoutingTable, moe_layers: Sequence[int]) -> "RoutingView":
+    def build(
+        cls,
+        table: RoutingTable,
+        moe_layers: Sequence[int],
+        quarantined: frozenset[tuple[int, int, str]] = frozenset(),
+    ) -> "RoutingView":
         """Raises UnhostedExperts when ``table`` misses a pair of ``moe_layers`` x experts."""
         missing = [
             (layer, e) for layer in moe_layers for e in range(table.num_experts) if not table.replicas.get((layer, e))
@@ -64,19 +79,27 @@ class RoutingView:
         primary: dict[int, torch.Tensor] = {}
         replicated: dict[int, list[Replicated]] = {}
         holders: dict[tuple[int, int], tuple[int, ...]] = {}
+        fallback: dict[int, set[int]] = {}
         for (layer, expert), names in sorted(table.replicas.items()):
             row = primary.setdefault(layer, torch.full((table.num_experts,), -1, dtype=torch.long))
-            ids = tuple(index[g] for g in names)
-            row[expert] = ids[0]
+            shares = table.shares_of((layer, expert))
+            kept = [(index[g], s) for g, s in zip(names, shares) if (layer, expert, g) not in quarantined]
+            ids = tuple(g for g, _ in kept)
             holders[(layer, expert)] = ids
+            if not ids:
+                fallback.setdefault(layer, set()).add(expert)
+                continue
+            row[expert] = ids[0]
             if len(ids) > 1:
-                replicated.setdefault(layer, []).append(Replicated(expert, ids, table.shares_of((layer, expert))))
+                replicated.setdefault(layer, []).append(Replicated(expert, ids, tuple(s for _, s in kept)))
         return cls(
             table=table,
             groups=groups,
             primary=primary,
             replicated={layer: tuple(r) for layer, r in replicated.items()},
             holders=holders,
+            fallback={layer: frozenset(e) for layer, e in fallback.items()},
+            quarantined=frozenset(q for q in quarantined if q[:2] in table.replicas),
         )
 
     @property

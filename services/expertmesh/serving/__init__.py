@@ -2,8 +2,11 @@
 
 - ``sampling``: per-request token choice (greedy, temperature, top-k, top-p, seed).
 - ``text_stream``: incremental detokenisation with stop sequences.
-- ``engine``: continuous batching — every decode step runs all active
-  sequences together, so each MoE layer's dispatch carries all their tokens.
+- ``engine``: continuous batching — one forward per step for every active
+  sequence, so each MoE layer's dispatch carries all their tokens.
+- ``schedule``: how many tokens each sequence feeds a step (chunked prefill).
+- ``forward``: the packed forward of a step (and the per-sequence fallback).
+- ``kv_cache``: the per-sequence KV cache the packed forward writes to.
 - ``service``: the gRPC servicer (validation, flow control, deadlines, cancellation).
 - ``up``: ``expertmesh up``, the whole platform in one command.
 """

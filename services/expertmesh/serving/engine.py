@@ -3,16 +3,25 @@
 Glossary
 - *sequence*: one request being served: its prompt, its KV cache, its sampler,
   the tokens generated so far and a queue of events for the caller.
-- *step*: one forward pass of every active sequence (prefill for those just
-  admitted, one token for the rest), with one expert dispatch per MoE layer
-  carrying all their tokens (see ``router.step_gather``).
+- *step*: one forward pass for every active sequence at once: a chunk of its
+  prompt for each sequence still reading one, one token for each of the rest
+  (``serving.schedule``), side by side in a single packed forward
+  (``serving.forward``). Each MoE layer therefore calls the experts function,
+  and so dispatches to the expert groups, once per step with all their tokens,
+  from the engine's one thread.
 - *step boundary*: between steps. Queued sequences join, finished, cancelled
   and expired ones leave, and the routing table may switch version, only here.
 
-Each sequence keeps its own ``DynamicCache`` and runs its own forward (in a
-worker thread), so its attention is exactly what it would be alone; only the
-MoE dispatch is shared. Greedy output is therefore the same as serving the
-request by itself.
+The packed attention mask lets each query see only its own sequence's past,
+and every other layer works row by row, so a sequence's tokens are what they
+would be if it were served alone (greedy output is token-identical; checked on
+every architecture we verify). Sampling is the engine's own, per sequence, with
+its own seeded generator.
+
+A step that fails (its forward raised: an expert group down, a deadline passed
+in a dispatch) fails the requests that were in it, each with the error's gRPC
+code; a request whose own logits or sampling fail fails alone. The engine goes
+on with the next step either way.
 """
 
 from __future__ import annotations
@@ -22,7 +31,6 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Union
@@ -30,12 +38,15 @@ from typing import Iterator, Union
 import grpc
 import torch
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 from transformers import DynamicCache
 
 from expertmesh.errors import ExpertMeshError, Overloaded, ShuttingDown
 from expertmesh.router.dispatch import ExpertDispatcher
-from expertmesh.router.step_gather import StepGather
+from expertmesh.serving.forward import Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
+from expertmesh.serving.kv_cache import SequenceKV
 from expertmesh.serving.sampling import SamplingParams, make_generator, next_token, require_finite
+from expertmesh.serving.schedule import step_tokens
 from expertmesh.serving.text_stream import TextStream
 from expertmesh.telemetry.setup import tracer
 
@@ -91,9 +102,13 @@ class Sequence:
     events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)
-    cache: DynamicCache | None = None
+    #: its past: a SequenceKV under the packed step, a DynamicCache under the per-sequence one
+    cache: SequenceKV | DynamicCache | None = None
+    #: tokens of prompt + generated already in the cache (the position of the next one to feed)
+    fed: int = 0
+    #: Score: the prompt's logits so far, one [rows, V] tensor per chunk
+    score_logits: list[torch.Tensor] = field(default_factory=list)
     generator: torch.Generator | None = None
-    next_input: list[int] = field(default_factory=list)
     done: bool = False
     #: the caller's trace context: this sequence's step spans belong to its request's trace
     trace_context: otel_context.Context | None = None
@@ -110,20 +125,53 @@ class Sequence:
             if isinstance(event, _FINAL):
                 return
 
+    @property
+    def pending(self) -> int:
+        """Tokens not fed yet: the rest of the prompt, or the newest generated token."""
+        return len(self.request.prompt_ids) + len(self.generated) - self.fed
+
+    @property
+    def decoding(self) -> bool:
+        return self.fed >= len(self.request.prompt_ids)
+
 
 @dataclass(frozen=True)
 class EngineLimits:
     max_active: int = 32
     max_queued: int = 128
+    #: tokens one step feeds at most, decoding sequences' tokens first; prompts beyond it are chunked
+    max_step_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How the engine runs a step (reported by ListModels)."""
+
+    packed: bool  # one forward for all sequences; else the per-sequence fallback
+    note: str = ""  # why the fallback, when it is used
 
 
 class Engine:
-    def __init__(self, model, tokenizer, dispatcher: ExpertDispatcher, limits: EngineLimits, max_context: int):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        dispatcher: ExpertDispatcher,
+        limits: EngineLimits,
+        max_context: int,
+        packed: bool = True,
+    ):
+        """``packed=False`` runs the per-sequence fallback even for a model the packed step can take."""
         self._model = model
         self._tokenizer = tokenizer
         self._dispatcher = dispatcher
         self.limits = limits
         self.max_context = max_context
+        self._mask_spec = MaskSpec.of(model)
+        unsupported = self._mask_spec.unsupported() if packed else "the packed step is switched off"
+        self.batching = Batching(packed=unsupported is None, note=unsupported or "")
+        if unsupported is not None:
+            log.warning("%s serves one forward per sequence: %s", type(model).__name__, unsupported)
         eos = model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self._cond = threading.Condition()
@@ -131,7 +179,6 @@ class Engine:
         self._active: list[Sequence] = []
         self._accepting = True
         self._stopping = False
-        self._pool = ThreadPoolExecutor(max_workers=limits.max_active, thread_name_prefix="expertmesh-seq")
         self._thread = threading.Thread(target=self._loop, name="expertmesh-engine", daemon=True)
         self.steps = 0
 
@@ -164,7 +211,6 @@ class Engine:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join()
-        self._pool.shutdown(wait=True)
 
     # -- requests --------------------------------------------------------------------
 
@@ -204,18 +250,17 @@ class Engine:
                 try:
                     self._step(batch)
                 except Exception as err:  # the loop must outlive any one step, or every later request hangs
-                    log.exception("decode step failed")
+                    log.exception("step failed")
                     for seq in batch:
                         if not seq.done:
-                            self._fail(seq, grpc.StatusCode.INTERNAL, f"decode step failed: {type(err).__name__}: {err}")
+                            self._fail(seq, grpc.StatusCode.INTERNAL, f"step failed: {type(err).__name__}: {err}")
             with self._cond:
                 self._retire_finished()
                 self._cond.notify_all()
 
     def _admit(self, seq: Sequence) -> Sequence:
-        seq.cache = DynamicCache(config=self._model.config)
+        seq.cache = SequenceKV() if self.batching.packed else DynamicCache(config=self._model.config)
         seq.generator = make_generator(seq.request.sampling)
-        seq.next_input = list(seq.request.prompt_ids)
         return seq
 
     def _retire_finished(self) -> None:
@@ -231,63 +276,115 @@ class Engine:
         self._active = [s for s in self._active if not s.done]
 
     def _step(self, batch: list[Sequence]) -> None:
+        tokens = step_tokens([s.pending for s in batch], [s.decoding for s in batch], self.limits.max_step_tokens)
+        work = [(seq, self._chunk(seq, n)) for seq, n in zip(batch, tokens) if n]
+        if not work:
+            return
         try:
             self._dispatcher.refresh()
         except ExpertMeshError as err:
-            for seq in batch:
+            for seq, _ in work:
                 self._fail(seq, err.code, str(err))
             return
         except ConnectionError as err:  # the state store is unreachable: the groups may be fine, retry next step
-            for seq in batch:
+            for seq, _ in work:
                 self._fail(seq, grpc.StatusCode.UNAVAILABLE, f"cannot read the routing table: {err}")
             return
-        gather = StepGather(self._dispatcher.dispatch, len(batch))
-        futures = [self._pool.submit(self._forward, seq, gather) for seq in batch]
-        for seq, future in zip(batch, futures):
+        deadlines = [seq.request.deadline for seq, _ in work]
+        # The group calls need not outlive the last request that still wants their answer.
+        self._dispatcher.step_deadline = None if None in deadlines else max(deadlines)
+        self.steps += 1  # before any of its tokens go out: whoever saw them sees the step counted
+        if self.batching.packed:
+            self._packed_step(work)
+        else:
+            for seq, chunk in work:
+                with self._failing_alone(seq):
+                    self._advance(seq, chunk, self._forward_alone(seq, chunk, len(work)))
+
+    def _chunk(self, seq: Sequence, n: int) -> Chunk:
+        """Sequence ``seq``'s next ``n`` tokens, and which of their logits it needs."""
+        tokens = (*seq.request.prompt_ids, *seq.generated)
+        end = seq.fed + n
+        rows = Rows.ALL if seq.request.score_only else Rows.LAST if end == len(tokens) else Rows.NONE
+        return Chunk(seq.cache, tokens[seq.fed : end], seq.fed, rows)
+
+    def _packed_step(self, work: list[tuple[Sequence, Chunk]]) -> None:
+        """One forward for all of ``work``; if it fails, so do all of its requests (and no others)."""
+        spans = [self._step_span(seq, chunk, len(work)) for seq, chunk in work]
+        try:
+            batch = pack([chunk for _, chunk in work], self._mask_spec)
+            # The forward's spans nest under the first request's step; the other requests' steps are linked.
+            links = [span.get_span_context() for span in spans[1:]]
+            with trace.use_span(spans[0]), self._dispatcher.serving_step(batch.positions, links), torch.no_grad():
+                logits = forward_packed(self._model, batch)  # per sequence: [rows, V] or None
+        except Exception as err:
+            log.log(
+                logging.WARNING if isinstance(err, ExpertMeshError) else logging.ERROR,
+                "step %d failed for its %d requests: %s", self.steps, len(work), err,
+                exc_info=not isinstance(err, ExpertMeshError),
+            )
+            for seq, _ in work:
+                self._fail_with(seq, err)
+            return
+        finally:
+            for span in spans:
+                span.end()
+        for (seq, chunk), rows in zip(work, logits):
             with self._failing_alone(seq):
-                self._advance(seq, future.result())  # logits [n, V]
-        self.steps += 1
+                self._advance(seq, chunk, rows)
+
+    def _forward_alone(self, seq: Sequence, chunk: Chunk, step_size: int) -> torch.Tensor | None:
+        """The per-sequence fallback: this sequence's own forward."""
+        with (
+            trace.use_span(self._step_span(seq, chunk, step_size), end_on_exit=True),
+            self._dispatcher.serving_step(chunk.positions()),
+            torch.no_grad(),
+        ):
+            return forward_alone(self._model, chunk)
+
+    def _step_span(self, seq: Sequence, chunk: Chunk, step_size: int) -> trace.Span:
+        """This sequence's share of the step, in its request's trace."""
+        return tracer().start_span(
+            "expertmesh.step",
+            context=seq.trace_context,
+            attributes={
+                "expertmesh.step": self.steps,
+                "expertmesh.tokens": len(chunk.token_ids),
+                "expertmesh.batch": step_size,
+            },
+        )
 
     @contextmanager
     def _failing_alone(self, seq: Sequence) -> Iterator[None]:
-        """A failure of one sequence's forward or sampling fails that sequence only: the
-        others of its step keep their tokens, as if the failed one had never joined."""
-        rid = seq.request.request_id
+        """A failure of one sequence's logits or sampling (or of its own forward, under the
+        per-sequence fallback) fails that sequence only: the others of its step keep their tokens,
+        as if the failed one had never joined."""
         try:
             yield
-        except ExpertMeshError as err:
-            log.warning("request %s failed: %s", rid, err)
-            self._fail(seq, err.code, f"request {rid}: {err}")
         except Exception as err:
-            log.exception("request %s failed", rid)
-            self._fail(seq, grpc.StatusCode.INTERNAL, f"request {rid}: {type(err).__name__}: {err}")
+            if isinstance(err, ExpertMeshError):
+                log.warning("request %s failed: %s", seq.request.request_id, err)
+            else:
+                log.exception("request %s failed", seq.request.request_id)
+            self._fail_with(seq, err)
 
-    def _forward(self, seq: Sequence, gather: StepGather) -> torch.Tensor:
-        ids = torch.tensor([seq.next_input], dtype=torch.long)  # [1, n]
-        start = seq.cache.get_seq_length()
-        positions = torch.arange(start, start + ids.shape[1])  # [n]
-        with (
-            tracer().start_as_current_span(
-                "expertmesh.step",
-                context=seq.trace_context,
-                attributes={"expertmesh.step": self.steps, "expertmesh.tokens": ids.shape[1], "expertmesh.batch": gather.size},
-            ),
-            self._dispatcher.gathering(gather, positions),
-            torch.no_grad(),
-        ):
-            out = self._model(input_ids=ids, cache=seq.cache, use_cache=True)
-        return out.logits[0].float()  # [n, V]
-
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _advance(self, seq: Sequence, chunk: Chunk, logits: torch.Tensor | None) -> None:
+        """``chunk`` went through the model; ``logits`` [rows, V] are the rows it asked for."""
         request = seq.request
+        seq.fed += len(chunk.token_ids)
+        if logits is None:  # a prompt chunk with more prompt to come
+            return
         if request.score_only:
-            require_finite(logits)
-            seq.events.put(ScoreEvent(logits))
+            seq.score_logits.append(logits)
+            if seq.fed < len(request.prompt_ids):
+                return
+            scores = torch.cat(seq.score_logits)  # [prompt_tokens, V]
+            require_finite(scores)
+            seq.events.put(ScoreEvent(scores))
             seq.done = True
             return
         token = next_token(logits[-1], request.sampling, seq.generator)
         seq.generated.append(token)
-        seq.next_input = [token]
         reason = None
         if request.stop_at_eos and token in self._eos:
             reason = "eos"
@@ -307,6 +404,14 @@ class Engine:
         if reason is not None:
             seq.events.put(FinishEvent(reason, len(request.prompt_ids), len(seq.generated)))
             seq.done = True
+
+    def _fail_with(self, seq: Sequence, err: Exception) -> None:
+        """Fail ``seq`` with ``err``'s gRPC code (INTERNAL for anything but our own errors)."""
+        rid = seq.request.request_id
+        if isinstance(err, ExpertMeshError):
+            self._fail(seq, err.code, f"request {rid}: {err}")
+        else:
+            self._fail(seq, grpc.StatusCode.INTERNAL, f"request {rid}: {type(err).__name__}: {err}")
 
     def _fail(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
         seq.events.put(ErrorEvent(code, message))

@@ -289,6 +289,8 @@ class InferenceServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
         self.port = self._grpc.port
+        if config.health_port is not None:
+            self._grpc.serve_plaintext_health(config.health_port)
 
     def start(self) -> "InferenceServer":
         self.engine.start()

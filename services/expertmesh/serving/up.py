@@ -8,15 +8,21 @@ process down.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from expertmesh.config import ServingConfig, add_data_plane_arguments, data_plane_config
 from expertmesh.data_plane import DataPlane, progress
 from expertmesh.errors import PlacementError
 from expertmesh.serving.engine import Engine, EngineLimits
+from expertmesh.serving.http_api import HttpApi
+from expertmesh.serving.http_server import HttpServer
+from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
+from expertmesh.serving.readiness import Readiness
 from expertmesh.serving.service import InferenceServer, InferenceServicer
 from expertmesh.telemetry import setup as setup_telemetry
 from expertmesh.telemetry.router_metrics import register_router_metrics
@@ -45,8 +51,10 @@ def model_info(plane: DataPlane) -> pb.ModelInfo:
     )
 
 
+@functools.cache
 def load_tokenizer(path: Path):
-    """The checkpoint's tokenizer, or None: then prompts must come as token ids."""
+    """The checkpoint's tokenizer, or None: then prompts must come as token ids.
+    Loaded once per path: a router's gRPC and HTTP APIs share it."""
     from transformers import AutoTokenizer
 
     try:
@@ -69,6 +77,8 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         EngineLimits(config.max_active_sequences, config.max_queued_requests),
         max_context=info.max_context,
     )
+    info.batching = pb.BATCHING_PACKED if engine.batching.packed else pb.BATCHING_PER_SEQUENCE
+    info.batching_note = engine.batching.note
     servicer = InferenceServicer(
         engine,
         tokenizer,
@@ -78,6 +88,46 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         plane.dispatcher.load_window,
     )
     return InferenceServer(servicer, engine, config).start()
+
+
+@dataclass
+class RouterApis:
+    """A router's public APIs over its one engine: gRPC always, the OpenAI-compatible HTTP API with
+    ``ServingConfig.http_port``."""
+
+    grpc: InferenceServer
+    http: HttpServer | None = None
+    readiness: Readiness | None = None
+
+    def drain_and_stop(self) -> bool:
+        """Both APIs refuse new requests (and /health turns 503) while in-flight ones, gRPC and HTTP
+        streams alike, finish; then both stop. True if all finished within the drain timeout."""
+        if self.readiness is not None:
+            self.readiness.draining = True
+        drained = self.grpc.drain_and_stop()
+        if self.http is not None:
+            self.http.stop()
+        if self.readiness is not None:
+            self.readiness.close()
+        return drained
+
+
+def start_apis(plane: DataPlane, config: ServingConfig) -> RouterApis:
+    """Start the gRPC Inference API and, when ``config.http_port`` is set, the HTTP API beside it."""
+    server = serve_plane(plane, config)
+    if config.http_port is None:
+        return RouterApis(server)
+    info = model_info(plane)
+    readiness = Readiness(plane.store, plane.dispatcher, server.engine)
+    model = ServedModel(info.name, info.vocab_size, info.max_context)
+    adapter = OpenAIAdapter(server.engine, load_tokenizer(plane.checkpoint.path), model, config)
+    try:
+        http = HttpServer(HttpApi(adapter, readiness, config).app, config.host, config.http_port).start()
+    except BaseException:
+        server.drain_and_stop()
+        readiness.close()
+        raise
+    return RouterApis(server, http, readiness)
 
 
 def add_command(commands) -> None:
@@ -96,6 +146,29 @@ def add_command(commands) -> None:
     parser.add_argument("--max-new-tokens-cap", type=int, default=1024)
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument(
+        "--health-port", type=int, help="also serve grpc.health.v1 alone in plaintext here (Kubernetes probes under TLS)"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models), "
+        "/health and /metrics on this port (0 picks one; default off, or EXPERTMESH_HTTP_PORT)",
+    )
+    parser.add_argument(
+        "--orchestrator",
+        action="store_true",
+        help="also run the orchestrator's admin API in this process (live migrations: `expertmesh migrate`)",
+    )
+    parser.add_argument("--admin-port", type=int, default=50052, help="--orchestrator: admin gRPC port (0 picks one)")
+    try:
+        from expertmesh.orchestrator.drift.config import add_drift_argument
+        from expertmesh.orchestrator.health.config import add_health_argument
+    except ImportError:  # a data-plane-only install has no orchestrator
+        pass
+    else:
+        add_drift_argument(parser)
+        add_health_argument(parser)
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=int(os.environ["EXPERTMESH_METRICS_PORT"]) if os.environ.get("EXPERTMESH_METRICS_PORT") else None,
@@ -106,6 +179,17 @@ def add_command(commands) -> None:
 
 def _main(args) -> int:
     data_config = data_plane_config(args)
+    if args.orchestrator:
+        from expertmesh.orchestrator.drift.config import drift_config
+
+        from expertmesh.orchestrator.health.config import health_config
+
+        drift = drift_config(args)  # a bad EXPERTMESH_DRIFT_* setting fails here, before anything starts
+        health_settings = health_config(args)  # likewise EXPERTMESH_HEALTH_*
+    elif getattr(args, "drift", None):
+        raise PlacementError("--drift runs in the orchestrator: add --orchestrator")
+    elif getattr(args, "health_monitor", None):
+        raise PlacementError("--health-monitor runs in the orchestrator: add --orchestrator")
     serving_config = ServingConfig(
         host=args.host,
         port=args.port,
@@ -113,8 +197,12 @@ def _main(args) -> int:
         max_queued_requests=args.max_queued,
         max_new_tokens_cap=args.max_new_tokens_cap,
         drain_timeout_s=args.drain_timeout,
+        health_port=args.health_port,
+        **({} if args.http_port is None else {"http_port": args.http_port}),
     )
-    telemetry = setup_telemetry("expertmesh-router", prometheus_port=args.metrics_port)
+    telemetry = setup_telemetry(
+        "expertmesh-router", prometheus_port=args.metrics_port, prometheus=serving_config.http_port is not None
+    )
     if telemetry.prometheus_port is not None:
         progress(f"Prometheus metrics on :{telemetry.prometheus_port}/metrics")
     if args.router_only:
@@ -127,9 +215,21 @@ def _main(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    admin = monitor = None
     try:
-        server = serve_plane(plane, serving_config)
-        target = f"{serving_config.host}:{server.port}"
+        if args.orchestrator:
+            from expertmesh.orchestrator.admin import start_admin
+            from expertmesh.orchestrator.health.monitor import HealthMonitor
+
+            monitor = HealthMonitor(plane.store, plane.checkpoint, health_settings)
+            admin = start_admin(plane.store, serving_config.host, args.admin_port, drift=drift, health=monitor)
+            if monitor.config.enabled:
+                monitor.start()
+            progress(f"orchestrator admin gRPC on {serving_config.host}:{admin[0].port}")
+        apis = start_apis(plane, serving_config)
+        if apis.http is not None:
+            progress(f"OpenAI-compatible HTTP API on {apis.http.url}/v1 (also /health, /metrics)")
+        target = f"{serving_config.host}:{apis.grpc.port}"
         print(
             f"expertmesh is serving {plane.checkpoint.path.name} on {target} — try: "
             f"expertmesh generate 'Hello' --target {target}   (Ctrl-C to stop)",
@@ -138,9 +238,15 @@ def _main(args) -> int:
         while not stop.wait(0.5):
             pass
         progress("draining in-flight requests")
-        drained = server.drain_and_stop()
+        drained = apis.drain_and_stop()
         progress("drained" if drained else "drain timeout: remaining requests were cut off")
     finally:
+        if admin is not None:
+            admin[0].stop()
+            admin[2].stop()
+            admin[1].close()
+        if monitor is not None:
+            monitor.stop()
         progress("stopping expert groups and Ray")
         plane.close()
         telemetry.shutdown()

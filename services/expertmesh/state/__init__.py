@@ -16,6 +16,11 @@ Keys (all under the ``expertmesh:`` prefix, one namespace per deployment):
   it serves and when it last said so); migrations drain on it
 - ``migrations``            hash: migration id -> the orchestrator's JSON migration record
   (``expertmesh.orchestrator.migration.state``; opaque here)
+- ``quarantine``            hash: ``"<layer>/<expert>/<group>"`` -> JSON ``QuarantinedReplica``: the
+  replicas that must not receive tokens (the health monitor quarantined them, or
+  has them on probation after a repair); routers read it
+- ``health``                hash: ``"<layer>/<expert>/<group>"`` -> the health monitor's JSON record of
+  that replica (``expertmesh.orchestrator.health.state``; opaque here)
 """
 
 from __future__ import annotations
@@ -35,6 +40,40 @@ class RouterHeartbeat:
     table_version: int
     #: wall-clock seconds (time.time()) of the report; a router silent for long is presumed gone
     at: float
+
+
+@dataclass(frozen=True)
+class QuarantinedReplica:
+    """One replica of a (layer, expert) that must receive no tokens.
+
+    Routers serve a token that chose (layer, expert) from the table's replicas of it
+    minus the groups quarantined for it. ``withdrawn`` says which case this is: True,
+    the routing table no longer lists the group for the expert and healthy replicas
+    serve it (no quality change); False, the table still lists it because no healthy
+    replica is left (a table never leaves an expert unhosted), so when every listed
+    replica is quarantined the router falls back for that expert (next-best expert
+    in the slot, or renormalise over the rest of the top-k) and marks the request degraded.
+    """
+
+    layer: int
+    expert: int
+    group: str
+    #: "quarantined", or "probation" (repaired, being re-checked before it serves again)
+    state: str
+    #: one line: why it was quarantined
+    reason: str
+    #: wall-clock seconds it entered ``state``
+    since: float
+    withdrawn: bool
+
+    @property
+    def key(self) -> str:
+        return replica_key(self.layer, self.expert, self.group)
+
+
+def replica_key(layer: int, expert: int, group: str) -> str:
+    """The hash field of one replica in ``quarantine`` and ``health``."""
+    return f"{layer}/{expert}/{group}"
 
 
 class KeyValueBackend(Protocol):
@@ -72,13 +111,15 @@ class StateStore:
         return RoutingTable.from_json(raw) if raw is not None else None
 
     def publish_routing_table(self, table: RoutingTable) -> bool:
-        """Store ``table`` if it is the next version after the stored one.
+        """Store ``table`` if it is the next version after the stored one, or, in an empty store (new or
+        flushed), any version: a writer that remembers a later version restores it, so versions routers
+        have seen never come back.
 
         Returns False, writing nothing, when another writer got there first: the
         caller re-reads and re-plans, as a Kubernetes controller does on conflict.
         """
         current = self.routing_table_version()
-        if table.version != current + 1:
+        if table.version != current + 1 and not (current == 0 and table.version > 0):
             return False
         expected = str(current).encode() if current else None
         return self._kv.compare_and_set_many(
@@ -141,6 +182,32 @@ class StateStore:
     def migrations(self) -> dict[str, bytes]:
         """migration id -> record, every migration this deployment has run or is running."""
         return self._kv.hgetall(self._key("migrations"))
+
+    # -- quarantine ------------------------------------------------------------------
+    # Written by the orchestrator's health monitor, read by routers.
+
+    def set_quarantined(self, replica: QuarantinedReplica) -> None:
+        self._kv.hset(self._key("quarantine"), replica.key, json.dumps(asdict(replica)).encode())
+
+    def clear_quarantined(self, layer: int, expert: int, group: str) -> None:
+        self._kv.hdel(self._key("quarantine"), replica_key(layer, expert, group))
+
+    def quarantined(self) -> dict[tuple[int, int, str], QuarantinedReplica]:
+        """(layer, expert, group) -> its entry, for every replica that must receive no tokens."""
+        entries = (QuarantinedReplica(**json.loads(raw)) for raw in self._kv.hgetall(self._key("quarantine")).values())
+        return {(q.layer, q.expert, q.group): q for q in entries}
+
+    # -- health records -----------------------------------------------------------------
+    # Opaque bytes, like migrations: the orchestrator owns their format.
+
+    def save_health_record(self, key: str, record: bytes) -> None:
+        self._kv.hset(self._key("health"), key, record)
+
+    def remove_health_record(self, key: str) -> None:
+        self._kv.hdel(self._key("health"), key)
+
+    def health_records(self) -> dict[str, bytes]:
+        return self._kv.hgetall(self._key("health"))
 
     def close(self) -> None:
         self._kv.close()

@@ -48,5 +48,9 @@ PROMETHEUS_METRICS = frozenset(
     }
 )
 
+#: Prometheus names of the orchestrator's metrics on the dashboard: the health monitor's gauges
+#: (``orchestrator.health.monitor``), exported over OTLP.
+ORCHESTRATOR_PROMETHEUS_METRICS = frozenset({"expertmesh_expert_health", "expertmesh_expert_kl"})
+
 __all__ = [
-    "PROMETHEUS_METRICS","TelemetryHandle", "intercept_client", "meter", "propagation_env", "server_interceptors", "setup", "tracer"]
+    "ORCHESTRATOR_PROMETHEUS_METRICS", "PROMETHEUS_METRICS","TelemetryHandle", "intercept_client", "meter", "propagation_env", "server_interceptors", "setup", "tracer"]

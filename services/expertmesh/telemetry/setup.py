@@ -73,13 +73,17 @@ class TelemetryHandle:
             provider.shutdown()
 
 
-def setup(service_name: str, prometheus_port: int | None = None) -> TelemetryHandle:
-    """Install tracer and meter providers when an exporter is configured; else leave the no-op API."""
+def setup(service_name: str, prometheus_port: int | None = None, prometheus: bool = False) -> TelemetryHandle:
+    """Install tracer and meter providers when an exporter is configured; else leave the no-op API.
+
+    ``prometheus_port`` serves Prometheus metrics on a port of their own; ``prometheus`` only fills
+    prometheus_client's registry, for a server that exposes it itself (the HTTP API's ``/metrics``).
+    """
     handle = TelemetryHandle()
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return handle
     otlp = _otlp_configured()
-    if not otlp and prometheus_port is None:
+    if not otlp and prometheus_port is None and not prometheus:
         return handle
 
     from opentelemetry.sdk.metrics import MeterProvider
@@ -102,12 +106,14 @@ def setup(service_name: str, prometheus_port: int | None = None) -> TelemetryHan
         _tracing = True
         handle.providers.append(tracer_provider)
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
-    if prometheus_port is not None:
+    if prometheus_port is not None or prometheus:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import start_http_server
 
-        server, _ = start_http_server(prometheus_port, addr="0.0.0.0")
-        handle.prometheus_port = server.server_port
+        if prometheus_port is not None:
+            from prometheus_client import start_http_server
+
+            server, _ = start_http_server(prometheus_port, addr="0.0.0.0")
+            handle.prometheus_port = server.server_port
         readers.append(PrometheusMetricReader())
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     metrics.set_meter_provider(meter_provider)

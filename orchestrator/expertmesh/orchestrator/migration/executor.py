@@ -36,7 +36,7 @@ from opentelemetry.trace import Status, StatusCode
 from expertmesh.errors import InvalidRequest, MigrationRefused
 from expertmesh.orchestrator.migration import plan
 from expertmesh.orchestrator.migration.groups import GroupCallFailed, GroupChannels
-from expertmesh.orchestrator.migration.state import Failure, Migration, MigrationMode, Phase, PhaseChange, load, load_all, save
+from expertmesh.orchestrator.migration.state import OPERATOR, Failure, Migration, MigrationMode, Phase, PhaseChange, load, load_all, save
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore
 from expertmesh.telemetry.setup import meter, tracer
@@ -94,10 +94,15 @@ class MigrationExecutor:
         target: str | None = None,
         source: str | None = None,
         mode: MigrationMode | str = MigrationMode.MOVE,
+        initiator: str = OPERATOR,
+        migration_id: str | None = None,
     ) -> Migration:
         """Validate a migration against the stored routing table and endpoints and store it PENDING.
 
         Without ``source``: the pair's only replica (a move or an evict), or its first (a replicate).
+        ``initiator`` says who asked, on the record. ``migration_id`` names the record (default: a
+        random id); a caller that must find its record again after a crash (the Kubernetes
+        controller) derives it from its own request.
         """
         try:
             mode = MigrationMode(mode)
@@ -134,13 +139,19 @@ class MigrationExecutor:
                 raise InvalidRequest(f"a {mode} needs a target group")
             if target in replicas:
                 raise MigrationRefused(f"group {target!r} already serves layer {layer} expert {expert}")
+            if (layer, expert, target) in self._store.quarantined():
+                raise MigrationRefused(
+                    f"group {target!r} holds a quarantined copy of layer {layer} expert {expert}; `expertmesh release` it first"
+                )
+        if migration_id is not None and self._store.migration(migration_id) is not None:
+            raise MigrationRefused(f"migration {migration_id} exists already")
         busy = [m for m in load_all(self._store) if m.pair == pair and not m.phase.terminal]
         if busy:
             raise MigrationRefused(f"{busy[0].describe()} is still {busy[0].phase}; one migration per expert at a time")
 
         now = self._clock()
         migration = Migration(
-            id=uuid.uuid4().hex[:12],
+            id=migration_id or uuid.uuid4().hex[:12],
             layer=layer,
             expert=expert,
             mode=mode,
@@ -152,6 +163,7 @@ class MigrationExecutor:
             shares_before=table.shares.get(pair, ()),
             started_at=now,
             history=(PhaseChange(Phase.PENDING, now, table.version),),
+            initiator=initiator,
         )
         save(self._store, migration)
         log.info("%s submitted at routing table v%d", migration.describe(), table.version)

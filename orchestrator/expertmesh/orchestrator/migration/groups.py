@@ -9,7 +9,7 @@ on LoadExperts is a full memory budget; on Dispatch, a busy group).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable
 
 import grpc
@@ -17,8 +17,9 @@ import torch
 
 from expertmesh import wire
 from expertmesh.errors import ExpertMeshError
-from expertmesh.expert_group.service import CHANNEL_OPTIONS
+from expertmesh.expert_group.service import group_channel
 from expertmesh.orchestrator.migration.plan import Canary, InFlightCalls, Pair
+from expertmesh.security.admin_auth import admin_metadata
 from expertmesh.telemetry.setup import intercept_client
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
@@ -38,7 +39,7 @@ class GroupCallFailed(Exception):
 
 @dataclass(frozen=True)
 class GroupView:
-    """One Describe answer, in the terms a migration needs."""
+    """One Describe answer, in the terms a migration (and the drift controller) needs."""
 
     group: str
     dtype: torch.dtype
@@ -49,12 +50,30 @@ class GroupView:
     budget_bytes: int
     #: pair -> Dispatch calls executing now for it, by routing-table version
     in_flight: dict[Pair, tuple[InFlightCalls, ...]]
+    #: cumulative seconds with a Dispatch computing, since the group's server started
+    busy_seconds: float = 0.0
+    #: pair -> rows of its output that held a NaN or an Inf since it was loaded (Describe's expert_stats)
+    non_finite_rows: dict[Pair, int] = field(default_factory=dict)
 
     def holds(self, pair: Pair) -> bool:
         return pair in self.pairs
 
     def in_flight_for(self, pair: Pair) -> tuple[InFlightCalls, ...]:
         return self.in_flight.get(pair, ())
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """One expert's weight fingerprint (``expert_group.fingerprint``)."""
+
+    #: when its weights were read from disk
+    loaded: str
+    #: recomputed for this answer
+    current: str
+
+    @property
+    def intact(self) -> bool:
+        return self.loaded == self.current
 
 
 @dataclass(frozen=True)
@@ -86,14 +105,15 @@ class GroupChannels:
                 return known[2]
             if known is not None:
                 known[1].close()
-            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = group_channel(address)
             stub = pb_grpc.ExpertGroupStub(intercept_client(channel))
             self._open[group] = (address, channel, stub)
             return stub
 
     def _call(self, group: str, method: str, request, timeout: float = CALL_TIMEOUT_S):
+        """One RPC; load and unload carry the admin identity (the groups refuse them otherwise)."""
         try:
-            return getattr(self._stub(group), method)(request, timeout=timeout)
+            return getattr(self._stub(group), method)(request, timeout=timeout, metadata=admin_metadata())
         except grpc.RpcError as err:
             raise GroupCallFailed(group, err.code(), err.details() or "") from None
 
@@ -114,11 +134,23 @@ class GroupChannels:
             weight_bytes=r.weight_bytes,
             budget_bytes=r.budget_bytes,
             in_flight={pair: tuple(calls) for pair, calls in in_flight.items()},
+            busy_seconds=r.busy_seconds,
+            non_finite_rows={(s.layer, s.expert): s.non_finite for s in r.expert_stats},
         )
 
     def load(self, group: str, pair: Pair) -> Loaded:
         r = self._call(group, "LoadExperts", pb.LoadExpertsRequest(experts=[_ref(pair)]), LOAD_TIMEOUT_S)
         return Loaded(added=any((e.layer, e.expert) == pair for e in r.loaded), weight_bytes=r.weight_bytes)
+
+    def reload(self, group: str, pair: Pair) -> None:
+        """Read the pair's weights from disk again on ``group`` (loading it if it is not held)."""
+        self._call(group, "LoadExperts", pb.LoadExpertsRequest(experts=[_ref(pair)], reload=True), LOAD_TIMEOUT_S)
+
+    def fingerprints(self, group: str, pairs: list[Pair] | None = None) -> dict[Pair, Fingerprint]:
+        """``pairs`` (default: every expert the group holds) -> weight fingerprint at load and recomputed now."""
+        request = pb.FingerprintRequest(experts=[_ref(p) for p in pairs or ()])
+        r = self._call(group, "Fingerprint", request, LOAD_TIMEOUT_S)
+        return {(f.layer, f.expert): Fingerprint(f.loaded, f.current) for f in r.fingerprints}
 
     def unload(self, group: str, pair: Pair) -> bool:
         """Whether the group held the expert until now."""

@@ -17,6 +17,10 @@ from expertmesh.errors import MigrationNotFound
 from expertmesh.state import StateStore
 
 
+#: ``Migration.initiator`` of a migration a person asked for (``expertmesh migrate``, the admin API)
+OPERATOR = "operator"
+
+
 class MigrationMode(StrEnum):
     #: the target gets the expert, the source gives it up
     MOVE = "move"
@@ -93,6 +97,8 @@ class Migration:
     #: one line a person can act on, for FAILED and ROLLED_BACK
     reason: str = ""
     history: tuple[PhaseChange, ...] = ()
+    #: who asked for it: OPERATOR, "drift:<trigger>" (``orchestrator.drift``), or what another controller says
+    initiator: str = OPERATOR
 
     @property
     def pair(self) -> tuple[int, int]:

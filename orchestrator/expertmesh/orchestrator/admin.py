@@ -1,0 +1,252 @@
+"""The orchestrator's admin gRPC service (``expertmesh.v1.Admin``): migrations on demand,
+drift scans (``orchestrator.drift``), and expert health (``orchestrator.health``: the
+listing, quarantine and release, answered by the ``HealthMonitor`` the caller passes in).
+
+``MigrationRunner`` runs submitted migrations in the background, at most
+``max_concurrent`` at once, through the one ``MigrationExecutor`` every caller
+shares (CLI, drift controller, Kubernetes controller); at start it resumes what a
+previous orchestrator left half done. ``AdminServicer`` is the gRPC face of it:
+a bad request is refused with the executor's error (INVALID_ARGUMENT /
+FAILED_PRECONDITION / NOT_FOUND) before anything moves. ``start_admin`` also builds
+the drift controller, whose loop runs when its config enables it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator
+
+import grpc
+
+from expertmesh.errors import QuarantineRefused
+from expertmesh.grpc_server import GrpcServer, guarded
+from expertmesh.orchestrator.drift import api as drift_api
+from expertmesh.orchestrator.drift.config import DriftConfig
+from expertmesh.orchestrator.drift.controller import DriftController, DriftRecord
+from expertmesh.orchestrator.health import api as health_api
+from expertmesh.orchestrator.health.monitor import HealthMonitor
+from expertmesh.orchestrator.migration.executor import MigrationExecutor
+from expertmesh.orchestrator.migration.state import OPERATOR, Migration, MigrationMode, Phase, load, load_all
+from expertmesh.state import StateStore
+from expertmesh.v1 import admin_pb2 as pb
+from expertmesh.v1 import admin_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "expertmesh.v1.Admin"
+_MODE_TO_PROTO = {
+    MigrationMode.MOVE: pb.MIGRATION_MODE_MOVE,
+    MigrationMode.REPLICATE: pb.MIGRATION_MODE_REPLICATE,
+    MigrationMode.EVICT: pb.MIGRATION_MODE_EVICT,
+}
+_MODE_FROM_PROTO = {v: k for k, v in _MODE_TO_PROTO.items()} | {pb.MIGRATION_MODE_UNSPECIFIED: MigrationMode.MOVE}
+
+
+def phase_to_proto(phase: Phase) -> int:
+    return pb.MigrationPhase.Value(f"MIGRATION_PHASE_{phase.name}")
+
+
+def phase_from_proto(value: int) -> Phase:
+    return Phase[pb.MigrationPhase.Name(value).removeprefix("MIGRATION_PHASE_")]
+
+
+def mode_from_proto(value: int) -> MigrationMode:
+    return _MODE_FROM_PROTO[value]
+
+
+def to_proto(m: Migration) -> pb.Migration:
+    return pb.Migration(
+        id=m.id,
+        layer=m.layer,
+        expert=m.expert,
+        mode=_MODE_TO_PROTO[m.mode],
+        source=m.source,
+        target=m.target or "",
+        phase=phase_to_proto(m.phase),
+        routing_table_version=m.table_version,
+        failure=m.failure.value if m.failure else "",
+        reason=m.reason,
+        bytes_loaded=m.bytes_loaded,
+        started_at=m.started_at,
+        completed_at=m.completed_at or 0.0,
+        history=[pb.PhaseChange(phase=phase_to_proto(h.phase), at=h.at, routing_table_version=h.table_version) for h in m.history],
+        initiator=m.initiator,
+    )
+
+
+class MigrationRunner:
+    """Runs migrations in the background through one executor, ``max_concurrent`` at a time."""
+
+    def __init__(self, store: StateStore, executor: MigrationExecutor, max_concurrent: int = 2):
+        self._store = store
+        self.executor = executor
+        self.max_concurrent = max_concurrent
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="expertmesh-migration")
+        self._running: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    def resume(self) -> None:
+        """Finish or roll back, in the background, every migration a previous orchestrator left half done."""
+        for migration in load_all(self._store):
+            if not migration.phase.terminal:
+                log.info("resuming %s at %s", migration.describe(), migration.phase)
+                self._start(migration.id)
+
+    def submit(
+        self,
+        layer: int,
+        expert: int,
+        target: str | None,
+        source: str | None,
+        mode: MigrationMode,
+        initiator: str = OPERATOR,
+        migration_id: str | None = None,
+    ) -> Migration:
+        """Validate and start one migration; returns its PENDING record (``migration_id``: see the executor)."""
+        migration = self.executor.submit(
+            layer, expert, target=target, source=source, mode=mode, initiator=initiator, migration_id=migration_id
+        )
+        self._start(migration.id)
+        return migration
+
+    def _start(self, migration_id: str) -> None:
+        with self._lock:
+            self._running[migration_id] = self._pool.submit(self._run, migration_id)
+
+    def _run(self, migration_id: str) -> None:
+        try:
+            ended = self.executor.run(migration_id)
+            log.info("%s ended %s %s", ended.describe(), ended.phase, ended.reason)
+        except Exception:  # one migration's bug must not stop the others; its record shows where it stood
+            log.exception("migration %s stopped with an error", migration_id)
+        finally:
+            with self._lock:
+                self._running.pop(migration_id, None)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once no migration runs (for a graceful stop), False at ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._running:
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        """Stop taking migrations; those running finish their current run (records stay resumable)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.executor.close()
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(
+        self,
+        runner: MigrationRunner,
+        store: StateStore,
+        watch_poll_s: float = 0.2,
+        *,
+        drift: DriftController,
+        health: HealthMonitor | None = None,
+    ):
+        self._runner = runner
+        self._store = store
+        self._poll = watch_poll_s
+        self._drift = drift
+        self._health = health
+
+    @guarded
+    def Migrate(self, request: pb.MigrateRequest, context) -> pb.Migration:
+        if request.mode not in _MODE_FROM_PROTO:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown migration mode {request.mode}")
+        migration = self._runner.submit(
+            request.layer,
+            request.expert,
+            target=request.target or None,
+            source=request.source or None,
+            mode=mode_from_proto(request.mode),
+            initiator=request.initiator or OPERATOR,
+        )
+        return to_proto(migration)
+
+    @guarded
+    def GetMigration(self, request: pb.GetMigrationRequest, context) -> pb.Migration:
+        return to_proto(load(self._store, request.id))
+
+    @guarded
+    def ListMigrations(self, request: pb.ListMigrationsRequest, context) -> pb.ListMigrationsResponse:
+        return pb.ListMigrationsResponse(migrations=[to_proto(m) for m in load_all(self._store)])
+
+    def WatchMigrations(self, request: pb.WatchMigrationsRequest, context) -> Iterator[pb.Migration]:
+        """Every record as it is now, then each change; with an id, until that migration ends."""
+        seen: dict[str, Migration] = {}
+        if request.id:
+            try:
+                load(self._store, request.id)
+            except Exception as err:  # MigrationNotFound, or the store is down
+                context.abort(getattr(err, "code", grpc.StatusCode.UNAVAILABLE), str(err))
+        while context.is_active():
+            try:
+                current = [load(self._store, request.id)] if request.id else load_all(self._store)
+            except ConnectionError as err:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"the state store is unreachable: {err}")
+            for migration in current:
+                if seen.get(migration.id) != migration:
+                    seen[migration.id] = migration
+                    yield to_proto(migration)
+            if request.id and current[0].phase.terminal:
+                return
+            time.sleep(self._poll)
+
+    @guarded
+    def ScanDrift(self, request: pb.ScanDriftRequest, context) -> pb.ScanDriftResponse:
+        return drift_api.to_proto(self._drift.update(dry_run=request.dry_run))
+
+    def _monitor(self) -> HealthMonitor:
+        if self._health is None:
+            raise QuarantineRefused("this orchestrator runs no health monitor (it was started without a checkpoint)")
+        return self._health
+
+    @guarded
+    def ListExperts(self, request: pb.ListExpertsRequest, context) -> pb.ReplicaHealthList:
+        layer = request.layer if request.HasField("layer") else None
+        return health_api.to_proto(self._monitor().listing(layer))
+
+    @guarded
+    def Quarantine(self, request: pb.QuarantineRequest, context) -> pb.ReplicaHealthList:
+        statuses = self._monitor().quarantine(request.layer, request.expert, request.group or None, request.reason)
+        return health_api.to_proto(statuses)
+
+    @guarded
+    def Release(self, request: pb.ReleaseRequest, context) -> pb.ReplicaHealthList:
+        return health_api.to_proto(self._monitor().release(request.layer, request.expert, request.group or None))
+
+
+def start_admin(
+    store: StateStore,
+    host: str,
+    port: int,
+    *,
+    max_concurrent: int = 2,
+    drain_timeout_s: float = 60.0,
+    drift: DriftConfig | None = None,
+    health: HealthMonitor | None = None,
+    on_drift_decision: Callable[[DriftRecord], None] | None = None,
+) -> tuple[GrpcServer, MigrationRunner, DriftController]:
+    """The admin gRPC server with the Admin service, its runner resuming half-done migrations, and
+    the drift controller (``drift``, default the environment's ``EXPERTMESH_DRIFT_*``), scanning
+    when enabled. Stop the controller before closing the runner. ``health`` answers the health
+    RPCs (without it they are FAILED_PRECONDITION); its caller starts and stops its loop.
+    ``on_drift_decision``: called with each drift decision (cluster mode: ``kube.drift_objects``)."""
+    runner = MigrationRunner(store, MigrationExecutor(store, drain_timeout_s=drain_timeout_s), max_concurrent)
+    controller = DriftController(store, runner, drift if drift is not None else DriftConfig(), on_decision=on_drift_decision)
+    server = GrpcServer("admin", host, port)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(runner, store, drift=controller, health=health), server.server)
+    server.start((SERVICE_NAME,))
+    runner.resume()
+    if controller.config.enabled:
+        controller.start()
+    return server, runner, controller

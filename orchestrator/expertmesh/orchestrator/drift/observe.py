@@ -1,0 +1,74 @@
+"""The drift controller's I/O: one ``Observation`` from the state store (routing
+table, endpoints, the routers' load windows, migration records) and every group's
+Describe (weights, budget, busy seconds).
+
+A group that does not answer is left out of the observation and logged: it is
+then neither a source nor a target, and its consecutive-scan count starts again,
+since nobody knows what it did meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from functools import reduce
+
+from expertmesh.errors import MigrationRefused
+from expertmesh.orchestrator.drift.state import ExpertLoad, GroupSample, Observation
+from expertmesh.orchestrator.migration.groups import GroupCallFailed, GroupChannels
+from expertmesh.orchestrator.migration.state import load_all
+from expertmesh.router.load_window import LoadSnapshot
+from expertmesh.state import StateStore
+
+log = logging.getLogger(__name__)
+
+
+class Observer:
+    def __init__(self, store: StateStore, clock: Callable[[], float] = time.time):
+        self._store = store
+        self._clock = clock
+        self._groups = GroupChannels(store.endpoints)
+
+    def close(self) -> None:
+        self._groups.close()
+
+    def observe(self) -> Observation:
+        table = self._store.routing_table()
+        if table is None:
+            raise MigrationRefused("no routing table in the state store yet; start the expert groups first")
+        samples = []
+        for group in sorted(self._store.endpoints()):
+            try:
+                view = self._groups.describe(group)
+            except GroupCallFailed as err:
+                log.warning("drift: leaving group %s out of this scan: %s", group, err)
+                continue
+            samples.append(
+                GroupSample(
+                    group=group,
+                    weight_bytes=view.weight_bytes,
+                    budget_bytes=view.budget_bytes,
+                    busy_seconds=view.busy_seconds,
+                    expert_bytes=view.weight_bytes // len(view.pairs) if view.pairs else 0,
+                )
+            )
+        published = self._store.loads().values()
+        snapshot = reduce(lambda a, b: a + b, (LoadSnapshot.from_bytes(raw) for raw in published)) if published else None
+        return Observation(
+            at=self._clock(),
+            table=table,
+            groups=tuple(samples),
+            loads=_expert_loads(snapshot) if snapshot is not None else (),
+            top_k=snapshot.top_k if snapshot is not None else 0,
+            migrations=tuple(load_all(self._store)),
+        )
+
+
+def _expert_loads(snapshot: LoadSnapshot) -> tuple[ExpertLoad, ...]:
+    """Rows of the windows are MoE layers in order; the routing table names layers by index."""
+    return tuple(
+        ExpertLoad(layer, expert, float(snapshot.load[row, expert]))
+        for row, layer in enumerate(snapshot.moe_layers)
+        for expert in range(snapshot.num_experts)
+    )

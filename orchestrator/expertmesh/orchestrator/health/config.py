@@ -1,0 +1,71 @@
+"""The health monitor's settings, from ``EXPERTMESH_HEALTH_<FIELD>`` variables (e.g.
+``EXPERTMESH_HEALTH_INTERVAL_S=60``); ``--health-monitor`` on ``expertmesh orchestrator``
+and ``expertmesh up --orchestrator`` turns the loop on (``--health-port`` is another thing:
+the plaintext gRPC health port). Interval and probe size are the
+issue's; the thresholds are ours, set so that a replica computing what it computed
+at its baseline (probes are deterministic: the figures of a healthy replica do not
+move at all on one device) never trips them, while a scaled or overwritten expert does."""
+
+from __future__ import annotations
+
+import argparse
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from expertmesh.errors import InvalidRequest
+
+
+class HealthConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EXPERTMESH_HEALTH_", extra="forbid")
+
+    enabled: bool = Field(False, description="run the health loop in the orchestrator (`--health-monitor`)")
+    interval_s: float = Field(600.0, gt=0, description="seconds between the loop's checks")
+    tokens: int = Field(1000, ge=16, le=65536, description="probe hidden states sent to each replica of each expert per check")
+    seed: int = Field(0, ge=0, description="seed of the probe hidden states (layer l uses seed + l)")
+    histogram_bins: int = Field(20, ge=2, le=256, description="bins of the output-norm and activation histograms")
+    kl_suspect: float = Field(0.05, gt=0, description="KL(baseline || now) above this makes a replica suspect")
+    kl_quarantine: float = Field(0.5, gt=0, description="KL(baseline || now) above this quarantines a replica at once")
+    mean_shift_suspect: float = Field(
+        0.05, gt=0, description="relative change of the mean output norm against the baseline that makes a replica suspect"
+    )
+    replica_deviation: float = Field(
+        0.05, gt=0, description="relative distance of a replica's output norms from its replicas' median that makes it suspect"
+    )
+    suspect_checks: int = Field(2, ge=1, description="checks in a row with findings that turn suspect into quarantined")
+    probation_checks: int = Field(3, ge=1, description="clean checks after a repair before a replica serves again")
+    auto_repair: bool = Field(
+        True, description="repair replicas the monitor quarantined at its next check (operator quarantines wait for release)"
+    )
+
+    @model_validator(mode="after")
+    def _kl_ordered(self) -> "HealthConfig":
+        if self.kl_suspect >= self.kl_quarantine:
+            raise ValueError(
+                f"EXPERTMESH_HEALTH_KL_SUSPECT ({self.kl_suspect}) must be below "
+                f"EXPERTMESH_HEALTH_KL_QUARANTINE ({self.kl_quarantine})"
+            )
+        return self
+
+
+def add_health_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--health-monitor",
+        dest="health_monitor",
+        action="store_true",
+        default=None,
+        help="run the expert health monitor: probe every replica, quarantine and repair bad ones (settings: EXPERTMESH_HEALTH_*)",
+    )
+
+
+def health_config(args: argparse.Namespace) -> HealthConfig:
+    """The environment's settings, with the loop on when ``--health-monitor`` was given; a bad
+    setting is one line naming its variable."""
+    try:
+        return HealthConfig(**({"enabled": True} if args.health_monitor else {}))
+    except ValidationError as err:
+        problems = (
+            f"EXPERTMESH_HEALTH_{'_'.join(str(part) for part in e['loc']).upper()}: {e['msg']}" if e["loc"] else e["msg"]
+            for e in err.errors()
+        )
+        raise InvalidRequest("; ".join(p.removeprefix("Value error, ") for p in problems)) from None

@@ -1,0 +1,367 @@
+"""The health monitor: one guarded round (``update``) = observe every group, probe
+every replica, judge (``policy``), repair what the monitor quarantined before,
+and settle: publish the routing table ``policy.plan_table`` asks for, the
+records, and the ``quarantine`` entries routers read. ``quarantine`` and
+``release`` are the operator's commands; ``start`` runs a round every
+``interval_s`` in a thread.
+
+Rounds and commands run one at a time (one lock); a round survives groups that
+do not answer (their replicas are not checked this round, their records stay)
+and the loop survives a failed round (logged; the next interval tries again).
+Every step is safe to repeat: records are rewritten whole, the table edit is
+computed afresh from the table in the store and published compare-and-set.
+
+Recording: a log line per state change (``health`` field in JSON logs), an
+event on the ``expertmesh.health.round`` span, and two observable gauges read
+at collection from the last settled records: ``expertmesh.expert.health``
+{layer, expert} (``policy.SCORE`` of the expert's worst replica: 1 healthy,
+0.75 probation, 0.5 suspect, 0 quarantined) and ``expertmesh.expert.kl``
+{layer, expert} (the largest KL(baseline || now) among its replicas).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.errors import QuarantineRefused
+from expertmesh.orchestrator.health import measure, policy, state
+from expertmesh.orchestrator.health.config import HealthConfig
+from expertmesh.orchestrator.health.reference import Reference
+from expertmesh.orchestrator.health.state import Check, Finding, HealthState, Initiator, Pair, ReplicaId, ReplicaRecord
+from expertmesh.orchestrator.migration.groups import Fingerprint, GroupCallFailed, GroupChannels, GroupView
+from expertmesh.orchestrator.migration.plan import Canary, canary_difference, check_all_hosted
+from expertmesh.routing_table import RoutingTable
+from expertmesh.state import QuarantinedReplica, StateStore
+from expertmesh.telemetry.setup import meter, tracer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    record: ReplicaRecord
+    #: the routing table lists the group for the expert now
+    listed: bool
+
+
+@dataclass(frozen=True)
+class HealthRound:
+    at: float
+    records: Mapping[ReplicaId, ReplicaRecord]
+    #: what each replica checked this round showed (empty: clean)
+    findings: Mapping[ReplicaId, tuple[Finding, ...]]
+    table_version: int
+    #: groups that did not answer Describe or Fingerprint; their replicas were not checked
+    unreachable: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Observed:
+    view: GroupView
+    fingerprints: dict[Pair, Fingerprint]
+
+    def holds(self, pair: Pair) -> bool:
+        return pair in self.view.pairs and pair in self.fingerprints
+
+
+def _alone(hidden: torch.Tensor, expert: int) -> Canary:
+    """hidden [T, H] for ``expert`` alone at weight 1: the partial sums are its output."""
+    tokens = hidden.shape[0]
+    return Canary(hidden, torch.full((tokens, 1), expert, dtype=torch.int32), torch.ones(tokens, 1))
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        store: StateStore,
+        checkpoint: Checkpoint,
+        config: HealthConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        publish_attempts: int = 5,
+    ):
+        self.config = config
+        self._store = store
+        self._clock = clock
+        self._publish_attempts = publish_attempts
+        self._groups = GroupChannels(store.endpoints)
+        self._reference = Reference(checkpoint)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: the records as last settled, for the gauges
+        self._latest: Mapping[ReplicaId, ReplicaRecord] = {}
+        m = meter()
+        m.create_observable_gauge(
+            "expertmesh.expert.health",
+            [self._health_gauge],
+            description="1 healthy, 0.75 probation, 0.5 suspect, 0 quarantined (worst replica)",
+        )
+        m.create_observable_gauge(
+            "expertmesh.expert.kl", [self._kl_gauge], description="KL(baseline || now) of the probe output (largest over replicas)"
+        )
+
+    # -- one round ----------------------------------------------------------------------------
+
+    def update(self) -> HealthRound:
+        """One round. No routing table in the store, or the store unreachable, raises."""
+        with self._lock, tracer().start_as_current_span("expertmesh.health.round") as span:
+            now = self._clock()
+            table = self._table()
+            observed, unreachable = self._observe()
+            records = self._forget_unheld(state.load_all(self._store), observed)
+            due = [rid for rid, r in records.items() if policy.wants_repair(r, self.config) and rid.group in observed]
+            found: dict[ReplicaId, tuple[Finding, ...]] = {}
+            for rid, check in self._check(table, records, observed, now).items():
+                before = records.get(rid) or ReplicaRecord(rid, since=now)
+                after, found[rid] = policy.judge(before, check, self.config)
+                records[rid] = self._note(before, after, span)
+            for rid in due:
+                if policy.wants_repair(records[rid], self.config):
+                    records[rid] = self._note(records[rid], self._repair(records[rid], observed[rid.group].view, now), span)
+            records, table = self._settle(records)
+            span.set_attribute("expertmesh.health.checked", len(found))
+            span.set_attribute("expertmesh.routing_table.version", table.version)
+        return HealthRound(now, records, found, table.version, unreachable)
+
+    def _table(self) -> RoutingTable:
+        table = self._store.routing_table()
+        if table is None:
+            raise QuarantineRefused("no routing table in the state store yet; start the expert groups first")
+        return table
+
+    def _observe(self) -> tuple[dict[str, _Observed], tuple[str, ...]]:
+        observed, unreachable = {}, []
+        for group in sorted(self._store.endpoints()):
+            try:
+                observed[group] = _Observed(self._groups.describe(group), self._groups.fingerprints(group))
+            except GroupCallFailed as err:
+                log.warning("health: cannot observe group %s, its replicas wait for the next round: %s", group, err)
+                unreachable.append(group)
+        return observed, tuple(unreachable)
+
+    def _forget_unheld(self, records: dict[ReplicaId, ReplicaRecord], observed: dict[str, _Observed]) -> dict[ReplicaId, ReplicaRecord]:
+        """Drop the records of replicas whose group answered without the expert (moved or evicted)."""
+        for rid in [rid for rid in records if rid.group in observed and not observed[rid.group].holds(rid.pair)]:
+            log.info("health: %s is no longer held; forgetting its record (%s)", rid.describe(), records.pop(rid).state)
+            state.remove(self._store, rid)
+            self._store.clear_quarantined(rid.layer, rid.expert, rid.group)
+        return records
+
+    def _check(
+        self, table: RoutingTable, records: Mapping[ReplicaId, ReplicaRecord], observed: dict[str, _Observed], now: float
+    ) -> dict[ReplicaId, Check]:
+        """Probe every replica the table lists or the monitor withdrew, on a group that holds it."""
+        listed = {ReplicaId(layer, e, g) for (layer, e), groups in table.replicas.items() for g in groups}
+        withdrawn = {rid for rid, r in records.items() if r.withdrawn}
+        targets = sorted(rid for rid in listed | withdrawn if rid.group in observed and observed[rid.group].holds(rid.pair))
+        probes: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        outputs: dict[ReplicaId, measure.Output] = {}
+        for rid in targets:
+            view = observed[rid.group].view
+            key = (rid.layer, view.dtype)
+            if key not in probes:
+                probes[key] = measure.probe(view.hidden_size, self.config.tokens, rid.layer, self.config.seed, view.dtype)
+            try:
+                outputs[rid] = measure.summarise(self._groups.dispatch(rid.group, rid.layer, _alone(probes[key], rid.expert)))
+            except GroupCallFailed as err:
+                log.warning("health: probe of %s failed, it waits for the next round: %s", rid.describe(), err)
+        by_pair: dict[Pair, dict[str, measure.Output]] = {}
+        for rid, output in outputs.items():
+            by_pair.setdefault(rid.pair, {})[rid.group] = output
+        deviations = {pair: measure.deviations({g: o.norms for g, o in outs.items()}) for pair, outs in by_pair.items()}
+        checks = {}
+        for rid, output in outputs.items():
+            seen = observed[rid.group]
+            fingerprint = seen.fingerprints[rid.pair]
+            base = policy.current_baseline(records[rid], fingerprint.loaded) if rid in records else None
+            checks[rid] = Check(
+                at=now,
+                fingerprint=fingerprint.loaded,
+                fingerprint_intact=fingerprint.intact,
+                probe_non_finite=output.non_finite,
+                served_non_finite=seen.view.non_finite_rows.get(rid.pair, 0),
+                norm_mean=output.norm_mean,
+                kl=measure.divergence(output, base) if base is not None else None,
+                candidate=measure.baseline(output, fingerprint.loaded, now, self.config.histogram_bins),
+                deviation=deviations[rid.pair].get(rid.group),
+                replicas=len(by_pair[rid.pair]),
+            )
+        return checks
+
+    def _repair(self, record: ReplicaRecord, view: GroupView, now: float) -> ReplicaRecord:
+        """Reload the replica from the checkpoint on its group and verify it against the reference
+        computed here on the probe: on probation with the verified output as baseline, or still
+        quarantined with the reason."""
+        rid = record.replica
+        hidden = measure.probe(view.hidden_size, self.config.tokens, rid.layer, self.config.seed, view.dtype)
+        try:
+            self._groups.reload(rid.group, rid.pair)
+            out = self._groups.dispatch(rid.group, rid.layer, _alone(hidden, rid.expert))  # [T, H]
+            fingerprint = self._groups.fingerprints(rid.group, [rid.pair])[rid.pair]
+        except GroupCallFailed as err:
+            return policy.repair_failed(record, str(err))
+        reference = self._reference.output(rid.layer, rid.expert, hidden)  # [T, H]
+        difference = canary_difference(reference, out, policy.reference_tolerance(view.dtype))
+        if difference is not None:
+            return policy.repair_failed(
+                record, f"reloaded on {rid.group}, but its output differs from the checkpoint's by max |Δ| {difference:.3g}"
+            )
+        return policy.repaired(record, measure.baseline(measure.summarise(out), fingerprint.loaded, now, self.config.histogram_bins), now)
+
+    # -- settling -----------------------------------------------------------------------------------
+
+    def _settle(self, records: Mapping[ReplicaId, ReplicaRecord]) -> tuple[dict[ReplicaId, ReplicaRecord], RoutingTable]:
+        """Publish the table ``records`` ask for, then the records and quarantine entries as that table
+        has them; returns both. A table that keeps changing under us is left for the next round."""
+        table = self._publish(records)
+        settled = policy.mark_withdrawn(records, table)
+        for record in settled.values():
+            rid = record.replica
+            state.save(self._store, record)
+            if record.state.out_of_service:
+                self._store.set_quarantined(
+                    QuarantinedReplica(rid.layer, rid.expert, rid.group, record.state.value, record.reason, record.since, record.withdrawn)
+                )
+            else:
+                self._store.clear_quarantined(rid.layer, rid.expert, rid.group)
+        self._latest = settled
+        return settled, table
+
+    def _publish(self, records: Mapping[ReplicaId, ReplicaRecord]) -> RoutingTable:
+        for _ in range(self._publish_attempts):
+            current = self._table()
+            table = policy.plan_table(current, records)
+            if table is None:
+                return current
+            check_all_hosted(current, table)
+            if self._store.publish_routing_table(table):
+                log.info("health: published routing table v%d", table.version)
+                return table
+        log.warning("health: the routing table kept changing; its edit waits for the next round")
+        return self._table()
+
+    def _note(self, before: ReplicaRecord, after: ReplicaRecord, span) -> ReplicaRecord:
+        """Log and trace a change of state."""
+        if after.state is not before.state:
+            rid = after.replica
+            fields = {
+                "layer": rid.layer,
+                "expert": rid.expert,
+                "group": rid.group,
+                "from": before.state.value,
+                "to": after.state.value,
+                "reason": after.reason,
+            }
+            level = logging.WARNING if after.state is HealthState.QUARANTINED else logging.INFO
+            log.log(level, "health: %s %s -> %s: %s", rid.describe(), before.state, after.state, after.reason, extra={"health": fields})
+            span.add_event("expertmesh.health.transition", {f"expertmesh.health.{k}": v for k, v in fields.items()})
+        return after
+
+    # -- operator commands ----------------------------------------------------------------------------
+
+    def listing(self, layer: int | None = None) -> list[ReplicaStatus]:
+        """Every replica the table lists or the monitor keeps a record of (never checked: a fresh record)."""
+        table = self._table()
+        records = state.load_all(self._store)
+        listed = {ReplicaId(l, e, g) for (l, e), groups in table.replicas.items() for g in groups}
+        return [
+            ReplicaStatus(records.get(rid) or ReplicaRecord(rid), rid in listed)
+            for rid in sorted(listed | set(records))
+            if layer is None or rid.layer == layer
+        ]
+
+    def quarantine(self, layer: int, expert: int, group: str | None = None, reason: str = "") -> list[ReplicaStatus]:
+        """Take ``group``'s replica (default: every replica) of the expert out of service now; it stays
+        quarantined until ``release``."""
+        with self._lock, tracer().start_as_current_span("expertmesh.health.quarantine") as span:
+            now = self._clock()
+            table = self._table()
+            pair = (layer, expert)
+            if pair not in table.replicas:
+                raise QuarantineRefused(f"layer {layer} expert {expert} is not in routing table v{table.version}")
+            records = state.load_all(self._store)
+            known = set(table.replicas[pair]) | {rid.group for rid, r in records.items() if rid.pair == pair and r.withdrawn}
+            if group is not None and group not in known:
+                raise QuarantineRefused(f"group {group!r} does not serve layer {layer} expert {expert} (replicas: {sorted(known)})")
+            targets = [ReplicaId(layer, expert, g) for g in ([group] if group is not None else table.replicas[pair])]
+            for rid in targets:
+                before = records.get(rid) or ReplicaRecord(rid, since=now)
+                after = policy.quarantine(before, Initiator.OPERATOR, reason or "quarantined by an operator", now)
+                records[rid] = self._note(before, after, span)
+            self._settle(records)
+        return self._statuses(targets)
+
+    def release(self, layer: int, expert: int, group: str | None = None) -> list[ReplicaStatus]:
+        """Repair the expert's quarantined replicas (on ``group`` only, if given): reload, verify,
+        probation. One that fails verification stays quarantined, with the reason."""
+        with self._lock, tracer().start_as_current_span("expertmesh.health.release") as span:
+            now = self._clock()
+            records = state.load_all(self._store)
+            targets = sorted(
+                rid
+                for rid, r in records.items()
+                if rid.pair == (layer, expert) and (group is None or rid.group == group) and r.state is HealthState.QUARANTINED
+            )
+            if not targets:
+                where = f" on {group!r}" if group is not None else ""
+                raise QuarantineRefused(f"no quarantined replica of layer {layer} expert {expert}{where}")
+            for rid in targets:
+                try:
+                    view = self._groups.describe(rid.group)
+                except GroupCallFailed as err:
+                    records[rid] = policy.repair_failed(records[rid], str(err))
+                    continue
+                records[rid] = self._note(records[rid], self._repair(records[rid], view, now), span)
+            self._settle(records)
+        return self._statuses(targets)
+
+    def _statuses(self, targets: list[ReplicaId]) -> list[ReplicaStatus]:
+        wanted = set(targets)
+        return [s for s in self.listing(targets[0].layer) if s.record.replica in wanted]
+
+    # -- gauges -----------------------------------------------------------------------------------------
+
+    def _health_gauge(self, options: CallbackOptions) -> list[Observation]:
+        worst: dict[Pair, float] = {}
+        for rid, r in self._latest.items():
+            worst[rid.pair] = min(worst.get(rid.pair, 1.0), policy.SCORE[r.state])
+        return [Observation(score, {"layer": layer, "expert": expert}) for (layer, expert), score in sorted(worst.items())]
+
+    def _kl_gauge(self, options: CallbackOptions) -> list[Observation]:
+        largest: dict[Pair, float] = {}
+        for rid, r in self._latest.items():
+            if r.kl is not None:
+                largest[rid.pair] = max(largest.get(rid.pair, 0.0), r.kl)
+        return [Observation(kl, {"layer": layer, "expert": expert}) for (layer, expert), kl in sorted(largest.items())]
+
+    # -- the loop -----------------------------------------------------------------------------------------
+
+    def start(self) -> HealthMonitor:
+        """A round every ``interval_s`` until ``stop``."""
+        self._thread = threading.Thread(target=self._loop, name="expertmesh-health", daemon=True)
+        self._thread.start()
+        log.info("health monitor checking every %g s (%d probe tokens per replica)", self.config.interval_s, self.config.tokens)
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.interval_s):
+            try:
+                self.update()
+            except Exception:  # the next round tries again
+                log.exception("health round failed; next round in %g s", self.config.interval_s)
+
+    def stop(self) -> None:
+        """Stop the loop (a round under way finishes first) and close the group channels."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._groups.close()

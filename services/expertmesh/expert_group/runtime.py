@@ -1,0 +1,131 @@
+"""One expert group running in this process, however the process was started.
+
+``RunningGroup`` is what a group process does: pin to its NUMA node, take over
+its deployer's environment, load its experts, serve every Dispatch path
+(``service.GroupServer``) and keep its address registered in the state store.
+The Ray Serve replica (``deployment``) and the plain process of ``expertmesh
+group serve`` (``serve_cli``: a Kubernetes Deployment without KubeRay, or the GPU
+benchmark, where Ray is not installed) are both this, so neither imports the
+other's machinery: nothing here needs Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    model_path: str
+    pairs: tuple[tuple[int, int], ...]
+    dtype: str = "float32"
+    #: address the gRPC server binds; 0.0.0.0 advertises the node's IP instead
+    host: str = "127.0.0.1"
+    #: CPUs the group may use: Ray's reservation, and the group's torch intra-op threads
+    num_cpus: float = 0.25
+    num_gpus: float = 0
+    port: int = 0  # 0: any free port
+    #: Ray custom resources the replica needs, e.g. {"expertmesh.io/island-nvl-0": 1}
+    resources: dict[str, float] = field(default_factory=dict)
+    #: shared state store the replica registers its address in; None when the driver collects addresses
+    state_url: str | None = None
+    #: NUMA node whose CPUs the replica pins itself to (its GPUs' node)
+    numa: int | None = None
+    #: environment the replica takes over from the process that deployed it: OTEL_* (so its traces
+    #: join the router's) and EXPERTMESH_TLS_* / EXPERTMESH_ADMIN_* (so it serves as the router dials)
+    inherited_env: dict[str, str] = field(default_factory=dict)
+    #: most bytes of expert weights the group holds; LoadExperts past it is refused. None: unlimited
+    budget_bytes: int | None = None
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """Linux cpulist format ("0-3,8,10-11") -> CPU ids."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if "-" in part:
+            lo, hi = part.split("-")
+            cpus.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            cpus.append(int(part))
+    return cpus
+
+
+def pin_to_numa_node(numa: int, sysfs: str = "/sys/devices/system/node") -> list[int]:
+    """Pin this process to the CPUs of NUMA node ``numa``; returns them ([] when the node is unknown here)."""
+    try:
+        with open(f"{sysfs}/node{numa}/cpulist") as f:
+            cpus = parse_cpulist(f.read())
+    except OSError:
+        log.warning("NUMA node %d is not known on this host; not pinning CPUs", numa)
+        return []
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
+def node_ip() -> str:
+    """This host's address as other hosts reach it: the source address of its default route
+    (no packet is sent), else the address its name resolves to, else loopback."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: routing decides the source, nothing is sent
+            return probe.getsockname()[0]
+    except OSError:
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+
+class RunningGroup:
+    """``spec``'s group serving in this process; ``address`` is what routers dial. ``advertise``
+    gives the address to advertise when the server binds every interface (0.0.0.0 or ::)."""
+
+    def __init__(self, spec: GroupSpec, advertise: Callable[[], str] = node_ip):
+        import torch
+
+        from expertmesh.checkpoint import Checkpoint
+        from expertmesh.expert_group.hosted import HostedExperts
+        from expertmesh.expert_group.service import start_server
+        from expertmesh.telemetry import setup as setup_telemetry
+
+        if spec.numa is not None:
+            pin_to_numa_node(spec.numa)
+        os.environ.update(spec.inherited_env)
+        self._telemetry = setup_telemetry("expertmesh-expert-group")
+        self._registration = None
+        self.server = None
+        # Intra-op threads follow the CPU share: oversubscribing a small host costs more than it gains.
+        torch.set_num_threads(max(1, int(spec.num_cpus)))
+        self.device = "cuda" if spec.num_gpus and torch.cuda.is_available() else "cpu"
+        try:
+            self.hosted = HostedExperts(
+                Checkpoint(spec.model_path), getattr(torch, spec.dtype), self.device, spec.budget_bytes
+            )
+            self.hosted.load(list(spec.pairs))
+            self.server, port = start_server(spec.name, self.hosted, host=spec.host, port=spec.port)
+            self.address = f"{advertise() if spec.host in ('0.0.0.0', '::') else spec.host}:{port}"
+            if spec.state_url:
+                from expertmesh.expert_group.registration import EndpointRegistration
+                from expertmesh.state import open_store
+
+                self._registration = EndpointRegistration(open_store(spec.state_url), spec.name, self.address).start()
+        except BaseException:
+            self.stop()
+            raise
+        log.info("expert group %s: %d experts on %s, serving %s", spec.name, len(spec.pairs), self.device, self.address)
+
+    def stop(self) -> None:
+        if self._registration is not None:
+            self._registration.stop()
+            self._registration = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self._telemetry.shutdown()

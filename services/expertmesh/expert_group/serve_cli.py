@@ -1,0 +1,94 @@
+"""``expertmesh group serve``: one expert group as a plain process.
+
+The same group a Ray Serve replica runs (``runtime.RunningGroup``: every
+Dispatch path, the admin RPCs behind their authorisation, TLS from
+``EXPERTMESH_TLS_*``), started without Ray: a Kubernetes Deployment without
+KubeRay, a machine without Ray (the GPU benchmark), or by hand. With
+``--state-url`` it registers its address in the shared store as a RayService
+replica does, again every few seconds. Either way it prints one line on stdout
+once it serves, then runs until SIGTERM or Ctrl-C:
+
+    expertmesh group g0 is serving 8 experts on 10.0.0.5:50100 (pid 4242)
+
+Which experts: ``--placement FILE`` names the groups and their experts; without
+it the model's experts are split contiguously into ``--groups N`` groups named
+g0, g1, ... (as ``expertmesh up`` splits them). ``--group`` picks this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+
+from expertmesh.expert_group.runtime import GroupSpec, RunningGroup
+
+BANNER = re.compile(r"expertmesh group (\S+) is serving \d+ experts on (\S+) \(pid (\d+)\)")
+
+
+def add_command(commands) -> None:
+    group = commands.add_parser("group", help="expert groups outside Ray")
+    sub = group.add_subparsers(dest="group_command", required=True, metavar="COMMAND")
+    p = sub.add_parser("serve", help="serve one expert group as a plain process (the gRPC server Ray Serve runs)")
+    p.add_argument("--model", type=Path, help="local checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--group", required=True, help="the group to serve, as the placement names it (g0, g1, ... with --groups)")
+    p.add_argument("--placement", type=Path, help="placement YAML (groups -> layer/expert pairs)")
+    p.add_argument("--groups", type=int, default=2, help="without --placement: groups of the contiguous split (default 2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--host", help="address to bind (default 127.0.0.1); 0.0.0.0 advertises this host's IP")
+    p.add_argument("--port", type=int, help="port to bind (default: any free one, printed)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads of the group (default 1)")
+    p.add_argument("--gpu", action="store_true", help="compute on the first GPU this process sees (CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--state-url", help="register the group's address in this shared store (redis://host:port/db)")
+    p.add_argument("--budget-bytes", type=int, help="most bytes of expert weights the group may hold (default: unlimited)")
+    p.set_defaults(run=_main)
+
+
+def group_spec(args: argparse.Namespace) -> GroupSpec:
+    """The group ``args`` describe, checked against the checkpoint; unset flags keep GroupSpec's defaults."""
+    from expertmesh import placement as placement_mod
+    from expertmesh.checkpoint import Checkpoint
+    from expertmesh.embedded import default_checkpoint
+    from expertmesh.errors import PlacementError
+
+    checkpoint = Checkpoint(args.model or default_checkpoint())
+    spec = checkpoint.spec
+    if args.placement is not None:
+        placement = placement_mod.load(args.placement, spec)
+    else:
+        placement = placement_mod.contiguous(spec, args.groups)
+    placement_mod.validate(placement, spec)
+    if args.group not in placement.groups:
+        raise PlacementError(f"the placement has no group {args.group!r}; its groups: {', '.join(sorted(placement.groups))}")
+    given = {
+        "dtype": args.dtype,
+        "host": args.host,
+        "port": args.port,
+        "num_cpus": args.threads,
+        "num_gpus": 1 if args.gpu else None,
+        "state_url": args.state_url,
+        "budget_bytes": args.budget_bytes,
+    }
+    return GroupSpec(
+        name=args.group,
+        model_path=str(checkpoint.path.resolve()),
+        pairs=placement.groups[args.group],
+        **{k: v for k, v in given.items() if v is not None},
+    )
+
+
+def _main(args: argparse.Namespace) -> int:
+    spec = group_spec(args)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    group = RunningGroup(spec)
+    try:
+        print(f"expertmesh group {spec.name} is serving {len(spec.pairs)} experts on {group.address} (pid {os.getpid()})", flush=True)
+        stop.wait()
+    finally:
+        group.stop()
+    return 0

@@ -1,0 +1,243 @@
+"""Dispatch to a group on this host through shared memory (its server: ``expert_group.local_server``).
+
+Each connection to the group's unix socket owns one buffer both processes map.
+A call writes its tensors into the buffer once (the hidden rows are gathered
+straight into it), sends a frame of a few hundred bytes and waits for the
+answer frame; the partial sums are then read out of the buffer. Connections are
+pooled per group, one per call in flight.
+
+Buffers are sized from the message: the next power of two that holds the call
+and its answer (at least ``MIN_BUFFER_BYTES``), grown when a call needs more and
+shrunk after ``SHRINK_AFTER`` calls in a row that needed less than an eighth, so
+one large prefill does not pin its buffer for good. A buffer is a memfd (no name
+in /dev/shm, nothing left behind if a process dies, freed when both sides let
+go), or GPU memory shared by CUDA IPC when the request's hidden states are on
+the GPU the group computes on (``shared_buffer.gpu_uuid``, the device query); a
+CUDA buffer that cannot be made falls back to a memfd for good.
+
+Anything wrong with the path itself (connect, token, socket, a buffer too
+large) raises ``PathBroken`` so the call goes over gRPC; a deadline is
+DEADLINE_EXCEEDED and ends the connection (the group may still write into its
+buffer); an answer that does not read is a GroupReply with a problem.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+
+import grpc
+import torch
+
+from expertmesh import shared_buffer, wire, wire_frames
+from expertmesh.errors import InvalidRequest
+from expertmesh.router.transport import GroupReply, GroupRequest, PathBroken, TransportError, status_code
+from expertmesh.router.transport_stream import request_frame
+from expertmesh.v1 import experts_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MIN_BUFFER_BYTES = 64 * 1024
+#: calls in a row needing less than 1/SHRINK_RATIO of the buffer before it is replaced by a smaller one
+SHRINK_AFTER = 64
+SHRINK_RATIO = 8
+#: idle connections kept per group
+MAX_IDLE = 4
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _size_for(need: int) -> int:
+    return max(MIN_BUFFER_BYTES, 1 << (need - 1).bit_length())
+
+
+class _Connection:
+    def __init__(self, path: str, token: bytes):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.buffer: torch.Tensor | None = None  # [bytes] uint8
+        self.kind = "shm"
+        self._fd: int | None = None  # a new memfd, passed with the next frame
+        self._handle: pb.CudaIpcHandle | None = None  # a new CUDA buffer's handle, likewise
+        self._small = 0
+        try:
+            self.sock.settimeout(CONNECT_TIMEOUT_S)
+            self.sock.connect(path)
+            self.sock.send(pb.DispatchFrame(token=token).SerializeToString())
+            hello = wire_frames.parse_header(self.sock.recv(wire_frames.MAX_HEADER_BYTES))
+        except (OSError, InvalidRequest) as err:
+            self.close()
+            raise PathBroken(f"cannot connect to the group's shared-memory socket {path}: {err}") from None
+        if hello.code:
+            self.close()
+            raise PathBroken(f"the group refused the shared-memory connection: {hello.message}")
+
+    def _ensure(self, need: int, device: torch.device, use_cuda: bool) -> None:
+        """A buffer of ``need`` bytes or more, on ``device`` when ``use_cuda``; new ones go out with the next frame."""
+        cuda = use_cuda and device.type == "cuda"
+        size = 0 if self.buffer is None else self.buffer.numel()
+        if self.buffer is not None and self.buffer.is_cuda == cuda and need <= size:
+            self._small = self._small + 1 if need * SHRINK_RATIO < size else 0
+            if self._small < SHRINK_AFTER or size == MIN_BUFFER_BYTES:
+                return
+        self._small = 0
+        size = _size_for(need)
+        if size > shared_buffer.MAX_BUFFER_BYTES:
+            raise PathBroken(f"a call of {need} bytes is over the {shared_buffer.MAX_BUFFER_BYTES}-byte shared buffer limit")
+        self.buffer = None  # let the old mapping go before the new one is made
+        self._discard_fd()
+        if cuda:
+            self.buffer, self._handle = shared_buffer.create_cuda(size, device)
+            self.kind = "cuda-ipc"
+        else:
+            self.buffer, self._fd = shared_buffer.create_memfd(size)
+            self.kind = "shm"
+
+    def start(self, call_id: int, request: GroupRequest, use_cuda: bool) -> int:
+        """Write the call into the buffer and send its frame; returns the answer's offset."""
+        rows = pb.TensorMeta(
+            dtype=wire.dtype_to_proto(request.hidden.dtype),
+            shape=[request.tokens.numel(), request.hidden.shape[1]],
+            nbytes=request.row_bytes,
+        )
+        metas = [rows, wire_frames.meta(request.expert_ids), wire_frames.meta(request.weights)]
+        answer_offset = wire_frames.span(metas)
+        self._ensure(answer_offset + request.row_bytes, request.hidden.device, use_cuda)
+        hidden, ids, weights = wire_frames.views(self.buffer, metas, wire_frames.REQUEST_TENSORS)  # [Tg, H], [Tg, K] x2
+        if hidden.device == request.hidden.device:
+            request.rows(out=hidden)
+        else:
+            hidden.copy_(request.rows())
+        ids.copy_(request.expert_ids)
+        weights.copy_(request.weights)
+        if self.buffer.is_cuda:
+            torch.cuda.current_stream(self.buffer.device).synchronize()
+        frame = request_frame(call_id, request)
+        frame.tensors.extend(metas)
+        frame.buffer_bytes, frame.answer_offset = self.buffer.numel(), answer_offset
+        if self._handle is not None:
+            frame.cuda_buffer.CopyFrom(self._handle)
+            self._handle = None
+        data = frame.SerializeToString()
+        try:
+            if self._fd is not None:
+                socket.send_fds(self.sock, [data], [self._fd])
+                self._discard_fd()
+            else:
+                self.sock.send(data)
+        except OSError as err:
+            raise PathBroken(f"the shared-memory socket failed: {err}") from None
+        return answer_offset
+
+    def finish(self, call_id: int, answer_offset: int, timeout_s: float) -> GroupReply:
+        """The answer to the call in flight. Raises TransportError, or PathBroken when the socket broke."""
+        self.sock.settimeout(max(timeout_s, 1e-3))
+        try:
+            data = self.sock.recv(wire_frames.MAX_HEADER_BYTES)
+        except TimeoutError:
+            raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:.3g}s") from None
+        except OSError as err:
+            raise PathBroken(f"the shared-memory socket failed: {err}") from None
+        if not data:
+            raise PathBroken("the group closed the shared-memory connection")
+        try:
+            frame = wire_frames.parse_header(data)
+            if frame.call_id != call_id:
+                raise InvalidRequest(f"the answer is to call {frame.call_id}, not {call_id}")
+            if frame.code:
+                raise TransportError(status_code(frame.code), frame.message)
+            (partial,) = wire_frames.views(self.buffer, frame.tensors, wire_frames.ANSWER_TENSORS, start=answer_offset)
+        except InvalidRequest as err:
+            return GroupReply(None, len(data), str(err))
+        return GroupReply(partial.clone(), len(data) + partial.numel() * partial.element_size())
+
+    def _discard_fd(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        self._discard_fd()
+        self.sock.close()
+        self.buffer = None
+
+
+class _LocalPending:
+    def __init__(self, path: "LocalPath", conn: _Connection, call_id: int, answer_offset: int, timeout_s: float):
+        self._path, self._conn, self._call_id, self._offset = path, conn, call_id, answer_offset
+        self._deadline = time.monotonic() + timeout_s
+        self.transport = conn.kind
+
+    def result(self) -> GroupReply:
+        try:
+            reply = self._conn.finish(self._call_id, self._offset, self._deadline - time.monotonic())
+        except TransportError as err:
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._conn.close()  # the group may still answer into this buffer: never reuse it
+            else:
+                self._path.release(self._conn)
+            raise
+        except PathBroken:
+            self._conn.close()
+            raise
+        if reply.problem:
+            self._conn.close()  # out of step with the group: start afresh
+        else:
+            self._path.release(self._conn)
+        return reply
+
+
+class LocalPath:
+    """Calls to one group on this host: its shared-memory socket ``path`` with ``token``. ``gpu_uuid``:
+    the group's GPU ("" on CPU); requests whose hidden states are on it use CUDA IPC buffers."""
+
+    def __init__(self, path: str, token: bytes, gpu_uuid: str = ""):
+        self._path, self._token, self._gpu = path, token, gpu_uuid
+        self._lock = threading.Lock()
+        self._idle: list[_Connection] = []
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._cuda_ok = True
+        self.name = "shm"
+
+    def send(self, request: GroupRequest, timeout_s: float) -> _LocalPending:
+        use_cuda = self._cuda_ok and bool(self._gpu) and shared_buffer.gpu_uuid(request.hidden.device) == self._gpu
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        conn = conn or _Connection(self._path, self._token)
+        call_id = next(self._ids)
+        try:
+            offset = self._start(conn, call_id, request, use_cuda)
+        except BaseException:
+            conn.close()
+            raise
+        self.name = conn.kind
+        return _LocalPending(self, conn, call_id, offset, timeout_s)
+
+    def _start(self, conn: _Connection, call_id: int, request: GroupRequest, use_cuda: bool) -> int:
+        try:
+            return conn.start(call_id, request, use_cuda)
+        except PathBroken:
+            raise
+        except Exception as err:
+            if not use_cuda:
+                raise PathBroken(f"the shared buffer failed: {type(err).__name__}: {err}") from None
+            log.warning("CUDA IPC to the group failed (%s: %s); its calls use shared host memory", type(err).__name__, err)
+            self._cuda_ok = False
+            return self._start(conn, call_id, request, use_cuda=False)
+
+    def release(self, conn: _Connection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()

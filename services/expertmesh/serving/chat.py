@@ -1,0 +1,34 @@
+"""Chat messages to prompt token ids, with the checkpoint's own chat template.
+
+The template is the model's contract for turning a conversation into tokens
+(role markers, special tokens, where the assistant's turn begins). Guessing one
+would feed the model text it was never trained on and answer with status OK,
+so a checkpoint without ``tokenizer.chat_template`` refuses chat requests with
+a 400 that says so and points at ``/v1/completions``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jinja2 import TemplateError
+
+from expertmesh.serving.openai_errors import ApiError
+from expertmesh.serving.openai_schema import ChatMessage
+
+
+def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage], model: str) -> list[int]:
+    """The token ids of ``messages`` rendered by the model's chat template, ending where the assistant's turn starts."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ApiError.bad_request(
+            f"the model {model} has no chat template (tokenizer.chat_template), so chat messages cannot be "
+            "turned into its prompt format; send a plain prompt to /v1/completions instead",
+            param="messages",
+            code="chat_template_missing",
+        )
+    conversation = [message.model_dump(exclude_none=True) for message in messages]
+    try:
+        encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)
+    except TemplateError as err:  # templates refuse what they cannot render (e.g. a system message) with raise_exception
+        raise ApiError.bad_request(f"the model's chat template refused these messages: {err}", param="messages") from None
+    return list(encoded["input_ids"])

@@ -1,0 +1,303 @@
+"""The OpenAI-compatible HTTP API of a router, with ``/health`` and ``/metrics``: a
+Starlette app over the same engine as the gRPC API.
+
+| route | answers |
+| --- | --- |
+| ``POST /v1/completions`` | a text completion, whole or streamed (server-sent events) |
+| ``POST /v1/chat/completions`` | a chat completion through the checkpoint's chat template |
+| ``GET /v1/models``, ``/v1/models/{model}`` | the one model this router serves |
+| ``GET /health`` | readiness (``readiness``): 200 when ready, else 503 with the reasons |
+| ``GET /health/live`` | 200 while the process answers (liveness) |
+| ``GET /metrics`` | Prometheus text of this process's OpenTelemetry meters |
+
+Bodies are read up to a size limit (413 past it) and parsed by the pydantic
+models of ``openai_schema``. A streamed response waits for the engine's first
+event before it commits to 200, so an error before the first token keeps its
+HTTP status; a later one arrives as an ``{"error": ...}`` event before
+``data: [DONE]``. A client that hangs up, streaming or not, cancels its engine
+sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, Awaitable, TypeVar
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from expertmesh.config import ServingConfig
+from expertmesh.serving.async_events import sequence_events
+from expertmesh.serving.engine import ErrorEvent, Event, FinishEvent, TokenEvent
+from expertmesh.serving.openai_adapter import (
+    ChatShapes,
+    CompletionShapes,
+    OpenAIAdapter,
+    Shapes,
+    finish_reason,
+    request_id,
+    usage,
+)
+from expertmesh.serving.openai_errors import ApiError
+from expertmesh.serving.openai_schema import (
+    MAX_TOKENS_CAP,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationFields,
+    ModelList,
+)
+from expertmesh.serving.readiness import Readiness
+from expertmesh.telemetry.setup import meter
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=GenerationFields)
+T = TypeVar("T")
+
+#: the status logged for a request whose client hung up first (nginx's "client closed request")
+CLIENT_CLOSED = 499
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was ready."""
+
+
+class HttpApi:
+    def __init__(self, adapter: OpenAIAdapter, readiness: Readiness, config: ServingConfig):
+        self._adapter = adapter
+        self._readiness = readiness
+        self._config = config
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self._model, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/health/live", self._live, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+            ],
+            middleware=[Middleware(ResponseCounter)],
+            exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        )
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def _completions(self, request: Request) -> Response:
+        body = await self._parse(request, CompletionRequest)
+        self._adapter.check_model(body.model)
+        ids = await run_in_threadpool(self._adapter.completion_prompt, body.prompt)
+        return await self._generate(request, body, ids, CompletionShapes(request_id("cmpl"), body.model))
+
+    async def _chat(self, request: Request) -> Response:
+        body = await self._parse(request, ChatCompletionRequest)
+        self._adapter.check_model(body.model)
+        ids = await run_in_threadpool(self._adapter.chat_prompt, body.messages)
+        return await self._generate(request, body, ids, ChatShapes(request_id("chatcmpl"), body.model))
+
+    async def _generate(self, request: Request, body: GenerationFields, ids: list[int], shapes: Shapes) -> Response:
+        started = time.monotonic()
+        seq = self._adapter.submit(self._adapter.generation_request(body, ids, shapes.id))
+        events = sequence_events(seq)
+        try:
+            if body.streaming:
+                first = await _unless_disconnected(request, anext(events))
+            else:
+                text, final = await _unless_disconnected(request, _collect(events))
+        except ClientGone:
+            log.info("request %s cancelled: the client went away", shapes.id)
+            return Response(status_code=CLIENT_CLOSED)
+        if not body.streaming:
+            self._log_finished(shapes.id, final, started)
+            return _json(shapes.whole(text, finish_reason(final.reason), usage(final)))
+        if isinstance(first, ErrorEvent):
+            raise ApiError.from_grpc(first.code, first.message)
+        return StreamingResponse(
+            self._stream(first, events, shapes, body.include_usage, started),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # no proxy may hold tokens back
+        )
+
+    async def _stream(
+        self, first: Event, events: AsyncIterator[Event], shapes: Shapes, include_usage: bool, started: float
+    ) -> AsyncIterator[bytes]:
+        event = first
+        try:
+            for chunk in shapes.opening():
+                yield _sse(chunk)
+            while isinstance(event, TokenEvent):
+                if event.text:
+                    yield _sse(shapes.delta(event.text))
+                event = await anext(events)
+            if isinstance(event, FinishEvent):
+                yield _sse(shapes.closing(finish_reason(event.reason)))
+                if include_usage:
+                    yield _sse(shapes.usage_only(usage(event)))
+                self._log_finished(shapes.id, event, started)
+            elif isinstance(event, ErrorEvent):
+                yield _sse(ApiError.from_grpc(event.code, event.message).body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            if isinstance(event, TokenEvent):
+                log.info("request %s cancelled: the client went away mid-stream", shapes.id)
+            await events.aclose()  # cancels the sequence unless it ended
+
+    @staticmethod
+    def _log_finished(rid: str, event: FinishEvent, started: float) -> None:
+        elapsed = time.monotonic() - started
+        log.info(
+            "request %s finished (%s): %d prompt + %d completion tokens in %.3fs",
+            rid, event.reason, event.prompt_tokens, event.completion_tokens, elapsed,
+            extra={
+                "request_id": rid,
+                "finish_reason": event.reason,
+                "prompt_tokens": event.prompt_tokens,
+                "completion_tokens": event.completion_tokens,
+                "duration_s": round(elapsed, 6),
+            },
+        )
+
+    async def _parse(self, request: Request, model: type[R]) -> R:
+        raw = await self._body(request)
+        try:
+            return model.model_validate_json(raw, context={MAX_TOKENS_CAP: self._config.max_new_tokens_cap})
+        except ValidationError as err:
+            raise ApiError.from_validation(err) from None
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused with 413 as soon as it is known to pass the limit."""
+        limit = self._config.http_max_body_bytes
+        too_large = ApiError(
+            413, f"the request body is larger than this server's limit of {limit} bytes", code="request_too_large"
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # -- models, health, metrics -------------------------------------------------------------
+
+    async def _models(self, request: Request) -> Response:
+        return _json(ModelList(data=[self._adapter.model.card()]))
+
+    async def _model(self, request: Request) -> Response:
+        self._adapter.check_model(request.path_params["model"])
+        return _json(self._adapter.model.card())
+
+    async def _health(self, request: Request) -> Response:
+        report = await run_in_threadpool(self._readiness.report)  # store and group checks block
+        return JSONResponse(report.model_dump(mode="json"), status_code=200 if report.ready else 503)
+
+    async def _live(self, request: Request) -> Response:
+        return JSONResponse({"status": "alive"})
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(await run_in_threadpool(generate_latest), media_type=CONTENT_TYPE_LATEST)
+
+
+class ResponseCounter:
+    """ASGI middleware: counts responses by route template and status (``expertmesh.http.responses``)."""
+
+    def __init__(self, app: ASGIApp):
+        self._app = app
+        self._responses = meter().create_counter(
+            "expertmesh.http.responses", description="HTTP API responses, by route and status"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        status = 500  # unless a response starts: an exception escaped
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, sending)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")  # templates, not paths: bounded labels
+            self._responses.add(1, {"route": route, "status": status})
+
+
+async def _collect(events: AsyncIterator[Event]) -> tuple[str, FinishEvent]:
+    """The whole text and the finish event; an error event raises its ApiError."""
+    texts = []
+    async for event in events:  # ends with the final event
+        if isinstance(event, TokenEvent):
+            texts.append(event.text)
+    if isinstance(event, ErrorEvent):
+        raise ApiError.from_grpc(event.code, event.message)
+    return "".join(texts), event
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or ClientGone when the client hangs up first (``work`` is cancelled,
+    which cancels its engine sequence)."""
+    task = asyncio.ensure_future(work)
+    hangup = asyncio.ensure_future(_hung_up(request))
+    try:
+        done, _ = await asyncio.wait((task, hangup), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        hangup.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _json(model: BaseModel) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"))
+
+
+def _sse(model: BaseModel) -> bytes:
+    return b"data: " + model.model_dump_json().encode() + b"\n\n"
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    response = ApiError(exc.status_code, message, code=code).response()
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug must not answer in a shape SDKs cannot read; Starlette logs the traceback after this."""
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal").response()

@@ -1,0 +1,212 @@
+"""Between OpenAI's shapes and the engine.
+
+A completion or chat request becomes a ``GenerationRequest``, checked against
+the model (vocabulary, context) and the server's limits as the gRPC API checks
+its own, so both refuse the same request for the same reason. The engine's
+finish reasons become OpenAI's ("eos" and "stop" are "stop"; "context" is
+"length"), and ``CompletionShapes`` / ``ChatShapes`` build each endpoint's
+whole response and stream chunks from the same few facts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from expertmesh.config import ServingConfig
+from expertmesh.errors import ExpertMeshError
+from expertmesh.serving.chat import chat_prompt_ids
+from expertmesh.serving.engine import Engine, FinishEvent, GenerationRequest
+from expertmesh.serving.engine import Sequence as EngineSequence
+from expertmesh.serving.openai_errors import ApiError
+from expertmesh.serving.openai_schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessage,
+    Completion,
+    CompletionChoice,
+    FinishReason,
+    ModelCard,
+    Prompt,
+    Usage,
+    GenerationFields,
+)
+from expertmesh.serving.sampling import SamplingParams
+
+_FINISH: dict[str, FinishReason] = {"length": "length", "context": "length", "stop": "stop", "eos": "stop"}
+
+# OpenAI's defaults where a request leaves a sampling field out or null
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+
+
+def finish_reason(engine_reason: str) -> FinishReason:
+    return _FINISH[engine_reason]
+
+
+def usage(event: FinishEvent) -> Usage:
+    return Usage(
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        total_tokens=event.prompt_tokens + event.completion_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The one model a router serves, as ``/v1/models`` lists it."""
+
+    name: str
+    vocab_size: int
+    max_context: int
+    #: unix seconds this server started serving it (OpenAI's ``created`` of a model)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.name, created=self.created)
+
+
+class OpenAIAdapter:
+    def __init__(self, engine: Engine, tokenizer, model: ServedModel, config: ServingConfig):
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self.model = model
+        self._config = config
+
+    def check_model(self, name: str) -> None:
+        if name != self.model.name:
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist here; this server serves {self.model.name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- prompts -----------------------------------------------------------------------
+
+    def completion_prompt(self, prompt: Prompt) -> list[int]:
+        if prompt.text is not None:
+            if self._tokenizer is None:
+                raise ApiError.bad_request(
+                    "this model has no tokenizer; send the prompt as a list of token ids", param="prompt"
+                )
+            return list(self._tokenizer(prompt.text)["input_ids"])
+        return list(prompt.token_ids or [])
+
+    def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+        return chat_prompt_ids(self._tokenizer, messages, self.model.name)
+
+    # -- generation ----------------------------------------------------------------------
+
+    def generation_request(self, body: GenerationFields, prompt_ids: list[int], request_id: str) -> GenerationRequest:
+        """Field ranges and the token cap are the schema's; what needs the model is checked here."""
+        model = self.model
+        param = body.PROMPT_FIELD
+        if not prompt_ids:
+            raise ApiError.bad_request("the prompt is empty", param=param)
+        bad = [i for i in prompt_ids if i >= model.vocab_size]
+        if bad:
+            raise ApiError.bad_request(
+                f"token ids {bad[:5]} are outside the vocabulary (0-{model.vocab_size - 1})", param=param
+            )
+        if len(prompt_ids) >= model.max_context:
+            raise ApiError.bad_request(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {model.max_context} tokens, "
+                "leaving no room for a new one",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if body.stop and self._tokenizer is None:
+            raise ApiError.bad_request("stop sequences need the model's tokenizer, and this model has none", param="stop")
+        max_new = body.max_new_tokens
+        return GenerationRequest(
+            request_id=request_id,
+            prompt_ids=tuple(prompt_ids),
+            max_new_tokens=self._config.default_max_new_tokens if max_new is None else max_new,
+            sampling=SamplingParams(
+                temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+                top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
+                top_k=body.top_k or 0,
+                seed=body.seed,
+            ),
+            stop=tuple(body.stop),
+            stop_at_eos=not body.ignore_eos,
+        )
+
+    def submit(self, request: GenerationRequest) -> EngineSequence:
+        """The engine's sequence; a full or draining engine is a 429 or 503."""
+        try:
+            return self._engine.submit(request)
+        except ExpertMeshError as err:
+            raise ApiError.from_grpc(err.code, str(err)) from None
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+# -- response shapes ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompletionShapes:
+    """``/v1/completions``: one ``text_completion`` object, whole or per chunk."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _of(self, choices: list[CompletionChoice], used: Usage | None = None) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=used)
+
+    def whole(self, text: str, reason: FinishReason, used: Usage) -> Completion:
+        return self._of([CompletionChoice(text=text, finish_reason=reason)], used)
+
+    def opening(self) -> list[Completion]:
+        return []
+
+    def delta(self, text: str) -> Completion:
+        return self._of([CompletionChoice(text=text)])
+
+    def closing(self, reason: FinishReason) -> Completion:
+        return self._of([CompletionChoice(text="", finish_reason=reason)])
+
+    def usage_only(self, used: Usage) -> Completion:
+        return self._of([], used)
+
+
+@dataclass(frozen=True)
+class ChatShapes:
+    """``/v1/chat/completions``: a ``chat.completion``, or ``chat.completion.chunk``s that open with the role."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _chunk(self, choices: list[ChatChunkChoice], used: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=used)
+
+    def whole(self, text: str, reason: FinishReason, used: Usage) -> ChatCompletion:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=used)
+
+    def opening(self) -> list[ChatCompletionChunk]:
+        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+
+    def delta(self, text: str) -> ChatCompletionChunk:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+
+    def closing(self, reason: FinishReason) -> ChatCompletionChunk:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)])
+
+    def usage_only(self, used: Usage) -> ChatCompletionChunk:
+        return self._chunk([], used)
+
+
+Shapes = CompletionShapes | ChatShapes

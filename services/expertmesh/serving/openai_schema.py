@@ -1,0 +1,360 @@
+"""The OpenAI wire shapes of the HTTP API (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models`` and the error body), as pydantic models.
+
+Requests follow OpenAI's rules: unknown fields are ignored (clients and SDKs
+send extras freely), types are strict (``"0.5"`` is not a temperature), and
+``null`` means "the default". Fields OpenAI defines that this server cannot
+honour (``n`` > 1, ``logprobs``, ``best_of``, ``suffix``, ``echo``, penalties,
+``logit_bias``, tools, JSON modes) are refused with an error naming the field
+rather than dropped: a caller who asks for five samples must not get one.
+``top_k`` and ``ignore_eos`` (generate past the end-of-sequence token, for
+benchmarks) are extensions, as in vLLM.
+
+Shapes are left as OpenAI has them, with ``null`` where a field does not apply
+(``logprobs``, ``system_fingerprint``): SDKs parse them with their own models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from expertmesh.serving.sampling import SamplingParams
+from expertmesh.serving.text_stream import stop_problems
+
+#: validation context key: the server's cap on tokens generated per request
+MAX_TOKENS_CAP = "max_tokens_cap"
+
+#: why a generation ended, in OpenAI's words (end-of-sequence and stop strings are both "stop")
+FinishReason = Literal["stop", "length"]
+
+
+def _unsupported(what: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported_parameter", "{what} is not supported by this server", {"what": what})
+
+
+def _as_stop_list(value: Any) -> Any:
+    """OpenAI's ``stop`` is a string, a list of strings, or null."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else value
+
+
+def _stop_limits(stop: list[str]) -> list[str]:
+    problems = stop_problems(stop)
+    if problems:
+        raise PydanticCustomError("invalid_value", "; ".join(problems))
+    return stop
+
+
+Stop = Annotated[list[str], BeforeValidator(_as_stop_list)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    #: one more chunk before ``[DONE]``, with no choices and the request's token usage
+    include_usage: bool | None = None
+
+
+def _within_cap(value: int | None, info: ValidationInfo) -> int | None:
+    cap = (info.context or {}).get(MAX_TOKENS_CAP)
+    if value is not None and cap is not None and value > cap:
+        raise PydanticCustomError("invalid_value", "{value} is above this server's cap of {cap}", {"value": value, "cap": cap})
+    return value
+
+
+class GenerationFields(BaseModel):
+    """What completions and chat completions share; ``None`` takes the server's default.
+    Validate with ``context={MAX_TOKENS_CAP: n}`` to hold ``max_tokens`` to the server's cap."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    #: the field that holds the prompt, named in errors about it
+    PROMPT_FIELD: ClassVar[str]
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: Stop = []
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    _check_stop = field_validator("stop")(_stop_limits)
+    _check_cap = field_validator("max_tokens")(_within_cap)
+
+    @field_validator("temperature")
+    @classmethod
+    def _usable_temperature(cls, temperature: float | None) -> float | None:
+        problems = [] if temperature is None else SamplingParams(temperature=temperature).problems()
+        if problems:
+            raise PydanticCustomError("invalid_value", problems[0])
+        return temperature
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise _unsupported(f"n={n} (one choice per request)")
+        return n
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info) -> float | None:
+        if value not in (None, 0):
+            raise _unsupported(f"a non-zero {info.field_name}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise _unsupported("logit_bias")
+        return bias
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _one_prompt(value: Any) -> Any:
+    """A prompt is a string or a list of token ids; a list holding one of those is that prompt."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, list) and any(isinstance(v, (str, list)) for v in value):
+        raise PydanticCustomError("unsupported_value", "one prompt per request: send a string or one list of token ids")
+    if isinstance(value, str):
+        return {"text": value}
+    if isinstance(value, list):
+        if not all(type(v) is int and v >= 0 for v in value):
+            raise PydanticCustomError("invalid_value", "token ids must be integers >= 0")
+        return {"token_ids": value}
+    raise PydanticCustomError("invalid_type", "the prompt must be a string or a list of token ids")
+
+
+class Prompt(BaseModel):
+    """Exactly one of ``text`` and ``token_ids``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionRequest(GenerationFields):
+    PROMPT_FIELD = "prompt"
+
+    prompt: Annotated[Prompt, BeforeValidator(_one_prompt)]
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise _unsupported(f"best_of={best_of}")
+        return best_of
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool | None) -> bool | None:
+        if echo:
+            raise _unsupported("echo")
+        return echo
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: int | None) -> int | None:
+        if logprobs is not None:
+            raise _unsupported("logprobs")
+        return logprobs
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise _unsupported("suffix")
+        return suffix
+
+
+def _text_content(value: Any) -> Any:
+    """A message's content: a string, or a list of text parts (joined); other parts are refused."""
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for part in value:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise PydanticCustomError("unsupported_value", "only text content parts are supported, got {kind}", {"kind": kind})
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    # Tool and function messages would need tool calling, which this server does not do.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, BeforeValidator(_text_content)]
+    name: str | None = None
+
+
+class ChatCompletionRequest(GenerationFields):
+    PROMPT_FIELD = "messages"
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    _check_completion_cap = field_validator("max_completion_tokens")(_within_cap)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
+        if logprobs:
+            raise _unsupported("logprobs")
+        return logprobs
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, top: int | None) -> int | None:
+        if top is not None:
+            raise _unsupported("top_logprobs")
+        return top
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, tools: list[Any] | None, info) -> list[Any] | None:
+        if tools:
+            raise _unsupported(f"{info.field_name} (tool calling)")
+        return tools
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if fmt is not None and fmt.get("type") != "text":
+            raise _unsupported(f"response_format {fmt.get('type')!r} (only 'text')")
+        return fmt
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """``max_completion_tokens`` is OpenAI's newer name of ``max_tokens``; it wins when both are set."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- responses ----------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class Completion(BaseModel):
+    """A whole completion, and also each chunk of a streamed one (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "expertmesh"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,148 @@
+"""Whether this router can serve a request right now: the body of ``GET /health``.
+
+Ready means: not draining; the state store answers; a routing table is in
+use; and every expert of that table has a replica whose group answers its
+``grpc.health.v1`` check as SERVING. A group that is down while its experts
+are replicated elsewhere leaves the router ready (dispatch routes around it)
+but is reported. Groups are checked in parallel with a short deadline, and a
+report is reused for ``cache_s``, so a burst of probes is not a burst of RPCs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Literal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import BaseModel
+
+from expertmesh.config import TlsConfig
+from expertmesh.expert_group.service import group_channel
+from expertmesh.router.dispatch import ExpertDispatcher
+from expertmesh.security import from_env
+from expertmesh.serving.engine import Engine
+from expertmesh.state import StateStore
+
+GroupState = Literal["serving", "not_serving", "unreachable", "no_endpoint"]
+
+
+class HealthReport(BaseModel):
+    status: Literal["ready", "not_ready", "draining"]
+    #: why the router is not ready (empty when it is)
+    reasons: list[str]
+    routing_table_version: int | None
+    groups: dict[str, GroupState]
+    active_sequences: int
+    queued_requests: int
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+
+class GroupProbe:
+    """``grpc.health.v1`` Check of expert groups, over one channel per address (mutual TLS as configured)."""
+
+    def __init__(self, tls: TlsConfig | None = None, timeout_s: float = 2.0):
+        self._tls = tls if tls is not None else from_env(TlsConfig)
+        self._timeout = timeout_s
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def states(self, groups: tuple[str, ...], endpoints: dict[str, str]) -> dict[str, GroupState]:
+        for address in set(self._channels) - set(endpoints.values()):
+            self._channels.pop(address).close()
+        calls = {}
+        for group in groups:
+            address = endpoints.get(group)
+            if address is None:
+                continue
+            if address not in self._channels:
+                self._channels[address] = group_channel(address, self._tls)
+            stub = health_pb2_grpc.HealthStub(self._channels[address])
+            calls[group] = stub.Check.future(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout)
+        out: dict[str, GroupState] = {}
+        for group in groups:
+            if group not in calls:
+                out[group] = "no_endpoint"
+                continue
+            try:
+                serving = calls[group].result().status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                out[group] = "unreachable"
+            else:
+                out[group] = "serving" if serving else "not_serving"
+        return out
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+
+class Readiness:
+    def __init__(
+        self, store: StateStore, dispatcher: ExpertDispatcher, engine: Engine, probe: GroupProbe | None = None, cache_s: float = 1.0
+    ):
+        self._store = store
+        self._dispatcher = dispatcher
+        self._engine = engine
+        self._probe = probe or GroupProbe()
+        self._cache_s = cache_s
+        self._lock = threading.Lock()
+        self._last: tuple[float, HealthReport] | None = None
+        #: set when the router starts draining: it stops being ready at once
+        self.draining = False
+
+    def report(self) -> HealthReport:
+        with self._lock:  # one check at a time; the others reuse its answer
+            if self._last is not None and time.monotonic() - self._last[0] < self._cache_s and not self.draining:
+                return self._last[1]
+            report = self._check()
+            self._last = (time.monotonic(), report)
+            return report
+
+    def _check(self) -> HealthReport:
+        active, queued = self._engine.load()
+        view = self._dispatcher.view
+        reasons: list[str] = []
+        groups: dict[str, GroupState] = {}
+        try:
+            endpoints = self._store.endpoints()
+        except ConnectionError as err:
+            reasons.append(f"the state store is unreachable: {err}")
+        else:
+            if view is None:
+                reasons.append("no routing table in use yet")
+            else:
+                groups = self._probe.states(view.groups, endpoints)
+                reasons += _unservable(view.holders, view.groups, groups)
+        status = "draining" if self.draining else "not_ready" if reasons else "ready"
+        return HealthReport(
+            status=status,
+            reasons=(["the router is draining and takes no new requests"] if self.draining else []) + reasons,
+            routing_table_version=None if view is None else view.version,
+            groups=groups,
+            active_sequences=active,
+            queued_requests=queued,
+        )
+
+    def close(self) -> None:
+        self._probe.close()
+
+
+def _unservable(
+    holders: dict[tuple[int, int], tuple[int, ...]], names: tuple[str, ...], states: dict[str, GroupState]
+) -> list[str]:
+    """One reason per group whose experts have no serving replica elsewhere. Experts with no
+    replica at all are quarantined and served by the gate's fallback, so they do not count."""
+    stranded: dict[str, int] = {}
+    for replicas in holders.values():
+        if replicas and not any(states.get(names[i]) == "serving" for i in replicas):
+            for i in replicas:
+                stranded[names[i]] = stranded.get(names[i], 0) + 1
+    return [
+        f"expert group {group} is {states[group].replace('_', ' ')} and {n} of its experts have no other serving replica"
+        for group, n in sorted(stranded.items())
+    ]

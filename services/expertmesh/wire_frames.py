@@ -1,0 +1,137 @@
+"""Dispatch frames: the codec of the fast paths (``DispatchFrame`` in experts.proto).
+
+Unary Dispatch copies every tensor into a protobuf ``bytes`` field and out
+again. The fast paths keep protobuf for a small header only:
+
+- on the gRPC stream one message is ``<u32 header length><DispatchFrame><tensor bytes>``
+  (``pack`` / ``split`` + ``read``), the tensors back to back;
+- over shared memory the frame travels alone and its tensors sit in a buffer both
+  processes map, each at a multiple of ``SHARED_ALIGN`` bytes from offset 0
+  (``place`` / ``views``), so they are written once and read in place.
+
+Every reader checks what it is given before it touches a byte: a known dtype,
+no negative dimension, a byte count equal to shape x item size, every tensor
+inside the payload or the buffer. A frame that fails is ``InvalidRequest``
+naming the problem; nothing here trusts the other side.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import torch
+from google.protobuf.message import DecodeError
+
+from expertmesh import wire
+from expertmesh.errors import InvalidRequest
+from expertmesh.v1 import experts_pb2 as pb
+
+HEADER_LENGTH = struct.Struct("<I")
+#: A frame header is a few hundred bytes; anything near this is not one.
+MAX_HEADER_BYTES = 1 << 16
+#: Tensors in a shared buffer start at multiples of this (any dtype's alignment, a cache line).
+SHARED_ALIGN = 64
+REQUEST_TENSORS = ("hidden_states", "expert_ids", "routing_weights")
+ANSWER_TENSORS = ("partial_sums",)
+
+
+def meta(tensor: torch.Tensor) -> pb.TensorMeta:
+    return pb.TensorMeta(
+        dtype=wire.dtype_to_proto(tensor.dtype), shape=list(tensor.shape), nbytes=tensor.numel() * tensor.element_size()
+    )
+
+
+def _checked(metas: Sequence[pb.TensorMeta], names: Sequence[str]) -> list[tuple[torch.dtype, list[int], int]]:
+    if len(metas) != len(names):
+        raise InvalidRequest(f"a dispatch frame must describe {len(names)} tensors ({', '.join(names)}), not {len(metas)}")
+    out = []
+    for m, name in zip(metas, names):
+        dtype, shape, nbytes = wire.layout(m.dtype, m.shape, name)
+        if m.nbytes != nbytes:
+            raise InvalidRequest(f"{name}: {m.nbytes} bytes do not match shape {shape} of {dtype} ({nbytes} bytes expected)")
+        out.append((dtype, shape, nbytes))
+    return out
+
+
+def parse_header(data: bytes | memoryview) -> pb.DispatchFrame:
+    if len(data) > MAX_HEADER_BYTES:
+        raise InvalidRequest(f"a dispatch frame header of {len(data)} bytes is over the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        return pb.DispatchFrame.FromString(bytes(data))
+    except DecodeError as err:
+        raise InvalidRequest(f"the dispatch frame header does not parse: {err}") from None
+
+
+# -- gRPC stream: header and tensors in one message ----------------------------------------
+
+
+def _as_bytes(tensor: torch.Tensor):
+    t = tensor.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
+def pack(frame: pb.DispatchFrame, tensors: Sequence[torch.Tensor] = ()) -> bytes:
+    """One stream message: ``frame`` (its ``tensors`` filled in here) followed by the tensors' bytes."""
+    del frame.tensors[:]
+    frame.tensors.extend(meta(t) for t in tensors)
+    header = frame.SerializeToString()
+    return b"".join([HEADER_LENGTH.pack(len(header)), header, *map(_as_bytes, tensors)])
+
+
+def split(data: bytes) -> tuple[pb.DispatchFrame, memoryview]:
+    """A stream message -> its frame and the payload after it (tensors unread: see ``read``)."""
+    if len(data) < HEADER_LENGTH.size:
+        raise InvalidRequest(f"a dispatch frame of {len(data)} bytes is shorter than its header length")
+    (length,) = HEADER_LENGTH.unpack_from(data)
+    if HEADER_LENGTH.size + length > len(data):
+        raise InvalidRequest(f"a dispatch frame header of {length} bytes does not fit in the {len(data)}-byte message")
+    view = memoryview(data)
+    return parse_header(view[HEADER_LENGTH.size : HEADER_LENGTH.size + length]), view[HEADER_LENGTH.size + length :]
+
+
+def read(frame: pb.DispatchFrame, payload: memoryview, names: Sequence[str]) -> list[torch.Tensor]:
+    """The tensors ``names`` of a stream message's payload: CPU copies the caller may write."""
+    tensors, offset = [], 0
+    for dtype, shape, nbytes in _checked(frame.tensors, names):
+        if offset + nbytes > len(payload):
+            raise InvalidRequest(f"the dispatch frame's payload is {len(payload)} bytes, shorter than its tensors")
+        chunk = bytearray(payload[offset : offset + nbytes])
+        tensors.append(torch.frombuffer(chunk, dtype=dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype))
+        offset += nbytes
+    if offset != len(payload):
+        raise InvalidRequest(f"the dispatch frame carries {len(payload) - offset} bytes beyond its tensors")
+    return tensors
+
+
+# -- shared memory: tensors in a buffer both sides map ---------------------------------------
+
+
+def aligned(n: int) -> int:
+    return -(-n // SHARED_ALIGN) * SHARED_ALIGN
+
+
+def span(metas: Sequence[pb.TensorMeta], start: int = 0) -> int:
+    """Where tensors placed from ``start`` end (aligned): the next free offset."""
+    end = start
+    for m in metas:
+        end = aligned(end + m.nbytes)
+    return end
+
+
+def views(
+    buffer: torch.Tensor, metas: Sequence[pb.TensorMeta], names: Sequence[str], start: int = 0
+) -> list[torch.Tensor]:
+    """Tensors described by ``metas``, lying from ``start`` of ``buffer`` ([bytes] uint8), as views
+    (no copy; writing one writes the buffer). Raises InvalidRequest when one would leave the buffer."""
+    if start % SHARED_ALIGN:
+        raise InvalidRequest(f"offset {start} in the shared buffer is not a multiple of {SHARED_ALIGN}")
+    out, offset = [], start
+    for dtype, shape, nbytes in _checked(metas, names):
+        if offset + nbytes > buffer.numel():
+            raise InvalidRequest(
+                f"tensors up to byte {offset + nbytes} do not fit in the {buffer.numel()}-byte shared buffer"
+            )
+        out.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
+        offset = aligned(offset + nbytes)
+    return out

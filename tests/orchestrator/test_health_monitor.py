@@ -1,0 +1,314 @@
+"""The health monitor against real expert-group gRPC servers on loopback
+(``HostedExperts`` + ``start_server``, no Ray) and the in-process state store:
+clean rounds, quarantine with and without failover, fingerprints, repair through
+probation back into the routing table, the operator's quarantine and release, the
+admin RPCs with ``expertmesh experts / quarantine / release``, and the gauges.
+
+Every corrupted weight here is a fault the test injects in-process: it overwrites
+one expert's weights in one group's memory, in place, as a stray write would
+(``corrupt``). Nothing in the product does that.
+
+Tiny Mixtral: 2 MoE layers x 4 experts. ``g0`` holds experts 0-1 of both layers,
+``g1`` experts 2-3 of both and a second replica of layer 1 expert 1, so (1, 1) is
+replicated on g0 and g1 and (1, 2) has g1 alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.cli import main
+from expertmesh.errors import QuarantineRefused
+from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.expert_group.service import start_server
+from expertmesh.orchestrator.admin import start_admin
+from expertmesh.orchestrator.drift.config import DriftConfig
+from expertmesh.orchestrator.health import monitor as monitor_module
+from expertmesh.orchestrator.health.config import HealthConfig
+from expertmesh.orchestrator.health.monitor import HealthMonitor
+from expertmesh.orchestrator.health.state import FindingKind, HealthState, Initiator, ReplicaId, load_all
+from expertmesh.placement import GroupPlacement
+from expertmesh.router.routing_view import RoutingView
+from expertmesh.routing_table import RoutingTable
+from expertmesh.state import StateStore, open_store
+from expertmesh.v1 import admin_pb2 as pb
+from expertmesh.v1 import admin_pb2_grpc as pb_grpc
+
+PLACEMENT = GroupPlacement(
+    {
+        "g0": ((0, 0), (0, 1), (1, 0), (1, 1)),
+        "g1": ((0, 2), (0, 3), (1, 1), (1, 2), (1, 3)),
+    }
+)
+REPLICATED, SINGLE = (1, 1), (1, 2)
+CONFIG = HealthConfig(tokens=64, probation_checks=2)
+
+
+@dataclass
+class Mesh:
+    store: StateStore
+    hosted: dict[str, HostedExperts]
+    servers: list
+    checkpoint: Checkpoint
+
+    def replicas(self, pair) -> tuple[str, ...]:
+        return self.store.routing_table().replicas[pair]
+
+
+@pytest.fixture
+def mesh(tiny_checkpoints):
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    store = open_store("memory://")
+    hosted, servers = {}, []
+    for name, pairs in PLACEMENT.groups.items():
+        hosted[name] = HostedExperts(checkpoint)
+        hosted[name].load(list(pairs))
+        server, port = start_server(name, hosted[name], max_concurrent_dispatch=4, workers=2)
+        servers.append(server)
+        store.set_endpoint(name, f"127.0.0.1:{port}")
+    assert store.publish_routing_table(RoutingTable.from_placement(PLACEMENT, num_experts=4, version=1))
+    yield Mesh(store, hosted, servers, checkpoint)
+    for server in servers:
+        server.stop(0)
+
+
+@pytest.fixture
+def monitor(mesh):
+    m = HealthMonitor(mesh.store, mesh.checkpoint, CONFIG)
+    yield m
+    m.stop()
+
+
+def corrupt(mesh: Mesh, group: str, pair: tuple[int, int], scale: float = 3.0, at: tuple[int, int] | None = None) -> None:
+    """The injected fault: scale the expert's down projection in the group's memory, in place
+    (only the element ``at`` of it when given)."""
+    held = mesh.hosted[group]._layers[pair[0]]
+    rows = held.module.down_proj.data[held.ids.index(pair[1])]  # [H, I]
+    if at is None:
+        rows.mul_(scale)
+    else:
+        rows[at].mul_(scale)
+
+
+def rid(pair, group) -> ReplicaId:
+    return ReplicaId(pair[0], pair[1], group)
+
+
+def test_clean_rounds_quarantine_nothing(mesh, monitor):
+    for _ in range(5):
+        round_ = monitor.update()
+        assert all(found == () for found in round_.findings.values())
+    assert len(round_.findings) == 9 and round_.unreachable == ()
+    assert {r.state for r in round_.records.values()} == {HealthState.HEALTHY}
+    assert all(r.kl == 0.0 and r.baseline is not None for r in round_.records.values()), "the same probe, the same figures"
+    assert all(r.history == () for r in round_.records.values())
+    assert mesh.store.routing_table().version == 1 and round_.table_version == 1
+    assert mesh.store.quarantined() == {}
+    assert set(load_all(mesh.store)) == set(round_.records)
+
+
+def test_a_corrupted_replica_is_quarantined_and_the_table_stops_routing_to_it(mesh, monitor):
+    monitor.update()  # baselines
+    corrupt(mesh, "g1", REPLICATED)
+    round_ = monitor.update()
+    bad = round_.records[rid(REPLICATED, "g1")]
+    assert bad.state is HealthState.QUARANTINED and bad.quarantined_by is Initiator.MONITOR and bad.withdrawn
+    assert {f.kind for f in round_.findings[rid(REPLICATED, "g1")]} >= {FindingKind.FINGERPRINT, FindingKind.DIVERGENCE}
+    assert round_.records[rid(REPLICATED, "g0")].state is HealthState.HEALTHY, "the sound replica is left alone"
+    assert mesh.replicas(REPLICATED) == ("g0",) and round_.table_version == 2
+    view = RoutingView.build(mesh.store.routing_table(), mesh.checkpoint.spec.moe_layers)
+    assert [view.groups[i] for i in view.holders[REPLICATED]] == ["g0"]
+    (entry,) = mesh.store.quarantined().values()
+    assert (entry.layer, entry.expert, entry.group, entry.state, entry.withdrawn) == (1, 1, "g1", "quarantined", True)
+    assert "fingerprint" in entry.reason and entry.since == bad.since
+
+
+def test_repair_then_probation_then_healthy_and_listed_again(mesh, monitor):
+    monitor.update()
+    corrupt(mesh, "g1", REPLICATED)
+    monitor.update()  # quarantined, withdrawn
+    repaired = monitor.update().records[rid(REPLICATED, "g1")]
+    assert repaired.state is HealthState.PROBATION and repaired.repairs == 1 and repaired.withdrawn
+    assert repaired.baseline.taken_at == repaired.since, "the verified output of the repair is the new baseline"
+    assert mesh.replicas(REPLICATED) == ("g0",), "not serving while on probation"
+    assert mesh.store.quarantined()[(1, 1, "g1")].state == "probation"
+    assert {(l, e): a == b for l, e, a, b in mesh.hosted["g1"].fingerprints()}[REPLICATED]
+    on_probation = monitor.update().records[rid(REPLICATED, "g1")]
+    assert on_probation.state is HealthState.PROBATION and on_probation.clean_checks == 1
+    healthy = monitor.update().records[rid(REPLICATED, "g1")]
+    assert healthy.state is HealthState.HEALTHY and not healthy.withdrawn and healthy.quarantined_by is None
+    assert mesh.replicas(REPLICATED) == ("g0", "g1") and mesh.store.routing_table().version == 3
+    assert mesh.store.quarantined() == {}
+    assert [t.state for t in healthy.history] == [HealthState.QUARANTINED, HealthState.PROBATION, HealthState.HEALTHY]
+    times = [t.at for t in healthy.history]
+    assert times == sorted(times) and all(t.reason for t in healthy.history)
+
+
+def test_a_corrupted_only_replica_is_quarantined_without_a_table_edit(mesh, monitor):
+    monitor.update()
+    corrupt(mesh, "g1", SINGLE)
+    round_ = monitor.update()
+    bad = round_.records[rid(SINGLE, "g1")]
+    assert bad.state is HealthState.QUARANTINED and not bad.withdrawn
+    assert mesh.replicas(SINGLE) == ("g1",) and mesh.store.routing_table().version == 1, "never unhosted"
+    entry = mesh.store.quarantined()[(1, 2, "g1")]
+    assert entry.state == "quarantined" and entry.withdrawn is False, "the router must fall back for this expert"
+    (listed,) = [s for s in monitor.listing(1) if s.record.replica == rid(SINGLE, "g1")]
+    assert listed.listed and listed.record.state is HealthState.QUARANTINED
+    assert monitor.update().records[rid(SINGLE, "g1")].state is HealthState.PROBATION
+    assert mesh.store.quarantined()[(1, 2, "g1")].state == "probation"
+
+
+def test_a_changed_fingerprint_alone_quarantines(mesh, monitor):
+    monitor.update()
+    corrupt(mesh, "g0", (0, 0), scale=1.0 + 2**-20, at=(0, 0))  # one weight, by one part in a million
+    round_ = monitor.update()
+    assert [f.kind for f in round_.findings[rid((0, 0), "g0")]] == [FindingKind.FINGERPRINT], "KL and mean stay put"
+    assert round_.records[rid((0, 0), "g0")].state is HealthState.QUARANTINED
+
+
+def test_a_repair_that_does_not_match_the_checkpoint_stays_quarantined(mesh, tiny_checkpoints):
+    other = HealthMonitor(mesh.store, Checkpoint(tiny_checkpoints("mixtral", seed=1)), CONFIG)
+    try:
+        other.update()
+        corrupt(mesh, "g1", REPLICATED)
+        other.update()
+        after = other.update().records[rid(REPLICATED, "g1")]
+        assert after.state is HealthState.QUARANTINED and after.repairs == 1
+        assert after.reason.startswith("repair failed: reloaded on g1, but its output differs from the checkpoint's")
+        assert mesh.replicas(REPLICATED) == ("g0",)
+    finally:
+        other.stop()
+
+
+def test_an_unreachable_group_waits_for_the_next_round(mesh, monitor):
+    monitor.update()
+    mesh.servers[1].stop(0)
+    round_ = monitor.update()
+    assert round_.unreachable == ("g1",)
+    assert {r.group for r in round_.findings} == {"g0"}
+    assert round_.records[rid(SINGLE, "g1")].state is HealthState.HEALTHY and mesh.store.routing_table().version == 1
+
+
+def test_operator_quarantine_waits_for_release(mesh, monitor):
+    monitor.update()
+    (status,) = monitor.quarantine(1, 1, "g0", "odd outputs")
+    assert status.record.state is HealthState.QUARANTINED and status.record.quarantined_by is Initiator.OPERATOR
+    assert status.record.reason == "odd outputs" and not status.listed
+    assert mesh.replicas(REPLICATED) == ("g1",)
+    assert monitor.update().records[rid(REPLICATED, "g0")].state is HealthState.QUARANTINED, "no auto repair"
+    (released,) = monitor.release(1, 1)
+    assert released.record.state is HealthState.PROBATION
+    monitor.update()
+    monitor.update()
+    assert mesh.replicas(REPLICATED) == ("g1", "g0")
+    with pytest.raises(QuarantineRefused, match="no quarantined replica of layer 1 expert 1"):
+        monitor.release(1, 1)
+    with pytest.raises(QuarantineRefused, match=r"group 'g9' does not serve layer 1 expert 1 \(replicas: \['g0', 'g1'\]\)"):
+        monitor.quarantine(1, 1, "g9")
+
+
+def test_quarantining_every_replica_keeps_the_last_listed(mesh, monitor):
+    statuses = monitor.quarantine(1, 1)
+    assert [(s.record.replica.group, s.record.state, s.listed) for s in statuses] == [
+        ("g0", HealthState.QUARANTINED, True),
+        ("g1", HealthState.QUARANTINED, True),
+    ]
+    assert mesh.replicas(REPLICATED) == ("g0", "g1") and mesh.store.routing_table().version == 1
+    assert {q.withdrawn for q in mesh.store.quarantined().values()} == {False}
+
+
+def test_admin_rpcs_and_the_commands(mesh, monitor, capsys):
+    server, runner, drift = start_admin(mesh.store, "127.0.0.1", 0, drift=DriftConfig(), health=monitor)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        monitor.update()  # baselines
+        monitor.update()  # the first comparison with them
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.AdminStub(channel)
+            listed = stub.ListExperts(pb.ListExpertsRequest(layer=1)).replicas
+            assert [(r.layer, r.expert, r.group) for r in listed][:3] == [(1, 0, "g0"), (1, 1, "g0"), (1, 1, "g1")]
+            assert {r.state for r in listed} == {pb.EXPERT_HEALTH_STATE_HEALTHY} and all(r.listed for r in listed)
+            assert listed[0].HasField("kl") and listed[0].kl == 0.0
+            assert listed[0].baseline_at > 0 and listed[0].baseline_norm_mean == listed[0].norm_mean
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Quarantine(pb.QuarantineRequest(layer=1, expert=9))
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "not in routing table v1" in err.value.details()
+
+        assert main(["experts", "--layer", "0", "--admin", address]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].split() == ["LAYER", "EXPERT", "GROUP", "STATE", "LISTED", "KL", "NORM", "BASELINE", "LAST", "CHECK", "REASON"]
+        assert len(out) == 5 and out[1].split()[:6] == ["0", "0", "g0", "healthy", "yes", "0"]
+
+        assert main(["quarantine", "--layer", "1", "--expert", "1", "--group", "g1", "--reason", "suspicious", "--admin", address]) == 0
+        out = capsys.readouterr().out
+        assert "quarantined (operator)" in out and "suspicious" in out
+        assert mesh.replicas(REPLICATED) == ("g0",)
+
+        assert main(["release", "--layer", "1", "--expert", "1", "--admin", address]) == 0
+        assert "probation (operator)" in capsys.readouterr().out
+        assert main(["release", "--layer", "1", "--expert", "1", "--admin", address]) == 2
+        assert "FAILED_PRECONDITION: no quarantined replica" in capsys.readouterr().err
+    finally:
+        server.stop()
+        drift.stop()
+        runner.close()
+
+
+def test_a_release_that_fails_verification_exits_one(mesh, tiny_checkpoints, capsys):
+    other = HealthMonitor(mesh.store, Checkpoint(tiny_checkpoints("mixtral", seed=1)), CONFIG)
+    server, runner, drift = start_admin(mesh.store, "127.0.0.1", 0, drift=DriftConfig(), health=other)
+    try:
+        other.quarantine(1, 2)
+        assert main(["release", "--layer", "1", "--expert", "2", "--admin", f"127.0.0.1:{server.port}"]) == 1
+        assert "repair failed" in capsys.readouterr().out
+    finally:
+        server.stop()
+        drift.stop()
+        runner.close()
+        other.stop()
+
+
+def test_gauges_show_the_worst_replica_and_the_largest_kl(mesh, monkeypatch):
+    """``expertmesh.expert.health`` and ``expertmesh.expert.kl`` by layer and expert (an SDK meter
+    provider local to this test, patched in for the global API)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    monkeypatch.setattr(monitor_module, "meter", lambda: MeterProvider(metric_readers=[reader]).get_meter("expertmesh"))
+    m = HealthMonitor(mesh.store, mesh.checkpoint, CONFIG)
+    try:
+        m.update()
+        corrupt(mesh, "g1", REPLICATED)
+        m.update()
+        metrics = {
+            metric.name: {(p.attributes["layer"], p.attributes["expert"]): p.value for p in metric.data.data_points}
+            for rm in reader.get_metrics_data().resource_metrics
+            for sm in rm.scope_metrics
+            for metric in sm.metrics
+        }
+        health, kl = metrics["expertmesh.expert.health"], metrics["expertmesh.expert.kl"]
+        assert len(health) == 8 and health[REPLICATED] == 0.0 and health[(1, 0)] == 1.0
+        assert kl[REPLICATED] > CONFIG.kl_quarantine and kl[(1, 0)] == 0.0
+    finally:
+        m.stop()
+
+
+def test_the_quarantine_set_in_redis(redis_url):
+    """The store contract routers read, on the cluster backend."""
+    import uuid
+
+    from expertmesh.state import QuarantinedReplica
+
+    store = open_store(redis_url, namespace=f"test-{uuid.uuid4().hex[:8]}")
+    entry = QuarantinedReplica(1, 2, "g1", "quarantined", "fingerprint: changed", 12.5, False)
+    store.set_quarantined(entry)
+    assert store.quarantined() == {(1, 2, "g1"): entry}
+    store.clear_quarantined(1, 2, "g1")
+    assert store.quarantined() == {}
+    store.close()

@@ -1,0 +1,199 @@
+"""The engine's step: one packed forward for every active sequence, on every MoE
+architecture we verify. Requests that join at different steps, with prompts
+chunked across steps, get the very tokens stock transformers gives each of them
+alone (greedy), the same seeded samples as when served alone, and Score gets the
+stock prompt logits; the experts function runs once per MoE layer per step, on
+the engine's one thread, with the positions and trace links of every token.
+
+A tiny model with a local experts implementation stands in for the router's
+model, so no expert group is needed."""
+
+import dataclasses
+import threading
+import types
+from contextlib import contextmanager
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+from expertmesh.checkpoint import experts_modules
+from expertmesh.router.dispatch import IMPLEMENTATION, ExpertDispatcher
+from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, ScoreEvent, TokenEvent
+from expertmesh.serving.forward import MaskSpec
+from expertmesh.serving.sampling import SamplingParams
+from expertmesh.tiny import CONFIG_BUILDERS, MOE_ARCHITECTURES
+
+RECORDING = "expertmesh_test_recording"
+CALLS: list[tuple[int, int]] = []  # (thread id, tokens) of every experts call
+
+
+def _recording_experts(module, hidden, top_k_index, top_k_weights):  # hidden [T, H]
+    CALLS.append((threading.get_ident(), hidden.shape[0]))
+    return ALL_EXPERTS_FUNCTIONS["batched_mm"](module, hidden, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register(RECORDING, _recording_experts)
+
+
+class StepDispatcher:
+    """What the engine needs of the dispatcher when the experts are local: a refresh and a step context."""
+
+    step_deadline = None
+
+    def refresh(self):
+        pass
+
+    @contextmanager
+    def serving_step(self, positions, links=()):
+        yield
+
+
+def _model(arch, experts=RECORDING):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(CONFIG_BUILDERS[arch](), experts_implementation=experts).eval()
+
+
+def _stock_greedy(model, prompt, n):
+    """Plain transformers greedy decoding of one prompt with its own DynamicCache."""
+    ids, cache, feed = list(prompt), DynamicCache(config=model.config), list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([feed]), cache=cache, use_cache=True).logits  # [1, n, V]
+            feed = [int(logits[0, -1].argmax())]
+            ids += feed
+    return ids[len(prompt) :]
+
+
+def _tokens(events):
+    assert isinstance(events[-1], FinishEvent), events[-1]
+    return [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+
+
+#: (prompt, new tokens): a one-token prompt, prompts longer than a step's budget, a late joiner
+REQUESTS = [((5, 6, 7), 10), (tuple(range(3, 24)), 6), ((9,), 12), ((4, 50, 42, 11, 12, 13, 14, 15, 16), 8)]
+
+
+def _serve(engine, requests, late=()):
+    """Submit ``requests``, start, and submit ``late`` once the first token of the first request is out."""
+    seqs = [engine.submit(r) for r in requests]
+    engine.start()
+    first = iter(seqs[0])
+    head = [next(first)]
+    seqs += [engine.submit(r) for r in late]
+    events = [head + list(first)] + [list(s) for s in seqs[1:]]
+    return {r.request_id: e for r, e in zip([*requests, *late], events)}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_packed_steps_match_stock_greedy_alone(arch):
+    model = _model(arch)
+    expected = {f"r{i}": _stock_greedy(model, p, n) for i, (p, n) in enumerate(REQUESTS)}
+    engine = Engine(model, None, StepDispatcher(), EngineLimits(8, 8, max_step_tokens=8), max_context=64)
+    assert engine.batching.packed, engine.batching.note
+    requests = [GenerationRequest(f"r{i}", p, max_new_tokens=n, stop_at_eos=False) for i, (p, n) in enumerate(REQUESTS)]
+    CALLS.clear()
+    try:
+        events = _serve(engine, requests[:3], late=requests[3:])
+    finally:
+        engine.stop()
+    assert {rid: _tokens(e) for rid, e in events.items()} == expected
+    moe_layers = len(experts_modules(model))
+    assert len(CALLS) == engine.steps * moe_layers, "one experts call per MoE layer per step"
+    assert {thread for thread, _ in CALLS} == {engine._thread.ident}, "all on the engine's thread"
+    assert max(tokens for _, tokens in CALLS) == 8, "prompt chunks fill the step's budget"
+    assert engine.steps < sum(n for _, n in REQUESTS) / 2
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_score_matches_stock_prompt_logits_across_chunks(arch):
+    model = _model(arch)
+    prompt = tuple(range(3, 23))
+    with torch.no_grad():
+        stock = model(input_ids=torch.tensor([prompt])).logits[0]  # [P, V]
+    engine = Engine(model, None, StepDispatcher(), EngineLimits(4, 4, max_step_tokens=6), max_context=64).start()
+    try:
+        decoding = engine.submit(GenerationRequest("beside", (7, 8), max_new_tokens=6, stop_at_eos=False))
+        (event,) = list(engine.submit(GenerationRequest("score", prompt, score_only=True)))
+        assert isinstance(list(decoding)[-1], FinishEvent)
+    finally:
+        engine.stop()
+    assert isinstance(event, ScoreEvent) and event.logits.shape == stock.shape
+    torch.testing.assert_close(event.logits, stock, atol=1e-5, rtol=0)
+
+
+def test_seeded_sampling_is_the_same_together_and_alone():
+    model = _model("qwen3_moe")
+    sampled = [
+        GenerationRequest(f"s{i}", (5 + i, 6, 7), max_new_tokens=10, stop_at_eos=False,
+                          sampling=SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=i))
+        for i in range(3)
+    ]
+    greedy = GenerationRequest("g", (9, 9), max_new_tokens=10, stop_at_eos=False)
+
+    def serve(requests):
+        engine = Engine(model, None, StepDispatcher(), EngineLimits(8, 8), max_context=64)
+        try:
+            return {rid: _tokens(e) for rid, e in _serve(engine, requests).items()}
+        finally:
+            engine.stop()
+
+    together = serve([*sampled, greedy])
+    for request in [*sampled, greedy]:
+        assert serve([request])[request.request_id] == together[request.request_id]
+
+
+def test_the_per_sequence_fallback_gives_the_same_tokens():
+    model = _model("gpt_oss")
+    requests = [GenerationRequest(f"r{i}", p, max_new_tokens=n, stop_at_eos=False) for i, (p, n) in enumerate(REQUESTS)]
+    engine = Engine(model, None, StepDispatcher(), EngineLimits(8, 8, max_step_tokens=8), max_context=64, packed=False)
+    assert not engine.batching.packed and engine.batching.note == "the packed step is switched off"
+    try:
+        events = _serve(engine, requests)
+    finally:
+        engine.stop()
+    assert {rid: _tokens(e) for rid, e in events.items()} == {
+        f"r{i}": _stock_greedy(model, p, n) for i, (p, n) in enumerate(REQUESTS)
+    }
+
+
+def test_models_the_packed_step_cannot_take_are_named():
+    spec = MaskSpec.of(_model("gpt_oss"))
+    assert spec.unsupported() is None
+    assert "'flash_attention_2' takes no packed 4D mask" in dataclasses.replace(spec, implementation="flash_attention_2").unsupported()
+    hybrid = dataclasses.replace(spec, kinds=("linear_attention", "full_attention"))
+    assert hybrid.unsupported() == "layers of type linear_attention keep state outside the KV cache"
+
+
+def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline():
+    """The router's own ExpertDispatcher.experts path (its remote dispatch replaced by a local one)."""
+    model = _model("mixtral", experts=IMPLEMENTATION)
+    dispatcher = ExpertDispatcher(types.SimpleNamespace(endpoints=dict), moe_layers=(0, 1))
+    dispatcher.refresh = lambda: None
+    seen = []
+
+    def local_dispatch(layer, hidden, top_k_index, top_k_weights, positions=None, links=()):
+        seen.append((layer, positions.tolist(), len(links), dispatcher.step_deadline))
+        module = experts_modules(model)[layer][1]
+        return ALL_EXPERTS_FUNCTIONS["batched_mm"](module, hidden, top_k_index, top_k_weights)
+
+    dispatcher.dispatch = local_dispatch
+    for layer, (_, module) in experts_modules(model).items():
+        module._expertmesh_layer = layer
+        module._expertmesh_dispatcher = dispatcher
+    engine = Engine(model, None, dispatcher, EngineLimits(4, 4), max_context=64)
+    far = 1e12
+    requests = [
+        GenerationRequest("a", (5, 6, 7), max_new_tokens=2, stop_at_eos=False, deadline=far),
+        GenerationRequest("b", (8, 9), max_new_tokens=2, stop_at_eos=False, deadline=far + 1),
+    ]
+    try:
+        events = _serve(engine, requests)
+    finally:
+        engine.stop()
+    assert all(isinstance(e[-1], FinishEvent) for e in events.values())
+    assert seen == [
+        (0, [0, 1, 2, 0, 1], 1, far + 1), (1, [0, 1, 2, 0, 1], 1, far + 1),  # both prompts
+        (0, [3, 2], 1, far + 1), (1, [3, 2], 1, far + 1),  # one token each
+    ]

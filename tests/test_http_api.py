@@ -1,0 +1,672 @@
+"""The OpenAI-compatible HTTP API (`expertmesh up --http-port`).
+
+Two halves. First the HTTP layer alone: the real Starlette app on a real uvicorn
+server (``HttpServer``) over a scripted engine, for what a real model cannot be
+made to do on demand (a full queue, a failing step, a deadline, a stream that
+never ends) and for every bad request; fast, no Ray. Then the real thing:
+`expertmesh up --http-port 0` on a tiny checkpoint given a chat template, driven
+by the official ``openai`` client, streaming and not, with greedy outputs equal
+to the gRPC API's for the same prompt.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import queue
+import re
+import signal
+import ssl
+import threading
+import time
+from types import SimpleNamespace
+
+import grpc
+import httpx2
+import openai
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from transformers import AutoTokenizer
+
+from expertmesh.client import Client
+from expertmesh.config import ServingConfig, TlsConfig
+from expertmesh.errors import Overloaded, ShuttingDown
+from expertmesh.serving.engine import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from expertmesh.serving.http_api import HttpApi
+from expertmesh.serving.http_server import HttpServer
+from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
+from expertmesh.serving.readiness import Readiness
+from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.tokenizer import save_byte_tokenizer
+from helpers import Up
+
+MODEL = "tiny"
+VOCAB = 300
+CONTEXT = 96
+CAP = 64
+BODY_LIMIT = 64 * 1024
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+# -- the HTTP layer over a scripted engine -------------------------------------------------------
+
+
+def _finish(request: GenerationRequest, n: int = 1, reason: str = "length") -> FinishEvent:
+    return FinishEvent(reason, len(request.prompt_ids), n)
+
+
+class ScriptedSequence:
+    """What the HTTP layer uses of an engine ``Sequence``: its events until the final one, and ``cancel``."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self.events: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __iter__(self):
+        while True:
+            event = self.events.get()
+            yield event
+            if isinstance(event, (FinishEvent, ErrorEvent)):
+                return
+
+
+class ScriptedEngine:
+    """``Engine.submit`` and ``load`` over scripted events: ``script(request, seq)`` fills the queue."""
+
+    def __init__(self):
+        self.refuse: Exception | None = None
+        self.script = self.hello
+        self.submitted: list[ScriptedSequence] = []
+
+    @staticmethod
+    def hello(request, seq):
+        for text in ("Hel", "lo"):
+            seq.events.put(TokenEvent([72], text))
+        seq.events.put(_finish(request, 2))
+
+    @staticmethod
+    def endless(request, seq):
+        """Tokens until the sequence is cancelled, then the engine's CANCELLED error (as at a step boundary)."""
+
+        def run():
+            while not seq.cancelled.wait(0.01):
+                seq.events.put(TokenEvent([65], "A"))
+            seq.events.put(ErrorEvent(grpc.StatusCode.CANCELLED, "the client cancelled the request"))
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def submit(self, request: GenerationRequest) -> ScriptedSequence:
+        if self.refuse is not None:
+            raise self.refuse
+        seq = ScriptedSequence(request)
+        self.submitted.append(seq)
+        self.script(request, seq)
+        return seq
+
+    def load(self) -> tuple[int, int]:
+        return sum(not s.cancelled.is_set() for s in self.submitted), 0
+
+
+class FakeProbe:
+    def __init__(self):
+        self.states_now = {"g0": "serving", "g1": "serving"}
+
+    def states(self, groups, endpoints):
+        return {g: self.states_now[g] for g in groups}
+
+    def close(self):
+        pass
+
+
+class FakeStore:
+    def __init__(self):
+        self.down = False
+
+    def endpoints(self):
+        if self.down:
+            raise ConnectionError("redis at 127.0.0.1:1 refused the connection")
+        return {"g0": "127.0.0.1:1", "g1": "127.0.0.1:2"}
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    save_byte_tokenizer(path, VOCAB)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def layer(byte_tokenizer):
+    """(base URL, engine, store, probe, readiness) of a served HttpApi over a ScriptedEngine."""
+    engine = ScriptedEngine()
+    store, probe = FakeStore(), FakeProbe()
+    # Expert 0 of layer 1 only in g0, expert 1 in g0 and g1.
+    view = SimpleNamespace(groups=("g0", "g1"), holders={(1, 0): (0,), (1, 1): (0, 1)}, version=7)
+    readiness = Readiness(store, SimpleNamespace(view=view), engine, probe=probe, cache_s=0)
+    config = ServingConfig(port=0, http_port=0, max_new_tokens_cap=CAP, http_max_body_bytes=BODY_LIMIT)
+    adapter = OpenAIAdapter(engine, byte_tokenizer, ServedModel(MODEL, VOCAB, CONTEXT), config)
+    app = HttpApi(adapter, readiness, config).app
+    server = HttpServer(app, "127.0.0.1", 0, tls=TlsConfig()).start()
+    yield SimpleNamespace(url=server.url, app=app, engine=engine, store=store, probe=probe, readiness=readiness)
+    server.stop()
+
+
+@pytest.fixture
+def scripted(layer):
+    layer.engine.refuse = None
+    layer.engine.script = ScriptedEngine.hello
+    layer.engine.submitted.clear()
+    yield layer
+    layer.engine.refuse = None
+    layer.engine.script = ScriptedEngine.hello
+
+
+def _openai(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def _post(url: str, path: str, body) -> httpx2.Response:
+    return httpx2.post(f"{url}{path}", json=body, timeout=30)
+
+
+def _sse_data(response: httpx2.Response) -> list[str]:
+    return [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def _assert_error_shape(response: httpx2.Response, status: int, code: str | None, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code and error["param"] == param, error
+    assert error["type"] == ("server_error" if status >= 500 else "rate_limit_error" if status == 429 else "invalid_request_error")
+    assert error["message"]
+    return error
+
+
+def test_completion_defaults_shape_and_usage(scripted):
+    completion = _openai(scripted.url).completions.create(model=MODEL, prompt="Hi there", stop="\n", seed=5)
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-") and completion.model == MODEL
+    (choice,) = completion.choices
+    assert (choice.text, choice.finish_reason, choice.index) == ("Hello", "length", 0)
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (8, 2, 10)
+    (seq,) = scripted.engine.submitted
+    request = seq.request
+    assert request.prompt_ids == tuple(ord(c) + 3 for c in "Hi there")  # the byte tokenizer: 3 specials first
+    # OpenAI's sampling defaults (temperature 1, top_p 1) and the server's max_new_tokens default.
+    assert (request.sampling.temperature, request.sampling.top_p, request.sampling.seed) == (1.0, 1.0, 5)
+    assert request.max_new_tokens == ServingConfig().default_max_new_tokens and request.stop == ("\n",)
+
+
+def test_streamed_completion_and_chat_chunks_end_with_done(scripted):
+    body = {"model": MODEL, "prompt": [5, 6], "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 2}
+    data = _sse_data(_post(scripted.url, "/v1/completions", body))
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["Hel", "lo", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
+
+    response = _post(scripted.url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True})
+    # The scripted engine never sees the chat prompt: the byte tokenizer has no template, so this is a 400.
+    _assert_error_shape(response, 400, "chat_template_missing", "messages")
+
+
+def test_openai_client_streams(scripted):
+    stream = _openai(scripted.url).completions.create(model=MODEL, prompt="x", stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == "Hello" and chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "failure,status,code",
+    [
+        (Overloaded("the server is at its limits"), 429, "resource_exhausted"),
+        (ShuttingDown("the server is draining"), 503, "unavailable"),
+        (ErrorEvent(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"), 504, "deadline_exceeded"),
+        (ErrorEvent(grpc.StatusCode.UNAVAILABLE, "expert group g1 failed"), 503, "unavailable"),
+        (ErrorEvent(grpc.StatusCode.INTERNAL, "the logits held NaN"), 500, "internal"),
+        (ErrorEvent(grpc.StatusCode.INVALID_ARGUMENT, "bad"), 400, "invalid_argument"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_errors_keep_their_http_status(scripted, failure, status, code, stream):
+    """At submit or as the first event: streamed or not, the status is the error's (nothing was sent yet)."""
+    if isinstance(failure, ErrorEvent):
+        scripted.engine.script = lambda request, seq: seq.events.put(failure)
+    else:
+        scripted.engine.refuse = failure
+    response = _post(scripted.url, "/v1/completions", {"model": MODEL, "prompt": "x", "stream": stream})
+    error = _assert_error_shape(response, status, code)
+    assert error["message"] == str(failure) if not isinstance(failure, ErrorEvent) else failure.message
+
+
+def test_openai_client_raises_the_matching_exceptions(scripted):
+    client = _openai(scripted.url)
+    scripted.engine.refuse = Overloaded("full")
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL, prompt="x")
+    scripted.engine.refuse = ShuttingDown("draining")
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model=MODEL, prompt="x", stream=True)
+    assert err.value.status_code == 503 and err.value.body["code"] == "unavailable"
+
+
+def test_an_error_after_the_first_token_is_an_error_event(scripted):
+    def script(request, seq):
+        seq.events.put(TokenEvent([72], "He"))
+        seq.events.put(ErrorEvent(grpc.StatusCode.UNAVAILABLE, "expert group g1 failed"))
+
+    scripted.engine.script = script
+    data = _sse_data(_post(scripted.url, "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}))
+    assert json.loads(data[0])["choices"][0]["text"] == "He"
+    assert json.loads(data[1])["error"]["code"] == "unavailable" and data[2] == "[DONE]"
+    stream = _openai(scripted.url).completions.create(model=MODEL, prompt="x", stream=True)
+    with pytest.raises(openai.APIError, match="expert group g1 failed"):
+        list(stream)
+
+
+def _long(n):
+    return "".join(chr(97 + i % 26) for i in range(n))
+
+
+COMPLETION_ERRORS = [
+    ({"n": 2}, "n", "unsupported_parameter"),
+    ({"best_of": 3}, "best_of", "unsupported_parameter"),
+    ({"echo": True}, "echo", "unsupported_parameter"),
+    ({"suffix": "end"}, "suffix", "unsupported_parameter"),
+    ({"logprobs": 1}, "logprobs", "unsupported_parameter"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
+    ({"presence_penalty": -1}, "presence_penalty", "unsupported_parameter"),
+    ({"logit_bias": {"5": 10}}, "logit_bias", "unsupported_parameter"),
+    ({"temperature": "hot"}, "temperature", "invalid_type"),
+    ({"temperature": 2.5}, "temperature", "invalid_value"),
+    ({"temperature": 0.001}, "temperature", "invalid_value"),
+    ({"top_p": 0}, "top_p", "invalid_value"),
+    ({"top_k": -1}, "top_k", "invalid_value"),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"max_tokens": CAP + 1}, "max_tokens", "invalid_value"),
+    ({"max_tokens": 1.5}, "max_tokens", "invalid_type"),
+    ({"seed": 2**64}, "seed", "invalid_value"),
+    ({"stream": "yes"}, "stream", "invalid_type"),
+    ({"stop": [""]}, "stop", "invalid_value"),
+    ({"stop": ["x"] * 17}, "stop", "invalid_value"),
+    ({"stop": 5}, "stop", "invalid_type"),
+    ({"prompt": ["one", "two"]}, "prompt", "unsupported_value"),
+    ({"prompt": {"text": "x"}}, "prompt", "invalid_type"),
+    ({"prompt": [1, -2]}, "prompt", "invalid_value"),
+    ({"prompt": ""}, "prompt", "invalid_value"),
+    ({"prompt": []}, "prompt", "invalid_value"),
+    ({"prompt": [VOCAB]}, "prompt", "invalid_value"),
+    ({"prompt": _long(CONTEXT)}, "prompt", "context_length_exceeded"),
+    ({"model": 5}, "model", "invalid_type"),
+]
+
+CHAT_ERRORS = [
+    ({"messages": []}, "messages", "invalid_value"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content", "unsupported_value"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"top_logprobs": 2}, "top_logprobs", "unsupported_parameter"),
+    ({"max_completion_tokens": CAP + 1}, "max_completion_tokens", "invalid_value"),
+    ({"n": 3}, "n", "unsupported_parameter"),
+    ({}, "messages", "chat_template_missing"),  # a valid request: the byte tokenizer has no chat template
+]
+
+
+@pytest.mark.parametrize("fields,param,code", COMPLETION_ERRORS, ids=[p + ":" + c for _, p, c in COMPLETION_ERRORS])
+def test_bad_completion_requests_are_400_naming_the_field(scripted, fields, param, code):
+    response = _post(scripted.url, "/v1/completions", {"model": MODEL, "prompt": "x", **fields})
+    _assert_error_shape(response, 400, code, param)
+    assert scripted.engine.submitted == [], "a bad request never reaches the engine"
+
+
+@pytest.mark.parametrize("fields,param,code", CHAT_ERRORS, ids=[p + ":" + c for _, p, c in CHAT_ERRORS])
+def test_bad_chat_requests_are_400_naming_the_field(scripted, fields, param, code):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+    _assert_error_shape(_post(scripted.url, "/v1/chat/completions", body), 400, code, param)
+    assert scripted.engine.submitted == []
+
+
+def test_missing_fields_unknown_model_and_unknown_fields(scripted):
+    _assert_error_shape(_post(scripted.url, "/v1/completions", {"prompt": "x"}), 400, "missing_required_parameter", "model")
+    _assert_error_shape(_post(scripted.url, "/v1/completions", {"model": MODEL}), 400, "missing_required_parameter", "prompt")
+    error = _assert_error_shape(_post(scripted.url, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404, "model_not_found", "model")
+    assert MODEL in error["message"]
+    # Fields OpenAI does not define, or defines as harmless, are ignored as OpenAI ignores them.
+    body = {"model": MODEL, "prompt": "x", "user": "u1", "metadata": {"a": "b"}, "vendor_extra": [1, 2], "n": 1, "best_of": 1}
+    assert _post(scripted.url, "/v1/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("raw", [b"{bad json", b"", b"\xff\xfe"])
+def test_bad_json_is_400(scripted, raw):
+    response = httpx2.post(f"{scripted.url}/v1/completions", content=raw, headers={"content-type": "application/json"})
+    _assert_error_shape(response, 400, "invalid_json")
+
+
+def test_a_json_body_that_is_not_an_object_is_400(scripted):
+    _assert_error_shape(_post(scripted.url, "/v1/chat/completions", [1, 2]), 400, "invalid_type")
+
+
+def test_a_huge_body_is_413(scripted):
+    big = {"model": MODEL, "prompt": "x" * BODY_LIMIT}
+    _assert_error_shape(_post(scripted.url, "/v1/completions", big), 413, "request_too_large")
+
+    def chunks():  # no Content-Length: the limit holds while the body streams in
+        for _ in range(BODY_LIMIT // 1024 + 2):
+            yield b" " * 1024
+
+    response = httpx2.post(f"{scripted.url}/v1/completions", content=chunks(), timeout=30)
+    _assert_error_shape(response, 413, "request_too_large")
+    assert scripted.engine.submitted == []
+
+
+def test_unknown_routes_and_methods_answer_in_openai_shape(scripted):
+    _assert_error_shape(httpx2.get(f"{scripted.url}/v1/engines"), 404, "unknown_url")
+    response = httpx2.get(f"{scripted.url}/v1/completions")
+    _assert_error_shape(response, 405, "method_not_allowed")
+    assert "POST" in response.headers["allow"]
+
+
+def test_models(scripted):
+    client = _openai(scripted.url)
+    (model,) = client.models.list().data
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "expertmesh") and model.created > 0
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_cancels_its_sequence(scripted, stream):
+    scripted.engine.script = ScriptedEngine.endless
+    body = {"model": MODEL, "prompt": "x", "stream": stream}
+    if stream:
+        with httpx2.stream("POST", f"{scripted.url}/v1/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            assert next(response.iter_lines()).startswith("data: ")
+    else:
+        with pytest.raises(httpx2.ReadTimeout):
+            httpx2.post(f"{scripted.url}/v1/completions", json=body, timeout=0.5)
+    (seq,) = scripted.engine.submitted
+    assert seq.cancelled.wait(10), "the engine sequence outlived its client"
+
+
+def test_health_reflects_store_groups_and_draining(scripted):
+    def health():
+        response = httpx2.get(f"{scripted.url}/health")
+        return response.status_code, response.json()
+
+    status, body = health()
+    assert status == 200 and body["status"] == "ready" and body["reasons"] == []
+    assert body["groups"] == {"g0": "serving", "g1": "serving"} and body["routing_table_version"] == 7
+    # g1 down: every expert still has a serving replica in g0.
+    scripted.probe.states_now["g1"] = "unreachable"
+    assert health()[0] == 200
+    # g0 down: expert 0 of layer 1 has no other replica.
+    scripted.probe.states_now.update(g0="not_serving", g1="serving")
+    status, body = health()
+    assert status == 503 and body["status"] == "not_ready" and "expert group g0 is not serving" in body["reasons"][0]
+    scripted.probe.states_now["g0"] = "serving"
+    scripted.store.down = True
+    status, body = health()
+    assert status == 503 and "state store is unreachable" in body["reasons"][0]
+    scripted.store.down = False
+    scripted.readiness.draining = True
+    try:
+        status, body = health()
+        assert status == 503 and body["status"] == "draining"
+    finally:
+        scripted.readiness.draining = False
+    assert health()[0] == 200
+    live = httpx2.get(f"{scripted.url}/health/live")
+    assert live.status_code == 200 and live.json() == {"status": "alive"}
+
+
+def test_metrics_speak_prometheus_text(scripted):
+    response = httpx2.get(f"{scripted.url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain; version=")
+
+
+def _issue(cn: str, issuer=None, *, ca: bool = False):
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    signer_key, signer = issuer or (key, None)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(signer.subject if signer else name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+    return key, builder.sign(signer_key, hashes.SHA256())
+
+
+def _write(path, key, cert):
+    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return path.with_suffix(".crt"), path.with_suffix(".key")
+
+
+def test_https_with_the_grpc_servers_certificate(layer, tmp_path):
+    """EXPERTMESH_TLS_* makes the HTTP API HTTPS, as it makes the gRPC API TLS; require_client_cert demands one."""
+    ca = _issue("test CA", ca=True)
+    ca_file, _ = _write(tmp_path / "ca", *ca)
+    cert, key = _write(tmp_path / "server", *_issue("localhost", ca))
+    client_cert = _write(tmp_path / "client", *_issue("client", ca))
+    for require in (False, True):
+        tls = TlsConfig(cert_file=cert, key_file=key, ca_file=ca_file, require_client_cert=require)
+        server = HttpServer(layer.app, "127.0.0.1", 0, tls=tls).start()
+        url = f"https://localhost:{server.port}/health/live"
+        try:
+            assert server.url.startswith("https://")
+            trusting = ssl.create_default_context(cafile=str(ca_file))
+            if require:
+                with pytest.raises(httpx2.HTTPError):
+                    httpx2.get(url, verify=trusting)
+                trusting.load_cert_chain(*map(str, client_cert))
+            assert httpx2.get(url, verify=trusting).status_code == 200
+            with pytest.raises(httpx2.HTTPError):
+                httpx2.get(url.replace("https", "http"))
+        finally:
+            server.stop()
+
+
+# -- the real thing: `expertmesh up --http-port 0` and the openai client -----------------------------
+
+REAL_CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`expertmesh up --http-port 0` over a tiny Mixtral whose tokenizer carries a chat template."""
+    path = make_tiny_checkpoint(
+        "mixtral", tmp_path_factory.mktemp("chat-ckpt"), with_tokenizer=True, vocab_size=VOCAB,
+        max_position_embeddings=REAL_CONTEXT,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    up = Up("--model", str(path), "--http-port", "0")
+    try:
+        url = up.wait_for_stderr(r"OpenAI-compatible HTTP API on (\S+)/v1").group(1)
+        yield SimpleNamespace(up=up, url=url, model=path.name, tokenizer=tokenizer)
+    finally:
+        if up.proc.poll() is None:
+            up.stop()
+
+
+def _grpc(served, prompt, **kwargs):
+    """(text, last chunk) of the gRPC API for the same request."""
+    with Client(served.up.target, timeout=120) as client:
+        chunks = list(client.generate(prompt, **kwargs))
+    return "".join(c.text for c in chunks), chunks[-1]
+
+
+_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", ["Hello", [5, 17, 99, 3, 250, 42]], ids=["text", "token_ids"])
+def test_greedy_completions_equal_the_grpc_apis(served, prompt):
+    text, done = _grpc(served, prompt, max_new_tokens=16)
+    client = _openai(served.url)
+    whole = client.completions.create(model=served.model, prompt=prompt, max_tokens=16, temperature=0)
+    assert whole.choices[0].text == text
+    assert whole.choices[0].finish_reason == _REASON[done.finish_reason]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (done.prompt_tokens, done.completion_tokens)
+    stream = client.completions.create(
+        model=served.model, prompt=prompt, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == _REASON[done.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == done.completion_tokens
+
+
+@pytest.mark.slow
+def test_stop_ignore_eos_and_seeded_sampling_equal_the_grpc_apis(served):
+    client = _openai(served.url)
+    text, done = _grpc(served, "Hello", max_new_tokens=40, stop_at_eos=False)
+    whole = client.completions.create(model=served.model, prompt="Hello", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == text and whole.usage.completion_tokens == done.completion_tokens == 40
+    stop = text.strip()[2:4]
+    if stop:  # the random model's text decides what can be a stop sequence
+        stopped, done = _grpc(served, "Hello", max_new_tokens=40, stop_at_eos=False, stop=[stop])
+        whole = client.completions.create(
+            model=served.model, prompt="Hello", max_tokens=40, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+        )
+        assert whole.choices[0].text == stopped and whole.choices[0].finish_reason == "stop" == _REASON[done.finish_reason]
+    # 0.5 is exact in float32, so both APIs divide the logits by the same number.
+    sampled, _ = _grpc(served, [9, 8, 7], max_new_tokens=12, temperature=0.5, seed=1234, top_k=50)
+    for _ in range(2):
+        whole = client.completions.create(
+            model=served.model, prompt=[9, 8, 7], max_tokens=12, temperature=0.5, seed=1234, extra_body={"top_k": 50}
+        )
+        assert whole.choices[0].text == sampled
+
+
+@pytest.mark.slow
+def test_chat_applies_the_checkpoints_template(served):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+    ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert len(ids) > len("Be brief.Hi there!"), "the template adds its role markers"
+    text, done = _grpc(served, list(ids), max_new_tokens=16)
+    client = _openai(served.url)
+    chat = client.chat.completions.create(model=served.model, messages=messages, max_tokens=16, temperature=0)
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    assert chat.usage.prompt_tokens == len(ids)
+    (choice,) = chat.choices
+    assert (choice.message.role, choice.message.content) == ("assistant", text)
+    assert choice.finish_reason == _REASON[done.finish_reason]
+    stream = client.chat.completions.create(
+        model=served.model, messages=messages, max_completion_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.slow
+def test_bad_requests_through_the_openai_client(served):
+    client = _openai(served.url)
+    cases = [
+        (dict(n=2), openai.BadRequestError, "n"),
+        (dict(logprobs=2), openai.BadRequestError, "logprobs"),
+        (dict(echo=True), openai.BadRequestError, "echo"),
+        (dict(best_of=2), openai.BadRequestError, "best_of"),
+        (dict(suffix="!"), openai.BadRequestError, "suffix"),
+        (dict(temperature=-1), openai.BadRequestError, "temperature"),
+        (dict(max_tokens=ServingConfig().max_new_tokens_cap + 1), openai.BadRequestError, "max_tokens"),
+        (dict(prompt="x" * REAL_CONTEXT), openai.BadRequestError, "prompt"),
+        (dict(model="gpt-4o"), openai.NotFoundError, "model"),
+    ]
+    for fields, exc, param in cases:
+        with pytest.raises(exc) as err:
+            client.completions.create(**{"model": served.model, "prompt": "x", **fields})
+        assert err.value.body["param"] == param, fields
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+    assert err.value.body["code"] == "unsupported_parameter"
+    raw = httpx2.post(f"{served.url}/v1/completions", content=b'{"model": ', timeout=30)
+    _assert_error_shape(raw, 400, "invalid_json")
+    huge = httpx2.post(f"{served.url}/v1/completions", content=b" " * (ServingConfig().http_max_body_bytes + 1), timeout=30)
+    _assert_error_shape(huge, 413, "request_too_large")
+
+
+@pytest.mark.slow
+def test_health_and_metrics_on_the_same_port(served):
+    health = httpx2.get(f"{served.url}/health", timeout=30)
+    assert health.status_code == 200, health.text
+    body = health.json()
+    assert body["status"] == "ready" and body["groups"] == {"g0": "serving", "g1": "serving"}
+    assert body["routing_table_version"] >= 1
+    _openai(served.url).completions.create(model=served.model, prompt="x", max_tokens=2)
+    metrics = httpx2.get(f"{served.url}/metrics", timeout=30).text
+    assert re.search(r'expertmesh_http_responses_total\{[^}]*route="/v1/completions"[^}]*status="200"', metrics), metrics[-3000:]
+    assert "expertmesh_expert_tokens" in metrics  # the router's own meters, on the same port
+
+
+def _first_chunk(lines) -> dict:
+    return json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+
+
+@pytest.mark.slow
+def test_a_client_gone_mid_stream_frees_its_slot(served):
+    body = {"model": served.model, "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx2.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as response:
+        first = _first_chunk(response.iter_lines())
+    served.up.wait_for_stderr(rf"request {first['id']} cancelled: the client went away")
+    for _ in range(600):  # its slot frees at the next step boundary
+        if httpx2.get(f"{served.url}/health", timeout=30).json()["active_sequences"] == 0:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the cancelled sequence still holds its slot")
+
+
+@pytest.mark.slow
+def test_sigterm_lets_http_streams_finish_and_refuses_new_requests(served):
+    """Last: it stops the server. In-flight streams finish; new requests and /health answer 503."""
+    up = served.up
+    body = {"model": served.model, "prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx2.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        _first_chunk(lines)
+        up.proc.send_signal(signal.SIGTERM)
+        for _ in range(600):
+            health = httpx2.get(f"{served.url}/health", timeout=30)
+            if health.status_code == 503:
+                break
+            time.sleep(0.05)
+        assert health.json()["status"] == "draining"
+        with pytest.raises(openai.InternalServerError) as err:
+            _openai(served.url).completions.create(model=served.model, prompt="x", max_tokens=2)
+        assert err.value.status_code == 503
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert up.proc.wait(timeout=90) == 0
+    up.wait_for_stderr("drained")

@@ -106,6 +106,19 @@ def test_packed_steps_match_stock_greedy_alone(arch):
     assert engine.steps < sum(n for _, n in REQUESTS) / 2
 
 
+def test_a_long_prompt_alone_is_read_in_chunks():
+    """Steps that only read prompt need no logits at all; the first token comes with the last chunk."""
+    model = _model("olmoe")
+    prompt = tuple(range(3, 25))  # 22 tokens: 6 steps of at most 4
+    engine = Engine(model, None, StepDispatcher(), EngineLimits(4, 4, max_step_tokens=4), max_context=64).start()
+    try:
+        events = list(engine.submit(GenerationRequest("long", prompt, max_new_tokens=5, stop_at_eos=False)))
+    finally:
+        engine.stop()
+    assert _tokens(events) == _stock_greedy(model, prompt, 5)
+    assert engine.steps == 6 + 4
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_score_matches_stock_prompt_logits_across_chunks(arch):
     model = _model(arch)

@@ -441,11 +441,17 @@ def test_metrics_speak_prometheus_text(scripted):
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain; version=")
 
 
+def test_a_taken_port_fails_at_start(layer):
+    port = int(layer.url.rpartition(":")[2])
+    with pytest.raises(OSError, match=f"cannot bind the HTTP API to 127.0.0.1:{port}"):
+        HttpServer(layer.app, "127.0.0.1", port, tls=TlsConfig())
+
+
 def _issue(cn: str, issuer=None, *, ca: bool = False):
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
     signer_key, signer = issuer or (key, None)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder().subject_name(name).issuer_name(signer.subject if signer else name)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -590,15 +596,15 @@ def test_chat_applies_the_checkpoints_template(served):
 def test_bad_requests_through_the_openai_client(served):
     client = _openai(served.url)
     cases = [
-        (dict(n=2), openai.BadRequestError, "n"),
-        (dict(logprobs=2), openai.BadRequestError, "logprobs"),
-        (dict(echo=True), openai.BadRequestError, "echo"),
-        (dict(best_of=2), openai.BadRequestError, "best_of"),
-        (dict(suffix="!"), openai.BadRequestError, "suffix"),
-        (dict(temperature=-1), openai.BadRequestError, "temperature"),
-        (dict(max_tokens=ServingConfig().max_new_tokens_cap + 1), openai.BadRequestError, "max_tokens"),
-        (dict(prompt="x" * REAL_CONTEXT), openai.BadRequestError, "prompt"),
-        (dict(model="gpt-4o"), openai.NotFoundError, "model"),
+        ({"n": 2}, openai.BadRequestError, "n"),
+        ({"logprobs": 2}, openai.BadRequestError, "logprobs"),
+        ({"echo": True}, openai.BadRequestError, "echo"),
+        ({"best_of": 2}, openai.BadRequestError, "best_of"),
+        ({"suffix": "!"}, openai.BadRequestError, "suffix"),
+        ({"temperature": -1}, openai.BadRequestError, "temperature"),
+        ({"max_tokens": ServingConfig().max_new_tokens_cap + 1}, openai.BadRequestError, "max_tokens"),
+        ({"prompt": "x" * REAL_CONTEXT}, openai.BadRequestError, "prompt"),
+        ({"model": "gpt-4o"}, openai.NotFoundError, "model"),
     ]
     for fields, exc, param in cases:
         with pytest.raises(exc) as err:
@@ -670,3 +676,39 @@ def test_sigterm_lets_http_streams_finish_and_refuses_new_requests(served):
     assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
     assert up.proc.wait(timeout=90) == 0
     up.wait_for_stderr("drained")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_span_joins_the_callers_trace_and_the_engine_runs_under_it(scripted, monkeypatch, stream):
+    """W3C traceparent in, one SERVER span per request (an SDK tracer provider local to this test),
+    and the engine's submit sees that span as current, so its step spans join the same trace."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from expertmesh.serving import http_api
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(http_api, "tracer", lambda: provider.get_tracer("test"))
+    seen = []
+
+    def hello_seeing_the_span(request, seq):
+        seen.append(trace.get_current_span().get_span_context())
+        ScriptedEngine.hello(request, seq)
+
+    scripted.engine.script = hello_seeing_the_span
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    response = httpx2.post(
+        f"{scripted.url}/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "stream": stream},
+        headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "expertmesh.http.generate"]
+    assert format(span.context.trace_id, "032x") == trace_id and format(span.parent.span_id, "016x") == parent
+    assert span.kind == trace.SpanKind.SERVER and span.attributes["expertmesh.request_id"].startswith("cmpl-")
+    assert seen == [span.context]

@@ -218,6 +218,17 @@ def test_admin_call_needs_the_token(pki, group):
         assert stub.Describe(pb.DescribeRequest(), timeout=30).experts
 
 
+def test_inject_fault_is_an_admin_call_and_off_unless_enabled(pki, group):
+    """Real: the test-only fault hook needs the admin identity first; with it, a group started
+    without EXPERTMESH_ENABLE_FAULT_INJECTION still refuses."""
+    request = pb.InjectFaultRequest(expert=pb.ExpertRef(layer=LAYER, expert=1), kind=pb.FAULT_KIND_NAN)
+    with group_channel(group, pki.client("router")) as channel:
+        stub = pb_grpc.ExpertGroupStub(channel)
+        assert _code(stub.InjectFault, request, timeout=30) == grpc.StatusCode.UNAUTHENTICATED
+        token = admin_metadata(AdminAuthConfig(token=TOKEN))
+        assert _code(stub.InjectFault, request, timeout=30, metadata=token) == grpc.StatusCode.FAILED_PRECONDITION
+
+
 def test_admin_identity_by_client_certificate_cn(pki, cn_group):
     """Real: the CN of the verified client certificate decides; no token involved."""
     with group_channel(cn_group, pki.client("orchestrator")) as channel:

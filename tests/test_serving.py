@@ -127,7 +127,10 @@ def test_score_matches_stock_log_probs(client, checkpoint):
 
 
 def test_list_models(client, plane):
+    _tokens(client, [4, 5, 6], 2)
     (info,) = client.models()
+    transports = dict(info.group_transports)  # groups on this host: shared memory ("" if not called yet)
+    assert set(transports) == {"g0", "g1"} and "shm" in transports.values() and set(transports.values()) <= {"shm", ""}
     assert (info.architecture, info.num_experts, info.top_k, info.vocab_size) == ("mixtral", 4, 2, 300)
     assert list(info.groups) == ["g0", "g1"] and info.max_context == CONTEXT
     assert info.routing_table_version == plane.store.routing_table_version()
@@ -258,7 +261,7 @@ def test_health_and_reflection(server):
     assert "expertmesh/v1/inference.proto" == service.name
 
 
-def test_load_stats_match_the_routing_and_feed_the_planner(server, client, tmp_path):
+def test_load_stats_match_the_routing_and_feed_the_planner(server, client, plane, tmp_path):
     """Every routed token is counted once per chosen expert, in every MoE layer, and
     `expertmesh stats export` writes a file `expertmesh plan` accepts."""
     import json
@@ -267,8 +270,14 @@ def test_load_stats_match_the_routing_and_feed_the_planner(server, client, tmp_p
 
     import yaml
 
+    # Counted from here: earlier tests cut steps short between layers (deadlines), so the window
+    # as a whole need not have the same tokens in every layer.
+    before = plane.dispatcher.load_window.since_start()  # [L, E]
     for i in range(4):
         client.generate_text([3 + i] * (20 + i), max_new_tokens=16, stop_at_eos=False)
+    routed = (plane.dispatcher.load_window.since_start() - before).sum(axis=1) / plane.checkpoint.spec.top_k  # [L]
+    # each request feeds its prompt and all but its last new token
+    assert routed.tolist() == [sum(20 + i + 15 for i in range(4))] * len(routed), "every layer saw every token"
 
     out = tmp_path / "stats.json"
     export = subprocess.run(
@@ -279,7 +288,7 @@ def test_load_stats_match_the_routing_and_feed_the_planner(server, client, tmp_p
     stats = json.loads(out.read_text())
     load = torch.tensor(stats["load"])  # [L, E]
     tokens = load.sum(dim=1) / stats["top_k"]
-    assert tokens[0] > 100 and torch.all(tokens == tokens[0]), "every layer saw the same tokens"
+    assert torch.all(tokens >= routed[0])
     coact = torch.tensor(stats["coactivation"])
     # top-2 without duplicates: each token adds one pair, counted in both directions
     assert torch.all(coact.sum(dim=(1, 2)) == 2 * tokens)

@@ -10,16 +10,23 @@ import argparse
 import os
 import sys
 
-from expertmesh.errors import ExpertMeshError
+# Before torch loads its OpenMP runtime, which reads this once: idle OpenMP threads then sleep
+# rather than spin. A router spends most of a step waiting for expert groups, and embedded (CPU)
+# they compute on the same cores; threads spinning meanwhile take those cores from them (measured:
+# 5x slower dispatch on 2 cores). Set OMP_WAIT_POLICY to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from expertmesh.errors import ExpertMeshError  # noqa: E402
 from expertmesh.telemetry.logs import configure_logging
 
 #: long-running processes: structured logs, one line per request at info
-SERVER_COMMANDS = {"up", "orchestrator"}
+SERVER_COMMANDS = {"up", "orchestrator", "group"}
 
 
 def _build_parser() -> argparse.ArgumentParser:
     from expertmesh import stats_cli, verify
     from expertmesh.bench import add_commands as add_bench_commands
+    from expertmesh.expert_group import serve_cli as group_cli
     from expertmesh.observability import heatmap_cli, probe_cli
     from expertmesh.serving import generate_cli, up
 
@@ -29,13 +36,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "--log-format",
         choices=["json", "text"],
         default=os.environ.get("EXPERTMESH_LOG_FORMAT"),
-        help="default: json for the servers (up, orchestrator), text otherwise",
+        help="default: json for the servers (up, orchestrator, group), text otherwise",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench = commands.add_parser("bench", help="benchmarks: print a table and write JSON")
     bench_commands = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
     up.add_command(commands)
+    group_cli.add_command(commands)
     generate_cli.add_command(commands)
     verify.add_command(commands)
     stats_cli.add_command(commands)

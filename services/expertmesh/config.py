@@ -13,6 +13,10 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
+#: How a router reaches expert groups (``expertmesh.router.transport``).
+TransportName = Literal["auto", "grpc", "grpc-unary"]
+
+
 class DataPlaneConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EXPERTMESH_", extra="forbid")
 
@@ -31,6 +35,11 @@ class DataPlaneConfig(BaseSettings):
         None, ge=1, description="bytes of expert weights one group may hold; LoadExperts past it is refused (unset: unlimited)"
     )
     dispatch_timeout_s: float = Field(30.0, gt=0, description="deadline of one expert-group call")
+    transport: TransportName = Field(
+        "auto",
+        description="how the router reaches expert groups: auto (shared memory for groups on this host, else a gRPC "
+        "stream), grpc (gRPC streams only), grpc-unary (one unary call per layer per group)",
+    )
     load_window_s: float = Field(600.0, gt=0, description="sliding window of the router's expert-load statistics")
     load_publish_s: float = Field(10.0, gt=0, description="how often a router writes its load window to a shared store")
     heartbeat_s: float = Field(1.0, gt=0, description="how often a router reports the routing-table version it serves")
@@ -137,6 +146,18 @@ class AdminAuthConfig(BaseSettings):
         if self.token and self.token_file:
             raise ValueError("set EXPERTMESH_ADMIN_TOKEN or EXPERTMESH_ADMIN_TOKEN_FILE, not both")
         return self
+
+
+class FaultInjectionConfig(BaseSettings):
+    """The expert groups' test-only fault hook (``InjectFault``: overwrite an expert's weights in
+    place), which the chaos benchmark and tests use to check that the health monitor finds what
+    memory faults do. Off unless ``EXPERTMESH_ENABLE_FAULT_INJECTION=1`` is set in the group's
+    environment (a router passes it on to the groups it starts, like the TLS settings), so a
+    production deployment refuses it even from an admin."""
+
+    model_config = SettingsConfigDict(env_prefix="EXPERTMESH_", extra="forbid")
+
+    enable_fault_injection: bool = Field(False, description="accept InjectFault (test and chaos runs only)")
 
 
 def add_data_plane_arguments(parser: argparse.ArgumentParser) -> None:

@@ -74,6 +74,7 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, 
     from expertmesh.router.heartbeat import Heartbeat
     from expertmesh.router.load_publisher import router_id
     from expertmesh.router.model import build_router_model
+    from expertmesh.router.transport import build as build_transport
 
     progress("building the router (no routed-expert weights)")
     spec = checkpoint.spec
@@ -89,6 +90,7 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, 
         resolve_endpoints=resolve_endpoints,
         on_switch=heartbeat.beat,
         fallback=config.quarantine_fallback,
+        transport=build_transport(config.transport),
     )
     heartbeat.start(dispatcher)
     return dispatcher, heartbeat, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
@@ -191,10 +193,11 @@ class DataPlane:
         return cls(config, checkpoint, placement, store, model, dispatcher, heartbeat, addresses, started_ray)
 
     @classmethod
-    def attach(cls, config: DataPlaneConfig, wait_s: float = 300.0) -> "DataPlane":
-        """The router alone, over groups and a routing table that others publish in the shared store."""
+    def attach(cls, config: DataPlaneConfig, wait_s: float = 300.0, store: StateStore | None = None) -> "DataPlane":
+        """The router alone, over groups and a routing table that others publish in the shared store
+        (``store``, which the plane then owns; default: ``config.state_url``'s)."""
         checkpoint = Checkpoint(config.model)
-        store = open_store(config.state_url)
+        store = store if store is not None else open_store(config.state_url)
         deadline = time.monotonic() + wait_s
         table = store.routing_table()
         if table is None:

@@ -85,6 +85,12 @@ class QuarantineRefused(ExpertMeshError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class FaultInjectionDisabled(ExpertMeshError):
+    """InjectFault on a group that was not started with fault injection enabled."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class MigrationNotFound(ExpertMeshError):
     """No migration with that id is in the state store."""
 

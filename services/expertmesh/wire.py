@@ -59,7 +59,7 @@ def layout(dtype_code: int, shape, what: str = "tensor") -> tuple[torch.dtype, l
     shape = list(shape)
     if any(d < 0 for d in shape):
         raise InvalidRequest(f"{what}: negative dimension in shape {shape}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     # Checked before the byte count: a zero dimension makes any other dimension "match" no bytes,
     # and torch refuses to size storage past int64 even for an empty tensor.
     if math.prod(d for d in shape if d) * itemsize > _MAX_BYTES:

@@ -7,7 +7,7 @@ again. The fast paths keep protobuf for a small header only:
   (``pack`` / ``split`` + ``read``), the tensors back to back;
 - over shared memory the frame travels alone and its tensors sit in a buffer both
   processes map, each at a multiple of ``SHARED_ALIGN`` bytes from offset 0
-  (``place`` / ``views``), so they are written once and read in place.
+  (``span`` / ``BufferViews``), so they are written once and read in place.
 
 Every reader checks what it is given before it touches a byte: a known dtype,
 no negative dimension, a byte count equal to shape x item size, every tensor
@@ -119,19 +119,38 @@ def span(metas: Sequence[pb.TensorMeta], start: int = 0) -> int:
     return end
 
 
-def views(
-    buffer: torch.Tensor, metas: Sequence[pb.TensorMeta], names: Sequence[str], start: int = 0
-) -> list[torch.Tensor]:
-    """Tensors described by ``metas``, lying from ``start`` of ``buffer`` ([bytes] uint8), as views
-    (no copy; writing one writes the buffer). Raises InvalidRequest when one would leave the buffer."""
-    if start % SHARED_ALIGN:
-        raise InvalidRequest(f"offset {start} in the shared buffer is not a multiple of {SHARED_ALIGN}")
-    out, offset = [], start
-    for dtype, shape, nbytes in _checked(metas, names):
-        if offset + nbytes > buffer.numel():
-            raise InvalidRequest(
-                f"tensors up to byte {offset + nbytes} do not fit in the {buffer.numel()}-byte shared buffer"
-            )
-        out.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
-        offset = aligned(offset + nbytes)
-    return out
+def _strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return strides[::-1]
+
+
+class BufferViews:
+    """Tensors in one shared buffer ([bytes] uint8, CPU or GPU). A typed view of the whole buffer is
+    made once per dtype, so a tensor in it is one ``as_strided``: a decode step reads six per group."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def _as(self, dtype: torch.dtype) -> torch.Tensor:
+        typed = self._typed.get(dtype)
+        if typed is None:
+            size = self.buffer.numel()
+            typed = self._typed[dtype] = self.buffer[: size - size % dtype.itemsize].view(dtype)
+        return typed
+
+    def views(self, metas: Sequence[pb.TensorMeta], names: Sequence[str], start: int = 0) -> list[torch.Tensor]:
+        """The tensors ``metas`` describe, lying from ``start`` (each at a multiple of SHARED_ALIGN), as
+        views: no copy, writing one writes the buffer. Raises InvalidRequest when one would leave it."""
+        if start % SHARED_ALIGN:
+            raise InvalidRequest(f"offset {start} in the shared buffer is not a multiple of {SHARED_ALIGN}")
+        out, offset, size = [], start, self.buffer.numel()
+        for dtype, shape, nbytes in _checked(metas, names):
+            if offset + nbytes > size:
+                raise InvalidRequest(f"tensors up to byte {offset + nbytes} do not fit in the {size}-byte shared buffer")
+            out.append(self._as(dtype).as_strided(shape, _strides(shape), offset // dtype.itemsize))
+            offset = aligned(offset + nbytes)
+        return out

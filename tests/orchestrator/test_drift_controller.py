@@ -27,7 +27,7 @@ from expertmesh.errors import MigrationRefused
 from expertmesh.expert_group.busy import BusyClock
 from expertmesh.expert_group.hosted import HostedExperts
 from expertmesh.expert_group.service import start_server
-from expertmesh.orchestrator.admin import MigrationRunner, start_admin
+from expertmesh.orchestrator.admin import MigrationRunner, start_orchestrator
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.controller import DriftController, Result
 from expertmesh.orchestrator.drift.observe import Observer
@@ -180,7 +180,7 @@ def test_third_scan_moves_the_two_least_used_experts_live(mesh, runner, caplog):
     logged = json.loads(JsonFormatter().format(line))
     assert logged["drift"]["trigger"] == "high_watermark" and logged["drift"]["source"] == "g0"
     assert "least-used expert layer 1 expert 1 (10 tokens)" in logged["drift"]["detail"]
-    drift.stop()
+    drift.close()
 
 
 def test_a_move_the_runner_refuses_is_recorded_as_refused(mesh):
@@ -194,7 +194,7 @@ def test_a_move_the_runner_refuses_is_recorded_as_refused(mesh):
     report = drift.update()
     assert [r.result for r in report.records] == [Result.REFUSED] * 2
     assert "refused: layer 1 expert 1 is busy elsewhere" in report.records[0].detail
-    drift.stop()
+    drift.close()
 
 
 def test_configured_dry_run_never_moves(mesh, runner):
@@ -202,28 +202,30 @@ def test_configured_dry_run_never_moves(mesh, runner):
     assert [r.result for r in drift.update().records] == [Result.DRY_RUN] * 2
     assert [r.result for r in drift.update().records] == [Result.DRY_RUN] * 2  # and counts nothing
     assert load_all(mesh.store) == []
-    drift.stop()
+    drift.close()
 
 
 def test_quiet_windows_hold(mesh, runner):
     drift = DriftController(mesh.store, runner, DriftConfig(**{**FAST, "consecutive_scans": 1, "min_window_tokens": 1e6}))
     (record,) = drift.update().records
     assert (record.result, record.decision.hold, record.decision.trigger) == (Result.HELD, Hold.LOW_TRAFFIC, Trigger.HIGH_WATERMARK)
-    drift.stop()
+    drift.close()
 
 
-def test_the_loop_scans_until_stopped(mesh, runner):
-    drift = DriftController(mesh.store, runner, DriftConfig(**{**FAST, "scan_interval_s": 0.05})).start()
+def test_the_control_loop_scans_until_stopped(mesh):
+    config = DriftConfig(**{**FAST, "enabled": True, "scan_interval_s": 0.05})
+    orchestrator = start_orchestrator(mesh.store, "127.0.0.1", 0, drift=config)
+    assert [m.name for m in orchestrator.loop.managers] == ["drift"]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(load_all(mesh.store)) < 2:
         time.sleep(0.05)
-    drift.stop()
-    assert runner.wait_idle(60)
+    orchestrator.stop()  # the migrations under way finish first
     assert [m.phase for m in load_all(mesh.store)] == [Phase.SUCCEEDED] * 2
 
 
 def test_scan_drift_rpc_and_the_drift_command(mesh, capsys):
-    server, runner, drift = start_admin(mesh.store, "127.0.0.1", 0, drift=DriftConfig(**{**FAST, "consecutive_scans": 2}))
+    orchestrator = start_orchestrator(mesh.store, "127.0.0.1", 0, drift=DriftConfig(**{**FAST, "consecutive_scans": 2}))
+    server, drift = orchestrator.server, orchestrator.drift
     address = f"127.0.0.1:{server.port}"
     try:
         assert not drift.config.enabled  # no loop: scans only on demand
@@ -245,14 +247,12 @@ def test_scan_drift_rpc_and_the_drift_command(mesh, capsys):
         assert main(["drift", "--once", "--admin", address]) == 0
         out = capsys.readouterr().out
         assert out.count("submitted high_watermark") == 2 and "(migration " in out
-        assert runner.wait_idle(60)
+        assert orchestrator.runner.wait_idle(60)
         with grpc.insecure_channel(address) as channel:
             listed = pb_grpc.AdminStub(channel).ListMigrations(pb.ListMigrationsRequest()).migrations
         assert [(m.initiator, m.phase) for m in listed] == [("drift:high_watermark", pb.MIGRATION_PHASE_SUCCEEDED)] * 2
     finally:
-        server.stop()
-        drift.stop()
-        runner.close()
+        orchestrator.stop()
 
 
 def test_the_drift_command_without_an_orchestrator_is_one_line(capsys):

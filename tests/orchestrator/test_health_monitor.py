@@ -25,7 +25,7 @@ from expertmesh.cli import main
 from expertmesh.errors import QuarantineRefused
 from expertmesh.expert_group.hosted import HostedExperts
 from expertmesh.expert_group.service import start_server
-from expertmesh.orchestrator.admin import start_admin
+from expertmesh.orchestrator.admin import start_orchestrator
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.health import monitor as monitor_module
 from expertmesh.orchestrator.health.config import HealthConfig
@@ -80,7 +80,7 @@ def mesh(tiny_checkpoints):
 def monitor(mesh):
     m = HealthMonitor(mesh.store, mesh.checkpoint, CONFIG)
     yield m
-    m.stop()
+    m.close()
 
 
 def corrupt(mesh: Mesh, group: str, pair: tuple[int, int], scale: float = 3.0, at: tuple[int, int] | None = None) -> None:
@@ -182,7 +182,7 @@ def test_a_repair_that_does_not_match_the_checkpoint_stays_quarantined(mesh, tin
         assert after.reason.startswith("repair failed: reloaded on g1, but its output differs from the checkpoint's")
         assert mesh.replicas(REPLICATED) == ("g0",)
     finally:
-        other.stop()
+        other.close()
 
 
 def test_an_unreachable_group_waits_for_the_next_round(mesh, monitor):
@@ -223,7 +223,8 @@ def test_quarantining_every_replica_keeps_the_last_listed(mesh, monitor):
 
 
 def test_admin_rpcs_and_the_commands(mesh, monitor, capsys):
-    server, runner, drift = start_admin(mesh.store, "127.0.0.1", 0, drift=DriftConfig(), health=monitor)
+    orchestrator = start_orchestrator(mesh.store, "127.0.0.1", 0, drift=DriftConfig(), health=monitor)
+    server = orchestrator.server
     address = f"127.0.0.1:{server.port}"
     try:
         monitor.update()  # baselines
@@ -254,23 +255,19 @@ def test_admin_rpcs_and_the_commands(mesh, monitor, capsys):
         assert main(["release", "--layer", "1", "--expert", "1", "--admin", address]) == 2
         assert "FAILED_PRECONDITION: no quarantined replica" in capsys.readouterr().err
     finally:
-        server.stop()
-        drift.stop()
-        runner.close()
+        orchestrator.stop()
 
 
 def test_a_release_that_fails_verification_exits_one(mesh, tiny_checkpoints, capsys):
     other = HealthMonitor(mesh.store, Checkpoint(tiny_checkpoints("mixtral", seed=1)), CONFIG)
-    server, runner, drift = start_admin(mesh.store, "127.0.0.1", 0, drift=DriftConfig(), health=other)
+    orchestrator = start_orchestrator(mesh.store, "127.0.0.1", 0, drift=DriftConfig(), health=other)
+    server = orchestrator.server
     try:
         other.quarantine(1, 2)
         assert main(["release", "--layer", "1", "--expert", "2", "--admin", f"127.0.0.1:{server.port}"]) == 1
         assert "repair failed" in capsys.readouterr().out
     finally:
-        server.stop()
-        drift.stop()
-        runner.close()
-        other.stop()
+        orchestrator.stop()
 
 
 def test_gauges_show_the_worst_replica_and_the_largest_kl(mesh, monkeypatch):
@@ -296,7 +293,7 @@ def test_gauges_show_the_worst_replica_and_the_largest_kl(mesh, monkeypatch):
         assert len(health) == 8 and health[REPLICATED] == 0.0 and health[(1, 0)] == 1.0
         assert kl[REPLICATED] > CONFIG.kl_quarantine and kl[(1, 0)] == 0.0
     finally:
-        m.stop()
+        m.close()
 
 
 def test_the_quarantine_set_in_redis(redis_url):

@@ -217,7 +217,8 @@ app.kubernetes.io/part-of: expertmesh
   value: {{ $ctx.Values.otel.samplingRatio | toString | quote }}
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: {{ printf "service.namespace=expertmesh,k8s.namespace.name=%s%s" $ctx.Release.Namespace (ternary (printf ",%s" $ctx.Values.otel.resourceAttributes) "" (ne $ctx.Values.otel.resourceAttributes "")) | quote }}
-{{- else }}
+{{- else if not (and (eq .component "router") $ctx.Values.router.http.enabled) }}
+{{- /* A router with the HTTP API keeps the SDK on: its /metrics reads the SDK's meters (no OTLP export without an endpoint). */}}
 - name: OTEL_SDK_DISABLED
   value: "true"
 {{- end }}

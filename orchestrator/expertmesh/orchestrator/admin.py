@@ -7,8 +7,8 @@ listing, quarantine and release, answered by the ``HealthMonitor`` the caller pa
 shares (CLI, drift controller, Kubernetes controller); at start it resumes what a
 previous orchestrator left half done. ``AdminServicer`` is the gRPC face of it:
 a bad request is refused with the executor's error (INVALID_ARGUMENT /
-FAILED_PRECONDITION / NOT_FOUND) before anything moves. ``start_admin`` also builds
-the drift controller, whose loop runs when its config enables it.
+FAILED_PRECONDITION / NOT_FOUND) before anything moves. ``start_orchestrator`` starts
+all of it with the control loop (``control_loop``) stepping the enabled managers.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
 
 import grpc
 
 from expertmesh.errors import QuarantineRefused
 from expertmesh.grpc_server import GrpcServer, guarded
+from expertmesh.orchestrator.control_loop import ControlLoop, Manager
 from expertmesh.orchestrator.drift import api as drift_api
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.controller import DriftController, DriftRecord
@@ -225,7 +227,28 @@ class AdminServicer(pb_grpc.AdminServicer):
         return health_api.to_proto(self._monitor().release(request.layer, request.expert, request.group or None))
 
 
-def start_admin(
+@dataclass
+class Orchestrator:
+    """The orchestrator's parts as ``start_orchestrator`` started them."""
+
+    server: GrpcServer
+    runner: MigrationRunner
+    drift: DriftController
+    health: HealthMonitor | None
+    loop: ControlLoop
+
+    def stop(self) -> None:
+        """Stop the loop, then the admin API, then the migrations (those running finish first)."""
+        self.loop.stop()
+        self.server.set_serving(False)
+        self.server.stop()
+        self.drift.close()
+        if self.health is not None:
+            self.health.close()
+        self.runner.close()
+
+
+def start_orchestrator(
     store: StateStore,
     host: str,
     port: int,
@@ -235,11 +258,12 @@ def start_admin(
     drift: DriftConfig | None = None,
     health: HealthMonitor | None = None,
     on_drift_decision: Callable[[DriftRecord], None] | None = None,
-) -> tuple[GrpcServer, MigrationRunner, DriftController]:
+    managers: Sequence[Manager] = (),
+) -> Orchestrator:
     """The admin gRPC server with the Admin service, its runner resuming half-done migrations, and
-    the drift controller (``drift``, default the environment's ``EXPERTMESH_DRIFT_*``), scanning
-    when enabled. Stop the controller before closing the runner. ``health`` answers the health
-    RPCs (without it they are FAILED_PRECONDITION); its caller starts and stops its loop.
+    the control loop stepping ``managers`` plus the drift controller (``drift``, default the
+    environment's ``EXPERTMESH_DRIFT_*``) and the health monitor when they are enabled. ``health``
+    also answers the health RPCs (without it they are FAILED_PRECONDITION).
     ``on_drift_decision``: called with each drift decision (cluster mode: ``kube.drift_objects``)."""
     runner = MigrationRunner(store, MigrationExecutor(store, drain_timeout_s=drain_timeout_s), max_concurrent)
     controller = DriftController(store, runner, drift if drift is not None else DriftConfig(), on_decision=on_drift_decision)
@@ -247,6 +271,9 @@ def start_admin(
     pb_grpc.add_AdminServicer_to_server(AdminServicer(runner, store, drift=controller, health=health), server.server)
     server.start((SERVICE_NAME,))
     runner.resume()
+    steps = list(managers)
     if controller.config.enabled:
-        controller.start()
-    return server, runner, controller
+        steps.append(Manager("drift", controller.config.scan_interval_s, controller.update))
+    if health is not None and health.config.enabled:
+        steps.append(Manager("health", health.config.interval_s, health.update))
+    return Orchestrator(server, runner, controller, health, ControlLoop(steps).start())

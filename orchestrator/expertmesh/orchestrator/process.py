@@ -1,13 +1,13 @@
 """``expertmesh orchestrator``: the control-plane process.
 
-Applies the placement file to the routing table (when it changes) and serves
-the admin gRPC port: ``grpc.health.v1`` and ``expertmesh.v1.Admin`` (live
-migrations; half-done ones are resumed at start; drift scans). With ``--drift``
-(or ``EXPERTMESH_DRIFT_ENABLED``) the drift controller's loop runs too. With
-``--kube`` (the default in a pod) the ExpertMigration controller runs too
-(``orchestrator.kube``). The expert health monitor always answers the admin API's
-health calls; with ``--health-monitor`` (or ``EXPERTMESH_HEALTH_ENABLED``) its loop
-probes every replica every ``interval_s`` (``orchestrator.health``). A bad placement at start-up is refused with one line; a
+Serves the admin gRPC port (``grpc.health.v1`` and ``expertmesh.v1.Admin``: live
+migrations, half-done ones resumed at start; drift scans; expert health) and
+runs one control loop (``control_loop``) stepping its managers: applying the
+placement file to the routing table when the file changes; with ``--drift`` (or
+``EXPERTMESH_DRIFT_ENABLED``) drift scans; with ``--health-monitor`` (or
+``EXPERTMESH_HEALTH_ENABLED``) health rounds over every replica. With ``--kube``
+(the default in a pod) the ExpertMigration controller runs too
+(``orchestrator.kube``). A bad placement at start-up is refused with one line; a
 bad edit later is logged and the last good table stays.
 """
 
@@ -81,7 +81,8 @@ def kube_connection(args):
 def run(args) -> int:
     from expertmesh.checkpoint import Checkpoint
     from expertmesh.data_plane import progress
-    from expertmesh.orchestrator.admin import start_admin
+    from expertmesh.orchestrator.admin import start_orchestrator
+    from expertmesh.orchestrator.control_loop import Manager
     from expertmesh.orchestrator.health.monitor import HealthMonitor
     from expertmesh.orchestrator.kube.api import ExpertMigrationApi
     from expertmesh.orchestrator.kube.controller import start_controller
@@ -104,7 +105,17 @@ def run(args) -> int:
     first = reconciler.reconcile_once()  # a bad placement fails here, before we report healthy
     health = HealthMonitor(store, checkpoint, health_settings)
     namespace = (args.kube_namespace or connection.namespace) if connection else None
-    server, runner, drift = start_admin(
+
+    def reconcile() -> None:
+        try:
+            table = reconciler.reconcile_once()
+        except PlacementError as err:
+            log.error("placement %s is invalid, keeping routing table version %d: %s", args.placement, store.routing_table_version(), err)
+            return
+        if table is not None:
+            progress(f"orchestrator: published routing table version {table.version}")
+
+    orchestrator = start_orchestrator(
         store,
         args.admin_host,
         args.admin_port,
@@ -114,13 +125,12 @@ def run(args) -> int:
         health=health,
         # In cluster mode every move drift starts is also an ExpertMigration object.
         on_drift_decision=DriftObjects(ExpertMigrationApi(connection), namespace) if connection else None,
+        managers=[Manager("placement", args.interval, reconcile)],
     )
-    if health.config.enabled:
-        health.start()
-    port = server.port
+    port = orchestrator.server.port
     if args.health_port is not None:
-        server.serve_plaintext_health(args.health_port)
-    kube = start_controller(connection, runner, store, namespace) if connection else None
+        orchestrator.server.serve_plaintext_health(args.health_port)
+    kube = start_controller(connection, orchestrator.runner, store, namespace) if connection else None
     version = first.version if first else store.routing_table_version()
     progress(f"orchestrator: routing table version {version}; admin gRPC on {args.admin_host}:{port}")
     if kube is not None:
@@ -129,19 +139,8 @@ def run(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(args.interval):
-        try:
-            table = reconciler.reconcile_once()
-        except PlacementError as err:
-            log.error("placement %s is invalid, keeping routing table version %d: %s", args.placement, store.routing_table_version(), err)
-            continue
-        if table is not None:
-            progress(f"orchestrator: published routing table version {table.version}")
-    server.set_serving(False)
-    server.stop()
-    drift.stop()
-    health.stop()
-    runner.close()
+    stop.wait()
+    orchestrator.stop()
     if kube is not None:  # after the runner: the migrations it finished on the way out are reported
         kube.stop()
     store.close()

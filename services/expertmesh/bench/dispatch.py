@@ -4,8 +4,13 @@ In one run, on the same checkpoint, dtype, inputs and intra-op thread count:
 
 * *monolithic*: ``AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")``,
   every expert computed in this process;
-* *platform*: the router's model (``DataPlane.start``), whose routed experts go
-  over gRPC to N expert groups on Ray Serve.
+* *platform*: the router's model, whose routed experts go to N expert groups:
+  Ray Serve deployments (``DataPlane.start``), or with ``--groups-as process``
+  plain ``expertmesh group serve`` processes whose addresses the router is handed
+  in an in-process store (``DataPlane.attach``): no Ray and no Redis needed, as on
+  the GPU machine. ``--transport`` chooses how the router reaches them (``auto``:
+  shared memory on this host; ``grpc``: gRPC streams; ``grpc-unary``: one unary
+  call per layer per group, the path before streams).
 
 Phases
 - *prefill*: one forward of ``--prefill-tokens`` tokens (batch 1, fresh cache).
@@ -26,7 +31,14 @@ Derived figures (per phase)
 - *bytes per token per layer*: (request + response bytes) / tokens routed,
   summed over the MoE layers of the timed steps; the *minimum* is
   hidden_size × dtype bytes × 2 (hidden state out, partial sum back) × groups
-  touched per token (token–group pairs / tokens).
+  touched per token (token–group pairs / tokens). Request bytes are the tensors'
+  (hidden rows, expert ids, weights), whatever the transport adds around them.
+
+Memory: the resident set of this process before the models load (*baseline*:
+Python, torch, transformers), and its growth while the monolithic model and
+then the router load, each reported as baseline + growth (both models live in
+this one process, so their own peaks cannot be told apart); each group reports
+its own process's peak (Describe's ``peak_rss_bytes``) at the end of the run.
 
 ``--tracing``: after the run above (tracing off: no SDK installed), the platform
 is started again with OpenTelemetry on in the router and in every expert group,
@@ -40,9 +52,10 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from expertmesh.bench.report import (
     BenchError,
@@ -53,10 +66,13 @@ from expertmesh.bench.report import (
     model_summary,
     options_summary,
     parse_int_list,
+    resident_bytes,
     torch_threads,
     write_json,
 )
+from expertmesh.config import TransportName
 from expertmesh.data_plane import progress
+from expertmesh.router.transport import TRANSPORTS
 
 DECODE_PROMPT_TOKENS = 8  # prompt of each sequence before the timed decode steps
 WARMUP_STEPS = 1  # untimed decode steps after the prompt, before the timed ones
@@ -76,6 +92,8 @@ class Options:
     seed: int = 0
     ray_address: str | None = None
     tracing: bool = False  # also measure with OpenTelemetry tracing on
+    transport: TransportName = "auto"
+    groups_as: str = "ray"  # "ray": Ray Serve deployments; "process": `expertmesh group serve` processes
 
 
 def add_command(bench_commands) -> None:
@@ -93,6 +111,19 @@ def add_command(bench_commands) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     p.add_argument("--tracing", action="store_true", help="measure again with OpenTelemetry tracing on (OTLP to loopback)")
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="auto",
+        help="router to groups: auto (shared memory on this host, else gRPC streams), grpc (streams only), "
+        "grpc-unary (default auto)",
+    )
+    p.add_argument(
+        "--groups-as",
+        choices=["ray", "process"],
+        default="ray",
+        help="expert groups as Ray Serve deployments, or as plain `expertmesh group serve` processes (no Ray)",
+    )
     p.add_argument("--out", default="bench-dispatch.json", help="JSON results (default bench-dispatch.json)")
     p.set_defaults(run=_main)
 
@@ -112,6 +143,8 @@ def _main(args: argparse.Namespace) -> int:
         seed=args.seed,
         ray_address=args.ray_address,
         tracing=args.tracing,
+        transport=args.transport,
+        groups_as=args.groups_as,
     )
     result = run(options)
     print(table(result))
@@ -257,7 +290,6 @@ def run(options: Options) -> dict:
     from transformers import AutoModelForCausalLM
 
     from expertmesh.config import DataPlaneConfig
-    from expertmesh.data_plane import DataPlane
 
     checkpoint = validate(options)
     spec = checkpoint.spec
@@ -267,25 +299,40 @@ def run(options: Options) -> dict:
     moe_layers = len(spec.moe_layers)
 
     with torch_threads(options.threads) as threads:
+        baseline = resident_bytes()
         progress(f"bench dispatch: loading stock transformers ({spec.model_type}, {options.dtype})")
         mono = AutoModelForCausalLM.from_pretrained(
             checkpoint.path, experts_implementation="eager", dtype=dtype, local_files_only=True
         ).eval()
+        memory = {"baseline_bytes": baseline, "monolithic_bytes": resident_bytes()}
         config = DataPlaneConfig(
-            model=checkpoint.path, groups=options.groups, dtype=options.dtype, ray_address=options.ray_address
+            model=checkpoint.path,
+            groups=options.groups,
+            dtype=options.dtype,
+            ray_address=options.ray_address,
+            transport=options.transport,
         )
 
-        def measure() -> tuple[list, int]:
-            plane = DataPlane.start(config)
-            try:
+        def measure() -> dict:
+            before = resident_bytes()
+            with _platform(options, config) as plane:
+                router_bytes = baseline + resident_bytes() - before
                 phases = _run_phases(options, mono, plane, text.vocab_size, moe_layers, spec.hidden_size, dtype_bytes)
-                return phases, len(plane.placement.groups)
-            finally:
-                progress("bench dispatch: stopping the platform")
-                plane.close()
+                return {
+                    "phases": phases,
+                    "groups": len(plane.placement.groups),
+                    "transports": plane.dispatcher.transports(),
+                    "router_bytes": router_bytes,
+                    "groups_peak_bytes": _groups_peak_bytes(plane.addresses),
+                }
 
-        phases, groups = measure()
+        measured = measure()
         traced = _measure_traced(measure) if options.tracing else None
+        memory.update(
+            router_bytes=measured["router_bytes"],
+            groups_peak_bytes=measured["groups_peak_bytes"],
+            bench_process_peak_bytes=resident_bytes("VmHWM"),
+        )
 
     return {
         "benchmark": "dispatch",
@@ -297,18 +344,84 @@ def run(options: Options) -> dict:
         "setup": {
             **options_summary(options),
             "threads": threads,
-            "groups": groups,
+            "groups": measured["groups"],
+            "transports": measured["transports"],
             "dtype_bytes": dtype_bytes,
             "warmup": "1 untimed run per phase and side; 1 untimed decode step per repeat",
             "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
             "machine": machine(),
         },
-        "phases": phases,
+        "phases": measured["phases"],
+        "memory": memory,
         **({"tracing_on": traced} if traced is not None else {}),
     }
 
 
-def _measure_traced(measure: Callable[[], tuple[list, int]]) -> dict:
+@contextmanager
+def _platform(options: Options, config) -> Iterator:
+    """The router's data plane over groups on Ray Serve or in plain processes; stopped on exit."""
+    from expertmesh.data_plane import DataPlane
+
+    if options.groups_as == "ray":
+        plane = DataPlane.start(config)
+        try:
+            yield plane
+        finally:
+            progress("bench dispatch: stopping the platform")
+            plane.close()
+        return
+    groups, store = _group_processes(options, config)
+    try:
+        plane = DataPlane.attach(config, store=store)
+        try:
+            yield plane
+        finally:
+            plane.close()
+    finally:
+        progress("bench dispatch: stopping the group processes")
+        for group in groups.values():
+            group.stop()
+
+
+def _group_processes(options: Options, config):
+    """``expertmesh group serve`` processes for the contiguous split, and an in-process store that lists
+    them and their routing table (as ``DataPlane.start`` publishes it): neither Ray nor Redis."""
+    import torch
+
+    from expertmesh import placement as placement_mod
+    from expertmesh.checkpoint import Checkpoint
+    from expertmesh.expert_group.processes import start_groups
+    from expertmesh.routing_table import RoutingTable
+    from expertmesh.state import open_store
+
+    spec = Checkpoint(config.model).spec
+    placement = placement_mod.contiguous(spec, options.groups)
+    args = ["--model", str(config.model), "--groups", str(options.groups), "--dtype", options.dtype]
+    if torch.cuda.is_available():  # as on Ray, groups compute on a GPU when there is one
+        args.append("--gpu")
+    progress(f"bench dispatch: starting {options.groups} expert groups as plain processes (expertmesh group serve)")
+    groups = start_groups(sorted(placement.groups), args)
+    store = open_store("memory://")
+    for name, group in groups.items():
+        store.set_endpoint(name, group.address)
+    store.publish_routing_table(RoutingTable.from_placement(placement, spec.num_experts, version=1))
+    return groups, store
+
+
+def _groups_peak_bytes(addresses: dict[str, str]) -> dict[str, int]:
+    """Each group's peak resident memory, as its Describe reports it."""
+    from expertmesh.router.group_client import GroupClients
+    from expertmesh.v1 import experts_pb2 as pb
+
+    clients = GroupClients()
+    clients.update(addresses)
+    try:
+        return {g: clients.stub(g).Describe(pb.DescribeRequest(), timeout=30).peak_rss_bytes for g in sorted(addresses)}
+    finally:
+        clients.close()
+
+
+def _measure_traced(measure: Callable[[], dict]) -> dict:
     """The same phases with tracing on in router and groups, exporting to a loopback OTLP receiver."""
     import os
 
@@ -321,7 +434,7 @@ def _measure_traced(measure: Callable[[], tuple[list, int]]) -> dict:
     telemetry = setup_telemetry("expertmesh-bench")
     try:
         progress("bench dispatch: again with OpenTelemetry tracing on (router and groups, OTLP to loopback)")
-        phases, _ = measure()
+        phases = measure()["phases"]
     finally:
         telemetry.shutdown()
         for key, value in saved.items():
@@ -373,6 +486,19 @@ def _run_phases(options: Options, mono, plane, vocab: int, moe_layers: int, hidd
 # -- reporting --------------------------------------------------------------------------
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f}"
+
+
+def _memory_line(memory: dict) -> str:
+    groups = ", ".join(f"{g} {_mib(n)}" for g, n in memory["groups_peak_bytes"].items())
+    return (
+        f"RSS MiB: monolithic {_mib(memory['monolithic_bytes'])}, router {_mib(memory['router_bytes'])} "
+        f"(each = this process's {_mib(memory['baseline_bytes'])} before models + what loading it added); "
+        f"group peaks {groups}; this process's peak {_mib(memory['bench_process_peak_bytes'])}"
+    )
+
+
 def table(result: dict) -> str:
     model, setup = result["model"], result["setup"]
     rows = []
@@ -394,11 +520,14 @@ def table(result: dict) -> str:
                 wire["overhead_vs_min"],
             ]
         )
+    runner = "Ray Serve" if setup["groups_as"] == "ray" else "plain processes"
+    carried = ", ".join(sorted(set(setup["transports"].values()))) or "-"
     title = (
         f"{model['model_type']} {Path(model['path']).name}: {model['moe_layers']} MoE layers x "
         f"{model['num_experts']} experts top-{model['top_k']}, hidden {model['hidden_size']}, {setup['dtype']}; "
-        f"platform = router + {setup['groups']} expert groups (Ray Serve, gRPC); "
-        f"{setup['threads']} torch threads both sides; {setup['machine']['cpus']} CPUs; median of {setup['repeats']}"
+        f"platform = router + {setup['groups']} expert groups ({runner}), transport {setup['transport']} "
+        f"(carried by {carried}); {setup['threads']} torch threads both sides; {setup['machine']['cpus']} CPUs; "
+        f"median of {setup['repeats']}"
     )
     body = format_table(
         ["phase", "mono ms", "plat ms", "ratio", "mono tok/s", "plat tok/s", "+ms/layer",
@@ -406,6 +535,7 @@ def table(result: dict) -> str:
         rows,
         ["", ".2f", ".2f", ".2f", ".1f", ".1f", ".3f", ".3f", ".2f", ".0f", ".0f", ".2f"],
     )
+    body += "\n" + _memory_line(result["memory"])
     if "tracing_on" not in result:
         return title + "\n" + body
     traced = result["tracing_on"]

@@ -1,7 +1,7 @@
 """What every ``expertmesh bench`` command of the data plane shares: one table
 printer, the JSON file, percentiles, the machine and model descriptions, the
-torch thread count both sides run with, and the error that makes the CLI exit 2
-with one line.
+torch thread count both sides run with, resident memory, and the error that
+makes the CLI exit 2 with one line.
 """
 
 from __future__ import annotations
@@ -67,6 +67,15 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
+
+
+def resident_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory now (``VmRSS``) or at its peak so far (``VmHWM``), in bytes (Linux)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise BenchError(f"/proc/self/status has no {field}")
 
 
 def machine() -> dict:

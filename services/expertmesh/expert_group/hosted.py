@@ -15,7 +15,8 @@ the new one, never a half-built mix of two experts' weights.
 
 Each expert carries a weight fingerprint (``fingerprint``) taken when its rows
 were read from disk; ``fingerprints`` recomputes it now, and a difference means
-the weights changed in memory since. A reload (``load(..., reload=True)``) reads
+the weights changed in memory since (``inject_fault`` makes that happen on purpose,
+for the chaos tests). A reload (``load(..., reload=True)``) reads
 held experts from disk again, swapped in the same way: the health monitor's
 repair, with no moment at which the expert is missing.
 """
@@ -23,10 +24,11 @@ repair, with no moment at which the expert is missing.
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Mapping
+from typing import Literal, Mapping
 
 import torch
 from torch import nn
@@ -40,6 +42,10 @@ from expertmesh.expert_group.fingerprint import fingerprint
 TOP_K_ALLOWANCE = 1
 #: Default cap on the (token, slot) pairs of one Dispatch, T·K.
 MAX_ROWS = 1 << 20
+
+#: How ``inject_fault`` corrupts an expert: ``scale`` multiplies its weights by a factor (outputs
+#: change but stay finite: the quiet kind), ``nan`` overwrites them with NaN.
+FaultKind = Literal["scale", "nan"]
 
 
 @dataclass
@@ -163,6 +169,25 @@ class HostedExperts:
         layers = self._layers
         with self._stats_lock:
             return [(layer, e, replace(held.stats[e])) for layer, held in sorted(layers.items()) for e in held.ids]
+
+    def inject_fault(self, layer: int, expert: int, kind: FaultKind, factor: float = 1.0) -> tuple[str, str]:
+        """Overwrite a hosted expert's weights in place, as a memory fault would: the module that
+        concurrent and later computes read changes under them, and its fingerprint no longer matches.
+        Test-only (the service refuses it unless enabled). Returns (fingerprint at load, now)."""
+        if kind == "scale" and (not math.isfinite(factor) or factor == 1.0):
+            raise InvalidRequest(f"a scale fault needs a finite factor other than 1, got {factor}")
+        if kind not in ("scale", "nan"):
+            raise InvalidRequest(f"unknown fault kind {kind!r}")
+        held = self._layers.get(layer)
+        if held is None or expert not in held.ids:
+            raise NotHosted(f"layer {layer} expert {expert} is not held by this group")
+        with torch.no_grad():
+            for row in held.rows_of(expert).values():
+                if kind == "scale":
+                    row.mul_(factor)
+                else:
+                    row.fill_(math.nan)
+        return held.fingerprints[expert], fingerprint(held.rows_of(expert))
 
     # -- load / unload -----------------------------------------------------------------
 

@@ -59,6 +59,21 @@ def runtime_dir() -> Path:
     return path
 
 
+def remove_stale_sockets(directory: Path) -> None:
+    """Remove the socket files in ``directory`` that nobody listens on any more (groups that died
+    without stopping). A socket is stale when connecting to it is refused, never on its name alone."""
+    for path in directory.glob("*.sock"):
+        kind = socket.SOCK_SEQPACKET if path.name.endswith("-shm.sock") else socket.SOCK_STREAM
+        with socket.socket(socket.AF_UNIX, kind) as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.connect(str(path))
+            except ConnectionRefusedError:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
 def _error(call_id: int, code: grpc.StatusCode, message: str) -> pb.DispatchFrame:
     return pb.DispatchFrame(call_id=call_id, code=code.value[0], message=message)
 
@@ -67,42 +82,43 @@ class _Connection:
     """One router connection's shared buffer ([bytes] uint8, CPU or GPU) and the transport it makes."""
 
     def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
+        self.shared: wire_frames.BufferViews | None = None
         self.transport = "shm"
 
     def adopt(self, frame: pb.DispatchFrame, fds: list[int]) -> None:
         """Map the buffer that came with ``frame``, if one did; closes every descriptor received."""
         try:
             if frame.HasField("cuda_buffer"):
-                self.buffer, self.transport = self._opened(shared_buffer.open_cuda, frame.cuda_buffer, frame), "cuda-ipc"
+                self.shared, self.transport = self._opened(shared_buffer.open_cuda, frame.cuda_buffer, frame), "cuda-ipc"
             elif fds:
-                self.buffer, self.transport = self._opened(shared_buffer.open_memfd, fds.pop(), frame), "shm"
-            elif self.buffer is None:
+                self.shared, self.transport = self._opened(shared_buffer.open_memfd, fds.pop(), frame), "shm"
+            elif self.shared is None:
                 raise InvalidRequest("no shared buffer: the first call on a connection must bring one")
-            elif frame.buffer_bytes != self.buffer.numel():
+            elif frame.buffer_bytes != self.shared.buffer.numel():
                 raise InvalidRequest(
-                    f"the frame names a {frame.buffer_bytes}-byte buffer; this connection's is {self.buffer.numel()} bytes"
+                    f"the frame names a {frame.buffer_bytes}-byte buffer; this connection's is "
+                    f"{self.shared.buffer.numel()} bytes"
                 )
         finally:
             for fd in fds:
                 os.close(fd)
 
     @staticmethod
-    def _opened(open_buffer, source, frame: pb.DispatchFrame) -> torch.Tensor:
+    def _opened(open_buffer, source, frame: pb.DispatchFrame) -> wire_frames.BufferViews:
         try:
-            return open_buffer(source, frame.buffer_bytes)
+            return wire_frames.BufferViews(open_buffer(source, frame.buffer_bytes))
         except InvalidRequest:
             raise
         except Exception as err:  # no CUDA here, a handle that does not open, ...
             raise InvalidRequest(f"cannot map the shared buffer: {type(err).__name__}: {err}") from None
 
     def request(self, frame: pb.DispatchFrame) -> list[torch.Tensor]:
-        hidden, ids, weights = wire_frames.views(self.buffer, frame.tensors, wire_frames.REQUEST_TENSORS)
+        hidden, ids, weights = self.shared.views(frame.tensors, wire_frames.REQUEST_TENSORS)
         return [hidden, ids.clone(), weights.clone()]
 
     def put_answer(self, frame: pb.DispatchFrame, partial: torch.Tensor, reply: pb.DispatchFrame) -> None:
         meta = wire_frames.meta(partial)
-        (out,) = wire_frames.views(self.buffer, [meta], wire_frames.ANSWER_TENSORS, start=frame.answer_offset)
+        (out,) = self.shared.views([meta], wire_frames.ANSWER_TENSORS, start=frame.answer_offset)
         out.copy_(partial)
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
@@ -125,6 +141,7 @@ class LocalServer:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
+        self._stopped = False
         self._acceptor = threading.Thread(target=self._accept, name=f"expertmesh-shm-{servicer.group}", daemon=True)
 
     def start(self) -> "LocalServer":
@@ -139,6 +156,7 @@ class LocalServer:
             pass
         self._listener.close()
         with self._lock:
+            self._stopped = True
             for conn in self._connections:
                 try:
                     conn.shutdown(socket.SHUT_RDWR)  # wakes its thread's recv; it closes the socket
@@ -155,15 +173,30 @@ class LocalServer:
             except OSError:
                 return  # stopped
             if not self._slots.acquire(blocking=False):
-                refusal = _error(0, grpc.StatusCode.RESOURCE_EXHAUSTED, "this group has its limit of same-host connections open")
-                try:
-                    conn.send(refusal.SerializeToString())
-                finally:
-                    conn.close()
+                threading.Thread(target=self._refuse, args=(conn,), name="expertmesh-shm-refuse", daemon=True).start()
                 continue
             with self._lock:
+                if self._stopped:
+                    conn.close()
+                    self._slots.release()
+                    return
                 self._connections.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="expertmesh-shm-conn", daemon=True).start()
+
+    @staticmethod
+    def _refuse(conn: socket.socket) -> None:
+        """Answer a connection past the limit with RESOURCE_EXHAUSTED, after reading its first frame:
+        closing a socket with unread data resets it, and the caller would never read why."""
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            for fd in socket.recv_fds(conn, wire_frames.MAX_HEADER_BYTES, 1)[1]:
+                os.close(fd)
+            refusal = _error(0, grpc.StatusCode.RESOURCE_EXHAUSTED, "this group has its limit of same-host connections open")
+            conn.send(refusal.SerializeToString())
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         state = _Connection()
@@ -204,8 +237,8 @@ class LocalServer:
             accepted = hmac.compare_digest(wire_frames.parse_header(data).token, self.token)
         except InvalidRequest:
             accepted = False
-        if accepted:
-            conn.send(pb.DispatchFrame().SerializeToString())
+        if accepted:  # a packet of zero bytes would read as the end of the connection: say something
+            conn.send(pb.DispatchFrame(message=f"expert group {self._servicer.group}").SerializeToString())
             conn.settimeout(None)
             return True
         refusal = _error(

@@ -14,7 +14,10 @@ version, layer, expert): a migration unloads a source only once no call of an
 older version is in flight for the expert it moves. It also keeps the group's
 busy time (``busy.BusyClock``), which the drift controller turns into a busy fraction.
 Fingerprint recomputes hosted experts' weight checksums for the health monitor,
-and LoadExperts with ``reload`` is its repair.
+and LoadExperts with ``reload`` is its repair. InjectFault corrupts an expert on
+purpose (the chaos benchmark's memory fault): an admin RPC that a group refuses
+with FAILED_PRECONDITION unless it was started with
+``EXPERTMESH_ENABLE_FAULT_INJECTION=1`` (``config.FaultInjectionConfig``).
 
 Dispatch arrives by three transports, all computed by ``ExpertGroupServicer.compute``
 (one set of limits, counts and checks): unary Dispatch, the ExpertGroupStream
@@ -39,9 +42,9 @@ import torch
 from opentelemetry import propagate
 
 from expertmesh import shared_buffer, wire
-from expertmesh.config import AdminAuthConfig, TlsConfig
+from expertmesh.config import AdminAuthConfig, FaultInjectionConfig, TlsConfig
 from expertmesh.expert_group.busy import BusyClock
-from expertmesh.errors import ExpertMeshError, Overloaded
+from expertmesh.errors import ExpertMeshError, FaultInjectionDisabled, InvalidRequest, Overloaded
 from expertmesh.expert_group.hosted import HostedExperts
 from expertmesh.expert_group.transport_use import TransportUse
 from expertmesh.grpc_server import GrpcServer, guarded
@@ -91,14 +94,27 @@ def _named_experts(ids: torch.Tensor, num_experts: int) -> list[int]:
     """The distinct experts a request's expert_ids [T, K] name; nothing for ids that compute will refuse."""
     if ids.is_floating_point():
         return []
-    return torch.unique(ids[(ids >= 0) & (ids < num_experts)]).tolist()
+    # A set of a few hundred ints beats torch.unique's sort by far at decode sizes (every call pays this).
+    return sorted(set(ids[(ids >= 0) & (ids < num_experts)].tolist()))
+
+
+#: InjectFault's kinds, as HostedExperts.inject_fault names them
+_FAULT_KINDS = {pb.FAULT_KIND_SCALE: "scale", pb.FAULT_KIND_NAN: "nan"}
 
 
 class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
-    def __init__(self, group: str, hosted: HostedExperts, max_concurrent_dispatch: int = MAX_CONCURRENT_DISPATCH):
+    def __init__(
+        self,
+        group: str,
+        hosted: HostedExperts,
+        max_concurrent_dispatch: int = MAX_CONCURRENT_DISPATCH,
+        faults: FaultInjectionConfig | None = None,
+    ):
         self.group = group
         self.hosted = hosted
         self.max_concurrent_dispatch = max_concurrent_dispatch
+        #: whether InjectFault is accepted; read once, at start (default: the environment's)
+        self.faults = faults if faults is not None else from_env(FaultInjectionConfig)
         self._slots = threading.BoundedSemaphore(max_concurrent_dispatch)
         self._in_flight: Counter[InFlightKey] = Counter()
         self._in_flight_lock = threading.Lock()
@@ -239,6 +255,22 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
     def Transports(self, request: pb.TransportsRequest, context) -> pb.TransportsResponse:
         return self.transports
 
+    @guarded
+    def InjectFault(self, request: pb.InjectFaultRequest, context) -> pb.InjectFaultResponse:
+        if not self.faults.enable_fault_injection:
+            raise FaultInjectionDisabled(
+                f"expert group {self.group} refuses InjectFault: fault injection is for tests and chaos runs, "
+                "enabled only by starting the group with EXPERTMESH_ENABLE_FAULT_INJECTION=1"
+            )
+        if request.kind not in _FAULT_KINDS:
+            raise InvalidRequest(f"InjectFault needs a kind: FAULT_KIND_SCALE or FAULT_KIND_NAN, got {request.kind}")
+        layer, expert = request.expert.layer, request.expert.expert
+        loaded, current = self.hosted.inject_fault(layer, expert, _FAULT_KINDS[request.kind], request.factor)
+        log.warning("group %s: injected a %s fault into layer %d expert %d", self.group, _FAULT_KINDS[request.kind], layer, expert)
+        return pb.InjectFaultResponse(
+            fingerprint=pb.ExpertFingerprint(layer=layer, expert=expert, loaded=loaded, current=current)
+        )
+
 
 #: gRPC streams (one per router) a group serves at once; each holds a server thread while open.
 MAX_STREAMS = 32
@@ -267,7 +299,7 @@ class GroupServer(GrpcServer):
         admin: AdminAuthConfig | None = None,
         same_host: bool = True,
     ):
-        from expertmesh.expert_group.local_server import LocalServer, runtime_dir
+        from expertmesh.expert_group.local_server import LocalServer, remove_stale_sockets, runtime_dir
         from expertmesh.expert_group.stream_service import STREAM_SERVICE_NAME, add_stream_service
 
         super().__init__(
@@ -290,6 +322,7 @@ class GroupServer(GrpcServer):
             return
         try:
             directory = runtime_dir()
+            remove_stale_sockets(directory)
             unix_path = directory / f"{os.getpid()}-{os.urandom(4).hex()}-grpc.sock"
             servicer.transports.grpc_unix_address = self.add_unix_port(str(unix_path))
             self._unix_path = unix_path

@@ -53,6 +53,8 @@ class Heartbeat:
                 dispatcher.refresh_quarantine()
                 if dispatcher.view is not None:
                     self.beat(dispatcher.view.version)
+            except ConnectionError as err:  # the store is down: the dispatcher serves on, and says so once
+                log.debug("heartbeat round skipped: %s", err)
             except Exception:  # the heartbeat must outlive any one failure; the next round retries
                 log.warning("heartbeat round failed", exc_info=True)
 

@@ -22,17 +22,17 @@ unary calls only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from typing import Protocol, get_args
 
 import grpc
 import torch
 
 from expertmesh import wire
+from expertmesh.config import TransportName
 from expertmesh.errors import InvalidRequest
 from expertmesh.router.group_client import GroupClients
 from expertmesh.v1 import experts_pb2 as pb
 
-TransportName = Literal["auto", "grpc", "grpc-unary"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -174,7 +174,7 @@ class GrpcTransport:
         self._clients.close()
 
 
-def build(name: str) -> Transport:
+def build(name: TransportName) -> Transport:
     """The transport called ``name`` (one of TRANSPORTS)."""
     from expertmesh.router.transport_auto import AutoTransport
 

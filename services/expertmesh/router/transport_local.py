@@ -57,7 +57,7 @@ def _size_for(need: int) -> int:
 class _Connection:
     def __init__(self, path: str, token: bytes):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.buffer: torch.Tensor | None = None  # [bytes] uint8
+        self.shared: wire_frames.BufferViews | None = None  # over a [bytes] uint8 buffer
         self.kind = "shm"
         self._fd: int | None = None  # a new memfd, passed with the next frame
         self._handle: pb.CudaIpcHandle | None = None  # a new CUDA buffer's handle, likewise
@@ -65,8 +65,14 @@ class _Connection:
         try:
             self.sock.settimeout(CONNECT_TIMEOUT_S)
             self.sock.connect(path)
-            self.sock.send(pb.DispatchFrame(token=token).SerializeToString())
-            hello = wire_frames.parse_header(self.sock.recv(wire_frames.MAX_HEADER_BYTES))
+            try:
+                self.sock.send(pb.DispatchFrame(token=token).SerializeToString())
+            except BrokenPipeError:
+                pass  # refused at once (the group's connection limit): the reason waits to be read
+            answer = self.sock.recv(wire_frames.MAX_HEADER_BYTES)
+            if not answer:
+                raise OSError("the group closed the connection")
+            hello = wire_frames.parse_header(answer)
         except (OSError, InvalidRequest) as err:
             self.close()
             raise PathBroken(f"cannot connect to the group's shared-memory socket {path}: {err}") from None
@@ -75,10 +81,10 @@ class _Connection:
             raise PathBroken(f"the group refused the shared-memory connection: {hello.message}")
 
     def _ensure(self, need: int, device: torch.device, use_cuda: bool) -> None:
-        """A buffer of ``need`` bytes or more, on ``device`` when ``use_cuda``; new ones go out with the next frame."""
-        cuda = use_cuda and device.type == "cuda"
-        size = 0 if self.buffer is None else self.buffer.numel()
-        if self.buffer is not None and self.buffer.is_cuda == cuda and need <= size:
+        """A buffer of ``need`` bytes or more: GPU memory on ``device`` when ``use_cuda``, else a memfd.
+        A new one goes out with the next frame."""
+        size = 0 if self.shared is None else self.shared.buffer.numel()
+        if self.shared is not None and (self.kind == "cuda-ipc") == use_cuda and need <= size:
             self._small = self._small + 1 if need * SHRINK_RATIO < size else 0
             if self._small < SHRINK_AFTER or size == MIN_BUFFER_BYTES:
                 return
@@ -86,14 +92,15 @@ class _Connection:
         size = _size_for(need)
         if size > shared_buffer.MAX_BUFFER_BYTES:
             raise PathBroken(f"a call of {need} bytes is over the {shared_buffer.MAX_BUFFER_BYTES}-byte shared buffer limit")
-        self.buffer = None  # let the old mapping go before the new one is made
+        self.shared = None  # let the old mapping go before the new one is made
         self._discard_fd()
-        if cuda:
-            self.buffer, self._handle = shared_buffer.create_cuda(size, device)
+        if use_cuda:
+            buffer, self._handle = shared_buffer.create_cuda(size, device)
             self.kind = "cuda-ipc"
         else:
-            self.buffer, self._fd = shared_buffer.create_memfd(size)
+            buffer, self._fd = shared_buffer.create_memfd(size)
             self.kind = "shm"
+        self.shared = wire_frames.BufferViews(buffer)
 
     def start(self, call_id: int, request: GroupRequest, use_cuda: bool) -> int:
         """Write the call into the buffer and send its frame; returns the answer's offset."""
@@ -105,18 +112,19 @@ class _Connection:
         metas = [rows, wire_frames.meta(request.expert_ids), wire_frames.meta(request.weights)]
         answer_offset = wire_frames.span(metas)
         self._ensure(answer_offset + request.row_bytes, request.hidden.device, use_cuda)
-        hidden, ids, weights = wire_frames.views(self.buffer, metas, wire_frames.REQUEST_TENSORS)  # [Tg, H], [Tg, K] x2
+        hidden, ids, weights = self.shared.views(metas, wire_frames.REQUEST_TENSORS)  # [Tg, H], [Tg, K] x2
         if hidden.device == request.hidden.device:
             request.rows(out=hidden)
         else:
             hidden.copy_(request.rows())
         ids.copy_(request.expert_ids)
         weights.copy_(request.weights)
-        if self.buffer.is_cuda:
-            torch.cuda.current_stream(self.buffer.device).synchronize()
+        buffer = self.shared.buffer
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()
         frame = request_frame(call_id, request)
         frame.tensors.extend(metas)
-        frame.buffer_bytes, frame.answer_offset = self.buffer.numel(), answer_offset
+        frame.buffer_bytes, frame.answer_offset = buffer.numel(), answer_offset
         if self._handle is not None:
             frame.cuda_buffer.CopyFrom(self._handle)
             self._handle = None
@@ -148,7 +156,7 @@ class _Connection:
                 raise InvalidRequest(f"the answer is to call {frame.call_id}, not {call_id}")
             if frame.code:
                 raise TransportError(status_code(frame.code), frame.message)
-            (partial,) = wire_frames.views(self.buffer, frame.tensors, wire_frames.ANSWER_TENSORS, start=answer_offset)
+            (partial,) = self.shared.views(frame.tensors, wire_frames.ANSWER_TENSORS, start=answer_offset)
         except InvalidRequest as err:
             return GroupReply(None, len(data), str(err))
         return GroupReply(partial.clone(), len(data) + partial.numel() * partial.element_size())
@@ -161,7 +169,7 @@ class _Connection:
     def close(self) -> None:
         self._discard_fd()
         self.sock.close()
-        self.buffer = None
+        self.shared = None
 
 
 class _LocalPending:

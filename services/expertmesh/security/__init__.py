@@ -25,8 +25,9 @@ from expertmesh.errors import SecurityMisconfigured
 
 T = TypeVar("T", bound=BaseSettings)
 
-#: Variables a process passes on to the expert-group replicas it starts, so they serve as it dials.
-_PROPAGATED_PREFIXES = ("EXPERTMESH_TLS_", "EXPERTMESH_ADMIN_")
+#: Variables a process passes on to the expert-group replicas it starts, so they serve as it dials
+#: (and, in a chaos run, accept the fault hook as it was enabled: ``FaultInjectionConfig``).
+_PROPAGATED_PREFIXES = ("EXPERTMESH_TLS_", "EXPERTMESH_ADMIN_", "EXPERTMESH_ENABLE_FAULT_INJECTION")
 
 
 def from_env(config_class: type[T]) -> T:
@@ -38,5 +39,5 @@ def from_env(config_class: type[T]) -> T:
 
 
 def propagation_env() -> dict[str, str]:
-    """The EXPERTMESH_TLS_* and EXPERTMESH_ADMIN_* settings of this process, for the replicas it starts."""
+    """The EXPERTMESH_TLS_*, EXPERTMESH_ADMIN_* and fault-hook settings of this process, for the replicas it starts."""
     return {k: v for k, v in os.environ.items() if k.startswith(_PROPAGATED_PREFIXES)}

@@ -39,6 +39,8 @@ ADMIN_METHODS = (
     "/expertmesh.v1.ExpertGroup/UnloadExperts",
     # reads every weight byte the group holds: an orchestrator's check, not a data-plane call
     "/expertmesh.v1.ExpertGroup/Fingerprint",
+    # overwrites weights (test-only, and refused anyway unless the group enables it)
+    "/expertmesh.v1.ExpertGroup/InjectFault",
     "/expertmesh.v1.Admin/",
 )
 _BEARER = "bearer "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from expertmesh.serving.engine import ErrorEvent, Event, FinishEvent, ScoreEvent, Sequence
 

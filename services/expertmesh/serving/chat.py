@@ -9,7 +9,7 @@ a 400 that says so and points at ``/v1/completions``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from jinja2 import TemplateError
 

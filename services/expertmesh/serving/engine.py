@@ -14,9 +14,12 @@ Glossary
 
 The packed attention mask lets each query see only its own sequence's past,
 and every other layer works row by row, so a sequence's tokens are what they
-would be if it were served alone (greedy output is token-identical; checked on
-every architecture we verify). Sampling is the engine's own, per sequence, with
-its own seeded generator.
+would be if it were served alone: in float32 greedy output is token-identical
+(checked on every architecture we verify); in bfloat16 a batch moves logits by
+a rounding step at most, as batched expert dispatch always did, which can turn
+an exact near-tie. Sampling is the engine's own, per sequence, with its own
+seeded generator. A model the packed forward cannot take is served one forward
+per sequence instead (``Batching``, reported by ListModels).
 
 A step that fails (its forward raised: an expert group down, a deadline passed
 in a dispatch) fails the requests that were in it, each with the error's gRPC

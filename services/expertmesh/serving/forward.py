@@ -69,7 +69,7 @@ class MaskSpec:
     @classmethod
     def of(cls, model: nn.Module) -> "MaskSpec":
         config = model.config.get_text_config()
-        window = getattr(config, "sliding_window", None) or None
+        window = getattr(config, "sliding_window", None) or None  # Qwen2-MoE says 0 when it has none
         kinds = getattr(config, "layer_types", None) or [SLIDING if window else FULL] * config.num_hidden_layers
         return cls(config._attn_implementation, tuple(kinds), window, model.dtype)
 
@@ -108,7 +108,8 @@ def pack(chunks: list[Chunk], spec: MaskSpec) -> PackedBatch:
     if SLIDING in spec.kinds:
         masks[SLIDING] = causal & (key_pos[None, :] > positions[:, None] - spec.window)
     masks = {kind: _formatted(m, spec) for kind, m in masks.items()}
-    kinds = set(spec.kinds)
+    # A model with one kind of layer takes the mask itself; one that mixes kinds takes a dict by kind.
+    attention_mask = masks[spec.kinds[0]] if len(set(spec.kinds)) == 1 else masks
     rows, offset = [], 0
     for chunk, n in zip(chunks, tokens):
         if chunk.rows is Rows.ALL:
@@ -119,8 +120,7 @@ def pack(chunks: list[Chunk], spec: MaskSpec) -> PackedBatch:
     return PackedBatch(
         input_ids=torch.tensor([[t for c in chunks for t in c.token_ids]]),
         positions=positions,
-        # A model with one kind of layer takes the mask itself; one that mixes kinds takes a dict by kind.
-        attention_mask=masks[kinds.pop()] if len(kinds) == 1 else masks,
+        attention_mask=attention_mask,
         logit_rows=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
         rows_per_chunk=[{Rows.NONE: 0, Rows.LAST: 1, Rows.ALL: n}[c.rows] for c, n in zip(chunks, tokens)],
         cache=PackedCache([c.cache for c in chunks], tokens),

@@ -23,8 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Awaitable, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -57,7 +60,7 @@ from expertmesh.serving.openai_schema import (
     ModelList,
 )
 from expertmesh.serving.readiness import Readiness
-from expertmesh.telemetry.setup import meter
+from expertmesh.telemetry.setup import meter, tracer
 
 log = logging.getLogger(__name__)
 
@@ -107,29 +110,45 @@ class HttpApi:
 
     async def _generate(self, request: Request, body: GenerationFields, ids: list[int], shapes: Shapes) -> Response:
         started = time.monotonic()
-        seq = self._adapter.submit(self._adapter.generation_request(body, ids, shapes.id))
-        events = sequence_events(seq)
-        try:
-            if body.streaming:
-                first = await _unless_disconnected(request, anext(events))
-            else:
-                text, final = await _unless_disconnected(request, _collect(events))
-        except ClientGone:
-            log.info("request %s cancelled: the client went away", shapes.id)
-            return Response(status_code=CLIENT_CLOSED)
-        if not body.streaming:
-            self._log_finished(shapes.id, final, started)
-            return _json(shapes.whole(text, finish_reason(final.reason), usage(final)))
-        if isinstance(first, ErrorEvent):
-            raise ApiError.from_grpc(first.code, first.message)
-        return StreamingResponse(
-            self._stream(first, events, shapes, body.include_usage, started),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # no proxy may hold tokens back
+        # The request's span joins the caller's trace (W3C traceparent), and the engine's step spans
+        # join the request's span, as on the gRPC API; it ends when the answer (or the stream) does.
+        span = tracer().start_span(
+            "expertmesh.http.generate",
+            context=propagate.extract(request.headers),
+            kind=SpanKind.SERVER,
+            attributes={"expertmesh.request_id": shapes.id, "http.route": request.url.path, "expertmesh.prompt_tokens": len(ids)},
         )
+        streaming = False
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                seq = self._adapter.submit(self._adapter.generation_request(body, ids, shapes.id))
+            events = sequence_events(seq)
+            try:
+                if not body.streaming:
+                    text, final = await _unless_disconnected(request, _collect(events))
+                    self._log_finished(shapes.id, final, started)
+                    return _json(shapes.whole(text, finish_reason(final.reason), usage(final)))
+                first = await _unless_disconnected(request, anext(events))
+            except ClientGone:
+                log.info("request %s cancelled: the client went away", shapes.id)
+                return Response(status_code=CLIENT_CLOSED)
+            if isinstance(first, ErrorEvent):  # nothing sent yet: the error keeps its HTTP status
+                raise ApiError.from_grpc(first.code, first.message)
+            streaming = True
+            return StreamingResponse(
+                self._stream(first, events, shapes, body.include_usage, started, span),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # no proxy may hold tokens back
+            )
+        except Exception as err:
+            span.set_status(Status(StatusCode.ERROR, str(err)))
+            raise
+        finally:
+            if not streaming:
+                span.end()
 
     async def _stream(
-        self, first: Event, events: AsyncIterator[Event], shapes: Shapes, include_usage: bool, started: float
+        self, first: Event, events: AsyncIterator[Event], shapes: Shapes, include_usage: bool, started: float, span: Span
     ) -> AsyncIterator[bytes]:
         event = first
         try:
@@ -150,6 +169,9 @@ class HttpApi:
         finally:
             if isinstance(event, TokenEvent):
                 log.info("request %s cancelled: the client went away mid-stream", shapes.id)
+            elif isinstance(event, ErrorEvent):
+                span.set_status(Status(StatusCode.ERROR, event.message))
+            span.end()
             await events.aclose()  # cancels the sequence unless it ended
 
     @staticmethod

@@ -63,7 +63,7 @@ class HttpServer:
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, name="expertmesh-http", daemon=True)
 
-    def start(self, timeout_s: float = 30.0) -> "HttpServer":
+    def start(self, timeout_s: float = 30.0) -> HttpServer:
         self._thread.start()
         end = time.monotonic() + timeout_s
         while not self._server.started:

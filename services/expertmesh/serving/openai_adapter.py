@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from expertmesh.config import ServingConfig
 from expertmesh.errors import ExpertMeshError
@@ -32,10 +32,10 @@ from expertmesh.serving.openai_schema import (
     Completion,
     CompletionChoice,
     FinishReason,
+    GenerationFields,
     ModelCard,
     Prompt,
     Usage,
-    GenerationFields,
 )
 from expertmesh.serving.sampling import SamplingParams
 

@@ -48,15 +48,15 @@ class ApiError(Exception):
         self.code = code
 
     @classmethod
-    def bad_request(cls, message: str, param: str | None = None, code: str = "invalid_value") -> "ApiError":
+    def bad_request(cls, message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
         return cls(400, message, param=param, code=code)
 
     @classmethod
-    def from_grpc(cls, code: grpc.StatusCode, message: str, param: str | None = None) -> "ApiError":
+    def from_grpc(cls, code: grpc.StatusCode, message: str, param: str | None = None) -> ApiError:
         return cls(_STATUS.get(code, 500), message, param=param, code=code.name.lower())
 
     @classmethod
-    def from_validation(cls, err: ValidationError) -> "ApiError":
+    def from_validation(cls, err: ValidationError) -> ApiError:
         """The first problem names the field (``param``); the message lists them all."""
         problems = err.errors(include_url=False)
         first = problems[0]

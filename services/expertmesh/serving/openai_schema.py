@@ -109,7 +109,7 @@ class GenerationFields(BaseModel):
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
-    def _no_penalty(cls, value: float | None, info) -> float | None:
+    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
         if value not in (None, 0):
             raise _unsupported(f"a non-zero {info.field_name}")
         return value
@@ -247,7 +247,7 @@ class ChatCompletionRequest(GenerationFields):
 
     @field_validator("tools", "functions")
     @classmethod
-    def _no_tools(cls, tools: list[Any] | None, info) -> list[Any] | None:
+    def _no_tools(cls, tools: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
         if tools:
             raise _unsupported(f"{info.field_name} (tool calling)")
         return tools

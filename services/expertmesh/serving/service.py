@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from typing import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -52,7 +53,16 @@ _FINISH = {
 
 
 class InferenceServicer:
-    def __init__(self, engine: Engine, tokenizer, info: pb.ModelInfo, config: ServingConfig, table_version, load_window):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        info: pb.ModelInfo,
+        config: ServingConfig,
+        table_version,
+        load_window,
+        group_transports: Callable[[], dict[str, str]] = dict,
+    ):
         self._load_window = load_window
         m = meter()
         self._duration = m.create_histogram("expertmesh.request.duration", unit="s", description="Generate, first byte in to last out")
@@ -64,6 +74,8 @@ class InferenceServicer:
         self._info = info
         self._config = config
         self._table_version = table_version
+        #: group -> what carries the router's calls to it (ListModels reports it)
+        self._group_transports = group_transports
 
     # -- validation ------------------------------------------------------------------
 
@@ -241,6 +253,7 @@ class InferenceServicer:
         info = pb.ModelInfo()
         info.CopyFrom(self._info)
         info.routing_table_version = self._table_version()
+        info.group_transports.update(self._group_transports())
         return pb.ListModelsResponse(models=[info])
 
     def GetLoadStats(self, request: pb.LoadStatsRequest, context) -> pb.LoadStatsResponse:

@@ -1,7 +1,8 @@
 """``expertmesh up``: the whole platform in one command.
 
 With no arguments it serves the embedded tiny model: local Ray, 2 expert
-groups, the in-process state store, and the Inference API on 127.0.0.1:50051.
+groups, the in-process state store, and the Inference API on 127.0.0.1:50051
+(with ``--http-port``, the OpenAI-compatible HTTP API beside it).
 It runs until Ctrl-C or SIGTERM, then drains in-flight requests and shuts every
 process down.
 """
@@ -86,6 +87,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         config,
         lambda: plane.dispatcher.table.version if plane.dispatcher.table else 0,
         plane.dispatcher.load_window,
+        plane.dispatcher.transports,
     )
     return InferenceServer(servicer, engine, config).start()
 
@@ -215,17 +217,15 @@ def _main(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    admin = monitor = None
+    orchestrator = None
     try:
         if args.orchestrator:
-            from expertmesh.orchestrator.admin import start_admin
+            from expertmesh.orchestrator.admin import start_orchestrator
             from expertmesh.orchestrator.health.monitor import HealthMonitor
 
             monitor = HealthMonitor(plane.store, plane.checkpoint, health_settings)
-            admin = start_admin(plane.store, serving_config.host, args.admin_port, drift=drift, health=monitor)
-            if monitor.config.enabled:
-                monitor.start()
-            progress(f"orchestrator admin gRPC on {serving_config.host}:{admin[0].port}")
+            orchestrator = start_orchestrator(plane.store, serving_config.host, args.admin_port, drift=drift, health=monitor)
+            progress(f"orchestrator admin gRPC on {serving_config.host}:{orchestrator.server.port}")
         apis = start_apis(plane, serving_config)
         if apis.http is not None:
             progress(f"OpenAI-compatible HTTP API on {apis.http.url}/v1 (also /health, /metrics)")
@@ -241,12 +241,8 @@ def _main(args) -> int:
         drained = apis.drain_and_stop()
         progress("drained" if drained else "drain timeout: remaining requests were cut off")
     finally:
-        if admin is not None:
-            admin[0].stop()
-            admin[2].stop()
-            admin[1].close()
-        if monitor is not None:
-            monitor.stop()
+        if orchestrator is not None:
+            orchestrator.stop()
         progress("stopping expert groups and Ray")
         plane.close()
         telemetry.shutdown()

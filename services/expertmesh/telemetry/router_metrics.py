@@ -6,7 +6,9 @@ reads the load window's since-start counts and the traffic counters.
 - ``expertmesh.expert.tokens`` {layer, expert}: tokens routed to the expert (counter)
 - ``expertmesh.layer.balancedness`` {layer}: mean / max hidden states sent per group
 - ``expertmesh.layer.routing_entropy`` {layer}: entropy of the expert load, bits
-- ``expertmesh.group.queue_depth`` {group}: Dispatch calls in flight from this router
+- ``expertmesh.group.queue_depth`` {group, transport}: Dispatch calls in flight from this router,
+  and what carries them ("shm", "cuda-ipc", "grpc-stream", "grpc-unary"; the dispatcher's
+  ``expertmesh.group.call.duration`` histogram has the same labels)
 - ``expertmesh.active_parameters_per_token``: dense parameters plus the routed
   experts each token actually used, summed over MoE layers
 """
@@ -49,7 +51,11 @@ def register_router_metrics(dispatcher: ExpertDispatcher, dense_parameters: int,
         return [Observation(entropy_bits(load[row]), {"layer": layer}) for row, layer in enumerate(layers)]
 
     def queue_depth(options: CallbackOptions):
-        return [Observation(depth, {"group": group}) for group, depth in dispatcher.queue_depths().items()]
+        transports = dispatcher.transports()
+        return [
+            Observation(depth, {"group": group, "transport": transports.get(group, "")})
+            for group, depth in dispatcher.queue_depths().items()
+        ]
 
     def active_parameters(options: CallbackOptions):
         load = window.since_start()  # [L, E]

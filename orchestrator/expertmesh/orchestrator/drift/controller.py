@@ -102,8 +102,6 @@ class DriftController:
         self._on_decision = on_decision
         self._state = DriftState()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._decisions = meter().create_counter("expertmesh.drift.decisions", description="drift decisions, by result and reason")
 
     def update(self, dry_run: bool = False) -> ScanReport:
@@ -144,25 +142,6 @@ class DriftController:
             except Exception:  # a hook (a Kubernetes API hiccup) must not stop the scan
                 log.warning("drift: the on_decision hook failed", exc_info=True)
 
-    # -- the loop ----------------------------------------------------------------------------
-
-    def start(self) -> DriftController:
-        """Scan every ``scan_interval_s`` until ``stop``."""
-        self._thread = threading.Thread(target=self._loop, name="expertmesh-drift", daemon=True)
-        self._thread.start()
-        log.info("drift controller scanning every %g s (%s)", self.config.scan_interval_s, "dry run" if self.config.dry_run else "moves on")
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.config.scan_interval_s):
-            try:
-                self.update()
-            except Exception:  # the next scan tries again
-                log.exception("drift scan failed; next scan in %g s", self.config.scan_interval_s)
-
-    def stop(self) -> None:
-        """Stop the loop (a scan under way finishes first) and close the group channels."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+    def close(self) -> None:
+        """Close the group channels (the control loop that calls ``update`` stops first)."""
         self._observer.close()

@@ -95,8 +95,6 @@ class HealthMonitor:
         self._groups = GroupChannels(store.endpoints)
         self._reference = Reference(checkpoint)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         #: the records as last settled, for the gauges
         self._latest: Mapping[ReplicaId, ReplicaRecord] = {}
         m = meter()
@@ -343,25 +341,6 @@ class HealthMonitor:
                 largest[rid.pair] = max(largest.get(rid.pair, 0.0), r.kl)
         return [Observation(kl, {"layer": layer, "expert": expert}) for (layer, expert), kl in sorted(largest.items())]
 
-    # -- the loop -----------------------------------------------------------------------------------------
-
-    def start(self) -> HealthMonitor:
-        """A round every ``interval_s`` until ``stop``."""
-        self._thread = threading.Thread(target=self._loop, name="expertmesh-health", daemon=True)
-        self._thread.start()
-        log.info("health monitor checking every %g s (%d probe tokens per replica)", self.config.interval_s, self.config.tokens)
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.config.interval_s):
-            try:
-                self.update()
-            except Exception:  # the next round tries again
-                log.exception("health round failed; next round in %g s", self.config.interval_s)
-
-    def stop(self) -> None:
-        """Stop the loop (a round under way finishes first) and close the group channels."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+    def close(self) -> None:
+        """Close the group channels (the control loop that calls ``update`` stops first)."""
         self._groups.close()

@@ -54,6 +54,8 @@ class GroupView:
     busy_seconds: float = 0.0
     #: pair -> rows of its output that held a NaN or an Inf since it was loaded (Describe's expert_stats)
     non_finite_rows: dict[Pair, int] = field(default_factory=dict)
+    #: the group server's process id (a restarted replica answers with another)
+    pid: int = 0
 
     def holds(self, pair: Pair) -> bool:
         return pair in self.pairs
@@ -111,7 +113,7 @@ class GroupChannels:
             return stub
 
     def _call(self, group: str, method: str, request, timeout: float = CALL_TIMEOUT_S):
-        """One RPC; load and unload carry the admin identity (the groups refuse them otherwise)."""
+        """One RPC; admin ones (load, unload, fingerprints, faults) need the identity it carries."""
         try:
             return getattr(self._stub(group), method)(request, timeout=timeout, metadata=admin_metadata())
         except grpc.RpcError as err:
@@ -136,6 +138,7 @@ class GroupChannels:
             in_flight={pair: tuple(calls) for pair, calls in in_flight.items()},
             busy_seconds=r.busy_seconds,
             non_finite_rows={(s.layer, s.expert): s.non_finite for s in r.expert_stats},
+            pid=r.pid,
         )
 
     def load(self, group: str, pair: Pair) -> Loaded:
@@ -171,6 +174,12 @@ class GroupChannels:
             return wire.decode(r.partial_sums, f"group {group}'s partial sums")
         except ExpertMeshError as err:
             raise GroupCallFailed(group, grpc.StatusCode.INTERNAL, str(err)) from None
+
+    def inject_fault(self, group: str, pair: Pair, kind: int, factor: float = 0.0) -> Fingerprint:
+        """Corrupt ``pair``'s weights on ``group`` in place (``pb.FaultKind``; test-only: refused with
+        FAILED_PRECONDITION unless the group enables it). Returns its fingerprints, now differing."""
+        r = self._call(group, "InjectFault", pb.InjectFaultRequest(expert=_ref(pair), kind=kind, factor=factor))
+        return Fingerprint(r.fingerprint.loaded, r.fingerprint.current)
 
     def close(self) -> None:
         with self._lock:

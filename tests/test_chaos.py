@@ -1,0 +1,223 @@
+"""Chaos: the expert groups' test-only fault hook (``InjectFault``), and ``expertmesh bench
+chaos`` run with short intervals, one fault at a time under streaming load, asserting on
+counts only (failed requests, outputs that differ from the reference, the quarantine)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from expertmesh import security, wire
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.expert_group.service import start_server
+from expertmesh.v1 import experts_pb2 as pb
+from expertmesh.v1 import experts_pb2_grpc as pb_grpc
+
+PAIRS = [(0, 0), (0, 1), (1, 2)]
+
+
+@pytest.fixture
+def group(tiny_checkpoints, request, monkeypatch):
+    """A group on loopback, started with fault injection enabled when the test is parametrised so."""
+    if getattr(request, "param", False):
+        monkeypatch.setenv("EXPERTMESH_ENABLE_FAULT_INJECTION", "1")
+    else:
+        monkeypatch.delenv("EXPERTMESH_ENABLE_FAULT_INJECTION", raising=False)
+    hosted = HostedExperts(Checkpoint(tiny_checkpoints("mixtral")))
+    hosted.load(PAIRS)
+    server, port = start_server("g0", hosted, workers=2)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield pb_grpc.ExpertGroupStub(channel)
+    channel.close()
+    server.stop(0)
+
+
+def _inject(stub, kind, factor=0.0, layer=0, expert=1):
+    return stub.InjectFault(
+        pb.InjectFaultRequest(expert=pb.ExpertRef(layer=layer, expert=expert), kind=kind, factor=factor), timeout=10
+    )
+
+
+def _output(stub, layer=0, expert=1) -> torch.Tensor:
+    hidden = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))  # [T, H]
+    request = pb.DispatchRequest(
+        layer=layer,
+        hidden_states=wire.encode(hidden),
+        expert_ids=wire.encode(torch.full((8, 1), expert, dtype=torch.int32)),
+        routing_weights=wire.encode(torch.ones(8, 1)),
+    )
+    return wire.decode(stub.Dispatch(request, timeout=10).partial_sums, "partial sums")  # [T, H]
+
+
+def _fingerprints(stub) -> dict[tuple[int, int], tuple[str, str]]:
+    answer = stub.Fingerprint(pb.FingerprintRequest(), timeout=10)
+    return {(f.layer, f.expert): (f.loaded, f.current) for f in answer.fingerprints}
+
+
+@pytest.mark.parametrize("group", [False], indirect=True)
+def test_a_group_without_the_opt_in_refuses_to_inject_faults(group):
+    before = _output(group)
+    for kind in (pb.FAULT_KIND_SCALE, pb.FAULT_KIND_NAN):
+        with pytest.raises(grpc.RpcError) as err:
+            _inject(group, kind, factor=2.0)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "EXPERTMESH_ENABLE_FAULT_INJECTION=1" in err.value.details()
+    assert torch.equal(_output(group), before)
+    assert all(loaded == current for loaded, current in _fingerprints(group).values())
+
+
+@pytest.mark.parametrize("group", [True], indirect=True)
+def test_a_scale_fault_changes_one_experts_output_quietly_and_its_fingerprint(group):
+    before, other = _output(group), _output(group, expert=0)
+    answer = _inject(group, pb.FAULT_KIND_SCALE, factor=1.5)
+    assert answer.fingerprint.loaded != answer.fingerprint.current
+    after = _output(group)
+    assert torch.isfinite(after).all() and not torch.allclose(after, before)
+    assert torch.equal(_output(group, expert=0), other)  # its neighbours in the layer are untouched
+    prints = _fingerprints(group)
+    assert [pair for pair, (loaded, current) in prints.items() if loaded != current] == [(0, 1)]
+
+
+@pytest.mark.parametrize("group", [True], indirect=True)
+def test_a_nan_fault_makes_every_output_row_of_the_expert_nan(group):
+    _inject(group, pb.FAULT_KIND_NAN, layer=1, expert=2)
+    assert torch.isnan(_output(group, layer=1, expert=2)).all(dim=1).all()
+
+
+@pytest.mark.parametrize("group", [True], indirect=True)
+@pytest.mark.parametrize(
+    ("kind", "factor", "layer", "expert", "code"),
+    [
+        (pb.FAULT_KIND_SCALE, 1.0, 0, 1, grpc.StatusCode.INVALID_ARGUMENT),  # a factor of 1 changes nothing
+        (pb.FAULT_KIND_SCALE, float("inf"), 0, 1, grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.FAULT_KIND_UNSPECIFIED, 2.0, 0, 1, grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.FAULT_KIND_NAN, 0.0, 1, 0, grpc.StatusCode.NOT_FOUND),  # not held here
+    ],
+)
+def test_bad_fault_requests_are_refused_and_change_nothing(group, kind, factor, layer, expert, code):
+    with pytest.raises(grpc.RpcError) as err:
+        _inject(group, kind, factor, layer, expert)
+    assert err.value.code() == code
+    assert all(loaded == current for loaded, current in _fingerprints(group).values())
+
+
+def test_the_opt_in_travels_to_the_groups_a_router_starts(monkeypatch):
+    monkeypatch.setenv("EXPERTMESH_ENABLE_FAULT_INJECTION", "1")
+    assert security.propagation_env()["EXPERTMESH_ENABLE_FAULT_INJECTION"] == "1"
+
+
+# -- the benchmark's pure parts ---------------------------------------------------------------
+
+
+def test_ring_placement_gives_every_expert_two_groups_and_survives_any_one_group(tiny_checkpoints):
+    from expertmesh.orchestrator.chaos.platform import ring_placement
+
+    spec = Checkpoint(tiny_checkpoints("mixtral")).spec
+    groups = ["g0", "g1", "g2"]
+    placement = ring_placement(spec, groups)["groups"]
+    hosts = {}
+    for group, layers in placement.items():
+        for layer, experts in layers.items():
+            for e in experts:
+                hosts.setdefault((layer, e), set()).add(group)
+    assert set(hosts) == {(layer, e) for layer in spec.moe_layers for e in range(spec.num_experts)}
+    assert all(len(g) == 2 for g in hosts.values())
+    for down in groups:
+        assert all(g - {down} for g in hosts.values())
+
+
+def test_counts_put_each_differing_completion_in_its_window():
+    from expertmesh.orchestrator.chaos.measure import Timeline, count, overlapping
+    from expertmesh.orchestrator.chaos.traffic import Request
+
+    reference = [[1, 2], [3, 4]]
+    good, bad = (1, 2), (9, 9)
+
+    def req(sent, tokens=good, error=None):
+        return Request(0, sent, sent + 1.0, tokens, error)
+
+    requests = [
+        req(8.5),  # ended before the fault: not the scenario's
+        req(9.5, bad),  # in flight when the corruption struck, sent before the quarantine
+        req(11.0, bad),  # before the quarantine
+        req(13.0, bad),  # while routers fell back around the expert
+        req(16.0, bad),  # after: wrong
+        req(17.0),
+        req(18.0, (), "UNAVAILABLE: gone"),
+    ]
+    timeline = Timeline(injected=10.0, lifted=10.0, recovered=20.0, detected=11.5, quarantined=12.0, fallback_until=15.0)
+    mine = overlapping(requests, timeline.injected, timeline.recovered)
+    assert len(mine) == 6
+    counts = count(mine, reference, timeline)
+    assert (counts.sent, counts.completed, counts.failed) == (6, 5, 1)
+    assert (counts.wrong_before_quarantine, counts.degraded, counts.wrong_outputs) == (2, 1, 1)
+    assert counts.failures == {"UNAVAILABLE: gone": 1}
+    # Without a corruption that a quarantine ends, every differing completion is wrong.
+    plain = count(mine, reference, Timeline(injected=10.0, lifted=12.0, recovered=20.0))
+    assert (plain.wrong_before_quarantine, plain.degraded, plain.wrong_outputs) == (0, 0, 4)
+
+
+def test_tokens_per_second_counts_arrivals_in_the_window():
+    from expertmesh.orchestrator.chaos.measure import tokens_per_second
+
+    arrivals = [(0.5, 1), (1.0, 2), (1.5, 1), (3.0, 4)]
+    assert tokens_per_second(arrivals, 1.0, 3.0) == 1.5
+    assert tokens_per_second(arrivals, 2.0, 2.0) is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--scenarios", "group-sigkill,meteor"], "--scenarios takes names from group-sigkill,"),
+        (["--corrupt-factor", "1"], "--corrupt-factor must be > 0 and not 1"),
+        (["--hold-seconds", "0"], "--hold-seconds must be > 0"),
+    ],
+)
+def test_bench_chaos_refuses_bad_flags_before_starting_anything(flags, message):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "expertmesh.cli", "bench", "chaos", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1]
+
+
+# -- the benchmark, end to end ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
+    """Every scenario with short intervals. The product's promises, as counts: no request fails,
+    no completion differs from the reference except those the corruption made before its
+    quarantine took effect (counted apart) and the fallback's degraded ones; each corrupted
+    replica is found and quarantined; every fault heals."""
+    from expertmesh.embedded import default_checkpoint
+    from expertmesh.orchestrator import bench_chaos
+
+    options = bench_chaos.Options(
+        model=default_checkpoint(),
+        clients=3,
+        max_new_tokens=8,
+        quiet_seconds=2.0,
+        hold_seconds=5.0,
+        redis_down_seconds=4.0,
+        health_interval_s=2.0,
+        health_tokens=128,
+        deadline_s=120.0,
+    )
+    result = bench_chaos.run(options)
+    by_name = {s["scenario"]: s for s in result["scenarios"]}
+    assert list(by_name) == list(bench_chaos.SCENARIOS)
+    for s in result["scenarios"]:
+        assert s["recovered"], s
+        assert s["sent"] > 0 and s["failed"] == 0, s
+        assert s["wrong_outputs"] == 0, s
+    for name in ("expert-corrupted", "expert-corrupted-sole"):
+        assert by_name[name]["detected"] and by_name[name]["quarantined"], by_name[name]
+    assert by_name["expert-corrupted"]["degraded"] == 0  # its other replica served: no fallback
+    assert result["steady"]["failed"] == 0 and result["steady"]["wrong_outputs"] == 0
+    print(bench_chaos.table(result))

@@ -1,0 +1,100 @@
+"""`expertmesh group serve`: expert groups as plain processes, without Ray.
+
+Real processes on loopback: two groups register in a real Redis (database
+``DATABASE``, this module's own) as RayService replicas do, a router over that
+store reaches them by shared memory and answers exactly as stock transformers;
+SIGTERM stops a group cleanly; a wrong group name is a one-line error; and
+`expertmesh bench dispatch --groups-as process` runs on such groups, reporting
+transports and memory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import redis
+import torch
+from transformers import AutoModelForCausalLM
+
+from expertmesh import placement as placement_mod
+from expertmesh.checkpoint import Checkpoint, experts_modules
+from expertmesh.expert_group.local_server import runtime_dir
+from expertmesh.expert_group.processes import start_groups
+from expertmesh.router.dispatch import ExpertDispatcher
+from expertmesh.routing_table import RoutingTable
+from expertmesh.state import open_store
+
+DATABASE = 13
+
+
+@pytest.fixture
+def store_url(redis_url):
+    url = redis_url.rsplit("/", 1)[0] + f"/{DATABASE}"
+    redis.Redis.from_url(url).flushdb()
+    yield url
+    redis.Redis.from_url(url).flushdb()
+
+
+def test_plain_process_groups_register_and_serve_a_router_exactly(tiny_checkpoints, store_url):
+    path = tiny_checkpoints("mixtral")
+    spec = Checkpoint(path).spec
+    groups = start_groups(["g0", "g1"], ["--model", str(path), "--groups", "2", "--state-url", store_url])
+    store = open_store(store_url)
+    try:
+        assert store.endpoints() == {name: group.address for name, group in groups.items()}
+        placement = placement_mod.contiguous(spec, 2)
+        assert store.publish_routing_table(RoutingTable.from_placement(placement, spec.num_experts, version=1))
+        dispatcher = ExpertDispatcher(store, spec.moe_layers)
+        stock = experts_modules(AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager"))
+        g = torch.Generator().manual_seed(0)
+        for layer in spec.moe_layers:
+            hidden = torch.randn(10, spec.hidden_size, generator=g)  # [T, H]
+            index = torch.stack([torch.randperm(spec.num_experts, generator=g)[: spec.top_k] for _ in range(10)])
+            weights = torch.rand(10, spec.top_k, generator=g)
+            with torch.no_grad():
+                expected = stock[layer][1](hidden, index, weights)
+            torch.testing.assert_close(dispatcher.dispatch(layer, hidden, index, weights), expected, rtol=0, atol=1e-6)
+        assert dispatcher.transports() == {"g0": "shm", "g1": "shm"}
+        dispatcher.close()
+        pids = {str(group.proc.pid) for group in groups.values()}
+        sockets = [p for p in runtime_dir().glob("*.sock") if p.name.split("-")[0] in pids]
+        assert len(sockets) == 4, "each group listens on a gRPC unix socket and a shared-memory socket"
+        assert all(group.stop() == 0 for group in groups.values()), "SIGTERM stops a group cleanly"
+        assert not any(p.exists() for p in sockets), "their socket files go with them"
+    finally:
+        for group in groups.values():
+            group.stop()
+        store.close()
+
+
+def test_a_group_the_placement_does_not_have_is_a_one_line_error(tiny_checkpoints):
+    result = subprocess.run(
+        [sys.executable, "-m", "expertmesh.cli", "group", "serve", "--model", str(tiny_checkpoints("mixtral")),
+         "--groups", "2", "--group", "g7"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "expertmesh group: error: the placement has no group 'g7'; its groups: g0, g1"
+    )
+
+
+def test_bench_dispatch_runs_on_plain_process_groups_without_ray(tiny_checkpoints, tmp_path):
+    out = tmp_path / "dispatch.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "expertmesh.cli", "bench", "dispatch", "--model", str(tiny_checkpoints("mixtral")),
+         "--groups-as", "process", "--transport", "grpc", "--prefill-tokens", "16", "--batches", "1",
+         "--decode-steps", "2", "--repeats", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 expert groups (plain processes), transport grpc (carried by grpc-stream)" in result.stdout
+    assert "starting Ray" not in result.stderr
+    data = json.loads(out.read_text())
+    assert data["setup"]["transports"] == {"g0": "grpc-stream", "g1": "grpc-stream"}
+    memory = data["memory"]
+    assert set(memory["groups_peak_bytes"]) == {"g0", "g1"} and all(n > 0 for n in memory["groups_peak_bytes"].values())
+    assert 0 < memory["baseline_bytes"] <= memory["monolithic_bytes"] <= memory["bench_process_peak_bytes"]
+    assert memory["router_bytes"] >= memory["baseline_bytes"]

@@ -1,0 +1,218 @@
+"""Every transport carries a group's share of a layer exactly: the same partial sums,
+bit for bit, as unary Dispatch. Real group servers on loopback (no Ray), a real
+router-side transport per case; also which path each transport takes, what
+Describe reports about it, shared buffers sized from the message and freed, and
+the gRPC stream under mutual TLS."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer, group_channel
+from expertmesh.router import transport_local
+from expertmesh.router.group_client import GroupClients
+from expertmesh.router.transport import TRANSPORTS, GroupRequest, build
+from expertmesh.router.transport_auto import AutoTransport
+from expertmesh.v1 import experts_pb2 as pb
+from expertmesh.v1 import experts_pb2_grpc as pb_grpc
+from test_security import pki  # noqa: F401  (that module's certificate fixture, reused)
+
+LAYER = 1
+KIND = {"grpc-unary": "grpc-unary", "grpc": "grpc-stream", "auto": "shm"}
+
+
+def _group(checkpoint, name="g0", dtype=torch.float32, **server):
+    hosted = HostedExperts(checkpoint, dtype=dtype)
+    hosted.load([(layer, e) for layer in checkpoint.spec.moe_layers for e in range(checkpoint.spec.num_experts)])
+    server = GroupServer(ExpertGroupServicer(name, hosted), **server).start()
+    return server, f"127.0.0.1:{server.port}"
+
+
+@pytest.fixture(scope="module", params=["mixtral", "gpt_oss"])
+def served(request, tiny_checkpoints):
+    checkpoint = Checkpoint(tiny_checkpoints(request.param))
+    server, address = _group(checkpoint)
+    yield checkpoint, address, server
+    server.stop(0)
+
+
+def _request(checkpoint, tokens: int, seed: int, dtype=torch.float32) -> GroupRequest:
+    g = torch.Generator().manual_seed(seed)
+    spec = checkpoint.spec
+    hidden = torch.randn(tokens + 3, spec.hidden_size, generator=g).to(dtype)  # [T, H]: the group gets T - 3 rows
+    rows = torch.randperm(tokens + 3, generator=g)[:tokens].sort().values  # [Tg]
+    ids = torch.stack([torch.randperm(spec.num_experts, generator=g)[: spec.top_k] for _ in range(tokens)])  # [Tg, K]
+    ids[torch.rand(ids.shape, generator=g) < 0.2] = -1
+    weights = torch.rand(ids.shape, generator=g).to(dtype)
+    return GroupRequest(LAYER, 1, hidden, rows, ids.to(torch.int32), weights)
+
+
+def _call(transport, request, group="g0"):
+    reply = transport.send(group, request, 30).result()
+    assert not reply.problem
+    return reply.partial
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_every_transport_gives_the_unary_paths_partial_sums_bit_for_bit(served, tokens):
+    checkpoint, address, _ = served
+    answers = {}
+    for name in TRANSPORTS:
+        transport = build(name)
+        transport.update({"g0": address})
+        try:
+            answers[name] = [_call(transport, _request(checkpoint, tokens, seed)) for seed in range(3)]
+            assert transport.kind("g0") == KIND[name]
+        finally:
+            transport.close()
+    for name in TRANSPORTS:
+        for got, expected in zip(answers[name], answers["grpc-unary"]):
+            assert got.shape == (tokens, checkpoint.spec.hidden_size) and torch.equal(got, expected), name
+
+
+def test_bfloat16_groups_are_exact_on_every_transport(tiny_checkpoints):
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    server, address = _group(checkpoint, dtype=torch.bfloat16)
+    try:
+        answers = {}
+        for name in TRANSPORTS:
+            transport = build(name)
+            transport.update({"g0": address})
+            answers[name] = _call(transport, _request(checkpoint, 9, 0, torch.bfloat16))
+            transport.close()
+        assert answers["auto"].dtype == torch.bfloat16
+        assert all(torch.equal(a, answers["grpc-unary"]) for a in answers.values())
+    finally:
+        server.stop(0)
+
+
+def test_describe_reports_the_transports_in_use_and_the_peak_memory(served):
+    checkpoint, address, _ = served
+    transports = {name: build(name) for name in TRANSPORTS}
+    for transport in transports.values():
+        transport.update({"g0": address})
+        _call(transport, _request(checkpoint, 2, 0))
+    with group_channel(address) as channel:
+        described = pb_grpc.ExpertGroupStub(channel).Describe(pb.DescribeRequest(), timeout=30)
+    use = {u.transport: u for u in described.transports}
+    assert {"grpc-unary", "grpc-stream", "shm"} <= set(use)
+    assert use["shm"].connections >= 1 and use["grpc-stream"].connections >= 1 and use["grpc-unary"].connections == 0
+    assert all(u.calls >= 1 for u in use.values())
+    assert described.peak_rss_bytes > 50 * 2**20  # torch alone is more
+    for transport in transports.values():
+        transport.close()
+
+
+def test_a_group_without_same_host_paths_is_reached_by_its_tcp_stream(tiny_checkpoints):
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    server, address = _group(checkpoint, same_host=False)
+    transport = build("auto")
+    transport.update({"g0": address})
+    try:
+        _call(transport, _request(checkpoint, 3, 0))
+        assert transport.kind("g0") == "grpc-stream"
+    finally:
+        transport.close()
+        server.stop(0)
+
+
+def test_a_group_on_another_host_gets_no_same_host_path(tiny_checkpoints):
+    """Its sockets may even exist here: another kernel's boot id is enough to keep to TCP."""
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    server, address = _group(checkpoint)
+    server.servicer.transports.host_id = "boot-id-of-another-host"
+    transport = build("auto")
+    transport.update({"g0": address})
+    try:
+        _call(transport, _request(checkpoint, 3, 0))
+        assert transport.kind("g0") == "grpc-stream"
+        assert [p.name for p in transport._routes["g0"].paths] == ["grpc-stream", "grpc-unary"]
+    finally:
+        transport.close()
+        server.stop(0)
+
+
+def _memfd_mappings() -> int:
+    """Mappings of this process that are expertmesh's shared buffers (router and groups alike here)."""
+    with open("/proc/self/maps") as maps:
+        return sum("memfd:expertmesh-dispatch" in line for line in maps)
+
+
+def _memfd_descriptors() -> int:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sum(link.startswith("/memfd:expertmesh-dispatch") for link in links)
+
+
+def _buffer_bytes(transport) -> int:
+    """Size of the buffer of the idle shared-memory connection to g0."""
+    (conn,) = transport._routes["g0"].paths[0]._idle
+    return conn.shared.buffer.numel()
+
+
+def test_shared_buffers_follow_the_message_size_and_leave_nothing_behind(served, monkeypatch):
+    checkpoint, address, _ = served
+    monkeypatch.setattr(transport_local, "SHRINK_AFTER", 3)
+    dev_shm = set(os.listdir("/dev/shm"))
+    transport = build("auto")
+    transport.update({"g0": address})
+    _call(transport, _request(checkpoint, 1, 0))
+    assert _buffer_bytes(transport) == transport_local.MIN_BUFFER_BYTES
+    _call(transport, _request(checkpoint, 3000, 1))  # [3000, H] rows and their answer: a larger buffer
+    grown = _buffer_bytes(transport)
+    assert grown > transport_local.MIN_BUFFER_BYTES and grown & (grown - 1) == 0
+    for seed in range(4):  # small calls again: after SHRINK_AFTER of them the buffer is replaced by a small one
+        _call(transport, _request(checkpoint, 1, seed))
+    assert _buffer_bytes(transport) == transport_local.MIN_BUFFER_BYTES
+    transport.close()
+    deadline = time.monotonic() + 10
+    while (_memfd_mappings() or _memfd_descriptors()) and time.monotonic() < deadline:
+        gc.collect()  # the group lets go of its mapping on its connection's thread
+        time.sleep(0.05)
+    assert _memfd_mappings() == 0 and _memfd_descriptors() == 0
+    assert set(os.listdir("/dev/shm")) == dev_shm, "shared memory must never leave a /dev/shm entry"
+
+
+def test_socket_files_go_with_the_server(tiny_checkpoints):
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    server, _ = _group(checkpoint)
+    paths = [Path(server.servicer.transports.shm_socket), Path(server.servicer.transports.grpc_unix_address[5:])]
+    assert all(p.is_socket() for p in paths) and oct(paths[0].stat().st_mode & 0o777) == "0o600"
+    server.stop(0)
+    assert not any(p.exists() for p in paths)
+
+
+def test_the_grpc_stream_works_under_mutual_tls(pki, tiny_checkpoints):  # noqa: F811
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    server, address = _group(checkpoint, tls=pki.server())
+    try:
+        expected = None
+        for shared_memory in (False, True):
+            transport = AutoTransport(shared_memory=shared_memory, clients=GroupClients(pki.client("router")))
+            transport.update({"g0": address})
+            got = _call(transport, _request(checkpoint, 5, 0))
+            assert transport.kind("g0") == ("shm" if shared_memory else "grpc-stream")
+            expected = got if expected is None else expected
+            assert torch.equal(got, expected)
+            transport.close()
+        plaintext = build("grpc")  # no certificate: neither Transports nor any stream gets through
+        plaintext.update({"g0": address})
+        with pytest.raises(Exception) as err:
+            _call(plaintext, _request(checkpoint, 5, 0))
+        assert getattr(err.value, "code", None) == grpc.StatusCode.UNAVAILABLE
+        plaintext.close()
+    finally:
+        server.stop(0)

@@ -5,8 +5,8 @@ alone (greedy), the same seeded samples as when served alone, and Score gets the
 stock prompt logits; the experts function runs once per MoE layer per step, on
 the engine's one thread, with the positions and trace links of every token.
 
-A tiny model with a local experts implementation stands in for the router's
-model, so no expert group is needed."""
+The tiny checkpoints of the fidelity tests, with a local experts implementation,
+stand in for the router's model, so no expert group is needed."""
 
 import dataclasses
 import threading
@@ -23,7 +23,7 @@ from expertmesh.router.dispatch import IMPLEMENTATION, ExpertDispatcher
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, ScoreEvent, TokenEvent
 from expertmesh.serving.forward import MaskSpec
 from expertmesh.serving.sampling import SamplingParams
-from expertmesh.tiny import CONFIG_BUILDERS, MOE_ARCHITECTURES
+from expertmesh.tiny import MOE_ARCHITECTURES
 
 RECORDING = "expertmesh_test_recording"
 CALLS: list[tuple[int, int]] = []  # (thread id, tokens) of every experts call
@@ -50,9 +50,18 @@ class StepDispatcher:
         yield
 
 
-def _model(arch, experts=RECORDING):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(CONFIG_BUILDERS[arch](), experts_implementation=experts).eval()
+@pytest.fixture(scope="module")
+def models(tiny_checkpoints):
+    """arch -> the tiny checkpoint (random biases and correction terms too) with the recording experts."""
+    cache = {}
+
+    def get(arch, experts=RECORDING):
+        if (arch, experts) not in cache:
+            path = tiny_checkpoints(arch)
+            cache[arch, experts] = AutoModelForCausalLM.from_pretrained(path, experts_implementation=experts).eval()
+        return cache[arch, experts]
+
+    return get
 
 
 def _stock_greedy(model, prompt, n):
@@ -87,8 +96,8 @@ def _serve(engine, requests, late=()):
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
-def test_packed_steps_match_stock_greedy_alone(arch):
-    model = _model(arch)
+def test_packed_steps_match_stock_greedy_alone(models, arch):
+    model = models(arch)
     expected = {f"r{i}": _stock_greedy(model, p, n) for i, (p, n) in enumerate(REQUESTS)}
     engine = Engine(model, None, StepDispatcher(), EngineLimits(8, 8, max_step_tokens=8), max_context=64)
     assert engine.batching.packed, engine.batching.note
@@ -106,9 +115,9 @@ def test_packed_steps_match_stock_greedy_alone(arch):
     assert engine.steps < sum(n for _, n in REQUESTS) / 2
 
 
-def test_a_long_prompt_alone_is_read_in_chunks():
+def test_a_long_prompt_alone_is_read_in_chunks(models):
     """Steps that only read prompt need no logits at all; the first token comes with the last chunk."""
-    model = _model("olmoe")
+    model = models("olmoe")
     prompt = tuple(range(3, 25))  # 22 tokens: 6 steps of at most 4
     engine = Engine(model, None, StepDispatcher(), EngineLimits(4, 4, max_step_tokens=4), max_context=64).start()
     try:
@@ -120,8 +129,8 @@ def test_a_long_prompt_alone_is_read_in_chunks():
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
-def test_score_matches_stock_prompt_logits_across_chunks(arch):
-    model = _model(arch)
+def test_score_matches_stock_prompt_logits_across_chunks(models, arch):
+    model = models(arch)
     prompt = tuple(range(3, 23))
     with torch.no_grad():
         stock = model(input_ids=torch.tensor([prompt])).logits[0]  # [P, V]
@@ -136,8 +145,8 @@ def test_score_matches_stock_prompt_logits_across_chunks(arch):
     torch.testing.assert_close(event.logits, stock, atol=1e-5, rtol=0)
 
 
-def test_seeded_sampling_is_the_same_together_and_alone():
-    model = _model("qwen3_moe")
+def test_seeded_sampling_is_the_same_together_and_alone(models):
+    model = models("qwen3_moe")
     sampled = [
         GenerationRequest(f"s{i}", (5 + i, 6, 7), max_new_tokens=10, stop_at_eos=False,
                           sampling=SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=i))
@@ -157,8 +166,8 @@ def test_seeded_sampling_is_the_same_together_and_alone():
         assert serve([request])[request.request_id] == together[request.request_id]
 
 
-def test_the_per_sequence_fallback_gives_the_same_tokens():
-    model = _model("gpt_oss")
+def test_the_per_sequence_fallback_gives_the_same_tokens(models):
+    model = models("gpt_oss")
     requests = [GenerationRequest(f"r{i}", p, max_new_tokens=n, stop_at_eos=False) for i, (p, n) in enumerate(REQUESTS)]
     engine = Engine(model, None, StepDispatcher(), EngineLimits(8, 8, max_step_tokens=8), max_context=64, packed=False)
     assert not engine.batching.packed and engine.batching.note == "the packed step is switched off"
@@ -171,17 +180,17 @@ def test_the_per_sequence_fallback_gives_the_same_tokens():
     }
 
 
-def test_models_the_packed_step_cannot_take_are_named():
-    spec = MaskSpec.of(_model("gpt_oss"))
+def test_models_the_packed_step_cannot_take_are_named(models):
+    spec = MaskSpec.of(models("gpt_oss"))
     assert spec.unsupported() is None
     assert "'flash_attention_2' takes no packed 4D mask" in dataclasses.replace(spec, implementation="flash_attention_2").unsupported()
     hybrid = dataclasses.replace(spec, kinds=("linear_attention", "full_attention"))
     assert hybrid.unsupported() == "layers of type linear_attention keep state outside the KV cache"
 
 
-def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline():
+def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline(tiny_checkpoints):
     """The router's own ExpertDispatcher.experts path (its remote dispatch replaced by a local one)."""
-    model = _model("mixtral", experts=IMPLEMENTATION)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("mixtral"), experts_implementation=IMPLEMENTATION).eval()
     dispatcher = ExpertDispatcher(types.SimpleNamespace(endpoints=dict), moe_layers=(0, 1))
     dispatcher.refresh = lambda: None
     seen = []

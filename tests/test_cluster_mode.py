@@ -61,7 +61,7 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
     placement_file = tmp_path / "placement.yaml"
     placement_file.write_text(yaml.safe_dump(_placement(hot_only=False)))
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     procs = []
     try:
         port_base = free_port_range(3)

@@ -142,8 +142,12 @@ class DataPlane:
             if config.ray_address:
                 _check_reachable(config.ray_address)
             try:
+                # "local": a Ray of our own, never a cluster some earlier `ray start` left registered on the machine.
                 ray.init(
-                    address=config.ray_address, include_dashboard=False, log_to_driver=False, logging_level="WARNING"
+                    address=config.ray_address or "local",
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    logging_level="WARNING",
                 )
             except ConnectionError as err:
                 raise GroupUnavailable(f"cannot join the Ray cluster at {config.ray_address}: {err}") from None

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import threading
 from collections import Counter
 from contextlib import contextmanager
@@ -88,6 +87,16 @@ def _pairs(refs) -> list[tuple[int, int]]:
 
 def _refs(pairs) -> list[pb.ExpertRef]:
     return [pb.ExpertRef(layer=layer, expert=e) for layer, e in pairs]
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM). Not getrusage's maxrss: a process started by a
+    large one inherits that one's figure across fork and exec."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    return 0
 
 
 def _named_experts(ids: torch.Tensor, num_experts: int) -> list[int]:
@@ -239,7 +248,7 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
             ],
             busy_seconds=self.busy.seconds(),
             transports=self.transport_use.report(),
-            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
+            peak_rss_bytes=_peak_rss_bytes(),
         )
 
     @guarded

@@ -289,6 +289,7 @@ class ChaosPlatform:
         if ray.is_initialized():
             raise BenchError("bench chaos starts a Ray of its own; this process is already attached to one")
         ray.init(
+            address="local",  # a Ray of its own, never one an earlier `ray start` left registered
             include_dashboard=False,
             log_to_driver=False,
             logging_level="WARNING",

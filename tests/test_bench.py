@@ -25,7 +25,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_once():
     """One local Ray for the module; each benchmark's DataPlane reuses it (and leaves it running)."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     yield
     ray.shutdown()
 

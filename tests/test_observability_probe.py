@@ -260,7 +260,7 @@ def platform(tmp_path_factory):
     model = make_tiny_checkpoint(
         "mixtral", tmp_path_factory.mktemp("probe-ckpt"), with_tokenizer=True, vocab_size=300, max_position_embeddings=128
     )
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     plane = DataPlane.start(DataPlaneConfig(model=model, groups=2))
     server = serve_plane(plane, ServingConfig(port=0))
     yield f"127.0.0.1:{server.port}"

@@ -35,7 +35,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plane(checkpoint):
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     plane = DataPlane.start(DataPlaneConfig(model=checkpoint, groups=2))
     yield plane
     plane.close()

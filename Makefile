@@ -30,7 +30,7 @@ run: install
 redis-start:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@mkdir -p $(RUN_DIR)
-	@redis-server --bind 127.0.0.1 --port $(REDIS_PORT) --save '' --appendonly no \
+	@redis-server --bind 127.0.0.1 --port $(REDIS_PORT) --save '' --appendonly no --databases 64 \
 		--daemonize yes --pidfile $(abspath $(RUN_DIR))/redis.pid --logfile $(abspath $(RUN_DIR))/redis.log
 	@for i in $$(seq 50); do redis-cli -p $(REDIS_PORT) ping >/dev/null 2>&1 && break; sleep 0.1; done
 

@@ -1,10 +1,12 @@
 """Shared fixtures: tiny random checkpoints made with transformers' own config
-classes and ``save_pretrained`` (cached for the session), and the Redis URL the
-Makefile's loopback redis-server listens on."""
+classes and ``save_pretrained`` (cached for the session), one local Ray for the
+modules that can share it, and a Redis database of each module's own on the
+Makefile's loopback redis-server."""
 
 from __future__ import annotations
 
 import os
+from urllib.parse import urlparse, urlunparse
 
 import pytest
 
@@ -27,8 +29,47 @@ def tiny_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray (``address="local"``: never a cluster some earlier ``ray start`` left on the machine),
+    started by the first module that asks and shut down after the last: modules share its ~4 s start."""
+    import ray
+    from ray import serve
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+#: db 0 of the test server holds only these claims; each module gets a database of its own
+_CLAIM = "expertmesh-test-db-claim:{}"
+
+
+@pytest.fixture(scope="module")
 def redis_url():
-    url = os.environ.get("EXPERTMESH_TEST_REDIS_URL")
-    if not url:
+    """A Redis database of this module's own, empty when the module starts and flushed when it ends.
+
+    Databases are claimed with SET NX in db 0, so modules never see or clear each other's keys, also
+    when two test runs share one server."""
+    import redis
+
+    base = os.environ.get("EXPERTMESH_TEST_REDIS_URL")
+    if not base:
         pytest.skip("EXPERTMESH_TEST_REDIS_URL is unset: run through `make test`, which starts a loopback redis-server")
-    return url
+    claims = redis.Redis.from_url(urlunparse(urlparse(base)._replace(path="/0")))
+    databases = int(claims.config_get("databases")["databases"])
+    owner = f"{os.getpid()}:{id(claims)}"
+    db = next((n for n in range(1, databases) if claims.set(_CLAIM.format(n), owner, nx=True, ex=3600)), None)
+    if db is None:
+        claims.close()
+        pytest.fail(f"all {databases - 1} Redis databases of {base} are claimed: start redis-server with more --databases")
+    url = urlunparse(urlparse(base)._replace(path=f"/{db}"))
+    own = redis.Redis.from_url(url)
+    own.flushdb()
+    try:
+        yield url
+    finally:
+        own.flushdb()
+        own.close()
+        claims.delete(_CLAIM.format(db))
+        claims.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import socket
@@ -43,10 +44,22 @@ def serving_address(banner: str) -> str:
     return re.search(r" on (\S+:\d+) ", banner).group(1)
 
 
+def first_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The first line of ``proc``'s stdout; "" if it exits first. Kills it past ``timeout``: a process
+    that never prints must fail its test, not hang the suite in ``readline``."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        proc.kill()
+        raise AssertionError(f"{proc.args!r} printed nothing in {timeout:.0f} s") from None
+
+
 class Up:
     """`expertmesh up ARGS` as a process: waits for its banner, collects its stderr."""
 
-    def __init__(self, *args, env=None):
+    def __init__(self, *args, env=None, banner_timeout: float = 300):
         self.proc = subprocess.Popen(
             # Port 0, read back from the banner: a port picked in advance can be taken by one of
             # the Ray workers the command starts before it binds.
@@ -58,7 +71,7 @@ class Up:
         )
         self.stderr: list[str] = []
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-        self.banner = self.proc.stdout.readline()  # blocks until it serves (or exits)
+        self.banner = first_line(self.proc, timeout=banner_timeout)
         assert "expertmesh is serving" in self.banner, "".join(self.stderr)[-3000:]
         self.target = serving_address(self.banner)
 
@@ -76,3 +89,43 @@ class Up:
                     return match
             time.sleep(0.05)
         raise AssertionError(f"no stderr line matched {pattern!r}: {''.join(self.stderr)[-2000:]}")
+
+
+class RayHead:
+    """A Ray head of the test's own (``ray start --head --block`` in a session of its own), as multi-node Ray
+    runs. Stopped by signalling that session only: ``ray stop`` would stop every Ray of the user on the machine."""
+
+    def __init__(self, port: int, timeout: float = 120):
+        self.address = f"127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
+             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+             "--disable-usage-stats"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        self.output: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.output.append(line)
+                if "block forever" in line:
+                    ready.set()
+            ready.set()  # exited: the check below reports it
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(timeout) or self.proc.poll() is not None:
+            self.stop()
+            raise AssertionError(f"ray start did not come up: {''.join(self.output)[-3000:]}")
+
+    def stop(self) -> None:
+        """SIGTERM (the head stops the processes it started), then SIGKILL for whatever is left in its session."""
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue

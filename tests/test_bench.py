@@ -5,7 +5,6 @@ anything was), and the error paths (exit 2, one line)."""
 import json
 
 import pytest
-import ray
 
 from expertmesh.bench.report import BenchError, format_table, parse_int_list, percentile
 from expertmesh.cli import main
@@ -20,14 +19,6 @@ def checkpoint(tmp_path_factory):
     return make_tiny_checkpoint(
         "mixtral", tmp_path_factory.mktemp("ckpt"), with_tokenizer=True, vocab_size=300, max_position_embeddings=CONTEXT
     )
-
-
-@pytest.fixture(scope="module")
-def ray_once():
-    """One local Ray for the module; each benchmark's DataPlane reuses it (and leaves it running)."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _run(capsys, *argv):
@@ -87,7 +78,7 @@ def test_missing_checkpoint_exits_2(capsys, tmp_path):
 
 
 @slow
-def test_dispatch_reports_both_sides_and_consistent_wire_figures(capsys, checkpoint, ray_once, tmp_path):
+def test_dispatch_reports_both_sides_and_consistent_wire_figures(capsys, checkpoint, ray_session, tmp_path):
     out_file = tmp_path / "dispatch.json"
     code, out, _ = _run(
         capsys, "dispatch", "--model", checkpoint, "--prefill-tokens", 32, "--batches", "1,2",
@@ -102,6 +93,9 @@ def test_dispatch_reports_both_sides_and_consistent_wire_figures(capsys, checkpo
     assert layers == 2 and hidden == 32 and setup["groups"] == 2 and setup["dtype_bytes"] == 4
     assert setup["threads"] >= 1 and setup["machine"]["cpus"] >= 1
     assert [p["name"] for p in result["phases"]] == ["prefill 32", "decode b=1", "decode b=2"]
+    memory = result["memory"]
+    assert 0 < memory["routed_expert_bytes"] < 4 * model["parameters"]  # float32: 4 bytes a parameter
+    assert "the routed experts' weights" in out and "are in the monolithic model only" in out
 
     for phase, steps in zip(result["phases"], (1, 2, 2)):
         mono, plat, wire = phase["monolithic"], phase["platform"], phase["wire"]
@@ -124,7 +118,7 @@ def test_dispatch_reports_both_sides_and_consistent_wire_figures(capsys, checkpo
 
 
 @slow
-def test_serve_reports_platform_and_both_generate_baselines(capsys, checkpoint, ray_once, tmp_path):
+def test_serve_reports_platform_and_both_generate_baselines(capsys, checkpoint, ray_session, tmp_path):
     out_file = tmp_path / "serve.json"
     code, out, _ = _run(
         capsys, "serve", "--model", checkpoint, "--clients", 2, "--requests-per-client", 2,
@@ -150,7 +144,7 @@ def test_serve_reports_platform_and_both_generate_baselines(capsys, checkpoint, 
 
 
 @slow
-def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, checkpoint, ray_once, tmp_path):
+def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, checkpoint, ray_session, tmp_path):
     from expertmesh.config import DataPlaneConfig, ServingConfig
     from expertmesh.data_plane import DataPlane
     from expertmesh.serving.up import serve_plane

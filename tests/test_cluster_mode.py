@@ -16,7 +16,6 @@ import time
 
 import grpc
 import pytest
-import ray
 import redis
 import torch
 import yaml
@@ -28,7 +27,7 @@ from expertmesh.client import Client
 from expertmesh.expert_group.deployment import APP_NAME, build_app
 from expertmesh.state import open_store
 from expertmesh.tiny import make_tiny_checkpoint
-from helpers import free_port_range, serving_address
+from helpers import first_line, free_port_range, serving_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -54,14 +53,13 @@ def _wait(predicate, what, timeout=120):
         time.sleep(0.2)
 
 
-def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
+def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, ray_session):
     model = make_tiny_checkpoint("mixtral", tmp_path / "mixtral", with_tokenizer=True, vocab_size=300)
     store = open_store(redis_url)
     store._kv._client.flushdb()
     placement_file = tmp_path / "placement.yaml"
     placement_file.write_text(yaml.safe_dump(_placement(hot_only=False)))
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     procs = []
     try:
         port_base = free_port_range(3)
@@ -96,7 +94,7 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
 
         router, router_log = _spawn("up", "--router-only", "--model", str(model), "--state-url", redis_url, "--port", "0")
         procs.append(router)
-        banner = router.stdout.readline()
+        banner = first_line(router, timeout=300)
         assert "expertmesh is serving" in banner, "".join(router_log)[-3000:]
         router_address = serving_address(banner)
 
@@ -153,7 +151,7 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url):
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-        ray.shutdown()
+        serve.delete(APP_NAME)
         store.close()
 
 

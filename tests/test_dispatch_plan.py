@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expertmesh.errors import UnhostedExperts
+from expertmesh.router import dispatch_plan
 from expertmesh.router.dispatch_plan import NoHealthyReplica, plan_layer, restrict_to
 from expertmesh.router.routing_view import RoutingView
 from expertmesh.routing_table import RoutingTable
@@ -121,3 +122,25 @@ def test_property_every_valid_slot_is_sent_exactly_once_to_a_holder(tokens, k, l
                 assert int(owner[t, j]) in view.holders[(1, expert)]
     for call in calls:  # a token is sent to a group only if it has a slot there
         assert (call.expert_ids >= 0).any(dim=1).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 3), st.sampled_from([torch.float32, torch.bfloat16]), st.data())
+def test_property_small_layers_are_planned_in_python_exactly_as_with_tensors(tokens, k, dtype, data):
+    """Layer 0 has no replicated experts: a decode-sized plan takes the plain-Python path, which must
+    give the tensor path's calls bit for bit (the weights' dtype and every value, -1 / 0 elsewhere)."""
+    view = RoutingView.build(_two_groups(), moe_layers=(0, 1))
+    index = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, E), min_size=k, max_size=k), min_size=tokens, max_size=tokens)))
+    weights = torch.rand(tokens, k).to(dtype)
+    small = plan_layer(view, 0, index, weights, [0, 0])
+    original = dispatch_plan.SMALL_PLAN_SLOTS
+    dispatch_plan.SMALL_PLAN_SLOTS = 0
+    try:
+        tensors = plan_layer(view, 0, index, weights, [0, 0])
+    finally:
+        dispatch_plan.SMALL_PLAN_SLOTS = original
+    assert [c.group for c in small] == [c.group for c in tensors]
+    for a, b in zip(small, tensors):
+        for name in ("tokens", "expert_ids", "weights"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and torch.equal(x, y), name

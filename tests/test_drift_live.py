@@ -107,6 +107,7 @@ def test_drift_moves_experts_off_the_crowded_group_and_changes_no_token(up):
 
     stop = threading.Event()
     problems: list[str] = []
+    completed: list[int] = []
 
     def client_loop(offset: int) -> None:
         with Client(up.target, timeout=60) as client:
@@ -120,6 +121,7 @@ def test_drift_moves_experts_off_the_crowded_group_and_changes_no_token(up):
                     return
                 if got != reference[i]:
                     problems.append(f"prompt {i}: tokens {got} != {reference[i]}")
+                completed.append(i)
                 n += 1
 
     clients = [threading.Thread(target=client_loop, args=(k * 2,)) for k in range(4)]
@@ -134,7 +136,11 @@ def test_drift_moves_experts_off_the_crowded_group_and_changes_no_token(up):
             assert not any(m.phase in (apb.MIGRATION_PHASE_FAILED, apb.MIGRATION_PHASE_ROLLED_BACK) for m in moves), moves
             assert time.monotonic() < deadline, f"no drift moves: {_scan(admin)}"
             time.sleep(0.5)
-        time.sleep(2)  # a few more scans and completions on the new placement
+        # More completions on the new placement, checked against the references too.
+        wanted, deadline = len(completed) + 2 * len(clients), time.monotonic() + 120
+        while len(completed) < wanted and not problems:
+            assert time.monotonic() < deadline, "clients stopped completing after the moves"
+            time.sleep(0.1)
     finally:
         stop.set()
         for t in clients:

@@ -46,7 +46,7 @@ class StepDispatcher:
         pass
 
     @contextmanager
-    def serving_step(self, positions, links=()):
+    def serving_step(self, positions, links=(), routing=None):
         yield
 
 
@@ -195,7 +195,7 @@ def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline(tiny
     dispatcher.refresh = lambda: None
     seen = []
 
-    def local_dispatch(layer, hidden, top_k_index, top_k_weights, positions=None, links=()):
+    def local_dispatch(layer, hidden, top_k_index, top_k_weights, positions=None, links=(), routing=None):
         seen.append((layer, positions.tolist(), len(links), dispatcher.step_deadline))
         module = experts_modules(model)[layer][1]
         return ALL_EXPERTS_FUNCTIONS["batched_mm"](module, hidden, top_k_index, top_k_weights)

@@ -44,7 +44,7 @@ class FlakyStoreDispatcher:
             raise ConnectionError("the Redis state store is unreachable: connection refused")
 
     @contextmanager
-    def serving_step(self, positions, links=()):
+    def serving_step(self, positions, links=(), routing=None):
         step, self.steps = self.steps, self.steps + 1
         if step in self.failing_steps:
             raise GroupUnavailable(f"expert group g0 at 127.0.0.1:1 failed layer 0 (step {step})")

@@ -297,3 +297,26 @@ def test_stats_count_non_finite_outputs_and_reset_on_unload(mixtral):
         stats = _stats(stub)
         assert (stats[(LAYER, 3)].calls, stats[(LAYER, 3)].rows, stats[(LAYER, 3)].non_finite) == (0, 0, 0)
         assert stats[(LAYER, 1)].rows == 3  # a kept expert keeps its statistics across the rebuild
+
+
+def test_decode_sized_calls_keep_the_same_statistics_to_the_bit(mixtral, monkeypatch):
+    """Small calls keep their statistics in plain Python (hosted.SMALL_RECORD_ROWS): the same numbers,
+    bit for bit, as the tensor path, non-finite outputs and weight-0 slots included."""
+    from expertmesh.expert_group import hosted as hosted_mod
+
+    path, _ = mixtral
+    calls = [_good(tokens=t, seed=t) for t in (1, 3, 5, 2)]
+    calls[1][2][0, 0] = 0.0  # a weight-0 slot: counted in rows, not in the norms
+    stats = []
+    for small in (hosted_mod.SMALL_RECORD_ROWS, 0):
+        monkeypatch.setattr(hosted_mod, "SMALL_RECORD_ROWS", small)
+        hosted = HostedExperts(Checkpoint(path))
+        hosted.load(HOSTED)
+        for i, (hidden, ids, weights) in enumerate(calls):
+            if i == 2:  # NaN outputs from here on for expert 3
+                held = hosted._layers[LAYER]
+                held.module.down_proj[held.ids.index(3)].fill_(float("nan"))
+            hosted.compute(LAYER, hidden, ids.to(torch.int32), weights)
+        stats.append(hosted.expert_stats())
+    assert stats[0] == stats[1]
+    assert any(s.non_finite for _, _, s in stats[0]) and all(s.calls == 4 for _, _, s in stats[0])

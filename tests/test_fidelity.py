@@ -4,7 +4,6 @@ routed-expert weights, compared on every architecture we claim, in float32 and
 bfloat16, with one group and with three."""
 
 import pytest
-import ray
 import yaml
 from ray import serve
 
@@ -16,15 +15,7 @@ from expertmesh.security.admin_auth import admin_metadata
 from expertmesh.tiny import MOE_ARCHITECTURES
 from expertmesh.v1 import experts_pb2 as pb
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    yield
-    serve.shutdown()
-    ray.shutdown()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

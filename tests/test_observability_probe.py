@@ -249,9 +249,7 @@ def test_bad_arguments_exit_2_before_connecting(capsys, argv, message):
 
 
 @pytest.fixture(scope="module")
-def platform(tmp_path_factory):
-    import ray
-
+def platform(tmp_path_factory, ray_session):
     from expertmesh.config import DataPlaneConfig, ServingConfig
     from expertmesh.data_plane import DataPlane
     from expertmesh.serving.up import serve_plane
@@ -260,13 +258,11 @@ def platform(tmp_path_factory):
     model = make_tiny_checkpoint(
         "mixtral", tmp_path_factory.mktemp("probe-ckpt"), with_tokenizer=True, vocab_size=300, max_position_embeddings=128
     )
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     plane = DataPlane.start(DataPlaneConfig(model=model, groups=2))
     server = serve_plane(plane, ServingConfig(port=0))
     yield f"127.0.0.1:{server.port}"
     server.drain_and_stop()
     plane.close()
-    ray.shutdown()
 
 
 @pytest.mark.slow

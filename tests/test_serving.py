@@ -8,7 +8,6 @@ import time
 
 import grpc
 import pytest
-import ray
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -34,12 +33,10 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plane(checkpoint):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+def plane(checkpoint, ray_session):
     plane = DataPlane.start(DataPlaneConfig(model=checkpoint, groups=2))
     yield plane
     plane.close()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

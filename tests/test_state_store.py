@@ -66,6 +66,23 @@ def test_endpoints(store):
     assert store.endpoints() == {"g0": "127.0.0.1:2000"}
 
 
+def test_hidden_state_samples_per_layer_and_router_and_pinned_probes(store):
+    """Raw bytes in, the same bytes out (``state.samples`` gives them their form)."""
+    import torch
+
+    from expertmesh.state import samples
+
+    store.publish_hidden_sample(3, "r1", samples.encode(torch.ones(2, 4, dtype=torch.bfloat16)))
+    store.publish_hidden_sample(3, "r2", b"\x00\xff")
+    store.publish_hidden_sample(5, "r1", b"five")
+    assert torch.equal(samples.decode(store.hidden_samples(3)["r1"]), torch.ones(2, 4, dtype=torch.bfloat16))
+    assert store.hidden_samples(3)["r2"] == b"\x00\xff" and store.hidden_samples(4) == {}
+    store.remove_hidden_samples("r1", [3, 5])
+    assert store.hidden_samples(3) == {"r2": b"\x00\xff"} and store.hidden_samples(5) == {}
+    store.save_health_probe(3, b"probe")
+    assert store.health_probes() == {"3": b"probe"}
+
+
 def test_unknown_url_and_unreachable_redis():
     with pytest.raises(ValueError, match="unknown state store URL"):
         open_store("etcd://x")

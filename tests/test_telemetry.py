@@ -60,7 +60,13 @@ def run(receiver, tmp_path_factory):
             with pytest.raises(grpc.RpcError):
                 list(client.generate([], max_new_tokens=1))
         prometheus = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        time.sleep(1.5)  # the groups' span batches go out every 100 ms
+        # Span batches go out every 100 ms: wait until every group call the router exported has its compute
+        # span from a group, before the groups stop.
+        exported = lambda name: sum(s.name == name for _, s in list(r.spans))
+        deadline = time.monotonic() + 60
+        while not 0 < exported("expertmesh.group_call") == exported("expertmesh.group.compute"):
+            assert time.monotonic() < deadline, "group spans never arrived"
+            time.sleep(0.1)
         assert up.stop() == 0
         up.wait_for_stderr("stopping expert groups")  # its last line: the reader thread may lag the exit
     finally:

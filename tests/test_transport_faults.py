@@ -9,12 +9,16 @@
 - The CUDA IPC path is chosen from the device query alone (faked here: no GPU),
   and when its buffer cannot be made the call goes by shared host memory.
 - A call past its deadline is DEADLINE_EXCEEDED and its connection is not reused.
+- A stopped group (a real process, SIGSTOPped) costs a call its deadline and
+  nothing more: dialling it is bounded by the deadline too, and a short deadline
+  does not count as a broken path.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import struct
 import time
@@ -27,6 +31,7 @@ from expertmesh import shared_buffer, wire, wire_frames
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.expert_group.hosted import HostedExperts
 from expertmesh.expert_group.local_server import LocalServer, runtime_dir
+from expertmesh.expert_group.processes import start_groups
 from expertmesh.expert_group.service import SERVICE_NAME, ExpertGroupServicer, GroupServer, group_channel
 from expertmesh.expert_group.stream_service import STREAM_METHOD
 from expertmesh.grpc_server import GrpcServer
@@ -289,6 +294,7 @@ def test_cuda_ipc_is_chosen_by_the_device_query_and_falls_back_to_host_memory(ch
     server = GroupServer(_servicer(checkpoint)).start()
     address = f"127.0.0.1:{server.port}"
     assert server.servicer.transports.gpu_uuid == "GPU-fake-0"
+    assert server.servicer.Describe(pb.DescribeRequest(), None).transports_offered[:2] == ["cuda-ipc", "shm"]
     transport = build("auto")
     transport.update({"g0": address})
     try:
@@ -325,3 +331,29 @@ def test_a_call_past_its_deadline_fails_and_the_next_one_is_exact(checkpoint, na
     finally:
         transport.close()
         server.stop(0)
+
+
+def test_a_stopped_group_costs_a_call_its_deadline_and_breaks_no_path(tiny_checkpoints):
+    """A real ``expertmesh group serve`` process, SIGSTOPped: its sockets still take connections
+    into their backlog and never answer. The first call waits on the pooled connection; the
+    second dials a new one, which must end at the call's deadline too (it used to wait a fixed 5 s,
+    then call the path broken and start the call again on gRPC with its whole timeout)."""
+    (group,) = start_groups(["g0"], ["--model", str(tiny_checkpoints("mixtral")), "--groups", "1"]).values()
+    transport = build("auto")
+    transport.update({"g0": group.address})
+    try:
+        expected = transport.send("g0", _request(), 30).result().partial
+        assert transport.kind("g0") == "shm"
+        os.kill(group.proc.pid, signal.SIGSTOP)
+        for _ in range(2):
+            with pytest.raises(TransportError) as err:
+                transport.send("g0", _request(), 0.5).result()
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert transport.kind("g0") == "shm", "a group slower than a call's deadline is not a broken path"
+        os.kill(group.proc.pid, signal.SIGCONT)
+        assert torch.equal(transport.send("g0", _request(), 30).result().partial, expected)
+        assert transport.kind("g0") == "shm"
+    finally:
+        os.kill(group.proc.pid, signal.SIGCONT)
+        transport.close()
+        group.stop()

@@ -1,13 +1,16 @@
 """Every transport carries a group's share of a layer exactly: the same partial sums,
 bit for bit, as unary Dispatch. Real group servers on loopback (no Ray), a real
 router-side transport per case; also which path each transport takes, what
-Describe reports about it, shared buffers sized from the message and freed, and
-the gRPC stream under mutual TLS."""
+Describe reports about it, shared buffers sized from the message and freed, socket
+files that go with the group (stopped or not) and are looked up again when a group
+restarts at its address, and the gRPC stream under mutual TLS."""
 
 from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from expertmesh.expert_group.hosted import HostedExperts
 from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer, group_channel
 from expertmesh.router import transport_local
 from expertmesh.router.group_client import GroupClients
-from expertmesh.router.transport import TRANSPORTS, GroupRequest, build
+from expertmesh.router.transport import TRANSPORTS, GroupRequest, TransportError, build
 from expertmesh.router.transport_auto import AutoTransport
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
@@ -108,6 +111,7 @@ def test_describe_reports_the_transports_in_use_and_the_peak_memory(served):
     assert use["shm"].connections >= 1 and use["grpc-stream"].connections >= 1 and use["grpc-unary"].connections == 0
     assert all(u.calls >= 1 for u in use.values())
     assert described.peak_rss_bytes > 50 * 2**20  # torch alone is more
+    assert list(described.transports_offered) == ["shm", "grpc-stream", "grpc-unary"]
     for transport in transports.values():
         transport.close()
 
@@ -120,6 +124,9 @@ def test_a_group_without_same_host_paths_is_reached_by_its_tcp_stream(tiny_check
     try:
         _call(transport, _request(checkpoint, 3, 0))
         assert transport.kind("g0") == "grpc-stream"
+        with group_channel(address) as channel:
+            described = pb_grpc.ExpertGroupStub(channel).Describe(pb.DescribeRequest(), timeout=30)
+        assert list(described.transports_offered) == ["grpc-stream", "grpc-unary"]
     finally:
         transport.close()
         server.stop(0)
@@ -193,6 +200,62 @@ def test_socket_files_go_with_the_server(tiny_checkpoints):
     assert all(p.is_socket() for p in paths) and oct(paths[0].stat().st_mode & 0o777) == "0o600"
     server.stop(0)
     assert not any(p.exists() for p in paths)
+
+
+_EXIT_WITHOUT_STOP = """
+import sys
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
+
+server = GroupServer(ExpertGroupServicer("g0", HostedExperts(Checkpoint(sys.argv[1])))).start()
+print(server.servicer.transports.shm_socket, server.servicer.transports.grpc_unix_address[5:], flush=True)
+sys.exit(0)  # never stopped, as when a Serve replica's actor is torn down
+"""
+
+
+def test_socket_files_go_when_the_group_process_exits_without_stopping(tiny_checkpoints):
+    path = tiny_checkpoints("mixtral")
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITHOUT_STOP, str(path)], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    paths = [Path(p) for p in done.stdout.split()]
+    assert len(paths) == 2 and all(p.parent == paths[0].parent for p in paths)
+    assert not any(p.exists() for p in paths)
+
+
+def test_a_group_restarted_at_its_address_is_reached_by_its_new_paths(tiny_checkpoints):
+    """The router used to keep the old process's socket paths for as long as the address stayed
+    the same: calls went by the TCP stream, and back to the dead socket every RETRY_PATH_S."""
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    server, address = _group(checkpoint)
+    transport = build("auto")
+    transport.update({"g0": address})
+    try:
+        expected = _call(transport, _request(checkpoint, 3, 0))
+        assert transport.kind("g0") == "shm"
+        old = server.servicer.transports.shm_socket
+        server.stop(0)
+        server, _ = _group(checkpoint, port=int(address.rsplit(":", 1)[1]))
+        assert server.servicer.transports.shm_socket != old
+        # The first call finds the old sockets gone (and the TCP channel may still be reconnecting);
+        # the group is then asked again how to reach it.
+        for _ in range(50):
+            try:
+                got = _call(transport, _request(checkpoint, 3, 0))
+            except TransportError as err:
+                assert err.code == grpc.StatusCode.UNAVAILABLE
+                time.sleep(0.2)
+                continue
+            assert torch.equal(got, expected)
+            if transport.kind("g0") == "shm":
+                break
+        assert transport.kind("g0") == "shm"
+        assert transport._routes["g0"].paths[0]._path == server.servicer.transports.shm_socket
+    finally:
+        transport.close()
+        server.stop(0)
 
 
 def test_the_grpc_stream_works_under_mutual_tls(pki, tiny_checkpoints):  # noqa: F811

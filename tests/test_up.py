@@ -14,7 +14,7 @@ import pytest
 
 from expertmesh.client import Client
 from expertmesh.tiny import make_tiny_checkpoint
-from helpers import Up, free_port
+from helpers import RayHead, Up, free_port
 
 pytestmark = pytest.mark.slow
 BIN = os.path.dirname(sys.executable)
@@ -37,7 +37,7 @@ def test_up_with_no_arguments_serves_the_embedded_model_and_drains_on_sigterm(tm
             next(stream)
             code = None
             up.proc.send_signal(signal.SIGTERM)
-            time.sleep(1.0)
+            up.wait_for_stderr("draining in-flight requests")
             try:
                 client.generate_text([1, 2], max_new_tokens=2)
             except grpc.RpcError as err:
@@ -58,11 +58,7 @@ def test_up_joins_an_existing_ray_cluster(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", os.urandom(16).hex())
     ray_port = free_port()
-    ray_bin = os.path.join(BIN, "ray")
-    subprocess.run(
-        [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ray_port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
-        check=True, capture_output=True, timeout=120,
-    )
+    head = RayHead(ray_port)
     try:
         model = make_tiny_checkpoint("olmoe", tmp_path / "olmoe", with_tokenizer=True, vocab_size=300)
         up = Up("--model", str(model), "--groups", "3", "--ray-address", f"127.0.0.1:{ray_port}")
@@ -84,7 +80,7 @@ def test_up_joins_an_existing_ray_cluster(tmp_path, monkeypatch):
         assert probe.returncode == 0, probe.stderr[-2000:]
         assert "expertmesh-groups" not in probe.stdout
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
+        head.stop()
 
 
 def test_up_with_an_unreachable_ray_cluster_fails_fast():

@@ -84,6 +84,25 @@ def experts_modules(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
     return found
 
 
+def _targets_of(target_key: str, converter) -> list[str]:
+    """Every parameter a converted source tensor feeds: one, or all the pieces of a split
+    (Lara-Mini's fused ``in_proj`` -> ``in_proj_qkv``, ``in_proj_z``, ...)."""
+    patterns = list(getattr(converter, "target_patterns", ()))
+    mine = max((p for p in patterns if p in target_key), key=len, default=None)
+    if len(patterns) < 2 or mine is None:
+        return [target_key]
+    return [target_key.replace(mine, p, 1) for p in patterns]
+
+
+def _expert_index(pattern: str, key: str) -> int | None:
+    """The expert number of ``key`` under a per-expert source ``pattern``: a regex in which an
+    unescaped ``*`` stands for the number (``.experts.*.w1.weight``, ``\\.experts.*.w1.weight``).
+    None for a tensor stored whole."""
+    star, count = re.subn(r"(?<!\\)\*", r"(?P<expert>\\d+)", pattern)
+    match = re.search(star, key) if count == 1 else None
+    return int(match.group("expert")) if match else None
+
+
 class Checkpoint:
     """A local checkpoint directory: ``config.json`` plus safetensors (single or sharded)."""
 
@@ -108,7 +127,7 @@ class Checkpoint:
             except (SafetensorError, OSError) as err:
                 raise CheckpointError(f"{self.path / file} is truncated or not a safetensors file ({err})") from None
 
-        skeleton = self.skeleton()
+        skeleton = self._skeleton = self.skeleton()
         moe = experts_modules(skeleton)
         if not moe:
             raise CheckpointError(
@@ -187,16 +206,16 @@ class Checkpoint:
                 target_key, pattern = rename_source_key(
                     key, renamings, converters, skeleton.base_model_prefix, meta_state
                 )
+                if target_key not in meta_state and key in meta_state:
+                    # a renaming meant for another module's key (DeepSeek-V4's ".norm." -> ".kv_norm.")
+                    # caught a name the model already uses: transformers keeps it as it is too
+                    target_key, pattern = key, None
                 if target_key not in meta_state:
                     continue  # e.g. an lm_head tied to the embeddings, or a key of another head
-                target = targets.setdefault(target_key, _Target(target_key))
-                index = None
-                if pattern is not None:
-                    target.converter = by_pattern[pattern]
-                    star = re.escape(pattern).replace(r"\*", r"(\d+)")
-                    match = re.search(star, key)
-                    index = int(match.group(1)) if match and match.groups() else None
-                target.sources.setdefault(pattern or "", {})[index] = (file, key)
+                index = None if pattern is None else _expert_index(pattern, key)
+                for sibling in _targets_of(target_key, by_pattern.get(pattern)):
+                    target = targets.setdefault(sibling, _Target(sibling, by_pattern.get(pattern)))
+                    target.sources.setdefault(pattern or "", {})[index] = (file, key)
         return targets
 
     def _read(self, file: str, key: str) -> torch.Tensor:
@@ -210,27 +229,42 @@ class Checkpoint:
                 return self._read(file, key)
             whole = self._files[file].get_slice(key)
             return torch.cat([whole[e : e + 1] for e in experts], dim=0)
-        converter = target.converter
+        # Patterns this checkpoint has: a converter may also list optional ones (quantisation scales).
+        present = [p for p in target.converter.source_patterns if p in target.sources]
+        if all(set(target.sources[p]) == {None} for p in present):
+            # A fused tensor converted whole (e.g. Inkling 2's interleaved w13): convert, then take rows.
+            whole = self._convert(target, {p: [self._read(*target.sources[p][None])] for p in present})
+            return whole if experts is None else whole[experts]
         collected: dict[str, list[torch.Tensor]] = {}
-        for pattern in converter.source_patterns:
-            by_index = target.sources.get(pattern, {})
+        for pattern in present:
+            by_index = target.sources[pattern]
             wanted = experts if experts is not None else sorted(i for i in by_index if i is not None)
             absent = [i for i in wanted if i not in by_index]
             if absent:
                 raise CheckpointError(f"{self.path}: no tensor for {pattern!r} of experts {absent} ({target.key})")
             collected[pattern] = [self._read(*by_index[i]) for i in wanted]
+        return self._convert(target, collected)
+
+    def _convert(self, target: _Target, collected: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        """Apply ``target``'s conversion ops to its source tensors, as transformers does on load."""
+        converter = target.converter
+        # A split names its pieces after the first target's full name, as transformers' loader does.
+        first = _targets_of(target.key, converter)[0]
         for op in converter.operations:
             collected = op.convert(
                 collected,
                 source_patterns=converter.source_patterns,
                 target_patterns=converter.target_patterns,
-                full_layer_name=target.key,
+                full_layer_name=first,
                 config=self.config,
-                model=None,
+                model=self._skeleton,  # a split sizes its pieces by the model's (meta) parameters
                 missing_keys=None,
             )
-        (tensor,) = collected.values()
-        return tensor
+        if len(collected) == 1:
+            (tensor,) = collected.values()
+            return tensor
+        # a split: the piece whose target pattern names this parameter
+        return collected[max((p for p in collected if p in target.key), key=len)]
 
     # -- the two halves ----------------------------------------------------------
 
@@ -241,6 +275,16 @@ class Checkpoint:
             for key, target in self._targets.items()
             if key not in self._expert_keys and key in dtype_of
         }
+
+    def expert_storage(self) -> str:
+        """How routed experts are stored on disk: ``per-expert`` tensors (``experts.E.w1``) merged on
+        load, or ``stacked`` ones (``experts.gate_up_proj``), with the conversion's op names."""
+        target = self._targets[next(iter(self._expert_keys))]
+        if target.converter is None:
+            return "stacked"
+        per_expert = any(i is not None for sources in target.sources.values() for i in sources)
+        ops = "+".join(type(op).__name__ for op in target.converter.operations)
+        return f"{'per-expert' if per_expert else 'stacked'} ({ops})"
 
     def expert_weights(self, layer: int, experts: Iterable[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The experts module parameters of ``layer`` for ``experts`` only.

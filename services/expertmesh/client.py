@@ -6,15 +6,18 @@
             print(chunk.text, end="")
 
 ``generate`` yields ``Chunk``s (new token ids and text); the last one carries
-the finish reason and token usage. ``AsyncClient`` has the same methods as
-coroutines / async iterators. Both dial TLS when ``tls`` (default: the
-``EXPERTMESH_TLS_*`` environment) names a CA or a client certificate.
+the finish reason and token usage. ``AsyncClient`` has the same methods, with the
+same keyword arguments, as coroutines / async iterators. Both dial TLS when
+``tls`` (default: the ``EXPERTMESH_TLS_*`` environment) names a CA or a client
+certificate. Errors are ``grpc.RpcError`` with the server's status code
+(``INVALID_ARGUMENT`` naming the field, ``UNAVAILABLE`` when the router cannot
+be reached, ...).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Iterator, Sequence, TypedDict, Unpack
 
 from expertmesh.config import TlsConfig
 from expertmesh.security.tls import secure_or_insecure_channel
@@ -40,8 +43,35 @@ _REASONS = {
 }
 
 
+class GenerateOptions(TypedDict, total=False):
+    """The keyword arguments of ``generate`` and ``generate_text``: one typed definition that type
+    checkers hold every call to, and a name not here raises TypeError."""
+
+    max_new_tokens: int | None  # unset: the server's default
+    temperature: float  # 0 (the default) decodes greedily
+    top_p: float | None
+    top_k: int  # 0 (the default): every token
+    seed: int | None
+    stop: Sequence[str]  # stop sequences
+    stop_at_eos: bool  # default True
+    request_id: str
+    #: a policy name (its default parameters) or a ``RoutingPolicy`` message; unset: the server's default
+    routing_policy: str | pb.RoutingPolicy | None
+    domain: str | None  # the query's domain; unset: classified when the policy needs one
+
+
+class ScoreOptions(TypedDict, total=False):
+    """The keyword arguments of ``score``."""
+
+    raw_logits: bool  # raw logits instead of log-probabilities
+    full_distribution: bool  # also the whole next-token distribution at each position
+    routing_policy: str | pb.RoutingPolicy | None
+    domain: str | None
+
+
 def generate_request(
     prompt: str | Sequence[int],
+    *,
     max_new_tokens: int | None = None,
     temperature: float = 0.0,
     top_p: float | None = None,
@@ -50,8 +80,12 @@ def generate_request(
     stop: Sequence[str] = (),
     stop_at_eos: bool = True,
     request_id: str = "",
+    routing_policy: str | pb.RoutingPolicy | None = None,
+    domain: str | None = None,
 ) -> pb.GenerateRequest:
+    """The ``GenerateRequest`` of ``GenerateOptions``."""
     request = pb.GenerateRequest(stop=list(stop), stop_at_eos=stop_at_eos, request_id=request_id)
+    _set_routing(request, routing_policy, domain)
     if isinstance(prompt, str):
         request.text = prompt
     else:
@@ -67,6 +101,35 @@ def generate_request(
     return request
 
 
+def _set_routing(
+    request: pb.GenerateRequest | pb.ScoreRequest, routing_policy: str | pb.RoutingPolicy | None, domain: str | None
+) -> None:
+    if isinstance(routing_policy, str):
+        request.routing_policy.name = routing_policy
+    elif routing_policy is not None:
+        request.routing_policy.CopyFrom(routing_policy)
+    if domain is not None:
+        request.domain = domain
+
+
+def score_request(
+    prompt: str | Sequence[int],
+    *,
+    raw_logits: bool = False,
+    full_distribution: bool = False,
+    routing_policy: str | pb.RoutingPolicy | None = None,
+    domain: str | None = None,
+) -> pb.ScoreRequest:
+    """The ``ScoreRequest`` of ``ScoreOptions``."""
+    request = pb.ScoreRequest(raw_logits=raw_logits, full_distribution=full_distribution)
+    _set_routing(request, routing_policy, domain)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
 def _chunk(response: pb.GenerateResponse) -> Chunk:
     if response.WhichOneof("event") == "finished":
         f = response.finished
@@ -75,28 +138,32 @@ def _chunk(response: pb.GenerateResponse) -> Chunk:
 
 
 class Client:
+    """The Inference API of one router, blocking; use as a context manager or call ``close``."""
+
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, tls: TlsConfig | None = None):
         self._channel = secure_or_insecure_channel(target, tls=tls)
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._timeout = timeout
 
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Chunk]:
-        for response in self._stub.Generate(generate_request(prompt, **kwargs), timeout=self._timeout):
+    def generate(self, prompt: str | Sequence[int], **options: Unpack[GenerateOptions]) -> Iterator[Chunk]:
+        """Stream a completion: ``Chunk``s of new tokens, the last with the finish reason and usage."""
+        for response in self._stub.Generate(generate_request(prompt, **options), timeout=self._timeout):
             yield _chunk(response)
 
-    def generate_text(self, prompt: str | Sequence[int], **kwargs) -> str:
-        return "".join(chunk.text for chunk in self.generate(prompt, **kwargs))
+    def generate_text(self, prompt: str | Sequence[int], **options: Unpack[GenerateOptions]) -> str:
+        """The whole completion's text."""
+        return "".join(chunk.text for chunk in self.generate(prompt, **options))
 
-    def score(self, prompt: str | Sequence[int], raw_logits: bool = False) -> pb.ScoreResponse:
-        request = pb.ScoreRequest(raw_logits=raw_logits)
-        if isinstance(prompt, str):
-            request.text = prompt
-        else:
-            request.token_ids.ids.extend(prompt)
-        return self._stub.Score(request, timeout=self._timeout)
+    def score(self, prompt: str | Sequence[int], **options: Unpack[ScoreOptions]) -> pb.ScoreResponse:
+        """Log-probabilities of the prompt's tokens (position i: log p(token_i | tokens_<i))."""
+        return self._stub.Score(score_request(prompt, **options), timeout=self._timeout)
 
     def models(self) -> list[pb.ModelInfo]:
         return list(self._stub.ListModels(pb.ListModelsRequest(), timeout=self._timeout).models)
+
+    def load_stats(self) -> str:
+        """The router's expert load window as the stats JSON ``expertmesh plan`` reads."""
+        return self._stub.GetLoadStats(pb.LoadStatsRequest(), timeout=self._timeout).stats_json
 
     def close(self) -> None:
         self._channel.close()
@@ -109,20 +176,32 @@ class Client:
 
 
 class AsyncClient:
+    """``Client`` for asyncio: the same methods and arguments, as coroutines / async iterators."""
+
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, tls: TlsConfig | None = None):
         self._channel = secure_or_insecure_channel(target, tls=tls, aio=True)
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._timeout = timeout
 
-    async def generate(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
-        async for response in self._stub.Generate(generate_request(prompt, **kwargs), timeout=self._timeout):
+    async def generate(self, prompt: str | Sequence[int], **options: Unpack[GenerateOptions]) -> AsyncIterator[Chunk]:
+        """Stream a completion: ``Chunk``s of new tokens, the last with the finish reason and usage."""
+        async for response in self._stub.Generate(generate_request(prompt, **options), timeout=self._timeout):
             yield _chunk(response)
 
-    async def generate_text(self, prompt: str | Sequence[int], **kwargs) -> str:
-        return "".join([chunk.text async for chunk in self.generate(prompt, **kwargs)])
+    async def generate_text(self, prompt: str | Sequence[int], **options: Unpack[GenerateOptions]) -> str:
+        """The whole completion's text."""
+        return "".join([chunk.text async for chunk in self.generate(prompt, **options)])
+
+    async def score(self, prompt: str | Sequence[int], **options: Unpack[ScoreOptions]) -> pb.ScoreResponse:
+        """Log-probabilities of the prompt's tokens (position i: log p(token_i | tokens_<i))."""
+        return await self._stub.Score(score_request(prompt, **options), timeout=self._timeout)
 
     async def models(self) -> list[pb.ModelInfo]:
         return list((await self._stub.ListModels(pb.ListModelsRequest(), timeout=self._timeout)).models)
+
+    async def load_stats(self) -> str:
+        """The router's expert load window as the stats JSON ``expertmesh plan`` reads."""
+        return (await self._stub.GetLoadStats(pb.LoadStatsRequest(), timeout=self._timeout)).stats_json
 
     async def close(self) -> None:
         await self._channel.close()

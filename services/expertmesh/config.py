@@ -1,16 +1,40 @@
-"""Typed configuration of the data plane. Every field can come from YAML or from
-an ``EXPERTMESH_<FIELD>`` environment variable (e.g. ``EXPERTMESH_STATE_URL``)."""
+"""Typed configuration of the data plane and of a router's public APIs, and where each setting
+comes from.
+
+One order of precedence for every command that takes these settings (``up``, ``verify``, ``group
+serve``, ``orchestrator``, the benchmarks that start a data plane):
+
+    defaults (the fields below) < config file (``--config FILE.yaml``)
+        < ``EXPERTMESH_<FIELD>`` environment variables < flags given on the command line
+
+Flags default to unset, so they override only what was given. A config file's keys are the field
+names (``groups: 4``, ``state_url: redis://redis:6379/0``) or, where a setting is also a Helm
+value, its key in the chart's values (``model: {path, dtype}``, ``router: {port, healthPort,
+http: {enabled, port}}``, ``expertGroups: {numCpus}``, ``redis: {external: {url}}``), so the same
+words mean the same thing everywhere. A bad key or value is one line that names it where it was
+written: ``--groups``, ``EXPERTMESH_GROUPS`` or ``FILE: groups``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+import types
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Mapping, TypeVar
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticUndefined
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
+
+from expertmesh.errors import ExpertMeshError
+
+
+class ConfigError(ExpertMeshError):
+    """A setting has an unknown key or a bad value, in a flag, the environment or a config file."""
 
 
 #: How a router reaches expert groups (``expertmesh.router.transport``).
@@ -20,13 +44,20 @@ TransportName = Literal["auto", "grpc", "grpc-unary"]
 class DataPlaneConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EXPERTMESH_", extra="forbid")
 
-    model: Path = Field(description="local HuggingFace checkpoint directory (config.json + safetensors)")
+    model: Path = Field(
+        description="checkpoint: a local directory (config.json + safetensors), a Hub id ORG/NAME (from the local "
+        "Hub cache, else downloaded), or domain-moe (the small MoE trained on the multi-domain corpus, cached)"
+    )
+    revision: str | None = Field(None, description="with a Hub id: branch, tag or commit of the model (unset: main)")
+    model_name: str | None = Field(
+        None, description="name the APIs serve the model under (unset: the Hub id, else the checkpoint directory's name)"
+    )
     groups: int = Field(2, ge=1, description="expert groups for the default contiguous split")
     placement: Path | None = Field(None, description="placement YAML (groups -> layer/expert pairs); overrides groups")
     gpu_placement: Path | None = Field(None, description="placement JSON of `expertmesh plan` (replicas on GPUs, shares)")
     topology: Path | None = Field(None, description="topology YAML the GPU placement refers to")
     group_per: Literal["gpu", "island"] = Field("gpu", description="with gpu_placement: one expert group per GPU or per NVLink island")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype the router and groups compute in")
     state_url: str = Field("memory://", description="memory:// (embedded) or redis://host:port/db")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     group_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per expert group")
@@ -43,6 +74,13 @@ class DataPlaneConfig(BaseSettings):
     load_window_s: float = Field(600.0, gt=0, description="sliding window of the router's expert-load statistics")
     load_publish_s: float = Field(10.0, gt=0, description="how often a router writes its load window to a shared store")
     heartbeat_s: float = Field(1.0, gt=0, description="how often a router reports the routing-table version it serves")
+    hidden_sample_tokens: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="real hidden states a router keeps per MoE layer (a reservoir, published every load_publish_s) for "
+        "the health monitor to probe experts with; 0: none (the monitor probes with seeded inputs)",
+    )
     quarantine_fallback: Literal["next_best", "renormalise"] = Field(
         "next_best",
         description="an expert whose every replica is quarantined: the gate picks the next-best expert in its slot, "
@@ -72,6 +110,15 @@ class ServingConfig(BaseSettings):
         description="also serve the OpenAI-compatible HTTP API, /health and /metrics on this port, on host (0 picks one; unset: off)",
     )
     http_max_body_bytes: int = Field(4 << 20, ge=1024, description="HTTP request bodies larger than this are refused with 413")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="also serve Prometheus metrics alone on this port (OTLP follows the OTEL_* environment)"
+    )
+    routing_policy: str = Field(
+        "exact", description="routing policy of requests that name none (exact, prefer, restrict, delta_gap, dynamic_k, or a+b)"
+    )
+    policy_kl_bound: float = Field(
+        0.1, ge=0, description="refuse a policy whose recorded KL(exact || policy) (`expertmesh policy eval`) is above this, unless forced"
+    )
 
 
 class TlsConfig(BaseSettings):
@@ -160,34 +207,218 @@ class FaultInjectionConfig(BaseSettings):
     enable_fault_injection: bool = Field(False, description="accept InjectFault (test and chaos runs only)")
 
 
+# --- where settings come from ------------------------------------------------------------------
+
+S = TypeVar("S", bound=BaseSettings)
+
+#: The settings a config file may hold: every field of these classes (one file serves every command).
+FILE_SETTINGS: tuple[type[BaseSettings], ...] = (DataPlaneConfig, ServingConfig)
+
+#: Helm values keys that are also settings, and the field each one sets.
+HELM_KEYS: dict[tuple[str, ...], str] = {
+    ("model", "path"): "model",
+    ("model", "dtype"): "dtype",
+    ("router", "port"): "port",
+    ("router", "healthPort"): "health_port",
+    ("router", "http", "port"): "http_port",
+    ("expertGroups", "numCpus"): "group_num_cpus",
+    ("redis", "external", "url"): "state_url",
+}
+#: Helm switches: when false, the setting under them stays unset (``router.http.enabled: false``).
+HELM_SWITCHES: dict[tuple[str, ...], str] = {("router", "http", "enabled"): "http_port"}
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """The settings one ``--config`` file gives: ``values`` by field name, ``keys`` as written there."""
+
+    path: Path | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+
+
+def read_config_file(path: Path | None) -> ConfigFile:
+    """Parse a config file into field values; an unreadable file or an unknown key is a ConfigError."""
+    if path is None:
+        return ConfigFile()
+    try:
+        document = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not YAML: {str(err).splitlines()[0]}") from None
+    if document is None:
+        return ConfigFile(path)
+    if not isinstance(document, dict):
+        raise ConfigError(f"config file {path} must be a mapping of settings, not {type(document).__name__}")
+    known = {name for settings in FILE_SETTINGS for name in settings.model_fields}
+    values: dict[str, Any] = {}
+    keys: dict[str, str] = {}
+    switched_off: set[str] = set()
+
+    def walk(mapping: dict, prefix: tuple[str, ...]) -> None:
+        for key, value in mapping.items():
+            at = (*prefix, str(key))
+            if at in HELM_SWITCHES:
+                if not value:
+                    switched_off.add(HELM_SWITCHES[at])
+            elif at in HELM_KEYS:
+                values[HELM_KEYS[at]], keys[HELM_KEYS[at]] = value, ".".join(at)
+            elif isinstance(value, dict) and any(helm[: len(at)] == at for helm in (*HELM_KEYS, *HELM_SWITCHES)):
+                walk(value, at)
+            elif not prefix and key in known:
+                values[key], keys[key] = value, key
+            else:
+                raise ConfigError(f"config file {path}: unknown key {'.'.join(at)!r}")
+
+    walk(document, ())
+    for name in switched_off:
+        values.pop(name, None)
+        keys.pop(name, None)
+    return ConfigFile(path, values, keys)
+
+
+def load_settings(
+    settings: type[S],
+    file: ConfigFile,
+    flags: Mapping[str, Any],
+    flag_names: Mapping[str, str],
+    fallback: Mapping[str, Any] | None = None,
+) -> S:
+    """``settings`` from its defaults < ``file`` < the environment < ``flags`` (field -> value given);
+    ``fallback`` fills fields no source sets (a default only the command line knows, such as the
+    embedded model). A bad value is one ConfigError line naming the flag, variable or file key."""
+    try:
+        env = EnvSettingsSource(settings)()
+    except SettingsError as err:
+        raise ConfigError(str(err)) from None
+    from_file = {k: v for k, v in file.values.items() if k in settings.model_fields and k not in env}
+    given = {**from_file, **flags}
+    unset = {k: v for k, v in (fallback or {}).items() if k not in given and k not in env}
+    try:
+        # init arguments outrank the environment in pydantic-settings, so the file's values go
+        # in only where the environment is silent
+        return settings(**unset, **given)
+    except ValidationError as err:
+        prefix = settings.model_config.get("env_prefix", "")
+
+        def source(name: str) -> str:
+            if name in flags:
+                return flag_names.get(name, name)
+            if name in env:
+                return f"{prefix}{name.upper()}"
+            if name in from_file:
+                return f"{file.path}: {file.keys[name]}"
+            return name
+
+        problems = []
+        for e in err.errors():
+            message = e["msg"].removeprefix("Value error, ")
+            if e["type"] == "missing":
+                name = str(e["loc"][0])
+                message = f"{flag_names.get(name, name)} is required (or {prefix}{name.upper()}, or {name} in --config)"
+            elif e["loc"]:
+                shown = e["input"] if isinstance(e["input"], (str, int, float, bool)) else None
+                message = f"{source(str(e['loc'][0]))}: {message}" + (f" (got {shown!r})" if shown is not None else "")
+            problems.append(message)
+        raise ConfigError("; ".join(problems)) from None
+
+
+def _flag_kind(annotation: Any) -> dict[str, Any]:
+    """argparse ``type`` or ``choices`` of a field's annotation (``X | None`` counts as X)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is Literal:
+        return {"choices": list(typing.get_args(annotation))}
+    return {"type": annotation}
+
+
+def add_setting_flag(
+    parser: argparse.ArgumentParser, settings: type[BaseSettings], name: str, flag: str | None = None, default_note: str | None = None
+) -> None:
+    """A flag for one field: unset by default (the other sources then decide), help text from the
+    field's description, its default and its environment variable."""
+    info = settings.model_fields[name]
+    flag = flag or f"--{name.replace('_', '-')}"
+    default = default_note or ("unset" if info.default in (None, PydanticUndefined) else str(info.default))
+    env = f"{settings.model_config.get('env_prefix', '')}{name.upper()}"
+    kind = _flag_kind(info.annotation)
+    parser.add_argument(
+        flag,
+        dest=name,
+        default=None,
+        metavar=None if "choices" in kind else name.upper(),
+        help=f"{info.description} (default: {default}; env {env})",
+        **kind,
+    )
+    # error messages name the flag as the user typed it
+    parser.set_defaults(setting_flags={**(parser.get_default("setting_flags") or {}), name: flag})
+
+
+def settings_from_args(
+    settings: type[S], args: argparse.Namespace, fallback: Mapping[str, Any] | None = None
+) -> S:
+    """``settings`` from ``args``' flags (those given), its ``--config`` file and the environment."""
+    given = {name: value for name in settings.model_fields if (value := getattr(args, name, None)) is not None}
+    file = read_config_file(getattr(args, "config", None))
+    return load_settings(settings, file, given, getattr(args, "setting_flags", None) or {}, fallback)
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE.yaml",
+        help="settings file (field names, or their Helm values keys); the environment and flags override it "
+        "(default: none)",
+    )
+
+
 def add_data_plane_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every command that starts a data plane shares (``up``, ``verify``, benchmarks)."""
-    parser.add_argument("--model", type=Path, help="local checkpoint directory (default: the embedded tiny model)")
-    parser.add_argument("--groups", type=int, default=2, help="expert groups (default contiguous split)")
-    parser.add_argument("--placement", type=Path, help="placement YAML (groups -> layer/expert pairs) instead of --groups")
-    parser.add_argument("--gpu-placement", type=Path, help="placement JSON of `expertmesh plan` (needs --topology)")
-    parser.add_argument("--topology", type=Path, help="topology YAML the GPU placement was planned for")
-    parser.add_argument("--group-per", choices=["gpu", "island"], default="gpu", help="with --gpu-placement")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
-    parser.add_argument(
-        "--state-url", default=os.environ.get("EXPERTMESH_STATE_URL", "memory://"), help="memory:// or redis://host:port/db"
-    )
+    add_config_argument(parser)
+    add_setting_flag(parser, DataPlaneConfig, "model", default_note="the embedded tiny model")
+    for name in ("revision", "groups", "placement", "gpu_placement", "topology", "group_per", "dtype", "ray_address", "state_url"):
+        add_setting_flag(parser, DataPlaneConfig, name)
 
 
-def data_plane_config(args: argparse.Namespace) -> DataPlaneConfig:
-    from expertmesh.embedded import default_checkpoint
+#: ``model`` when no source names a checkpoint: the command line then serves the embedded tiny model
+EMBEDDED_MODEL = Path("<embedded tiny model>")
 
-    if args.model is None:
-        print("[expertmesh] using the embedded tiny model (random weights)", flush=True, file=sys.stderr)
-    return DataPlaneConfig(
-        model=args.model or default_checkpoint(),
-        groups=args.groups,
-        placement=args.placement,
-        gpu_placement=args.gpu_placement,
-        topology=args.topology,
-        group_per=args.group_per,
-        dtype=args.dtype,
-        ray_address=args.ray_address,
-        state_url=args.state_url,
-    )
+
+def data_plane_config(args: argparse.Namespace, embedded_default: bool = True) -> DataPlaneConfig:
+    """The data plane's settings from every source. A Hub id is resolved here, once, to its local
+    snapshot directory: the router and every group it starts then load the same files. Without
+    ``embedded_default`` some source must name the model."""
+    from expertmesh.hub import resolve_model
+
+    config = settings_from_args(DataPlaneConfig, args, fallback={"model": EMBEDDED_MODEL} if embedded_default else None)
+    if config.model == EMBEDDED_MODEL:
+        from expertmesh.console import progress
+        from expertmesh.embedded import default_checkpoint
+
+        progress("using the embedded tiny model (random weights)")
+        return config.model_copy(update={"model": default_checkpoint()})
+    if str(config.model) == "domain-moe":  # expertmesh.domain_moe.ALIAS: trained on first use, then cached
+        from expertmesh.domain_moe import cached_checkpoint
+
+        print("[expertmesh] using the domain-trained tiny model (training it on first use: a few minutes)", flush=True, file=sys.stderr)
+        return config.model_copy(update={"model": cached_checkpoint(), "model_name": config.model_name or "domain-moe"})
+    resolved = resolve_model(str(config.model), config.revision)
+    return config.model_copy(update={"model": resolved.path, "model_name": config.model_name or resolved.name})
+
+
+def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """``up``'s flags of the router's public APIs (``ServingConfig``)."""
+    add_setting_flag(parser, ServingConfig, "host")
+    add_setting_flag(parser, ServingConfig, "port")
+    add_setting_flag(parser, ServingConfig, "max_active_sequences", "--max-active")
+    add_setting_flag(parser, ServingConfig, "max_queued_requests", "--max-queued")
+    add_setting_flag(parser, ServingConfig, "default_max_new_tokens")
+    add_setting_flag(parser, ServingConfig, "max_new_tokens_cap")
+    add_setting_flag(parser, ServingConfig, "drain_timeout_s", "--drain-timeout")
+    add_setting_flag(parser, ServingConfig, "health_port")
+    add_setting_flag(parser, ServingConfig, "http_port")
+    add_setting_flag(parser, ServingConfig, "http_max_body_bytes")
+    add_setting_flag(parser, ServingConfig, "metrics_port")
+    add_setting_flag(parser, ServingConfig, "routing_policy")

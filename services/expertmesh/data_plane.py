@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ from expertmesh import placement as placement_mod
 from expertmesh import security, telemetry
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import DataPlaneConfig
+from expertmesh.console import groups_loading, progress  # progress: commands import it from here too
 from expertmesh.errors import GroupUnavailable, PlacementError
 from expertmesh.placement import GroupPlacement
 from expertmesh.router.load_window import LoadWindow
@@ -35,12 +35,8 @@ from expertmesh.state import StateStore, open_store
 if TYPE_CHECKING:
     from expertmesh.router.dispatch import ExpertDispatcher
     from expertmesh.router.heartbeat import Heartbeat
+    from expertmesh.router.hidden_sample import SamplePublisher
     from expertmesh.router.load_publisher import LoadPublisher
-
-
-def progress(message: str) -> None:
-    """One line of progress on stderr for long steps (loading, starting groups)."""
-    print(f"[expertmesh] {message}", file=sys.stderr, flush=True)
 
 
 def _check_reachable(address: str) -> None:
@@ -109,12 +105,22 @@ class DataPlane:
     _started_ray: bool
     _owns_groups: bool = True
     _publisher: "LoadPublisher" = field(init=False)
+    #: publishes the router's hidden-state sample (None: sampling off)
+    _samples: "SamplePublisher | None" = field(init=False)
 
     def __post_init__(self) -> None:
         # The in-process store too: an orchestrator embedded in this process (`up --orchestrator`) reads it.
         from expertmesh.router.load_publisher import LoadPublisher
 
         self._publisher = LoadPublisher(self.store, self.dispatcher.load_window, self.config.load_publish_s).start()
+        self._samples = None
+        if self.config.hidden_sample_tokens:
+            from expertmesh.router.hidden_sample import HiddenSampler, SamplePublisher
+            from expertmesh.router.load_publisher import router_id
+
+            sampler = HiddenSampler(self.checkpoint.spec.moe_layers, self.config.hidden_sample_tokens)
+            self.dispatcher.hidden_sampler = sampler
+            self._samples = SamplePublisher(self.store, sampler, router_id(), self.config.load_publish_s).start()
 
     @classmethod
     def start(cls, config: DataPlaneConfig) -> "DataPlane":
@@ -173,7 +179,8 @@ class DataPlane:
             f"starting {len(specs)} expert groups on Ray Serve for {spec.model_type} "
             f"({len(spec.moe_layers)} MoE layers x {spec.num_experts} experts, {'GPU' if gpus else 'CPU'})"
         )
-        addresses = deployment.deploy(specs)
+        with groups_loading(len(specs)):  # a bar on a terminal
+            addresses = deployment.deploy(specs)
         for group, address in addresses.items():
             store.set_endpoint(group, address)
         table = RoutingTable.from_placement(
@@ -230,6 +237,8 @@ class DataPlane:
         from expertmesh.expert_group import deployment
 
         self._publisher.stop()
+        if self._samples is not None:
+            self._samples.stop()
         self.heartbeat.stop()
         self.dispatcher.close()
         if not self._owns_groups:

@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from expertmesh.tiny import make_tiny_checkpoint
 
@@ -32,14 +33,19 @@ def home() -> Path:
 
 
 def default_checkpoint() -> Path:
-    """Path of the embedded checkpoint, built on first use (atomically, so two starts do not race)."""
-    path = home() / NAME
+    """Path of the embedded checkpoint, built on first use."""
+    return cached(home() / NAME, lambda staging: make_tiny_checkpoint("mixtral", staging, seed=0, with_tokenizer=True, **SHAPE))
+
+
+def cached(path: Path, build: Callable[[Path], object]) -> Path:
+    """``path``, after ``build(folder)`` wrote a checkpoint there if none was (atomically: built in a staging
+    folder and renamed, so two starts do not race)."""
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=path.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        make_tiny_checkpoint("mixtral", staging, seed=0, with_tokenizer=True, **SHAPE)
+        build(staging)
         staging.rename(path)
     except OSError:
         if not (path / "config.json").is_file():

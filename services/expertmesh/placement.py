@@ -21,12 +21,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from expertmesh.checkpoint import MoESpec
 from expertmesh.errors import PlacementError
+
+if TYPE_CHECKING:  # checkpoint imports torch, which the routing table's readers (admin commands) do not need
+    from expertmesh.checkpoint import MoESpec
 
 # Group names become Ray Serve deployment names and Kubernetes-style labels.
 _GROUP_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")

@@ -24,7 +24,7 @@ def add_command(commands) -> None:
     source = export.add_mutually_exclusive_group()
     source.add_argument("--target", default="127.0.0.1:50051", help="a router's gRPC address (default)")
     source.add_argument("--state-url", help="sum all routers publishing to this store (redis://...)")
-    export.add_argument("--out", type=Path, default=Path("stats.json"))
+    export.add_argument("--out", type=Path, default=Path("stats.json"), help="stats JSON to write (the input of `expertmesh plan --stats`)")
     export.set_defaults(run=_export)
 
 

@@ -22,6 +22,7 @@ _COMMON: dict[str, Any] = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+_COMMON_IDS = {k: _COMMON[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
 def _mixtral(**kw: Any):
@@ -127,6 +128,22 @@ CONFIG_BUILDERS: dict[str, Callable[..., Any]] = {
     "llama": _llama,
 }
 
+
+def family_config(family: str, **kw: Any):
+    """A tiny config of any MoE family of the installed transformers (``expertmesh.families``):
+    the family's default (text) config shrunk by ``family_config.shrink``; vision-language
+    families give their text config."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from expertmesh.family_config import shrink
+
+    if family not in CONFIG_MAPPING:
+        raise ValueError(f"transformers registers no config class for {family!r}")
+    text = CONFIG_MAPPING[family]().get_text_config()
+    values = text.to_dict()
+    return type(text).from_dict({**values, **shrink(values, family), **_COMMON_IDS, **kw})
+
+
 #: The MoE architectures `expertmesh verify` is run on in the test suite.
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
@@ -142,15 +159,16 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write a random-weight checkpoint of ``arch`` to ``out_dir`` and return the path.
 
+    ``arch``: one of ``CONFIG_BUILDERS`` (hand-sized), else any MoE family of the installed
+    transformers (``family_config``).
+
     ``max_shard_size`` (e.g. ``"20KB"``) produces a sharded checkpoint with an index.
     ``with_tokenizer`` adds a byte-level tokenizer that needs no download.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    if arch not in CONFIG_BUILDERS:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(CONFIG_BUILDERS)}")
-    config = CONFIG_BUILDERS[arch](**config_overrides)
+    config = CONFIG_BUILDERS[arch](**config_overrides) if arch in CONFIG_BUILDERS else family_config(arch, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomise_small_params(model, seed)

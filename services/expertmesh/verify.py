@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from expertmesh.config import DataPlaneConfig, add_data_plane_arguments, data_plane_config
 from expertmesh.errors import CheckpointError
@@ -20,6 +20,9 @@ from expertmesh.errors import CheckpointError
 TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
 GREEDY_TOKENS = 16
 PROMPT_TOKENS = 8
+
+if TYPE_CHECKING:  # imported where used: the command line builds its parser without torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ def _greedy(model, prompt: torch.Tensor) -> list[int]:
 
 def compare(plane, tokens: int = 32, seed: int = 0) -> VerifyReport:
     """Run the seeded batch through ``plane.model`` and stock transformers."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     config = plane.checkpoint.config.get_text_config()
@@ -100,15 +104,30 @@ def add_command(commands) -> None:
     parser = commands.add_parser("verify", help="check the platform against stock transformers on a checkpoint")
     add_data_plane_arguments(parser)
     parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence of the seeded batch")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the token batch")
+    parser.add_argument(
+        "--json", nargs="?", const="-", metavar="FILE", help="the report as JSON: on stdout, or into FILE"
+    )
+    sweep = parser.add_argument_group("sweep: every MoE family of the installed transformers, tiny and random")
+    sweep.add_argument("--sweep", action="store_true", help="run every family (or --families) instead of --model")
+    sweep.add_argument("--families", help="comma-separated families to sweep (default: all)")
+    sweep.add_argument("--family-timeout", type=int, default=600, metavar="S", help="seconds one family may take")
+    sweep.add_argument("--markdown", dest="markdown_from", metavar="JSON", help="print the table of a sweep's JSON file")
+    sweep.add_argument("--markdown-command", default="expertmesh verify --sweep", help="the command named above the table")
     parser.set_defaults(run=_main)
 
 
 def _main(args) -> int:
+    if args.sweep or args.markdown_from is not None:
+        from expertmesh import verify_sweep
+
+        return verify_sweep.main(args)
     report = run(data_plane_config(args), tokens=args.tokens, seed=args.seed)
-    if args.json:
+    if args.json is None:
+        print(report.summary())
+    elif args.json == "-":
         print(json.dumps({**asdict(report), "passed": report.passed}))
     else:
         print(report.summary())
+        Path(args.json).write_text(json.dumps({**asdict(report), "passed": report.passed}) + "\n")
     return 0 if report.passed else 1

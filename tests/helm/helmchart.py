@@ -150,3 +150,13 @@ def values_of(name: str) -> dict:
         return a
 
     return merge(base, yaml.safe_load(path.read_text()))
+
+
+def structural_problems(node: dict, where: str = "") -> list[str]:
+    """Nodes of a CRD's openAPIV3Schema that name no type (the API server refuses a non-structural schema)."""
+    problems = [] if "type" in node else [f"{where}: no type"]
+    for name, child in (node.get("properties") or {}).items():
+        problems += structural_problems(child, f"{where}.{name}")
+    if "items" in node:
+        problems += structural_problems(node["items"], f"{where}[]")
+    return problems

@@ -235,6 +235,8 @@ def test_orchestrator_rbac_grants_only_what_it_uses(render):
     assert role["rules"] == [
         {"apiGroups": ["expertmesh.io"], "resources": ["expertmigrations"], "verbs": ["get", "list", "watch", "create"]},
         {"apiGroups": ["expertmesh.io"], "resources": ["expertmigrations/status"], "verbs": ["patch"]},
+        {"apiGroups": ["expertmesh.io"], "resources": ["expertquarantines"], "verbs": ["get", "list", "create", "delete"]},
+        {"apiGroups": ["expertmesh.io"], "resources": ["expertquarantines/status"], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]
     for kind, role_kind, role_name in (("ClusterRoleBinding", "ClusterRole", cr["metadata"]["name"]),

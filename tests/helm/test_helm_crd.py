@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from helmchart import CHART, template_args
+from helmchart import CHART, structural_problems, template_args
 
 from expertmesh.orchestrator.kube.conditions import refused_status, status_of
 from expertmesh.orchestrator.kube.resource import API_VERSION, GROUP, KIND, PLURAL, VERSION
@@ -54,12 +54,14 @@ def test_helm_installs_the_crd_from_crds_before_the_templates(helm):
     assert res.returncode == 0, res.stderr
     docs = res.docs
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
-    assert [d["metadata"]["name"] for d in crds] == [f"{PLURAL}.{GROUP}"]
-    assert docs.index(crds[0]) == 0, "CRDs come first"
+    assert [d["metadata"]["name"] for d in crds] == [f"{PLURAL}.{GROUP}", f"expertquarantines.{GROUP}"]
+    assert [docs.index(d) for d in crds] == [0, 1], "CRDs come first"
     plain = helm(*template_args(None))
     assert plain.returncode == 0 and "CustomResourceDefinition" not in plain.stdout, "not a template: never upgraded or deleted"
     shown = helm("show", "crds", str(CHART))
-    assert shown.returncode == 0 and yaml.safe_load(shown.stdout) == yaml.safe_load(CRD_FILE.read_text())
+    by_name = lambda docs: sorted(docs, key=lambda d: d["metadata"]["name"])  # noqa: E731
+    files = [yaml.safe_load(f.read_text()) for f in CRD_FILE.parent.glob("*.yaml")]
+    assert shown.returncode == 0 and by_name(yaml.safe_load_all(shown.stdout)) == by_name(files)
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -81,17 +83,7 @@ def test_the_crd_names_scope_subresource_and_printer_columns(crd):
 
 
 def test_the_schema_is_structural(schema):
-    """Every node names its type (the API server refuses a non-structural CRD schema)."""
-
-    def walk(node: dict, where: str) -> list[str]:
-        problems = [] if "type" in node else [f"{where}: no type"]
-        for name, child in (node.get("properties") or {}).items():
-            problems += walk(child, f"{where}.{name}")
-        if "items" in node:
-            problems += walk(node["items"], f"{where}[]")
-        return problems
-
-    assert walk(schema, "") == []
+    assert structural_problems(schema) == []
     conditions = schema["properties"]["status"]["properties"]["conditions"]
     assert (conditions["x-kubernetes-list-type"], conditions["x-kubernetes-list-map-keys"]) == ("map", ["type"])
 
@@ -174,13 +166,16 @@ def test_orchestrator_rbac_covers_exactly_the_calls_of_the_kube_package(render):
         (group, resource, verb)
         for rule in role["rules"] + cluster["rules"]
         for group in rule["apiGroups"] for resource in rule["resources"] for verb in rule["verbs"]
-        if resource in (PLURAL, f"{PLURAL}/status", "events", "nodes")
+        if resource in (PLURAL, f"{PLURAL}/status", "expertquarantines", "expertquarantines/status", "events", "nodes")
     }
     assert granted == {
         # the watch loop (list + watch), re-reads on conflict (get), the drift controller (create)
         *((GROUP, PLURAL, verb) for verb in ("get", "list", "watch", "create")),
         # status writes are merge patches of the status subresource
         (GROUP, f"{PLURAL}/status", "patch"),
+        # the ExpertQuarantine controller: lists every pass, re-reads on conflict, creates and deletes mirrors
+        *((GROUP, "expertquarantines", verb) for verb in ("get", "list", "create", "delete")),
+        (GROUP, "expertquarantines/status", "patch"),
         # one Event per phase change, never updated
         ("", "events", "create"),
         # node-label topology discovery

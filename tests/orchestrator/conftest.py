@@ -1,5 +1,5 @@
 """Fixtures of the Kubernetes tests (test_kube_*.py): the in-process API server with the
-chart's ExpertMigration CRD installed, a client for it, expert groups on loopback
+chart's CRDs installed, a client for it, expert groups on loopback
 (``migration_mesh``) and a migration runner over them."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ RESOURCE = "expertmesh.io/v1alpha1/expertmigrations"
 @pytest.fixture
 def api_server() -> Iterator[ApiServer]:
     server = ApiServer()
-    server.call(server.fake.install_crd, yaml.safe_load(CRD_FILE.read_text()))
+    for crd in sorted(CRD_FILE.parent.glob("*.yaml")):  # ExpertMigration and ExpertQuarantine
+        server.call(server.fake.install_crd, yaml.safe_load(crd.read_text()))
     yield server
     server.close()
 

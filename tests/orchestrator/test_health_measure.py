@@ -1,4 +1,4 @@
-"""The health monitor's measurements (``orchestrator.health.measure``): probe inputs,
+"""The health monitor's measurements (``orchestrator.health.measure``): probe batches,
 output summaries, histograms, KL divergence, baselines, distances between replicas.
 Pure functions on hand-made tensors and arrays."""
 
@@ -14,14 +14,20 @@ from expertmesh.orchestrator.health import measure
 from expertmesh.orchestrator.health.state import Histogram
 
 
-def test_the_probe_is_seeded_per_layer_and_has_rms_about_one():
-    a = measure.probe(64, 500, layer=3, seed=0, dtype=torch.float32)
-    assert a.shape == (500, 64) and a.dtype == torch.float32
-    assert torch.equal(a, measure.probe(64, 500, layer=3, seed=0, dtype=torch.float32))
-    assert not torch.equal(a, measure.probe(64, 500, layer=4, seed=0, dtype=torch.float32))
-    assert not torch.equal(a, measure.probe(64, 500, layer=3, seed=1, dtype=torch.float32))
-    assert a.pow(2).mean().sqrt().item() == pytest.approx(1.0, abs=0.05)
-    assert measure.probe(64, 16, 0, 0, torch.bfloat16).dtype == torch.bfloat16
+def test_a_probe_batch_sends_each_expert_all_the_rows_alone_at_weight_one():
+    hidden = torch.arange(6.0).reshape(3, 2)  # [T=3, H=2]
+    batch = measure.probe_batch(hidden, (5, 1))
+    assert torch.equal(batch.hidden, torch.cat([hidden, hidden]))
+    assert batch.expert_ids.dtype == torch.int32 and batch.expert_ids.flatten().tolist() == [5, 5, 5, 1, 1, 1]
+    assert torch.equal(batch.weights, torch.ones(6, 1))
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [(10**9, [(0, 1, 2, 3, 4)]), (2 * 1000 * 8, [(0, 1), (2, 3), (4,)]), (1, [(0,), (1,), (2,), (3,), (4,)])],
+)
+def test_probe_batches_stay_within_the_byte_budget_with_at_least_one_expert(budget, expected):
+    assert measure.batches([0, 1, 2, 3, 4], tokens=1000, row_bytes=8, budget_bytes=budget) == expected
 
 
 def test_summarise_counts_non_finite_rows_and_bounds_the_activation_sample():
@@ -62,8 +68,8 @@ def test_kl_is_zero_for_the_same_counts_and_finite_with_empty_bins():
 
 def test_the_same_output_does_not_diverge_from_its_baseline_and_a_scaled_one_does():
     out = torch.randn(200, 32, generator=torch.Generator().manual_seed(0))
-    base = measure.baseline(measure.summarise(out), "f", at=5.0, bins=10)
-    assert (base.taken_at, base.fingerprint) == (5.0, "f")
+    base = measure.baseline(measure.summarise(out), "f", at=5.0, bins=10, probe="p")
+    assert (base.taken_at, base.fingerprint, base.probe) == (5.0, "f", "p")
     assert sum(base.norms.counts) == 200 and len(base.norms.counts) == 10
     assert base.norm_mean == pytest.approx(out.norm(dim=1).mean().item(), rel=1e-6)
     assert measure.divergence(measure.summarise(out), base) == 0.0

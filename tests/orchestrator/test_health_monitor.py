@@ -8,72 +8,33 @@ Every corrupted weight here is a fault the test injects in-process: it overwrite
 one expert's weights in one group's memory, in place, as a stray write would
 (``corrupt``). Nothing in the product does that.
 
-Tiny Mixtral: 2 MoE layers x 4 experts. ``g0`` holds experts 0-1 of both layers,
-``g1`` experts 2-3 of both and a second replica of layer 1 expert 1, so (1, 1) is
-replicated on g0 and g1 and (1, 2) has g1 alone.
+The mesh (tiny Mixtral, g0 and g1, (1, 1) replicated, (1, 2) alone) is ``health_mesh``'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import grpc
 import pytest
+from health_mesh import CONFIG, REPLICATED, SINGLE, corrupt, rid, running
 
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.cli import main
 from expertmesh.errors import QuarantineRefused
-from expertmesh.expert_group.hosted import HostedExperts
-from expertmesh.expert_group.service import start_server
 from expertmesh.orchestrator.admin import start_orchestrator
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.health import monitor as monitor_module
-from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.monitor import HealthMonitor
-from expertmesh.orchestrator.health.state import FindingKind, HealthState, Initiator, ReplicaId, load_all
-from expertmesh.placement import GroupPlacement
+from expertmesh.orchestrator.health.state import FindingKind, HealthState, Initiator, load_all
 from expertmesh.router.routing_view import RoutingView
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import StateStore, open_store
+from expertmesh.state import open_store
 from expertmesh.v1 import admin_pb2 as pb
 from expertmesh.v1 import admin_pb2_grpc as pb_grpc
-
-PLACEMENT = GroupPlacement(
-    {
-        "g0": ((0, 0), (0, 1), (1, 0), (1, 1)),
-        "g1": ((0, 2), (0, 3), (1, 1), (1, 2), (1, 3)),
-    }
-)
-REPLICATED, SINGLE = (1, 1), (1, 2)
-CONFIG = HealthConfig(tokens=64, probation_checks=2)
-
-
-@dataclass
-class Mesh:
-    store: StateStore
-    hosted: dict[str, HostedExperts]
-    servers: list
-    checkpoint: Checkpoint
-
-    def replicas(self, pair) -> tuple[str, ...]:
-        return self.store.routing_table().replicas[pair]
 
 
 @pytest.fixture
 def mesh(tiny_checkpoints):
-    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
-    store = open_store("memory://")
-    hosted, servers = {}, []
-    for name, pairs in PLACEMENT.groups.items():
-        hosted[name] = HostedExperts(checkpoint)
-        hosted[name].load(list(pairs))
-        server, port = start_server(name, hosted[name], max_concurrent_dispatch=4, workers=2)
-        servers.append(server)
-        store.set_endpoint(name, f"127.0.0.1:{port}")
-    assert store.publish_routing_table(RoutingTable.from_placement(PLACEMENT, num_experts=4, version=1))
-    yield Mesh(store, hosted, servers, checkpoint)
-    for server in servers:
-        server.stop(0)
+    with running(tiny_checkpoints("mixtral")) as m:
+        yield m
 
 
 @pytest.fixture
@@ -81,21 +42,6 @@ def monitor(mesh):
     m = HealthMonitor(mesh.store, mesh.checkpoint, CONFIG)
     yield m
     m.close()
-
-
-def corrupt(mesh: Mesh, group: str, pair: tuple[int, int], scale: float = 3.0, at: tuple[int, int] | None = None) -> None:
-    """The injected fault: scale the expert's down projection in the group's memory, in place
-    (only the element ``at`` of it when given)."""
-    held = mesh.hosted[group]._layers[pair[0]]
-    rows = held.module.down_proj.data[held.ids.index(pair[1])]  # [H, I]
-    if at is None:
-        rows.mul_(scale)
-    else:
-        rows[at].mul_(scale)
-
-
-def rid(pair, group) -> ReplicaId:
-    return ReplicaId(pair[0], pair[1], group)
 
 
 def test_clean_rounds_quarantine_nothing(mesh, monitor):
@@ -236,13 +182,14 @@ def test_admin_rpcs_and_the_commands(mesh, monitor, capsys):
             assert {r.state for r in listed} == {pb.EXPERT_HEALTH_STATE_HEALTHY} and all(r.listed for r in listed)
             assert listed[0].HasField("kl") and listed[0].kl == 0.0
             assert listed[0].baseline_at > 0 and listed[0].baseline_norm_mean == listed[0].norm_mean
+            assert listed[0].probe_source == "seeded", "no router records hidden states here"
             with pytest.raises(grpc.RpcError) as err:
                 stub.Quarantine(pb.QuarantineRequest(layer=1, expert=9))
             assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "not in routing table v1" in err.value.details()
 
         assert main(["experts", "--layer", "0", "--admin", address]) == 0
         out = capsys.readouterr().out.splitlines()
-        assert out[0].split() == ["LAYER", "EXPERT", "GROUP", "STATE", "LISTED", "KL", "NORM", "BASELINE", "LAST", "CHECK", "REASON"]
+        assert out[0].split() == ["LAYER", "EXPERT", "GROUP", "STATE", "LISTED", "KL", "NORM", "BASELINE", "LAST", "CHECK", "PROBE", "REASON"]
         assert len(out) == 5 and out[1].split()[:6] == ["0", "0", "g0", "healthy", "yes", "0"]
 
         assert main(["quarantine", "--layer", "1", "--expert", "1", "--group", "g1", "--reason", "suspicious", "--admin", address]) == 0

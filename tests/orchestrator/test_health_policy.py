@@ -31,8 +31,8 @@ RID = ReplicaId(1, 2, "g0")
 HIST = Histogram((1.0,), (5, 5))
 
 
-def baseline(fingerprint: str = "f", norm_mean: float = 10.0, at: float = 1.0) -> Baseline:
-    return Baseline(taken_at=at, fingerprint=fingerprint, norm_mean=norm_mean, norms=HIST, activations=HIST)
+def baseline(fingerprint: str = "f", norm_mean: float = 10.0, at: float = 1.0, probe: str = "p") -> Baseline:
+    return Baseline(taken_at=at, fingerprint=fingerprint, norm_mean=norm_mean, norms=HIST, activations=HIST, probe=probe)
 
 
 def check(at: float = 100.0, **changes) -> Check:
@@ -40,6 +40,8 @@ def check(at: float = 100.0, **changes) -> Check:
         at=at,
         fingerprint="f",
         fingerprint_intact=True,
+        probe="p",
+        probe_source="recorded",
         probe_non_finite=0,
         served_non_finite=0,
         norm_mean=10.0,
@@ -87,10 +89,31 @@ def test_mean_shift_threshold_is_relative_to_the_baseline():
     assert kinds(found) == {FindingKind.MEAN_SHIFT: Severity.SUSPECT} and "6.0%" in found[0].detail
 
 
-def test_a_baseline_of_other_weights_judges_nothing():
-    stale = record(baseline=baseline(fingerprint="old"))
-    assert policy.current_baseline(stale, "f") is None
-    assert policy.findings(stale, check(kl=9.0, norm_mean=1.0), CONFIG) == ()
+@pytest.mark.parametrize("stale", [baseline(fingerprint="old"), baseline(probe="another input")])
+def test_a_baseline_of_other_weights_or_another_probe_input_judges_nothing(stale):
+    old = record(baseline=stale)
+    assert policy.current_baseline(old, "f", "p") is None
+    assert policy.findings(old, check(kl=9.0, norm_mean=1.0), CONFIG) == ()
+    assert policy.judge(old, check(kl=None, at=9.0), CONFIG)[0].baseline == baseline(at=9.0), "a clean check takes a new one"
+
+
+def test_the_verdict_says_what_the_probe_input_was():
+    assert policy.judge(record(), check(probe_source="seeded"), CONFIG)[0].probe_source == "seeded"
+    assert policy.judge(record(), check(), CONFIG)[0].probe_source == "recorded"
+
+
+def test_a_probe_input_changes_only_when_every_replica_was_judged_healthy_on_it():
+    healthy, other = record(), replace(record(), replica=ReplicaId(1, 3, "g1"))
+    assert policy.may_change_probe([healthy, other], {}, "p")
+    assert not policy.may_change_probe([healthy, other], {}, "q"), "judged on another input"
+    assert not policy.may_change_probe([healthy, record(baseline=None)], {}, "p"), "one was never judged against a baseline"
+    assert not policy.may_change_probe([healthy, record(HealthState.SUSPECT)], {}, "p")
+    assert not policy.may_change_probe([healthy, record(HealthState.PROBATION)], {}, "p")
+    found = policy.findings(healthy, check(kl=0.06), CONFIG)
+    assert not policy.may_change_probe([healthy], {RID: found}, "p"), "a finding this round, though still healthy"
+    moved = policy.rebaselined(healthy, baseline(probe="q", at=50.0), "recorded")
+    assert moved.baseline.probe == "q" and moved.probe_source == "recorded" and moved.state is HealthState.HEALTHY
+    assert moved.history == healthy.history
 
 
 def test_served_non_finite_rows_count_since_the_last_check():

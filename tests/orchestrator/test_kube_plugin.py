@@ -18,7 +18,7 @@ from expertmesh.orchestrator.kube.resource import MigrationSpec
 from expertmesh.orchestrator.migration.state import MigrationMode
 from expertmesh.router.load_window import LoadSnapshot
 from expertmesh.routing_table import RoutingTable
-from expertmesh.state import open_store
+from expertmesh.state import QuarantinedReplica, open_store
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def test_migrate_bad_input_is_one_line_and_exit_2(kubeconfig, tmp_path, capsys):
     assert "no Kubernetes credentials" in capsys.readouterr().err
 
 
-def test_experts_prints_groups_load_share_and_table_version(monkeypatch, capsys):
+def test_experts_prints_groups_load_share_quarantines_and_table_version(monkeypatch, capsys):
     store = open_store("memory://")
     table = RoutingTable(1, 2, {(0, 0): ("g0",), (0, 1): ("g0", "g1"), (1, 0): ("g1",), (1, 1): ("g1",)})
     assert store.publish_routing_table(table)
@@ -79,6 +79,7 @@ def test_experts_prints_groups_load_share_and_table_version(monkeypatch, capsys)
         load = np.array(counts)
         snapshot = LoadSnapshot((0, 1), 2, 1, load, np.zeros((2, 2, 2)), np.zeros((2, 1, 2)), 64)
         store.publish_load(router, snapshot.to_bytes())
+    store.set_quarantined(QuarantinedReplica(1, 1, "g1", "quarantined", "bad outputs", 1.0, withdrawn=False))
     monkeypatch.setattr("expertmesh.state.open_store", lambda url: store)
 
     assert main(["experts", "--state-url", "redis://redis:6379/0"]) == 0
@@ -89,13 +90,13 @@ def test_experts_prints_groups_load_share_and_table_version(monkeypatch, capsys)
         ["0", "0", "g0", "60.0%"],
         ["0", "1", "g0", "(50%),", "g1", "(50%)", "40.0%"],
         ["1", "0", "g1", "40.0%"],
-        ["1", "1", "g1", "60.0%"],
+        ["1", "1", "g1", "[quarantined]", "60.0%"],
     ]
     assert main(["experts", "--state-url", "redis://redis:6379/0", "--layer", "1", "-o", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["routing_table_version"] == 1 and doc["routers"] == 2
     assert [(e["expert"], e["replicas"], e["load_share"]) for e in doc["experts"]] == [
-        (0, [{"group": "g1", "share": 1.0}], 0.4), (1, [{"group": "g1", "share": 1.0}], 0.6),
+        (0, [{"group": "g1", "share": 1.0, "state": ""}], 0.4), (1, [{"group": "g1", "share": 1.0, "state": "quarantined"}], 0.6),
     ]
 
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from expertmesh.bench.report import BenchError, check_positive, format_table, machine, model_summary, options_summary, write_json
-from expertmesh.data_plane import progress
+from expertmesh.console import progress
 
 #: every scenario, in the order they run
 SCENARIOS = (

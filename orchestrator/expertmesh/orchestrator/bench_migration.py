@@ -32,7 +32,7 @@ from expertmesh.bench.report import (
     percentile,
     write_json,
 )
-from expertmesh.data_plane import progress
+from expertmesh.console import progress
 
 
 @dataclass(frozen=True)

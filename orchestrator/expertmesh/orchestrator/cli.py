@@ -44,14 +44,21 @@ def add_commands(commands, bench_commands) -> None:
     p.add_argument("--min-gain", type=float, default=0.0, help="keep a current layer within this balancedness of the plan")
     p.add_argument("--balance-tolerance", type=float, default=0.0, help="relative max-load slack traded for island locality")
     p.add_argument("--eplb-groups", type=int, default=1, help="expert groups for the EPLB baseline (hierarchical policy)")
+    affinity = p.add_mutually_exclusive_group()
+    affinity.add_argument(
+        "--profiles", help="capability profiles JSON (a list of `expertmesh profile` records): co-locate experts hot in one domain"
+    )
+    affinity.add_argument("--state-url", help="read the capability profiles from this state store instead (redis://...)")
     p.add_argument("--out", default="placement.json", help="placement JSON to write (default placement.json)")
     p.set_defaults(run=run_plan)
 
     bench_migration.add_command(bench_commands)
     bench_chaos.add_command(bench_commands)
-    b = bench_commands.add_parser("placement", help="placement planner vs DeepSeek EPLB on synthetic workloads")
+    b = bench_commands.add_parser(
+        "placement", help="placement planner vs DeepSeek EPLB on synthetic workloads, and with vs without domain affinity"
+    )
     b.add_argument("--out", default="bench-placement.json", help="JSON results (default bench-placement.json)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic workloads")
     b.add_argument("--quick", action="store_true", help="two tiny cases (for tests)")
     b.set_defaults(run=run_bench_placement)
 
@@ -101,8 +108,9 @@ def run_plan(args: argparse.Namespace) -> int:
         balance_tolerance=args.balance_tolerance,
         eplb_groups=max(1, args.eplb_groups),
     )
+    affinity = _affinity(args)
     start = time.perf_counter()
-    result = plan(stats, topo, options, current)
+    result = plan(stats, topo, options, current, affinity)
     seconds = time.perf_counter() - start
     result.placement.check(result.slots_per_gpu)
     try:
@@ -123,17 +131,66 @@ def run_plan(args: argparse.Namespace) -> int:
         + (f", {result.layers_kept} layers kept as current" if current is not None else "")
     )
     print(format_rows(rows))
+    if affinity is not None:
+        from expertmesh.orchestrator.placement.affinity import groups_per_token
+
+        touched = [groups_per_token(affinity, r.shares, stats.top_k).mean() for r in (result.placement, result.baseline)]
+        print(
+            f"domain affinity from {len(affinity.domains)} profiles ({', '.join(affinity.domains)}): expected GPUs touched"
+            f" per token {touched[0]:.3f} (eplb {touched[1]:.3f})"
+        )
     print(f"wrote {args.out}")
     return 0
 
 
+def _affinity(args: argparse.Namespace):
+    """The planner's domain affinity from ``--profiles`` or ``--state-url``, or None."""
+    from expertmesh.orchestrator import topology_discovery as disc
+    from expertmesh.orchestrator.placement.affinity import affinity_from_counts
+    from expertmesh.router.profiles import DomainProfile, load_profiles
+
+    if args.profiles:
+        try:
+            doc = json.loads(disc.read_text(args.profiles, "profiles file"))
+            profiles = [DomainProfile.from_json(json.dumps(record)) for record in doc]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise PlacementError(f"profiles file is not a JSON list of capability profiles ({type(err).__name__}: {err})") from None
+    elif args.state_url:
+        from expertmesh.state import open_store
+
+        store = open_store(args.state_url)
+        try:
+            profiles = list(load_profiles(store).values())
+        finally:
+            store.close()
+    else:
+        return None
+    if not profiles:
+        raise PlacementError("no capability profiles to plan with: build them with `expertmesh profile build`")
+    if len({(p.moe_layers, p.share.shape) for p in profiles}) != 1:
+        raise PlacementError("the capability profiles were built on different models: rebuild them with `expertmesh profile build`")
+    profiles.sort(key=lambda p: p.domain)
+    counts = np.stack([p.share * p.choices[:, None] for p in profiles], axis=1)  # [L, D, E] choices per domain
+    return affinity_from_counts(tuple(p.domain for p in profiles), counts)
+
+
 def run_bench_placement(args: argparse.Namespace) -> int:
-    from expertmesh.orchestrator.placement.bench import results_json, results_table, run_bench
+    from expertmesh.orchestrator.placement.bench import (
+        affinity_cases,
+        affinity_table,
+        results_json,
+        results_table,
+        run_affinity_case,
+        run_bench,
+    )
 
     results = run_bench(args.quick, args.seed)
     print(results_table(results))
+    affinity = [run_affinity_case(case, args.seed) for case in affinity_cases(args.quick)]
+    print()
+    print(affinity_table(affinity))
     try:
-        Path(args.out).write_text(results_json(results, args.seed) + "\n")
+        Path(args.out).write_text(results_json(results, args.seed, affinity) + "\n")
     except OSError as err:
         raise PlacementError(f"cannot write {args.out!r}: {err.strerror}") from None
     print(f"wrote {args.out}")

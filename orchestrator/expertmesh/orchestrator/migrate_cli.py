@@ -13,7 +13,6 @@ import time
 import grpc
 
 from expertmesh.errors import ExpertMeshError, GroupUnavailable, InvalidRequest
-from expertmesh.orchestrator.admin import mode_from_proto, phase_from_proto
 from expertmesh.orchestrator.admin_client import DEFAULT_ADMIN, call, connect, stream
 from expertmesh.orchestrator.migration.state import Phase
 from expertmesh.v1 import admin_pb2 as pb
@@ -40,6 +39,8 @@ def add_commands(commands) -> None:
 
 
 def row(m: pb.Migration, now: float | None = None) -> tuple[str, ...]:
+    from expertmesh.orchestrator.admin import mode_from_proto, phase_from_proto  # the admin server: torch; not at parse time
+
     end = m.completed_at or (now if now is not None else time.time())
     return (
         m.id,
@@ -60,6 +61,8 @@ def render(rows: list[tuple[str, ...]]) -> str:
 
 
 def run_migrate(args) -> int:
+    from expertmesh.orchestrator.admin import phase_from_proto  # the admin server: torch; not at parse time
+
     if args.mode != "evict" and not args.to_group:
         raise InvalidRequest(f"--mode {args.mode} needs --to GROUP")
     channel, stub = connect(args.admin)

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import threading
-from pathlib import Path
 
+from expertmesh.config import DataPlaneConfig, add_config_argument, add_setting_flag, data_plane_config
 from expertmesh.errors import PlacementError
 from expertmesh.orchestrator.drift.config import add_drift_argument, drift_config
 from expertmesh.orchestrator.health.config import add_health_argument, health_config
@@ -29,11 +28,15 @@ log = logging.getLogger(__name__)
 
 def add_command(commands) -> None:
     p = commands.add_parser("orchestrator", help="run the orchestrator: keep the routing table equal to the placement")
-    p.add_argument("--state-url", default=os.environ.get("EXPERTMESH_STATE_URL"), help="redis://host:port/db")
-    p.add_argument("--model", required=True, type=Path, help="checkpoint directory (for its MoE shape)")
-    p.add_argument("--placement", required=True, type=Path, help="placement YAML (re-read every --interval)")
-    p.add_argument("--admin-port", type=int, default=50052)
-    p.add_argument("--admin-host", default="0.0.0.0")
+    # the data plane's settings (the model for its MoE shape; the placement, re-read every --interval),
+    # with their precedence: flags > EXPERTMESH_* > --config file
+    add_config_argument(p)
+    add_setting_flag(p, DataPlaneConfig, "state_url", default_note="none, required: redis://host:port/db")
+    add_setting_flag(p, DataPlaneConfig, "model", default_note="none, required")
+    add_setting_flag(p, DataPlaneConfig, "revision")
+    add_setting_flag(p, DataPlaneConfig, "placement", default_note="none, required")
+    p.add_argument("--admin-port", type=int, default=50052, help="port of the admin gRPC API (0 picks one)")
+    p.add_argument("--admin-host", default="0.0.0.0", help="address the admin gRPC API binds")
     p.add_argument(
         "--health-port", type=int, help="also serve grpc.health.v1 alone in plaintext here (Kubernetes probes under TLS)"
     )
@@ -56,7 +59,7 @@ def add_migration_arguments(parser) -> None:
 def add_kube_arguments(parser) -> None:
     parser.add_argument(
         "--kube", action=argparse.BooleanOptionalAction, default=None,
-        help="run the ExpertMigration controller (default: when running in a Kubernetes pod)",
+        help="run the ExpertMigration and ExpertQuarantine controllers (default: when running in a Kubernetes pod)",
     )
     parser.add_argument("--kube-namespace", help="namespace whose ExpertMigrations it runs (default: the pod's)")
 
@@ -86,22 +89,26 @@ def run(args) -> int:
     from expertmesh.orchestrator.health.monitor import HealthMonitor
     from expertmesh.orchestrator.kube.api import ExpertMigrationApi
     from expertmesh.orchestrator.kube.controller import start_controller
+    from expertmesh.orchestrator.kube.quarantine_controller import start_quarantine_controller
     from expertmesh.orchestrator.kube.drift_objects import DriftObjects
     from expertmesh.orchestrator.reconcile import Reconciler
     from expertmesh.state import open_store
 
-    if not args.state_url or args.state_url.startswith("memory://"):
+    config = data_plane_config(args, embedded_default=False)
+    if config.placement is None:
+        raise PlacementError("--placement (or EXPERTMESH_PLACEMENT, or placement in --config) is required")
+    if config.state_url.startswith("memory://"):
         raise PlacementError("the orchestrator needs a shared --state-url (redis://host:port/db) that routers also read")
     from expertmesh.telemetry import setup as setup_telemetry
 
     telemetry = setup_telemetry("expertmesh-orchestrator")
-    checkpoint = Checkpoint(args.model)
+    checkpoint = Checkpoint(config.model)
     spec = checkpoint.spec
     drift_settings = drift_config(args)  # a bad EXPERTMESH_DRIFT_* setting fails here, before anything starts
     health_settings = health_config(args)  # likewise EXPERTMESH_HEALTH_*
     connection = kube_connection(args)
-    store = open_store(args.state_url)
-    reconciler = Reconciler(store, spec, args.placement)
+    store = open_store(config.state_url)
+    reconciler = Reconciler(store, spec, config.placement)
     first = reconciler.reconcile_once()  # a bad placement fails here, before we report healthy
     health = HealthMonitor(store, checkpoint, health_settings)
     namespace = (args.kube_namespace or connection.namespace) if connection else None
@@ -110,7 +117,7 @@ def run(args) -> int:
         try:
             table = reconciler.reconcile_once()
         except PlacementError as err:
-            log.error("placement %s is invalid, keeping routing table version %d: %s", args.placement, store.routing_table_version(), err)
+            log.error("placement %s is invalid, keeping routing table version %d: %s", config.placement, store.routing_table_version(), err)
             return
         if table is not None:
             progress(f"orchestrator: published routing table version {table.version}")
@@ -131,15 +138,18 @@ def run(args) -> int:
     if args.health_port is not None:
         orchestrator.server.serve_plaintext_health(args.health_port)
     kube = start_controller(connection, orchestrator.runner, store, namespace) if connection else None
+    quarantines = start_quarantine_controller(connection, health, namespace) if connection else None
     version = first.version if first else store.routing_table_version()
     progress(f"orchestrator: routing table version {version}; admin gRPC on {args.admin_host}:{port}")
     if kube is not None:
-        progress(f"orchestrator: running ExpertMigrations of namespace {kube.namespace}")
+        progress(f"orchestrator: running ExpertMigrations of namespace {kube.namespace} (and its ExpertQuarantines)")
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    if quarantines is not None:  # before the monitor closes its group channels
+        quarantines.stop()
     orchestrator.stop()
     if kube is not None:  # after the runner: the migrations it finished on the way out are reported
         kube.stop()

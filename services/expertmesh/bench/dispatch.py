@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+import typing
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,8 +72,7 @@ from expertmesh.bench.report import (
     write_json,
 )
 from expertmesh.config import TransportName
-from expertmesh.data_plane import progress
-from expertmesh.router.transport import TRANSPORTS
+from expertmesh.console import bar, progress
 
 DECODE_PROMPT_TOKENS = 8  # prompt of each sequence before the timed decode steps
 WARMUP_STEPS = 1  # untimed decode steps after the prompt, before the timed ones
@@ -102,18 +102,18 @@ def add_command(bench_commands) -> None:
     )
     p.add_argument("--model", type=Path, help="local checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--groups", type=int, default=2, help="expert groups of the contiguous split (default 2)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="dtype of both sides")
     p.add_argument("--prefill-tokens", type=int, default=512, help="tokens of the prefill phase (default 512)")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated (default 1,8,32)")
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per repeat (default 16)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per phase and side; median reported (default 5)")
     p.add_argument("--threads", type=int, help="torch intra-op threads for both sides (default: torch's, = cores)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the checkpoint and the inputs")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     p.add_argument("--tracing", action="store_true", help="measure again with OpenTelemetry tracing on (OTLP to loopback)")
     p.add_argument(
         "--transport",
-        choices=TRANSPORTS,
+        choices=typing.get_args(TransportName),
         default="auto",
         help="router to groups: auto (shared memory on this host, else gRPC streams), grpc (streams only), "
         "grpc-unary (default auto)",
@@ -221,9 +221,11 @@ def _measure(run_once: Callable[[object, object], float], mono, platform, meter,
     run_once(mono, _NoMeter())
     run_once(platform, _NoMeter())
     mono_s, plat_s = [], []
-    for _ in range(repeats):
-        mono_s.append(run_once(mono, _NoMeter()))
-        plat_s.append(run_once(platform, meter))
+    with bar(repeats, "bench dispatch: timed repeats", unit="repeat") as done:  # on a terminal
+        for _ in range(repeats):
+            mono_s.append(run_once(mono, _NoMeter()))
+            plat_s.append(run_once(platform, meter))
+            done.update()
     return mono_s, plat_s
 
 
@@ -289,6 +291,7 @@ def run(options: Options) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from expertmesh.checkpoint import experts_modules
     from expertmesh.config import DataPlaneConfig
 
     checkpoint = validate(options)
@@ -304,7 +307,13 @@ def run(options: Options) -> dict:
         mono = AutoModelForCausalLM.from_pretrained(
             checkpoint.path, experts_implementation="eager", dtype=dtype, local_files_only=True
         ).eval()
-        memory = {"baseline_bytes": baseline, "monolithic_bytes": resident_bytes()}
+        memory = {
+            "baseline_bytes": baseline,
+            "monolithic_bytes": resident_bytes(),
+            "routed_expert_bytes": sum(
+                p.numel() * p.element_size() for _, m in experts_modules(mono).values() for p in m.parameters()
+            ),
+        }
         config = DataPlaneConfig(
             model=checkpoint.path,
             groups=options.groups,
@@ -494,7 +503,8 @@ def _memory_line(memory: dict) -> str:
     groups = ", ".join(f"{g} {_mib(n)}" for g, n in memory["groups_peak_bytes"].items())
     return (
         f"RSS MiB: monolithic {_mib(memory['monolithic_bytes'])}, router {_mib(memory['router_bytes'])} "
-        f"(each = this process's {_mib(memory['baseline_bytes'])} before models + what loading it added); "
+        f"(each = this process's {_mib(memory['baseline_bytes'])} before models + what loading it added; "
+        f"the routed experts' weights, {_mib(memory['routed_expert_bytes'])}, are in the monolithic model only); "
         f"group peaks {groups}; this process's peak {_mib(memory['bench_process_peak_bytes'])}"
     )
 

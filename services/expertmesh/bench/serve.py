@@ -42,7 +42,7 @@ from expertmesh.bench.report import (
     torch_threads,
     write_json,
 )
-from expertmesh.data_plane import progress
+from expertmesh.console import bar, progress
 
 FIRST_TOKEN_ID = 3  # seeded prompts avoid the tiny models' pad/bos/eos ids (0, 1, 2)
 
@@ -81,13 +81,13 @@ def add_command(bench_commands) -> None:
     p.add_argument("--model", type=Path, help="local checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--target", help="host:port of a running `expertmesh up` serving --model (default: start one here)")
     p.add_argument("--groups", type=int, default=2, help="expert groups when starting the platform here (default 2)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="dtype of both sides")
     p.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default 8)")
     p.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends in turn (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="longest prompt; prompts are half to this (default 32)")
     p.add_argument("--threads", type=int, help="torch intra-op threads in this process (default: torch's, = cores)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the checkpoint and the prompts")
     p.add_argument("--ray-address", help="join this Ray cluster when starting the platform here")
     p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
     p.set_defaults(run=_main)
@@ -243,16 +243,18 @@ def _platform_run(target: str, options: Options, work: list[list[int]]) -> dict:
                     for chunk in client.generate(work[r * n + c], max_new_tokens=m, stop_at_eos=False):
                         if chunk.token_ids:
                             request.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+                    done.update()
         except grpc.RpcError as err:
             errors.append(f"{err.code().name}: {err.details()}")
         except threading.BrokenBarrierError:
             pass
 
     threads = [threading.Thread(target=one_client, args=(c,), name=f"bench-client-{c}") for c in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with bar(n * options.requests_per_client, "bench serve: requests", unit="request") as done:  # on a terminal
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if errors:
         raise BenchError(f"a streaming request to {target} failed: {errors[0]}")
     return _summary(f"platform: {n} streaming clients", n, [r for rs in records for r in rs])

@@ -42,6 +42,8 @@ from expertmesh.expert_group.fingerprint import fingerprint
 TOP_K_ALLOWANCE = 1
 #: Default cap on the (token, slot) pairs of one Dispatch, T·K.
 MAX_ROWS = 1 << 20
+#: Calls of up to this many (token, expert) rows (decode steps) keep their statistics in plain Python
+SMALL_RECORD_ROWS = 64
 
 #: How ``inject_fault`` corrupts an expert: ``scale`` multiplies its weights by a factor (outputs
 #: change but stay finite: the quiet kind), ``nan`` overwrites them with NaN.
@@ -333,6 +335,36 @@ class HostedExperts:
             self._record(held, local, row_weights, rows)
         return partial
 
+    def _record_small(self, held: _LayerExperts, local: torch.Tensor, row_weights: torch.Tensor, rows: torch.Tensor) -> None:
+        """``_record`` for a decode-sized call, in plain Python over the rows: the same sums, in the same
+        order and in double precision, so the same statistics to the bit, for a fraction of the cost."""
+        finite = torch.isfinite(rows).all(dim=1).tolist()  # [S]
+        norms = rows.float().norm(dim=1).tolist()  # [S]
+        experts = local.tolist()
+        scales = row_weights.abs().tolist()
+        count: dict[int, int] = {}
+        bad: dict[int, int] = {}
+        normed: dict[int, int] = {}
+        total: dict[int, float] = {}
+        usable = []
+        for i, e in zip(range(len(experts)), experts):
+            count[e] = count.get(e, 0) + 1
+            bad[e] = bad.get(e, 0) + (not finite[i])
+            ok = finite[i] and scales[i] > 0
+            usable.append(ok)
+            if ok:
+                normed[e] = normed.get(e, 0) + 1
+                total[e] = total.get(e, 0.0) + norms[i] / scales[i]
+        mean = {e: total.get(e, 0.0) / max(normed.get(e, 0), 1) for e in count}
+        m2: dict[int, float] = {}
+        for i, e in enumerate(experts):
+            if usable[i]:
+                deviation = norms[i] / scales[i] - mean[e]
+                m2[e] = m2.get(e, 0.0) + deviation * deviation
+        with self._stats_lock:
+            for e in sorted(count):
+                held.stats[held.ids[e]].merge(count[e], bad[e], normed.get(e, 0), mean[e], m2.get(e, 0.0))
+
     def _record(self, held: _LayerExperts, local: torch.Tensor, row_weights: torch.Tensor, rows: torch.Tensor) -> None:
         """Merge one call's output rows into each expert's statistics.
 
@@ -341,6 +373,9 @@ class HostedExperts:
         |weight|; rows with weight 0 (no norm to recover) or a non-finite output count in
         rows but not in the norm statistics.
         """
+        if len(local) <= SMALL_RECORD_ROWS:
+            self._record_small(held, local, row_weights, rows)
+            return
         n = len(held.ids)
         finite = torch.isfinite(rows).all(dim=1)  # [S]
         scale = row_weights.abs().double()  # [S]

@@ -74,6 +74,12 @@ def remove_stale_sockets(directory: Path) -> None:
                 pass
 
 
+def remove_files(paths: list[Path]) -> None:
+    """Remove a group's socket files (those still there)."""
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
 def _error(call_id: int, code: grpc.StatusCode, message: str) -> pb.DispatchFrame:
     return pb.DispatchFrame(call_id=call_id, code=code.value[0], message=message)
 

@@ -22,8 +22,8 @@ import os
 import re
 import signal
 import threading
-from pathlib import Path
 
+from expertmesh.config import DataPlaneConfig, add_config_argument, add_setting_flag, data_plane_config
 from expertmesh.expert_group.runtime import GroupSpec, RunningGroup
 
 BANNER = re.compile(r"expertmesh group (\S+) is serving \d+ experts on (\S+) \(pid (\d+)\)")
@@ -33,16 +33,17 @@ def add_command(commands) -> None:
     group = commands.add_parser("group", help="expert groups outside Ray")
     sub = group.add_subparsers(dest="group_command", required=True, metavar="COMMAND")
     p = sub.add_parser("serve", help="serve one expert group as a plain process (the gRPC server Ray Serve runs)")
-    p.add_argument("--model", type=Path, help="local checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--group", required=True, help="the group to serve, as the placement names it (g0, g1, ... with --groups)")
-    p.add_argument("--placement", type=Path, help="placement YAML (groups -> layer/expert pairs)")
-    p.add_argument("--groups", type=int, default=2, help="without --placement: groups of the contiguous split (default 2)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    # the data plane's settings, with their precedence: flags > EXPERTMESH_* > --config file > defaults
+    add_config_argument(p)
+    add_setting_flag(p, DataPlaneConfig, "model", default_note="the embedded tiny model")
+    for name in ("revision", "placement", "groups", "dtype"):
+        add_setting_flag(p, DataPlaneConfig, name)
     p.add_argument("--host", help="address to bind (default 127.0.0.1); 0.0.0.0 advertises this host's IP")
     p.add_argument("--port", type=int, help="port to bind (default: any free one, printed)")
     p.add_argument("--threads", type=int, help="torch intra-op threads of the group (default 1)")
     p.add_argument("--gpu", action="store_true", help="compute on the first GPU this process sees (CUDA_VISIBLE_DEVICES)")
-    p.add_argument("--state-url", help="register the group's address in this shared store (redis://host:port/db)")
+    add_setting_flag(p, DataPlaneConfig, "state_url")  # a shared store: the group registers its address there
     p.add_argument("--budget-bytes", type=int, help="most bytes of expert weights the group may hold (default: unlimited)")
     p.set_defaults(run=_main)
 
@@ -51,25 +52,25 @@ def group_spec(args: argparse.Namespace) -> GroupSpec:
     """The group ``args`` describe, checked against the checkpoint; unset flags keep GroupSpec's defaults."""
     from expertmesh import placement as placement_mod
     from expertmesh.checkpoint import Checkpoint
-    from expertmesh.embedded import default_checkpoint
     from expertmesh.errors import PlacementError
 
-    checkpoint = Checkpoint(args.model or default_checkpoint())
+    config = data_plane_config(args)  # a Hub id resolves to the same snapshot a router resolves it to
+    checkpoint = Checkpoint(config.model)
     spec = checkpoint.spec
-    if args.placement is not None:
-        placement = placement_mod.load(args.placement, spec)
+    if config.placement is not None:
+        placement = placement_mod.load(config.placement, spec)
     else:
-        placement = placement_mod.contiguous(spec, args.groups)
+        placement = placement_mod.contiguous(spec, config.groups)
     placement_mod.validate(placement, spec)
     if args.group not in placement.groups:
         raise PlacementError(f"the placement has no group {args.group!r}; its groups: {', '.join(sorted(placement.groups))}")
     given = {
-        "dtype": args.dtype,
+        "dtype": config.dtype,
         "host": args.host,
         "port": args.port,
         "num_cpus": args.threads,
         "num_gpus": 1 if args.gpu else None,
-        "state_url": args.state_url,
+        "state_url": None if config.state_url.startswith("memory://") else config.state_url,
         "budget_bytes": args.budget_bytes,
     }
     return GroupSpec(

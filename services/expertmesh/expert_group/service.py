@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,7 +46,7 @@ from expertmesh.config import AdminAuthConfig, FaultInjectionConfig, TlsConfig
 from expertmesh.expert_group.busy import BusyClock
 from expertmesh.errors import ExpertMeshError, FaultInjectionDisabled, InvalidRequest, Overloaded
 from expertmesh.expert_group.hosted import HostedExperts
-from expertmesh.expert_group.transport_use import TransportUse
+from expertmesh.expert_group.transport_use import TransportUse, offered
 from expertmesh.grpc_server import GrpcServer, guarded
 from expertmesh.security import from_env
 from expertmesh.security.tls import secure_or_insecure_channel
@@ -249,6 +250,7 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
             busy_seconds=self.busy.seconds(),
             transports=self.transport_use.report(),
             peak_rss_bytes=_peak_rss_bytes(),
+            transports_offered=offered(self.transports),
         )
 
     @guarded
@@ -309,7 +311,7 @@ class GroupServer(GrpcServer):
         admin: AdminAuthConfig | None = None,
         same_host: bool = True,
     ):
-        from expertmesh.expert_group.local_server import LocalServer, remove_stale_sockets, runtime_dir
+        from expertmesh.expert_group.local_server import LocalServer, remove_files, remove_stale_sockets, runtime_dir
         from expertmesh.expert_group.stream_service import STREAM_SERVICE_NAME, add_stream_service
 
         super().__init__(
@@ -327,7 +329,10 @@ class GroupServer(GrpcServer):
         pb_grpc.add_ExpertGroupServicer_to_server(servicer, self.server)
         add_stream_service(self.server, servicer, MAX_STREAMS)
         self.local: LocalServer | None = None
-        self._unix_path: Path | None = None
+        #: the socket files go at stop, or when this process exits without stopping (a Serve replica
+        #: whose actor is torn down): routers then find nothing there rather than a dead socket
+        socket_files: list[Path] = []
+        self._remove_socket_files = weakref.finalize(self, remove_files, socket_files)
         if not same_host:
             return
         try:
@@ -335,8 +340,9 @@ class GroupServer(GrpcServer):
             remove_stale_sockets(directory)
             unix_path = directory / f"{os.getpid()}-{os.urandom(4).hex()}-grpc.sock"
             servicer.transports.grpc_unix_address = self.add_unix_port(str(unix_path))
-            self._unix_path = unix_path
+            socket_files.append(unix_path)
             self.local = LocalServer(servicer, directory)
+            socket_files.append(self.local.path)
         except OSError as err:
             log.warning("expert group %s serves no same-host paths (gRPC over TCP only): %s", servicer.group, err)
             return
@@ -350,11 +356,12 @@ class GroupServer(GrpcServer):
         return self
 
     def stop(self, grace: float = 2.0) -> None:
-        super().stop(grace)
-        if self.local is not None:
-            self.local.stop()
-        if self._unix_path is not None:
-            self._unix_path.unlink(missing_ok=True)
+        try:
+            super().stop(grace)
+        finally:
+            if self.local is not None:
+                self.local.stop()
+            self._remove_socket_files()
 
 
 def start_server(

@@ -1,6 +1,6 @@
-"""Which transports reach a group: open connections and calls carried, per transport.
+"""Which transports reach a group: those it offers, and open connections and calls carried per transport.
 
-Describe reports it, so an operator sees whether routers got the same-host fast
+Describe reports both, so an operator sees whether routers got the same-host fast
 path (``shm``, ``cuda-ipc``) or the portable one (``grpc-stream``, ``grpc-unary``).
 """
 
@@ -34,3 +34,9 @@ class TransportUse:
         with self._lock:
             names = sorted(t for t in {*self._open, *self._calls} if self._open[t] or self._calls[t])
             return [pb.TransportUse(transport=t, connections=self._open[t], calls=self._calls[t]) for t in names]
+
+
+def offered(info: pb.TransportsResponse) -> list[str]:
+    """The transports a group whose Transports answer is ``info`` serves, fastest first."""
+    same_host = ["cuda-ipc", "shm"] if info.gpu_uuid else ["shm"]
+    return [*(same_host if info.shm_socket else []), "grpc-stream", "grpc-unary"]

@@ -46,9 +46,13 @@ from transformers.integrations.moe import ExpertsInterface
 
 from expertmesh.errors import BadGroupResponse, DeadlineExceeded, ExpertMeshError, GroupUnavailable, UnhostedExperts
 from expertmesh.router.circuit import CircuitBreakers
+from expertmesh.router import degraded
+from expertmesh.router.degraded import StockChoice
 from expertmesh.router.dispatch_plan import GroupCall, NoHealthyReplica, plan_layer, restrict_to
 from expertmesh.router.gate_hook import GateBias, masked
+from expertmesh.router.hidden_sample import HiddenSampler
 from expertmesh.router.load_window import LoadWindow
+from expertmesh.router.routing_policy import StepRouting
 from expertmesh.router.routing_view import RoutingView
 from expertmesh.router.traffic import TrafficCounters
 from expertmesh.router.transport import GroupReply, GroupRequest, PendingCall, Transport, TransportError
@@ -109,6 +113,8 @@ class ExpertDispatcher:
         #: fresh group -> address map when a group stops answering; default: what the store lists
         self._resolve_endpoints = resolve_endpoints or store.endpoints
         self.load_window = load_window
+        #: keeps a sample of each layer's hidden states for the health monitor (None: off)
+        self.hidden_sampler: HiddenSampler | None = None
         self._timeout = timeout_s
         self._transport = transport or build_transport("auto")
         self.breakers = breakers or CircuitBreakers()
@@ -116,6 +122,8 @@ class ExpertDispatcher:
         self.fallback = fallback
         #: biases the gates' scores; set by the router's model builder (None: a bare dispatcher)
         self.gate_bias: GateBias | None = None
+        #: what the unmasked gates would have chosen, to tell next-best fallback tokens (set with gate_bias)
+        self.stock_choice: StockChoice | None = None
         self._quarantined: frozenset[tuple[int, int, str]] = frozenset()
         self._degraded = meter().create_counter(
             "expertmesh.tokens.degraded",
@@ -145,14 +153,21 @@ class ExpertDispatcher:
         return view.table if view is not None else None
 
     @contextmanager
-    def serving_step(self, positions: torch.Tensor, links: Sequence[SpanContext] = ()) -> Iterator[None]:
+    def serving_step(
+        self, positions: torch.Tensor, links: Sequence[SpanContext] = (), routing: StepRouting | None = None
+    ) -> Iterator[None]:
         """Within this block, this thread's forward is one step of the serving engine, which has
         refreshed the routing table for it. Each MoE layer's dispatch carries ``positions`` [T] (the
         sequence position of each of the forward's T tokens, for the load statistics) and ``links``
-        (the trace contexts of the step's other requests)."""
-        self._local.step = (positions, tuple(links))
+        (the trace contexts of the step's other requests). ``routing``: the tokens' routing policies
+        and domains (None: every token is routed by the stock gate and counted under no domain)."""
+        self._local.step = (positions, tuple(links), routing)
         try:
-            yield
+            if routing is not None and self.gate_bias is not None:
+                with self.gate_bias.routing(routing):
+                    yield
+            else:
+                yield
         finally:
             self._local.step = None
 
@@ -239,8 +254,8 @@ class ExpertDispatcher:
     ) -> torch.Tensor:
         """The experts call of one MoE layer, with the serving step's positions and links when in one."""
         with tracer().start_as_current_span("expertmesh.moe_layer", attributes={"expertmesh.layer": layer}):
-            positions, links = getattr(self._local, "step", None) or (None, ())
-            return self.dispatch(layer, hidden, top_k_index, top_k_weights, positions, links)
+            positions, links, routing = getattr(self._local, "step", None) or (None, (), None)
+            return self.dispatch(layer, hidden, top_k_index, top_k_weights, positions, links, routing)
 
     def dispatch(
         self,
@@ -250,11 +265,14 @@ class ExpertDispatcher:
         top_k_weights: torch.Tensor,
         positions: torch.Tensor | None = None,
         links: Sequence[SpanContext] = (),
+        routing: StepRouting | None = None,
     ) -> torch.Tensor:
         """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> weighted expert sum [T, H].
 
         positions [T] (optional): each token's position in its sequence, for the load statistics.
         links: trace contexts of the other sequences whose tokens ride in this dispatch.
+        routing (optional): the tokens' domains, for the load statistics by domain. K may exceed the
+        model's top-k by one (a dynamic-k policy); slots a policy left empty hold the skip sentinel.
         """
         started = time.perf_counter()
         self.last_dispatch = time.monotonic()
@@ -265,7 +283,8 @@ class ExpertDispatcher:
             raise GroupUnavailable(f"the routing table has no groups for MoE layer {layer}")
         index = top_k_index.to("cpu", torch.long)  # [T, K]
         if self.load_window is not None:
-            self.load_window.record(layer, index, positions)
+            domains = (routing.domain_ids, routing.domains) if routing is not None and routing.domains else None
+            self.load_window.record(layer, index, positions, domains)
         weights_cpu = top_k_weights.detach().to("cpu")  # [T, K]
         hidden_cpu = hidden.detach().to("cpu")  # [T, H]
         links = [Link(c) for c in links if c.is_valid]
@@ -275,6 +294,8 @@ class ExpertDispatcher:
         calls = self._plan(view, layer, index, weights_cpu)
         timeout = self._call_timeout(layer)
         flights = [self._send(view, layer, hidden_cpu, call, links, timeout) for call in calls]
+        if self.hidden_sampler is not None:  # while the groups compute: off the step's critical path
+            self.hidden_sampler.offer(layer, hidden_cpu)
         out = torch.zeros_like(hidden_cpu)  # [T, H]
         failed: list[_GroupFailed] = []
         for flight in flights:
@@ -307,14 +328,22 @@ class ExpertDispatcher:
 
         next_best: the gate already chose another expert in their place; a slot left on one (a
         sigmoid gate's weight-0 pick) adds nothing. renormalise: the token's other experts are scaled
-        up to the weight it gave all its experts.
+        up to the weight it gave all its experts. Either way the tokens whose stock choice fell back are
+        counted (``expertmesh.tokens.degraded``) and, in a serving step, marked on their sequences'
+        spans (``router.degraded``).
         """
-        fell = torch.isin(index, torch.tensor(sorted(view.fallback[layer])))  # [T, K]
-        hit = fell & (weights != 0)
+        fallback = torch.tensor(sorted(view.fallback[layer]))
+        fell = torch.isin(index, fallback)  # [T, K]
+        stock = self.stock_choice.take(layer) if self.stock_choice is not None and self.fallback == "next_best" else None
+        if stock is not None and stock.shape[0] == index.shape[0]:  # the gate chose around them: who would have chosen one
+            chosen, hit = stock, torch.isin(stock, fallback)  # [T, K]
+        else:
+            chosen, hit = index, fell & (weights != 0)
         tokens = int(hit.any(dim=1).sum())
         if tokens:
             self._degraded.add(tokens, {"layer": layer, "fallback": self.fallback})
             trace.get_current_span().set_attribute("expertmesh.degraded_tokens", tokens)
+            degraded.record(layer, chosen, hit)
         if self.fallback != "renormalise":
             return weights
         kept = torch.where(fell, 0, weights)

@@ -51,6 +51,8 @@ def plan_layer(
     in_flight[g]: calls in flight to group index g, to break ties of replica splits toward idle replicas.
     """
     num_experts = view.num_experts
+    if index.numel() <= SMALL_PLAN_SLOTS and not avoid and not view.replicated.get(layer):
+        return _plan_small(view.primary[layer].tolist(), num_experts, index, weights)
     valid = index < num_experts  # [T, K]
     owner = torch.where(valid, view.primary[layer][index.clamp(max=num_experts - 1)], -1)  # [T, K]; -1: fallback experts
     present = [e for e in torch.unique(index[valid]).tolist() if view.holders[(layer, e)]]
@@ -81,6 +83,37 @@ def plan_layer(
                 tokens=tokens,
                 expert_ids=torch.where(mine, index, -1)[tokens].to(torch.int32),
                 weights=torch.where(mine, weights, 0)[tokens],
+            )
+        )
+    return calls
+
+
+#: Up to this many (token, expert) slots (decode steps), a layer without replicated experts is planned
+#: in plain Python: a dozen small torch ops cost several times the arithmetic they do.
+SMALL_PLAN_SLOTS = 128
+
+
+def _plan_small(primary: list[int], num_experts: int, index: torch.Tensor, weights: torch.Tensor) -> list[GroupCall]:
+    """``plan_layer`` for primaries only (primary[e]: group index of expert e, -1: none), slot by slot:
+    the same calls, tokens in order, ids and weights where the group's slots are, -1 / 0 elsewhere."""
+    rows, row_weights = index.tolist(), weights.tolist()
+    mine: dict[int, list[int]] = {}  # group -> its tokens, in order
+    for t, row in enumerate(rows):
+        for e in row:
+            g = primary[e] if e < num_experts else -1
+            if g >= 0 and (not mine.get(g) or mine[g][-1] != t):
+                mine.setdefault(g, []).append(t)
+    calls = []
+    for g in sorted(mine):
+        tokens = mine[g]
+        ids = [[e if e < num_experts and primary[e] == g else -1 for e in rows[t]] for t in tokens]
+        picked = [[w if e >= 0 else 0.0 for e, w in zip(ids_t, row_weights[t])] for ids_t, t in zip(ids, tokens)]
+        calls.append(
+            GroupCall(
+                group=g,
+                tokens=torch.tensor(tokens, dtype=torch.long),
+                expert_ids=torch.tensor(ids, dtype=torch.int32),
+                weights=torch.tensor(picked, dtype=weights.dtype),
             )
         )
     return calls

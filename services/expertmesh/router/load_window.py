@@ -12,6 +12,10 @@ Glossary
   caller knows positions (the serving engine does), for heatmaps.
 - *bucket*: ``window_s / buckets`` seconds of counts; the window is the last
   ``buckets`` of them, so old traffic ages out a bucket at a time.
+- *domain_load[d][row, e]*: tokens of requests of query domain ``d`` (given by
+  the client or classified) that chose expert ``e``, since the router started
+  (not windowed: capability profiles are built from differences of it, which
+  must not lose counts to ageing).
 
 Stored (per router, in the state store) as an ``.npz`` without pickles, so
 routers, the orchestrator and ``expertmesh stats export`` read the same bytes.
@@ -22,8 +26,8 @@ from __future__ import annotations
 import io
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -38,6 +42,7 @@ class LoadSnapshot:
     coactivation: np.ndarray  # [L, E, E] float64
     position_load: np.ndarray  # [L, P, E] float64
     max_context: int
+    domain_load: Mapping[str, np.ndarray] = field(default_factory=dict)  # domain -> [L, E] float64, since start
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
@@ -48,6 +53,10 @@ class LoadSnapshot:
             load=self.load,
             coactivation=self.coactivation,
             position_load=self.position_load,
+            domains=np.array(sorted(self.domain_load), dtype=str),
+            domain_load=np.stack([self.domain_load[d] for d in sorted(self.domain_load)])
+            if self.domain_load
+            else np.zeros((0, *self.load.shape)),
         )
         return buf.getvalue()
 
@@ -63,6 +72,8 @@ class LoadSnapshot:
                 z["coactivation"],
                 z["position_load"],
                 max_context,
+                # routers from before domains were counted publish no such arrays
+                dict(zip((str(d) for d in z["domains"]), z["domain_load"])) if "domains" in z else {},
             )
 
     def __add__(self, other: "LoadSnapshot") -> "LoadSnapshot":
@@ -76,6 +87,10 @@ class LoadSnapshot:
             self.coactivation + other.coactivation,
             self.position_load + other.position_load,
             self.max_context,
+            {
+                d: self.domain_load.get(d, 0) + other.domain_load.get(d, 0)
+                for d in sorted({*self.domain_load, *other.domain_load})
+            },
         )
 
     def to_stats_dict(self) -> dict:
@@ -89,6 +104,7 @@ class LoadSnapshot:
             "coactivation": self.coactivation.tolist(),
             "max_context": self.max_context,
             "position_load": self.position_load.tolist(),
+            "domain_load": {d: load.tolist() for d, load in sorted(self.domain_load.items())},
         }
 
 
@@ -119,6 +135,7 @@ class LoadWindow:
         self._position = np.zeros((buckets, L, position_bins, E), dtype=np.float32)
         self._epoch = np.full(buckets, -1, dtype=np.int64)  # which time slot each bucket holds
         self._since_start = np.zeros((L, E), dtype=np.float64)  # never ages out: monotonic metrics read it
+        self._domains: dict[str, np.ndarray] = {}  # domain -> [L, E] float64 since start
         self._lock = threading.Lock()
 
     def _bucket(self) -> int:
@@ -131,9 +148,16 @@ class LoadWindow:
             self._epoch[b] = slot
         return b
 
-    def record(self, layer: int, top_k_index: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+    def record(
+        self,
+        layer: int,
+        top_k_index: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        domains: tuple[torch.Tensor, tuple[str, ...]] | None = None,
+    ) -> None:
         """top_k_index [T, K] global expert ids; ids >= num_experts (expert-parallel sentinels) are skipped.
-        positions [T] (optional): sequence position of each token."""
+        positions [T] (optional): sequence position of each token.
+        domains (optional): (domain_ids [T] int64, -1 for none; the domain names they index)."""
         E = self.num_experts
         ids = top_k_index.detach().to("cpu", torch.long)
         valid = ids < E
@@ -147,6 +171,11 @@ class LoadWindow:
         if positions is not None:
             bins = (positions.to("cpu", torch.long) * self._bins // self.max_context).clamp(0, self._bins - 1)  # [T]
             by_bin = torch.zeros(self._bins, E).index_add_(0, bins, onehot).numpy()  # [P, E]
+        by_domain = {}
+        if domains is not None:
+            ids, names = domains
+            for d, name in enumerate(names):
+                by_domain[name] = onehot[ids == d].sum(dim=0).double().numpy()  # [E]
         row = self._row[layer]
         with self._lock:
             b = self._bucket()
@@ -155,6 +184,8 @@ class LoadWindow:
             self._coact[b, row] += coact
             if by_bin is not None:
                 self._position[b, row] += by_bin
+            for name, counts_d in by_domain.items():
+                self._domains.setdefault(name, np.zeros(self._since_start.shape))[row] += counts_d
 
     def since_start(self) -> np.ndarray:
         """[L, E] tokens per expert since the router started."""
@@ -173,4 +204,5 @@ class LoadWindow:
                 self._coact[live].sum(axis=0, dtype=np.float64),
                 self._position[live].sum(axis=0, dtype=np.float64),
                 self.max_context,
+                {d: load.copy() for d, load in self._domains.items()},
             )

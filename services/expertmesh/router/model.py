@@ -14,6 +14,7 @@ from torch import nn
 from expertmesh.checkpoint import Checkpoint, experts_modules
 from expertmesh.errors import CheckpointError
 from expertmesh.router.dispatch import IMPLEMENTATION, ExpertDispatcher
+from expertmesh.router.degraded import StockChoice
 from expertmesh.router.gate_hook import GateBias
 
 
@@ -25,6 +26,12 @@ def build_router_model(checkpoint: Checkpoint, dispatcher: ExpertDispatcher, dty
         module._expertmesh_layer = layer
         module._expertmesh_dispatcher = dispatcher
     model.to_empty(device="cpu")
+    # Non-persistent buffers (rotary inv_freq, Gemma 4's embed_scale) are not in the checkpoint and
+    # to_empty leaves them garbage; transformers' own init recomputes them. Before the load: the
+    # init also draws the module's parameters, which the checkpoint's then replace.
+    for module in model.modules():
+        if getattr(module, "_non_persistent_buffers_set", None):
+            model._init_weights(module)
 
     # from_pretrained keeps some modules in fp32 at low precision (e.g. DeepSeek-V3's gate); do the same.
     fp32_patterns = list(model._get_dtype_plan(dtype))
@@ -38,12 +45,9 @@ def build_router_model(checkpoint: Checkpoint, dispatcher: ExpertDispatcher, dty
     if missing:
         raise CheckpointError(f"{checkpoint.path} lacks router weights: {missing[:5]}")
     model.tie_weights()
-    # Non-persistent buffers (rotary inv_freq) are not in the checkpoint; transformers' own init recomputes them.
-    for module in model.modules():
-        if "RotaryEmbedding" in type(module).__name__:
-            model._init_weights(module)
     model.requires_grad_(False)
     model.eval()
     model.register_forward_pre_hook(lambda *_: dispatcher.on_forward())
     dispatcher.gate_bias = GateBias(model)
+    dispatcher.stock_choice = StockChoice(dispatcher.gate_bias)
     return model

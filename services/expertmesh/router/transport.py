@@ -21,6 +21,7 @@ unary calls only.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, get_args
 
@@ -46,6 +47,15 @@ class TransportError(Exception):
 
 class PathBroken(Exception):
     """A path itself failed (a socket, a stream, a buffer), not the group's answer: the call may go another way."""
+
+
+def time_left(deadline: float, what: str) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``); DEADLINE_EXCEEDED, naming ``what`` was due, once
+    it has passed. Every wait of a call (connect, handshake, answer, a fallback) is bounded by this."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the call's deadline passed before {what}")
+    return left
 
 
 def status_code(value: int) -> grpc.StatusCode:

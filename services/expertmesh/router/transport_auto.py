@@ -14,8 +14,13 @@ same-host paths tried. A group's calls then go, in order of preference:
 
 A path that fails as a path (``PathBroken``: a socket, a refused stream, a
 buffer) is skipped for ``RETRY_PATH_S`` and the call goes down the list at
-once. What the group answers, and a call's deadline, are passed up unchanged:
-replica choice and failover stay the dispatcher's. A group that cannot be asked
+once; the next call asks the group again, and when the answer differs (a
+replica restarted at the same address: new socket files, a new token) the
+group's paths are made afresh, so a dead socket path is never kept. What the
+group answers is passed up unchanged: replica choice and failover stay the
+dispatcher's. Every wait of a call (the handshake, dialling, the answer, a
+fallback path) ends at the call's deadline: a stopped group costs a step no
+more than its requests' deadline. A group that cannot be asked
 now gets unary calls and is asked again on its next call; one that predates
 these paths (no Transports RPC, no stream service) ends up on unary.
 
@@ -40,7 +45,7 @@ import grpc
 from expertmesh import shared_buffer
 from expertmesh.expert_group.service import group_channel
 from expertmesh.router.group_client import GroupClients
-from expertmesh.router.transport import GroupReply, GroupRequest, GrpcTransport, PathBroken, PendingCall
+from expertmesh.router.transport import GroupReply, GroupRequest, GrpcTransport, PathBroken, PendingCall, time_left
 from expertmesh.router.transport_local import LocalPath
 from expertmesh.router.transport_stream import StreamPath
 from expertmesh.v1 import experts_pb2 as pb
@@ -50,6 +55,8 @@ log = logging.getLogger(__name__)
 #: how long a path that failed is left before it is tried again
 RETRY_PATH_S = 30.0
 HANDSHAKE_TIMEOUT_S = 2.0
+#: after a path broke and the group could not be asked again, how long until the next try
+ASK_AGAIN_S = 1.0
 
 
 class _Path(Protocol):
@@ -76,11 +83,15 @@ class _UnaryPath:
 
 
 class _Route:
-    """One group address's paths, fastest first, and until when each failed one is left alone."""
+    """One group address's paths, fastest first, until when each failed one is left alone, and the
+    group's answer they were made from (``info``)."""
 
-    def __init__(self, group: str, address: str, paths: list[_Path]):
-        self.group, self.address, self.paths = group, address, paths
+    def __init__(self, group: str, address: str, info: pb.TransportsResponse, paths: list[_Path]):
+        self.group, self.address, self.info, self.paths = group, address, info, paths
         self._down_until = [0.0] * len(paths)
+        #: when to ask the group again how to reach it (None: no need): a path broke, and a replica
+        #: restarted at the same address has new socket files and a new token
+        self.ask_again_at: float | None = None
 
     def usable(self, i: int) -> bool:
         return time.monotonic() >= self._down_until[i]
@@ -93,6 +104,8 @@ class _Route:
                 self.group, self.paths[i].name, err, nxt, RETRY_PATH_S,
             )
         self._down_until[i] = time.monotonic() + RETRY_PATH_S
+        if self.ask_again_at is None:
+            self.ask_again_at = time.monotonic()
 
     def current(self) -> str:
         return next(p.name for i, p in enumerate(self.paths) if self.usable(i) or i == len(self.paths) - 1)
@@ -150,49 +163,68 @@ class AutoTransport:
         return route.current() if route is not None else ""
 
     def send(self, group: str, request: GroupRequest, timeout_s: float) -> PendingCall:
-        route = self._route(group)
+        deadline = time.monotonic() + timeout_s
+        route = self._route(group, deadline)
         if route is None:
-            return self._unary.send(group, request, timeout_s)
-        return self._send_on(route, 0, request, timeout_s)
+            return self._unary.send(group, request, time_left(deadline, "the group was reached"))
+        return self._send_on(route, 0, request, deadline)
 
-    def _send_on(self, route: _Route, start: int, request: GroupRequest, timeout_s: float) -> PendingCall:
+    def _send_on(self, route: _Route, start: int, request: GroupRequest, deadline: float) -> PendingCall:
         for i in range(start, len(route.paths)):
             if not route.usable(i) and i < len(route.paths) - 1:
                 continue
             try:
-                pending = route.paths[i].send(request, timeout_s)
+                pending = route.paths[i].send(request, time_left(deadline, f"the call went by {route.paths[i].name}"))
             except PathBroken as err:
                 route.broke(i, err)
                 continue
-            return _FallingBack(pending, lambda err, i=i: self._after(route, i, err, request, timeout_s))
+            return _FallingBack(pending, lambda err, i=i: self._after(route, i, err, request, deadline))
         raise AssertionError("the unary path never breaks")
 
-    def _after(self, route: _Route, i: int, err: PathBroken, request: GroupRequest, timeout_s: float) -> PendingCall:
+    def _after(self, route: _Route, i: int, err: PathBroken, request: GroupRequest, deadline: float) -> PendingCall:
         route.broke(i, err)
-        return self._send_on(route, i + 1, request, timeout_s)
+        return self._send_on(route, i + 1, request, deadline)
 
-    def _route(self, group: str) -> _Route | None:
+    def _route(self, group: str, deadline: float) -> _Route | None:
         with self._lock:
             route = self._routes.get(group)
-        if route is not None:
+        if route is not None and (route.ask_again_at is None or time.monotonic() < route.ask_again_at):
             return route
         address, stub = self._clients.address(group), self._clients.stub(group)
         if address is None or stub is None:
             return None
+        info = self._ask(stub, deadline)
+        if route is not None and route.address == address:
+            if info is None:  # not reachable now: keep what we have, ask again a little later
+                route.ask_again_at = time.monotonic() + ASK_AGAIN_S
+                return route
+            if info == route.info:  # the same process: its broken paths stay down for RETRY_PATH_S
+                route.ask_again_at = None
+                return route
+        if info is None:
+            return route  # None before a first answer: this call goes unary, the next one asks again
+        fresh = _Route(group, address, info, self._paths(group, info))
+        with self._lock:
+            current = self._routes.get(group)
+            installed = current is route and self._clients.address(group) == address
+            if installed:
+                self._routes[group] = fresh
+        if not installed:
+            fresh.close()  # another thread got there first, or the group moved meanwhile
+            return current
+        if route is not None:
+            route.close()  # a replica restarted at this address: its new paths replace the dead ones
+        return fresh
+
+    def _ask(self, stub, deadline: float) -> pb.TransportsResponse | None:
+        """The group's Transports answer; None when it cannot be asked now (within the deadline)."""
         try:
-            info = stub.Transports(pb.TransportsRequest(), timeout=HANDSHAKE_TIMEOUT_S)
+            timeout = min(HANDSHAKE_TIMEOUT_S, time_left(deadline, "the group was asked how to reach it"))
+            return stub.Transports(pb.TransportsRequest(), timeout=timeout)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
-                return None  # not reachable now: this call goes unary, the next one asks again
-            info = pb.TransportsResponse()  # a group from before the Transports RPC
-        route = _Route(group, address, self._paths(group, info))
-        with self._lock:
-            if group not in self._routes and self._clients.address(group) == address:
-                self._routes[group] = route
-                return route
-            existing = self._routes.get(group)
-        route.close()  # another thread got there first, or the group moved meanwhile
-        return existing
+                return None
+            return pb.TransportsResponse()  # a group from before the Transports RPC
 
     def _paths(self, group: str, info: pb.TransportsResponse) -> list[_Path]:
         paths: list[_Path] = []

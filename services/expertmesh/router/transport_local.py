@@ -18,7 +18,8 @@ CUDA buffer that cannot be made falls back to a memfd for good.
 Anything wrong with the path itself (connect, token, socket, a buffer too
 large) raises ``PathBroken`` so the call goes over gRPC; a deadline is
 DEADLINE_EXCEEDED and ends the connection (the group may still write into its
-buffer); an answer that does not read is a GroupReply with a problem.
+buffer); an answer that does not read is a GroupReply with a problem. Every
+wait, dialling a new connection included, ends at the call's deadline.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 from expertmesh import shared_buffer, wire, wire_frames
 from expertmesh.errors import InvalidRequest
-from expertmesh.router.transport import GroupReply, GroupRequest, PathBroken, TransportError, status_code
+from expertmesh.router.transport import GroupReply, GroupRequest, PathBroken, TransportError, status_code, time_left
 from expertmesh.router.transport_stream import request_frame
 from expertmesh.v1 import experts_pb2 as pb
 
@@ -55,7 +56,12 @@ def _size_for(need: int) -> int:
 
 
 class _Connection:
-    def __init__(self, path: str, token: bytes):
+    """One connection to the group's socket, opened by ``deadline`` (``time.monotonic()``) or not at all."""
+
+    def __init__(self, path: str, token: bytes, deadline: float):
+        # A stopped group (SIGSTOP, a debugger, swapped out) still takes connections into its backlog
+        # and then never answers: the wait ends at the call's deadline, if that comes first.
+        left = time_left(deadline, "the group's shared-memory socket was dialled")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.shared: wire_frames.BufferViews | None = None  # over a [bytes] uint8 buffer
         self.kind = "shm"
@@ -63,7 +69,7 @@ class _Connection:
         self._handle: pb.CudaIpcHandle | None = None  # a new CUDA buffer's handle, likewise
         self._small = 0
         try:
-            self.sock.settimeout(CONNECT_TIMEOUT_S)
+            self.sock.settimeout(min(CONNECT_TIMEOUT_S, left))
             self.sock.connect(path)
             try:
                 self.sock.send(pb.DispatchFrame(token=token).SerializeToString())
@@ -73,6 +79,14 @@ class _Connection:
             if not answer:
                 raise OSError("the group closed the connection")
             hello = wire_frames.parse_header(answer)
+        except TimeoutError:
+            self.close()
+            if left <= CONNECT_TIMEOUT_S:
+                raise TransportError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the group's shared-memory socket did not answer within the call's {left:.3g}s",
+                ) from None
+            raise PathBroken(f"the group's shared-memory socket {path} did not answer within {CONNECT_TIMEOUT_S:.3g}s") from None
         except (OSError, InvalidRequest) as err:
             self.close()
             raise PathBroken(f"cannot connect to the group's shared-memory socket {path}: {err}") from None
@@ -102,7 +116,7 @@ class _Connection:
             self.kind = "shm"
         self.shared = wire_frames.BufferViews(buffer)
 
-    def start(self, call_id: int, request: GroupRequest, use_cuda: bool) -> int:
+    def start(self, call_id: int, request: GroupRequest, use_cuda: bool, deadline: float) -> int:
         """Write the call into the buffer and send its frame; returns the answer's offset."""
         rows = pb.TensorMeta(
             dtype=wire.dtype_to_proto(request.hidden.dtype),
@@ -130,6 +144,7 @@ class _Connection:
             self._handle = None
         data = frame.SerializeToString()
         try:
+            self.sock.settimeout(time_left(deadline, "the call was sent"))
             if self._fd is not None:
                 socket.send_fds(self.sock, [data], [self._fd])
                 self._discard_fd()
@@ -139,13 +154,13 @@ class _Connection:
             raise PathBroken(f"the shared-memory socket failed: {err}") from None
         return answer_offset
 
-    def finish(self, call_id: int, answer_offset: int, timeout_s: float) -> GroupReply:
+    def finish(self, call_id: int, answer_offset: int, deadline: float) -> GroupReply:
         """The answer to the call in flight. Raises TransportError, or PathBroken when the socket broke."""
-        self.sock.settimeout(max(timeout_s, 1e-3))
         try:
+            self.sock.settimeout(time_left(deadline, "the group answered"))
             data = self.sock.recv(wire_frames.MAX_HEADER_BYTES)
         except TimeoutError:
-            raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:.3g}s") from None
+            raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, "the group did not answer before the call's deadline") from None
         except OSError as err:
             raise PathBroken(f"the shared-memory socket failed: {err}") from None
         if not data:
@@ -173,14 +188,14 @@ class _Connection:
 
 
 class _LocalPending:
-    def __init__(self, path: "LocalPath", conn: _Connection, call_id: int, answer_offset: int, timeout_s: float):
+    def __init__(self, path: "LocalPath", conn: _Connection, call_id: int, answer_offset: int, deadline: float):
         self._path, self._conn, self._call_id, self._offset = path, conn, call_id, answer_offset
-        self._deadline = time.monotonic() + timeout_s
+        self._deadline = deadline
         self.transport = conn.kind
 
     def result(self) -> GroupReply:
         try:
-            reply = self._conn.finish(self._call_id, self._offset, self._deadline - time.monotonic())
+            reply = self._conn.finish(self._call_id, self._offset, self._deadline)
         except TransportError as err:
             if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._conn.close()  # the group may still answer into this buffer: never reuse it
@@ -211,30 +226,31 @@ class LocalPath:
         self.name = "shm"
 
     def send(self, request: GroupRequest, timeout_s: float) -> _LocalPending:
+        deadline = time.monotonic() + timeout_s
         use_cuda = self._cuda_ok and bool(self._gpu) and shared_buffer.gpu_uuid(request.hidden.device) == self._gpu
         with self._lock:
             conn = self._idle.pop() if self._idle else None
-        conn = conn or _Connection(self._path, self._token)
+        conn = conn or _Connection(self._path, self._token, deadline)
         call_id = next(self._ids)
         try:
-            offset = self._start(conn, call_id, request, use_cuda)
+            offset = self._start(conn, call_id, request, use_cuda, deadline)
         except BaseException:
             conn.close()
             raise
         self.name = conn.kind
-        return _LocalPending(self, conn, call_id, offset, timeout_s)
+        return _LocalPending(self, conn, call_id, offset, deadline)
 
-    def _start(self, conn: _Connection, call_id: int, request: GroupRequest, use_cuda: bool) -> int:
+    def _start(self, conn: _Connection, call_id: int, request: GroupRequest, use_cuda: bool, deadline: float) -> int:
         try:
-            return conn.start(call_id, request, use_cuda)
-        except PathBroken:
+            return conn.start(call_id, request, use_cuda, deadline)
+        except (PathBroken, TransportError):
             raise
         except Exception as err:
             if not use_cuda:
                 raise PathBroken(f"the shared buffer failed: {type(err).__name__}: {err}") from None
             log.warning("CUDA IPC to the group failed (%s: %s); its calls use shared host memory", type(err).__name__, err)
             self._cuda_ok = False
-            return self._start(conn, call_id, request, use_cuda=False)
+            return self._start(conn, call_id, request, False, deadline)
 
     def release(self, conn: _Connection) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ the group answers them in order. The stream is opened on the channel without
 tracing interceptors (a span as long as the stream would mean nothing): each
 frame carries its group-call span's trace context instead.
 
-A call that outlives its deadline fails with DEADLINE_EXCEEDED and its late
+A call that outlives its deadline (counted from when it was sent) fails with DEADLINE_EXCEEDED and its late
 answer is dropped. When the stream ends, every call on it fails with the
 stream's status and the next call opens a new one. Stream-level refusals that
 say "not this way" (UNIMPLEMENTED: a group without the stream service;
@@ -22,6 +22,7 @@ import concurrent.futures
 import itertools
 import queue
 import threading
+import time
 
 import grpc
 from opentelemetry import propagate
@@ -107,15 +108,15 @@ class _Stream:
 class _StreamPending:
     transport = "grpc-stream"
 
-    def __init__(self, stream: _Stream, call_id: int, future: concurrent.futures.Future, timeout_s: float):
-        self._stream, self._call_id, self._future, self._timeout = stream, call_id, future, timeout_s
+    def __init__(self, stream: _Stream, call_id: int, future: concurrent.futures.Future, deadline: float):
+        self._stream, self._call_id, self._future, self._deadline = stream, call_id, future, deadline
 
     def result(self) -> GroupReply:
         try:
-            frame, payload, nbytes = self._future.result(timeout=self._timeout)
+            frame, payload, nbytes = self._future.result(timeout=max(self._deadline - time.monotonic(), 0))
         except concurrent.futures.TimeoutError:
             self._stream.forget(self._call_id)
-            raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._timeout:.3g}s") from None
+            raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, "the group did not answer before the call's deadline") from None
         if frame.code:
             raise TransportError(status_code(frame.code), frame.message)
         try:
@@ -139,6 +140,7 @@ class StreamPath:
         self._ids = itertools.count(1)
 
     def send(self, request: GroupRequest, timeout_s: float) -> _StreamPending:
+        deadline = time.monotonic() + timeout_s
         call_id = next(self._ids)
         frame = request_frame(call_id, request)
         data = wire_frames.pack(frame, [request.rows(), request.expert_ids, request.weights])
@@ -148,7 +150,7 @@ class StreamPath:
                     self._stream = _Stream(self._channel, self._same_host)
                 stream = self._stream
             try:
-                return _StreamPending(stream, call_id, stream.submit(call_id, data), timeout_s)
+                return _StreamPending(stream, call_id, stream.submit(call_id, data), deadline)
             except PathBroken:
                 continue
         raise PathBroken("the dispatch stream ended twice while a call was being sent")

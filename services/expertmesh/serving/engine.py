@@ -11,6 +11,11 @@ Glossary
   from the engine's one thread.
 - *step boundary*: between steps. Queued sequences join, finished, cancelled
   and expired ones leave, and the routing table may switch version, only here.
+- *routing*: each request's routing policy and query domain
+  (``GenerationRequest.routing``) ride with its tokens through the packed
+  forward (``routing_policy.StepRouting``, per token), so one step serves
+  requests of different policies; a step of plain requests carries none and
+  runs the stock gates untouched.
 
 The packed attention mask lets each query see only its own sequence's past,
 and every other layer works row by row, so a sequence's tokens are what they
@@ -45,7 +50,9 @@ from opentelemetry import trace
 from transformers import DynamicCache
 
 from expertmesh.errors import ExpertMeshError, Overloaded, ShuttingDown
+from expertmesh.router import degraded
 from expertmesh.router.dispatch import ExpertDispatcher
+from expertmesh.router.routing_policy import RequestRouting, step_routing
 from expertmesh.serving.forward import Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
 from expertmesh.serving.kv_cache import SequenceKV
 from expertmesh.serving.sampling import SamplingParams, make_generator, next_token, require_finite
@@ -68,6 +75,8 @@ class GenerationRequest:
     deadline: float | None = None
     #: run the prompt only and report its logits (the Score API)
     score_only: bool = False
+    #: its routing policy and domain (None: the stock gate, no domain)
+    routing: RequestRouting | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,11 @@ class Sequence:
     @property
     def decoding(self) -> bool:
         return self.fed >= len(self.request.prompt_ids)
+
+
+def _request_span(seq: Sequence) -> trace.Span | None:
+    """The span of ``seq``'s request (the parent of its step spans), when it is one in this process."""
+    return trace.get_current_span(seq.trace_context) if seq.trace_context is not None else None
 
 
 @dataclass(frozen=True)
@@ -318,8 +332,15 @@ class Engine:
             batch = pack([chunk for _, chunk in work], self._mask_spec)
             # The forward's spans nest under the first request's step; the other requests' steps are linked.
             links = [span.get_span_context() for span in spans[1:]]
-            with trace.use_span(spans[0]), self._dispatcher.serving_step(batch.positions, links), torch.no_grad():
+            routing = step_routing([(seq.request.routing, len(chunk.token_ids)) for seq, chunk in work])
+            with (
+                trace.use_span(spans[0]),
+                self._dispatcher.serving_step(batch.positions, links, routing),
+                degraded.collecting([len(chunk.token_ids) for _, chunk in work]) as marks,
+                torch.no_grad(),
+            ):
                 logits = forward_packed(self._model, batch)  # per sequence: [rows, V] or None
+            marks.mark([(span, _request_span(seq)) for span, (seq, _) in zip(spans, work)])
         except Exception as err:
             log.log(
                 logging.WARNING if isinstance(err, ExpertMeshError) else logging.ERROR,
@@ -338,12 +359,18 @@ class Engine:
 
     def _forward_alone(self, seq: Sequence, chunk: Chunk, step_size: int) -> torch.Tensor | None:
         """The per-sequence fallback: this sequence's own forward."""
+        span = self._step_span(seq, chunk, step_size)
         with (
-            trace.use_span(self._step_span(seq, chunk, step_size), end_on_exit=True),
-            self._dispatcher.serving_step(chunk.positions()),
+            trace.use_span(span, end_on_exit=True),
+            self._dispatcher.serving_step(
+                chunk.positions(), routing=step_routing([(seq.request.routing, len(chunk.token_ids))])
+            ),
+            degraded.collecting([len(chunk.token_ids)]) as marks,
             torch.no_grad(),
         ):
-            return forward_alone(self._model, chunk)
+            logits = forward_alone(self._model, chunk)
+            marks.mark([(span, _request_span(seq))])
+            return logits
 
     def _step_span(self, seq: Sequence, chunk: Chunk, step_size: int) -> trace.Span:
         """This sequence's share of the step, in its request's trace."""

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from expertmesh.config import ServingConfig
-from expertmesh.errors import ExpertMeshError
+from expertmesh.errors import ExpertMeshError, InvalidRequest
+from expertmesh.router.routing_policy import RequestRouting
 from expertmesh.serving.chat import chat_prompt_ids
 from expertmesh.serving.engine import Engine, FinishEvent, GenerationRequest
 from expertmesh.serving.engine import Sequence as EngineSequence
@@ -37,7 +38,9 @@ from expertmesh.serving.openai_schema import (
     Prompt,
     Usage,
 )
+from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.sampling import SamplingParams
+from expertmesh.v1 import inference_pb2 as pb
 
 _FINISH: dict[str, FinishReason] = {"length": "length", "context": "length", "stop": "stop", "eos": "stop"}
 
@@ -73,11 +76,16 @@ class ServedModel:
 
 
 class OpenAIAdapter:
-    def __init__(self, engine: Engine, tokenizer, model: ServedModel, config: ServingConfig):
+    def __init__(
+        self, engine: Engine, tokenizer, model: ServedModel, config: ServingConfig, routing: RequestRouter | None = None
+    ):
+        """``routing``: the gRPC API's resolver of routing policies and domains (None: requests may ask
+        for none)."""
         self._engine = engine
         self._tokenizer = tokenizer
         self.model = model
         self._config = config
+        self._routing = routing
 
     def check_model(self, name: str) -> None:
         if name != self.model.name:
@@ -125,6 +133,7 @@ class OpenAIAdapter:
         if body.stop and self._tokenizer is None:
             raise ApiError.bad_request("stop sequences need the model's tokenizer, and this model has none", param="stop")
         max_new = body.max_new_tokens
+        routing = self._request_routing(body, prompt_ids)
         return GenerationRequest(
             request_id=request_id,
             prompt_ids=tuple(prompt_ids),
@@ -137,7 +146,27 @@ class OpenAIAdapter:
             ),
             stop=tuple(body.stop),
             stop_at_eos=not body.ignore_eos,
+            routing=routing,
         )
+
+    def _request_routing(self, body: GenerationFields, prompt_ids: list[int]) -> RequestRouting | None:
+        """The body's ``routing_policy`` and ``domain`` resolved as the gRPC API resolves them."""
+        message = pb.GenerateRequest()
+        if isinstance(body.routing_policy, str):
+            message.routing_policy.name = body.routing_policy
+        elif body.routing_policy is not None:
+            message.routing_policy.CopyFrom(pb.RoutingPolicy(**body.routing_policy.model_dump(exclude_none=True)))
+        if body.domain is not None:
+            message.domain = body.domain
+        if self._routing is None:
+            if message.HasField("routing_policy") or message.HasField("domain"):
+                raise ApiError.bad_request("this server takes no routing policies or domains", param="routing_policy")
+            return None
+        text = self._tokenizer.decode(prompt_ids) if self._tokenizer is not None else None
+        try:
+            return self._routing.resolve(message, lambda: text)
+        except InvalidRequest as err:
+            raise ApiError.bad_request(str(err), param=str(err).split(":", 1)[0]) from None
 
     def submit(self, request: GenerationRequest) -> EngineSequence:
         """The engine's sequence; a full or draining engine is a 429 or 503."""

@@ -66,6 +66,21 @@ def _within_cap(value: int | None, info: ValidationInfo) -> int | None:
     return value
 
 
+class RoutingPolicyBody(BaseModel):
+    """expertmesh's extra ``routing_policy`` body field as an object (a plain string names the policy);
+    names and ranges as ListModels reports them, checked by the router."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = ""
+    alpha: float | None = None
+    top_n: int | None = None
+    delta: float | None = None
+    weight_boost: float | None = None
+    threshold: float | None = None
+    force: bool = False
+
+
 class GenerationFields(BaseModel):
     """What completions and chat completions share; ``None`` takes the server's default.
     Validate with ``context={MAX_TOKENS_CAP: n}`` to hold ``max_tokens`` to the server's cap."""
@@ -88,6 +103,9 @@ class GenerationFields(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    #: expertmesh extras: the request's routing policy and its query domain (see the gRPC GenerateRequest)
+    routing_policy: str | RoutingPolicyBody | None = None
+    domain: str | None = None
 
     _check_stop = field_validator("stop")(_stop_limits)
     _check_cap = field_validator("max_tokens")(_within_cap)

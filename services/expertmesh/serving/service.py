@@ -36,6 +36,7 @@ from expertmesh.serving.engine import (
     ScoreEvent,
     TokenEvent,
 )
+from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.sampling import SamplingParams
 from expertmesh.serving.text_stream import stop_problems
 from expertmesh.telemetry.setup import meter, tracer
@@ -62,7 +63,10 @@ class InferenceServicer:
         table_version,
         load_window,
         group_transports: Callable[[], dict[str, str]] = dict,
+        routing: RequestRouter | None = None,
     ):
+        """``routing``: resolves each request's routing policy and domain (None: one without a state
+        store, so policies that need a domain's profile are refused)."""
         self._load_window = load_window
         m = meter()
         self._duration = m.create_histogram("expertmesh.request.duration", unit="s", description="Generate, first byte in to last out")
@@ -76,6 +80,9 @@ class InferenceServicer:
         self._table_version = table_version
         #: group -> what carries the router's calls to it (ListModels reports it)
         self._group_transports = group_transports
+        self.routing = routing or RequestRouter(
+            info.top_k, info.num_experts, tuple(info.moe_layers), config.routing_policy, None, config.policy_kl_bound
+        )
 
     # -- validation ------------------------------------------------------------------
 
@@ -136,6 +143,7 @@ class InferenceServicer:
             raise InvalidRequest("; ".join(problems))
         if request.stop and self._tokenizer is None:
             raise InvalidRequest("stop sequences need the model's tokenizer, and this model has none")
+        routing = self.routing.resolve(request, lambda: self._prompt_text(request, ids))
         remaining = context.time_remaining()
         return GenerationRequest(
             request_id=request.request_id or uuid.uuid4().hex[:16],
@@ -145,7 +153,14 @@ class InferenceServicer:
             stop=tuple(request.stop),
             stop_at_eos=request.stop_at_eos if request.HasField("stop_at_eos") else True,
             deadline=None if remaining is None else time.monotonic() + remaining,
+            routing=routing,
         )
+
+    def _prompt_text(self, request: pb.GenerateRequest | pb.ScoreRequest, ids: list[int]) -> str | None:
+        """The prompt as text, for the query classifier (None: token ids and no tokenizer to read them)."""
+        if request.WhichOneof("prompt") == "text":
+            return request.text
+        return self._tokenizer.decode(ids) if self._tokenizer is not None else None
 
     # -- handlers --------------------------------------------------------------------
 
@@ -165,6 +180,8 @@ class InferenceServicer:
                     "expertmesh.request_id": request.request_id,
                     "expertmesh.prompt_tokens": len(request.prompt_ids),
                     "expertmesh.max_new_tokens": request.max_new_tokens,
+                    "expertmesh.routing_policy": request.routing.policy.name if request.routing else "exact",
+                    "expertmesh.domain": (request.routing.domain if request.routing else None) or "",
                 }
             )
             context.add_callback(seq.cancel)
@@ -223,6 +240,7 @@ class InferenceServicer:
                 raise InvalidRequest(
                     f"the prompt has {len(ids)} tokens; the model's context is {self._info.max_context} tokens"
                 )
+            routing = self.routing.resolve(request, lambda: self._prompt_text(request, ids))
             remaining = context.time_remaining()
             seq = self._engine.submit(
                 GenerationRequest(
@@ -230,6 +248,7 @@ class InferenceServicer:
                     prompt_ids=tuple(ids),
                     deadline=None if remaining is None else time.monotonic() + remaining,
                     score_only=True,
+                    routing=routing,
                 )
             )
         except ExpertMeshError as err:
@@ -254,7 +273,11 @@ class InferenceServicer:
         info.CopyFrom(self._info)
         info.routing_table_version = self._table_version()
         info.group_transports.update(self._group_transports())
-        return pb.ListModelsResponse(models=[info])
+        return pb.ListModelsResponse(
+            models=[info],
+            routing_policies=self.routing.catalogue(),
+            default_routing_policy=self.routing.default.name,
+        )
 
     def GetLoadStats(self, request: pb.LoadStatsRequest, context) -> pb.LoadStatsResponse:
         return pb.LoadStatsResponse(stats_json=json.dumps(self._load_window.snapshot().to_stats_dict()))
@@ -266,6 +289,8 @@ class InferenceServer:
     def __init__(self, servicer: InferenceServicer, engine: Engine, config: ServingConfig):
         self.engine = engine
         self._config = config
+        #: the servicer's resolver of routing policies, shared with the HTTP API
+        self.routing = servicer.routing
         limits = engine.limits
         # Streams hold a thread each; past this many concurrent RPCs gRPC answers RESOURCE_EXHAUSTED itself.
         concurrent = limits.max_active + limits.max_queued + 8

@@ -19,8 +19,14 @@ Keys (all under the ``expertmesh:`` prefix, one namespace per deployment):
 - ``quarantine``            hash: ``"<layer>/<expert>/<group>"`` -> JSON ``QuarantinedReplica``: the
   replicas that must not receive tokens (the health monitor quarantined them, or
   has them on probation after a repair); routers read it
+- ``profiles``              hash: domain -> JSON capability profile (``expertmesh.router.profiles``)
+- ``policy_quality``        hash: routing policy -> JSON of its last ``expertmesh policy eval``
 - ``health``                hash: ``"<layer>/<expert>/<group>"`` -> the health monitor's JSON record of
   that replica (``expertmesh.orchestrator.health.state``; opaque here)
+- ``hidden_samples:<layer>`` hash: router id -> a sample of the real hidden states that reached the MoE
+  layer (``state.samples`` bytes [rows, H], ``router.hidden_sample``); the health monitor probes with it
+- ``health_probes``         hash: layer -> the probe input the health monitor pinned for it
+  (``expertmesh.orchestrator.health.probes``; opaque here)
 """
 
 from __future__ import annotations
@@ -208,6 +214,43 @@ class StateStore:
 
     def health_records(self) -> dict[str, bytes]:
         return self._kv.hgetall(self._key("health"))
+
+    # -- hidden-state samples ------------------------------------------------------------
+    # Written by routers (when sampling is on), read by the health monitor.
+
+    def publish_hidden_sample(self, layer: int, router_id: str, sample: bytes) -> None:
+        self._kv.hset(self._key(f"hidden_samples:{layer}"), router_id, sample)
+
+    def hidden_samples(self, layer: int) -> dict[str, bytes]:
+        """router id -> its latest sample of ``layer``'s hidden states."""
+        return self._kv.hgetall(self._key(f"hidden_samples:{layer}"))
+
+    def remove_hidden_samples(self, router_id: str, layers) -> None:
+        for layer in layers:
+            self._kv.hdel(self._key(f"hidden_samples:{layer}"), router_id)
+
+    def save_health_probe(self, layer: int, probe: bytes) -> None:
+        self._kv.hset(self._key("health_probes"), str(layer), probe)
+
+    def health_probes(self) -> dict[str, bytes]:
+        return self._kv.hgetall(self._key("health_probes"))
+
+    # -- routing-policy data ---------------------------------------------------------------
+    # Written by `expertmesh profile build` and `expertmesh policy eval`, read by routers.
+
+    def save_profile(self, domain: str, record: bytes) -> None:
+        self._kv.hset(self._key("profiles"), domain, record)
+
+    def profiles(self) -> dict[str, bytes]:
+        """domain -> its capability profile (``expertmesh.router.profiles``; opaque here)."""
+        return self._kv.hgetall(self._key("profiles"))
+
+    def save_policy_quality(self, policy: str, record: bytes) -> None:
+        self._kv.hset(self._key("policy_quality"), policy, record)
+
+    def policy_quality(self) -> dict[str, bytes]:
+        """policy (name and parameters) -> its recorded evaluation (``expertmesh.router.policy_eval``)."""
+        return self._kv.hgetall(self._key("policy_quality"))
 
     def close(self) -> None:
         self._kv.close()

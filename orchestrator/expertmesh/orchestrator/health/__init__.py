@@ -2,7 +2,8 @@
 compute wrong, repair them from the checkpoint, and put them back.
 
 Split like ``orchestrator.drift``: ``state`` (records, checks, findings: plain
-data, persisted in the state store), ``measure`` (probe inputs, histograms, KL,
+data, persisted in the state store), ``probes`` (the probe inputs: recorded or
+seeded, pinned in the store), ``measure`` (probe batches, histograms, KL,
 distances between replicas: pure), ``policy`` (findings, the state machine and
 the routing-table edit: pure), ``reference`` (an expert's output computed here
 from the checkpoint with stock transformers), ``monitor`` (the I/O: one round,
@@ -16,18 +17,19 @@ replica
     One group holding one (layer, expert) (``ReplicaId``). Health is judged per
     replica: one copy of an expert can go bad while the others stay sound.
 probe
-    ``tokens`` seeded standard-normal hidden states [tokens, hidden] for one MoE
-    layer (seed + layer), sent by Dispatch to each replica of each of its experts
-    alone at weight 1 (routing-table version 0, which migrations' drains ignore),
-    so the partial sums are the expert's own output. Made here rather than
-    sampled from the routers' traffic: the same input every round means a
-    healthy replica's figures do not move at all (a KL of exactly 0 on one
-    device), so every change is the weights' and none is the traffic's; and it
-    keeps users' hidden states, from which prompts can be recovered, out of the
-    state store, where 1000 rows per layer would also weigh 1.6 GB for a
-    DeepSeek-V3 (58 layers x 7168 x 4 bytes). The price: inputs with RMS 1 per
-    row are what the normalisation before each MoE block produces before its
-    per-channel weights, not the exact distribution the router sees.
+    Per MoE layer, up to ``tokens`` hidden states [T, H] that every replica of
+    every expert of the layer computes in a check, alone at weight 1 (one
+    Dispatch per group per layer for all its experts, routing-table version 0,
+    which migrations' drains ignore), so the partial sums are each expert's own
+    output. Recorded when routers sample their traffic
+    (``EXPERTMESH_HIDDEN_SAMPLE_TOKENS``, ``router.hidden_sample``): a sample is
+    pinned and reused round after round, so a healthy replica's figures do not
+    move at all (a KL of exactly 0 on one device) and every change is the
+    weights', and re-pinned every ``probe_refresh_s`` over a layer judged healthy.
+    Seeded standard-normal states (seed + layer) where no router records any:
+    RMS 1 per row, what the normalisation before each MoE block produces before
+    its per-channel weights, not the distribution real traffic brings. Each
+    check says which it used (``probe_source``). ``probes`` has the details.
 fingerprint
     A checksum of one expert's weights that its group takes when it reads them
     from disk and recomputes on demand (``expert_group.fingerprint``, the

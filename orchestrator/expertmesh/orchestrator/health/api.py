@@ -29,6 +29,7 @@ def replica_to_proto(status: ReplicaStatus) -> pb.ReplicaHealth:
         last_check=r.last_check,
         quarantined_by=r.quarantined_by.value if r.quarantined_by else "",
         repairs=r.repairs,
+        probe_source=r.probe_source,
         history=[pb.HealthTransition(state=state_to_proto(t.state), at=t.at, reason=t.reason) for t in r.history],
     )
     if r.kl is not None:

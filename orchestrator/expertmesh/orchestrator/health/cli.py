@@ -3,7 +3,9 @@ health through the orchestrator's admin API.
 
 ``experts`` prints one row per replica (layer x expert x group): its state, whether
 the routing table lists it, the KL of its last check, its mean output norm now and
-at baseline, when it was last checked, and why it is in its state. Exit codes as
+at baseline, when it was last checked, what it was probed with (``recorded`` hidden
+states of real traffic, or ``seeded`` ones where routers record none), and why it
+is in its state. Exit codes as
 everywhere: 0 done, 1 a release that left a replica quarantined (its verification
 failed), 2 bad input or an unreachable orchestrator (one line).
 """
@@ -12,12 +14,11 @@ from __future__ import annotations
 
 import time
 
-from expertmesh.orchestrator.health.api import state_from_proto
 from expertmesh.orchestrator.health.state import HealthState
 from expertmesh.orchestrator.admin_client import DEFAULT_ADMIN, call, connect
 from expertmesh.v1 import admin_pb2 as pb
 
-_COLUMNS = ("LAYER", "EXPERT", "GROUP", "STATE", "LISTED", "KL", "NORM", "BASELINE", "LAST CHECK", "REASON")
+_COLUMNS = ("LAYER", "EXPERT", "GROUP", "STATE", "LISTED", "KL", "NORM", "BASELINE", "LAST CHECK", "PROBE", "REASON")
 #: a release reloads weights from disk: allow more than a listing's 30 s
 RELEASE_TIMEOUT_S = 900.0
 
@@ -54,6 +55,8 @@ def _figure(message: pb.ReplicaHealth, field: str) -> str:
 
 
 def row(r: pb.ReplicaHealth, now: float) -> tuple[str, ...]:
+    from expertmesh.orchestrator.health.api import state_from_proto  # beside the monitor: torch; not at parse time
+
     return (
         str(r.layer),
         str(r.expert),
@@ -64,6 +67,7 @@ def row(r: pb.ReplicaHealth, now: float) -> tuple[str, ...]:
         _figure(r, "norm_mean"),
         _figure(r, "baseline_norm_mean") + (f" ({_ago(r.baseline_at, now)})" if r.baseline_at else ""),
         _ago(r.last_check, now),
+        r.probe_source or "-",
         r.reason or "-",
     )
 
@@ -94,6 +98,8 @@ def run_quarantine(args) -> int:
 
 
 def run_release(args) -> int:
+    from expertmesh.orchestrator.health.api import state_from_proto  # beside the monitor: torch; not at parse time
+
     channel, stub = connect(args.admin)
     with channel:
         request = pb.ReleaseRequest(layer=args.layer, expert=args.expert, group=args.group or "")

@@ -22,7 +22,14 @@ class HealthConfig(BaseSettings):
     enabled: bool = Field(False, description="run the health loop in the orchestrator (`--health-monitor`)")
     interval_s: float = Field(600.0, gt=0, description="seconds between the loop's checks")
     tokens: int = Field(1000, ge=16, le=65536, description="probe hidden states sent to each replica of each expert per check")
-    seed: int = Field(0, ge=0, description="seed of the probe hidden states (layer l uses seed + l)")
+    seed: int = Field(0, ge=0, description="seed of the seeded probe (layer l uses seed + l), used where routers record no hidden states")
+    probe_refresh_s: float = Field(
+        3600.0, gt=0, description="seconds before the monitor pins a fresh sample of the routers' recorded hidden states as a layer's probe"
+    )
+    probe_concurrency: int = Field(4, ge=1, le=256, description="expert groups probed at once")
+    probe_batch_bytes: int = Field(
+        64 << 20, ge=1, description="hidden-state bytes of one probe Dispatch (a group's experts of a layer share calls up to this)"
+    )
     histogram_bins: int = Field(20, ge=2, le=256, description="bins of the output-norm and activation histograms")
     kl_suspect: float = Field(0.05, gt=0, description="KL(baseline || now) above this makes a replica suspect")
     kl_quarantine: float = Field(0.5, gt=0, description="KL(baseline || now) above this quarantines a replica at once")

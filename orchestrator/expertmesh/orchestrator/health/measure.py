@@ -1,8 +1,6 @@
-"""Probe inputs, and the figures of one replica's probe output: histograms, the KL
-divergence from a baseline, the distance between replicas. Pure functions, no I/O.
-
-Why the probe is made here rather than sampled from traffic: see the package
-docstring ("probe").
+"""Probe batches, and the figures of one replica's probe output: histograms, the KL
+divergence from a baseline, the distance between replicas. Pure functions, no I/O
+(the probe inputs themselves are ``probes``').
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import numpy as np
 import torch
 
 from expertmesh.orchestrator.health.state import Baseline, Histogram
+from expertmesh.orchestrator.migration.plan import Canary
 
 #: output values an activation histogram looks at (a fixed stride through the finite rows)
 ACTIVATION_SAMPLE = 1 << 16
@@ -21,12 +20,19 @@ ACTIVATION_SAMPLE = 1 << 16
 SMOOTHING = 0.5
 
 
-def probe(hidden_size: int, tokens: int, layer: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """[tokens, hidden_size] seeded standard-normal hidden states (RMS about 1 per row, as the
-    normalisation before every supported MoE block makes them), cast to ``dtype``. The same
-    arguments give the same tensor on every call."""
-    generator = torch.Generator().manual_seed(seed + layer)
-    return torch.randn(tokens, hidden_size, generator=generator).to(dtype)
+def probe_batch(hidden: torch.Tensor, experts: tuple[int, ...]) -> Canary:
+    """One Dispatch that probes each of ``experts`` on all of hidden [T, H]: rows e*T .. (e+1)*T - 1 go to
+    ``experts[e]`` alone at weight 1, so those rows of the partial sums [len(experts) * T, H] are its output."""
+    tokens = hidden.shape[0]
+    ids = torch.tensor(experts, dtype=torch.int32).repeat_interleave(tokens)[:, None]  # [E*T, 1]
+    return Canary(hidden.repeat(len(experts), 1), ids, torch.ones(ids.shape[0], 1))
+
+
+def batches(experts: list[int], tokens: int, row_bytes: int, budget_bytes: int) -> list[tuple[int, ...]]:
+    """``experts`` in chunks whose probe batch (tokens rows each, ``row_bytes`` a row) stays within
+    ``budget_bytes`` (at least one expert a chunk): few calls, none too large for a message."""
+    per_call = max(1, budget_bytes // max(1, tokens * row_bytes))
+    return [tuple(experts[i : i + per_call]) for i in range(0, len(experts), per_call)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,12 +90,13 @@ def kl_divergence(p: Histogram, q: Histogram) -> float:
     return float(np.sum(a * np.log(a / b)))
 
 
-def baseline(output: Output, fingerprint: str, at: float, bins: int) -> Baseline:
-    """The baseline ``output`` makes: its histograms on bins at its own quantiles."""
+def baseline(output: Output, fingerprint: str, at: float, bins: int, probe: str) -> Baseline:
+    """The baseline ``output`` (of the probe input ``probe``) makes: its histograms on bins at its own quantiles."""
     norms, values = output.finite_norms, output.activations
     return Baseline(
         taken_at=at,
         fingerprint=fingerprint,
+        probe=probe,
         norm_mean=output.norm_mean,
         norms=histogram(norms, quantile_edges(norms, bins)),
         activations=histogram(values, quantile_edges(values, bins)),

@@ -1,9 +1,13 @@
 """The health monitor: one guarded round (``update``) = observe every group, probe
-every replica, judge (``policy``), repair what the monitor quarantined before,
-and settle: publish the routing table ``policy.plan_table`` asks for, the
+every replica, judge (``policy``), pin a fresh probe input where one is due
+(``probes``), repair what the monitor quarantined before, and settle: publish the routing table ``policy.plan_table`` asks for, the
 records, and the ``quarantine`` entries routers read. ``quarantine`` and
 ``release`` are the operator's commands; ``start`` runs a round every
 ``interval_s`` in a thread.
+
+Probing scales with the model: each group gets one Dispatch per layer for all of
+its experts' probe rows (split only to stay under ``probe_batch_bytes``), and
+groups are observed and probed ``probe_concurrency`` at a time.
 
 Rounds and commands run one at a time (one lock); a round survives groups that
 do not answer (their replicas are not checked this round, their records stay)
@@ -25,24 +29,27 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
-import torch
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.errors import QuarantineRefused
-from expertmesh.orchestrator.health import measure, policy, state
+from expertmesh.orchestrator.health import measure, policy, probes, state
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.reference import Reference
 from expertmesh.orchestrator.health.state import Check, Finding, HealthState, Initiator, Pair, ReplicaId, ReplicaRecord
 from expertmesh.orchestrator.migration.groups import Fingerprint, GroupCallFailed, GroupChannels, GroupView
-from expertmesh.orchestrator.migration.plan import Canary, canary_difference, check_all_hosted
+from expertmesh.orchestrator.migration.plan import canary_difference, check_all_hosted
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import QuarantinedReplica, StateStore
 from expertmesh.telemetry.setup import meter, tracer
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,8 @@ class HealthRound:
     table_version: int
     #: groups that did not answer Describe or Fingerprint; their replicas were not checked
     unreachable: tuple[str, ...]
+    #: layer -> the probe input its replicas were checked on ("recorded" or "seeded")
+    probes: Mapping[int, str]
 
 
 @dataclass(frozen=True)
@@ -70,12 +79,6 @@ class _Observed:
 
     def holds(self, pair: Pair) -> bool:
         return pair in self.view.pairs and pair in self.fingerprints
-
-
-def _alone(hidden: torch.Tensor, expert: int) -> Canary:
-    """hidden [T, H] for ``expert`` alone at weight 1: the partial sums are its output."""
-    tokens = hidden.shape[0]
-    return Canary(hidden, torch.full((tokens, 1), expert, dtype=torch.int32), torch.ones(tokens, 1))
 
 
 class HealthMonitor:
@@ -117,18 +120,25 @@ class HealthMonitor:
             observed, unreachable = self._observe()
             records = self._forget_unheld(state.load_all(self._store), observed)
             due = [rid for rid, r in records.items() if policy.wants_repair(r, self.config) and rid.group in observed]
+            targets = self._targets(table, records, observed)
+            inputs = self._probes(sorted({rid.layer for rid in targets}), observed)
             found: dict[ReplicaId, tuple[Finding, ...]] = {}
-            for rid, check in self._check(table, records, observed, now).items():
+            for rid, check in self._check(targets, inputs, records, observed, now).items():
                 before = records.get(rid) or ReplicaRecord(rid, since=now)
                 after, found[rid] = policy.judge(before, check, self.config)
                 records[rid] = self._note(before, after, span)
+            self._refresh_probes(inputs, targets, records, found, observed, now)
             for rid in due:
                 if policy.wants_repair(records[rid], self.config):
-                    records[rid] = self._note(records[rid], self._repair(records[rid], observed[rid.group].view, now), span)
+                    view = observed[rid.group].view
+                    probe = inputs.get(rid.layer) or self._current_probe(rid.layer, view.hidden_size)
+                    records[rid] = self._note(records[rid], self._repair(records[rid], view, probe, now), span)
             records, table = self._settle(records)
             span.set_attribute("expertmesh.health.checked", len(found))
+            recorded = sorted(layer for layer, p in inputs.items() if p.source is probes.ProbeSource.RECORDED)
+            span.set_attribute("expertmesh.health.recorded_layers", recorded)
             span.set_attribute("expertmesh.routing_table.version", table.version)
-        return HealthRound(now, records, found, table.version, unreachable)
+        return HealthRound(now, records, found, table.version, unreachable, {layer: p.source.value for layer, p in inputs.items()})
 
     def _table(self) -> RoutingTable:
         table = self._store.routing_table()
@@ -136,14 +146,32 @@ class HealthMonitor:
             raise QuarantineRefused("no routing table in the state store yet; start the expert groups first")
         return table
 
+    def _each_group(self, call: Callable[[str], T], groups: list[str]) -> dict[str, T | GroupCallFailed]:
+        """group -> ``call(group)`` (or the GroupCallFailed it raised), ``probe_concurrency`` groups at a time."""
+
+        def guarded(group: str) -> T | GroupCallFailed:
+            try:
+                return call(group)
+            except GroupCallFailed as err:
+                return err
+
+        if not groups:
+            return {}
+        workers = min(self.config.probe_concurrency, len(groups))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expertmesh-health") as pool:
+            return dict(zip(groups, pool.map(guarded, groups)))
+
     def _observe(self) -> tuple[dict[str, _Observed], tuple[str, ...]]:
         observed, unreachable = {}, []
-        for group in sorted(self._store.endpoints()):
-            try:
-                observed[group] = _Observed(self._groups.describe(group), self._groups.fingerprints(group))
-            except GroupCallFailed as err:
-                log.warning("health: cannot observe group %s, its replicas wait for the next round: %s", group, err)
+        answers = self._each_group(
+            lambda group: _Observed(self._groups.describe(group), self._groups.fingerprints(group)), sorted(self._store.endpoints())
+        )
+        for group, answer in answers.items():
+            if isinstance(answer, GroupCallFailed):
+                log.warning("health: cannot observe group %s, its replicas wait for the next round: %s", group, answer)
                 unreachable.append(group)
+            else:
+                observed[group] = answer
         return observed, tuple(unreachable)
 
     def _forget_unheld(self, records: dict[ReplicaId, ReplicaRecord], observed: dict[str, _Observed]) -> dict[ReplicaId, ReplicaRecord]:
@@ -154,56 +182,135 @@ class HealthMonitor:
             self._store.clear_quarantined(rid.layer, rid.expert, rid.group)
         return records
 
-    def _check(
-        self, table: RoutingTable, records: Mapping[ReplicaId, ReplicaRecord], observed: dict[str, _Observed], now: float
-    ) -> dict[ReplicaId, Check]:
-        """Probe every replica the table lists or the monitor withdrew, on a group that holds it."""
+    def _targets(self, table: RoutingTable, records: Mapping[ReplicaId, ReplicaRecord], observed: dict[str, _Observed]) -> list[ReplicaId]:
+        """Every replica the table lists or the monitor withdrew, on a group that holds it."""
         listed = {ReplicaId(layer, e, g) for (layer, e), groups in table.replicas.items() for g in groups}
         withdrawn = {rid for rid, r in records.items() if r.withdrawn}
-        targets = sorted(rid for rid in listed | withdrawn if rid.group in observed and observed[rid.group].holds(rid.pair))
-        probes: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        outputs: dict[ReplicaId, measure.Output] = {}
+        return sorted(rid for rid in listed | withdrawn if rid.group in observed and observed[rid.group].holds(rid.pair))
+
+    def _current_probe(self, layer: int, hidden_size: int) -> probes.Probe:
+        """The layer's pinned probe, or the seeded one."""
+        pinned = probes.load_pinned(self._store, hidden_size).get(layer)
+        return pinned or probes.seeded(layer, hidden_size, self.config.tokens, self.config.seed)
+
+    def _probes(self, layers: list[int], observed: dict[str, _Observed]) -> dict[int, probes.Probe]:
+        if not layers:
+            return {}
+        hidden_size = next(iter(observed.values())).view.hidden_size
+        pinned = probes.load_pinned(self._store, hidden_size)
+        return {layer: pinned.get(layer) or probes.seeded(layer, hidden_size, self.config.tokens, self.config.seed) for layer in layers}
+
+    def _probe_all(
+        self, targets: list[ReplicaId], inputs: Mapping[int, probes.Probe], observed: dict[str, _Observed]
+    ) -> dict[ReplicaId, measure.Output]:
+        """Each target's output on its layer's probe: per group one Dispatch per layer for all its experts
+        (``measure.batches``), groups in parallel. A failed call leaves its replicas out (next round)."""
+        by_group: dict[str, dict[int, list[int]]] = {}
         for rid in targets:
-            view = observed[rid.group].view
-            key = (rid.layer, view.dtype)
-            if key not in probes:
-                probes[key] = measure.probe(view.hidden_size, self.config.tokens, rid.layer, self.config.seed, view.dtype)
-            try:
-                outputs[rid] = measure.summarise(self._groups.dispatch(rid.group, rid.layer, _alone(probes[key], rid.expert)))
-            except GroupCallFailed as err:
-                log.warning("health: probe of %s failed, it waits for the next round: %s", rid.describe(), err)
+            by_group.setdefault(rid.group, {}).setdefault(rid.layer, []).append(rid.expert)
+
+        def probe_group(group: str) -> dict[ReplicaId, measure.Output]:
+            view, out = observed[group].view, {}
+            for layer, experts in sorted(by_group[group].items()):
+                hidden = inputs[layer].hidden.to(view.dtype)  # [T, H]
+                tokens = hidden.shape[0]
+                row_bytes = hidden.shape[1] * hidden.element_size()
+                for chunk in measure.batches(experts, tokens, row_bytes, self.config.probe_batch_bytes):
+                    try:
+                        got = self._groups.dispatch(group, layer, measure.probe_batch(hidden, chunk))  # [len(chunk) * T, H]
+                    except GroupCallFailed as err:
+                        log.warning("health: probe of layer %d experts %s on %s failed, they wait for the next round: %s", layer, list(chunk), group, err)
+                        continue
+                    if tuple(got.shape) != (len(chunk) * tokens, hidden.shape[1]):
+                        log.warning("health: %s answered the probe of layer %d with shape %s; its experts wait for the next round", group, layer, list(got.shape))
+                        continue
+                    for i, expert in enumerate(chunk):
+                        out[ReplicaId(layer, expert, group)] = measure.summarise(got[i * tokens : (i + 1) * tokens])
+            return out
+
+        outputs: dict[ReplicaId, measure.Output] = {}
+        for answer in self._each_group(probe_group, sorted(by_group)).values():
+            outputs.update(answer)  # probe_group catches its own GroupCallFailed
+        return outputs
+
+    def _check(
+        self,
+        targets: list[ReplicaId],
+        inputs: Mapping[int, probes.Probe],
+        records: Mapping[ReplicaId, ReplicaRecord],
+        observed: dict[str, _Observed],
+        now: float,
+    ) -> dict[ReplicaId, Check]:
+        outputs = self._probe_all(targets, inputs, observed)
         by_pair: dict[Pair, dict[str, measure.Output]] = {}
         for rid, output in outputs.items():
             by_pair.setdefault(rid.pair, {})[rid.group] = output
         deviations = {pair: measure.deviations({g: o.norms for g, o in outs.items()}) for pair, outs in by_pair.items()}
         checks = {}
-        for rid, output in outputs.items():
-            seen = observed[rid.group]
+        for rid, output in sorted(outputs.items()):
+            seen, probe = observed[rid.group], inputs[rid.layer]
             fingerprint = seen.fingerprints[rid.pair]
-            base = policy.current_baseline(records[rid], fingerprint.loaded) if rid in records else None
+            base = policy.current_baseline(records[rid], fingerprint.loaded, probe.digest) if rid in records else None
             checks[rid] = Check(
                 at=now,
                 fingerprint=fingerprint.loaded,
                 fingerprint_intact=fingerprint.intact,
+                probe=probe.digest,
+                probe_source=probe.source.value,
                 probe_non_finite=output.non_finite,
                 served_non_finite=seen.view.non_finite_rows.get(rid.pair, 0),
                 norm_mean=output.norm_mean,
                 kl=measure.divergence(output, base) if base is not None else None,
-                candidate=measure.baseline(output, fingerprint.loaded, now, self.config.histogram_bins),
+                # quantiles cost more than the rest of a check: only a replica without a baseline needs one
+                candidate=measure.baseline(output, fingerprint.loaded, now, self.config.histogram_bins, probe.digest) if base is None else None,
                 deviation=deviations[rid.pair].get(rid.group),
                 replicas=len(by_pair[rid.pair]),
             )
         return checks
 
-    def _repair(self, record: ReplicaRecord, view: GroupView, now: float) -> ReplicaRecord:
+    def _refresh_probes(
+        self,
+        inputs: dict[int, probes.Probe],
+        targets: list[ReplicaId],
+        records: dict[ReplicaId, ReplicaRecord],
+        found: Mapping[ReplicaId, tuple[Finding, ...]],
+        observed: dict[str, _Observed],
+        now: float,
+    ) -> None:
+        """Pin the routers' recorded hidden states as the probe of each layer where one is due (seeded now, or
+        pinned ``probe_refresh_s`` ago) and every replica was judged healthy on the old probe this round: each
+        gets its baseline on the new probe now (``probes``' docstring has why)."""
+        for layer, current in sorted(inputs.items()):
+            if current.source is probes.ProbeSource.RECORDED and now - current.pinned_at < self.config.probe_refresh_s:
+                continue
+            fresh = probes.recorded(self._store, layer, current.hidden.shape[1], self.config.tokens, now)
+            if fresh is None or fresh.digest == current.digest:
+                continue
+            layer_records = [r for rid, r in records.items() if rid.layer == layer]
+            if not policy.may_change_probe(layer_records, found, current.digest):
+                log.info("health: layer %d keeps its %s probe until every replica of it is healthy", layer, current.source)
+                continue
+            layer_targets = [rid for rid in targets if rid.layer == layer]
+            outputs = self._probe_all(layer_targets, {layer: fresh}, observed)
+            if set(outputs) != set(layer_targets):
+                continue  # a failed call: the next round tries again
+            for rid in layer_targets:
+                fingerprint = observed[rid.group].fingerprints[rid.pair].loaded
+                baseline = measure.baseline(outputs[rid], fingerprint, now, self.config.histogram_bins, fresh.digest)
+                records[rid] = policy.rebaselined(records[rid], baseline, fresh.source.value)
+            probes.pin(self._store, fresh)
+            inputs[layer] = fresh
+            log.info("health: layer %d probes with %d recorded hidden states from now on (%s)", layer, fresh.hidden.shape[0], fresh.digest)
+
+    def _repair(self, record: ReplicaRecord, view: GroupView, probe: probes.Probe, now: float) -> ReplicaRecord:
         """Reload the replica from the checkpoint on its group and verify it against the reference
-        computed here on the probe: on probation with the verified output as baseline, or still
+        computed here on the layer's probe: on probation with the verified output as baseline, or still
         quarantined with the reason."""
         rid = record.replica
-        hidden = measure.probe(view.hidden_size, self.config.tokens, rid.layer, self.config.seed, view.dtype)
+        hidden = probe.hidden.to(view.dtype)  # [T, H]
         try:
             self._groups.reload(rid.group, rid.pair)
-            out = self._groups.dispatch(rid.group, rid.layer, _alone(hidden, rid.expert))  # [T, H]
+            out = self._groups.dispatch(rid.group, rid.layer, measure.probe_batch(hidden, (rid.expert,)))  # [T, H]
             fingerprint = self._groups.fingerprints(rid.group, [rid.pair])[rid.pair]
         except GroupCallFailed as err:
             return policy.repair_failed(record, str(err))
@@ -213,7 +320,8 @@ class HealthMonitor:
             return policy.repair_failed(
                 record, f"reloaded on {rid.group}, but its output differs from the checkpoint's by max |Δ| {difference:.3g}"
             )
-        return policy.repaired(record, measure.baseline(measure.summarise(out), fingerprint.loaded, now, self.config.histogram_bins), now)
+        baseline = measure.baseline(measure.summarise(out), fingerprint.loaded, now, self.config.histogram_bins, probe.digest)
+        return policy.repaired(record, baseline, now)
 
     # -- settling -----------------------------------------------------------------------------------
 
@@ -277,7 +385,9 @@ class HealthMonitor:
             if layer is None or rid.layer == layer
         ]
 
-    def quarantine(self, layer: int, expert: int, group: str | None = None, reason: str = "") -> list[ReplicaStatus]:
+    def quarantine(
+        self, layer: int, expert: int, group: str | None = None, reason: str = "", by: Initiator = Initiator.OPERATOR
+    ) -> list[ReplicaStatus]:
         """Take ``group``'s replica (default: every replica) of the expert out of service now; it stays
         quarantined until ``release``."""
         with self._lock, tracer().start_as_current_span("expertmesh.health.quarantine") as span:
@@ -293,7 +403,7 @@ class HealthMonitor:
             targets = [ReplicaId(layer, expert, g) for g in ([group] if group is not None else table.replicas[pair])]
             for rid in targets:
                 before = records.get(rid) or ReplicaRecord(rid, since=now)
-                after = policy.quarantine(before, Initiator.OPERATOR, reason or "quarantined by an operator", now)
+                after = policy.quarantine(before, by, reason or "quarantined by an operator", now)
                 records[rid] = self._note(before, after, span)
             self._settle(records)
         return self._statuses(targets)
@@ -318,7 +428,8 @@ class HealthMonitor:
                 except GroupCallFailed as err:
                     records[rid] = policy.repair_failed(records[rid], str(err))
                     continue
-                records[rid] = self._note(records[rid], self._repair(records[rid], view, now), span)
+                probe = self._current_probe(rid.layer, view.hidden_size)
+                records[rid] = self._note(records[rid], self._repair(records[rid], view, probe, now), span)
             self._settle(records)
         return self._statuses(targets)
 

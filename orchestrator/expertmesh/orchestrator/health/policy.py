@@ -51,10 +51,11 @@ from expertmesh.routing_table import RoutingTable
 # -- findings ----------------------------------------------------------------------------------
 
 
-def current_baseline(record: ReplicaRecord, fingerprint: str) -> Baseline | None:
-    """The record's baseline if it describes the weights loaded now (same load-time fingerprint)."""
+def current_baseline(record: ReplicaRecord, fingerprint: str, probe: str) -> Baseline | None:
+    """The record's baseline if it describes the weights loaded now (same load-time fingerprint) on the
+    probe input used now (same digest)."""
     base = record.baseline
-    return base if base is not None and base.fingerprint == fingerprint else None
+    return base if base is not None and base.fingerprint == fingerprint and base.probe == probe else None
 
 
 def findings(record: ReplicaRecord, check: Check, config: HealthConfig) -> tuple[Finding, ...]:
@@ -71,7 +72,7 @@ def findings(record: ReplicaRecord, check: Check, config: HealthConfig) -> tuple
         found.append(
             Finding(FindingKind.PROBE_NON_FINITE, Severity.QUARANTINE, f"{check.probe_non_finite} probe output rows hold NaN or Inf")
         )
-    base = current_baseline(record, check.fingerprint)
+    base = current_baseline(record, check.fingerprint, check.probe)
     if base is not None and check.kl is not None:
         if check.kl > config.kl_quarantine:
             found.append(
@@ -116,7 +117,7 @@ def new_non_finite(record: ReplicaRecord, check: Check) -> int:
 def judge(record: ReplicaRecord, check: Check, config: HealthConfig) -> tuple[ReplicaRecord, tuple[Finding, ...]]:
     """The record after ``check``: its figures, a baseline when it is due, and the next state."""
     found = findings(record, check, config)
-    base = current_baseline(record, check.fingerprint)
+    base = current_baseline(record, check.fingerprint, check.probe)
     replicas_agree = check.deviation is None or check.deviation <= config.replica_deviation
     if base is None and record.state is HealthState.HEALTHY and not found and replicas_agree:
         base = check.candidate
@@ -127,8 +128,24 @@ def judge(record: ReplicaRecord, check: Check, config: HealthConfig) -> tuple[Re
         kl=check.kl,
         norm_mean=check.norm_mean,
         non_finite_seen=check.served_non_finite,
+        probe_source=check.probe_source,
     )
     return _advance(updated, found, config, check.at), found
+
+
+def may_change_probe(records: Iterable[ReplicaRecord], found: Mapping[ReplicaId, tuple[Finding, ...]], probe: str) -> bool:
+    """A layer's probe input may change (``probes``: re-pinned) only in a round that judged every replica of the
+    layer healthy against a baseline on the old one (``probe``): a replica that went bad must not get a baseline
+    on the new input as it is."""
+    return all(
+        r.state is HealthState.HEALTHY and not found.get(r.replica) and r.baseline is not None and r.baseline.probe == probe
+        for r in records
+    )
+
+
+def rebaselined(record: ReplicaRecord, baseline: Baseline, probe_source: str) -> ReplicaRecord:
+    """Its baseline on a new probe input, taken in the round that found it healthy on the old one."""
+    return replace(record, baseline=baseline, probe_source=probe_source)
 
 
 def _details(found: Iterable[Finding]) -> str:

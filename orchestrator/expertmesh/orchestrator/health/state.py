@@ -37,10 +37,12 @@ class HealthState(StrEnum):
 
 
 class Initiator(StrEnum):
-    """Who quarantined a replica: the monitor repairs its own quarantines, an operator's wait for ``release``."""
+    """Who quarantined a replica: the monitor repairs its own quarantines, the others wait for ``release``."""
 
     MONITOR = "monitor"
     OPERATOR = "operator"
+    #: an ExpertQuarantine object (``orchestrator.kube.quarantine``): released when the object is deleted
+    KUBERNETES = "kubernetes"
 
 
 @dataclass(frozen=True, order=True)
@@ -85,6 +87,8 @@ class Baseline:
     norms: Histogram
     #: output values (a fixed subsample), likewise
     activations: Histogram
+    #: digest of the probe input it was taken on (``probes.Probe.digest``); another input needs another baseline
+    probe: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,9 @@ class Check:
     #: the weight fingerprint taken at load, and whether recomputing it now gives the same
     fingerprint: str
     fingerprint_intact: bool
+    #: the probe input: its digest, and "recorded" (routers' hidden states) or "seeded" (the fallback)
+    probe: str
+    probe_source: str
     #: probe output rows with a NaN or an Inf
     probe_non_finite: int
     #: Describe's count of output rows with a NaN or an Inf since the expert was loaded (served
@@ -103,8 +110,8 @@ class Check:
     norm_mean: float
     #: max of the norm and activation KL(baseline || now); None without a (current) baseline
     kl: float | None
-    #: the baseline this probe would make
-    candidate: Baseline
+    #: the baseline this probe would make; None when the replica has a current one (it would not be used)
+    candidate: Baseline | None
     #: max relative distance of the output norms from the median over the expert's replicas; None with one
     deviation: float | None
     #: replicas of the expert checked this round
@@ -173,6 +180,8 @@ class ReplicaRecord:
     norm_mean: float | None = None
     #: Describe's served non-finite row count at the last check, to tell new ones from old
     non_finite_seen: int = 0
+    #: what the last check probed with: "recorded" hidden states of real traffic, or "seeded" ones (the fallback)
+    probe_source: str = ""
     repairs: int = 0
     history: tuple[Transition, ...] = ()
 
@@ -210,6 +219,7 @@ def _baseline_from_dict(d: dict) -> Baseline:
         norm_mean=d["norm_mean"],
         norms=_histogram(d["norms"]),
         activations=_histogram(d["activations"]),
+        probe=d.get("probe", ""),
     )
 
 

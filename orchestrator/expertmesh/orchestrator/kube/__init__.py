@@ -1,6 +1,6 @@
-"""Kubernetes face of the control plane: the ``ExpertMigration`` custom resource
-(``expertmesh.io/v1alpha1``), its controller inside ``expertmesh orchestrator``,
-and the ``kubectl expertmesh`` plugin.
+"""Kubernetes face of the control plane: the ``ExpertMigration`` and
+``ExpertQuarantine`` custom resources (``expertmesh.io/v1alpha1``), their
+controllers inside ``expertmesh orchestrator``, and the ``kubectl expertmesh`` plugin.
 
 Every move, manual or automatic, is an object, so ``kubectl get expertmigrations``
 lists them all; the object is only the request and the report: the work is done
@@ -23,6 +23,13 @@ Modules, one job each:
     progress back to its object's status, with one Event per phase change.
 ``experts``
     Pure: the routing table and the routers' load -> ``kubectl expertmesh experts`` rows.
+``quarantine``
+    The ``ExpertQuarantine`` resource as typed Python, and its status as a pure
+    function of the health monitor's replica records.
+``quarantine_controller``
+    Its API calls and the level-triggered loop: a created object quarantines, a
+    deleted one releases, every quarantine made elsewhere gets a mirror object,
+    status and Events follow the replicas.
 ``plugin``
     ``kubectl-expertmesh``: ``migrate`` (create an object, ``--wait`` follows it)
     and ``experts``.

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import grpc
 import kubernetes
@@ -56,6 +57,9 @@ from expertmesh.orchestrator.kube.resource import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+S = TypeVar("S")
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 MERGE_PATCH = "application/merge-patch+json"
@@ -147,21 +151,71 @@ class WatchEvent:
     object: ExpertMigration | None
 
 
-class ExpertMigrationApi:
+class CustomObjectApi(Generic[T, S]):
+    """The calls every custom resource of this package needs: get, create, status writes guarded by
+    resourceVersion, Events. ``parse`` reads an object (with ``name``, ``namespace``, ``uid``,
+    ``resource_version`` and ``status``, whose type has ``to_dict``)."""
+
+    kind: str
+    plural: str
+    parse: Callable[[dict], T]
+
     def __init__(self, connection: KubeConnection):
         self.namespace = connection.namespace
         self._custom = kubernetes.client.CustomObjectsApi(connection.client)
         self._core = kubernetes.client.CoreV1Api(connection.client)
 
-    def get(self, namespace: str, name: str) -> ExpertMigration | None:
+    def get(self, namespace: str, name: str) -> T | None:
         """The object, or None when it does not exist (any more)."""
-        with _calling(f"get {PLURAL}/{name}"):
+        with _calling(f"get {self.plural}/{name}"):
             try:
-                return ExpertMigration.from_dict(self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
+                return type(self).parse(self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, self.plural, name))
             except ApiException as err:
                 if err.status == 404:
                     return None
                 raise
+
+    def create(self, namespace: str, body: dict) -> T:
+        with _calling(f"create {self.kind}"):
+            return type(self).parse(self._custom.create_namespaced_custom_object(GROUP, VERSION, namespace, self.plural, body))
+
+    def write_status(self, obj: T, compute: Callable[[T], S], attempts: int = 5) -> T | None:
+        """Write ``compute(obj)`` as the status, guarded by ``obj``'s resourceVersion; on 409 Conflict
+        re-read and recompute. Returns the object as written (as it was, when nothing changed), or
+        None when it was deleted."""
+        current = obj
+        for _ in range(attempts):
+            status = compute(current)
+            if status == current.status:
+                return current
+            body = {"metadata": {"resourceVersion": current.resource_version}, "status": status.to_dict()}
+            with _calling(f"update {self.plural}/{obj.name}/status"):
+                try:
+                    doc = self._custom.patch_namespaced_custom_object_status(
+                        GROUP, VERSION, obj.namespace, self.plural, obj.name, body, _content_type=MERGE_PATCH
+                    )
+                    return type(self).parse(doc)
+                except ApiException as err:
+                    if err.status == 404:
+                        return None
+                    if err.status != 409:
+                        raise
+            log.info("%s/%s changed since it was read (409 Conflict); re-reading it", obj.namespace, obj.name)
+            refreshed = self.get(obj.namespace, obj.name)
+            if refreshed is None:
+                return None
+            current = refreshed
+        raise KubeApiError(f"the status of {self.plural}/{obj.name} kept conflicting; gave up after {attempts} tries")
+
+    def record_event(self, obj: T, kind: EventType, reason: str, message: str) -> None:
+        """A core/v1 Event about ``obj`` (``kubectl describe`` shows it); a failure is logged, not raised:
+        events are a courtesy, the status is the record."""
+        involved = {"apiVersion": API_VERSION, "kind": self.kind, "uid": obj.uid, "resourceVersion": obj.resource_version}
+        record_event(self._core, obj.namespace, obj.name, involved, kind, reason, message)
+
+
+class ExpertMigrationApi(CustomObjectApi[ExpertMigration, MigrationStatus]):
+    kind, plural, parse = KIND, PLURAL, ExpertMigration.from_dict
 
     def list(self, namespace: str) -> Listing:
         with _calling(f"list {PLURAL}"):
@@ -196,72 +250,31 @@ class ExpertMigrationApi:
         finally:
             response.release_conn()
 
-    def create(self, namespace: str, body: dict) -> ExpertMigration:
-        with _calling(f"create {KIND}"):
-            return ExpertMigration.from_dict(self._custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body))
 
-    def write_status(
-        self,
-        obj: ExpertMigration,
-        compute: Callable[[ExpertMigration], MigrationStatus],
-        attempts: int = 5,
-    ) -> ExpertMigration | None:
-        """Write ``compute(obj)`` as the status, guarded by ``obj``'s resourceVersion; on 409 Conflict
-        re-read and recompute. Returns the object as written (as it was, when nothing changed), or
-        None when it was deleted."""
-        current = obj
-        for _ in range(attempts):
-            status = compute(current)
-            if status == current.status:
-                return current
-            body = {"metadata": {"resourceVersion": current.resource_version}, "status": status.to_dict()}
-            with _calling(f"update {PLURAL}/{obj.name}/status"):
-                try:
-                    doc = self._custom.patch_namespaced_custom_object_status(
-                        GROUP, VERSION, obj.namespace, PLURAL, obj.name, body, _content_type=MERGE_PATCH
-                    )
-                    return ExpertMigration.from_dict(doc)
-                except ApiException as err:
-                    if err.status == 404:
-                        return None
-                    if err.status != 409:
-                        raise
-            log.info("%s/%s changed since it was read (409 Conflict); re-reading it", obj.namespace, obj.name)
-            refreshed = self.get(obj.namespace, obj.name)
-            if refreshed is None:
-                return None
-            current = refreshed
-        raise KubeApiError(f"the status of {PLURAL}/{obj.name} kept conflicting; gave up after {attempts} tries")
-
-    def record_event(self, obj: ExpertMigration, kind: EventType, reason: str, message: str) -> None:
-        """A core/v1 Event about ``obj`` (``kubectl describe`` shows it); a failure is logged, not raised:
-        events are a courtesy, the status is the record."""
-        now = rfc3339(time.time())
-        body = {
-            "metadata": {"generateName": f"{obj.name}.", "namespace": obj.namespace},
-            "involvedObject": {
-                "apiVersion": API_VERSION,
-                "kind": KIND,
-                "name": obj.name,
-                "namespace": obj.namespace,
-                "uid": obj.uid,
-                "resourceVersion": obj.resource_version,
-            },
-            "type": kind.value,
-            "reason": reason,
-            "message": message[:1024],
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-            "source": {"component": COMPONENT},
-            "reportingComponent": COMPONENT,
-            "reportingInstance": socket.gethostname(),
-        }
-        try:
-            with _calling("create event"):
-                self._core.create_namespaced_event(obj.namespace, body)
-        except KubeApiError as err:
-            log.warning("could not record event %s for %s/%s: %s", reason, obj.namespace, obj.name, err)
+def record_event(
+    core: kubernetes.client.CoreV1Api, namespace: str, name: str, involved: dict, kind: EventType, reason: str, message: str
+) -> None:
+    """A core/v1 Event about the object ``name`` (``involved``: its apiVersion, kind, uid, resourceVersion);
+    a failure is logged, not raised."""
+    now = rfc3339(time.time())
+    body = {
+        "metadata": {"generateName": f"{name}.", "namespace": namespace},
+        "involvedObject": {**involved, "name": name, "namespace": namespace},
+        "type": kind.value,
+        "reason": reason,
+        "message": message[:1024],
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+        "source": {"component": COMPONENT},
+        "reportingComponent": COMPONENT,
+        "reportingInstance": socket.gethostname(),
+    }
+    try:
+        with _calling("create event"):
+            core.create_namespaced_event(namespace, body)
+    except KubeApiError as err:
+        log.warning("could not record event %s for %s/%s: %s", reason, namespace, name, err)
 
 
 def create_migration_object(

@@ -4,12 +4,15 @@ load -> one row per (layer, expert), and those rows as a table or JSON.
 Load share is the fraction of a layer's routed token-slots (a token counts once
 per expert its top-k chose) that went to the expert, summed over every router's
 window; a replica's share is the fraction of the expert's tokens that replica
-takes (equal unless the placement planner set shares).
+takes (equal unless the placement planner set shares). A replica the health monitor
+keeps out of service while the table still lists it (the expert's last one: routers
+fall back for it) is marked with its state.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from expertmesh.routing_table import RoutingTable
@@ -24,6 +27,9 @@ _COLUMNS = ("LAYER", "EXPERT", "GROUPS", "LOAD")
 class Replica:
     group: str
     share: float
+    #: "quarantined" or "probation" when the health monitor keeps it out of service (the state store's
+    #: ``quarantine`` hash): listed, yet routers send it no tokens; "" in service
+    state: str = ""
 
 
 @dataclass(frozen=True)
@@ -36,12 +42,17 @@ class ExpertRow:
     load_share: float | None
 
 
-def expert_rows(table: RoutingTable, load: LayerLoad, layer: int | None = None) -> list[ExpertRow]:
-    rows = []
+def expert_rows(
+    table: RoutingTable, load: LayerLoad, layer: int | None = None, out_of_service: Mapping[tuple[int, int, str], str] | None = None
+) -> list[ExpertRow]:
+    """``out_of_service``: (layer, expert, group) -> "quarantined" or "probation"."""
+    rows, out_of_service = [], out_of_service or {}
     for pair in sorted(table.replicas):
         if layer is not None and pair[0] != layer:
             continue
-        replicas = tuple(Replica(g, s) for g, s in zip(table.replicas[pair], table.shares_of(pair)))
+        replicas = tuple(
+            Replica(g, s, out_of_service.get((*pair, g), "")) for g, s in zip(table.replicas[pair], table.shares_of(pair))
+        )
         counts = load.get(pair[0])
         total = sum(counts) if counts else 0.0
         share = counts[pair[1]] / total if counts and total > 0 and pair[1] < len(counts) else None
@@ -56,7 +67,10 @@ def render_table(table: RoutingTable, rows: list[ExpertRow], routers: int) -> st
         (
             str(r.layer),
             str(r.expert),
-            ", ".join(f"{p.group} ({p.share:.0%})" if len(r.replicas) > 1 else p.group for p in r.replicas),
+            ", ".join(
+                (f"{p.group} ({p.share:.0%})" if len(r.replicas) > 1 else p.group) + (f" [{p.state}]" if p.state else "")
+                for p in r.replicas
+            ),
             f"{r.load_share:.1%}" if r.load_share is not None else "-",
         )
         for r in rows

@@ -164,6 +164,7 @@ def run_experts(args) -> int:
     try:
         table = store.routing_table()
         published = store.loads()
+        out_of_service = {key: q.state for key, q in store.quarantined().items()}
     except ConnectionError as err:
         raise InvalidRequest(f"the state store at {args.state_url} is unreachable: {err}") from None
     finally:
@@ -176,6 +177,6 @@ def run_experts(args) -> int:
 
         total = reduce(lambda a, b: a + b, (LoadSnapshot.from_bytes(v) for v in published.values()))
         load = {layer: tuple(float(x) for x in total.load[row]) for row, layer in enumerate(total.moe_layers)}
-    rows = expert_rows(table, load, args.layer)
+    rows = expert_rows(table, load, args.layer, out_of_service)
     print((render_json if args.output == "json" else render_table)(table, rows, len(published)))
     return 0

@@ -9,7 +9,12 @@ Synthetic workloads, seeded so every run sees the same numbers:
   distribution and ``pi_d`` its token fraction, ``load = T k sum_d pi_d q_d`` and
   ``coactivation = T k (k - 1) sum_d pi_d q_d q_d^T`` (independent picks);
 * a previous placement: the planner's plan for the same workload drifted
-  (half of the layers' popularity re-drawn), to count weights moved.
+  (half of the layers' popularity re-drawn), to count weights moved;
+* domain-skewed cases (``affinity_cases``): fewer domains, each boosting its
+  block much harder; the planner gets a domain affinity measured on one sample
+  of tokens (as profiles would be) and is scored on another: expert groups (one
+  per GPU) touched per token, counted over sampled tokens (top-k without
+  replacement from the domain's expert distribution, a replica by share).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from expertmesh.orchestrator.placement.affinity import DomainAffinity, affinity_from_counts
 from expertmesh.orchestrator.placement.eplb import eplb_shares
 from expertmesh.orchestrator.placement.metrics import Summary, summarize
 from expertmesh.orchestrator.placement.planner import PlanOptions, plan
@@ -70,6 +76,14 @@ def grid_topology(nodes: int, islands_per_node: int, gpus_per_island: int, memor
 def synthetic_stats(
     num_layers: int, num_experts: int, top_k: int, skew: float, num_domains: int, seed: int, tokens: float = 1e5
 ) -> LoadStats:
+    pi, q = synthetic_domains(num_layers, num_experts, skew, num_domains, seed)
+    return _expected_stats(pi, q, top_k, tokens)
+
+
+def synthetic_domains(
+    num_layers: int, num_experts: int, skew: float, num_domains: int, seed: int, boost_factor: float = DOMAIN_BOOST
+) -> tuple[np.ndarray, np.ndarray]:
+    """pi [L, D] each domain's token fraction, q [L, D, E] each domain's expert distribution."""
     rng = np.random.default_rng(seed)
     zipf = 1.0 / np.arange(1, num_experts + 1) ** skew
     popularity = np.stack([rng.permutation(zipf) for _ in range(num_layers)])  # [L, E]
@@ -78,10 +92,15 @@ def synthetic_stats(
     for layer in range(num_layers):
         perm = rng.permutation(num_experts)
         for d in range(num_domains):
-            boost[layer, d, perm[d * block : (d + 1) * block]] = DOMAIN_BOOST
+            boost[layer, d, perm[d * block : (d + 1) * block]] = boost_factor
     q = popularity[:, None, :] * boost
     q /= q.sum(axis=2, keepdims=True)  # [L, D, E]
     pi = rng.dirichlet(np.full(num_domains, 4.0), size=num_layers)  # [L, D]
+    return pi, q
+
+
+def _expected_stats(pi: np.ndarray, q: np.ndarray, top_k: int, tokens: float) -> LoadStats:
+    num_layers, _, num_experts = q.shape
     load = np.round(tokens * top_k * np.einsum("ld,lde->le", pi, q))
     coact = tokens * top_k * (top_k - 1) * np.einsum("ld,lde,ldf->lef", pi, q, q)
     coact = np.round((coact + coact.transpose(0, 2, 1)) / 2)
@@ -161,5 +180,101 @@ def results_table(results: list[CaseResult]) -> str:
     return format_rows(rows)
 
 
-def results_json(results: list[CaseResult], seed: int) -> str:
-    return json.dumps({"seed": seed, "cases": [asdict(r) for r in results]}, indent=2)
+def results_json(results: list[CaseResult], seed: int, affinity: list[AffinityResult] | None = None) -> str:
+    return json.dumps(
+        {"seed": seed, "cases": [asdict(r) for r in results], "affinity_cases": [asdict(r) for r in affinity or []]}, indent=2
+    )
+
+
+# --- domain-skewed traffic: groups touched per token with and without affinity --------------------
+
+
+@dataclass(frozen=True)
+class AffinityCase:
+    name: str
+    nodes: int
+    islands_per_node: int
+    gpus_per_island: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    redundant: int
+    num_domains: int
+    domain_boost: float  # how much more a domain's own block of experts is chosen
+    balance_tolerance: float
+    tokens: int = 5000  # sampled per layer, once to profile and once to score
+    skew: float = 1.0
+
+
+@dataclass(frozen=True)
+class AffinitySummary:
+    groups_per_token: float  # distinct GPUs one token's top-k reaches, mean over tokens and layers
+    balancedness: float
+    max_gpu_load: float  # summed over layers
+
+
+@dataclass(frozen=True)
+class AffinityResult:
+    case: AffinityCase
+    without: AffinitySummary
+    with_affinity: AffinitySummary
+
+
+def affinity_cases(quick: bool) -> list[AffinityCase]:
+    if quick:
+        return [AffinityCase("quick-domains", 1, 2, 2, 2, 16, 2, 4, 4, 30.0, 0.05, tokens=1000)]
+    return [
+        AffinityCase("domains4-64e-8gpu-tol0", 1, 1, 8, 8, 64, 4, 8, 4, 30.0, 0.0),
+        AffinityCase("domains4-64e-8gpu-tol0.05", 1, 1, 8, 8, 64, 4, 8, 4, 30.0, 0.05),
+        AffinityCase("domains8-128e-16gpu-tol0.05", 2, 1, 8, 8, 128, 8, 16, 8, 30.0, 0.05),
+    ]
+
+
+def sample_choices(pi: np.ndarray, q: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """pi [D], q [L, D, E] -> domain [T] of each token and experts [L, T, k] it chose (without replacement)."""
+    domain = rng.choice(pi.size, size=tokens, p=pi)
+    keys = np.log(q[:, domain]) + rng.gumbel(size=(q.shape[0], tokens, q.shape[2]))  # Gumbel top-k
+    return domain, np.argpartition(-keys, top_k - 1, axis=2)[:, :, :top_k]
+
+
+def sampled_groups_per_token(shares: np.ndarray, experts: np.ndarray, u: np.ndarray) -> float:
+    """shares [L, E, G], experts [L, T, k], u [L, T, k] uniforms picking a replica by share."""
+    cum = np.cumsum(shares, axis=2)
+    cum /= cum[:, :, -1:]
+    gpu = (u[..., None] >= cum[np.arange(shares.shape[0])[:, None, None], experts]).sum(axis=3)  # [L, T, k]
+    gpu = np.sort(gpu, axis=2)
+    return float((1 + (np.diff(gpu, axis=2) != 0).sum(axis=2)).mean())
+
+
+def run_affinity_case(case: AffinityCase, seed: int) -> AffinityResult:
+    topo = grid_topology(case.nodes, case.islands_per_node, case.gpus_per_island)
+    pi, q = synthetic_domains(case.num_layers, case.num_experts, case.skew, case.num_domains, seed, case.domain_boost)
+    mix = pi[0]  # a token keeps its domain through every layer
+    stats = _expected_stats(np.broadcast_to(mix, pi.shape), q, case.top_k, float(case.tokens))
+    rng = np.random.default_rng(seed + 1)
+    domain, picks = sample_choices(mix, q, case.top_k, case.tokens, rng)
+    counts = np.zeros((case.num_layers, case.num_domains, case.num_experts))
+    np.add.at(counts, (np.arange(case.num_layers)[:, None, None], domain[None, :, None], picks), 1.0)
+    affinity: DomainAffinity = affinity_from_counts(tuple(f"d{d}" for d in range(case.num_domains)), counts)
+    _, picks = sample_choices(mix, q, case.top_k, case.tokens, rng)  # scored on tokens the profile never saw
+    u = rng.random(picks.shape)
+    options = PlanOptions(redundant=case.redundant, balance_tolerance=case.balance_tolerance)
+
+    def summary(shares: np.ndarray) -> AffinitySummary:
+        s = summarize(stats.load, None, np.zeros(topo.num_gpus, dtype=int), np.zeros(topo.num_gpus, dtype=int), shares)
+        return AffinitySummary(sampled_groups_per_token(shares, picks, u), s.balancedness, s.max_gpu_load)
+
+    return AffinityResult(
+        case,
+        summary(plan(stats, topo, options).placement.shares),
+        summary(plan(stats, topo, options, affinity=affinity).placement.shares),
+    )
+
+
+def affinity_table(results: list[AffinityResult]) -> str:
+    head = f"{'domain-skewed case':<36} {'affinity':>8} {'groups/token':>13} {'balanced':>9} {'max load':>12}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        for label, s in (("off", r.without), ("on", r.with_affinity)):
+            lines.append(f"{r.case.name:<36} {label:>8} {s.groups_per_token:>13.3f} {s.balancedness:>9.4f} {s.max_gpu_load:>12.0f}")
+    return "\n".join(lines)

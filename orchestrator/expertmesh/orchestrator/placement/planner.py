@@ -4,8 +4,11 @@ Objectives, in order:
 
 1. balancedness (see ``metrics``) at least as good as DeepSeek's EPLB with the
    same redundant slots on the same stats, per layer, hence also summed;
-2. then fewest co-activated expert pairs split across NVLink islands and nodes;
-3. given the current placement, fewest expert weights moved for the balancedness
+2. with a domain affinity (``affinity``): fewest expert groups touched per token,
+   within ``balance_tolerance`` of the balanced plan's max GPU load and never
+   above EPLB's;
+3. then fewest co-activated expert pairs split across NVLink islands and nodes;
+4. given the current placement, fewest expert weights moved for the balancedness
    asked for (``min_gain``).
 
 How, per layer (vectorised over layers where it pays):
@@ -24,7 +27,11 @@ How, per layer (vectorised over layers where it pays):
 * the lower maximum GPU load wins (within ``balance_tolerance``, the lower
   cross-island cost wins);
 * a final guard keeps EPLB's layer wherever the result came out worse, so
-  objective 1 holds whatever the heuristics did.
+  objective 1 holds whatever the heuristics did;
+* with an affinity, replicas are exchanged between GPUs to put experts hot in
+  the same domain together (``affinity.colocate``) under a per-layer cap on the
+  max GPU load, then island placement runs again on the new GPU contents.
+  Without one, this step does not run and the plan is as before, bit for bit.
 
 With a current placement, a layer whose current balancedness (after re-splitting
 its shares, which moves no weights) is within ``min_gain`` of the plan's is kept.
@@ -43,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from expertmesh.errors import PlacementError
+from expertmesh.orchestrator.placement.affinity import DomainAffinity, colocate
 from expertmesh.orchestrator.placement.eplb import eplb_shares
 from expertmesh.orchestrator.placement.metrics import gpu_loads, layer_balancedness, split_pair_weight
 from expertmesh.orchestrator.placement.packing import greedy_pack, replicate_by_load
@@ -61,9 +69,10 @@ class PlanOptions:
     redundant: int
     slots_per_gpu: int | None = None  # default ceil((E + redundant) / num_gpus)
     min_gain: float = 0.0  # keep a current layer within this balancedness of the plan's
-    balance_tolerance: float = 0.0  # relative max-load slack traded for fewer split pairs
+    balance_tolerance: float = 0.0  # relative max-load slack traded for fewer split pairs and groups per token
     eplb_groups: int = 1  # expert groups for the EPLB baseline's hierarchical policy
     refine_swaps: int = 64  # GPU-content exchanges tried per layer for island locality
+    affinity_swaps: int = 128  # replica exchanges per layer for domain co-location
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,10 +125,18 @@ def resolve_slots(num_experts: int, redundant: int, num_gpus: int, slots_per_gpu
     return slots
 
 
-def plan(stats: LoadStats, topology: Topology, options: PlanOptions, current: Placement | None = None) -> PlanResult:
+def plan(
+    stats: LoadStats,
+    topology: Topology,
+    options: PlanOptions,
+    current: Placement | None = None,
+    affinity: DomainAffinity | None = None,
+) -> PlanResult:
     sites = _sites(topology)
     G, E = len(sites.gpu_ids), stats.num_experts
     slots = resolve_slots(E, options.redundant, G, options.slots_per_gpu)
+    if affinity is not None:
+        affinity.check_shape(stats.num_layers, E)
     if current is not None and (current.shares.shape != (stats.num_layers, E, G) or current.gpu_ids != sites.gpu_ids):
         raise PlacementError("current placement does not match the stats' layers/experts and the topology's GPUs")
     load = stats.load
@@ -134,6 +151,12 @@ def plan(stats: LoadStats, topology: Topology, options: PlanOptions, current: Pl
     # Guard: never worse than EPLB on any layer, whatever the heuristics did.
     worse = gpu_loads(load, best).max(axis=1) > gpu_loads(load, eplb).max(axis=1)
     best[worse] = eplb[worse]
+    if affinity is not None:
+        top = gpu_loads(load, best).max(axis=1)
+        cap = np.minimum(top * (1 + options.balance_tolerance), np.maximum(top, gpu_loads(load, eplb).max(axis=1)))
+        best = colocate(load, best, affinity, stats.top_k, slots, cap, options.affinity_swaps)
+        if coact is not None and sites.island.max() > 0:
+            best = _relabel_gpus(load, coact, sites, best, options.refine_swaps)
 
     kept = 0
     if current is not None:

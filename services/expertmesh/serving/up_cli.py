@@ -1,0 +1,116 @@
+"""``expertmesh up``: the whole platform in one command.
+
+With no arguments it serves the embedded tiny model: local Ray, 2 expert
+groups, the in-process state store, and the Inference API on 127.0.0.1:50051
+(with ``--http-port``, the OpenAI-compatible HTTP API beside it).
+It runs until Ctrl-C or SIGTERM, then drains in-flight requests and shuts every
+process down. Settings: ``expertmesh.config`` (flags > ``EXPERTMESH_*`` > ``--config`` file > defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from expertmesh.config import add_data_plane_arguments, add_serving_arguments
+from expertmesh.errors import PlacementError
+
+
+def add_command(commands) -> None:
+    parser = commands.add_parser("up", help="run the platform: expert groups, router and the Inference gRPC API")
+    add_data_plane_arguments(parser)
+    add_serving_arguments(parser)
+    parser.add_argument(
+        "--router-only",
+        action="store_true",
+        help="serve only the router: groups and routing table come from --state-url (as in Kubernetes) (default: off)",
+    )
+    parser.add_argument(
+        "--wait-for-table", type=float, default=300.0, help="--router-only: seconds to wait for a routing table (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--orchestrator",
+        action="store_true",
+        help="also run the orchestrator's admin API in this process (live migrations: `expertmesh migrate`) (default: off)",
+    )
+    parser.add_argument(
+        "--admin-port", type=int, default=50052, help="--orchestrator: admin gRPC port, 0 picks one (default: %(default)s)"
+    )
+    try:
+        from expertmesh.orchestrator.drift.config import add_drift_argument
+        from expertmesh.orchestrator.health.config import add_health_argument
+    except ImportError:  # a data-plane-only install has no orchestrator
+        pass
+    else:
+        add_drift_argument(parser)
+        add_health_argument(parser)
+    parser.set_defaults(run=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from expertmesh.config import ServingConfig, data_plane_config, settings_from_args
+
+    serving_config = settings_from_args(ServingConfig, args)  # settings first: a bad one fails before anything starts
+    data_config = data_plane_config(args)
+    if args.orchestrator:
+        from expertmesh.orchestrator.drift.config import drift_config
+        from expertmesh.orchestrator.health.config import health_config
+
+        drift = drift_config(args)  # a bad EXPERTMESH_DRIFT_* setting fails here, before anything starts
+        health_settings = health_config(args)  # likewise EXPERTMESH_HEALTH_*
+    elif getattr(args, "drift", None):
+        raise PlacementError("--drift runs in the orchestrator: add --orchestrator")
+    elif getattr(args, "health_monitor", None):
+        raise PlacementError("--health-monitor runs in the orchestrator: add --orchestrator")
+
+    from expertmesh.data_plane import DataPlane, progress
+    from expertmesh.serving.up import start_apis
+    from expertmesh.telemetry import setup as setup_telemetry
+
+    telemetry = setup_telemetry(
+        "expertmesh-router", prometheus_port=serving_config.metrics_port, prometheus=serving_config.http_port is not None
+    )
+    if telemetry.prometheus_port is not None:
+        progress(f"Prometheus metrics on :{telemetry.prometheus_port}/metrics")
+    if args.router_only:
+        if data_config.state_url.startswith("memory://"):
+            raise PlacementError("--router-only needs a shared --state-url (redis://host:port/db) with a routing table")
+        plane = DataPlane.attach(data_config, wait_s=args.wait_for_table)
+    else:
+        plane = DataPlane.start(data_config)
+    # After Ray's start: its core worker installs a SIGTERM handler of its own that would exit without draining.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    orchestrator = None
+    try:
+        if args.orchestrator:
+            from expertmesh.orchestrator.admin import start_orchestrator
+            from expertmesh.orchestrator.health.monitor import HealthMonitor
+
+            monitor = HealthMonitor(plane.store, plane.checkpoint, health_settings)
+            orchestrator = start_orchestrator(plane.store, serving_config.host, args.admin_port, drift=drift, health=monitor)
+            progress(f"orchestrator admin gRPC on {serving_config.host}:{orchestrator.server.port}")
+        apis = start_apis(plane, serving_config)
+        if apis.http is not None:
+            progress(f"OpenAI-compatible HTTP API on {apis.http.url}/v1 (also /health, /metrics)")
+        target = f"{serving_config.host}:{apis.grpc.port}"
+        print(
+            f"expertmesh is serving {plane.config.model_name or plane.checkpoint.path.name} on {target} — try: "
+            f"expertmesh generate 'Hello' --target {target}   (Ctrl-C to stop)",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            pass
+        progress("draining in-flight requests")
+        drained = apis.drain_and_stop()
+        progress("drained" if drained else "drain timeout: remaining requests were cut off")
+    finally:
+        if orchestrator is not None:
+            orchestrator.stop()
+        progress("stopping expert groups and Ray")
+        plane.close()
+        telemetry.shutdown()
+    return 0

@@ -1,0 +1,194 @@
+"""Routing policies end to end: real Ray Serve expert groups, the router's engine, its gRPC server, a
+real redis-server as the shared state store, `expertmesh profile build / show` and `heatmap --by
+domain` as a user runs them, and the trained default query classifier."""
+
+import json
+
+import grpc
+import httpx2
+import pytest
+
+from expertmesh.cli import main
+from expertmesh.client import Client
+from expertmesh.config import DataPlaneConfig, ServingConfig
+from expertmesh.data_plane import DataPlane
+from expertmesh.router.policy_quality import PolicyQuality, QualityFigures
+from expertmesh.serving.up import start_apis
+from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.v1 import inference_pb2 as pb
+from expertmesh.v1 import inference_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
+
+QUERIES = [
+    {"text": "Write a Python function that reverses a linked list in place.", "domain": "code"},
+    {"text": "Fix the TypeError in this JavaScript: const x = undefined.length;", "domain": "code"},
+    {"text": "Refactor this SQL query to use a join instead of a subquery.", "domain": "code"},
+    {"text": "Is a verbal agreement to sell land enforceable under contract law?", "domain": "legal"},
+    {"text": "Draft an indemnification clause for a software licence agreement.", "domain": "legal"},
+    {"text": "What remedies does a tenant have if the landlord breaches the lease?", "domain": "legal"},
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, redis_url):
+    checkpoint = make_tiny_checkpoint(
+        "mixtral", tmp_path_factory.mktemp("ckpt"), with_tokenizer=True, vocab_size=300, max_position_embeddings=96
+    )
+    plane = DataPlane.start(DataPlaneConfig(model=checkpoint, groups=2, state_url=redis_url))
+    apis = start_apis(plane, ServingConfig(port=0, http_port=0, max_new_tokens_cap=32, policy_kl_bound=0.5))
+    try:
+        yield plane, apis, f"127.0.0.1:{apis.grpc.port}", redis_url
+    finally:
+        apis.drain_and_stop()
+        plane.close()
+
+
+def _tokens(client, prompt, **kwargs):
+    chunks = list(client.generate(prompt, max_new_tokens=6, stop_at_eos=False, **kwargs))
+    assert chunks[-1].finish_reason == "length"
+    return [t for c in chunks for t in c.token_ids]
+
+
+def _refused(client, prompt, **kwargs) -> str:
+    with pytest.raises(grpc.RpcError) as err:
+        _tokens(client, prompt, **kwargs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    return err.value.details()
+
+
+def test_list_models_lists_the_policies_with_their_ranges(served):
+    _, _, target, _ = served
+    with grpc.insecure_channel(target) as channel:
+        response = pb_grpc.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30)
+    assert response.default_routing_policy == "exact"
+    policies = {p.name: p for p in response.routing_policies}
+    assert {"exact", "prefer", "restrict", "delta_gap", "dynamic_k", "prefer+dynamic_k"} <= set(policies)
+    assert not policies["exact"].parameters and policies["prefer"].needs_domain and not policies["dynamic_k"].needs_domain
+    top_n = next(p for p in policies["restrict"].parameters if p.name == "top_n")
+    assert (top_n.min, top_n.max, top_n.integer) == (2, 4, True)  # top-k 2 of 4 experts
+    delta = next(p for p in policies["delta_gap"].parameters if p.name == "delta")
+    assert delta.default_value == pytest.approx(0.18)
+
+
+def test_bad_policies_and_domains_are_refused_naming_the_field(served):
+    _, _, target, _ = served
+    with Client(target, timeout=60) as client:
+        cases = [
+            ({"routing_policy": "bogus"}, "routing_policy.name"),
+            ({"routing_policy": "prefer+restrict"}, "routing_policy.name"),
+            ({"routing_policy": pb.RoutingPolicy(name="prefer", alpha=9)}, "routing_policy.alpha"),
+            ({"routing_policy": pb.RoutingPolicy(name="delta_gap", delta=-1)}, "routing_policy.delta"),
+            ({"routing_policy": pb.RoutingPolicy(name="dynamic_k", threshold=2)}, "routing_policy.threshold"),
+            ({"routing_policy": pb.RoutingPolicy(name="restrict", top_n=1)}, "routing_policy.top_n"),
+            ({"routing_policy": pb.RoutingPolicy(name="dynamic_k", alpha=1)}, "routing_policy.alpha"),
+            ({"domain": "astrology"}, "domain"),
+            ({"routing_policy": "prefer", "domain": "medical"}, "domain"),  # no profile for it
+        ]
+        for kwargs, field in cases:
+            details = _refused(client, "Hello there", **kwargs)
+            assert details.startswith(field + ":") or f"{field}:" in details, (kwargs, details)
+        assert len(_tokens(client, "Hello there")) == 6  # and the server serves on
+
+
+def test_exact_with_a_domain_is_counted_and_routes_as_stock(served):
+    _, _, target, _ = served
+    with Client(target, timeout=60) as client:
+        plain = _tokens(client, "The court held that")
+        before = json.loads(client.load_stats()).get("domain_load", {}).get("legal")
+        assert _tokens(client, "The court held that", domain="legal", routing_policy="exact") == plain
+        after = json.loads(client.load_stats())["domain_load"]["legal"]
+    added = sum(map(sum, after)) - (sum(map(sum, before)) if before else 0)
+    assert added > 0
+
+
+def test_profiles_build_show_heatmap_and_the_policies_that_use_them(served, tmp_path, capsys):
+    plane, _, target, redis_url = served
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    assert main(["profile", "build", "--queries", str(queries), "--target", target, "--state-url", redis_url]) == 0
+    stored = set(plane.store.profiles())
+    assert {"code", "legal"} <= stored
+    capsys.readouterr()
+    assert main(["profile", "show", "--state-url", redis_url, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    share = shown["code"]["share"]
+    assert len(share) == 2 and all(abs(sum(row) - 1) < 1e-9 for row in share)
+    png = tmp_path / "domains.png"
+    assert main(["heatmap", "--by", "domain", "--target", target, "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["profile", "show", "--state-url", "memory://"]) == 2
+
+    with Client(target, timeout=120) as client:
+        for kwargs in (
+            {"routing_policy": "prefer", "domain": "code"},
+            {"routing_policy": pb.RoutingPolicy(name="restrict", top_n=2), "domain": "legal/contract"},
+            {"routing_policy": "delta_gap"},
+            {"routing_policy": pb.RoutingPolicy(name="dynamic_k", threshold=1.0)},
+            {"routing_policy": "prefer+dynamic_k", "domain": "legal"},
+            {"routing_policy": "prefer"},  # no domain: the classifier labels it (code), which has a profile
+        ):
+            assert len(_tokens(client, "def reverse(items): return", **kwargs)) == 6, kwargs
+
+
+def test_the_quality_guard_refuses_a_recorded_bad_policy_unless_forced(served):
+    plane, _, target, _ = served
+    record = PolicyQuality("delta_gap(delta=0.3,weight_boost=1.2)", QualityFigures(2.0, 0.5, 0.5, 0.0, 10))
+    plane.store.save_policy_quality(record.policy, record.to_json().encode())
+    policy = pb.RoutingPolicy(name="delta_gap", delta=0.3)
+    with Client(target, timeout=60) as client:
+        for _ in range(200):  # routers re-read records every few seconds
+            try:
+                _tokens(client, "Hello", routing_policy=policy)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "routing_policy" in err.details()
+                break
+        else:
+            pytest.fail("the recorded KL never made the router refuse the policy")
+        forced = pb.RoutingPolicy(name="delta_gap", delta=0.3, force=True)
+        assert len(_tokens(client, "Hello", routing_policy=forced)) == 6
+        assert len(_tokens(client, "Hello", routing_policy=pb.RoutingPolicy(name="delta_gap", delta=0.2))) == 6
+
+
+def test_policy_eval_reports_per_domain_and_records_for_the_guard(served, tmp_path, capsys):
+    plane, _, target, redis_url = served
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    common = ["--queries", str(queries), "--target", target, "--max-tokens", "4", "--json"]
+
+    capsys.readouterr()
+    assert main(["policy", "eval", "--policy", "exact", *common]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert same["recorded"] is None and set(same["per_domain"]) == {"code", "legal"}
+    assert same["overall"]["kl"] == 0 and same["overall"]["top1_agreement"] == 1 and same["overall"]["greedy_agreement"] == 1
+    assert same["overall"]["saved_params_per_token"] == 0
+
+    assert main(["policy", "eval", "--policy", "delta_gap", "--delta", "0", *common, "--state-url", redis_url]) == 0
+    narrow = json.loads(capsys.readouterr().out)
+    assert narrow["policy"] == "delta_gap(delta=0,weight_boost=1.2)" and narrow["recorded"] == redis_url
+    assert narrow["overall"]["kl"] > 0 and narrow["overall"]["saved_params_per_token"] > 0  # top-1 instead of top-2
+    assert PolicyQuality.from_json(plane.store.policy_quality()[narrow["policy"]]).overall.kl == pytest.approx(narrow["overall"]["kl"])
+
+    assert main(["policy", "eval", "--policy", "dynamic_k", "--threshold", "1", *common]) == 0
+    wide = json.loads(capsys.readouterr().out)
+    assert wide["overall"]["saved_params_per_token"] < 0  # top-3 instead of top-2 costs parameters
+
+    assert main(["policy", "eval", "--policy", "delta_gap", "--alpha", "1", *common]) == 2  # not a delta_gap parameter
+
+
+def test_the_http_api_takes_the_same_extras(served):
+    plane, apis, _, _ = served
+    name = plane.checkpoint.path.name
+    url = f"{apis.http.url}/v1/completions"
+    body = {"model": name, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    ok = httpx2.post(url, json={**body, "routing_policy": {"name": "dynamic_k", "threshold": 0.5}, "domain": "code"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] >= 1
+    assert httpx2.post(url, json={**body, "routing_policy": "delta_gap"}, timeout=60).status_code == 200
+    for extra, param in (
+        ({"routing_policy": "bogus"}, "routing_policy.name"),
+        ({"routing_policy": {"name": "prefer", "alpha": 7.0}, "domain": "code"}, "routing_policy.alpha"),
+        ({"domain": "astrology"}, "domain"),
+    ):
+        bad = httpx2.post(url, json={**body, **extra}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

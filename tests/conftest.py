@@ -29,16 +29,38 @@ def tiny_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray (``address="local"``: never a cluster some earlier ``ray start`` left on the machine),
-    started by the first module that asks and shut down after the last: modules share its ~4 s start."""
+def _shared_ray_finaliser():
+    yield
     import ray
     from ray import serve
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_session(_shared_ray_finaliser):
+    """One local Ray (``address="local"``: never a cluster some earlier ``ray start`` left on the machine)
+    shared by the modules that drive Ray in this process: started by the first that asks (again after a
+    module that needed a Ray of its own, see ``without_shared_ray``) and shut down after the last test."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     yield
-    serve.shutdown()
-    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def without_shared_ray():
+    """For a module that starts a Ray of its own in this process (e.g. with a runtime environment of its own)."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+    yield
 
 
 #: db 0 of the test server holds only these claims; each module gets a database of its own

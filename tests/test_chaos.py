@@ -190,6 +190,7 @@ def test_bench_chaos_refuses_bad_flags_before_starting_anything(flags, message):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("without_shared_ray")  # bench chaos starts a Ray of its own, with the fault hook enabled
 def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
     """Every scenario with short intervals. The product's promises, as counts: no request fails,
     no completion differs from the reference except those the corruption made before its

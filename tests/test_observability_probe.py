@@ -225,11 +225,6 @@ def test_heatmap_unreachable_target_exits_2_with_one_line(capsys, tmp_path):
     assert not (tmp_path / "h.png").exists()
 
 
-def test_heatmap_by_domain_is_refused_not_ignored(capsys, tmp_path):
-    line = _one_error_line(capsys, ["heatmap", "--by", "domain", "--out", str(tmp_path / "h.png")])
-    assert "query classifier" in line and "later feature" in line
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [

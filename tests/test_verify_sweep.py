@@ -231,17 +231,6 @@ def sweep_selected(request):
         pytest.skip('the full sweep runs only when selected with -m sweep (it takes an hour on 2 cores)')
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-    from ray import serve
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    yield
-    serve.shutdown()
-    ray.shutdown()
-
-
 def _config(dtype):
     from pathlib import Path
 
@@ -252,7 +241,7 @@ def _config(dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAST_SUBSET)
-def test_fast_subset_is_exact(ray_cluster, tmp_path, family):
+def test_fast_subset_is_exact(ray_session, tmp_path, family):
     result = verify_sweep.run_family(family, _config("float32"), tmp_path, timeout_s=600)
     assert result.result == "exact", result
     assert result.max_abs_diff <= verify_sweep.TOLERANCE["float32"] and result.tokens_identical
@@ -261,7 +250,7 @@ def test_fast_subset_is_exact(ray_cluster, tmp_path, family):
 @pytest.mark.sweep
 @pytest.mark.timeout(4 * 3600)  # ~60 families, each a tiny checkpoint served by three groups
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_full_sweep(sweep_selected, ray_cluster, dtype):
+def test_full_sweep(sweep_selected, ray_session, dtype):
     """Every family; the target: >= 90 % of the text causal-LM families exact, the rest explained."""
     results = verify_sweep.sweep(families_mod.installed_families(), _config(dtype))
     runnable = [r for r in results if r.runs not in ("", "full model")]

@@ -157,7 +157,9 @@ class _Connection:
     def finish(self, call_id: int, answer_offset: int, deadline: float) -> GroupReply:
         """The answer to the call in flight. Raises TransportError, or PathBroken when the socket broke."""
         try:
-            self.sock.settimeout(time_left(deadline, "the group answered"))
+            # Never less than a moment: the router collects one group's answer after another, and an answer
+            # that arrived in time while it waited for a slower group must still be taken.
+            self.sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             data = self.sock.recv(wire_frames.MAX_HEADER_BYTES)
         except TimeoutError:
             raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, "the group did not answer before the call's deadline") from None

@@ -36,7 +36,9 @@ DOMAIN_BOOST = 8.0
 
 
 @dataclass(frozen=True)
-class Case:
+class _Shape:
+    """The cluster and model of a benchmark case."""
+
     name: str
     nodes: int
     islands_per_node: int
@@ -45,6 +47,13 @@ class Case:
     num_experts: int
     top_k: int
     redundant: int
+
+    def topology(self) -> Topology:
+        return grid_topology(self.nodes, self.islands_per_node, self.gpus_per_island)
+
+
+@dataclass(frozen=True)
+class Case(_Shape):
     skew: float
     num_domains: int = 8
     eplb_groups: int = 1
@@ -126,7 +135,7 @@ def cases(quick: bool) -> list[Case]:
 
 
 def run_case(case: Case, seed: int) -> CaseResult:
-    topo = grid_topology(case.nodes, case.islands_per_node, case.gpus_per_island)
+    topo = case.topology()
     sites = topo.sites()
     island = np.array([s.island for s in sites])
     node = np.array([s.node for s in sites])
@@ -190,15 +199,7 @@ def results_json(results: list[CaseResult], seed: int, affinity: list[AffinityRe
 
 
 @dataclass(frozen=True)
-class AffinityCase:
-    name: str
-    nodes: int
-    islands_per_node: int
-    gpus_per_island: int
-    num_layers: int
-    num_experts: int
-    top_k: int
-    redundant: int
+class AffinityCase(_Shape):
     num_domains: int
     domain_boost: float  # how much more a domain's own block of experts is chosen
     balance_tolerance: float
@@ -247,7 +248,7 @@ def sampled_groups_per_token(shares: np.ndarray, experts: np.ndarray, u: np.ndar
 
 
 def run_affinity_case(case: AffinityCase, seed: int) -> AffinityResult:
-    topo = grid_topology(case.nodes, case.islands_per_node, case.gpus_per_island)
+    topo = case.topology()
     pi, q = synthetic_domains(case.num_layers, case.num_experts, case.skew, case.num_domains, seed, case.domain_boost)
     mix = pi[0]  # a token keeps its domain through every layer
     stats = _expected_stats(np.broadcast_to(mix, pi.shape), q, case.top_k, float(case.tokens))

@@ -60,6 +60,7 @@ def test_percentile_and_int_lists():
         (["serve", "--prompt-tokens", "100", "--max-new-tokens", "64"], f"above the model's context of {CONTEXT}"),
         (["serve", "--clients", "0"], "--clients must be at least 1"),
         (["serve", "--target", "127.0.0.1:1"], "cannot reach `expertmesh up` at 127.0.0.1:1"),
+        (["serve", "--classifier", "--prompt-tokens", "8"], "no query of the classifier's eval split fits --prompt-tokens 8"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, checkpoint, tmp_path, argv, message):
@@ -144,6 +145,35 @@ def test_serve_reports_platform_and_both_generate_baselines(capsys, checkpoint, 
 
 
 @slow
+def test_serve_classifier_runs_text_prompts_with_and_without_classifying(capsys, checkpoint, ray_session, tmp_path):
+    out_file = tmp_path / "serve.json"
+    code, out, _ = _run(
+        capsys, "serve", "--model", checkpoint, "--clients", 2, "--requests-per-client", 2,
+        "--max-new-tokens", 3, "--prompt-tokens", 24, "--classifier", "--out", out_file,
+    )
+    assert code == 0
+    result = json.loads(out_file.read_text())
+    assert result["runs"][0]["name"] == "platform: 2 streaming clients" and len(result["runs"]) == 3
+    assert result["setup"]["classifier"] is True
+    c = result["classifier"]
+    names = [r["name"] for r in c["runs"]]
+    assert names == [
+        "text, exact: 2 clients", "text, prefer alpha=0, domain given: 2 clients", "text, prefer alpha=0, classified: 2 clients",
+    ]
+    assert all(name in out for name in names) and "query classifier's added TTFT" in out
+    assert c["policy"] == "prefer(alpha=0)" and len(c["prompts"]["domains"]) == 4
+    assert all(16 <= n <= 24 for n in c["prompts"]["lengths"])
+    for r in c["runs"]:
+        assert r["requests"] == 4 and r["tokens"] == 12, "every request, classified or not, streams its tokens"
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+    exact, given, classified = c["runs"]
+    for q in ("p50", "p99"):
+        assert c["added_ttft_ms"][q] == pytest.approx(classified["ttft_ms"][q] - given["ttft_ms"][q])
+        assert c["added_ttft_ms_vs_exact"][q] == pytest.approx(classified["ttft_ms"][q] - exact["ttft_ms"][q])
+    assert c["classify_ms"]["calls"] == 4 and 0 < c["classify_ms"]["p50"] <= c["classify_ms"]["p99"]
+
+
+@slow
 def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, checkpoint, ray_session, tmp_path):
     from expertmesh.config import DataPlaneConfig, ServingConfig
     from expertmesh.data_plane import DataPlane
@@ -166,5 +196,14 @@ def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, 
             result = json.loads(out_file.read_text())
             assert result["setup"]["platform"] == target
             assert [r["tokens"] for r in result["runs"]] == [6, 6, 6]
+
+            # a target holds no capability profiles unless built: prefer (alpha 0) is refused, in one line
+            code, _, err = _run(
+                capsys, "serve", "--model", checkpoint, "--target", target, "--classifier", "--clients", 1,
+                "--requests-per-client", 1, "--max-new-tokens", 2, "--prompt-tokens", 24, "--out", tmp_path / "c.json",
+            )
+            *progress, line = err.strip().splitlines()  # after the runs before it, one error line
+            assert code == 2 and line.startswith("expertmesh bench: error: ") and "domain: no capability profile for" in line
+            assert all(p.startswith("[expertmesh] bench serve:") for p in progress)
         finally:
             server.drain_and_stop()

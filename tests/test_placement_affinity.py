@@ -231,9 +231,9 @@ def test_plan_reads_profiles_file(plan_files, capsys):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ("{", "not a JSON list of capability profiles"),
-        ('[{"domain": "a"}]', "not a JSON list of capability profiles"),
-        ("[]", "no capability profiles to plan with"),
+        ("{", "not JSON"),
+        ('[{"domain": "a"}]', "profile 'a': missing moe_layers"),
+        ("[]", "expected a non-empty JSON list of profile records"),
     ],
 )
 def test_plan_bad_profiles_file_is_one_line(plan_files, capsys, content, message):

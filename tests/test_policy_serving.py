@@ -1,11 +1,13 @@
 """Routing policies end to end: real Ray Serve expert groups, the router's engine, its gRPC server, a
 real redis-server as the shared state store, `expertmesh profile build / show` and `heatmap --by
-domain` as a user runs them, and the trained default query classifier."""
+domain` as a user runs them, and the trained default query classifier; and the embedded default's
+way to profiles: `profile build --out FILE`, then a router over an in-process store started with them."""
 
 import json
 
 import grpc
 import httpx2
+import numpy as np
 import pytest
 
 from expertmesh.cli import main
@@ -13,7 +15,9 @@ from expertmesh.client import Client
 from expertmesh.config import DataPlaneConfig, ServingConfig
 from expertmesh.data_plane import DataPlane
 from expertmesh.router.policy_quality import PolicyQuality, QualityFigures
-from expertmesh.serving.up import start_apis
+from expertmesh.router.profiles import ProfileFileError, build_profiles, read_profiles_file, write_profiles_file
+from expertmesh.serving.up import serve_plane, start_apis
+from expertmesh.state import open_store
 from expertmesh.tiny import make_tiny_checkpoint
 from expertmesh.v1 import inference_pb2 as pb
 from expertmesh.v1 import inference_pb2_grpc as pb_grpc
@@ -129,6 +133,44 @@ def test_profiles_build_show_heatmap_and_the_policies_that_use_them(served, tmp_
             {"routing_policy": "prefer"},  # no domain: the classifier labels it (code), which has a profile
         ):
             assert len(_tokens(client, "def reverse(items): return", **kwargs)) == 6, kwargs
+
+
+def test_a_profiles_file_serves_prefer_on_an_in_process_store(served, tmp_path, capsys, monkeypatch):
+    """`profile build --out` against a router, then what `expertmesh up --profiles FILE` does on the embedded
+    default's memory:// store (ServingConfig.profiles, loaded by serve_plane): here a second router over
+    the same expert groups, attached to a memory:// store of its own, so no second set of groups starts."""
+    plane, _, target, _ = served
+    monkeypatch.delenv("EXPERTMESH_STATE_URL", raising=False)
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    profiles = tmp_path / "profiles.json"
+    argv = ["profile", "build", "--queries", str(queries), "--target", target, "--max-tokens", "2", "--out", str(profiles)]
+    assert main(argv) == 0
+    assert f"in {profiles}" in capsys.readouterr().err
+    assert set(read_profiles_file(profiles)) == {"code", "legal"}
+
+    store = open_store("memory://")
+    assert store.publish_routing_table(plane.store.routing_table())
+    for group, address in plane.store.endpoints().items():
+        store.set_endpoint(group, address)
+    with DataPlane.attach(DataPlaneConfig(model=plane.checkpoint.path, state_url="memory://"), store=store) as embedded:
+        other = tmp_path / "other.json"  # profiles of another model are refused at start, before serving
+        write_profiles_file(other, build_profiles({"code": np.ones((1, 4))}, (0,)))
+        with pytest.raises(ProfileFileError, match=r"built on another model \(MoE layers \[0\] x 4 experts; this one has"):
+            serve_plane(embedded, ServingConfig(port=0, profiles=other))
+        server = serve_plane(embedded, ServingConfig(port=0, max_new_tokens_cap=32, profiles=profiles))
+        try:
+            assert set(embedded.store.profiles()) == {"code", "legal"}
+            with Client(f"127.0.0.1:{server.port}", timeout=120) as client:
+                for kwargs in (
+                    {"routing_policy": "prefer"},  # classified (code), biased by the file's profile
+                    {"routing_policy": pb.RoutingPolicy(name="restrict", top_n=2), "domain": "legal"},
+                ):
+                    assert len(_tokens(client, "def reverse(items): return", **kwargs)) == 6, kwargs
+                details = _refused(client, "Hello", routing_policy="prefer", domain="medical")
+                assert "no capability profile for 'medical'" in details  # only the file's domains are there
+        finally:
+            server.drain_and_stop()
 
 
 def test_the_quality_guard_refuses_a_recorded_bad_policy_unless_forced(served):

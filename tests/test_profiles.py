@@ -1,7 +1,11 @@
 """Expert capability profiles (router/profiles.py): built from counts by domain, stored, read back; the
 load window's counts by domain; and a request's routing as the router resolves it (serving/
 request_routing.py): biases from the profile, the trained default classifier called once, only when
-the policy needs a domain, under a ``classify`` span."""
+the policy needs a domain, under a ``classify`` span; the profiles file (``profile build --out``, ``profile
+show --file``, ``up --profiles``) and its checks. Serving a file's profiles end to end:
+tests/test_policy_serving.py."""
+
+import json
 
 import numpy as np
 import pytest
@@ -12,9 +16,20 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from expertmesh.classifier import default_classifier
+from expertmesh.cli import build_parser, main
+from expertmesh.config import ServingConfig, settings_from_args
 from expertmesh.errors import InvalidRequest
 from expertmesh.router.load_window import LoadSnapshot, LoadWindow
-from expertmesh.router.profiles import build_profiles, load_profiles, lookup, save_profiles
+from expertmesh.router.profiles import (
+    ProfileFileError,
+    build_profiles,
+    fit_problem,
+    load_profiles,
+    lookup,
+    read_profiles_file,
+    save_profiles,
+    write_profiles_file,
+)
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.state import open_store
 from expertmesh.v1 import inference_pb2 as pb
@@ -117,3 +132,115 @@ def test_the_domain_heatmap_shows_each_domains_share_per_expert():
     assert render_domain_heatmap(_loads(), LAYERS, top_k=2, model_name="tiny")[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no tokens"):
         render_domain_heatmap({"code": np.zeros((2, 4))}, LAYERS, top_k=2)
+
+
+# -- the profiles file ---------------------------------------------------------------------------
+
+
+def test_a_profiles_file_round_trips_and_reads_as_plan_and_show_write_it(tmp_path, capsys):
+    profiles = build_profiles(_loads(), LAYERS)
+    path = tmp_path / "profiles.json"
+    write_profiles_file(path, profiles)
+    records = json.loads(path.read_text())
+    assert [r["domain"] for r in records] == ["code", "legal"]  # the JSON list `plan --profiles` reads
+    back = read_profiles_file(path)
+    assert set(back) == {"code", "legal"} and back["legal"].moe_layers == LAYERS
+    for domain, profile in profiles.items():
+        for name in ("choices", "share", "lift"):
+            assert np.array_equal(getattr(back[domain], name), getattr(profile, name)), (domain, name)
+    assert fit_problem(back, LAYERS, 4) is None
+    assert "MoE layers [1, 3] x 4 experts; this one has MoE layers [1, 3] x 8" in fit_problem(back, LAYERS, 8)
+    assert "built on another model" in fit_problem(back, (0, 1), 4)
+
+    capsys.readouterr()
+    assert main(["profile", "show", "--file", str(path), "--json"]) == 0
+    shown = capsys.readouterr().out
+    assert json.loads(shown)["code"]["share"] == profiles["code"].share.tolist()
+    keyed = tmp_path / "keyed.json"  # what `profile show --json` prints reads back too
+    keyed.write_text(shown)
+    assert set(read_profiles_file(keyed)) == {"code", "legal"}
+    assert main(["profile", "show", "--file", str(path), "--domain", "legal", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("legal  (40 expert choices per layer)") and "layer   1: e2 50% (x2.00)  e1 25% (x1.00)" in out
+
+
+def _record(**change):
+    record = build_profiles(_loads(), LAYERS)["code"].to_dict()
+    return {**record, **change}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "No such file or directory"),
+        ("{", "not JSON (Expecting property name enclosed in double quotes, line 1)"),
+        ("[]", "expected a non-empty JSON list of profile records"),
+        ('"code"', "expected a non-empty JSON list of profile records"),
+        ([3], "record 1: expected an object with domain, moe_layers, choices, share, lift"),
+        ([{"domain": "code", "share": []}], "profile 'code': missing moe_layers, choices, lift"),
+        ([_record(domain="")], "record 1: domain must be a non-empty string"),
+        ([_record(moe_layers=[1, 1])], "profile 'code': moe_layers must be a non-empty list of distinct layer numbers"),
+        ([_record(share=[[1.0, 0.0], [0.5]])], "profile 'code': share must be a [2 x experts] array of numbers"),
+        ([_record(share=[[1.0, 0, 0, 0]])], "profile 'code': share must be a [2 x experts] array of numbers"),
+        ([_record(choices=[40])], "profile 'code': choices must be a [2] array of numbers"),
+        ([_record(lift=[[1, "x", 1, 1], [1, 1, 1, 1]])], "profile 'code': lift must be a [2 x experts] array"),
+        ([_record(lift=[[1, -1, 1, 1], [1, 1, 1, 1]])], "profile 'code': lift must hold finite numbers >= 0"),
+        ([_record(lift=[[1, 1], [1, 1]])], "profile 'code': lift is 2 x 2, share 2 x 4"),
+        ([_record(share=[[0.5, 0.1, 0, 0], [0.25] * 4])], "profile 'code': each row of share must sum to 1"),
+        ([_record(), _record()], "two profiles of 'code'"),
+        ([_record(), _record(domain="legal", moe_layers=[1, 2])], "the profiles of 'code' and 'legal' were built on different models"),
+    ],
+)
+def test_a_bad_profiles_file_is_one_line_naming_what_is_wrong(tmp_path, capsys, content, message):
+    path = tmp_path / "profiles.json"
+    if content is not None:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ProfileFileError) as err:
+        read_profiles_file(path)
+    assert str(err.value).startswith(f"profiles file {path}: ") and message in str(err.value), str(err.value)
+    capsys.readouterr()
+    assert main(["profile", "show", "--file", str(path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert message in line
+
+
+def test_up_takes_a_profiles_file_from_each_source_and_checks_it_before_starting(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "profiles.json"
+    write_profiles_file(path, build_profiles(_loads(), LAYERS))
+    monkeypatch.delenv("EXPERTMESH_PROFILES", raising=False)
+
+    def profiles_setting(*argv):
+        return settings_from_args(ServingConfig, build_parser().parse_args(["up", *map(str, argv)])).profiles
+
+    config = tmp_path / "up.yaml"
+    config.write_text(f"profiles: {path}\n")
+    assert profiles_setting() is None
+    assert profiles_setting("--config", config) == path
+    monkeypatch.setenv("EXPERTMESH_PROFILES", str(tmp_path / "env.json"))
+    assert profiles_setting("--config", config) == tmp_path / "env.json"  # the environment beats the file
+    assert profiles_setting("--profiles", path) == path  # and a flag beats both
+    monkeypatch.delenv("EXPERTMESH_PROFILES")
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    # a bad file fails before anything starts: the model named here does not even exist
+    assert main(["up", "--model", str(tmp_path / "absent"), "--profiles", str(bad)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"profiles file {bad}: expected a non-empty JSON list" in line
+
+
+def test_profile_commands_say_what_to_use_instead_of_a_memory_store(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("EXPERTMESH_STATE_URL", raising=False)
+    queries = tmp_path / "q.jsonl"
+    queries.write_text(json.dumps({"text": "hello", "domain": "general"}) + "\n")
+    for argv, flag in (
+        (["profile", "build", "--queries", str(queries), "--target", "127.0.0.1:1"], "--out FILE.json"),
+        (["profile", "show"], "--file FILE.json"),
+    ):
+        capsys.readouterr()
+        assert main(argv) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "memory:// is private to the router's process; use " + flag in line and "up --profiles" in line
+    out = tmp_path / "absent" / "p.json"
+    assert main(["profile", "build", "--queries", str(queries), "--out", str(out)]) == 2
+    assert f"--out: {out.parent} is not a directory" in capsys.readouterr().err

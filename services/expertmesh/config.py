@@ -119,6 +119,11 @@ class ServingConfig(BaseSettings):
     policy_kl_bound: float = Field(
         0.1, ge=0, description="refuse a policy whose recorded KL(exact || policy) (`expertmesh policy eval`) is above this, unless forced"
     )
+    profiles: Path | None = Field(
+        None,
+        description="capability profiles file (`expertmesh profile build --out`) loaded into the state store at start, "
+        "for the prefer and restrict policies (unset: those in the store)",
+    )
 
 
 class TlsConfig(BaseSettings):
@@ -422,3 +427,4 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_flag(parser, ServingConfig, "http_max_body_bytes")
     add_setting_flag(parser, ServingConfig, "metrics_port")
     add_setting_flag(parser, ServingConfig, "routing_policy")
+    add_setting_flag(parser, ServingConfig, "profiles")

@@ -9,6 +9,8 @@ one-line ExpertMeshError, so the CLI exits 2.
 from __future__ import annotations
 
 import os
+import queue
+import time
 
 import grpc
 
@@ -20,17 +22,35 @@ from expertmesh.v1 import admin_pb2_grpc as pb_grpc
 DEFAULT_ADMIN = os.environ.get("EXPERTMESH_ADMIN_ADDRESS", "127.0.0.1:50052")
 
 
-def connect(address: str) -> tuple[grpc.Channel, pb_grpc.AdminStub]:
+def connect(address: str, timeout: float = 5.0) -> tuple[grpc.Channel, pb_grpc.AdminStub]:
     """A ready channel to the admin API at ``address`` and its stub; the caller closes the channel."""
     channel = secure_or_insecure_channel(address)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=5)
-    except grpc.FutureTimeoutError:
+    if not _ready(channel, timeout):
         channel.close()
         raise GroupUnavailable(
             f"no orchestrator admin API at {address}; is `expertmesh orchestrator` (or `up --orchestrator`) running?"
-        ) from None
+        )
     return channel, pb_grpc.AdminStub(channel)
+
+
+def _ready(channel: grpc.Channel, timeout: float) -> bool:
+    """Whether the channel connects within ``timeout``. A first failed attempt (connection refused, a
+    failed handshake) answers at once: ``channel_ready_future`` would wait out the whole timeout
+    through gRPC's reconnect backoff."""
+    states: queue.Queue[grpc.ChannelConnectivity] = queue.Queue()
+    channel.subscribe(states.put, try_to_connect=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            state = states.get(timeout=max(0.0, deadline - time.monotonic()))
+            if state is grpc.ChannelConnectivity.READY:
+                return True
+            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                return False
+    except queue.Empty:
+        return False
+    finally:
+        channel.unsubscribe(states.put)
 
 
 def call(method, request, timeout: float = 30):

@@ -145,16 +145,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _affinity(args: argparse.Namespace):
     """The planner's domain affinity from ``--profiles`` or ``--state-url``, or None."""
-    from expertmesh.orchestrator import topology_discovery as disc
     from expertmesh.orchestrator.placement.affinity import affinity_from_counts
-    from expertmesh.router.profiles import DomainProfile, load_profiles
+    from expertmesh.router.profiles import load_profiles, read_profiles_file
 
     if args.profiles:
-        try:
-            doc = json.loads(disc.read_text(args.profiles, "profiles file"))
-            profiles = [DomainProfile.from_json(json.dumps(record)) for record in doc]
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            raise PlacementError(f"profiles file is not a JSON list of capability profiles ({type(err).__name__}: {err})") from None
+        profiles = list(read_profiles_file(args.profiles).values())
     elif args.state_url:
         from expertmesh.state import open_store
 

@@ -14,6 +14,20 @@ Runs
 - *transformers generate, one at a time*: the N × R prompts one after the other.
 - *transformers generate, batched*: R calls, each with N prompts left-padded
   into one batch (``min_new_tokens = max_new_tokens``, greedy).
+- with ``--classifier``, the query classifier's added time to first token: three
+  more platform runs with the same clients, each request a *text* prompt (the
+  classifier's eval split, queries of at most ``--prompt-tokens`` tokens, seeded
+  order): ``exact``; ``prefer`` with ``alpha = 0`` and the query's domain given;
+  the same without a domain, so the router classifies each request once before
+  prefill. ``prefer`` needs a domain, and ``alpha = 0`` makes its bias 0
+  (routing stays the stock gate's); it still needs a capability profile of the
+  domain (else the request is refused), so the platform started here gets
+  neutral ones (lift 1) for the classifier's domains, and a ``--target`` must hold
+  profiles (``expertmesh profile build``) of every domain its classifier
+  assigns. Classified minus domain-given is the classifier alone; classified
+  minus exact adds the policy's plumbing (a zero bias per MoE layer, counting by
+  domain). Beside them, the classifier's own time per call on the same texts in
+  this process (as ``expertmesh classifier eval`` measures it).
 
 Figures: tokens/s = generated tokens / wall time of the run; inter-token
 latency (ITL) = time between consecutive streamed tokens of one request
@@ -60,6 +74,11 @@ class Options:
     threads: int | None = None  # None: torch's current intra-op thread count
     seed: int = 0
     ray_address: str | None = None
+    classifier: bool = False  # also the classifier's added TTFT (text prompts; see the module's docstring)
+
+
+#: What the classifier runs send: ``prefer`` with no bias at all, so only the classification differs.
+NEUTRAL_POLICY = {"name": "prefer", "alpha": 0.0}
 
 
 @dataclass
@@ -89,6 +108,11 @@ def add_command(bench_commands) -> None:
     p.add_argument("--threads", type=int, help="torch intra-op threads in this process (default: torch's, = cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the checkpoint and the prompts")
     p.add_argument("--ray-address", help="join this Ray cluster when starting the platform here")
+    p.add_argument(
+        "--classifier", action="store_true",
+        help="also measure the query classifier's added TTFT: text prompts with exact, prefer (alpha 0) with the "
+        "domain given, and prefer (alpha 0) classified (default: off)",
+    )
     p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
     p.set_defaults(run=_main)
 
@@ -108,6 +132,7 @@ def _main(args: argparse.Namespace) -> int:
         threads=None if args.threads is None else check_positive(args.threads, "--threads"),
         seed=args.seed,
         ray_address=args.ray_address,
+        classifier=args.classifier,
     )
     result = run(options)
     print(table(result))
@@ -142,15 +167,40 @@ def prompts(options: Options, vocab_size: int) -> list[list[int]]:
     return out
 
 
+def text_prompts(options: Options, checkpoint) -> list[tuple[str, str, int]]:
+    """N x R (query, domain, tokens) of the classifier's eval split with at most prompt_tokens tokens, in
+    seeded order (repeated when fewer fit)."""
+    import random
+
+    from expertmesh.classifier.corpus import load_examples, shipped
+    from expertmesh.serving.up import load_tokenizer
+
+    tokenizer = load_tokenizer(checkpoint.path)
+    if tokenizer is None:
+        raise BenchError(f"--classifier sends text prompts, and the checkpoint {checkpoint.path} has no tokenizer")
+    examples = load_examples(shipped("eval"))
+    lengths = [len(tokenizer(e.text)["input_ids"]) for e in examples]
+    fit = [(e.text, e.domain, n) for e, n in zip(examples, lengths) if n <= options.prompt_tokens]
+    if not fit:
+        raise BenchError(
+            f"--classifier: no query of the classifier's eval split fits --prompt-tokens {options.prompt_tokens} "
+            f"(the shortest has {min(lengths)} tokens)"
+        )
+    random.Random(options.seed).shuffle(fit)
+    return [fit[i % len(fit)] for i in range(options.clients * options.requests_per_client)]
+
+
 def run(options: Options) -> dict:
     checkpoint = validate(options)
     text = checkpoint.config.get_text_config()
     work = prompts(options, text.vocab_size)
+    queries = text_prompts(options, checkpoint) if options.classifier else []
 
     with torch_threads(options.threads) as threads:
         if options.target:
             _check_target(options.target, checkpoint, text)
             platform = _platform_run(options.target, options, work)
+            classified = _classifier_runs(options.target, options, queries)
             baselines = _baseline_runs(checkpoint.path, options, work, text)
         else:
             from expertmesh.config import DataPlaneConfig, ServingConfig
@@ -163,6 +213,8 @@ def run(options: Options) -> dict:
                 )
             )
             try:
+                if options.classifier:
+                    _neutral_profiles(plane)
                 server = serve_plane(
                     plane,
                     ServingConfig(
@@ -174,6 +226,7 @@ def run(options: Options) -> dict:
                 )
                 try:
                     platform = _platform_run(f"127.0.0.1:{server.port}", options, work)
+                    classified = _classifier_runs(f"127.0.0.1:{server.port}", options, queries)
                 finally:
                     server.drain_and_stop()
                 baselines = _baseline_runs(checkpoint.path, options, work, text)
@@ -182,7 +235,7 @@ def run(options: Options) -> dict:
                 plane.close()
 
     runs = [platform, *baselines]
-    return {
+    result = {
         "benchmark": "serve",
         "model": model_summary(checkpoint),
         "setup": {
@@ -195,6 +248,9 @@ def run(options: Options) -> dict:
         "runs": runs,
         "platform_vs": {r["name"]: platform["tokens_per_s"] / r["tokens_per_s"] for r in baselines},
     }
+    if options.classifier:
+        result["classifier"] = _classifier_summary(classified, queries)
+    return result
 
 
 # -- the platform -------------------------------------------------------------------------
@@ -219,15 +275,24 @@ def _check_target(target: str, checkpoint, text) -> None:
         )
 
 
-def _platform_run(target: str, options: Options, work: list[list[int]]) -> dict:
+def _platform_run(
+    target: str, options: Options, work: list, name: str | None = None, extras: list[dict] | None = None
+) -> dict:
+    """N streaming clients send ``work`` (token ids or text), request i with ``extras[i]`` (routing policy,
+    domain) when given."""
     import grpc
 
     from expertmesh.client import Client
 
     n, m = options.clients, options.max_new_tokens
-    progress(f"bench serve: {n} streaming clients x {options.requests_per_client} requests of {m} tokens at {target}")
-    with Client(target, timeout=600) as client:  # warm-up
-        list(client.generate(work[0], max_new_tokens=2, stop_at_eos=False))
+    name = name or f"platform: {n} streaming clients"
+    extras = extras or [{}] * len(work)
+    progress(f"bench serve: {name}, {options.requests_per_client} requests of {m} tokens each at {target}")
+    try:
+        with Client(target, timeout=600) as client:  # warm-up
+            list(client.generate(work[0], max_new_tokens=2, stop_at_eos=False, **extras[0]))
+    except grpc.RpcError as err:
+        raise BenchError(f"a request to {target} failed: {err.code().name}: {err.details()}") from None
 
     records: list[list[_Request]] = [[] for _ in range(n)]
     errors: list[str] = []
@@ -238,9 +303,10 @@ def _platform_run(target: str, options: Options, work: list[list[int]]) -> dict:
             with Client(target, timeout=600) as client:
                 barrier.wait()
                 for r in range(options.requests_per_client):
+                    i = r * n + c
                     request = _Request(time.perf_counter())
                     records[c].append(request)
-                    for chunk in client.generate(work[r * n + c], max_new_tokens=m, stop_at_eos=False):
+                    for chunk in client.generate(work[i], max_new_tokens=m, stop_at_eos=False, **extras[i]):
                         if chunk.token_ids:
                             request.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
                     done.update()
@@ -257,7 +323,69 @@ def _platform_run(target: str, options: Options, work: list[list[int]]) -> dict:
             t.join()
     if errors:
         raise BenchError(f"a streaming request to {target} failed: {errors[0]}")
-    return _summary(f"platform: {n} streaming clients", n, [r for rs in records for r in rs])
+    return _summary(name, n, [r for rs in records for r in rs])
+
+
+# -- the query classifier's added time to first token ---------------------------------------------
+
+
+def _neutral_profiles(plane) -> None:
+    """Capability profiles of lift 1 for every domain the default classifier assigns, in the plane's
+    store: what ``prefer`` needs to serve, with a bias of 0 whatever its alpha."""
+    import numpy as np
+
+    from expertmesh.classifier import default_classifier
+    from expertmesh.router.profiles import build_profiles, save_profiles
+
+    spec = plane.checkpoint.spec
+    even = np.ones((len(spec.moe_layers), spec.num_experts))  # [L, E]: every expert chosen alike
+    domains = {d.split("/")[0] for d in default_classifier().domains}  # trains it here if it is not cached yet
+    save_profiles(plane.store, build_profiles({d: even for d in domains}, tuple(spec.moe_layers)))
+
+
+def _classifier_runs(target: str, options: Options, queries: list[tuple[str, str, int]]) -> list[dict]:
+    """The three text-prompt runs: exact; prefer (alpha 0) with the domain given; prefer (alpha 0) classified."""
+    if not options.classifier:
+        return []
+    from expertmesh.v1 import inference_pb2 as pb
+
+    texts = [t for t, _, _ in queries]
+    neutral = pb.RoutingPolicy(**NEUTRAL_POLICY)
+    n = options.clients
+    return [
+        _platform_run(target, options, texts, f"text, exact: {n} clients", [{"routing_policy": "exact"}] * len(texts)),
+        _platform_run(
+            target, options, texts, f"text, prefer alpha=0, domain given: {n} clients",
+            [{"routing_policy": neutral, "domain": d} for _, d, _ in queries],
+        ),
+        _platform_run(
+            target, options, texts, f"text, prefer alpha=0, classified: {n} clients", [{"routing_policy": neutral}] * len(texts)
+        ),
+    ]
+
+
+def _classifier_summary(runs: list[dict], queries: list[tuple[str, str, int]]) -> dict:
+    from expertmesh.classifier import default_classifier
+
+    exact, given, classified = runs
+
+    def added(than: dict) -> dict:
+        return {q: classified["ttft_ms"][q] - than["ttft_ms"][q] for q in ("p50", "p99")}
+
+    classifier = default_classifier()
+    calls = [1e3 * classifier.classify(text).seconds for text, _, _ in queries]
+    return {
+        "policy": "prefer(alpha=0)",
+        "prompts": {
+            "source": "the classifier's eval split",
+            "domains": [d for _, d, _ in queries],
+            "lengths": [n for _, _, n in queries],
+        },
+        "runs": runs,
+        "added_ttft_ms": added(given),  # the classifier alone
+        "added_ttft_ms_vs_exact": added(exact),  # and the policy's plumbing
+        "classify_ms": {"p50": percentile(calls, 50), "p99": percentile(calls, 99), "calls": len(calls)},
+    }
 
 
 # -- plain transformers ---------------------------------------------------------------------
@@ -348,7 +476,7 @@ def table(result: dict) -> str:
             r["name"], r["requests"], r["concurrency"], r["tokens"], r["seconds"], r["tokens_per_s"],
             r["itl_ms"]["p50"], r["itl_ms"]["p99"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"],
         ]
-        for r in result["runs"]
+        for r in [*result["runs"], *result.get("classifier", {}).get("runs", [])]
     ]
     title = (
         f"{model['model_type']} {Path(model['path']).name}: {model['moe_layers']} MoE layers x {model['num_experts']} "
@@ -363,4 +491,13 @@ def table(result: dict) -> str:
         ["", "d", "d", "d", ".2f", ".1f", ".2f", ".2f", ".1f", ".1f"],
     )
     ratios = "; ".join(f"{v:.2f}x {k}" for k, v in result["platform_vs"].items())
-    return f"{title}\n{body}\nplatform tok/s = {ratios}"
+    text = f"{title}\n{body}\nplatform tok/s = {ratios}"
+    if "classifier" in result:
+        c = result["classifier"]
+        alone, vs_exact, calls = c["added_ttft_ms"], c["added_ttft_ms_vs_exact"], c["classify_ms"]
+        text += (
+            f"\nquery classifier's added TTFT (prefer alpha=0, classified - domain given): p50 {alone['p50']:+.1f} ms, "
+            f"p99 {alone['p99']:+.1f} ms; classified - exact: p50 {vs_exact['p50']:+.1f} ms, p99 {vs_exact['p99']:+.1f} ms; "
+            f"one classify call here: p50 {calls['p50']:.2f} ms, p99 {calls['p99']:.2f} ms"
+        )
+    return text

@@ -24,10 +24,12 @@ store heals without restarts.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+from ray.serve.schema import ApplicationStatus
 
 from expertmesh.expert_group.runtime import GroupSpec, RunningGroup
 # At home in runtime (which needs no Ray); still importable from here.
@@ -102,22 +104,45 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
+#: Serve waits this long, then again while Serve-routed calls are in flight, before it stops a replica
+#: (default 2 s). The only such calls here are the directory's address lookups; the data path is the
+#: group's own gRPC server, which drains itself when the replica stops (``RunningGroup.stop``). So a
+#: group stops, restarts or moves 2 s sooner.
+SHUTDOWN_WAIT_LOOP_S = 0.1
+
+
 def application(specs: list[GroupSpec]):
     """The Serve application: one deployment per group behind the directory ingress."""
     groups = {
         spec.name: serve.deployment(ExpertGroupReplica)
-        .options(name=f"group-{spec.name}", num_replicas=1, ray_actor_options=actor_options(spec))
+        .options(
+            name=f"group-{spec.name}",
+            num_replicas=1,
+            ray_actor_options=actor_options(spec),
+            graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
+        )
         .bind(spec)
         for spec in specs
     }
-    directory = serve.deployment(GroupDirectory).options(name="directory", ray_actor_options={"num_cpus": 0})
+    directory = serve.deployment(GroupDirectory).options(
+        name="directory", ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S
+    )
     return directory.bind(**groups)
+
+
+#: How often ``deploy`` and ``undeploy`` look at the application's status. Serve's own blocking
+#: ``run`` and ``delete`` look once a second: half a second lost on average each way, a good part of a
+#: small group's start.
+STATUS_POLL_S = 0.05
+DEPLOY_TIMEOUT_S = 600.0
 
 
 def deploy(specs: list[GroupSpec]) -> dict[str, str]:
     """Deploy (or update) every group; blocks until all serve. Returns group -> gRPC address."""
     serve.start(proxy_location="Disabled")
-    handle = serve.run(application(specs), name=APP_NAME, route_prefix=None, logging_config={"log_level": "WARNING"})
+    target = serve.RunTarget(application(specs), name=APP_NAME, route_prefix=None, logging_config={"log_level": "WARNING"})
+    (handle,) = serve.run_many([target], wait_for_applications_running=False)
+    _wait_for_app(lambda app: app is not None and app.status == ApplicationStatus.RUNNING, "start", DEPLOY_TIMEOUT_S)
     return handle.addresses.remote().result()
 
 
@@ -177,4 +202,20 @@ def current_addresses() -> dict[str, str]:
 
 
 def undeploy() -> None:
-    serve.delete(APP_NAME)
+    serve.delete(APP_NAME, _blocking=False)  # then waited for here, more often than Serve's own wait looks
+    _wait_for_app(lambda app: app is None, "stop", 60.0)
+
+
+def _wait_for_app(done, doing: str, timeout_s: float) -> None:
+    """Polls the groups application's status until ``done(status or None)``; a failed deployment
+    raises with Serve's message."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        if done(app):
+            return
+        if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the expert groups did not {doing} within {timeout_s:.0f}s (Serve status: {app.status if app else 'gone'})")
+        time.sleep(STATUS_POLL_S)

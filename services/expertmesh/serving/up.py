@@ -10,6 +10,7 @@ from pathlib import Path
 
 from expertmesh.config import ServingConfig
 from expertmesh.data_plane import DataPlane, progress
+from expertmesh.router.profiles import ProfileFileError, fit_problem, read_profiles_file, save_profiles
 from expertmesh.serving.engine import Engine, EngineLimits
 from expertmesh.serving.http_api import HttpApi
 from expertmesh.serving.http_server import HttpServer
@@ -57,9 +58,11 @@ def load_tokenizer(path: Path):
 
 
 def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
-    """Start the Inference API over a running data plane."""
+    """Start the Inference API over a running data plane (first loading ``config.profiles`` into its store)."""
     plane.dispatcher.refresh()  # load the routing table now: a missing one fails at start, not at the first request
     info = model_info(plane)
+    if config.profiles is not None:
+        _load_profiles_file(plane, config.profiles, tuple(info.moe_layers), info.num_experts)
     register_router_metrics(plane.dispatcher, info.dense_parameters, info.parameters_per_expert)
     tokenizer = load_tokenizer(plane.checkpoint.path)
     engine = Engine(
@@ -84,6 +87,17 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         ),
     )
     return InferenceServer(servicer, engine, config).start()
+
+
+def _load_profiles_file(plane: DataPlane, path: Path, moe_layers: tuple[int, ...], num_experts: int) -> None:
+    """Put the capability profiles of ``path`` (``expertmesh profile build --out``) into the plane's store,
+    where the router's prefer / restrict policies read them: the way to profiles on an in-process store."""
+    profiles = read_profiles_file(path)
+    problem = fit_problem(profiles, moe_layers, num_experts)
+    if problem:
+        raise ProfileFileError(f"profiles file {path}: {problem}; rebuild it with `expertmesh profile build --out`")
+    save_profiles(plane.store, profiles)
+    progress(f"loaded {len(profiles)} capability profiles from {path} ({', '.join(sorted(profiles))})")
 
 
 @dataclass

@@ -53,6 +53,10 @@ def _main(args: argparse.Namespace) -> int:
     from expertmesh.config import ServingConfig, data_plane_config, settings_from_args
 
     serving_config = settings_from_args(ServingConfig, args)  # settings first: a bad one fails before anything starts
+    if serving_config.profiles is not None:
+        from expertmesh.router.profiles import read_profiles_file
+
+        read_profiles_file(serving_config.profiles)  # likewise a bad profiles file (its fit to the model: at start)
     data_config = data_plane_config(args)
     if args.orchestrator:
         from expertmesh.orchestrator.drift.config import drift_config

@@ -119,11 +119,13 @@ def test_dispatch_reports_both_sides_and_consistent_wire_figures(capsys, checkpo
 
 
 @slow
-def test_serve_reports_platform_and_both_generate_baselines(capsys, checkpoint, ray_session, tmp_path):
+def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(capsys, checkpoint, ray_session, tmp_path):
+    """One platform start for both halves: the token-id runs against transformers, then (``--classifier``)
+    the text-prompt runs with and without the router classifying."""
     out_file = tmp_path / "serve.json"
     code, out, _ = _run(
         capsys, "serve", "--model", checkpoint, "--clients", 2, "--requests-per-client", 2,
-        "--max-new-tokens", 4, "--prompt-tokens", 8, "--out", out_file,
+        "--max-new-tokens", 3, "--prompt-tokens", 24, "--classifier", "--out", out_file,
     )
     assert code == 0
     result = json.loads(out_file.read_text())
@@ -133,9 +135,10 @@ def test_serve_reports_platform_and_both_generate_baselines(capsys, checkpoint, 
         "platform: 2 streaming clients", "transformers generate, one at a time", "transformers generate, batched x2",
     ]
     assert [r["concurrency"] for r in result["runs"]] == [2, 1, 2]
-    assert all(4 <= n <= 8 for n in result["setup"]["prompt_lengths"]) and len(result["setup"]["prompt_lengths"]) == 4
-    for r in result["runs"]:
-        assert r["requests"] == 4 and r["tokens"] == 16, "every request streams exactly max_new_tokens tokens"
+    assert all(12 <= n <= 24 for n in result["setup"]["prompt_lengths"]) and len(result["setup"]["prompt_lengths"]) == 4
+    c = result["classifier"]
+    for r in result["runs"] + c["runs"]:
+        assert r["requests"] == 4 and r["tokens"] == 12, "every request, classified or not, streams exactly max_new_tokens"
         assert r["seconds"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
         assert 0 <= r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
@@ -143,29 +146,14 @@ def test_serve_reports_platform_and_both_generate_baselines(capsys, checkpoint, 
     for r in result["runs"][1:]:
         assert result["platform_vs"][r["name"]] == pytest.approx(platform["tokens_per_s"] / r["tokens_per_s"])
 
-
-@slow
-def test_serve_classifier_runs_text_prompts_with_and_without_classifying(capsys, checkpoint, ray_session, tmp_path):
-    out_file = tmp_path / "serve.json"
-    code, out, _ = _run(
-        capsys, "serve", "--model", checkpoint, "--clients", 2, "--requests-per-client", 2,
-        "--max-new-tokens", 3, "--prompt-tokens", 24, "--classifier", "--out", out_file,
-    )
-    assert code == 0
-    result = json.loads(out_file.read_text())
-    assert result["runs"][0]["name"] == "platform: 2 streaming clients" and len(result["runs"]) == 3
     assert result["setup"]["classifier"] is True
-    c = result["classifier"]
-    names = [r["name"] for r in c["runs"]]
-    assert names == [
+    text_runs = [r["name"] for r in c["runs"]]
+    assert text_runs == [
         "text, exact: 2 clients", "text, prefer alpha=0, domain given: 2 clients", "text, prefer alpha=0, classified: 2 clients",
     ]
-    assert all(name in out for name in names) and "query classifier's added TTFT" in out
+    assert all(name in out for name in text_runs) and "query classifier's added TTFT" in out
     assert c["policy"] == "prefer(alpha=0)" and len(c["prompts"]["domains"]) == 4
     assert all(16 <= n <= 24 for n in c["prompts"]["lengths"])
-    for r in c["runs"]:
-        assert r["requests"] == 4 and r["tokens"] == 12, "every request, classified or not, streams its tokens"
-        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
     exact, given, classified = c["runs"]
     for q in ("p50", "p99"):
         assert c["added_ttft_ms"][q] == pytest.approx(classified["ttft_ms"][q] - given["ttft_ms"][q])

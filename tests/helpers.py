@@ -149,3 +149,17 @@ def _session_members(sid: int) -> set[int]:
             if fields[0] != "Z" and int(fields[3]) == sid:
                 members.add(int(entry))
     return members
+
+
+def stock_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Plain transformers greedy decoding of one prompt with its own DynamicCache: the n tokens after it."""
+    import torch
+    from transformers import DynamicCache
+
+    ids, cache, feed = list(prompt), DynamicCache(config=model.config), list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([feed]), cache=cache, use_cache=True).logits  # [1, n, V]
+            feed = [int(logits[0, -1].argmax())]
+            ids += feed
+    return ids[len(prompt) :]

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
 from expertmesh.checkpoint import experts_modules
@@ -24,6 +24,7 @@ from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, Generat
 from expertmesh.serving.forward import MaskSpec
 from expertmesh.serving.sampling import SamplingParams
 from expertmesh.tiny import MOE_ARCHITECTURES
+from helpers import stock_greedy
 
 RECORDING = "expertmesh_test_recording"
 CALLS: list[tuple[int, int]] = []  # (thread id, tokens) of every experts call
@@ -64,17 +65,6 @@ def models(tiny_checkpoints):
     return get
 
 
-def _stock_greedy(model, prompt, n):
-    """Plain transformers greedy decoding of one prompt with its own DynamicCache."""
-    ids, cache, feed = list(prompt), DynamicCache(config=model.config), list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(input_ids=torch.tensor([feed]), cache=cache, use_cache=True).logits  # [1, n, V]
-            feed = [int(logits[0, -1].argmax())]
-            ids += feed
-    return ids[len(prompt) :]
-
-
 def _tokens(events):
     assert isinstance(events[-1], FinishEvent), events[-1]
     return [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
@@ -98,7 +88,7 @@ def _serve(engine, requests, late=()):
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_packed_steps_match_stock_greedy_alone(models, arch):
     model = models(arch)
-    expected = {f"r{i}": _stock_greedy(model, p, n) for i, (p, n) in enumerate(REQUESTS)}
+    expected = {f"r{i}": stock_greedy(model, p, n) for i, (p, n) in enumerate(REQUESTS)}
     engine = Engine(model, None, StepDispatcher(), EngineLimits(8, 8, max_step_tokens=8), max_context=64)
     assert engine.batching.packed, engine.batching.note
     requests = [GenerationRequest(f"r{i}", p, max_new_tokens=n, stop_at_eos=False) for i, (p, n) in enumerate(REQUESTS)]
@@ -124,7 +114,7 @@ def test_a_long_prompt_alone_is_read_in_chunks(models):
         events = list(engine.submit(GenerationRequest("long", prompt, max_new_tokens=5, stop_at_eos=False)))
     finally:
         engine.stop()
-    assert _tokens(events) == _stock_greedy(model, prompt, 5)
+    assert _tokens(events) == stock_greedy(model, prompt, 5)
     assert engine.steps == 6 + 4
 
 
@@ -176,7 +166,7 @@ def test_the_per_sequence_fallback_gives_the_same_tokens(models):
     finally:
         engine.stop()
     assert {rid: _tokens(e) for rid, e in events.items()} == {
-        f"r{i}": _stock_greedy(model, p, n) for i, (p, n) in enumerate(REQUESTS)
+        f"r{i}": stock_greedy(model, p, n) for i, (p, n) in enumerate(REQUESTS)
     }
 
 

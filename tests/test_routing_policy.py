@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ExpertsInterface
 
 from expertmesh.checkpoint import experts_modules
@@ -29,6 +29,7 @@ from expertmesh.router.routing_policy import (
 )
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, TokenEvent
 from expertmesh.tiny import CONFIG_BUILDERS, MOE_ARCHITECTURES
+from helpers import stock_greedy
 
 LOCAL = "expertmesh_test_policy_local"
 
@@ -237,16 +238,6 @@ class _LocalDispatcher:
             yield
 
 
-def _stock_greedy(model, prompt, n):
-    ids, cache, feed = list(prompt), DynamicCache(config=model.config), list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(input_ids=torch.tensor([feed]), cache=cache, use_cache=True).logits  # [1, n, V]
-            feed = [int(logits[0, -1].argmax())]
-            ids += feed
-    return ids[len(prompt):]
-
-
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_exact_requests_stay_token_identical_beside_policy_requests(arch):
     model = _model(arch)
@@ -267,5 +258,5 @@ def test_exact_requests_stay_token_identical_beside_policy_requests(arch):
     for e in events:
         assert isinstance(e[-1], FinishEvent), e[-1]
     tokens = [[t for e in ev if isinstance(e, TokenEvent) for t in e.token_ids] for ev in events]
-    assert tokens[0] == _stock_greedy(model, exact.prompt_ids, 8)
+    assert tokens[0] == stock_greedy(model, exact.prompt_ids, 8)
     assert all(len(t) == 8 for t in tokens[1:])

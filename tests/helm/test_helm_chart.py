@@ -18,11 +18,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from helmchart import CHART, NAMESPACE, RELEASE, VALUE_SETS, VALUES_DIR, template_args, values_of
+from helmchart import CHART, K8S_VERSIONS, NAMESPACE, RELEASE, VALUE_SETS, VALUES_DIR, template_args, values_of
 from kuberay_crd import check_rayservice, check_serve_config, parse_start_resources
 
 SETS = list(VALUE_SETS)
-K8S_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 FULLNAME = f"{RELEASE}-expertmesh"
 

@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from helmchart import CHART, structural_problems, template_args
+from helmchart import CHART, K8S_VERSIONS, structural_problems, template_args
 
 from expertmesh.orchestrator.kube.conditions import refused_status, status_of
 from expertmesh.orchestrator.kube.resource import API_VERSION, GROUP, KIND, PLURAL, VERSION
@@ -28,18 +28,6 @@ from expertmesh.orchestrator.migration.plan import PHASES
 from expertmesh.orchestrator.migration.state import Failure, Migration, MigrationMode, Phase, PhaseChange
 
 CRD_FILE = CHART / "crds" / "expertmigrations.expertmesh.io.yaml"
-K8S_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
-
-
-@pytest.fixture(scope="module")
-def crd() -> dict:
-    return yaml.safe_load(CRD_FILE.read_text())
-
-
-@pytest.fixture(scope="module")
-def schema(crd) -> dict:
-    (version,) = crd["spec"]["versions"]
-    return version["schema"]["openAPIV3Schema"]
 
 
 def sample(**spec) -> dict:

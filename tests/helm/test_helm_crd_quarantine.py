@@ -14,9 +14,8 @@ import copy
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 
-from helmchart import CHART, structural_problems
+from helmchart import CHART, K8S_VERSIONS, structural_problems
 
 from expertmesh.orchestrator.health.monitor import ReplicaStatus
 from expertmesh.orchestrator.health.state import HealthState, Initiator, ReplicaId, ReplicaRecord
@@ -24,18 +23,6 @@ from expertmesh.orchestrator.kube.quarantine import KIND, PLURAL, QuarantineSpec
 from expertmesh.orchestrator.kube.resource import API_VERSION, GROUP, VERSION
 
 CRD_FILE = CHART / "crds" / f"{PLURAL}.{GROUP}.yaml"
-K8S_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
-
-
-@pytest.fixture(scope="module")
-def crd() -> dict:
-    return yaml.safe_load(CRD_FILE.read_text())
-
-
-@pytest.fixture(scope="module")
-def schema(crd) -> dict:
-    (version,) = crd["spec"]["versions"]
-    return version["schema"]["openAPIV3Schema"]
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)

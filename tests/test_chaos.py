@@ -203,9 +203,9 @@ def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
         model=default_checkpoint(),
         clients=3,
         max_new_tokens=8,
-        quiet_seconds=2.0,
-        hold_seconds=5.0,
-        redis_down_seconds=4.0,
+        quiet_seconds=1.0,
+        hold_seconds=3.0,  # still past the 2 s group timeout, so a stopped group is timed out, not waited for
+        redis_down_seconds=2.0,
         health_interval_s=2.0,
         health_tokens=128,
         deadline_s=120.0,

@@ -50,18 +50,15 @@ def groups_loading(total: int, poll_s: float = 0.5) -> Iterator[None]:
     done = threading.Event()
 
     def watch() -> None:
-        from ray import serve
-
-        from expertmesh.expert_group.deployment import APP_NAME
+        from expertmesh.expert_group.deployment import app_status
 
         while not done.wait(poll_s):
             try:
-                app = serve.status().applications.get(APP_NAME)
+                deployments = app_status().deployment_statuses
             except Exception:  # Serve not up yet, or going down: the bar just waits
                 continue
-            if app is not None:
-                healthy = sum(d.status == "HEALTHY" for name, d in app.deployments.items() if name.startswith("group-"))
-                shown.update(healthy - shown.n)
+            healthy = sum(d.status == "HEALTHY" for d in deployments if d.name.startswith("group-"))
+            shown.update(healthy - shown.n)
 
     watcher = threading.Thread(target=watch, name="expertmesh-groups-bar", daemon=True)
     watcher.start()

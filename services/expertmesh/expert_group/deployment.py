@@ -142,7 +142,7 @@ def deploy(specs: list[GroupSpec]) -> dict[str, str]:
     serve.start(proxy_location="Disabled")
     target = serve.RunTarget(application(specs), name=APP_NAME, route_prefix=None, logging_config={"log_level": "WARNING"})
     (handle,) = serve.run_many([target], wait_for_applications_running=False)
-    _wait_for_app(lambda app: app is not None and app.status == ApplicationStatus.RUNNING, "start", DEPLOY_TIMEOUT_S)
+    _wait_for_app(lambda app: app.status == ApplicationStatus.RUNNING, "start", DEPLOY_TIMEOUT_S)
     return handle.addresses.remote().result()
 
 
@@ -203,19 +203,32 @@ def current_addresses() -> dict[str, str]:
 
 def undeploy() -> None:
     serve.delete(APP_NAME, _blocking=False)  # then waited for here, more often than Serve's own wait looks
-    _wait_for_app(lambda app: app is None, "stop", 60.0)
+    _wait_for_app(lambda app: app.status == ApplicationStatus.NOT_STARTED, "stop", 60.0)
+
+
+def app_status():
+    """The groups application's status as Serve's controller keeps it (``StatusOverview``: the app's
+    status and message, one ``DeploymentStatusInfo`` per deployment; NOT_STARTED when there is none).
+
+    Not ``serve.status()``: that validates every deployment's config into pydantic models, which
+    cloudpickles each one's request-router class, walking ``sys.modules`` per function: 0.13 CPU s a
+    call in a process that has imported torch and transformers. Polled while groups start, it took
+    more CPU than the replicas being waited for. This is the call Serve's own blocking ``run`` polls."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client().get_serve_status(APP_NAME)
 
 
 def _wait_for_app(done, doing: str, timeout_s: float) -> None:
-    """Polls the groups application's status until ``done(status or None)``; a failed deployment
+    """Polls the groups application's status until ``done(status)``; a failed deployment
     raises with Serve's message."""
     deadline = time.monotonic() + timeout_s
     while True:
-        app = serve.status().applications.get(APP_NAME)
+        app = app_status().app_status
         if done(app):
             return
-        if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
+        if app.status == ApplicationStatus.DEPLOY_FAILED:
             raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the expert groups did not {doing} within {timeout_s:.0f}s (Serve status: {app.status if app else 'gone'})")
+            raise TimeoutError(f"the expert groups did not {doing} within {timeout_s:.0f}s (Serve status: {app.status})")
         time.sleep(STATUS_POLL_S)

@@ -204,7 +204,7 @@ def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
         clients=3,
         max_new_tokens=8,
         quiet_seconds=1.0,
-        hold_seconds=3.0,  # still past the 2 s group timeout, so a stopped group is timed out, not waited for
+        hold_seconds=5.0,
         redis_down_seconds=2.0,
         health_interval_s=2.0,
         health_tokens=128,
@@ -215,8 +215,8 @@ def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
     assert list(by_name) == list(bench_chaos.SCENARIOS)
     for s in result["scenarios"]:
         assert s["recovered"], s
-        assert s["sent"] > 0 and s["failed"] == 0, s
-        assert s["wrong_outputs"] == 0, s
+        assert s["sent"] > 0 and s["failed"] == 0, f"{s['scenario']}: {s['failed']} of {s['sent']} failed: {s['failures']}"
+        assert s["wrong_outputs"] == 0, f"{s['scenario']}: {s['wrong_outputs']} wrong outputs"
     for name in ("expert-corrupted", "expert-corrupted-sole"):
         assert by_name[name]["detected"] and by_name[name]["quarantined"], by_name[name]
     assert by_name["expert-corrupted"]["degraded"] == 0  # its other replica served: no fallback

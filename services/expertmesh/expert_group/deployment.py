@@ -110,6 +110,11 @@ def cluster_has_gpus() -> bool:
 #: group stops, restarts or moves 2 s sooner.
 SHUTDOWN_WAIT_LOOP_S = 0.1
 
+#: How often Serve's controller pings each group's replica (default 10 s). A replica that died (a
+#: SIGKILL, the OOM killer) is noticed only by its next ping, so this is most of the time before Serve
+#: starts another: a killed group was 15-27 s away from serving again, now about its start time.
+HEALTH_CHECK_PERIOD_S = 1.0
+
 
 def application(specs: list[GroupSpec]):
     """The Serve application: one deployment per group behind the directory ingress."""
@@ -120,6 +125,7 @@ def application(specs: list[GroupSpec]):
             num_replicas=1,
             ray_actor_options=actor_options(spec),
             graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
+            health_check_period_s=HEALTH_CHECK_PERIOD_S,
         )
         .bind(spec)
         for spec in specs

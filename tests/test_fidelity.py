@@ -6,11 +6,13 @@ three groups and in bfloat16 in one."""
 import pytest
 import yaml
 from ray import serve
+from ray.serve.schema import ApplicationStatus
 
 from expertmesh import verify
 from expertmesh.config import DataPlaneConfig
 from expertmesh.data_plane import DataPlane
 from expertmesh.errors import PlacementError
+from expertmesh.expert_group import deployment
 from expertmesh.security.admin_auth import admin_metadata
 from expertmesh.tiny import MOE_ARCHITECTURES
 from expertmesh.v1 import experts_pb2 as pb
@@ -44,6 +46,11 @@ def test_placement_file_with_hot_replica_and_live_load(tiny_checkpoints, tmp_pat
     placement.write_text(yaml.safe_dump({"groups": {"a": {"*": ["0-1"]}, "b": {"*": ["2-3"]}, "hot": {1: [0]}}}))
     config = DataPlaneConfig(model=path, placement=placement)
     with DataPlane.start(config) as plane:
+        status = deployment.app_status()  # what deploy waited on, from Serve's controller
+        assert status.app_status.status == ApplicationStatus.RUNNING
+        assert {d.name: d.status for d in status.deployment_statuses} == {
+            "directory": "HEALTHY", "group-a": "HEALTHY", "group-b": "HEALTHY", "group-hot": "HEALTHY"
+        }
         table = plane.store.routing_table()
         assert table.replicas[(1, 0)] == ("a", "hot")
         assert verify.compare(plane, tokens=16).passed
@@ -68,6 +75,7 @@ def test_placement_file_with_hot_replica_and_live_load(tiny_checkpoints, tmp_pat
         assert plane.dispatcher.table.version == table.version + 1
         assert report.passed, report.summary()
         clients.close()
+    assert deployment.app_status().app_status.status == ApplicationStatus.NOT_STARTED  # close waited for it to go
 
 
 @pytest.mark.parametrize(

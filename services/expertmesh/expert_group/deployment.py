@@ -236,5 +236,5 @@ def _wait_for_app(done, doing: str, timeout_s: float) -> None:
         if app.status == ApplicationStatus.DEPLOY_FAILED:
             raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the expert groups did not {doing} within {timeout_s:.0f}s (Serve status: {app.status})")
+            raise TimeoutError(f"the expert groups did not {doing} within {timeout_s:.0f}s (Serve status: {app.status.value})")
         time.sleep(STATUS_POLL_S)

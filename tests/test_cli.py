@@ -19,12 +19,18 @@ def _run(*args, timeout=300):
 
 
 @pytest.mark.slow
-def test_verify_passes_with_three_groups(tiny_checkpoints):
-    result = _run("verify", "--model", tiny_checkpoints("qwen2_moe"), "--groups", 3, "--tokens", 16)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("PASS qwen2_moe float32 groups=3 tokens=16: max |Δ logits| = ")
-    assert "greedy 16 tokens identical" in result.stdout
-    assert "starting 3 expert groups on Ray Serve" in result.stderr, "long steps show progress"
+def test_verify_passes_with_three_groups(tiny_checkpoints, ray_session, capsys):
+    """In this process, on the tests' shared Ray (``verify`` as a process of its own, starting its own
+    Ray, is test_hub's); it leaves that Ray running and its groups undeployed."""
+    from ray import serve
+
+    model = tiny_checkpoints("qwen2_moe")
+    code, out, err = _main(["verify", "--model", str(model), "--groups", "3", "--tokens", "16"], capsys)
+    assert code == 0, err[-2000:]
+    assert out.startswith("PASS qwen2_moe float32 groups=3 tokens=16: max |Δ logits| = ")
+    assert "greedy 16 tokens identical" in out
+    assert "starting 3 expert groups on Ray Serve" in err, "long steps show progress"
+    assert "expertmesh-groups" not in serve.status().applications
 
 
 def _one_error_line(result):
@@ -39,19 +45,32 @@ def test_verify_missing_checkpoint_exits_2_with_one_line(tmp_path):
     assert line == f"expertmesh verify: error: checkpoint directory {tmp_path / 'absent'} does not exist"
 
 
-def test_verify_dense_checkpoint_exits_2(tiny_checkpoints):
-    assert "has no MoE layers" in _one_error_line(_run("verify", "--model", tiny_checkpoints("llama")))
+# The bad inputs below run ``main`` in this process: the same code as the process above, without a
+# fresh interpreter importing torch and transformers (~7 s each); the exit status is the process's.
 
 
-def test_verify_bad_placement_exits_2_before_starting_ray(tiny_checkpoints, tmp_path):
+def _one_error_line_in_process(argv, capsys):
+    capsys.readouterr()  # not what building the checkpoint printed
+    code, _, err = _main(list(map(str, argv)), capsys)
+    assert code == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_verify_dense_checkpoint_exits_2(tiny_checkpoints, capsys):
+    assert "has no MoE layers" in _one_error_line_in_process(["verify", "--model", tiny_checkpoints("llama")], capsys)
+
+
+def test_verify_bad_placement_exits_2_before_starting_ray(tiny_checkpoints, tmp_path, capsys):
     placement = tmp_path / "p.yaml"
     placement.write_text(yaml.safe_dump({"groups": {"a": {"*": [0, 1, 2]}}}))
-    line = _one_error_line(_run("verify", "--model", tiny_checkpoints("mixtral"), "--placement", placement))
+    line = _one_error_line_in_process(["verify", "--model", tiny_checkpoints("mixtral"), "--placement", placement], capsys)
     assert "leaves 2 experts unhosted: layer 0 expert 3, layer 1 expert 3" in line
 
 
-def test_verify_too_many_groups_exits_2(tiny_checkpoints):
-    line = _one_error_line(_run("verify", "--model", tiny_checkpoints("mixtral"), "--groups", 5))
+def test_verify_too_many_groups_exits_2(tiny_checkpoints, capsys):
+    line = _one_error_line_in_process(["verify", "--model", tiny_checkpoints("mixtral"), "--groups", 5], capsys)
     assert "--groups 5 is more than the 4 experts per layer" in line
 
 

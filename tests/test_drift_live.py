@@ -60,7 +60,7 @@ def _shares(placement: dict[str, set[tuple[int, int]]]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
+def up(tmp_path_factory, shared_ray_address):
     home = tmp_path_factory.mktemp("home")
     placement = home / "lopsided.yaml"
     placement.write_text('groups:\n  g0: {"*": ["0-6"]}\n  g1: {"*": [7]}\n')
@@ -72,7 +72,7 @@ def up(tmp_path_factory):
         "EXPERTMESH_DRIFT_SCAN_INTERVAL_S": "1",
         "EXPERTMESH_DRIFT_MIN_WINDOW_TOKENS": "1000",
     }
-    up = Up("--placement", str(placement), "--orchestrator", "--drift", "--admin-port", "0", env=env)
+    up = Up("--placement", str(placement), "--orchestrator", "--drift", "--admin-port", "0", "--ray-address", shared_ray_address, env=env)
     up.admin = up.wait_for_stderr(r"orchestrator admin gRPC on (\S+:\d+)").group(1)
     up.groups = dict(re.findall(r"(g\d+)@(\S+:\d+)", up.wait_for_stderr(r"data plane ready").string))
     yield up

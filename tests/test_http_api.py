@@ -501,7 +501,7 @@ REAL_CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, shared_ray_address):
     """`expertmesh up --http-port 0` over a tiny Mixtral whose tokenizer carries a chat template."""
     path = make_tiny_checkpoint(
         "mixtral", tmp_path_factory.mktemp("chat-ckpt"), with_tokenizer=True, vocab_size=VOCAB,
@@ -510,7 +510,7 @@ def served(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
-    up = Up("--model", str(path), "--http-port", "0")
+    up = Up("--model", str(path), "--http-port", "0", "--ray-address", shared_ray_address)
     try:
         url = up.wait_for_stderr(r"OpenAI-compatible HTTP API on (\S+)/v1").group(1)
         yield SimpleNamespace(up=up, url=url, model=path.name, tokenizer=tokenizer)

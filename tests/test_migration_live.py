@@ -46,9 +46,9 @@ def _cli(*args):
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
+def up(tmp_path_factory, shared_ray_address):
     home = tmp_path_factory.mktemp("home")
-    up = Up("--orchestrator", "--admin-port", "0", env={"EXPERTMESH_HOME": str(home), "EXPERTMESH_HEARTBEAT_S": "0.2"})
+    up = Up("--orchestrator", "--admin-port", "0", "--ray-address", shared_ray_address, env={"EXPERTMESH_HOME": str(home), "EXPERTMESH_HEARTBEAT_S": "0.2"})
     up.admin = up.wait_for_stderr(r"orchestrator admin gRPC on (\S+:\d+)").group(1)
     up.groups = dict(re.findall(r"(g\d+)@(\S+:\d+)", up.wait_for_stderr(r"data plane ready").string))
     yield up

@@ -337,8 +337,8 @@ def test_embedded_default_is_plaintext_and_admin_from_loopback(tiny_checkpoints)
 
 
 @pytest.mark.slow
-def test_up_serves_tls_end_to_end(pki, tmp_path):
-    """Real: `expertmesh up` (local Ray, two expert groups as Serve replicas, the router) with only
+def test_up_serves_tls_end_to_end(pki, tmp_path, shared_ray_address):
+    """Real: `expertmesh up` (on the tests' shared Ray, two expert groups as Serve replicas, the router) with only
     EXPERTMESH_TLS_* set, as a deployment sets them: the groups get the settings from the router
     and require its client certificate, the router serves TLS, a client with the CA generates."""
     cert, key = pki.server_cert, pki.server_key  # one certificate, both usages: server and client
@@ -349,7 +349,7 @@ def test_up_serves_tls_end_to_end(pki, tmp_path):
         "EXPERTMESH_TLS_CA_FILE": str(pki.ca),
         "EXPERTMESH_TLS_GROUP_SERVER_NAME": GROUP_NAME,
     }
-    up = Up(env=env)
+    up = Up("--ray-address", shared_ray_address, env=env)
     try:
         target = "localhost:" + up.target.rpartition(":")[2]  # the name the certificate carries
         with Client(target, timeout=60, tls=TlsConfig(ca_file=pki.ca)) as client:

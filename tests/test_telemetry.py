@@ -42,7 +42,7 @@ NEW_TOKENS = 3
 
 
 @pytest.fixture(scope="module")
-def run(receiver, tmp_path_factory):
+def run(receiver, tmp_path_factory, shared_ray_address):
     r, port = receiver
     model = make_tiny_checkpoint("mixtral", tmp_path_factory.mktemp("m"), with_tokenizer=True, vocab_size=300)
     env = {
@@ -51,7 +51,7 @@ def run(receiver, tmp_path_factory):
         "OTEL_BSP_SCHEDULE_DELAY": "100",
         "OTEL_METRIC_EXPORT_INTERVAL": "300",
     }
-    up = Up("--model", str(model), "--metrics-port", "0", env=env)
+    up = Up("--model", str(model), "--metrics-port", "0", "--ray-address", shared_ray_address, env=env)
     try:
         metrics_port = up.wait_for_stderr(r"Prometheus metrics on :(\d+)").group(1)
         with Client(up.target) as client:

@@ -62,14 +62,12 @@ class DomainProfile:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "DomainProfile":
-        d = json.loads(text)
-        return cls(
-            d["domain"],
-            tuple(d["moe_layers"]),
-            np.asarray(d["choices"], dtype=np.float64),
-            np.asarray(d["share"], dtype=np.float64),
-            np.asarray(d["lift"], dtype=np.float64),
-        )
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, record: Any) -> "DomainProfile":
+        """A record as ``to_dict`` writes it -> its profile, or ValueError saying which field is wrong."""
+        return _checked_profile(record)
 
 
 def build_profiles(domain_load: Mapping[str, np.ndarray], moe_layers: tuple[int, ...]) -> dict[str, DomainProfile]:
@@ -140,7 +138,7 @@ def read_profiles_file(path: str | Path) -> dict[str, DomainProfile]:
     profiles: dict[str, DomainProfile] = {}
     for number, record in enumerate(document, 1):
         try:
-            profile = _checked_profile(record)
+            profile = DomainProfile.from_dict(record)
         except ValueError as err:
             name = record.get("domain") if isinstance(record, dict) else None
             where = f"profile {name!r}" if isinstance(name, str) and name.strip() else f"record {number}"
@@ -169,7 +167,7 @@ def fit_problem(profiles: Mapping[str, DomainProfile], moe_layers: tuple[int, ..
 
 
 def _checked_profile(record: Any) -> DomainProfile:
-    """One record -> its profile, or ValueError saying which field is wrong."""
+    """``DomainProfile.from_dict``: the store's records and a file's are read by this one check."""
     if not isinstance(record, dict):
         raise ValueError(f"expected an object with {', '.join(FIELDS)}")
     missing = [f for f in FIELDS if f not in record]

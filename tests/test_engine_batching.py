@@ -21,7 +21,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 from expertmesh.checkpoint import experts_modules
 from expertmesh.router.dispatch import IMPLEMENTATION, ExpertDispatcher
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, ScoreEvent, TokenEvent
-from expertmesh.serving.forward import MaskSpec
+from expertmesh.serving.forward import FULL, SLIDING, Chunk, MaskSpec, Rows, pack
+from expertmesh.serving.kv_cache import SequenceKV
 from expertmesh.serving.sampling import SamplingParams
 from expertmesh.tiny import MOE_ARCHITECTURES
 from helpers import stock_greedy
@@ -209,3 +210,28 @@ def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline(tiny
         (0, [0, 1, 2, 0, 1], 1, far + 1), (1, [0, 1, 2, 0, 1], 1, far + 1),  # both prompts
         (0, [3, 2], 1, far + 1), (1, [3, 2], 1, far + 1),  # one token each
     ]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_pack_lets_each_token_see_its_own_sequence_only(window):
+    """pack's indices against the definition, token by token: a query at position p of sequence s
+    sees keys 0..p of s (within the window on sliding layers), and no other sequence's."""
+    chunks = [  # a decode token, a prompt chunk with more to come, a whole short prompt, a Score
+        Chunk(SequenceKV(), (7,), 5, Rows.LAST),
+        Chunk(SequenceKV(), (3, 4, 5, 6), 0, Rows.NONE),
+        Chunk(SequenceKV(), (8, 9), 2, Rows.LAST),
+        Chunk(SequenceKV(), (10, 11, 12), 0, Rows.ALL),
+    ]
+    kinds = (FULL, SLIDING) if window else (FULL,)
+    batch = pack(chunks, MaskSpec("sdpa", kinds, window, torch.float32))
+    queries = [(s, c.start + i) for s, c in enumerate(chunks) for i in range(len(c.token_ids))]
+    keys = [(s, p) for s, c in enumerate(chunks) for p in range(c.start + len(c.token_ids))]
+    assert batch.positions.tolist() == [p for _, p in queries]
+    assert batch.input_ids.tolist() == [[t for c in chunks for t in c.token_ids]]
+    masks = batch.attention_mask if window else {FULL: batch.attention_mask}
+    for kind, mask in masks.items():
+        expected = [
+            [qs == ks and kp <= qp and (kind == FULL or kp > qp - window) for ks, kp in keys] for qs, qp in queries
+        ]
+        assert mask.shape == (1, 1, len(queries), len(keys)) and mask[0, 0].tolist() == expected
+    assert batch.logit_rows.tolist() == [0, 6, 7, 8, 9] and batch.rows_per_chunk == [1, 0, 1, 3]

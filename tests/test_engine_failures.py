@@ -80,14 +80,16 @@ def _run(model, requests, corrupt=None, packed=True):
     request "bad" at its second step (its first, for a score) as a broken expert would.
     Returns (events by request id, steps taken)."""
     engine = Engine(model, None, FlakyStoreDispatcher(down=0), EngineLimits(4, 4), max_context=64, packed=packed)
-    advance = engine._advance
+    advance_step = engine._advance_step
 
-    def corrupting(seq, chunk, logits):  # logits [rows, V]
-        at = 0 if seq.request.score_only else 1
-        hit = corrupt is not None and seq.request.request_id == "bad" and len(seq.generated) == at
-        return advance(seq, chunk, corrupt(logits) if hit else logits)
+    def corrupting(work, logits):  # logits: per chunk, [rows, V] or None
+        def hit(seq):
+            at = 0 if seq.request.score_only else 1
+            return corrupt is not None and seq.request.request_id == "bad" and len(seq.generated) == at
 
-    engine._advance = corrupting
+        return advance_step(work, [corrupt(rows) if hit(seq) else rows for (seq, _), rows in zip(work, logits)])
+
+    engine._advance_step = corrupting
     seqs = [engine.submit(r) for r in requests]  # queued before the loop starts, so all join step one
     engine.start()
     try:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from expertmesh.errors import NonFiniteLogits
-from expertmesh.serving.sampling import MIN_TEMPERATURE, SamplingParams, make_generator, next_token
+from expertmesh.serving.sampling import MIN_TEMPERATURE, SamplingParams, greedy_tokens, make_generator, next_token
 from expertmesh.serving.text_stream import MAX_STOP_BYTES, MAX_STOP_SEQUENCES, TextStream, stop_problems
 from expertmesh.tokenizer import save_byte_tokenizer
 
@@ -82,6 +82,29 @@ def test_non_finite_logits_are_refused_not_sampled(params, bad):
     with pytest.raises(NonFiniteLogits, match="logits held") as err:
         next_token(logits, params, make_generator(params))
     assert err.value.code.name == "INTERNAL"
+
+
+def test_greedy_tokens_for_a_step_are_next_tokens_row_by_row():
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(50, generator=g) for _ in range(7)]
+    rows.append(torch.tensor([1.0, 5.0, 5.0, 5.0] + [0.0] * 46))  # a tie goes to the lowest id, as argmax does
+    rows.append(torch.full((50,), -2.0))  # all tied
+    expected = [next_token(r, SamplingParams(), None) for r in rows]
+    assert expected[7:] == [1, 0]
+    assert greedy_tokens(rows) == expected
+    half = [r.to(torch.bfloat16) for r in rows]  # compared in float32, as next_token does
+    assert greedy_tokens(half) == [next_token(r, SamplingParams(), None) for r in half]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_greedy_tokens_leave_non_finite_or_ragged_steps_to_next_token(bad):
+    rows = [torch.tensor([0.1, 3.0, -1.0]), torch.tensor([2.0, 1.0, 0.0])]
+    assert greedy_tokens(rows) == [1, 0]
+    rows[1][2] = bad
+    assert greedy_tokens(rows) is None  # next_token, row by row, refuses only the bad row
+    assert greedy_tokens([torch.tensor([0.1, 3.0]), torch.tensor([2.0, 1.0, 0.0])]) is None
+    assert greedy_tokens([torch.zeros(0)]) is None
+    assert greedy_tokens([]) is None
 
 
 def test_logits_that_overflow_when_divided_by_the_temperature_are_refused():

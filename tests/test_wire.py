@@ -37,3 +37,30 @@ def test_unset_dtype_and_negative_shape_are_refused():
 def test_unsupported_dtype_cannot_be_encoded():
     with pytest.raises(InvalidRequest, match="cannot travel"):
         wire.encode(torch.ones(2, dtype=torch.float64))
+
+
+def test_buffer_views_of_a_layout_seen_before_are_the_same_views_and_bad_layouts_stay_refused():
+    from expertmesh import wire_frames
+
+    shared = wire_frames.BufferViews(torch.zeros(16384, dtype=torch.uint8))
+    hidden, ids = torch.randn(3, 8), torch.tensor([[1, -1], [0, 2], [2, 1]], dtype=torch.int32)
+    metas = [wire_frames.meta(hidden), wire_frames.meta(ids), wire_frames.meta(ids.float())]
+    first = shared.views(metas, wire_frames.REQUEST_TENSORS)
+    for view, tensor in zip(first, (hidden, ids, ids.float())):
+        view.copy_(tensor)
+    again = shared.views([pb.TensorMeta.FromString(m.SerializeToString()) for m in metas], wire_frames.REQUEST_TENSORS)
+    assert all(a is b for a, b in zip(first, again))  # made once: a decode loop repeats its layouts
+    assert torch.equal(again[0], hidden) and torch.equal(again[1], ids)
+    # another shape, or the same tensors at another offset, is another layout
+    (one_row,) = shared.views([wire_frames.meta(hidden[:1])], wire_frames.ANSWER_TENSORS)
+    assert torch.equal(one_row, hidden[:1])
+    (later,) = shared.views([wire_frames.meta(hidden)], wire_frames.ANSWER_TENSORS, start=wire_frames.span(metas))
+    assert later.data_ptr() == shared.buffer.data_ptr() + wire_frames.span(metas)
+    too_big = [pb.TensorMeta(dtype=metas[0].dtype, shape=[1000, 8], nbytes=32000)]
+    for _ in range(2):  # a refused layout is never remembered as a good one
+        with pytest.raises(InvalidRequest, match="do not fit"):
+            shared.views(too_big, wire_frames.ANSWER_TENSORS)
+    for n in range(1, wire_frames.MAX_CACHED_LAYOUTS + 2):  # many layouts: kept bounded, still right
+        (rows,) = shared.views([wire_frames.meta(hidden[: n % 3 + 1])], wire_frames.ANSWER_TENSORS, start=64 * n)
+        assert rows.shape == (n % 3 + 1, 8) and rows.data_ptr() == shared.buffer.data_ptr() + 64 * n
+    assert len(shared._layouts) <= wire_frames.MAX_CACHED_LAYOUTS

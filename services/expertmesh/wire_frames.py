@@ -127,13 +127,20 @@ def _strides(shape: list[int]) -> list[int]:
     return strides[::-1]
 
 
+#: Layouts whose views a BufferViews keeps; a decode loop asks for the same few over and over.
+MAX_CACHED_LAYOUTS = 64
+
+
 class BufferViews:
     """Tensors in one shared buffer ([bytes] uint8, CPU or GPU). A typed view of the whole buffer is
-    made once per dtype, so a tensor in it is one ``as_strided``: a decode step reads six per group."""
+    made once per dtype, so a tensor in it is one ``as_strided``; and the views of a layout seen
+    before (same tensors at the same offset) are the ones made then, checks and all: the views of a
+    layout depend on nothing else, and decode steps repeat a few layouts."""
 
     def __init__(self, buffer: torch.Tensor):
         self.buffer = buffer
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._layouts: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     def _as(self, dtype: torch.dtype) -> torch.Tensor:
         typed = self._typed.get(dtype)
@@ -145,6 +152,10 @@ class BufferViews:
     def views(self, metas: Sequence[pb.TensorMeta], names: Sequence[str], start: int = 0) -> list[torch.Tensor]:
         """The tensors ``metas`` describe, lying from ``start`` (each at a multiple of SHARED_ALIGN), as
         views: no copy, writing one writes the buffer. Raises InvalidRequest when one would leave it."""
+        key = (start, tuple(names), tuple((m.dtype, tuple(m.shape), m.nbytes) for m in metas))
+        known = self._layouts.get(key)
+        if known is not None:
+            return list(known)
         if start % SHARED_ALIGN:
             raise InvalidRequest(f"offset {start} in the shared buffer is not a multiple of {SHARED_ALIGN}")
         out, offset, size = [], start, self.buffer.numel()
@@ -153,4 +164,7 @@ class BufferViews:
                 raise InvalidRequest(f"tensors up to byte {offset + nbytes} do not fit in the {size}-byte shared buffer")
             out.append(self._as(dtype).as_strided(shape, _strides(shape), offset // dtype.itemsize))
             offset = aligned(offset + nbytes)
+        if len(self._layouts) >= MAX_CACHED_LAYOUTS:
+            self._layouts.clear()
+        self._layouts[key] = tuple(out)
         return out

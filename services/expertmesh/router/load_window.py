@@ -158,24 +158,29 @@ class LoadWindow:
         """top_k_index [T, K] global expert ids; ids >= num_experts (expert-parallel sentinels) are skipped.
         positions [T] (optional): sequence position of each token.
         domains (optional): (domain_ids [T] int64, -1 for none; the domain names they index)."""
+        # In numpy: on the serving step's path once per MoE layer, where each torch op costs microseconds.
         E = self.num_experts
-        ids = top_k_index.detach().to("cpu", torch.long)
-        valid = ids < E
-        onehot = torch.zeros(ids.shape[0], E + 1)  # [T, E+1]; the last column collects sentinels
-        onehot.scatter_(1, torch.where(valid, ids, E), 1.0)
+        ids = top_k_index.detach().to("cpu", torch.long).numpy()  # [T, K]
+        tokens = np.arange(ids.shape[0])[:, None]  # [T, 1]
+        onehot = np.zeros((ids.shape[0], E + 1), dtype=np.float32)  # [T, E+1]; the last column collects sentinels
+        onehot[tokens, np.minimum(ids, E)] = 1.0
         onehot = onehot[:, :E]
-        counts = onehot.sum(dim=0).numpy()  # [E]
-        coact = (onehot.T @ onehot).numpy()  # [E, E]
+        counts = onehot.sum(axis=0)  # [E]
+        coact = onehot.T @ onehot  # [E, E]
         np.fill_diagonal(coact, 0)
         by_bin = None
         if positions is not None:
-            bins = (positions.to("cpu", torch.long) * self._bins // self.max_context).clamp(0, self._bins - 1)  # [T]
-            by_bin = torch.zeros(self._bins, E).index_add_(0, bins, onehot).numpy()  # [P, E]
+            # positions are never negative; np.clip would cost more than the rest of the bins together
+            bins = np.minimum(positions.to("cpu", torch.long).numpy() * self._bins // self.max_context, self._bins - 1)  # [T]
+            in_bin = np.zeros((ids.shape[0], self._bins), dtype=np.float32)  # [T, P]
+            in_bin[tokens[:, 0], bins] = 1.0
+            by_bin = in_bin.T @ onehot  # [P, E]
         by_domain = {}
         if domains is not None:
-            ids, names = domains
+            domain_ids, names = domains
+            domain_ids = domain_ids.to("cpu", torch.long).numpy()  # [T]
             for d, name in enumerate(names):
-                by_domain[name] = onehot[ids == d].sum(dim=0).double().numpy()  # [E]
+                by_domain[name] = onehot[domain_ids == d].sum(axis=0, dtype=np.float64)  # [E]
         row = self._row[layer]
         with self._lock:
             b = self._bucket()

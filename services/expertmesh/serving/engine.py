@@ -55,7 +55,7 @@ from expertmesh.router.dispatch import ExpertDispatcher
 from expertmesh.router.routing_policy import RequestRouting, step_routing
 from expertmesh.serving.forward import Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
 from expertmesh.serving.kv_cache import SequenceKV
-from expertmesh.serving.sampling import SamplingParams, make_generator, next_token, require_finite
+from expertmesh.serving.sampling import SamplingParams, greedy_tokens, make_generator, next_token, require_finite
 from expertmesh.serving.schedule import step_tokens
 from expertmesh.serving.text_stream import TextStream
 from expertmesh.telemetry.setup import tracer
@@ -316,7 +316,7 @@ class Engine:
         else:
             for seq, chunk in work:
                 with self._failing_alone(seq):
-                    self._advance(seq, chunk, self._forward_alone(seq, chunk, len(work)))
+                    self._advance_step([(seq, chunk)], [self._forward_alone(seq, chunk, len(work))])
 
     def _chunk(self, seq: Sequence, n: int) -> Chunk:
         """Sequence ``seq``'s next ``n`` tokens, and which of their logits it needs."""
@@ -353,9 +353,7 @@ class Engine:
         finally:
             for span in spans:
                 span.end()
-        for (seq, chunk), rows in zip(work, logits):
-            with self._failing_alone(seq):
-                self._advance(seq, chunk, rows)
+        self._advance_step(work, logits)
 
     def _forward_alone(self, seq: Sequence, chunk: Chunk, step_size: int) -> torch.Tensor | None:
         """The per-sequence fallback: this sequence's own forward."""
@@ -398,8 +396,24 @@ class Engine:
                 log.exception("request %s failed", seq.request.request_id)
             self._fail_with(seq, err)
 
-    def _advance(self, seq: Sequence, chunk: Chunk, logits: torch.Tensor | None) -> None:
-        """``chunk`` went through the model; ``logits`` [rows, V] are the rows it asked for."""
+    def _advance_step(self, work: list[tuple[Sequence, Chunk]], logits: list[torch.Tensor | None]) -> None:
+        """Each of ``work``'s chunks went through the model; ``logits[i]`` [rows, V] (or None) are the rows
+        chunk ``i`` asked for. The greedy sequences' next tokens are chosen together, in one pass."""
+        greedy = [
+            i
+            for i, ((seq, _), rows) in enumerate(zip(work, logits))
+            if rows is not None and not seq.request.score_only and seq.request.sampling.temperature == 0
+        ]
+        picks: list[int | None] = [None] * len(work)
+        for i, token in zip(greedy, greedy_tokens([logits[i][-1] for i in greedy]) or ()):
+            picks[i] = token
+        for (seq, chunk), rows, token in zip(work, logits, picks):
+            with self._failing_alone(seq):
+                self._advance(seq, chunk, rows, token)
+
+    def _advance(self, seq: Sequence, chunk: Chunk, logits: torch.Tensor | None, token: int | None = None) -> None:
+        """``chunk`` went through the model; ``logits`` [rows, V] are the rows it asked for. ``token``: the
+        next token when it was chosen already (``_advance_step``'s greedy pass)."""
         request = seq.request
         seq.fed += len(chunk.token_ids)
         if logits is None:  # a prompt chunk with more prompt to come
@@ -413,7 +427,8 @@ class Engine:
             seq.events.put(ScoreEvent(scores))
             seq.done = True
             return
-        token = next_token(logits[-1], request.sampling, seq.generator)
+        if token is None:
+            token = next_token(logits[-1], request.sampling, seq.generator)
         seq.generated.append(token)
         reason = None
         if request.stop_at_eos and token in self._eos:

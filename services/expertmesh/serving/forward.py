@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -97,34 +98,43 @@ class PackedBatch:
 
 def pack(chunks: list[Chunk], spec: MaskSpec) -> PackedBatch:
     """The inputs of one packed forward over ``chunks`` (each with a SequenceKV cache)."""
+    # The indices are built in numpy: a step packs every step, and a torch op per chunk costs more
+    # than the arithmetic it does.
     tokens = [len(c.token_ids) for c in chunks]
-    positions = torch.cat([c.positions() for c in chunks])  # [T]
-    query_seq = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(tokens))  # [T]
-    lengths = torch.tensor([c.start + n for c, n in zip(chunks, tokens)])  # the pasts after this step
-    key_seq = torch.repeat_interleave(torch.arange(len(chunks)), lengths)  # [KV]
-    key_pos = torch.cat([torch.arange(int(n)) for n in lengths])  # [KV]
+    n = np.array(tokens, dtype=np.int64)  # [B]
+    lengths = np.array([c.start for c in chunks], dtype=np.int64) + n  # [B] the pasts after this step
+    query_seq = np.repeat(np.arange(len(chunks)), n)  # [T]
+    positions = lengths[query_seq] - n[query_seq] + _offsets_within(n, query_seq)  # [T]
+    key_seq = np.repeat(np.arange(len(chunks)), lengths)  # [KV]
+    key_pos = _offsets_within(lengths, key_seq)  # [KV]
     causal = (query_seq[:, None] == key_seq[None, :]) & (key_pos[None, :] <= positions[:, None])  # [T, KV]
     masks = {FULL: causal}
     if SLIDING in spec.kinds:
         masks[SLIDING] = causal & (key_pos[None, :] > positions[:, None] - spec.window)
-    masks = {kind: _formatted(m, spec) for kind, m in masks.items()}
+    masks = {kind: _formatted(torch.from_numpy(m), spec) for kind, m in masks.items()}
     # A model with one kind of layer takes the mask itself; one that mixes kinds takes a dict by kind.
     attention_mask = masks[spec.kinds[0]] if len(set(spec.kinds)) == 1 else masks
     rows, offset = [], 0
-    for chunk, n in zip(chunks, tokens):
+    for chunk, k in zip(chunks, tokens):
         if chunk.rows is Rows.ALL:
-            rows.append(torch.arange(offset, offset + n))
+            rows.extend(range(offset, offset + k))
         elif chunk.rows is Rows.LAST:
-            rows.append(torch.tensor([offset + n - 1]))
-        offset += n
+            rows.append(offset + k - 1)
+        offset += k
     return PackedBatch(
         input_ids=torch.tensor([[t for c in chunks for t in c.token_ids]]),
-        positions=positions,
+        positions=torch.from_numpy(positions),
         attention_mask=attention_mask,
-        logit_rows=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
-        rows_per_chunk=[{Rows.NONE: 0, Rows.LAST: 1, Rows.ALL: n}[c.rows] for c, n in zip(chunks, tokens)],
+        logit_rows=torch.tensor(rows, dtype=torch.long),
+        rows_per_chunk=[{Rows.NONE: 0, Rows.LAST: 1, Rows.ALL: k}[c.rows] for c, k in zip(chunks, tokens)],
         cache=PackedCache([c.cache for c in chunks], tokens),
     )
+
+
+def _offsets_within(sizes: np.ndarray, owner: np.ndarray) -> np.ndarray:
+    """For items laid out group after group (``sizes[g]`` items of group g; ``owner`` [N] each item's
+    group), each item's index within its group: 0, 1, .. sizes[0]-1, 0, 1, .."""
+    return np.arange(len(owner)) - (np.cumsum(sizes) - sizes)[owner]
 
 
 def _formatted(allowed: torch.Tensor, spec: MaskSpec) -> torch.Tensor:

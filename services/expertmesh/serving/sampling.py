@@ -1,4 +1,4 @@
-"""Choosing the next token of one sequence. Pure: logits and parameters in, a token id out.
+"""Choosing the next token. Pure: logits and parameters in, token ids out.
 
 No token is ever chosen from NaN or Inf: argmax picks the NaN index and
 torch.multinomial fails or draws garbage, a wrong answer with status OK. Such
@@ -59,13 +59,26 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 def require_finite(logits: torch.Tensor) -> None:
     """Raise NonFiniteLogits if any value of ``logits`` (any shape) is NaN or Inf."""
-    nan = int(torch.isnan(logits).sum())
-    inf = int(torch.isinf(logits).sum())
-    if nan or inf:
+    if not bool(torch.isfinite(logits).all()):  # one pass in the common case; counting is for the message
+        nan = int(torch.isnan(logits).sum())
+        inf = int(torch.isinf(logits).sum())
         raise NonFiniteLogits(
             f"the logits held {nan} NaN and {inf} Inf values (of {logits.numel()}): "
             "a faulty expert or an overflow; no token can be chosen from them"
         )
+
+
+def greedy_tokens(rows: list[torch.Tensor]) -> list[int] | None:
+    """The greedy choice for each of ``rows`` ([V] logits each) in one pass for all of them, the very
+    ids ``next_token`` picks one row at a time (argmax, ties to the lowest id). None when one pass
+    cannot answer: rows of different or no widths, or a NaN or Inf anywhere; then ``next_token``
+    row by row raises for the rows that are bad and for no other."""
+    if not rows or len({row.shape for row in rows}) != 1 or rows[0].numel() == 0:
+        return None
+    scores = torch.stack(rows).float()  # [B, V]
+    if not bool(torch.isfinite(scores).all()):
+        return None
+    return scores.argmax(dim=-1).tolist()
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

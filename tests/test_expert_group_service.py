@@ -151,3 +151,29 @@ def test_a_taken_port_is_refused_not_shared(tiny_checkpoints):
             start_server("g-b", hosted, port=port)
     finally:
         first.stop(0)
+
+
+def test_decode_sized_and_larger_calls_pick_the_same_pairs(tiny_checkpoints, monkeypatch):
+    """Calls of up to SMALL_RECORD_ROWS slots find their (token, expert) pairs in plain Python, larger
+    ones with tensor ops: the same call both ways gives the same sums, and the same NotHosted."""
+    from expertmesh.errors import NotHosted
+    from expertmesh.expert_group import hosted as hosted_mod
+
+    hosted = HostedExperts(Checkpoint(tiny_checkpoints("mixtral")))
+    hosted.load([(LAYER, 1), (LAYER, 3)])
+    g = torch.Generator().manual_seed(1)
+    tokens = hosted_mod.SMALL_RECORD_ROWS  # x 2 slots: over the small path's limit
+    hidden = torch.randn(tokens, 32, generator=g)
+    ids = torch.tensor([1, 3, -1])[torch.randint(0, 3, (tokens, 2), generator=g)]  # [T, K], some slots empty
+    weights = torch.rand(tokens, 2, generator=g)
+    bad = ids.clone()
+    bad[1, 0], bad[2, 1] = 2, 99  # not held here; no such expert
+    missing = r"experts \[2, 99\] of layer 1 are not held by this group \(it holds \[1, 3\]\)"
+    large = hosted.compute(LAYER, hidden, ids, weights)
+    with pytest.raises(NotHosted, match=missing):
+        hosted.compute(LAYER, hidden, bad, weights)
+    monkeypatch.setattr(hosted_mod, "SMALL_RECORD_ROWS", 4 * tokens)  # the same calls, the plain-Python way
+    assert torch.equal(hosted.compute(LAYER, hidden, ids, weights), large)
+    with pytest.raises(NotHosted, match=missing):
+        hosted.compute(LAYER, hidden, bad, weights)
+    assert torch.equal(hosted.compute(LAYER, hidden, torch.full_like(ids, -1), weights), torch.zeros_like(hidden))

@@ -27,6 +27,7 @@ import copy
 import math
 import threading
 from dataclasses import dataclass, replace
+from functools import cached_property
 from types import MappingProxyType
 from typing import Literal, Mapping
 
@@ -100,6 +101,11 @@ class _LayerExperts:
     stats: Mapping[int, OutputStats]
     #: global id -> its weight fingerprint when its rows were read from disk; carried like ``stats``
     fingerprints: Mapping[int, str]
+
+    @cached_property
+    def local_index(self) -> Mapping[int, int]:
+        """global id -> local row, of the held ids only (``local_of`` for plain Python)."""
+        return MappingProxyType({e: i for i, e in enumerate(self.ids)})
 
     def rows_of(self, expert: int) -> dict[str, torch.Tensor]:
         """The expert's row of each stacked parameter (views, not copies)."""
@@ -314,15 +320,7 @@ class HostedExperts:
         if held is None:
             raise NotHosted(f"layer {layer} has no experts in this group (it holds layers {sorted(layers)})")
 
-        expert_ids = expert_ids.to(self.device, torch.long)
-        token_idx, slot = (expert_ids >= 0).nonzero(as_tuple=True)  # [S] each: one row per (token, expert) pair
-        global_ids = expert_ids[token_idx, slot]  # [S]
-        unknown = global_ids >= self.spec.num_experts
-        local = held.local_of[global_ids.clamp(max=self.spec.num_experts - 1)]  # [S]
-        if bool(unknown.any()) or bool((local < 0).any()):
-            missing = sorted(set(global_ids[unknown | (local < 0)].tolist()))
-            raise NotHosted(f"experts {missing} of layer {layer} are not held by this group (it holds {list(held.ids)})")
-
+        token_idx, slot, local = self._pairs(layer, held, expert_ids)  # [S] each: one row per (token, expert) pair
         hidden = hidden.to(self.device, self.dtype)
         partial = torch.zeros_like(hidden)  # [T, H]
         if token_idx.numel():
@@ -334,6 +332,30 @@ class HostedExperts:
                 partial.index_add_(0, token_idx, rows.to(partial.dtype))
             self._record(held, local, row_weights, rows)
         return partial
+
+    def _pairs(
+        self, layer: int, held: _LayerExperts, expert_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """expert_ids [T, K] -> the filled slots in row order: (token [S], slot [S], local row [S]).
+        Raises NotHosted naming the ids this group does not hold."""
+        if expert_ids.numel() <= SMALL_RECORD_ROWS:  # a decode step: plain Python beats a dozen tiny ops
+            index = held.local_index
+            pairs = [(t, k, e) for t, row in enumerate(expert_ids.tolist()) for k, e in enumerate(row) if e >= 0]
+            missing = sorted({e for _, _, e in pairs if e not in index})
+            if not missing:
+                columns = list(zip(*pairs)) or [(), (), ()]
+                local = [index[e] for e in columns[2]]
+                return tuple(torch.tensor(c, dtype=torch.long, device=self.device) for c in (*columns[:2], local))
+        else:
+            expert_ids = expert_ids.to(self.device, torch.long)
+            token_idx, slot = (expert_ids >= 0).nonzero(as_tuple=True)  # [S] each
+            global_ids = expert_ids[token_idx, slot]  # [S]
+            unknown = global_ids >= self.spec.num_experts
+            local = held.local_of[global_ids.clamp(max=self.spec.num_experts - 1)]  # [S]
+            missing = sorted(set(global_ids[unknown | (local < 0)].tolist()))
+            if not missing:
+                return token_idx, slot, local
+        raise NotHosted(f"experts {missing} of layer {layer} are not held by this group (it holds {list(held.ids)})")
 
     def _record_small(self, held: _LayerExperts, local: torch.Tensor, row_weights: torch.Tensor, rows: torch.Tensor) -> None:
         """``_record`` for a decode-sized call, in plain Python over the rows: the same sums, in the same

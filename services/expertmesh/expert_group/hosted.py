@@ -37,6 +37,7 @@ from torch import nn
 from expertmesh.checkpoint import Checkpoint, experts_modules
 from expertmesh.errors import InvalidRequest, NotHosted, OverBudget
 from expertmesh.expert_group.fingerprint import fingerprint
+from expertmesh.finite import all_finite, finite_rows
 
 #: Columns of expert_ids a Dispatch may carry beyond the model's top-k: the router's
 #: dynamic top-k may widen a token's choice by one expert.
@@ -306,7 +307,7 @@ class HostedExperts:
                 f"group's cap of {self.max_rows}; split it into smaller calls"
             )
         for name, tensor in (("hidden_states", hidden), ("routing_weights", weights)):
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise InvalidRequest(f"{name} holds {bad} non-finite values (NaN or Inf)")
 
@@ -360,7 +361,7 @@ class HostedExperts:
     def _record_small(self, held: _LayerExperts, local: torch.Tensor, row_weights: torch.Tensor, rows: torch.Tensor) -> None:
         """``_record`` for a decode-sized call, in plain Python over the rows: the same sums, in the same
         order and in double precision, so the same statistics to the bit, for a fraction of the cost."""
-        finite = torch.isfinite(rows).all(dim=1).tolist()  # [S]
+        finite = finite_rows(rows).tolist()  # [S]
         norms = rows.float().norm(dim=1).tolist()  # [S]
         experts = local.tolist()
         scales = row_weights.abs().tolist()
@@ -399,7 +400,7 @@ class HostedExperts:
             self._record_small(held, local, row_weights, rows)
             return
         n = len(held.ids)
-        finite = torch.isfinite(rows).all(dim=1)  # [S]
+        finite = finite_rows(rows)  # [S]
         scale = row_weights.abs().double()  # [S]
         usable = finite & (scale > 0)  # [S]
         norms = torch.where(usable, rows.float().norm(dim=1).double() / scale, 0.0)  # [S]

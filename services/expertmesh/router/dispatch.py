@@ -45,6 +45,7 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from expertmesh.errors import BadGroupResponse, DeadlineExceeded, ExpertMeshError, GroupUnavailable, UnhostedExperts
+from expertmesh.finite import all_finite
 from expertmesh.router.circuit import CircuitBreakers
 from expertmesh.router import degraded
 from expertmesh.router.degraded import StockChoice
@@ -448,7 +449,7 @@ class ExpertDispatcher:
             raise BadGroupResponse(f"{what} partial sums of shape {list(partial.shape)}, expected {list(expected)}")
         if partial.dtype != hidden.dtype:
             raise BadGroupResponse(f"{what} {partial.dtype} partial sums, expected {hidden.dtype}")
-        if not bool(torch.isfinite(partial).all()):
+        if not all_finite(partial):
             raise BadGroupResponse(f"{what} NaN/Inf in its partial sums; its experts may be corrupt")
         return partial
 

@@ -90,6 +90,7 @@ def test_greedy_tokens_for_a_step_are_next_tokens_row_by_row():
     rows.append(torch.tensor([1.0, 5.0, 5.0, 5.0] + [0.0] * 46))  # a tie goes to the lowest id, as argmax does
     rows.append(torch.full((50,), -2.0))  # all tied
     expected = [next_token(r, SamplingParams(), None) for r in rows]
+    assert expected == [int(torch.argmax(r)) for r in rows]  # torch's argmax, ties and all
     assert expected[7:] == [1, 0]
     assert greedy_tokens(rows) == expected
     half = [r.to(torch.bfloat16) for r in rows]  # compared in float32, as next_token does

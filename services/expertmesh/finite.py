@@ -24,8 +24,8 @@ def all_finite(t: torch.Tensor) -> bool:
 
 def finite_rows(t: torch.Tensor) -> torch.Tensor:
     """t [N, ...] -> [N] bool: whether row i holds no NaN and no Inf."""
-    rows = t.flatten(1) if t.dim() > 1 else t[:, None]  # [N, M]
     if not t.is_floating_point():
         return torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
+    rows = t.flatten(1) if t.dim() > 1 else t[:, None]  # [N, M]
     sums = torch.isfinite(rows.sum(dim=1, dtype=torch.float32))  # [N]
     return sums if bool(sums.all()) else torch.isfinite(rows).all(dim=1)

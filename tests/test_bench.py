@@ -57,6 +57,7 @@ def test_percentile_and_int_lists():
         (["dispatch", "--prefill-tokens", CONTEXT + 1], f"above the model's context of {CONTEXT}"),
         (["dispatch", "--decode-steps", CONTEXT], f"above the model's context of {CONTEXT}"),
         (["dispatch", "--repeats", "0"], "--repeats must be at least 1"),
+        (["serve", "--repeats", "0"], "--repeats must be at least 1"),
         (["serve", "--prompt-tokens", "100", "--max-new-tokens", "64"], f"above the model's context of {CONTEXT}"),
         (["serve", "--clients", "0"], "--clients must be at least 1"),
         (["serve", "--target", "127.0.0.1:1"], "cannot reach `expertmesh up` at 127.0.0.1:1"),
@@ -176,14 +177,20 @@ def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, 
             assert code == 2 and len(err.strip().splitlines()) == 1 and "pass --model with the served checkpoint" in err
 
             out_file = tmp_path / "serve.json"
-            code, _, _ = _run(
+            code, out, _ = _run(
                 capsys, "serve", "--model", checkpoint, "--target", target, "--clients", 2,
-                "--requests-per-client", 1, "--max-new-tokens", 3, "--prompt-tokens", 6, "--out", out_file,
+                "--requests-per-client", 1, "--max-new-tokens", 3, "--prompt-tokens", 6, "--repeats", 3, "--out", out_file,
             )
-            assert code == 0
+            assert code == 0 and "median of 3 interleaved repeats" in out
             result = json.loads(out_file.read_text())
-            assert result["setup"]["platform"] == target
+            assert result["setup"]["platform"] == target and result["setup"]["repeats"] == 3
             assert [r["tokens"] for r in result["runs"]] == [6, 6, 6]
+            for r in result["runs"]:  # each row is its median repeat
+                assert len(r["tokens_per_s_repeats"]) == 3
+                assert r["tokens_per_s"] == sorted(r["tokens_per_s_repeats"])[1]
+            platform, *baselines = result["runs"]
+            for r in baselines:
+                assert result["platform_vs"][r["name"]] == pytest.approx(platform["tokens_per_s"] / r["tokens_per_s"])
 
             # a target holds no capability profiles unless built: prefer (alpha 0) is refused, in one line
             code, _, err = _run(

@@ -35,6 +35,12 @@ latency (ITL) = time between consecutive streamed tokens of one request
 gaps between its streamer's calls, one per step); time to first token (TTFT)
 from sending the request (or calling ``generate``) to its first token. One
 untimed warm-up request precedes each run.
+
+``--repeats`` K runs the platform and both ``generate`` baselines K times,
+interleaved (platform, one at a time, batched, platform, ...), so a machine whose
+speed drifts slows both sides alike; each row is the repeat of median tokens/s
+(the lower middle one for even K), with every repeat's tokens/s beside it in the
+JSON (``tokens_per_s_repeats``), and the ratios are of those medians.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from expertmesh.bench.report import (
     BenchError,
@@ -75,6 +82,7 @@ class Options:
     seed: int = 0
     ray_address: str | None = None
     classifier: bool = False  # also the classifier's added TTFT (text prompts; see the module's docstring)
+    repeats: int = 1  # interleaved repeats of the platform and baseline runs; medians reported
 
 
 #: What the classifier runs send: ``prefer`` with no bias at all, so only the classification differs.
@@ -113,6 +121,10 @@ def add_command(bench_commands) -> None:
         help="also measure the query classifier's added TTFT: text prompts with exact, prefer (alpha 0) with the "
         "domain given, and prefer (alpha 0) classified (default: off)",
     )
+    p.add_argument(
+        "--repeats", type=int, default=1,
+        help="runs of the platform and of each baseline, interleaved; each row reports the median's (default 1)",
+    )
     p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
     p.set_defaults(run=_main)
 
@@ -133,6 +145,7 @@ def _main(args: argparse.Namespace) -> int:
         seed=args.seed,
         ray_address=args.ray_address,
         classifier=args.classifier,
+        repeats=check_positive(args.repeats, "--repeats"),
     )
     result = run(options)
     print(table(result))
@@ -199,9 +212,9 @@ def run(options: Options) -> dict:
     with torch_threads(options.threads) as threads:
         if options.target:
             _check_target(options.target, checkpoint, text)
-            platform = _platform_run(options.target, options, work)
+            # the classifier runs first: a target without capability profiles fails them before the baselines load
             classified = _classifier_runs(options.target, options, queries)
-            baselines = _baseline_runs(checkpoint.path, options, work, text)
+            platform, baselines = _interleaved(options.target, checkpoint.path, options, work, text)
         else:
             from expertmesh.config import DataPlaneConfig, ServingConfig
             from expertmesh.data_plane import DataPlane
@@ -225,11 +238,10 @@ def run(options: Options) -> dict:
                     ),
                 )
                 try:
-                    platform = _platform_run(f"127.0.0.1:{server.port}", options, work)
                     classified = _classifier_runs(f"127.0.0.1:{server.port}", options, queries)
+                    platform, baselines = _interleaved(f"127.0.0.1:{server.port}", checkpoint.path, options, work, text)
                 finally:
                     server.drain_and_stop()
-                baselines = _baseline_runs(checkpoint.path, options, work, text)
             finally:
                 progress("bench serve: stopping the platform")
                 plane.close()
@@ -251,6 +263,20 @@ def run(options: Options) -> dict:
     if options.classifier:
         result["classifier"] = _classifier_summary(classified, queries)
     return result
+
+
+def _interleaved(target: str, path: Path, options: Options, work: list, text) -> tuple[dict, list[dict]]:
+    """The platform run and the baseline runs, ``options.repeats`` times in turn; the median of each."""
+    baseline = _baselines(path, options, text)
+    repeats = [(_platform_run(target, options, work), *baseline(work)) for _ in range(options.repeats)]
+    platform, *baselines = (_median_run(list(runs)) for runs in zip(*repeats))
+    return platform, baselines
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s (the lower middle one of an even count), with every run's tokens/s."""
+    median = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+    return {**median, "tokens_per_s_repeats": [r["tokens_per_s"] for r in runs]}
 
 
 # -- the platform -------------------------------------------------------------------------
@@ -404,7 +430,8 @@ class _Clock:
         pass
 
 
-def _baseline_runs(path: Path, options: Options, work: list[list[int]], text) -> list[dict]:
+def _baselines(path: Path, options: Options, text) -> Callable[[list[list[int]]], list[dict]]:
+    """Stock transformers loaded once; the returned function runs both ``generate`` baselines over ``work``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -429,16 +456,19 @@ def _baseline_runs(path: Path, options: Options, work: list[list[int]], text) ->
         steps = clock.times[1:]  # the first call hands over the prompt
         return [_Request(sent, [(t, 1) for t in steps]) for _ in batch]
 
-    progress(f"bench serve: transformers generate, {len(work)} requests one at a time")
-    generate(work[:1], 2)  # warm-up
-    sequential = [r for p in work for r in generate([p], m)]
-    progress(f"bench serve: transformers generate, {options.requests_per_client} batches of {n}")
-    generate(work[:n], 2)  # warm-up
-    batched = [r for b in range(options.requests_per_client) for r in generate(work[b * n : (b + 1) * n], m)]
-    return [
-        _summary("transformers generate, one at a time", 1, sequential),
-        _summary(f"transformers generate, batched x{n}", n, batched),
-    ]
+    def runs(work: list[list[int]]) -> list[dict]:
+        progress(f"bench serve: transformers generate, {len(work)} requests one at a time")
+        generate(work[:1], 2)  # warm-up
+        sequential = [r for p in work for r in generate([p], m)]
+        progress(f"bench serve: transformers generate, {options.requests_per_client} batches of {n}")
+        generate(work[:n], 2)  # warm-up
+        batched = [r for b in range(options.requests_per_client) for r in generate(work[b * n : (b + 1) * n], m)]
+        return [
+            _summary("transformers generate, one at a time", 1, sequential),
+            _summary(f"transformers generate, batched x{n}", n, batched),
+        ]
+
+    return runs
 
 
 # -- figures ----------------------------------------------------------------------------------
@@ -483,6 +513,7 @@ def table(result: dict) -> str:
         f"experts, hidden {model['hidden_size']}, {setup['dtype']}; {setup['max_new_tokens']} new tokens per request, "
         f"prompts {min(setup['prompt_lengths'])}-{max(setup['prompt_lengths'])} tokens; "
         f"{setup['threads']} torch threads; {setup['machine']['cpus']} CPUs"
+        + (f"; median of {setup['repeats']} interleaved repeats" if setup["repeats"] > 1 else "")
     )
     body = format_table(
         ["run", "requests", "concurrent", "tokens", "seconds", "tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms",

@@ -126,6 +126,7 @@ def test_unset_flags_do_not_hide_the_environment(monkeypatch):
         ([], {"EXPERTMESH_GROUPS": "many"}, None, "expertmesh up: error: EXPERTMESH_GROUPS: Input should be a valid integer"),
         ([], {"EXPERTMESH_DTYPE": "int8"}, None, "expertmesh up: error: EXPERTMESH_DTYPE: Input should be 'float32', 'bfloat16'"),
         ([], {"EXPERTMESH_PORT": "99999"}, None, "expertmesh up: error: EXPERTMESH_PORT: Input should be less than or equal to 65535"),
+        (["--router-device", "gpu"], {}, None, "expertmesh up: error: --router-device: a device is auto, cpu, cuda or cuda:N (got 'gpu')"),
         ([], {}, {"groups": -1}, "{file}: groups: Input should be greater than or equal to 1 (got -1)"),
         ([], {}, {"router": {"port": "http"}}, "{file}: router.port: Input should be a valid integer"),
         ([], {}, {"groupz": 3}, "config file {file}: unknown key 'groupz'"),

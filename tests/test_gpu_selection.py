@@ -30,3 +30,45 @@ def test_hardware_binding_on_gpu_and_cpu_clusters(monkeypatch):
     assert hardware_binding(HW, has_gpus=True)["resources"] == {}
     # No GPUs at all: the same plan runs as logical groups on CPU.
     assert hardware_binding(HW, has_gpus=False) == {}
+
+
+# -- the router's device: only torch's CUDA queries are faked -------------------------------
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from expertmesh.cli import main  # noqa: E402
+from expertmesh.devices import router_device  # noqa: E402
+from expertmesh.errors import DeviceUnavailable  # noqa: E402
+
+
+def _gpus(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_the_router_takes_the_first_gpu_when_there_is_one(monkeypatch):
+    _gpus(monkeypatch, 2)
+    assert router_device("auto") == torch.device("cuda", 0)
+    assert router_device("cuda") == torch.device("cuda", 0)
+    assert router_device("cuda:1") == torch.device("cuda", 1)
+    assert router_device("cpu") == torch.device("cpu")
+    with pytest.raises(DeviceUnavailable, match=r"sees 2 CUDA GPU\(s\), cuda:0 \.\. cuda:1"):
+        router_device("cuda:2")
+
+
+def test_without_a_gpu_auto_is_the_cpu_and_cuda_an_error(monkeypatch):
+    _gpus(monkeypatch, 0)
+    assert router_device("auto") == torch.device("cpu")
+    with pytest.raises(DeviceUnavailable, match="sees no CUDA GPU .*use cpu or auto"):
+        router_device("cuda")
+
+
+def test_up_on_a_gpu_that_is_not_there_fails_before_anything_starts(monkeypatch, capsys, tmp_path):
+    """One line, exit 2, and no Ray started: the device is checked before the groups."""
+    _gpus(monkeypatch, 0)
+    code = main(["up", "--router-device", "cuda:0", "--state-url", "memory://"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("expertmesh up: error: router_device cuda:0: this process sees no CUDA GPU"), err
+    assert not ray.is_initialized()

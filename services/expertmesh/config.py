@@ -18,6 +18,7 @@ written: ``--groups``, ``EXPERTMESH_GROUPS`` or ``FILE: groups``.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import types
 import typing
@@ -58,6 +59,11 @@ class DataPlaneConfig(BaseSettings):
     topology: Path | None = Field(None, description="topology YAML the GPU placement refers to")
     group_per: Literal["gpu", "island"] = Field("gpu", description="with gpu_placement: one expert group per GPU or per NVLink island")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype the router and groups compute in")
+    router_device: str = Field(
+        "auto",
+        description="device of the router's model (attention, gates, LM head): auto (the first CUDA GPU when there is "
+        "one, else cpu), cpu, cuda or cuda:N",
+    )
     state_url: str = Field("memory://", description="memory:// (embedded) or redis://host:port/db")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     group_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per expert group")
@@ -86,6 +92,13 @@ class DataPlaneConfig(BaseSettings):
         description="an expert whose every replica is quarantined: the gate picks the next-best expert in its slot, "
         "or its slot is dropped and the token's other experts renormalised",
     )
+
+    @field_validator("router_device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError("a device is auto, cpu, cuda or cuda:N")
+        return value
 
 
 class ServingConfig(BaseSettings):
@@ -383,7 +396,9 @@ def add_data_plane_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every command that starts a data plane shares (``up``, ``verify``, benchmarks)."""
     add_config_argument(parser)
     add_setting_flag(parser, DataPlaneConfig, "model", default_note="the embedded tiny model")
-    for name in ("revision", "groups", "placement", "gpu_placement", "topology", "group_per", "dtype", "ray_address", "state_url"):
+    for name in (
+        "revision", "groups", "placement", "gpu_placement", "topology", "group_per", "dtype", "router_device", "ray_address", "state_url"
+    ):
         add_setting_flag(parser, DataPlaneConfig, name)
 
 

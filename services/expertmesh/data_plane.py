@@ -26,6 +26,7 @@ from expertmesh import security, telemetry
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import DataPlaneConfig
 from expertmesh.console import groups_loading, progress  # progress: commands import it from here too
+from expertmesh.devices import router_device
 from expertmesh.errors import GroupUnavailable, PlacementError
 from expertmesh.placement import GroupPlacement
 from expertmesh.router.load_window import LoadWindow
@@ -65,14 +66,14 @@ def _gpu_layout(config: DataPlaneConfig, spec):
     return groups_from_placement(gpu_placement, topology, spec.moe_layers, config.group_per)
 
 
-def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, resolve_endpoints=None):
+def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, device: torch.device, resolve_endpoints=None):
     from expertmesh.router.dispatch import ExpertDispatcher
     from expertmesh.router.heartbeat import Heartbeat
     from expertmesh.router.load_publisher import router_id
     from expertmesh.router.model import build_router_model
     from expertmesh.router.transport import build as build_transport
 
-    progress("building the router (no routed-expert weights)")
+    progress(f"building the router on {device} (no routed-expert weights)")
     spec = checkpoint.spec
     window = LoadWindow(
         spec.moe_layers, spec.num_experts, spec.top_k, window_s=config.load_window_s, max_context=spec.max_context or 4096
@@ -89,7 +90,7 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, 
         transport=build_transport(config.transport),
     )
     heartbeat.start(dispatcher)
-    return dispatcher, heartbeat, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype))
+    return dispatcher, heartbeat, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype), device)
 
 
 @dataclass
@@ -129,6 +130,7 @@ class DataPlane:
         from expertmesh.expert_group import deployment
 
         t0 = time.monotonic()
+        device = router_device(config.router_device)  # a GPU that is not there fails before anything starts
         checkpoint = Checkpoint(config.model)
         spec = checkpoint.spec
         layout = _gpu_layout(config, spec) if config.gpu_placement is not None else None
@@ -199,7 +201,7 @@ class DataPlane:
                 store.set_endpoint(group, address)
             return fresh
 
-        dispatcher, heartbeat, model = _router(checkpoint, store, config, resolve_endpoints)
+        dispatcher, heartbeat, model = _router(checkpoint, store, config, device, resolve_endpoints)
         progress(f"data plane ready in {time.monotonic() - t0:.1f}s: " + ", ".join(f"{g}@{a}" for g, a in addresses.items()))
         return cls(config, checkpoint, placement, store, model, dispatcher, heartbeat, addresses, started_ray)
 
@@ -207,6 +209,7 @@ class DataPlane:
     def attach(cls, config: DataPlaneConfig, wait_s: float = 300.0, store: StateStore | None = None) -> "DataPlane":
         """The router alone, over groups and a routing table that others publish in the shared store
         (``store``, which the plane then owns; default: ``config.state_url``'s)."""
+        device = router_device(config.router_device)
         checkpoint = Checkpoint(config.model)
         store = store if store is not None else open_store(config.state_url)
         deadline = time.monotonic() + wait_s
@@ -225,7 +228,7 @@ class DataPlane:
             placement_mod.validate(placement, checkpoint.spec)
         except PlacementError as err:
             raise PlacementError(f"the published routing table does not fit {checkpoint.path}: {err}") from None
-        dispatcher, heartbeat, model = _router(checkpoint, store, config)
+        dispatcher, heartbeat, model = _router(checkpoint, store, config, device)
         progress(f"router attached to routing table version {table.version} ({len(placement.groups)} groups)")
         return cls(
             config, checkpoint, placement, store, model, dispatcher, heartbeat, store.endpoints(), False, _owns_groups=False

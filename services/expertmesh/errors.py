@@ -105,3 +105,9 @@ class DeadlineExceeded(ExpertMeshError):
     """Every request a step serves has passed its deadline; waiting longer for a group helps nobody."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class DeviceUnavailable(ExpertMeshError):
+    """A setting names a device this process cannot use (a CUDA GPU where torch sees none)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION

@@ -70,11 +70,12 @@ def compare(plane, tokens: int = 32, seed: int = 0) -> VerifyReport:
     if tokens < 1 or (limit and tokens > limit) or (limit and PROMPT_TOKENS + GREEDY_TOKENS > limit):
         raise CheckpointError(f"--tokens must be between 1 and the model's context of {limit} tokens, got {tokens}")
     dtype = getattr(torch, plane.config.dtype)
+    device = plane.model.device  # the reference computes where the router does
     reference = AutoModelForCausalLM.from_pretrained(
         plane.checkpoint.path, experts_implementation="eager", dtype=dtype, local_files_only=True
-    ).eval()
+    ).eval().to(device)
     generator = torch.Generator().manual_seed(seed)
-    batch = torch.randint(0, config.vocab_size, (2, tokens), generator=generator)  # [2, tokens]
+    batch = torch.randint(0, config.vocab_size, (2, tokens), generator=generator).to(device)  # [2, tokens]
     with torch.no_grad():
         expected = reference(batch).logits.float()
         actual = plane.model(batch).logits.float()

@@ -10,7 +10,9 @@ In one run, on the same checkpoint, dtype, inputs and intra-op thread count:
   in an in-process store (``DataPlane.attach``): no Ray and no Redis needed, as on
   the GPU machine. ``--transport`` chooses how the router reaches them (``auto``:
   shared memory on this host; ``grpc``: gRPC streams; ``grpc-unary``: one unary
-  call per layer per group, the path before streams).
+  call per layer per group, the path before streams). ``--device`` puts the
+  monolithic model and the router's model on a GPU (``auto``: the first one
+  there is); the groups then compute on the GPU too.
 
 Phases
 - *prefill*: one forward of ``--prefill-tokens`` tokens (batch 1, fresh cache).
@@ -19,7 +21,8 @@ Phases
   with the cache (``DynamicCache``) are timed; the step time is their mean.
 
 Each phase runs once untimed on each side (warm-up), then ``--repeats`` times,
-alternating monolithic and platform; the figure is the median over repeats.
+alternating monolithic and platform; the figure is the median over repeats. On a
+GPU each timed run ends with a device synchronisation.
 Input tokens are seeded and identical on both sides, so both route the same.
 
 Derived figures (per phase)
@@ -94,6 +97,7 @@ class Options:
     tracing: bool = False  # also measure with OpenTelemetry tracing on
     transport: TransportName = "auto"
     groups_as: str = "ray"  # "ray": Ray Serve deployments; "process": `expertmesh group serve` processes
+    device: str = "auto"  # of the monolithic and the router's model: auto, cpu, cuda, cuda:N
 
 
 def add_command(bench_commands) -> None:
@@ -124,6 +128,12 @@ def add_command(bench_commands) -> None:
         default="ray",
         help="expert groups as Ray Serve deployments, or as plain `expertmesh group serve` processes (no Ray)",
     )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="device of the monolithic model and the router's: auto (the first CUDA GPU when there is one, else "
+        "cpu), cpu, cuda or cuda:N; on a GPU the groups compute there too (default auto)",
+    )
     p.add_argument("--out", default="bench-dispatch.json", help="JSON results (default bench-dispatch.json)")
     p.set_defaults(run=_main)
 
@@ -145,6 +155,7 @@ def _main(args: argparse.Namespace) -> int:
         tracing=args.tracing,
         transport=args.transport,
         groups_as=args.groups_as,
+        device=args.device,
     )
     result = run(options)
     print(table(result))
@@ -191,11 +202,21 @@ class _NoMeter:
         pass
 
 
+def _finished(model) -> None:
+    """Wait for the model's queued GPU work (a CUDA call returns before its kernels ran)."""
+    import torch
+
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 def _prefill_seconds(model, ids, meter) -> float:
     """ids [1, P]: one forward with a fresh cache."""
+    _finished(model)
     meter.begin()
     start = time.perf_counter()
     model(input_ids=ids, use_cache=True)
+    _finished(model)
     seconds = time.perf_counter() - start
     meter.end()
     return seconds
@@ -207,10 +228,12 @@ def _decode_seconds(model, prompt, steps, meter) -> float:
     for i in range(WARMUP_STEPS):
         cache = model(input_ids=steps[:, i : i + 1], cache=cache, use_cache=True).cache
     n = steps.shape[1] - WARMUP_STEPS
+    _finished(model)
     meter.begin()
     start = time.perf_counter()
     for i in range(WARMUP_STEPS, steps.shape[1]):
         cache = model(input_ids=steps[:, i : i + 1], cache=cache, use_cache=True).cache
+    _finished(model)
     seconds = (time.perf_counter() - start) / n
     meter.end()
     return seconds
@@ -293,8 +316,10 @@ def run(options: Options) -> dict:
 
     from expertmesh.checkpoint import experts_modules
     from expertmesh.config import DataPlaneConfig
+    from expertmesh.devices import router_device
 
     checkpoint = validate(options)
+    device = router_device(options.device)
     spec = checkpoint.spec
     text = checkpoint.config.get_text_config()
     dtype = getattr(torch, options.dtype)
@@ -303,10 +328,10 @@ def run(options: Options) -> dict:
 
     with torch_threads(options.threads) as threads:
         baseline = resident_bytes()
-        progress(f"bench dispatch: loading stock transformers ({spec.model_type}, {options.dtype})")
+        progress(f"bench dispatch: loading stock transformers ({spec.model_type}, {options.dtype}, on {device})")
         mono = AutoModelForCausalLM.from_pretrained(
             checkpoint.path, experts_implementation="eager", dtype=dtype, local_files_only=True
-        ).eval()
+        ).eval().to(device)
         memory = {
             "baseline_bytes": baseline,
             "monolithic_bytes": resident_bytes(),
@@ -320,6 +345,7 @@ def run(options: Options) -> dict:
             dtype=options.dtype,
             ray_address=options.ray_address,
             transport=options.transport,
+            router_device=str(device),
         )
 
         def measure() -> dict:
@@ -359,6 +385,8 @@ def run(options: Options) -> dict:
             "warmup": "1 untimed run per phase and side; 1 untimed decode step per repeat",
             "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
             "machine": machine(),
+            "device": str(device),
+            **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
         },
         "phases": measured["phases"],
         "memory": memory,
@@ -406,7 +434,7 @@ def _group_processes(options: Options, config):
     spec = Checkpoint(config.model).spec
     placement = placement_mod.contiguous(spec, options.groups)
     args = ["--model", str(config.model), "--groups", str(options.groups), "--dtype", options.dtype]
-    if torch.cuda.is_available():  # as on Ray, groups compute on a GPU when there is one
+    if torch.device(config.router_device).type == "cuda":  # the groups compute beside the router, on its GPU
         args.append("--gpu")
     progress(f"bench dispatch: starting {options.groups} expert groups as plain processes (expertmesh group serve)")
     groups = start_groups(sorted(placement.groups), args)
@@ -462,7 +490,7 @@ def _run_phases(options: Options, mono, plane, vocab: int, moe_layers: int, hidd
     gen = torch.Generator().manual_seed(options.seed)
 
     def tokens(*shape):
-        return torch.randint(FIRST_TOKEN_ID, vocab, shape, generator=gen)
+        return torch.randint(FIRST_TOKEN_ID, vocab, shape, generator=gen).to(platform.device)
 
     phases = []
     with torch.no_grad():
@@ -537,6 +565,7 @@ def table(result: dict) -> str:
         f"{model['num_experts']} experts top-{model['top_k']}, hidden {model['hidden_size']}, {setup['dtype']}; "
         f"platform = router + {setup['groups']} expert groups ({runner}), transport {setup['transport']} "
         f"(carried by {carried}); {setup['threads']} torch threads both sides; {setup['machine']['cpus']} CPUs; "
+        f"{'on ' + setup['gpu'] + '; ' if 'gpu' in setup else ''}"
         f"median of {setup['repeats']}"
     )
     body = format_table(

@@ -287,25 +287,27 @@ class ExpertDispatcher:
             domains = (routing.domain_ids, routing.domains) if routing is not None and routing.domains else None
             self.load_window.record(layer, index, positions, domains)
         weights_cpu = top_k_weights.detach().to("cpu")  # [T, K]
-        hidden_cpu = hidden.detach().to("cpu")  # [T, H]
+        # [T, H] where the model computes: each transport takes its rows from there (CUDA IPC on the
+        # router's GPU, a copy to host memory for the others)
+        source = hidden.detach()
         links = [Link(c) for c in links if c.is_valid]
         if layer in view.fallback:
             weights_cpu = self._route_around(view, layer, index, weights_cpu)
 
         calls = self._plan(view, layer, index, weights_cpu)
         timeout = self._call_timeout(layer)
-        flights = [self._send(view, layer, hidden_cpu, call, links, timeout) for call in calls]
+        flights = [self._send(view, layer, source, call, links, timeout) for call in calls]
         if self.hidden_sampler is not None:  # while the groups compute: off the step's critical path
-            self.hidden_sampler.offer(layer, hidden_cpu)
-        out = torch.zeros_like(hidden_cpu)  # [T, H]
+            self.hidden_sampler.offer(layer, source.to("cpu"))
+        out = torch.zeros_like(source)  # [T, H]
         failed: list[_GroupFailed] = []
         for flight in flights:
             try:
-                out.index_add_(0, flight.call.tokens, self._collect(layer, hidden_cpu, flight))
+                _add_rows(out, flight.call.tokens, self._collect(layer, source, flight))
             except _GroupFailed as failure:
                 failed.append(failure)
         if failed:
-            flights += self._fail_over(view, layer, hidden_cpu, index.shape[0], failed, links, out, timeout)
+            flights += self._fail_over(view, layer, source, index.shape[0], failed, links, out, timeout)
         self.traffic.record(
             layer,
             calls=1,
@@ -320,7 +322,7 @@ class ExpertDispatcher:
         for f in flights:
             group_tokens[f.group] += f.call.tokens.numel()
         self.traffic.record_groups(layer, group_tokens)
-        return out.to(hidden.device)
+        return out
 
     def _route_around(
         self, view: RoutingView, layer: int, index: torch.Tensor, weights: torch.Tensor
@@ -479,12 +481,12 @@ class ExpertDispatcher:
             except NoHealthyReplica:
                 if not failure.retryable:
                     raise failure.error from None
-                out.index_add_(0, failure.flight.call.tokens, self._resend(layer, hidden, failure))
+                _add_rows(out, failure.flight.call.tokens, self._resend(layer, hidden, failure))
                 continue
             retries = [self._send(view, layer, hidden, call, links, timeout_s) for call in calls]
             for flight in retries:
                 try:
-                    out.index_add_(0, flight.call.tokens, self._collect(layer, hidden, flight))
+                    _add_rows(out, flight.call.tokens, self._collect(layer, hidden, flight))
                 except _GroupFailed as second:
                     raise second.error from None
             flights += retries
@@ -521,6 +523,14 @@ class ExpertDispatcher:
 
     def close(self) -> None:
         self._transport.close()
+
+
+def _add_rows(out: torch.Tensor, tokens: torch.Tensor, partial: torch.Tensor) -> None:
+    """out[tokens] += partial. out [T, H] on the router's device; tokens [Tg] on the host; partial [Tg, H]
+    where its transport left it (host memory, or the router's GPU over CUDA IPC)."""
+    if tokens.device != out.device:
+        tokens, partial = tokens.to(out.device), partial.to(out.device)
+    out.index_add_(0, tokens, partial)
 
 
 def _remote_experts_forward(

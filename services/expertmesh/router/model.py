@@ -18,7 +18,9 @@ from expertmesh.router.degraded import StockChoice
 from expertmesh.router.gate_hook import GateBias
 
 
-def build_router_model(checkpoint: Checkpoint, dispatcher: ExpertDispatcher, dtype: torch.dtype) -> nn.Module:
+def build_router_model(
+    checkpoint: Checkpoint, dispatcher: ExpertDispatcher, dtype: torch.dtype, device: torch.device = torch.device("cpu")
+) -> nn.Module:
     model = checkpoint.skeleton(IMPLEMENTATION, dtype)
     for layer, (_, module) in experts_modules(model).items():
         for name in checkpoint.spec.expert_params:
@@ -45,6 +47,7 @@ def build_router_model(checkpoint: Checkpoint, dispatcher: ExpertDispatcher, dty
     if missing:
         raise CheckpointError(f"{checkpoint.path} lacks router weights: {missing[:5]}")
     model.tie_weights()
+    model.to(device)  # read on the host first: safetensors and the fp32 rules above work there
     model.requires_grad_(False)
     model.eval()
     model.register_forward_pre_hook(lambda *_: dispatcher.on_forward())

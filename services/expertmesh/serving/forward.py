@@ -146,26 +146,30 @@ def _formatted(allowed: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
 
 
 def forward_packed(model: nn.Module, batch: PackedBatch) -> list[torch.Tensor | None]:
-    """One forward of ``batch``; per chunk, its logits [rows, V] float32, or None if it needs none."""
+    """One forward of ``batch``; per chunk, its logits [rows, V] float32 on the host, or None if it needs none.
+    The batch is built on the host and goes to the model's device here."""
+    device = model.device
+    mask = batch.attention_mask
     out = model(
-        input_ids=batch.input_ids,
-        position_ids=batch.positions[None],
-        attention_mask=batch.attention_mask,
+        input_ids=batch.input_ids.to(device),
+        position_ids=batch.positions[None].to(device),
+        attention_mask={kind: m.to(device) for kind, m in mask.items()} if isinstance(mask, dict) else mask.to(device),
         cache=batch.cache,
         use_cache=True,
-        logits_to_keep=batch.logit_rows,
+        logits_to_keep=batch.logit_rows.to(device),
     )
-    logits = out.logits[0].float()  # [R, V]
+    logits = out.logits[0].float().cpu()  # [R, V]: sampling and the Score API read them on the host
     return [part if n else None for part, n in zip(logits.split(batch.rows_per_chunk), batch.rows_per_chunk)]
 
 
 def forward_alone(model: nn.Module, chunk: Chunk) -> torch.Tensor | None:
-    """The per-sequence fallback: ``chunk``'s own forward on its DynamicCache; logits [rows, V] or None."""
+    """The per-sequence fallback: ``chunk``'s own forward on its DynamicCache; logits [rows, V] on the host, or None."""
+    device = model.device
     out = model(
-        input_ids=torch.tensor([chunk.token_ids]),  # [1, n]
-        position_ids=chunk.positions()[None],
+        input_ids=torch.tensor([chunk.token_ids], device=device),  # [1, n]
+        position_ids=chunk.positions()[None].to(device),
         cache=chunk.cache,
         use_cache=True,
         logits_to_keep=0 if chunk.rows is Rows.ALL else 1,
     )
-    return None if chunk.rows is Rows.NONE else out.logits[0].float()
+    return None if chunk.rows is Rows.NONE else out.logits[0].float().cpu()

@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 REDIS_PORT ?= 6399
 RUN_DIR := .run
 
-.PHONY: install proto run test redis-start redis-stop clean
+.PHONY: install proto run test redis-start redis-stop clean gpu-wheels
 
 # A pinned CPU torch first: an unpinned one pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -41,6 +41,26 @@ test: install
 	$(MAKE) redis-start
 	EXPERTMESH_TEST_REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0 HF_HUB_OFFLINE=1 \
 		$(PY) -m pytest -q $(PYTEST_ARGS); status=$$?; $(MAKE) redis-stop; exit $$status
+
+# Wheels the GPU machine lacks (or may hold too old) for deploy/gpu-bench/run.sh: Python 3.12 manylinux
+# x86-64, no deps, pinned to this venv's versions. `bench dispatch --groups-as process` and `group serve`
+# import: transformers >= 5.24 and what it version-checks at import (hub, tokenizers, safetensors, regex),
+# hub's HTTP stack (httpx2 ...); protobuf and grpcio at least the generated code's versions;
+# grpcio-health-checking (grpc_server), opentelemetry-api (telemetry), pydantic-settings (config).
+# Not Ray, Redis or the OpenTelemetry SDK.
+GPU_WHEELS_DIR := build/gpu-wheels
+GPU_WHEELS := transformers==5.24.0 huggingface_hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 \
+	regex==2026.11.19 httpx2==2.16.2 httpcore2==2.16.2 h11==0.16.0 anyio==4.16.0 idna==3.20 \
+	certifi==2026.10.19.post1 truststore==0.10.5 typing_extensions==4.16.0 typing-inspection==0.4.5 \
+	protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1 \
+	opentelemetry-api==1.45.2 pydantic-settings==2.16.3 python-dotenv==1.2.4
+
+gpu-wheels: $(VENV)/.installed
+	rm -rf $(GPU_WHEELS_DIR) && mkdir -p $(GPU_WHEELS_DIR)
+	$(PY) -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
+		--abi cp312 --abi abi3 --abi none --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+		--platform any -d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
+	@ls -s --block-size=K $(GPU_WHEELS_DIR) && du -sh $(GPU_WHEELS_DIR)
 
 clean:
 	rm -rf $(VENV) $(RUN_DIR) services/expertmesh/v1 .pytest_cache

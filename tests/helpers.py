@@ -163,3 +163,28 @@ def stock_greedy(model, prompt: list[int], n: int) -> list[int]:
             feed = [int(logits[0, -1].argmax())]
             ids += feed
     return ids[len(prompt) :]
+
+
+#: A sitecustomize that makes the packages the GPU machine lacks unimportable, as if not installed.
+_ABSENT = """
+import sys
+
+class _Absent:
+    NAMES = ("ray", "redis", "opentelemetry.sdk")
+
+    def find_spec(self, name, path=None, target=None):
+        if any(name == n or name.startswith(n + ".") for n in self.NAMES):
+            raise ModuleNotFoundError(f"No module named {name!r} (not installed, as on the GPU machine)", name=name)
+        return None
+
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def environment_without_gpu_machine_absentees(tmp_path) -> dict[str, str]:
+    """This process's environment, for a child in which Ray, redis-py and the OpenTelemetry SDK cannot be
+    imported, nor in any process it starts (the PYTHONPATH carries over): the GPU machine has none of them."""
+    site = tmp_path / "absent-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_ABSENT)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}

@@ -56,6 +56,7 @@ def test_percentile_and_int_lists():
         (["dispatch", "--batches", "0"], "--batches takes positive integers"),
         (["dispatch", "--prefill-tokens", CONTEXT + 1], f"above the model's context of {CONTEXT}"),
         (["dispatch", "--decode-steps", CONTEXT], f"above the model's context of {CONTEXT}"),
+        (["dispatch", "--prefill-tokens", 32, "--device", "gpu"], "--device 'gpu': a device is auto, cpu, cuda or cuda:N"),
         (["dispatch", "--repeats", "0"], "--repeats must be at least 1"),
         (["serve", "--repeats", "0"], "--repeats must be at least 1"),
         (["serve", "--prompt-tokens", "100", "--max-new-tokens", "64"], f"above the model's context of {CONTEXT}"),
@@ -69,6 +70,37 @@ def test_bad_input_exits_2_with_one_line(capsys, checkpoint, tmp_path, argv, mes
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and message in err, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_gpu_that_is_not_there_is_one_line(capsys, checkpoint, tmp_path, monkeypatch):
+    """Only torch's device query is faked (this machine has no GPU either way)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = _run(
+        capsys, "dispatch", "--model", checkpoint, "--prefill-tokens", 32, "--device", "cuda", "--out", tmp_path / "x.json"
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--device cuda: this process sees no CUDA GPU" in err, err
+
+
+def test_agreement_passes_only_the_same_answers():
+    """The check each dispatch run makes before timing: within verify's tolerance, same argmax everywhere."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from expertmesh.bench.dispatch import _agreement
+
+    logits = torch.tensor([[[0.0, 1.0, 0.5], [2.0, 0.0, 1.0]]])  # [1, P=2, V=3]
+    model = lambda shifted: lambda input_ids: SimpleNamespace(logits=logits + shifted)  # noqa: E731
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    same = _agreement(model(0.0), model(0.0), ids, "float32")
+    assert same == {"max_abs_logit_diff": 0.0, "tolerance": 1e-4, "positions": 2, "argmax_differs_at": 0, "passed": True}
+    near = _agreement(model(0.0), model(torch.tensor([0.0, 0.0, 2e-4])), ids, "float32")
+    assert not near["passed"] and near["argmax_differs_at"] == 0 and near["max_abs_logit_diff"] == pytest.approx(2e-4, rel=1e-3)
+    flipped = _agreement(model(0.0), model(torch.tensor([0.0, 0.0, 0.6])), ids, "bfloat16")  # row 0: 1.1 > 1.0
+    assert not flipped["passed"] and flipped["argmax_differs_at"] == 1
 
 
 def test_missing_checkpoint_exits_2(capsys, tmp_path):
@@ -94,6 +126,11 @@ def test_dispatch_reports_both_sides_and_consistent_wire_figures(capsys, checkpo
     layers, hidden = model["moe_layers"], model["hidden_size"]
     assert layers == 2 and hidden == 32 and setup["groups"] == 2 and setup["dtype_bytes"] == 4
     assert setup["threads"] >= 1 and setup["machine"]["cpus"] >= 1
+    assert setup["device"] == "cpu" and "gpu" not in setup  # --device auto, and this machine has no GPU
+    agreement = result["agreement"]
+    assert agreement["passed"] and agreement["positions"] == 32 and agreement["argmax_differs_at"] == 0
+    assert agreement["max_abs_logit_diff"] <= 1e-4
+    assert "same answers: PASS: prefill logits max |diff|" in out
     assert [p["name"] for p in result["phases"]] == ["prefill 32", "decode b=1", "decode b=2"]
     memory = result["memory"]
     assert 0 < memory["routed_expert_bytes"] < 4 * model["parameters"]  # float32: 4 bytes a parameter

@@ -65,10 +65,15 @@ def test_without_a_gpu_auto_is_the_cpu_and_cuda_an_error(monkeypatch):
 
 
 def test_up_on_a_gpu_that_is_not_there_fails_before_anything_starts(monkeypatch, capsys, tmp_path):
-    """One line, exit 2, and no Ray started: the device is checked before the groups."""
+    """One line, exit 2, and nothing read or started: the device is checked before the checkpoint and the groups."""
+    from expertmesh import data_plane
+
+    def checkpoint(*_):
+        raise AssertionError("the checkpoint was read before the device was checked")
+
     _gpus(monkeypatch, 0)
+    monkeypatch.setattr(data_plane, "Checkpoint", checkpoint)
     code = main(["up", "--router-device", "cuda:0", "--state-url", "memory://"])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("expertmesh up: error: router_device cuda:0: this process sees no CUDA GPU"), err
-    assert not ray.is_initialized()

@@ -25,6 +25,7 @@ from expertmesh.expert_group.processes import start_groups
 from expertmesh.router.dispatch import ExpertDispatcher
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import open_store
+from tests.helpers import environment_without_gpu_machine_absentees
 
 DATABASE = 13
 
@@ -82,12 +83,14 @@ def test_a_group_the_placement_does_not_have_is_a_one_line_error(tiny_checkpoint
 
 
 def test_bench_dispatch_runs_on_plain_process_groups_without_ray(tiny_checkpoints, tmp_path):
+    """As on the GPU machine: Ray, redis-py and the OpenTelemetry SDK are not importable at all."""
+    env = environment_without_gpu_machine_absentees(tmp_path)
     out = tmp_path / "dispatch.json"
     result = subprocess.run(
         [sys.executable, "-m", "expertmesh.cli", "bench", "dispatch", "--model", str(tiny_checkpoints("mixtral")),
          "--groups-as", "process", "--transport", "grpc", "--prefill-tokens", "16", "--batches", "1",
          "--decode-steps", "2", "--repeats", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 expert groups (plain processes), transport grpc (carried by grpc-stream)" in result.stdout

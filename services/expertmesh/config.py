@@ -40,6 +40,9 @@ class ConfigError(ExpertMeshError):
 
 #: How a router reaches expert groups (``expertmesh.router.transport``).
 TransportName = Literal["auto", "grpc", "grpc-unary"]
+#: what ``router_device`` (and ``bench dispatch --device``) may say
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+DEVICE_NAMES = "a device is auto, cpu, cuda or cuda:N"
 
 
 class DataPlaneConfig(BaseSettings):
@@ -96,8 +99,8 @@ class DataPlaneConfig(BaseSettings):
     @field_validator("router_device")
     @classmethod
     def _device_name(cls, value: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-            raise ValueError("a device is auto, cpu, cuda or cuda:N")
+        if not DEVICE_NAME.fullmatch(value):
+            raise ValueError(DEVICE_NAMES)
         return value
 
 

@@ -235,18 +235,18 @@ class DataPlane:
         )
 
     def close(self) -> None:
-        import ray
-
-        from expertmesh.expert_group import deployment
-
         self._publisher.stop()
         if self._samples is not None:
             self._samples.stop()
         self.heartbeat.stop()
         self.dispatcher.close()
-        if not self._owns_groups:
+        if not self._owns_groups:  # attached: neither Ray nor the groups are ours (nor, maybe, installed)
             self.store.close()
             return
+        import ray
+
+        from expertmesh.expert_group import deployment
+
         for group in self.addresses:
             self.store.remove_endpoint(group)
         self.store.close()

@@ -319,7 +319,7 @@ def run(options: Options) -> dict:
     from expertmesh.devices import router_device
 
     checkpoint = validate(options)
-    device = router_device(options.device)
+    device = router_device(options.device, "--device")
     spec = checkpoint.spec
     text = checkpoint.config.get_text_config()
     dtype = getattr(torch, options.dtype)
@@ -352,9 +352,10 @@ def run(options: Options) -> dict:
             before = resident_bytes()
             with _platform(options, config) as plane:
                 router_bytes = baseline + resident_bytes() - before
-                phases = _run_phases(options, mono, plane, text.vocab_size, moe_layers, spec.hidden_size, dtype_bytes)
+                phases, agreement = _run_phases(options, mono, plane, text.vocab_size, moe_layers, spec.hidden_size, dtype_bytes)
                 return {
                     "phases": phases,
+                    "agreement": agreement,
                     "groups": len(plane.placement.groups),
                     "transports": plane.dispatcher.transports(),
                     "router_bytes": router_bytes,
@@ -389,6 +390,7 @@ def run(options: Options) -> dict:
             **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
         },
         "phases": measured["phases"],
+        "agreement": measured["agreement"],
         "memory": memory,
         **({"tracing_on": traced} if traced is not None else {}),
     }
@@ -483,7 +485,25 @@ def _measure_traced(measure: Callable[[], dict]) -> dict:
     return {"phases": phases, "spans_received": len(sink.spans)}
 
 
-def _run_phases(options: Options, mono, plane, vocab: int, moe_layers: int, hidden: int, dtype_bytes: int) -> list:
+def _agreement(mono, platform, ids, dtype: str) -> dict:
+    """Both sides' logits on the prefill input ids [1, P]: a speed figure of a platform that computes
+    something else would mean nothing (``expertmesh verify``'s tolerance; argmax at every position)."""
+    from expertmesh.verify import TOLERANCE
+
+    expected = mono(input_ids=ids).logits.float()  # [1, P, V]
+    actual = platform(input_ids=ids).logits.float()
+    diff = float((expected - actual).abs().max())
+    differ = int((expected.argmax(-1) != actual.argmax(-1)).sum())
+    return {
+        "max_abs_logit_diff": diff,
+        "tolerance": TOLERANCE[dtype],
+        "positions": ids.shape[1],
+        "argmax_differs_at": differ,
+        "passed": diff <= TOLERANCE[dtype] and differ == 0,
+    }
+
+
+def _run_phases(options: Options, mono, plane, vocab: int, moe_layers: int, hidden: int, dtype_bytes: int) -> tuple[list, dict]:
     import torch
 
     platform = plane.model
@@ -495,6 +515,7 @@ def _run_phases(options: Options, mono, plane, vocab: int, moe_layers: int, hidd
     phases = []
     with torch.no_grad():
         ids = tokens(1, options.prefill_tokens)  # [1, P]
+        agreement = _agreement(mono, platform, ids, options.dtype)
         progress(f"bench dispatch: prefill {options.prefill_tokens} tokens, {options.repeats} repeats per side")
         meter = _WireMeter(plane.dispatcher.traffic)
         mono_s, plat_s = _measure(lambda m, w: _prefill_seconds(m, ids, w), mono, platform, meter, options.repeats)
@@ -517,7 +538,7 @@ def _run_phases(options: Options, mono, plane, vocab: int, moe_layers: int, hidd
             phases.append(
                 _phase(f"decode b={batch}", batch, batch, mono_s, plat_s, meter, moe_layers, hidden, dtype_bytes)
             )
-    return phases
+    return phases, agreement
 
 
 # -- reporting --------------------------------------------------------------------------
@@ -525,6 +546,14 @@ def _run_phases(options: Options, mono, plane, vocab: int, moe_layers: int, hidd
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f}"
+
+
+def _agreement_line(agreement: dict) -> str:
+    verdict = "PASS" if agreement["passed"] else "FAIL"
+    return (
+        f"same answers: {verdict}: prefill logits max |diff| {agreement['max_abs_logit_diff']:.3g} (tolerance "
+        f"{agreement['tolerance']:g}), argmax differs at {agreement['argmax_differs_at']} of {agreement['positions']} positions"
+    )
 
 
 def _memory_line(memory: dict) -> str:
@@ -574,7 +603,7 @@ def table(result: dict) -> str:
         rows,
         ["", ".2f", ".2f", ".2f", ".1f", ".1f", ".3f", ".3f", ".2f", ".0f", ".0f", ".2f"],
     )
-    body += "\n" + _memory_line(result["memory"])
+    body += "\n" + _agreement_line(result["agreement"]) + "\n" + _memory_line(result["memory"])
     if "tracing_on" not in result:
         return title + "\n" + body
     traced = result["tracing_on"]

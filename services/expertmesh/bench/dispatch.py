@@ -352,7 +352,9 @@ def run(options: Options) -> dict:
             before = resident_bytes()
             with _platform(options, config) as plane:
                 router_bytes = baseline + resident_bytes() - before
-                phases, agreement = _run_phases(options, mono, plane, text.vocab_size, moe_layers, spec.hidden_size, dtype_bytes)
+                phases, agreement = _run_phases(
+                    options, mono, plane, text.vocab_size, moe_layers, spec.hidden_size, dtype_bytes
+                )
                 return {
                     "phases": phases,
                     "agreement": agreement,
@@ -503,7 +505,11 @@ def _agreement(mono, platform, ids, dtype: str) -> dict:
     }
 
 
-def _run_phases(options: Options, mono, plane, vocab: int, moe_layers: int, hidden: int, dtype_bytes: int) -> tuple[list, dict]:
+def _run_phases(
+    options: Options, mono, plane, vocab: int, moe_layers: int, hidden: int, dtype_bytes: int
+) -> tuple[list, dict]:
+    """Every phase on both sides (list of phase results), after checking that both give the same
+    answers (``_agreement``)."""
     import torch
 
     platform = plane.model

@@ -43,16 +43,17 @@ test: install
 		$(PY) -m pytest -q $(PYTEST_ARGS); status=$$?; $(MAKE) redis-stop; exit $$status
 
 # Wheels the GPU machine lacks (or may hold too old) for deploy/gpu-bench/run.sh: Python 3.12 manylinux
-# x86-64, no deps, pinned to this venv's versions. `bench dispatch --groups-as process` and `group serve`
+# x86-64, no deps, pinned to this venv's versions. `bench dispatch|serve --groups-as process` and `group serve`
 # import: transformers >= 5.24 and what it version-checks at import (hub, tokenizers, safetensors, regex),
 # hub's HTTP stack (httpx2 ...); protobuf and grpcio at least the generated code's versions;
-# grpcio-health-checking (grpc_server), opentelemetry-api (telemetry), pydantic-settings (config).
+# grpcio-health-checking (grpc_server), grpcio-reflection (the Inference server, bench serve),
+# opentelemetry-api (telemetry), pydantic-settings (config).
 # Not Ray, Redis or the OpenTelemetry SDK.
 GPU_WHEELS_DIR := build/gpu-wheels
 GPU_WHEELS := transformers==5.24.0 huggingface_hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 \
 	regex==2026.11.19 httpx2==2.16.2 httpcore2==2.16.2 h11==0.16.0 anyio==4.16.0 idna==3.20 \
 	certifi==2026.10.19.post1 truststore==0.10.5 typing_extensions==4.16.0 typing-inspection==0.4.5 \
-	protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1 \
+	protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
 	opentelemetry-api==1.45.2 pydantic-settings==2.16.3 python-dotenv==1.2.4
 
 gpu-wheels: $(VENV)/.installed

@@ -170,7 +170,7 @@ _ABSENT = """
 import sys
 
 class _Absent:
-    NAMES = ("ray", "redis", "opentelemetry.sdk")
+    NAMES = ("ray", "redis", "opentelemetry.sdk", "starlette", "uvicorn")
 
     def find_spec(self, name, path=None, target=None):
         if any(name == n or name.startswith(n + ".") for n in self.NAMES):
@@ -182,8 +182,9 @@ sys.meta_path.insert(0, _Absent())
 
 
 def environment_without_gpu_machine_absentees(tmp_path) -> dict[str, str]:
-    """This process's environment, for a child in which Ray, redis-py and the OpenTelemetry SDK cannot be
-    imported, nor in any process it starts (the PYTHONPATH carries over): the GPU machine has none of them."""
+    """This process's environment, for a child in which Ray, redis-py, the OpenTelemetry SDK and the HTTP
+    API's starlette and uvicorn cannot be imported, nor in any process it starts (the PYTHONPATH carries
+    over): the GPU machine has none of them."""
     site = tmp_path / "absent-site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(_ABSENT)

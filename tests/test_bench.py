@@ -103,6 +103,15 @@ def test_agreement_passes_only_the_same_answers():
     assert not flipped["passed"] and flipped["argmax_differs_at"] == 1
 
 
+def test_serve_agreement_names_the_prompts_whose_tokens_differ():
+    from expertmesh.bench.serve import same_tokens
+
+    reference = {"token_ids": [[5, 6], [7, 8], [9, 9]]}
+    assert same_tokens({"token_ids": [[5, 6], [7, 8], [9, 9]]}, reference) == {"requests": 3, "differ": [], "passed": True}
+    assert same_tokens({"token_ids": [[5, 6], [7, 1], [9, 9]]}, reference) == {"requests": 3, "differ": [1], "passed": False}
+    assert not same_tokens({"token_ids": [[5, 6], [7, 8]]}, reference)["passed"], "a missing request is no agreement"
+
+
 def test_missing_checkpoint_exits_2(capsys, tmp_path):
     code, _, err = _run(capsys, "dispatch", "--model", tmp_path / "nope")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not exist" in err
@@ -183,6 +192,9 @@ def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
     platform = result["runs"][0]
     for r in result["runs"][1:]:
         assert result["platform_vs"][r["name"]] == pytest.approx(platform["tokens_per_s"] / r["tokens_per_s"])
+    assert result["agreement"] == {"requests": 4, "differ": [], "passed": True}
+    assert platform["token_ids"] == result["runs"][1]["token_ids"] and all(len(t) == 3 for t in platform["token_ids"])
+    assert "same answers: PASS: each of the 4 requests streamed the tokens transformers generate gives its prompt alone" in out
 
     assert result["setup"]["classifier"] is True
     text_runs = [r["name"] for r in c["runs"]]

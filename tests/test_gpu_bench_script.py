@@ -28,6 +28,7 @@ def test_the_gpu_run_script_runs_here_on_cpu(tmp_path):
         "TRANSPORTS": "auto",
         "REPEATS": "1",
         "BENCH_ARGS": "--prefill-tokens 16 --decode-steps 2",
+        "SERVE_ARGS": "--clients 2 --requests-per-client 1 --max-new-tokens 4 --prompt-tokens 16",
         "PYTHON": sys.executable,
         "WHEELS": str(tmp_path / "no-wheels"),
         "SITE": str(tmp_path / "site"),
@@ -42,5 +43,8 @@ def test_the_gpu_run_script_runs_here_on_cpu(tmp_path):
     assert data["setup"]["device"] == "cpu" and data["setup"]["transports"] == {"g0": "shm", "g1": "shm"}
     assert data["agreement"]["passed"]
     assert [p["name"] for p in data["phases"]] == ["prefill 16", "decode b=1"]
-    assert "done: 1 JSON file(s)" in (out / "summary.txt").read_text()
-    assert "same answers: PASS" in result.stdout  # the tables come back in the run's output tail
+    serve = json.loads((out / "serve-tiny.json").read_text())
+    assert serve["setup"]["device"] == "cpu" and serve["agreement"]["passed"]
+    assert "groups as plain processes" in serve["setup"]["platform"]
+    assert "done: 2 JSON file(s)" in (out / "summary.txt").read_text()
+    assert result.stdout.count("same answers: PASS") == 2  # the tables come back in the run's output tail

@@ -4,8 +4,9 @@ Real processes on loopback: two groups register in a real Redis (database
 ``DATABASE``, this module's own) as RayService replicas do, a router over that
 store reaches them by shared memory and answers exactly as stock transformers;
 SIGTERM stops a group cleanly; a wrong group name is a one-line error; and
-`expertmesh bench dispatch --groups-as process` runs on such groups, reporting
-transports and memory."""
+`expertmesh bench dispatch` and `bench serve` with `--groups-as process` run on such
+groups with Ray, redis-py and the OpenTelemetry SDK unimportable (as on the GPU
+machine), reporting transports, memory and that the answers are transformers'."""
 
 from __future__ import annotations
 
@@ -101,3 +102,21 @@ def test_bench_dispatch_runs_on_plain_process_groups_without_ray(tiny_checkpoint
     assert set(memory["groups_peak_bytes"]) == {"g0", "g1"} and all(n > 0 for n in memory["groups_peak_bytes"].values())
     assert 0 < memory["baseline_bytes"] <= memory["monolithic_bytes"] <= memory["bench_process_peak_bytes"]
     assert memory["router_bytes"] >= memory["baseline_bytes"]
+
+
+def test_bench_serve_runs_on_plain_process_groups_without_ray(tiny_checkpoints, tmp_path):
+    """`bench serve --groups-as process`, as the GPU machine runs it: the serving engine, its gRPC API and the
+    groups without Ray, redis-py or the OpenTelemetry SDK; the streamed tokens are transformers' own."""
+    out = tmp_path / "serve.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "expertmesh.cli", "bench", "serve", "--model", str(tiny_checkpoints("mixtral")),
+         "--groups-as", "process", "--clients", "2", "--requests-per-client", "1", "--max-new-tokens", "4",
+         "--prompt-tokens", "16", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=environment_without_gpu_machine_absentees(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["setup"]["platform"].startswith("in-process expertmesh up (local data plane, groups as plain processes")
+    assert data["setup"]["device"] == "cpu" and data["agreement"]["passed"]
+    assert [r["tokens"] for r in data["runs"]] == [8, 8, 8]
+    assert "same answers: PASS" in result.stdout and "starting Ray" not in result.stderr

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One-shot `expertmesh bench dispatch` on the GPU machine (see README.md here).
+# One-shot `expertmesh bench dispatch` and `bench serve` on the GPU machine (see README.md here).
 #
 # Installs the carried wheels (make gpu-wheels) into a private folder first on PYTHONPATH, records the
-# environment in $OUT/env.txt, builds the 214M-parameter Mixtral checkpoint, then runs each
-# (model, transport) benchmark under a timeout, logging to $OUT/<name>.log and writing $OUT/<name>.json.
+# environment in $OUT/env.txt, builds the 214M-parameter Mixtral checkpoint, then runs, per model, a
+# dispatch benchmark per transport and a serve benchmark, each under a timeout, logging to
+# $OUT/<name>.log and writing $OUT/<name>.json.
 # A failed or timed-out benchmark does not stop the next. Exit 0 when at least one JSON was written.
 #
 # Settings (environment, or the flags below):
@@ -13,9 +14,11 @@
 #   BATCHES        decode batch sizes (default 1,8,32)
 #   MODELS         "tiny" and/or "mixtral-h512-l8-e8" (the 214M model), space-separated (default both)
 #   TRANSPORTS     default "auto grpc"
-#   REPEATS        --repeats for the tiny model (default 5); REPEATS_BIG for the 214M model (default 3)
+#   REPEATS        dispatch --repeats for the tiny model (default 5); REPEATS_BIG for the 214M model (default 3)
 #   BENCH_ARGS     extra arguments for every bench dispatch (e.g. "--prefill-tokens 32 --decode-steps 2")
-#   BENCH_TIMEOUT  seconds per benchmark (default 150); BUDGET: seconds for the whole script (default 420):
+#   SERVE_ARGS     arguments of every bench serve (default "--clients 8 --requests-per-client 2 --repeats 3");
+#                  SERVE=0 skips the serve runs
+#   BENCH_TIMEOUT  seconds per benchmark (default 150); BUDGET: seconds for the whole script (default 500):
 #                  a benchmark never runs past it, so the script ends within BUDGET + 25 s
 #   PYTHON         default python3; WHEELS default build/gpu-wheels; SITE default /tmp/expertmesh-site
 #   MODELS_DIR     where the 214M checkpoint is built (default /tmp/bench-models)
@@ -49,8 +52,10 @@ TRANSPORTS=${TRANSPORTS:-auto grpc}
 REPEATS=${REPEATS:-5}
 REPEATS_BIG=${REPEATS_BIG:-3}
 BENCH_ARGS=${BENCH_ARGS:-}
+SERVE_ARGS=${SERVE_ARGS:---clients 8 --requests-per-client 2 --repeats 3}
+SERVE=${SERVE:-1}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
-BUDGET=${BUDGET:-420}
+BUDGET=${BUDGET:-500}
 PYTHON=${PYTHON:-python3}
 WHEELS=${WHEELS:-build/gpu-wheels}
 SITE=${SITE:-/tmp/expertmesh-site}
@@ -139,7 +144,7 @@ EM=("$PYTHON" -m expertmesh.cli)
 # -- one benchmark under the timeout; timeout makes its own process group (pgid = its pid), so the
 # group servers the benchmark starts can be ended with it ------------------------------------------
 ok=0
-bench() {  # bench NAME ARGS...
+bench() {  # bench NAME dispatch|serve ARGS...
   local name=$1; shift
   local left=$((BUDGET - (SECONDS - START) - 5))
   local limit=$((left < BENCH_TIMEOUT ? left : BENCH_TIMEOUT))
@@ -147,10 +152,10 @@ bench() {  # bench NAME ARGS...
     log "$name: SKIPPED (${left}s left of the ${BUDGET}s budget)"
     return
   fi
-  log "$name: start (timeout ${limit}s): bench dispatch $*"
+  log "$name: start (timeout ${limit}s): bench $*"
   local t0=$SECONDS rc=0
   # SIGINT first: the benchmark's finally blocks stop its group processes; SIGKILL 20 s later
-  timeout -s INT -k 20 "$limit" "${EM[@]}" bench dispatch "$@" --out "$OUT/$name.json" \
+  timeout -s INT -k 20 "$limit" "${EM[@]}" bench "$@" --out "$OUT/$name.json" \
     >"$OUT/$name.log" 2>&1 &
   local pid=$!
   wait "$pid" || rc=$?
@@ -167,7 +172,8 @@ bench() {  # bench NAME ARGS...
 for model in $MODELS; do
   case "$model" in
     tiny)
-      model_args=(--repeats "$REPEATS")
+      model_args=()
+      repeats=$REPEATS
       ;;
     mixtral-h512-l8-e8)
       path=$MODELS_DIR/mixtral-h512-l8-e8
@@ -180,19 +186,24 @@ for model in $MODELS; do
         fi
         log "checkpoint built"
       fi
-      model_args=(--model "$path" --repeats "$REPEATS_BIG")
+      model_args=(--model "$path")
+      repeats=$REPEATS_BIG
       ;;
     *) log "unknown model $model (tiny, mixtral-h512-l8-e8)"; continue ;;
   esac
   for transport in $TRANSPORTS; do
     # shellcheck disable=SC2086  # BENCH_ARGS is split into words on purpose
-    bench "dispatch-$model-$transport" "${model_args[@]}" --device "$DEVICE" --dtype "$DTYPE" \
-      --groups-as process --transport "$transport" --batches "$BATCHES" $BENCH_ARGS
+    bench "dispatch-$model-$transport" dispatch "${model_args[@]}" --repeats "$repeats" --device "$DEVICE" \
+      --dtype "$DTYPE" --groups-as process --transport "$transport" --batches "$BATCHES" $BENCH_ARGS
   done
+  if [[ $SERVE != 0 ]]; then
+    # shellcheck disable=SC2086  # SERVE_ARGS likewise
+    bench "serve-$model" serve "${model_args[@]}" --device "$DEVICE" --dtype "$DTYPE" --groups-as process $SERVE_ARGS
+  fi
 done
 
 # the tables, for the run's output tail
-for f in "$OUT"/dispatch-*.log; do
+for f in "$OUT"/dispatch-*.log "$OUT"/serve-*.log; do
   [[ -s ${f%.log}.json ]] || continue
   echo "== $(basename "${f%.log}")"
   grep -v -e '^\[expertmesh\]' -e 'Loading weights' "$f" | tail -n 12

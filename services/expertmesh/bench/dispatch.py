@@ -4,15 +4,13 @@ In one run, on the same checkpoint, dtype, inputs and intra-op thread count:
 
 * *monolithic*: ``AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")``,
   every expert computed in this process;
-* *platform*: the router's model, whose routed experts go to N expert groups:
-  Ray Serve deployments (``DataPlane.start``), or with ``--groups-as process``
-  plain ``expertmesh group serve`` processes whose addresses the router is handed
-  in an in-process store (``DataPlane.attach``): no Ray and no Redis needed, as on
-  the GPU machine. ``--transport`` chooses how the router reaches them (``auto``:
-  shared memory on this host; ``grpc``: gRPC streams; ``grpc-unary``: one unary
-  call per layer per group, the path before streams). ``--device`` puts the
-  monolithic model and the router's model on a GPU (``auto``: the first one
-  there is); the groups then compute on the GPU too.
+* *platform*: the router's model, whose routed experts go to N expert groups
+  on Ray Serve or, with ``--groups-as process``, in plain processes (no Ray, no
+  Redis: ``bench.platform``). ``--transport`` chooses how the router reaches them
+  (``auto``: shared memory on this host; ``grpc``: gRPC streams; ``grpc-unary``:
+  one unary call per layer per group, the path before streams). ``--device``
+  puts the monolithic model and the router's model on a GPU (``auto``: the first
+  one there is); the groups then compute on the GPU too.
 
 Phases
 - *prefill*: one forward of ``--prefill-tokens`` tokens (batch 1, fresh cache).
@@ -56,11 +54,11 @@ import argparse
 import math
 import time
 import typing
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
+from expertmesh.bench.platform import add_platform_arguments, device_summary, started
 from expertmesh.bench.report import (
     BenchError,
     check_positive,
@@ -122,18 +120,7 @@ def add_command(bench_commands) -> None:
         help="router to groups: auto (shared memory on this host, else gRPC streams), grpc (streams only), "
         "grpc-unary (default auto)",
     )
-    p.add_argument(
-        "--groups-as",
-        choices=["ray", "process"],
-        default="ray",
-        help="expert groups as Ray Serve deployments, or as plain `expertmesh group serve` processes (no Ray)",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="device of the monolithic model and the router's: auto (the first CUDA GPU when there is one, else "
-        "cpu), cpu, cuda or cuda:N; on a GPU the groups compute there too (default auto)",
-    )
+    add_platform_arguments(p)
     p.add_argument("--out", default="bench-dispatch.json", help="JSON results (default bench-dispatch.json)")
     p.set_defaults(run=_main)
 
@@ -350,7 +337,7 @@ def run(options: Options) -> dict:
 
         def measure() -> dict:
             before = resident_bytes()
-            with _platform(options, config) as plane:
+            with started(config, options.groups_as, "dispatch") as plane:
                 router_bytes = baseline + resident_bytes() - before
                 phases, agreement = _run_phases(
                     options, mono, plane, text.vocab_size, moe_layers, spec.hidden_size, dtype_bytes
@@ -388,65 +375,13 @@ def run(options: Options) -> dict:
             "warmup": "1 untimed run per phase and side; 1 untimed decode step per repeat",
             "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
             "machine": machine(),
-            "device": str(device),
-            **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
+            **device_summary(device),
         },
         "phases": measured["phases"],
         "agreement": measured["agreement"],
         "memory": memory,
         **({"tracing_on": traced} if traced is not None else {}),
     }
-
-
-@contextmanager
-def _platform(options: Options, config) -> Iterator:
-    """The router's data plane over groups on Ray Serve or in plain processes; stopped on exit."""
-    from expertmesh.data_plane import DataPlane
-
-    if options.groups_as == "ray":
-        plane = DataPlane.start(config)
-        try:
-            yield plane
-        finally:
-            progress("bench dispatch: stopping the platform")
-            plane.close()
-        return
-    groups, store = _group_processes(options, config)
-    try:
-        plane = DataPlane.attach(config, store=store)
-        try:
-            yield plane
-        finally:
-            plane.close()
-    finally:
-        progress("bench dispatch: stopping the group processes")
-        for group in groups.values():
-            group.stop()
-
-
-def _group_processes(options: Options, config):
-    """``expertmesh group serve`` processes for the contiguous split, and an in-process store that lists
-    them and their routing table (as ``DataPlane.start`` publishes it): neither Ray nor Redis."""
-    import torch
-
-    from expertmesh import placement as placement_mod
-    from expertmesh.checkpoint import Checkpoint
-    from expertmesh.expert_group.processes import start_groups
-    from expertmesh.routing_table import RoutingTable
-    from expertmesh.state import open_store
-
-    spec = Checkpoint(config.model).spec
-    placement = placement_mod.contiguous(spec, options.groups)
-    args = ["--model", str(config.model), "--groups", str(options.groups), "--dtype", options.dtype]
-    if torch.device(config.router_device).type == "cuda":  # the groups compute beside the router, on its GPU
-        args.append("--gpu")
-    progress(f"bench dispatch: starting {options.groups} expert groups as plain processes (expertmesh group serve)")
-    groups = start_groups(sorted(placement.groups), args)
-    store = open_store("memory://")
-    for name, group in groups.items():
-        store.set_endpoint(name, group.address)
-    store.publish_routing_table(RoutingTable.from_placement(placement, spec.num_experts, version=1))
-    return groups, store
 
 
 def _groups_peak_bytes(addresses: dict[str, str]) -> dict[str, int]:

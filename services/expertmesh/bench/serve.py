@@ -9,8 +9,10 @@ of client c uses prompt ``r * N + c``.
 
 Runs
 - *platform*: the N clients stream from ``expertmesh up`` — started in this
-  process over a fresh data plane (local Ray, ``--groups`` expert groups), or an
-  already running one at ``--target`` (then ``--model`` must be its checkpoint).
+  process over a fresh data plane (``--groups`` expert groups on local Ray, or
+  with ``--groups-as process`` in plain processes, no Ray: ``bench.platform``),
+  or an already running one at ``--target`` (then ``--model`` must be its
+  checkpoint). ``--device`` puts the router's model and the baseline's on a GPU.
 - *transformers generate, one at a time*: the N × R prompts one after the other.
 - *transformers generate, batched*: R calls, each with N prompts left-padded
   into one batch (``min_new_tokens = max_new_tokens``, greedy).
@@ -52,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from expertmesh.bench.platform import add_platform_arguments, device_summary, started
 from expertmesh.bench.report import (
     BenchError,
     check_positive,
@@ -83,7 +86,11 @@ class Options:
     ray_address: str | None = None
     classifier: bool = False  # also the classifier's added TTFT (text prompts; see the module's docstring)
     repeats: int = 1  # interleaved repeats of the platform and baseline runs; medians reported
+    groups_as: str = "ray"  # "ray": Ray Serve deployments; "process": `expertmesh group serve` processes
+    device: str = "auto"  # of the router's model and the baseline: auto, cpu, cuda, cuda:N
 
+
+_RUNNERS = {"ray": "groups on Ray Serve", "process": "groups as plain processes"}
 
 #: What the classifier runs send: ``prefer`` with no bias at all, so only the classification differs.
 NEUTRAL_POLICY = {"name": "prefer", "alpha": 0.0}
@@ -91,10 +98,12 @@ NEUTRAL_POLICY = {"name": "prefer", "alpha": 0.0}
 
 @dataclass
 class _Request:
-    """One request as its caller saw it: when it was sent and when each token arrived."""
+    """One request as its caller saw it: when it was sent, when each token arrived, and which."""
 
     sent: float
+    prompt: int  # its prompt's index in the run's work
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in that chunk)
+    ids: list[int] = field(default_factory=list)  # the tokens, in order
 
     @property
     def tokens(self) -> int:
@@ -125,6 +134,7 @@ def add_command(bench_commands) -> None:
         "--repeats", type=int, default=1,
         help="runs of the platform and of each baseline, interleaved; each row reports the median's (default 1)",
     )
+    add_platform_arguments(p)
     p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
     p.set_defaults(run=_main)
 
@@ -146,6 +156,8 @@ def _main(args: argparse.Namespace) -> int:
         ray_address=args.ray_address,
         classifier=args.classifier,
         repeats=check_positive(args.repeats, "--repeats"),
+        groups_as=args.groups_as,
+        device=args.device,
     )
     result = run(options)
     print(table(result))
@@ -204,7 +216,10 @@ def text_prompts(options: Options, checkpoint) -> list[tuple[str, str, int]]:
 
 
 def run(options: Options) -> dict:
+    from expertmesh.devices import router_device
+
     checkpoint = validate(options)
+    device = router_device(options.device, "--device")
     text = checkpoint.config.get_text_config()
     work = prompts(options, text.vocab_size)
     queries = text_prompts(options, checkpoint) if options.classifier else []
@@ -214,18 +229,19 @@ def run(options: Options) -> dict:
             _check_target(options.target, checkpoint, text)
             # the classifier runs first: a target without capability profiles fails them before the baselines load
             classified = _classifier_runs(options.target, options, queries)
-            platform, baselines = _interleaved(options.target, checkpoint.path, options, work, text)
+            platform, baselines = _interleaved(options.target, checkpoint.path, options, work, text, device)
         else:
             from expertmesh.config import DataPlaneConfig, ServingConfig
-            from expertmesh.data_plane import DataPlane
             from expertmesh.serving.up import serve_plane
 
-            plane = DataPlane.start(
-                DataPlaneConfig(
-                    model=checkpoint.path, groups=options.groups, dtype=options.dtype, ray_address=options.ray_address
-                )
+            config = DataPlaneConfig(
+                model=checkpoint.path,
+                groups=options.groups,
+                dtype=options.dtype,
+                ray_address=options.ray_address,
+                router_device=str(device),
             )
-            try:
+            with started(config, options.groups_as, "serve") as plane:
                 if options.classifier:
                     _neutral_profiles(plane)
                 server = serve_plane(
@@ -238,13 +254,11 @@ def run(options: Options) -> dict:
                     ),
                 )
                 try:
-                    classified = _classifier_runs(f"127.0.0.1:{server.port}", options, queries)
-                    platform, baselines = _interleaved(f"127.0.0.1:{server.port}", checkpoint.path, options, work, text)
+                    target = f"127.0.0.1:{server.port}"
+                    classified = _classifier_runs(target, options, queries)
+                    platform, baselines = _interleaved(target, checkpoint.path, options, work, text, device)
                 finally:
                     server.drain_and_stop()
-            finally:
-                progress("bench serve: stopping the platform")
-                plane.close()
 
     runs = [platform, *baselines]
     result = {
@@ -253,21 +267,23 @@ def run(options: Options) -> dict:
         "setup": {
             **options_summary(options),
             "threads": threads,
-            "platform": options.target or "in-process expertmesh up (local data plane, gRPC on loopback)",
+            "platform": options.target or f"in-process expertmesh up (local data plane, {_RUNNERS[options.groups_as]}, gRPC on loopback)",
+            **device_summary(device),
             "prompt_lengths": [len(p) for p in work],
             "machine": machine(),
         },
         "runs": runs,
         "platform_vs": {r["name"]: platform["tokens_per_s"] / r["tokens_per_s"] for r in baselines},
+        "agreement": same_tokens(platform, baselines[0]),  # the baseline of each prompt alone
     }
     if options.classifier:
         result["classifier"] = _classifier_summary(classified, queries)
     return result
 
 
-def _interleaved(target: str, path: Path, options: Options, work: list, text) -> tuple[dict, list[dict]]:
+def _interleaved(target: str, path: Path, options: Options, work: list, text, device) -> tuple[dict, list[dict]]:
     """The platform run and the baseline runs, ``options.repeats`` times in turn; the median of each."""
-    baseline = _baselines(path, options, text)
+    baseline = _baselines(path, options, text, device)
     repeats = [(_platform_run(target, options, work), *baseline(work)) for _ in range(options.repeats)]
     platform, *baselines = (_median_run(list(runs)) for runs in zip(*repeats))
     return platform, baselines
@@ -330,11 +346,12 @@ def _platform_run(
                 barrier.wait()
                 for r in range(options.requests_per_client):
                     i = r * n + c
-                    request = _Request(time.perf_counter())
+                    request = _Request(time.perf_counter(), i)
                     records[c].append(request)
                     for chunk in client.generate(work[i], max_new_tokens=m, stop_at_eos=False, **extras[i]):
                         if chunk.token_ids:
                             request.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+                            request.ids.extend(chunk.token_ids)
                     done.update()
         except grpc.RpcError as err:
             errors.append(f"{err.code().name}: {err.details()}")
@@ -430,39 +447,42 @@ class _Clock:
         pass
 
 
-def _baselines(path: Path, options: Options, text) -> Callable[[list[list[int]]], list[dict]]:
-    """Stock transformers loaded once; the returned function runs both ``generate`` baselines over ``work``."""
+def _baselines(path: Path, options: Options, text, device) -> Callable[[list[list[int]]], list[dict]]:
+    """Stock transformers loaded once, on ``device``; the returned function runs both ``generate`` baselines
+    over ``work``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    progress(f"bench serve: loading stock transformers ({options.dtype})")
+    progress(f"bench serve: loading stock transformers ({options.dtype}, on {device})")
     model = AutoModelForCausalLM.from_pretrained(
         path, experts_implementation="eager", dtype=getattr(torch, options.dtype), local_files_only=True
-    ).eval()
+    ).eval().to(device)
     pad = text.pad_token_id if text.pad_token_id is not None else 0
     m, n = options.max_new_tokens, options.clients
 
-    def generate(batch: list[list[int]], new_tokens: int) -> list[_Request]:
+    def generate(batch: list[list[int]], new_tokens: int, first: int = 0) -> list[_Request]:
+        """``batch`` = prompts ``first``, ``first`` + 1, ... of the work, in one ``generate``."""
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # [B, width], left-padded
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])  # [B, width]
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)  # [B, width], left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)  # [B, width]
         clock = _Clock()
         sent = time.perf_counter()
         with torch.no_grad():
-            model.generate(
+            out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                 do_sample=False, pad_token_id=pad, streamer=clock,
-            )
+            )  # [B, width + new_tokens]
         steps = clock.times[1:]  # the first call hands over the prompt
-        return [_Request(sent, [(t, 1) for t in steps]) for _ in batch]
+        new = out[:, width:].tolist()
+        return [_Request(sent, first + j, [(t, 1) for t in steps], new[j]) for j in range(len(batch))]
 
     def runs(work: list[list[int]]) -> list[dict]:
         progress(f"bench serve: transformers generate, {len(work)} requests one at a time")
         generate(work[:1], 2)  # warm-up
-        sequential = [r for p in work for r in generate([p], m)]
+        sequential = [r for i, p in enumerate(work) for r in generate([p], m, i)]
         progress(f"bench serve: transformers generate, {options.requests_per_client} batches of {n}")
         generate(work[:n], 2)  # warm-up
-        batched = [r for b in range(options.requests_per_client) for r in generate(work[b * n : (b + 1) * n], m)]
+        batched = [r for b in range(options.requests_per_client) for r in generate(work[b * n : (b + 1) * n], m, b * n)]
         return [
             _summary("transformers generate, one at a time", 1, sequential),
             _summary(f"transformers generate, batched x{n}", n, batched),
@@ -496,7 +516,26 @@ def _summary(name: str, concurrency: int, requests: list[_Request]) -> dict:
         "tokens_per_s": tokens / wall,
         "itl_ms": {"p50": ms(itl, 50), "p99": ms(itl, 99), "mean": 1e3 * sum(itl) / len(itl) if itl else None},
         "ttft_ms": {"p50": ms(ttft, 50), "p99": ms(ttft, 99)},
+        "token_ids": [r.ids for r in sorted(requests, key=lambda r: r.prompt)],  # by prompt
     }
+
+
+def same_tokens(platform: dict, reference: dict) -> dict:
+    """Whether the platform's run streamed, for every prompt, the tokens ``reference`` (transformers
+    ``generate`` of that prompt alone, greedy) generated; a speed figure of other answers means nothing."""
+    differ = [i for i, (a, b) in enumerate(zip(platform["token_ids"], reference["token_ids"])) if a != b]
+    return {
+        "requests": len(reference["token_ids"]),
+        "differ": differ,
+        "passed": not differ and len(platform["token_ids"]) == len(reference["token_ids"]),
+    }
+
+
+def _agreement_line(agreement: dict) -> str:
+    n, differ = agreement["requests"], agreement["differ"]
+    if agreement["passed"]:
+        return f"same answers: PASS: each of the {n} requests streamed the tokens transformers generate gives its prompt alone"
+    return f"same answers: FAIL: {len(differ)} of {n} requests streamed other tokens than generate alone (prompts {differ[:10]})"
 
 
 def table(result: dict) -> str:
@@ -513,6 +552,7 @@ def table(result: dict) -> str:
         f"experts, hidden {model['hidden_size']}, {setup['dtype']}; {setup['max_new_tokens']} new tokens per request, "
         f"prompts {min(setup['prompt_lengths'])}-{max(setup['prompt_lengths'])} tokens; "
         f"{setup['threads']} torch threads; {setup['machine']['cpus']} CPUs"
+        + (f"; on {setup['gpu']}" if "gpu" in setup else "")
         + (f"; median of {setup['repeats']} interleaved repeats" if setup["repeats"] > 1 else "")
     )
     body = format_table(
@@ -522,7 +562,7 @@ def table(result: dict) -> str:
         ["", "d", "d", "d", ".2f", ".1f", ".2f", ".2f", ".1f", ".1f"],
     )
     ratios = "; ".join(f"{v:.2f}x {k}" for k, v in result["platform_vs"].items())
-    text = f"{title}\n{body}\nplatform tok/s = {ratios}"
+    text = f"{title}\n{body}\nplatform tok/s = {ratios}\n{_agreement_line(result['agreement'])}"
     if "classifier" in result:
         c = result["classifier"]
         alone, vs_exact, calls = c["added_ttft_ms"], c["added_ttft_ms_vs_exact"], c["classify_ms"]

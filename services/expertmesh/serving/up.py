@@ -12,9 +12,6 @@ from expertmesh.config import ServingConfig
 from expertmesh.data_plane import DataPlane, progress
 from expertmesh.router.profiles import ProfileFileError, fit_problem, read_profiles_file, save_profiles
 from expertmesh.serving.engine import Engine, EngineLimits
-from expertmesh.serving.http_api import HttpApi
-from expertmesh.serving.http_server import HttpServer
-from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
 from expertmesh.serving.readiness import Readiness
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.service import InferenceServer, InferenceServicer
@@ -127,6 +124,12 @@ def start_apis(plane: DataPlane, config: ServingConfig) -> RouterApis:
     server = serve_plane(plane, config)
     if config.http_port is None:
         return RouterApis(server)
+    # Only a router that serves HTTP loads its packages (starlette, uvicorn): the GPU machine's
+    # benchmark runs the gRPC API without them.
+    from expertmesh.serving.http_api import HttpApi
+    from expertmesh.serving.http_server import HttpServer
+    from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
+
     info = model_info(plane)
     readiness = Readiness(plane.store, plane.dispatcher, server.engine)
     model = ServedModel(info.name, info.vocab_size, info.max_context)

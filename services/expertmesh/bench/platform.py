@@ -1,0 +1,97 @@
+"""The platform the benchmarks measure, and where it computes.
+
+A router (``DataPlane``) over the contiguous split of the experts into expert
+groups, which run either as Ray Serve deployments (``DataPlane.start``) or as
+plain ``expertmesh group serve`` processes whose addresses the router is handed
+in an in-process store (``DataPlane.attach``): neither Ray nor Redis, as on the
+GPU machine. ``--device`` puts the router's model (and each benchmark's stock
+transformers baseline) on a GPU; process groups then compute on that GPU too.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from expertmesh.console import progress
+
+if TYPE_CHECKING:
+    from expertmesh.config import DataPlaneConfig
+    from expertmesh.data_plane import DataPlane
+
+GROUPS_AS = ("ray", "process")
+
+
+def add_platform_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--groups-as",
+        choices=GROUPS_AS,
+        default="ray",
+        help="expert groups as Ray Serve deployments, or as plain `expertmesh group serve` processes (no Ray)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="device of the router's model and of the stock transformers baseline: auto (the first CUDA GPU when "
+        "there is one, else cpu), cpu, cuda or cuda:N; process groups compute on that GPU too (default auto)",
+    )
+
+
+def device_summary(device) -> dict:
+    """The report's words for where a benchmark computed: the device, and the GPU's name on one."""
+    import torch
+
+    return {"device": str(device), **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})}
+
+
+@contextmanager
+def started(config: DataPlaneConfig, groups_as: str, bench: str) -> Iterator[DataPlane]:
+    """The router's data plane over groups on Ray Serve or in plain processes; stopped on exit."""
+    from expertmesh.data_plane import DataPlane
+
+    if groups_as == "ray":
+        plane = DataPlane.start(config)
+        try:
+            yield plane
+        finally:
+            progress(f"bench {bench}: stopping the platform")
+            plane.close()
+        return
+    groups, store = _group_processes(config, bench)
+    try:
+        plane = DataPlane.attach(config, store=store)
+        try:
+            yield plane
+        finally:
+            plane.close()
+    finally:
+        progress(f"bench {bench}: stopping the group processes")
+        for group in groups.values():
+            group.stop()
+
+
+def _group_processes(config: DataPlaneConfig, bench: str):
+    """``expertmesh group serve`` processes for the contiguous split, and an in-process store that lists
+    them and their routing table (as ``DataPlane.start`` publishes it): neither Ray nor Redis."""
+    import torch
+
+    from expertmesh import placement as placement_mod
+    from expertmesh.checkpoint import Checkpoint
+    from expertmesh.expert_group.processes import start_groups
+    from expertmesh.routing_table import RoutingTable
+    from expertmesh.state import open_store
+
+    spec = Checkpoint(config.model).spec
+    placement = placement_mod.contiguous(spec, config.groups)
+    args = ["--model", str(config.model), "--groups", str(config.groups), "--dtype", config.dtype]
+    if torch.device(config.router_device).type == "cuda":  # the groups compute beside the router, on its GPU
+        args.append("--gpu")
+    progress(f"bench {bench}: starting {config.groups} expert groups as plain processes (expertmesh group serve)")
+    groups = start_groups(sorted(placement.groups), args)
+    store = open_store("memory://")
+    for name, group in groups.items():
+        store.set_endpoint(name, group.address)
+    store.publish_routing_table(RoutingTable.from_placement(placement, spec.num_experts, version=1))
+    return groups, store

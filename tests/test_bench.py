@@ -194,6 +194,15 @@ def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
         assert result["platform_vs"][r["name"]] == pytest.approx(platform["tokens_per_s"] / r["tokens_per_s"])
     assert result["agreement"] == {"requests": 4, "differ": [], "passed": True}
     assert platform["token_ids"] == result["runs"][1]["token_ids"] and all(len(t) == 3 for t in platform["token_ids"])
+    # The baseline's tokens are plain argmax decoding (end-of-sequence allowed, as stop_at_eos=False streams it).
+    from transformers import AutoModelForCausalLM
+
+    from expertmesh.bench.serve import Options, prompts
+    from tests.helpers import stock_greedy
+
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, experts_implementation="eager").eval()
+    work = prompts(Options(model=checkpoint, clients=2, requests_per_client=2, prompt_tokens=24), 300)
+    assert [stock_greedy(stock, p, 3) for p in work] == result["runs"][1]["token_ids"]
     assert "same answers: PASS: each of the 4 requests streamed the tokens transformers generate gives its prompt alone" in out
 
     assert result["setup"]["classifier"] is True

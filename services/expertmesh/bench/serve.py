@@ -15,7 +15,8 @@ Runs
   checkpoint). ``--device`` puts the router's model and the baseline's on a GPU.
 - *transformers generate, one at a time*: the N × R prompts one after the other.
 - *transformers generate, batched*: R calls, each with N prompts left-padded
-  into one batch (``min_new_tokens = max_new_tokens``, greedy).
+  into one batch (greedy, with no end-of-sequence token: exactly M tokens, as
+  the platform streams them with ``stop_at_eos=False``).
 - with ``--classifier``, the query classifier's added time to first token: three
   more platform runs with the same clients, each request a *text* prompt (the
   classifier's eval split, queries of at most ``--prompt-tokens`` tokens, seeded
@@ -468,8 +469,10 @@ def _baselines(path: Path, options: Options, text, device) -> Callable[[list[lis
         clock = _Clock()
         sent = time.perf_counter()
         with torch.no_grad():
+            # No end-of-sequence token (rather than min_new_tokens, which forbids it): exactly new_tokens
+            # tokens, each the argmax, as the platform streams them with stop_at_eos=False.
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None,
                 do_sample=False, pad_token_id=pad, streamer=clock,
             )  # [B, width + new_tokens]
         steps = clock.times[1:]  # the first call hands over the prompt

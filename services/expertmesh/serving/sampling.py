@@ -79,9 +79,8 @@ def greedy_tokens(rows: list[torch.Tensor]) -> list[int] | None:
     scores = torch.stack(rows).detach().float()  # [B, V]
     if not all_finite(scores):
         return None
-    if scores.device.type == "cpu":  # numpy's argmax is vectorised: 19 us for 8 x 32000 here, torch's 600
-        return scores.numpy().argmax(axis=-1).tolist()
-    return scores.argmax(dim=-1).tolist()
+    # numpy's argmax is vectorised: 19 us for 8 x 32000 here, torch's 600 (the engine's logits are on the host)
+    return scores.cpu().numpy().argmax(axis=-1).tolist()
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

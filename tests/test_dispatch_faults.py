@@ -13,8 +13,11 @@ redis-server under a router that has a table cached.
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
+import threading
 import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -22,7 +25,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from expertmesh.checkpoint import Checkpoint, experts_modules
-from expertmesh.errors import BadGroupResponse, DeadlineExceeded, GroupUnavailable, UnhostedExperts
+from expertmesh.errors import (
+    BadGroupResponse,
+    DeadlineExceeded,
+    GroupUnavailable,
+    RoutingTableMismatch,
+    StoreCollision,
+    UnhostedExperts,
+)
 from expertmesh.expert_group.hosted import HostedExperts
 from expertmesh.expert_group import local_server, stream_service
 from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
@@ -30,7 +40,8 @@ from expertmesh.router import transport as transports
 from expertmesh.router.circuit import CircuitBreakers
 from expertmesh.router.dispatch import ExpertDispatcher
 from expertmesh.router.heartbeat import Heartbeat
-from expertmesh.routing_table import RoutingTable
+from expertmesh.router.table_watcher import TableWatcher
+from expertmesh.routing_table import ModelIdentity, RoutingTable
 from expertmesh.state import QuarantinedReplica, open_store
 from tests.helpers import free_port
 
@@ -262,6 +273,147 @@ def test_a_table_leaving_an_expert_unhosted_is_refused_and_the_last_good_one_sta
     dispatcher.close()
 
 
+MODEL = ModelIdentity("0123456789abcdef", LAYERS, 4)
+
+
+def _publish_raw(store, table):
+    """Publish ``table`` whatever it says (a misconfigured or foreign writer): compare-and-set on the version only."""
+    kv, current = store._kv, store.routing_table_version()
+    assert kv.compare_and_set_many(
+        store._key("routing_table:version"),
+        str(current).encode() if current else None,
+        {store._key("routing_table"): table.to_json().encode(), store._key("routing_table:version"): str(table.version).encode()},
+    )
+
+
+def test_a_table_for_another_model_is_refused_and_the_last_good_one_stays(cluster, transport):
+    """Before tables carried the model: a 2-expert table over this 4-expert model dropped experts 2-3 with
+    status OK, and one listing expert 7 failed every step with an IndexError (INTERNAL)."""
+    store = _store(cluster)
+    dispatcher = _dispatcher(store, transport, model=MODEL)
+    dispatcher.refresh()
+    good = dispatcher.table.version
+    low = {(layer, e): ("g0",) for layer in LAYERS for e in (0, 1)}
+    bad_tables = {
+        "2 experts per layer, not 4": RoutingTable(good + 1, 2, low),
+        "pairs this model does not have": RoutingTable(
+            good + 2, 4, {**dispatcher.table.replicas, (1, 7): ("g0",)}, model=MODEL
+        ),
+        "checkpoint fingerprint ffffffffffffffff": RoutingTable(
+            good + 3, 4, dispatcher.table.replicas, model=ModelIdentity("ffffffffffffffff", LAYERS, 4)
+        ),
+        "MoE layers 0-2, not 0,1": RoutingTable(good + 4, 4, dispatcher.table.replicas, model=ModelIdentity("", (0, 1, 2), 4)),
+    }
+    for reason, table in bad_tables.items():
+        _publish_raw(store, table)
+        dispatcher.refresh()
+        assert dispatcher.table.version == good, reason
+        _check_exact(dispatcher, cluster[1])
+        with pytest.raises(RoutingTableMismatch, match=reason) as err:
+            _dispatcher(store, transport, model=MODEL).refresh()  # a router with no table to keep: told why
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    # unreadable text in the table's key: refused the same way
+    store._kv.compare_and_set_many(
+        store._key("routing_table:version"), str(good + 4).encode(),
+        {store._key("routing_table"): b'{"version": 9, "replicas": 3}', store._key("routing_table:version"): b"9"},
+    )
+    dispatcher.refresh()
+    assert dispatcher.table.version == good
+    _publish(store, ("g2",))  # a good table for this model again: taken
+    dispatcher.refresh()
+    assert dispatcher.table.version == 10
+    dispatcher.close()
+
+
+def test_a_flush_after_a_refused_table_keeps_the_last_good_one_serving(cluster, transport):
+    """The refused version was remembered, so version 0 after a flush read as a new table that was not there:
+    every step failed UNAVAILABLE."""
+    store = _store(cluster)
+    dispatcher = _dispatcher(store, transport, model=MODEL)
+    dispatcher.refresh()
+    _publish_raw(store, RoutingTable(2, 2, {(layer, e): ("g0",) for layer in LAYERS for e in (0, 1)}))
+    dispatcher.refresh()
+    store._kv._values.clear(), store._kv._hashes.clear()  # FLUSHDB of the in-process store
+    dispatcher.begin_step()
+    assert dispatcher.table.version == 1
+    _check_exact(dispatcher, cluster[1])
+    _publish(store, ("g1", "g2"))  # republished after the flush, at the refused version's number: taken
+    _publish(store, ("g1", "g2"))
+    dispatcher.refresh()
+    assert dispatcher.table.version == 2
+    dispatcher.close()
+
+
+def test_the_store_refuses_to_publish_one_models_table_over_anothers():
+    store = open_store("memory://")
+    replicas = {(layer, e): ("g0",) for layer in LAYERS for e in range(4)}
+    assert store.publish_routing_table(RoutingTable(1, 4, replicas, model=MODEL))
+    other = ModelIdentity("ffffffffffffffff", LAYERS, 4)
+    with pytest.raises(StoreCollision, match="another deployment uses these keys; give each deployment its own --deployment"):
+        store.publish_routing_table(RoutingTable(2, 4, replicas, model=other))
+    assert store.routing_table().model == MODEL
+    assert store.publish_routing_table(RoutingTable(2, 4, replicas, model=MODEL))
+    # deployments have keys of their own: the same Redis database holds both
+    assert open_store("memory://", deployment="b").routing_table() is None
+
+
+class _CountingStore:
+    """A state store that counts the calls made from each thread."""
+
+    def __init__(self, store):
+        self._store, self.calls = store, Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[threading.current_thread().name] += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def test_a_watched_router_steps_without_reading_the_store_and_serves_through_a_frozen_one(cluster, own_redis, transport):
+    """A redis-server stopped with SIGSTOP answers nothing until SIGCONT: reading the table version at every
+    step waited out the client's socket timeout (5 s) each time. With the watcher the steps make no store call
+    at all; the watcher backs off while the store is frozen and takes the new table once it answers again."""
+    redis_store, proc = own_redis
+    servers, stock = cluster
+    for name, (server, _) in servers.items():
+        redis_store.set_endpoint(name, f"127.0.0.1:{server.port}")
+    _publish(redis_store, ("g1", "g2"))
+    store = _CountingStore(redis_store)
+    dispatcher = _dispatcher(store, transport, model=MODEL)
+    dispatcher.refresh()
+    watcher = TableWatcher(dispatcher, poll_s=0.05, max_backoff_s=0.2).start()
+    step_thread = threading.current_thread().name
+    before = store.calls[step_thread]
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        for seed in range(5):
+            dispatcher.begin_step()
+            _check_exact(dispatcher, stock, seed=seed)
+        assert store.calls[step_thread] == before, "a step read the state store"
+        deadline = time.monotonic() + 30
+        while watcher.failures == 0:
+            assert time.monotonic() < deadline, "the watcher never noticed the frozen store"
+            time.sleep(0.05)
+        assert watcher.next_wait() > 0.05  # backing off
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    _publish(redis_store, ("g2",))
+    deadline = time.monotonic() + 30
+    while dispatcher.table.version != 2:
+        assert time.monotonic() < deadline, "the watcher never took the new table after the store came back"
+        time.sleep(0.05)
+    assert watcher.failures == 0
+    watcher.stop()
+    assert not dispatcher.watched
+    dispatcher.close()
+
+
 @pytest.fixture
 def own_redis(tmp_path):
     """A redis-server of this test's own, so the test can kill it."""
@@ -304,19 +456,21 @@ def test_an_unreachable_store_keeps_the_cached_table_serving(cluster, own_redis,
     dispatcher.close()
 
 
-def test_heartbeat_reports_the_served_version_and_refreshes_an_idle_router(cluster, transport):
+def test_heartbeat_reports_the_served_version_and_the_watcher_refreshes_an_idle_router(cluster, transport):
     store = _store(cluster)
     heartbeat = Heartbeat(store, "router-a", interval_s=0.05)
     dispatcher = _dispatcher(store, transport, on_switch=heartbeat.beat)
     dispatcher.refresh()
     assert store.router_heartbeats()["router-a"].table_version == 1
     heartbeat.start(dispatcher)
+    watcher = TableWatcher(dispatcher, poll_s=0.05).start()
     _publish(store, ("g2",))
     deadline = time.monotonic() + 10
     while store.router_heartbeats()["router-a"].table_version != 2:
         assert time.monotonic() < deadline, "an idle router never switched to the new table"
         time.sleep(0.02)
     assert dispatcher.table.version == 2
+    watcher.stop()
     heartbeat.stop()
     assert "router-a" not in store.router_heartbeats()
     dispatcher.close()

@@ -44,7 +44,7 @@ class StepDispatcher:
 
     step_deadline = None
 
-    def refresh(self):
+    def begin_step(self):
         pass
 
     @contextmanager

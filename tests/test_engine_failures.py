@@ -29,7 +29,7 @@ from expertmesh.tiny import CONFIG_BUILDERS
 
 
 class FlakyStoreDispatcher:
-    """Refreshes like ExpertDispatcher, but the store is down for the first ``down`` steps;
+    """Begins steps like an unwatched ExpertDispatcher, but the store is down for the first ``down`` steps;
     the step numbers in ``failing_steps`` fail in their dispatch, as a group that went away would."""
 
     def __init__(self, down: int, failing_steps=()):
@@ -38,7 +38,7 @@ class FlakyStoreDispatcher:
         self.steps = 0
         self.step_deadline = None
 
-    def refresh(self):
+    def begin_step(self):
         if self.down:
             self.down -= 1
             raise ConnectionError("the Redis state store is unreachable: connection refused")

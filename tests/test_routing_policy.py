@@ -229,7 +229,7 @@ class _LocalDispatcher:
     def __init__(self, gate_bias):
         self.gate_bias = gate_bias
 
-    def refresh(self):
+    def begin_step(self):
         pass
 
     @contextmanager

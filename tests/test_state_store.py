@@ -1,6 +1,7 @@
 """The state store against both backends: in-process and a real redis-server
 (the one `make test` starts on loopback)."""
 
+import re
 import threading
 
 import pytest
@@ -15,7 +16,7 @@ def store(request):
     if request.param == "memory":
         s = open_store("memory://")
     else:
-        s = open_store(request.getfixturevalue("redis_url"), namespace=f"test-{request.node.name}")
+        s = open_store(request.getfixturevalue("redis_url"), deployment=re.sub(r"[^A-Za-z0-9._-]", "-", f"test-{request.node.name}")[:63])
         s._kv._client.flushdb()
     yield s
     s.close()

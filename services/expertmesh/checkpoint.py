@@ -53,6 +53,8 @@ class MoESpec:
     expert_params: tuple[str, ...]
     #: positions the model supports (max_position_embeddings); None when its config does not say
     max_context: int | None = None
+    #: the checkpoint's ``fingerprint`` ("" for a spec not read from a checkpoint)
+    fingerprint: str = ""
 
     def all_experts(self) -> list[tuple[int, int]]:
         return [(layer, e) for layer in self.moe_layers for e in range(self.num_experts)]
@@ -103,6 +105,34 @@ def _expert_index(pattern: str, key: str) -> int | None:
     return int(match.group("expert")) if match else None
 
 
+#: config.json keys that say where or how a checkpoint was written, not what model it is
+_UNIDENTIFYING_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+#: bytes of tensor data read from the start of each weight file: tells checkpoints of one shape apart
+_FINGERPRINT_SAMPLE = 1 << 16
+
+
+def fingerprint(path: Path, weight_files: list[str]) -> str:
+    """16 hex digits that differ between checkpoints that are different models, the same wherever a
+    copy is mounted: the config (less the keys that only say how it was saved), and per weight file
+    its name, size, safetensors header (every tensor's name, dtype, shape) and first 64 KiB of data.
+    Cheap (no full read), so every router, group and orchestrator computes it at start."""
+    import hashlib
+    import struct
+
+    digest = hashlib.sha256()
+    config = json.loads((path / "config.json").read_text())
+    for key in _UNIDENTIFYING_KEYS:
+        config.pop(key, None)
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    for name in weight_files:
+        file = path / name
+        digest.update(f"{name}:{file.stat().st_size}".encode())
+        with open(file, "rb") as f:
+            header = f.read(8)
+            digest.update(f.read(struct.unpack("<Q", header)[0] + _FINGERPRINT_SAMPLE if len(header) == 8 else 0))
+    return digest.hexdigest()[:16]
+
+
 class Checkpoint:
     """A local checkpoint directory: ``config.json`` plus safetensors (single or sharded)."""
 
@@ -150,6 +180,7 @@ class Checkpoint:
             hidden_size=text_config.hidden_size,
             expert_params=expert_params,
             max_context=getattr(text_config, "max_position_embeddings", None),
+            fingerprint=fingerprint(self.path, self._weight_files()),
         )
         self._expert_keys = {f"{name}.{p}": layer for layer, (name, _) in moe.items() for p in expert_params}
         self._targets = self._map_keys(skeleton)

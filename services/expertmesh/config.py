@@ -68,6 +68,15 @@ class DataPlaneConfig(BaseSettings):
         "one, else cpu), cpu, cuda or cuda:N",
     )
     state_url: str = Field("memory://", description="memory:// (embedded) or redis://host:port/db")
+    deployment: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+        description="name of this deployment in the state store: its keys are under expertmesh:<deployment>:, so "
+        "deployments sharing one Redis database never read or overwrite each other's tables",
+    )
+    table_poll_s: float = Field(
+        0.25, gt=0, le=60, description="how often a router's table watcher asks the state store for a new routing table"
+    )
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     group_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per expert group")
     group_host: str = Field("127.0.0.1", description="address group gRPC servers bind; 0.0.0.0 in a cluster")
@@ -400,7 +409,8 @@ def add_data_plane_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_argument(parser)
     add_setting_flag(parser, DataPlaneConfig, "model", default_note="the embedded tiny model")
     for name in (
-        "revision", "groups", "placement", "gpu_placement", "topology", "group_per", "dtype", "router_device", "ray_address", "state_url"
+        "revision", "groups", "placement", "gpu_placement", "topology", "group_per", "dtype", "router_device", "ray_address",
+        "state_url", "deployment",
     ):
         add_setting_flag(parser, DataPlaneConfig, name)
 

@@ -30,7 +30,7 @@ from expertmesh.devices import router_device
 from expertmesh.errors import GroupUnavailable, PlacementError
 from expertmesh.placement import GroupPlacement
 from expertmesh.router.load_window import LoadWindow
-from expertmesh.routing_table import RoutingTable
+from expertmesh.routing_table import ModelIdentity, RoutingTable
 from expertmesh.state import StateStore, open_store
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from expertmesh.router.heartbeat import Heartbeat
     from expertmesh.router.hidden_sample import SamplePublisher
     from expertmesh.router.load_publisher import LoadPublisher
+    from expertmesh.router.table_watcher import TableWatcher
 
 
 def _check_reachable(address: str) -> None:
@@ -71,6 +72,7 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, 
     from expertmesh.router.heartbeat import Heartbeat
     from expertmesh.router.load_publisher import router_id
     from expertmesh.router.model import build_router_model
+    from expertmesh.router.table_watcher import TableWatcher
     from expertmesh.router.transport import build as build_transport
 
     progress(f"building the router on {device} (no routed-expert weights)")
@@ -88,9 +90,11 @@ def _router(checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, 
         on_switch=heartbeat.beat,
         fallback=config.quarantine_fallback,
         transport=build_transport(config.transport),
+        model=ModelIdentity.of(spec),
     )
     heartbeat.start(dispatcher)
-    return dispatcher, heartbeat, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype), device)
+    watcher = TableWatcher(dispatcher, config.table_poll_s).start()
+    return dispatcher, heartbeat, watcher, build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype), device)
 
 
 @dataclass
@@ -102,6 +106,7 @@ class DataPlane:
     model: nn.Module
     dispatcher: "ExpertDispatcher"
     heartbeat: "Heartbeat"
+    watcher: "TableWatcher"
     addresses: dict[str, str]
     _started_ray: bool
     _owns_groups: bool = True
@@ -141,7 +146,7 @@ class DataPlane:
         else:
             placement = placement_mod.contiguous(spec, config.groups)
         placement_mod.validate(placement, spec)
-        store = open_store(config.state_url)
+        store = open_store(config.state_url, config.deployment)
 
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         started_ray = False
@@ -173,6 +178,9 @@ class DataPlane:
                 num_gpus=gpus,
                 inherited_env={**telemetry.propagation_env(), **security.propagation_env()},
                 budget_bytes=config.group_budget_bytes,
+                # a shared store: the groups register themselves too, so a flushed store lists them again
+                state_url=None if config.state_url.startswith("memory://") else config.state_url,
+                deployment=config.deployment,
                 **(deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {}),
             )
             for name, pairs in placement.groups.items()
@@ -190,6 +198,7 @@ class DataPlane:
             spec.num_experts,
             version=store.routing_table_version() + 1,
             shares=layout.shares if layout else None,
+            model=ModelIdentity.of(spec),
         )
         if not store.publish_routing_table(table):
             raise RuntimeError("another writer changed the routing table while the groups started; retry")
@@ -201,9 +210,9 @@ class DataPlane:
                 store.set_endpoint(group, address)
             return fresh
 
-        dispatcher, heartbeat, model = _router(checkpoint, store, config, device, resolve_endpoints)
+        dispatcher, heartbeat, watcher, model = _router(checkpoint, store, config, device, resolve_endpoints)
         progress(f"data plane ready in {time.monotonic() - t0:.1f}s: " + ", ".join(f"{g}@{a}" for g, a in addresses.items()))
-        return cls(config, checkpoint, placement, store, model, dispatcher, heartbeat, addresses, started_ray)
+        return cls(config, checkpoint, placement, store, model, dispatcher, heartbeat, watcher, addresses, started_ray)
 
     @classmethod
     def attach(cls, config: DataPlaneConfig, wait_s: float = 300.0, store: StateStore | None = None) -> "DataPlane":
@@ -211,7 +220,7 @@ class DataPlane:
         (``store``, which the plane then owns; default: ``config.state_url``'s)."""
         device = router_device(config.router_device)
         checkpoint = Checkpoint(config.model)
-        store = store if store is not None else open_store(config.state_url)
+        store = store if store is not None else open_store(config.state_url, config.deployment)
         deadline = time.monotonic() + wait_s
         table = store.routing_table()
         if table is None:
@@ -228,16 +237,18 @@ class DataPlane:
             placement_mod.validate(placement, checkpoint.spec)
         except PlacementError as err:
             raise PlacementError(f"the published routing table does not fit {checkpoint.path}: {err}") from None
-        dispatcher, heartbeat, model = _router(checkpoint, store, config, device)
+        dispatcher, heartbeat, watcher, model = _router(checkpoint, store, config, device)
         progress(f"router attached to routing table version {table.version} ({len(placement.groups)} groups)")
         return cls(
-            config, checkpoint, placement, store, model, dispatcher, heartbeat, store.endpoints(), False, _owns_groups=False
+            config, checkpoint, placement, store, model, dispatcher, heartbeat, watcher, store.endpoints(), False,
+            _owns_groups=False,
         )
 
     def close(self) -> None:
         self._publisher.stop()
         if self._samples is not None:
             self._samples.stop()
+        self.watcher.stop()
         self.heartbeat.stop()
         self.dispatcher.close()
         if not self._owns_groups:  # attached: neither Ray nor the groups are ours (nor, maybe, installed)

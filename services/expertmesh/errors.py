@@ -61,10 +61,27 @@ class NonFiniteLogits(ExpertMeshError):
     code = grpc.StatusCode.INTERNAL
 
 
-class UnhostedExperts(ExpertMeshError):
-    """A routing table leaves some experts without a group; routers refuse it and keep their last good one."""
+class RoutingTableRefused(ExpertMeshError):
+    """A routing table a router must not serve; routers refuse it and keep their last good one."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class UnhostedExperts(RoutingTableRefused):
+    """A routing table leaves some experts without a group."""
+
+
+class RoutingTableMismatch(RoutingTableRefused):
+    """A routing table was made for another model (fingerprint, MoE layers, experts per layer) or names
+    experts its model does not have: served, it would change answers with status OK."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StoreCollision(ExpertMeshError):
+    """The state store's key prefix holds the routing table of another model: two deployments share it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class BadGroupResponse(ExpertMeshError):

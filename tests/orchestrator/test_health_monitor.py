@@ -249,7 +249,7 @@ def test_the_quarantine_set_in_redis(redis_url):
 
     from expertmesh.state import QuarantinedReplica
 
-    store = open_store(redis_url, namespace=f"test-{uuid.uuid4().hex[:8]}")
+    store = open_store(redis_url, deployment=f"test-{uuid.uuid4().hex[:8]}")
     entry = QuarantinedReplica(1, 2, "g1", "quarantined", "fingerprint: changed", 12.5, False)
     store.set_quarantined(entry)
     assert store.quarantined() == {(1, 2, "g1"): entry}

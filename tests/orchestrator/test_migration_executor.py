@@ -371,14 +371,14 @@ def test_resume_after_a_publish_that_was_not_recorded(mesh):
 
 def test_move_on_the_redis_store(path, redis_url):
     namespace = f"test-migration-{uuid.uuid4().hex[:8]}"
-    store = open_store(redis_url, namespace=namespace)
+    store = open_store(redis_url, deployment=namespace)
     mesh = start_mesh(store, path)
     try:
         executor = MigrationExecutor(store, **FAST)
         with FollowingRouter(store, "r1"):
             migration = executor.run(executor.submit(LAYER, EXPERT, target="g2").id)
         assert_move_done(mesh, migration)
-        reopened = open_store(redis_url, namespace=namespace)
+        reopened = open_store(redis_url, deployment=namespace)
         assert load(reopened, migration.id) == migration, "another process reads the same record"
         reopened.close()
         executor.close()

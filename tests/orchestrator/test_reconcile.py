@@ -7,6 +7,7 @@ from expertmesh.checkpoint import MoESpec
 from expertmesh.errors import PlacementError
 from expertmesh.orchestrator.reconcile import Reconciler, next_table
 from expertmesh.placement import GroupPlacement
+from expertmesh.routing_table import ModelIdentity, RoutingTable
 from expertmesh.state import open_store
 
 SPEC = MoESpec("mixtral", 2, (0, 1), 2, 1, 8, ("gate_up_proj", "down_proj"))
@@ -15,11 +16,14 @@ B = GroupPlacement({"g0": ((0, 0), (1, 0)), "g1": ((0, 1), (1, 1))})
 
 
 def test_next_table_publishes_first_then_only_on_change():
-    first = next_table(None, A, 2)
-    assert first.version == 1 and first.replicas == A.hosts()
-    assert next_table(first, A, 2) is None
-    second = next_table(first, B, 2)
+    model = ModelIdentity.of(SPEC)
+    first = next_table(None, A, model)
+    assert first.version == 1 and first.replicas == A.hosts() and first.model == model
+    assert next_table(first, A, model) is None
+    second = next_table(first, B, model)
     assert second.version == 2 and second.replicas[(0, 1)] == ("g1",)
+    # a table without the model's identity (written before tables carried it) is republished with it
+    assert next_table(RoutingTable(1, 2, A.hosts()), A, model).model == model
 
 
 def test_reconciler_rounds(tmp_path):

@@ -32,6 +32,7 @@ def add_command(commands) -> None:
     # with their precedence: flags > EXPERTMESH_* > --config file
     add_config_argument(p)
     add_setting_flag(p, DataPlaneConfig, "state_url", default_note="none, required: redis://host:port/db")
+    add_setting_flag(p, DataPlaneConfig, "deployment")
     add_setting_flag(p, DataPlaneConfig, "model", default_note="none, required")
     add_setting_flag(p, DataPlaneConfig, "revision")
     add_setting_flag(p, DataPlaneConfig, "placement", default_note="none, required")
@@ -107,7 +108,7 @@ def run(args) -> int:
     drift_settings = drift_config(args)  # a bad EXPERTMESH_DRIFT_* setting fails here, before anything starts
     health_settings = health_config(args)  # likewise EXPERTMESH_HEALTH_*
     connection = kube_connection(args)
-    store = open_store(config.state_url)
+    store = open_store(config.state_url, config.deployment)
     reconciler = Reconciler(store, spec, config.placement)
     first = reconciler.reconcile_once()  # a bad placement fails here, before we report healthy
     health = HealthMonitor(store, checkpoint, health_settings)

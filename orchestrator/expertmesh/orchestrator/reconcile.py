@@ -22,25 +22,25 @@ from pathlib import Path
 from expertmesh import placement as placement_mod
 from expertmesh.checkpoint import MoESpec
 from expertmesh.placement import GroupPlacement
-from expertmesh.routing_table import RoutingTable
+from expertmesh.routing_table import ModelIdentity, RoutingTable
 from expertmesh.state import StateStore
 
 log = logging.getLogger(__name__)
 
 
 def next_table(
-    current: RoutingTable | None, desired: GroupPlacement, num_experts: int, last_seen: int = 0
+    current: RoutingTable | None, desired: GroupPlacement, model: ModelIdentity, last_seen: int = 0
 ) -> RoutingTable | None:
-    """The table to publish so the store matches ``desired``, or None when it already does.
+    """The table to publish so the store matches ``desired`` for ``model``, or None when it already does.
 
     ``last_seen``: the newest version this orchestrator has seen; an empty (flushed) store
     continues after it rather than restarting at 1.
     """
     replicas = desired.hosts()
-    if current is not None and current.replicas == replicas and current.num_experts == num_experts:
+    if current is not None and current.replicas == replicas and current.num_experts == model.num_experts and current.model == model:
         return None
     version = max(current.version if current else 0, last_seen) + 1
-    return RoutingTable(version=version, num_experts=num_experts, replicas=replicas)
+    return RoutingTable(version=version, num_experts=model.num_experts, replicas=replicas, model=model)
 
 
 class Reconciler:
@@ -64,7 +64,7 @@ class Reconciler:
             self._last_seen = max(self._last_seen, current.version)
             if self._store.placement_digest() == digest:
                 return None
-        table = next_table(current, desired, self._spec.num_experts, self._last_seen)
+        table = next_table(current, desired, ModelIdentity.of(self._spec), self._last_seen)
         if table is not None and not self._store.publish_routing_table(table):
             log.info("routing table changed under us; will re-read next round")
             return None

@@ -80,7 +80,7 @@ def _group_processes(config: DataPlaneConfig, bench: str):
     from expertmesh import placement as placement_mod
     from expertmesh.checkpoint import Checkpoint
     from expertmesh.expert_group.processes import start_groups
-    from expertmesh.routing_table import RoutingTable
+    from expertmesh.routing_table import ModelIdentity, RoutingTable
     from expertmesh.state import open_store
 
     spec = Checkpoint(config.model).spec
@@ -93,5 +93,5 @@ def _group_processes(config: DataPlaneConfig, bench: str):
     store = open_store("memory://")
     for name, group in groups.items():
         store.set_endpoint(name, group.address)
-    store.publish_routing_table(RoutingTable.from_placement(placement, spec.num_experts, version=1))
+    store.publish_routing_table(RoutingTable.from_placement(placement, spec.num_experts, version=1, model=ModelIdentity.of(spec)))
     return groups, store

@@ -161,6 +161,7 @@ class GroupsAppArgs(BaseModel):
     placement: dict[str, Any] = Field(description="placement, as in a placement YAML: {groups: {name: {layer: [experts]}}}")
     dtype: str = "float32"
     state_url: str = Field(description="shared state store (redis://...) the groups register their addresses in")
+    deployment: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="the deployment's keys in it")
     host: str = "0.0.0.0"
     port_base: int = Field(50100, ge=1, le=65000, description="group i (in name order) listens on port_base + i")
     num_cpus: float = 1.0
@@ -195,6 +196,7 @@ def build_app(args: dict):
                 port=config.port_base + i,
                 resources=config.resources.get(name, {}),
                 state_url=config.state_url,
+                deployment=config.deployment,
                 budget_bytes=config.budget_bytes,
             )
             for i, name in enumerate(sorted(placement.groups))

@@ -36,6 +36,8 @@ class GroupSpec:
     resources: dict[str, float] = field(default_factory=dict)
     #: shared state store the replica registers its address in; None when the driver collects addresses
     state_url: str | None = None
+    #: the deployment whose keys it registers under (None: EXPERTMESH_DEPLOYMENT, else "default")
+    deployment: str | None = None
     #: NUMA node whose CPUs the replica pins itself to (its GPUs' node)
     numa: int | None = None
     #: environment the replica takes over from the process that deployed it: OTEL_* (so its traces
@@ -115,7 +117,9 @@ class RunningGroup:
                 from expertmesh.expert_group.registration import EndpointRegistration
                 from expertmesh.state import open_store
 
-                self._registration = EndpointRegistration(open_store(spec.state_url), spec.name, self.address).start()
+                self._registration = EndpointRegistration(
+                    open_store(spec.state_url, spec.deployment), spec.name, self.address
+                ).start()
         except BaseException:
             self.stop()
             raise

@@ -44,6 +44,7 @@ def add_command(commands) -> None:
     p.add_argument("--threads", type=int, help="torch intra-op threads of the group (default 1)")
     p.add_argument("--gpu", action="store_true", help="compute on the first GPU this process sees (CUDA_VISIBLE_DEVICES)")
     add_setting_flag(p, DataPlaneConfig, "state_url")  # a shared store: the group registers its address there
+    add_setting_flag(p, DataPlaneConfig, "deployment")
     p.add_argument("--budget-bytes", type=int, help="most bytes of expert weights the group may hold (default: unlimited)")
     p.set_defaults(run=_main)
 
@@ -71,6 +72,7 @@ def group_spec(args: argparse.Namespace) -> GroupSpec:
         "num_cpus": args.threads,
         "num_gpus": 1 if args.gpu else None,
         "state_url": None if config.state_url.startswith("memory://") else config.state_url,
+        "deployment": config.deployment,
         "budget_bytes": args.budget_bytes,
     }
     return GroupSpec(

@@ -16,10 +16,14 @@ answers wrongly has its tokens re-planned onto other replicas within the same
 step, and only when none exists does the step fail, with UNAVAILABLE (the group
 failed) or INTERNAL (it answered wrongly), naming the group.
 
-The routing table is re-read only at step boundaries (``refresh``, called from
-a forward pre-hook on the whole model, or once per step by the serving engine).
-A store that cannot be reached, or a table that leaves experts unhosted, keeps
-the last good view in use.
+The routing table is read off the step's critical path: in a router, a
+``router.table_watcher.TableWatcher`` thread polls the store and swaps a new
+view in, so a step never waits on a slow or frozen store; a bare dispatcher
+(tests, ``verify``) reads the store at each step boundary (``begin_step``, from a
+forward pre-hook on the whole model or from the serving engine). A step uses
+one view for all its layers. A store that cannot be reached, a flushed one, or
+a table that must not be served (``RoutingTableRefused``: experts left unhosted,
+made for another model, unreadable) keeps the last good view in use.
 
 The serving engine runs each step as one packed forward of all its sequences,
 inside ``serving_step``: each MoE layer is then one dispatch of every token of
@@ -44,7 +48,7 @@ from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from expertmesh.errors import BadGroupResponse, DeadlineExceeded, ExpertMeshError, GroupUnavailable, UnhostedExperts
+from expertmesh.errors import BadGroupResponse, DeadlineExceeded, ExpertMeshError, GroupUnavailable, RoutingTableRefused
 from expertmesh.finite import all_finite
 from expertmesh.router.circuit import CircuitBreakers
 from expertmesh.router import degraded
@@ -58,7 +62,7 @@ from expertmesh.router.routing_view import RoutingView
 from expertmesh.router.traffic import TrafficCounters
 from expertmesh.router.transport import GroupReply, GroupRequest, PendingCall, Transport, TransportError
 from expertmesh.router.transport import build as build_transport
-from expertmesh.routing_table import RoutingTable
+from expertmesh.routing_table import MalformedTable, ModelIdentity, RoutingTable
 from expertmesh.state import StateStore
 from expertmesh.telemetry.setup import meter, tracer
 
@@ -108,9 +112,13 @@ class ExpertDispatcher:
         on_switch: Callable[[int], None] | None = None,
         breakers: CircuitBreakers | None = None,
         fallback: Fallback = "next_best",
+        model: ModelIdentity | None = None,
     ):
+        """``model``: the router's model; tables made for another are refused (None: checked against
+        ``moe_layers`` and the table's own expert count only)."""
         self._store = store
         self._moe_layers = tuple(moe_layers)
+        self.model = model
         #: fresh group -> address map when a group stops answering; default: what the store lists
         self._resolve_endpoints = resolve_endpoints or store.endpoints
         self.load_window = load_window
@@ -136,8 +144,8 @@ class ExpertDispatcher:
         self.view: RoutingView | None = None
         self._rejected_version = 0
         self._store_errors = 0
-        #: time.monotonic() of the latest layer dispatch: the heartbeat refreshes an idle router itself
-        self.last_dispatch = 0.0
+        #: a TableWatcher keeps the view current (set by it): steps then never read the store themselves
+        self.watched = False
         #: time.monotonic() after which no request of the current step wants its tokens (None: no deadline);
         #: the serving engine sets it at every step boundary
         self.step_deadline: float | None = None
@@ -163,6 +171,7 @@ class ExpertDispatcher:
         (the trace contexts of the step's other requests). ``routing``: the tokens' routing policies
         and domains (None: every token is routed by the stock gate and counted under no domain)."""
         self._local.step = (positions, tuple(links), routing)
+        self._local.view = self.view  # every layer of the step dispatches on the same table version
         try:
             if routing is not None and self.gate_bias is not None:
                 with self.gate_bias.routing(routing):
@@ -171,26 +180,36 @@ class ExpertDispatcher:
                 yield
         finally:
             self._local.step = None
+            self._local.view = None
 
     def on_forward(self) -> None:
-        """Forward pre-hook: a new step, unless the serving engine already refreshed for this one."""
+        """Forward pre-hook: a new step, unless the serving engine already began this one."""
         if getattr(self._local, "step", None) is None:
+            self.begin_step()
+
+    def begin_step(self) -> None:
+        """At a step boundary: make sure there is a view to serve. Watched, the watcher keeps it current and
+        the step does no store I/O; unwatched, the store is read now (``refresh``)."""
+        if not self.watched or self.view is None:
             self.refresh()
 
     # -- the routing view ----------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Switch to the newest routing table, if it changed and is usable. Cheap when it did not.
+        """Switch to the newest routing table, if it changed and may be served. Cheap when it did not.
 
-        With a view in use, an unreachable store or a table that leaves experts unhosted is logged and
-        the last good view stays; without one, they raise (ConnectionError / UnhostedExperts).
+        With a view in use, an unreachable store, a flushed one (version 0: the orchestrator and the groups
+        publish again) or a refused table is logged and the last good view stays; without one, they raise
+        (ConnectionError / GroupUnavailable / RoutingTableRefused).
         """
         with self._refresh_lock:
             current = self.view
             try:
                 version = self._store.routing_table_version()
-                if current is not None and version in (current.version, self._rejected_version):
+                if current is not None and version in (0, current.version, self._rejected_version):
                     self._store_errors = 0
+                    if version == 0:  # flushed: whatever is published next is a new table, even at a refused version
+                        self._rejected_version = 0
                     return
                 table = self._store.routing_table()
                 endpoints = self._store.endpoints()
@@ -201,21 +220,22 @@ class ExpertDispatcher:
                 if self._store_errors == 1:  # once per outage, not once per step
                     log.warning("state store unreachable; serving on routing table version %d: %s", current.version, err)
                 return
+            except MalformedTable as err:
+                return self._refuse(version, current, RoutingTableRefused(f"routing table version {version}: {err}"))
             self._store_errors = 0
-            if table is None:  # with a view in use, version 0 (a flushed store) returned above: serve on
+            if table is None:
+                if current is not None:  # the version key outlived the table (a store being flushed): serve on
+                    return
                 raise GroupUnavailable("no routing table in the state store; start the expert groups first")
             if current is not None and table.version < current.version:
                 log.warning(
                     "routing table version went back from %d to %d: the state store was reset", current.version, table.version
                 )
             try:
-                view = RoutingView.build(table, self._moe_layers, self._quarantined)
-            except UnhostedExperts as err:
-                self._rejected_version = table.version
-                if current is None:
-                    raise
-                log.error("refused %s; still serving version %d", err, current.version)
-                return
+                view = RoutingView.build(table, self._moe_layers, self._quarantined, self.model)
+            except RoutingTableRefused as err:
+                return self._refuse(table.version, current, err)
+            self._rejected_version = 0
             # A group not (yet again) listed in the store keeps the address we know: a flushed store heals
             # as groups re-register, and its calls go on meanwhile.
             known = {g: self._transport.address(g) for g in view.groups}
@@ -224,6 +244,13 @@ class ExpertDispatcher:
         log.info("routing table version %d: %d groups", view.version, len(view.groups))
         if self._on_switch is not None:
             self._on_switch(view.version)
+
+    def _refuse(self, version: int, current: RoutingView | None, err: RoutingTableRefused) -> None:
+        """Table ``version`` must not be served: raise without a view, else keep serving ``current``."""
+        self._rejected_version = version
+        if current is None:
+            raise err
+        log.error("refused %s; still serving version %d", err, current.version)
 
     def refresh_quarantine(self) -> None:
         """Take the health monitor's quarantined replicas into the view when they changed (the
@@ -235,7 +262,7 @@ class ExpertDispatcher:
             self._quarantined = quarantined
             if self.view is None:
                 return
-            view = RoutingView.build(self.view.table, self._moe_layers, quarantined)
+            view = RoutingView.build(self.view.table, self._moe_layers, quarantined, self.model)
             self._use(view)
         log.warning(
             "quarantined replicas now %s; experts served by the %s fallback: %s",
@@ -276,10 +303,10 @@ class ExpertDispatcher:
         model's top-k by one (a dynamic-k policy); slots a policy left empty hold the skip sentinel.
         """
         started = time.perf_counter()
-        self.last_dispatch = time.monotonic()
-        if self.view is None:
+        view = getattr(self._local, "view", None) or self.view  # the step's view, whatever refresh does meanwhile
+        if view is None:
             self.refresh()
-        view = self.view  # one view for the whole layer, whatever refresh does meanwhile
+            view = self.view
         if layer not in view.primary:
             raise GroupUnavailable(f"the routing table has no groups for MoE layer {layer}")
         index = top_k_index.to("cpu", torch.long)  # [T, K]

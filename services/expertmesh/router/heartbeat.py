@@ -2,13 +2,11 @@
 
 A migration unloads an expert from its old group only once every live router
 serves a table without that replica, so each router reports its version on every
-switch and every ``interval_s``. An idle router takes no steps, so it would never
-switch; the heartbeat refreshes it itself when it has not dispatched for a
-whole interval (its next step would have switched anyway). Each beat also picks
-up the health monitor's quarantined replicas, which change without a new table
-version. Races with a step
-that starts meanwhile are harmless: a view is swapped in one assignment, and
-migrations keep both replicas serving until every router has acknowledged.
+switch and every ``interval_s``. The table itself is kept current by the
+router's ``TableWatcher``, idle or not, so an idle router switches too. Races
+with a step that starts meanwhile are harmless: a step keeps the view it began
+with, and migrations keep both replicas serving until every router has
+acknowledged. A store that does not answer delays this thread only.
 """
 
 from __future__ import annotations
@@ -48,13 +46,8 @@ class Heartbeat:
     def _run(self, dispatcher: ExpertDispatcher) -> None:
         while not self._stop.wait(self._interval):
             try:
-                if time.monotonic() - dispatcher.last_dispatch > self._interval:
-                    dispatcher.refresh()
-                dispatcher.refresh_quarantine()
                 if dispatcher.view is not None:
                     self.beat(dispatcher.view.version)
-            except ConnectionError as err:  # the store is down: the dispatcher serves on, and says so once
-                log.debug("heartbeat round skipped: %s", err)
             except Exception:  # the heartbeat must outlive any one failure; the next round retries
                 log.warning("heartbeat round failed", exc_info=True)
 

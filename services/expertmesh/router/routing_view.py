@@ -12,7 +12,10 @@ Glossary
 
 A table that leaves any (MoE layer, expert) of the model without a replica is
 refused (``UnhostedExperts``): its tokens would be dropped silently, a wrong
-answer with status OK. The router then keeps serving its last good view.
+answer with status OK. So is a table made for another model, or one naming
+layers or experts the model does not have (``RoutingTableMismatch``): a table
+for 4 experts over an 8-expert model would drop experts 4-7 just as silently.
+The router then keeps serving its last good view.
 
 Quarantined replicas (the health monitor's, in the state store) are left out of
 the view. An expert whose every listed replica is quarantined is a *fallback*
@@ -23,13 +26,13 @@ the token's other experts are renormalised).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
-from expertmesh.errors import UnhostedExperts
-from expertmesh.routing_table import RoutingTable
+from expertmesh.errors import RoutingTableMismatch, UnhostedExperts
+from expertmesh.routing_table import ModelIdentity, RoutingTable
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,12 @@ class RoutingView:
         table: RoutingTable,
         moe_layers: Sequence[int],
         quarantined: frozenset[tuple[int, int, str]] = frozenset(),
+        model: ModelIdentity | None = None,
     ) -> "RoutingView":
-        """Raises UnhostedExperts when ``table`` misses a pair of ``moe_layers`` x experts."""
+        """Raises RoutingTableMismatch when ``table`` is not for ``model`` (None: a model of ``moe_layers``
+        whose expert count is the table's own) and UnhostedExperts when it misses a pair of ``moe_layers`` x
+        experts."""
+        _check_fits(table, tuple(moe_layers), model)
         missing = [
             (layer, e) for layer in moe_layers for e in range(table.num_experts) if not table.replicas.get((layer, e))
         ]
@@ -109,3 +116,29 @@ class RoutingView:
     @property
     def num_experts(self) -> int:
         return self.table.num_experts
+
+
+def _check_fits(table: RoutingTable, moe_layers: tuple[int, ...], model: ModelIdentity | None) -> None:
+    """Raise RoutingTableMismatch unless every entry of ``table`` names a layer and expert of the model."""
+    what = f"routing table version {table.version}"
+    if model is not None:
+        # what the table claims, with the expert count dispatch will use (a table without an identity: its shape only)
+        claimed = (
+            replace(table.model, num_experts=table.num_experts)
+            if table.model is not None
+            else ModelIdentity("", model.moe_layers, table.num_experts)
+        )
+        problems = model.differences(claimed)
+        if problems:
+            raise RoutingTableMismatch(f"{what} is for another model than this router serves: {'; '.join(problems)}")
+    layers = set(moe_layers)
+    stray = [(layer, e) for layer, e in table.replicas if layer not in layers or not 0 <= e < table.num_experts]
+    if stray:
+        shown = ", ".join(f"{layer}/{e}" for layer, e in sorted(stray)[:8])
+        raise RoutingTableMismatch(
+            f"{what} lists {len(stray)} layer/expert pairs this model does not have ({len(layers)} MoE layers, "
+            f"{table.num_experts} experts each): {shown}"
+        )
+    uneven = [pair for pair, shares in table.shares.items() if len(shares) != len(table.replicas.get(pair, ()))]
+    if uneven:
+        raise RoutingTableMismatch(f"{what} gives {len(uneven)} experts a share per replica that does not match their replicas")

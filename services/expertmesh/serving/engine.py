@@ -298,7 +298,7 @@ class Engine:
         if not work:
             return
         try:
-            self._dispatcher.refresh()
+            self._dispatcher.begin_step()
         except ExpertMeshError as err:
             for seq, _ in work:
                 self._fail(seq, err.code, str(err))

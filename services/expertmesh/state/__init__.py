@@ -6,7 +6,9 @@ default) or ``redis://host:port/db`` (a cluster). ``StateStore`` is the typed
 face every component uses; backends only implement a handful of key-value
 primitives (``KeyValueBackend``), so both behave the same by construction.
 
-Keys (all under the ``expertmesh:`` prefix, one namespace per deployment):
+Keys (all under the ``expertmesh:<deployment>:`` prefix, one namespace per deployment: ``--deployment``
+or ``EXPERTMESH_DEPLOYMENT``, default ``default``; a routing table also names its model, and a store
+refuses to publish one model's table over another's, ``StoreCollision``):
 - ``routing_table``         JSON of the current RoutingTable
 - ``routing_table:version`` its version alone, so routers poll cheaply
 - ``placement``             hash: ``digest`` -> the placement file last applied to the table
@@ -32,10 +34,13 @@ Keys (all under the ``expertmesh:`` prefix, one namespace per deployment):
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from expertmesh.routing_table import RoutingTable
+from expertmesh.errors import StoreCollision
+from expertmesh.routing_table import MalformedTable, RoutingTable
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ class StateStore:
         current = self.routing_table_version()
         if table.version != current + 1 and not (current == 0 and table.version > 0):
             return False
+        self._check_same_model(table)
         expected = str(current).encode() if current else None
         return self._kv.compare_and_set_many(
             self._key("routing_table:version"),
@@ -136,6 +142,22 @@ class StateStore:
                 self._key("routing_table:version"): str(table.version).encode(),
             },
         )
+
+    def _check_same_model(self, table: RoutingTable) -> None:
+        """Raise StoreCollision when the stored table is another model's: a second deployment writing into
+        this one's keys. A table without a model identity (or an unreadable one) is anybody's to replace."""
+        try:
+            stored = self.routing_table()
+        except MalformedTable:
+            return
+        if stored is None or stored.model is None or table.model is None:
+            return
+        differences = stored.model.differences(table.model)
+        if differences:
+            raise StoreCollision(
+                f"the state store's routing table under {self._ns}: is another model's ({'; '.join(differences)}): "
+                "another deployment uses these keys; give each deployment its own --deployment (EXPERTMESH_DEPLOYMENT)"
+            )
 
     def placement_digest(self) -> str | None:
         """Digest of the placement file the orchestrator last applied (it re-applies only a changed file)."""
@@ -256,7 +278,18 @@ class StateStore:
         self._kv.close()
 
 
-def open_store(url: str = "memory://", namespace: str = "expertmesh") -> StateStore:
+#: what a deployment name may be (``DataPlaneConfig.deployment``)
+DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def open_store(url: str = "memory://", deployment: str | None = None) -> StateStore:
+    """The store at ``url``, under ``deployment``'s keys (None: ``EXPERTMESH_DEPLOYMENT``, else "default")."""
+    deployment = deployment or os.environ.get("EXPERTMESH_DEPLOYMENT") or "default"
+    if not DEPLOYMENT_NAME.fullmatch(deployment):
+        raise ValueError(
+            f"deployment name {deployment[:64]!r}: up to 63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    namespace = f"expertmesh:{deployment}"
     if url.startswith("memory://"):
         from expertmesh.state._memory import MemoryBackend
 

@@ -88,10 +88,16 @@ def test_bad_policies_and_domains_are_refused_naming_the_field(served):
             ({"routing_policy": pb.RoutingPolicy(name="dynamic_k", alpha=1)}, "routing_policy.alpha"),
             ({"domain": "astrology"}, "domain"),
             ({"routing_policy": "prefer", "domain": "medical"}, "domain"),  # no profile for it
+            # a client-chosen label under a known domain: unbounded, it grew every load window for good
+            ({"domain": "code/" + "x" * 200_000}, "domain"),
+            ({"routing_policy": "delta_gap", "domain": "code/" + "x" * 200_000}, "domain"),
+            ({"domain": "code/a/b"}, "domain"),
+            ({"domain": "code/<script>"}, "domain"),
         ]
         for kwargs, field in cases:
             details = _refused(client, "Hello there", **kwargs)
             assert details.startswith(field + ":") or f"{field}:" in details, (kwargs, details)
+            assert len(details) < 400, f"the refusal echoes the label back: {len(details)} characters"
         assert len(_tokens(client, "Hello there")) == 6  # and the server serves on
 
 
@@ -231,6 +237,9 @@ def test_the_http_api_takes_the_same_extras(served):
         ({"routing_policy": "bogus"}, "routing_policy.name"),
         ({"routing_policy": {"name": "prefer", "alpha": 7.0}, "domain": "code"}, "routing_policy.alpha"),
         ({"domain": "astrology"}, "domain"),
+        ({"domain": "code/" + "x" * 1000}, "domain"),
+        ({"routing_policy": {"name": "restrict", "top_n": 2**40}, "domain": "code"}, "routing_policy.top_n"),
+        ({"routing_policy": {"name": "restrict", "top_n": -1}, "domain": "code"}, "routing_policy.top_n"),
     ):
         bad = httpx2.post(url, json={**body, **extra}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

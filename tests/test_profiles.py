@@ -244,3 +244,44 @@ def test_profile_commands_say_what_to_use_instead_of_a_memory_store(tmp_path, ca
     out = tmp_path / "absent" / "p.json"
     assert main(["profile", "build", "--queries", str(queries), "--out", str(out)]) == 2
     assert f"--out: {out.parent} is not a directory" in capsys.readouterr().err
+
+
+def test_one_unreadable_profile_record_leaves_the_others_served():
+    """A malformed record used to fail every non-exact request with UNKNOWN; now it alone is left out."""
+    store = open_store("memory://")
+    save_profiles(store, build_profiles(_loads(), LAYERS))
+    store.save_profile("medical", b'{"domain": "medical", "moe_layers": "nope"}')
+    store.save_profile("finance", b"not json")
+    router = RequestRouter(2, 4, LAYERS, "exact", store, kl_bound=0.1, classifier=default_classifier)
+    query = "Summarise this contract"
+    given = router.resolve(pb.GenerateRequest(text=query, routing_policy=pb.RoutingPolicy(name="prefer"), domain="legal"), lambda: query)
+    assert given.domain == "legal" and set(given.biases) == set(LAYERS)
+    with pytest.raises(InvalidRequest, match="^domain: no capability profile for 'medical'"):
+        router.resolve(pb.GenerateRequest(text=query, routing_policy=pb.RoutingPolicy(name="prefer"), domain="medical"), lambda: query)
+
+
+def test_domains_are_bounded_in_length_and_to_the_taxonomy():
+    router = RequestRouter(2, 4, LAYERS, "exact", open_store("memory://"), kl_bound=0.1, classifier=default_classifier)
+    ok = router.resolve(pb.GenerateRequest(text="x", domain="code/python-3.12"), lambda: "x")
+    assert ok.domain == "code/python-3.12"
+    for domain, message in (
+        ("code/" + "y" * 100, r"^domain: 105 characters, at most 64 \('code/yyyyyyyyyyyyyyyyyyyyyyyyyyy'\.\.\.\)$"),
+        ("astrology", "unknown domain 'astrology'"),
+        ("code/a/b", "unknown domain 'code/a/b'"),
+        ("code/", "unknown domain 'code/'"),
+        ("", "unknown domain ''"),
+    ):
+        with pytest.raises(InvalidRequest, match=message):
+            router.resolve(pb.GenerateRequest(text="x", domain=domain), lambda: "x")
+
+
+def test_a_load_window_counts_at_most_max_domains_apart():
+    from expertmesh.router import load_window
+
+    window = LoadWindow(LAYERS, 4, 2)
+    names = tuple(f"code/{i}" for i in range(load_window.MAX_DOMAINS + 10))
+    index = torch.tensor([[0, 1]] * len(names))
+    window.record(1, index, None, (torch.arange(len(names)), names))
+    snap = window.snapshot()
+    assert len(snap.domain_load) == load_window.MAX_DOMAINS + 1  # the cap, and "code" for the rest
+    assert snap.domain_load["code"][0].sum() == 10 * 2

@@ -175,3 +175,27 @@ def test_held_prefix_of_a_stop_is_released_when_it_does_not_match(tokenizer):
 def test_stop_across_many_tokens_at_start(tokenizer):
     pieces, stopped = _feed(tokenizer, "STOPrest", stop=("xyz", "STOP"))
     assert stopped and "".join(pieces) == ""
+
+
+class _MergedBytesTokenizer:
+    """Tokens of several bytes each, as BPE vocabularies merge them (the byte tokenizer above has one byte a
+    token, so no token there can both complete a stop and start a multi-byte character)."""
+
+    def __init__(self, pieces: list[bytes]):
+        self._pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self._pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_a_stop_completed_by_a_token_that_starts_a_multibyte_character_is_not_leaked():
+    """The token "D\\xc3" completes "END" and starts "é": the stream used to wait for the next byte, and when
+    generation ended there (a length limit) the flush released "END" and a replacement character."""
+    tokenizer = _MergedBytesTokenizer([b"hello EN", b"D\xc3", b"\xa9 more"])
+    stream = TextStream(tokenizer, ("END",))
+    assert stream.push(0) == "hello "
+    assert stream.push(1) == "" and stream.stopped
+    assert stream.flush() == ""
+    # without a stop in it, the incomplete character still waits for its byte
+    stream = TextStream(tokenizer, ("XYZ",))
+    assert stream.push(0) == "hello EN" and stream.push(1) == "" and stream.push(2) == "Dé more"

@@ -96,3 +96,16 @@ def test_an_empty_store_takes_a_restored_later_version(store):
     assert store.publish_routing_table(_table(7))
     assert store.routing_table_version() == 7
     assert not store.publish_routing_table(_table(9)), "once a table is there, versions advance one at a time"
+
+
+def test_records_with_unknown_fields_are_read_and_unreadable_ones_skipped(store):
+    """A newer writer's extra field raised TypeError in the router's heartbeat thread before it beat."""
+    import json
+
+    store._kv.hset(store._key("routers"), "r1", json.dumps({"router_id": "r1", "table_version": 3, "at": 1.0, "zone": "b"}).encode())
+    store._kv.hset(store._key("routers"), "r2", b"{broken")
+    assert set(store.router_heartbeats()) == {"r1"} and store.router_heartbeats()["r1"].table_version == 3
+    entry = {"layer": 0, "expert": 1, "group": "g0", "state": "quarantined", "reason": "t", "since": 1.0, "withdrawn": False}
+    store._kv.hset(store._key("quarantine"), "0/1/g0", json.dumps({**entry, "added_later": 1}).encode())
+    store._kv.hset(store._key("quarantine"), "0/2/g0", json.dumps({"layer": 0}).encode())  # fields missing
+    assert list(store.quarantined()) == [(0, 1, "g0")]

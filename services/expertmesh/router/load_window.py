@@ -33,6 +33,10 @@ import numpy as np
 import torch
 
 
+#: domains counted apart at most: the published window's size must not grow with what clients send
+MAX_DOMAINS = 256
+
+
 @dataclass(frozen=True, eq=False)
 class LoadSnapshot:
     moe_layers: tuple[int, ...]
@@ -190,6 +194,8 @@ class LoadWindow:
             if by_bin is not None:
                 self._position[b, row] += by_bin
             for name, counts_d in by_domain.items():
+                if name not in self._domains and len(self._domains) >= MAX_DOMAINS:
+                    name = name.split("/")[0]  # past the cap, a sub-domain counts under its top-level domain
                 self._domains.setdefault(name, np.zeros(self._since_start.shape))[row] += counts_d
 
     def since_start(self) -> np.ndarray:

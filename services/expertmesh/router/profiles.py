@@ -21,6 +21,7 @@ Pure: arrays in, arrays out; ``load_profiles`` / ``save_profiles`` beside them d
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -29,6 +30,8 @@ import numpy as np
 
 from expertmesh.errors import ExpertMeshError
 from expertmesh.state import StateStore
+
+log = logging.getLogger(__name__)
 
 FIELDS = ("domain", "moe_layers", "choices", "share", "lift")
 
@@ -103,7 +106,15 @@ def save_profiles(store: StateStore, profiles: Mapping[str, DomainProfile]) -> N
 
 
 def load_profiles(store: StateStore) -> dict[str, DomainProfile]:
-    return {domain: DomainProfile.from_json(raw) for domain, raw in store.profiles().items()}
+    """Every readable profile in ``store``; one that is not (a bad writer, another version) is logged and
+    left out, so requests of the other domains are still served."""
+    profiles = {}
+    for domain, raw in store.profiles().items():
+        try:
+            profiles[domain] = DomainProfile.from_json(raw)
+        except (ValueError, TypeError, KeyError) as err:  # json's and from_dict's: the record is unusable
+            log.warning("skipping the unreadable capability profile of domain %r in the state store: %s", domain[:64], err)
+    return profiles
 
 
 # -- the profiles file -------------------------------------------------------------------------

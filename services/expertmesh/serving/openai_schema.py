@@ -74,7 +74,7 @@ class RoutingPolicyBody(BaseModel):
 
     name: str = ""
     alpha: float | None = None
-    top_n: int | None = None
+    top_n: int | None = Field(None, ge=0, le=2**32 - 1)  # the gRPC field is a uint32
     delta: float | None = None
     weight_boost: float | None = None
     threshold: float | None = None

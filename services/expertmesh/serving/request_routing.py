@@ -11,6 +11,7 @@ running router.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Callable
@@ -38,6 +39,9 @@ from expertmesh.v1 import inference_pb2 as pb
 log = logging.getLogger(__name__)
 
 PARAMETER_FIELDS = ("alpha", "top_n", "delta", "weight_boost", "threshold")
+#: longest ``domain`` a request may name
+MAX_DOMAIN_CHARS = 64
+DOMAIN_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 class RequestRouter:
@@ -129,9 +133,17 @@ class RequestRouter:
         return self._classifier_factory()
 
     def _check_domain(self, domain: str) -> None:
+        """A domain of the classifier's taxonomy, or one level below one, in at most MAX_DOMAIN_CHARS: the
+        load windows and profiles keep one entry per domain, so clients must not be able to mint them."""
         known = sorted({d.split("/")[0] for d in self._classifier().domains})
-        if not domain or domain.split("/")[0] not in known:
-            raise InvalidRequest(f"domain: unknown domain {domain!r}; known: {', '.join(known)} (or a/b below one)")
+        shown = repr(domain[:32]) + ("..." if len(domain) > 32 else "")
+        if len(domain) > MAX_DOMAIN_CHARS:
+            raise InvalidRequest(f"domain: {len(domain)} characters, at most {MAX_DOMAIN_CHARS} ({shown})")
+        parts = domain.split("/")
+        if len(parts) > 2 or parts[0] not in known or not all(DOMAIN_PART.fullmatch(p) for p in parts):
+            raise InvalidRequest(
+                f"domain: unknown domain {shown}; known: {', '.join(known)} (or a/b below one, b of letters, digits, '_', '-', '.')"
+            )
 
     def _classify(self, policy: RoutingPolicy, text: str | None) -> str:
         if not text:

@@ -47,13 +47,16 @@ class TextStream:
         if self._tokenizer is None:  # a model without a tokenizer streams token ids only
             return ""
         text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
-            return ""
+        # A stop is looked for before an incomplete UTF-8 sequence at the end too: the token that completes
+        # a stop may also start a character, and the stream may end before its next byte comes.
+        complete = text.rstrip("\ufffd")
         for stop in self._stop:
-            at = text.find(stop, max(0, self._released - len(stop) + 1))
+            at = complete.find(stop, max(0, self._released - len(stop) + 1))
             if at != -1:
                 self.stopped = True
-                return self._release(text, at)
+                return self._release(complete, at)
+        if len(complete) < len(text):  # the incomplete sequence waits for its next byte
+            return ""
         hold = max((self._partial_stop(text, s) for s in self._stop), default=0)
         return self._release(text, len(text) - hold)
 

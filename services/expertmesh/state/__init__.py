@@ -34,13 +34,16 @@ refuses to publish one model's table over another's, ``StoreCollision``):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Protocol
 
 from expertmesh.errors import StoreCollision
 from expertmesh.routing_table import MalformedTable, RoutingTable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,18 @@ class QuarantinedReplica:
     @property
     def key(self) -> str:
         return replica_key(self.layer, self.expert, self.group)
+
+
+def _record(cls, raw: bytes, key: str, field_name: str):
+    """``cls`` from its stored JSON, ignoring fields this version does not know (a newer writer's); None,
+    logged, for a record that cannot be read (one bad record must not hide the others)."""
+    try:
+        data = json.loads(raw)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+    except (ValueError, TypeError, AttributeError) as err:
+        log.warning("skipping unreadable %s record %r: %s", key, field_name[:64], err)
+        return None
 
 
 def replica_key(layer: int, expert: int, group: str) -> str:
@@ -195,7 +210,8 @@ class StateStore:
         self._kv.hdel(self._key("routers"), router_id)
 
     def router_heartbeats(self) -> dict[str, RouterHeartbeat]:
-        return {rid: RouterHeartbeat(**json.loads(raw)) for rid, raw in self._kv.hgetall(self._key("routers")).items()}
+        records = ((rid, _record(RouterHeartbeat, raw, "routers", rid)) for rid, raw in self._kv.hgetall(self._key("routers")).items())
+        return {rid: beat for rid, beat in records if beat is not None}
 
     # -- migrations -------------------------------------------------------------------
     # Records are opaque bytes: the orchestrator owns their format, and the data plane
@@ -222,8 +238,9 @@ class StateStore:
 
     def quarantined(self) -> dict[tuple[int, int, str], QuarantinedReplica]:
         """(layer, expert, group) -> its entry, for every replica that must receive no tokens."""
-        entries = (QuarantinedReplica(**json.loads(raw)) for raw in self._kv.hgetall(self._key("quarantine")).values())
-        return {(q.layer, q.expert, q.group): q for q in entries}
+        raw = self._kv.hgetall(self._key("quarantine"))
+        entries = (_record(QuarantinedReplica, value, "quarantine", key) for key, value in raw.items())
+        return {(q.layer, q.expert, q.group): q for q in entries if q is not None}
 
     # -- health records -----------------------------------------------------------------
     # Opaque bytes, like migrations: the orchestrator owns their format.

@@ -1,6 +1,7 @@
 """The router's load window: counts, co-activation, ageing, and the stats file the planner reads."""
 
 import numpy as np
+import pytest
 import torch
 
 from expertmesh.orchestrator.placement.stats import stats_from_dict
@@ -58,3 +59,32 @@ def test_position_bins():
     snap = window.snapshot()
     assert snap.load.tolist() == [[2, 2]]
     assert snap.position_load[0].tolist() == [[1, 0], [0, 1], [0, 0], [0, 1]]
+
+
+def test_load_stats_come_in_pages_that_merge_back_to_the_whole():
+    """At DeepSeek-V3's size the stats are ~30 MB of JSON, past gRPC's 4 MiB message limit: paged by rows."""
+    import json
+
+    from expertmesh.client import merge_stats_pages
+
+    layers = tuple(range(1, 9))
+    window = LoadWindow(layers, 16, 2)
+    g = torch.Generator().manual_seed(0)
+    for layer in layers:
+        window.record(layer, torch.randint(0, 16, (50, 2), generator=g), None,
+                      (torch.randint(-1, 2, (50,), generator=g), ("code", "legal/contracts")))
+    snap = window.snapshot()
+    whole = snap.to_stats_dict()
+    one_row = len(snap.stats_page(0, max_rows=1)[0])
+    pages, row = [], 0
+    while True:
+        text, row = snap.stats_page(row, max_bytes=3 * one_row)
+        assert len(text) <= 3 * one_row + 64
+        pages.append(json.loads(text))
+        if not row:
+            break
+    assert len(pages) == 3 and [p["first_row"] for p in pages] == [0, 3, 6]
+    assert merge_stats_pages(pages) == json.loads(json.dumps(whole))
+    assert json.loads(snap.stats_page(0)[0])["num_layers"] == 8 and snap.stats_page(0)[1] == 0
+    with pytest.raises(ValueError, match="first_row 8 is past the 8 MoE layers"):
+        snap.stats_page(8)

@@ -16,6 +16,7 @@ be reached, ...).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator, Sequence, TypedDict, Unpack
 
@@ -162,8 +163,14 @@ class Client:
         return list(self._stub.ListModels(pb.ListModelsRequest(), timeout=self._timeout).models)
 
     def load_stats(self) -> str:
-        """The router's expert load window as the stats JSON ``expertmesh plan`` reads."""
-        return self._stub.GetLoadStats(pb.LoadStatsRequest(), timeout=self._timeout).stats_json
+        """The router's expert load window as the stats JSON ``expertmesh plan`` reads (every page of it)."""
+        pages, row = [], 0
+        while True:
+            response = self._stub.GetLoadStats(pb.LoadStatsRequest(first_row=row), timeout=self._timeout)
+            pages.append(json.loads(response.stats_json))
+            row = response.next_row
+            if not row:
+                return json.dumps(merge_stats_pages(pages))
 
     def close(self) -> None:
         self._channel.close()
@@ -200,8 +207,14 @@ class AsyncClient:
         return list((await self._stub.ListModels(pb.ListModelsRequest(), timeout=self._timeout)).models)
 
     async def load_stats(self) -> str:
-        """The router's expert load window as the stats JSON ``expertmesh plan`` reads."""
-        return (await self._stub.GetLoadStats(pb.LoadStatsRequest(), timeout=self._timeout)).stats_json
+        """The router's expert load window as the stats JSON ``expertmesh plan`` reads (every page of it)."""
+        pages, row = [], 0
+        while True:
+            response = await self._stub.GetLoadStats(pb.LoadStatsRequest(first_row=row), timeout=self._timeout)
+            pages.append(json.loads(response.stats_json))
+            row = response.next_row
+            if not row:
+                return json.dumps(merge_stats_pages(pages))
 
     async def close(self) -> None:
         await self._channel.close()
@@ -211,3 +224,16 @@ class AsyncClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def merge_stats_pages(pages: list[dict]) -> dict:
+    """GetLoadStats pages (each the stats format for some rows, from "first_row"), in order -> the whole."""
+    merged = {**pages[0], "moe_layers": [], "load": [], "coactivation": [], "position_load": [], "domain_load": {}}
+    merged.pop("first_row", None)
+    for page in pages:
+        for key in ("moe_layers", "load", "coactivation", "position_load"):
+            merged[key] += page[key]
+        for domain, rows in page["domain_load"].items():
+            merged["domain_load"].setdefault(domain, []).extend(rows)
+    merged["num_layers"] = len(merged["moe_layers"])
+    return merged

@@ -14,7 +14,6 @@ from pathlib import Path
 import grpc
 
 from expertmesh.errors import GroupUnavailable
-from expertmesh.security.tls import secure_or_insecure_channel
 
 
 def add_command(commands) -> None:
@@ -41,15 +40,13 @@ def _export(args) -> int:
         stats = reduce(lambda a, b: a + b, (LoadSnapshot.from_bytes(v) for v in published.values())).to_stats_dict()
         source = f"{len(published)} routers"
     else:
-        from expertmesh.v1 import inference_pb2 as pb
-        from expertmesh.v1 import inference_pb2_grpc as pb_grpc
+        from expertmesh.client import Client
 
-        with secure_or_insecure_channel(args.target) as channel:
+        with Client(args.target, timeout=30) as client:
             try:
-                response = pb_grpc.InferenceStub(channel).GetLoadStats(pb.LoadStatsRequest(), timeout=30)
+                stats = json.loads(client.load_stats())
             except grpc.RpcError as err:
                 raise GroupUnavailable(f"cannot read load stats from {args.target}: {err.code().name}: {err.details()}") from None
-        stats = json.loads(response.stats_json)
         source = args.target
     args.out.write_text(json.dumps(stats))
     tokens = sum(stats["load"][0]) / max(stats["top_k"], 1) if stats["load"] else 0

@@ -466,6 +466,11 @@ def test_network_policies(render, name):
     assert not _allowed(docs, router, groups, 6379) and not _allowed(docs, stranger, groups, 8265)
     assert _allowed(docs, orch, groups, 8265) and _allowed(docs, admin, groups, 8265)
     assert not _allowed(docs, router, groups, 8265)
+    # The KubeRay operator reaches the dashboard from its own namespace only, never "any pod so labelled anywhere".
+    groups_np = one(docs, "NetworkPolicy", f"{FULLNAME}-expert-groups")
+    operator = [p for rule in groups_np["spec"]["ingress"] for p in rule.get("from", ())
+                if p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "kuberay-operator"]
+    assert operator and all(p["namespaceSelector"].get("matchLabels", {}).get("kubernetes.io/metadata.name") for p in operator)
     # Orchestrator admin API: admins only.
     assert _allowed(docs, admin, orch, 50052)
     assert not _allowed(docs, router, orch, 50052) and not _allowed(docs, stranger, orch, 50052)

@@ -120,7 +120,7 @@ def test_served_non_finite_rows_count_since_the_last_check():
     seen = record(non_finite_seen=4)
     assert policy.findings(seen, check(served_non_finite=4), CONFIG) == ()
     found = policy.findings(seen, check(served_non_finite=7), CONFIG)
-    assert kinds(found) == {FindingKind.SERVED_NON_FINITE: Severity.SUSPECT} and found[0].detail.startswith("3 served")
+    assert kinds(found) == {FindingKind.SERVED_NON_FINITE: Severity.NOTICE} and found[0].detail.startswith("3 served")
     assert policy.new_non_finite(seen, check(served_non_finite=2)) == 2, "the count restarted: the expert was reloaded"
 
 
@@ -331,3 +331,13 @@ def test_settings_are_checked_and_named_by_their_variable(monkeypatch):
     monkeypatch.setenv("EXPERTMESH_HEALTH_TOKENS", "3")
     with pytest.raises(InvalidRequest, match="EXPERTMESH_HEALTH_TOKENS"):
         health_config(type("Args", (), {"health_monitor": None})())
+
+
+def test_served_non_finite_rows_alone_never_quarantine_a_replica_whose_probe_is_clean():
+    """A finite but extreme input from any Dispatch caller overflows a healthy expert's output to Inf: counted
+    as a suspect finding, such traffic checks after checks quarantined a healthy replica."""
+    state = record()
+    for served in range(1, 3 * CONFIG.suspect_checks + 2):
+        state, found = policy.judge(state, check(served_non_finite=100 * served), CONFIG)
+        assert kinds(found) == {FindingKind.SERVED_NON_FINITE: Severity.NOTICE}
+        assert state.state is HealthState.HEALTHY

@@ -5,7 +5,7 @@ import yaml
 
 from expertmesh.checkpoint import MoESpec
 from expertmesh.errors import PlacementError
-from expertmesh.orchestrator.reconcile import Reconciler, next_table
+from expertmesh.orchestrator.reconcile import Reconciler, next_table, observed_table
 from expertmesh.placement import GroupPlacement
 from expertmesh.routing_table import ModelIdentity, RoutingTable
 from expertmesh.state import open_store
@@ -22,8 +22,11 @@ def test_next_table_publishes_first_then_only_on_change():
     assert next_table(first, A, model) is None
     second = next_table(first, B, model)
     assert second.version == 2 and second.replicas[(0, 1)] == ("g1",)
-    # a table without the model's identity (written before tables carried it) is republished with it
-    assert next_table(RoutingTable(1, 2, A.hosts()), A, model).model == model
+    # a table without an identity (written before tables carried one) is this model's when its shape fits;
+    # another model's is not
+    assert next_table(RoutingTable(1, 2, A.hosts()), A, model) is None
+    foreign = RoutingTable(1, 2, A.hosts(), model=ModelIdentity("ffff", (0, 1), 2))
+    assert next_table(foreign, A, model).model == model
 
 
 def test_reconciler_rounds(tmp_path):
@@ -70,3 +73,42 @@ def test_a_flushed_store_gets_the_table_back_at_a_later_version(tmp_path):
     store._kv._values.clear(), store._kv._hashes.clear()  # what FLUSHDB does to the in-process backend
     assert reconciler.reconcile_once().version == 3
     assert store.routing_table().replicas[(0, 1)] == ("g0", "g1")
+
+
+def test_observed_table_lists_only_replicas_that_hold_their_experts():
+    model = ModelIdentity.of(SPEC)
+    # the file says g0 holds (0, 1); a live move put it on g1 and g0 unloaded it
+    held = {"g0": frozenset({(0, 0), (1, 0), (1, 1)}), "g1": frozenset({(0, 1), (1, 1)})}
+    table = observed_table(A, held, model, version=8)
+    assert table.version == 8 and table.model == model
+    assert table.replicas == {(0, 0): ("g0",), (0, 1): ("g1",), (1, 0): ("g0",), (1, 1): ("g0", "g1")}
+    # nobody reported (0, 1): the file's group stays listed rather than leaving it unhosted
+    assert observed_table(A, {"g0": frozenset({(0, 0), (1, 0), (1, 1)})}, model, 2).replicas[(0, 1)] == ("g0",)
+
+
+def test_a_flushed_store_is_rebuilt_from_what_the_groups_hold_above_the_routers_versions(tmp_path):
+    """Re-applying the placement file after a flush listed expert (0, 1) on g0 again, which had unloaded it
+    in a move: NOT_FOUND for every token routed there, while routers went back to a lower version."""
+    from expertmesh.state import RouterHeartbeat
+
+    path = tmp_path / "placement.yaml"
+    path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}}}))
+    store = open_store()
+    store.publish_router_heartbeat(RouterHeartbeat("r1", 7, 0.0))  # a router serving version 7 (a live move's)
+    held: dict = {}
+    now = [0.0]
+    reconciler = Reconciler(store, SPEC, path, observe=lambda groups: {g: held[g] for g in groups if g in held},
+                            observe_grace_s=30, clock=lambda: now[0])
+    assert reconciler.reconcile_once() is None, "published before the groups said what they hold"
+    held.update({"g0": frozenset({(0, 0), (1, 0), (1, 1)}), "g1": frozenset({(0, 1)})})
+    store.set_endpoint("g1", "127.0.0.1:1")  # g1 is not in the file: found through its registration
+    table = reconciler.reconcile_once()
+    assert table.version == 8 and table.replicas[(0, 1)] == ("g1",) and table.replicas[(1, 1)] == ("g0",)
+    assert reconciler.reconcile_once() is None  # the file, unchanged, is not applied over it
+
+    # a group that never answers: after the grace period its experts are listed as the file says
+    other = open_store()
+    late = Reconciler(other, SPEC, path, observe=lambda groups: {}, observe_grace_s=30, clock=lambda: now[0])
+    assert late.reconcile_once() is None
+    now[0] = 31.0
+    assert late.reconcile_once().replicas == A.hosts()

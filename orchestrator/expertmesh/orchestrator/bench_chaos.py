@@ -9,8 +9,9 @@ is served before any fault. Then the faults (``chaos.faults``), one at a time, e
 ``--quiet-seconds`` of undisturbed traffic and each healed before the next: SIGKILL of a
 group's replica, SIGSTOP of a group, one expert's weights corrupted in a running group (the
 groups' test-only fault hook, enabled for this run), the same with its other replica evicted
-first (the quarantine then leaves a fallback: degraded outputs), Redis stopped, Redis flushed,
-the orchestrator killed.
+first (the quarantine then leaves a fallback: degraded outputs), Redis stopped, Redis frozen
+(SIGSTOP), Redis flushed, a routing table of another model published over the good one, a live
+move followed by a flush, the orchestrator killed.
 
 Per scenario (``chaos.measure``): requests sent / completed / failed, completions that differ
 from the reference (``wrong_outputs``: must be 0; for the corruption, the ones sent before the
@@ -41,7 +42,10 @@ SCENARIOS = (
     "expert-corrupted",
     "expert-corrupted-sole",
     "redis-stopped",
+    "redis-frozen",
     "redis-flushed",
+    "table-mismatch",
+    "flush-after-move",
     "orchestrator-killed",
 )
 
@@ -183,8 +187,18 @@ def _fault(name: str, options: Options, platform, target: Callable[[], Target]):
         return faults.ExpertCorrupted(t.layer, t.expert, t.group, t.share, options.corrupt_factor, evict)
     if name == "redis-stopped":
         return faults.RedisStopped(options.redis_down_seconds)
+    if name == "redis-frozen":
+        return faults.RedisFrozen(options.redis_down_seconds)
     if name == "redis-flushed":
         return faults.RedisFlushed()
+    if name == "table-mismatch":
+        return faults.TableMismatch()
+    if name == "flush-after-move":
+        layer, expert = min(platform.store.routing_table().replicas)
+        source, *_ = platform.store.routing_table().replicas[(layer, expert)]
+        holders = set(platform.store.routing_table().replicas[(layer, expert)])
+        target = next(g for g in platform.groups if g not in holders)
+        return faults.FlushedAfterMove(layer, expert, source, target)
     return faults.OrchestratorKilled()
 
 

@@ -24,6 +24,7 @@ routers, the orchestrator and ``expertmesh stats export`` read the same bytes.
 from __future__ import annotations
 
 import io
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ import torch
 
 #: domains counted apart at most: the published window's size must not grow with what clients send
 MAX_DOMAINS = 256
+#: bytes of JSON one GetLoadStats answer holds at most (gRPC's default message limit is 4 MiB)
+STATS_PAGE_BYTES = 3 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,19 +100,33 @@ class LoadSnapshot:
             },
         )
 
-    def to_stats_dict(self) -> dict:
-        """The stats file format of ``expertmesh plan`` (rows = MoE layers in order)."""
+    def to_stats_dict(self, rows: slice = slice(None)) -> dict:
+        """The stats file format of ``expertmesh plan`` (rows = MoE layers in order), of ``rows`` of them."""
+        layers = list(self.moe_layers)[rows]
         return {
-            "num_layers": len(self.moe_layers),
+            "num_layers": len(layers),
             "num_experts": self.num_experts,
             "top_k": self.top_k,
-            "moe_layers": list(self.moe_layers),
-            "load": self.load.tolist(),
-            "coactivation": self.coactivation.tolist(),
+            "moe_layers": layers,
+            "load": self.load[rows].tolist(),
+            "coactivation": self.coactivation[rows].tolist(),
             "max_context": self.max_context,
-            "position_load": self.position_load.tolist(),
-            "domain_load": {d: load.tolist() for d, load in sorted(self.domain_load.items())},
+            "position_load": self.position_load[rows].tolist(),
+            "domain_load": {d: load[rows].tolist() for d, load in sorted(self.domain_load.items())},
         }
+
+    def stats_page(self, first_row: int, max_rows: int = 0, max_bytes: int = STATS_PAGE_BYTES) -> tuple[str, int]:
+        """(JSON of rows ``first_row``.. as ``to_stats_dict``, plus "first_row"; the next page's first row,
+        0 after the last). The page holds as many rows as fit ``max_bytes`` (at least one), ``max_rows`` at most."""
+        total = len(self.moe_layers)
+        if not 0 <= first_row < max(total, 1):
+            raise ValueError(f"first_row {first_row} is past the {total} MoE layers")
+        end = min(total, first_row + max_rows) if max_rows else total
+        per_row = max(len(json.dumps(self.to_stats_dict(slice(first_row, first_row + 1)))), 1)
+        end = max(first_row + 1, min(end, first_row + max_bytes // per_row))
+        page = {**self.to_stats_dict(slice(first_row, end)), "first_row": first_row}
+        return json.dumps(page), end if end < total else 0
+
 
 
 class LoadWindow:

@@ -152,9 +152,7 @@ class OpenAIAdapter:
     def _request_routing(self, body: GenerationFields, prompt_ids: list[int]) -> RequestRouting | None:
         """The body's ``routing_policy`` and ``domain`` resolved as the gRPC API resolves them."""
         message = pb.GenerateRequest()
-        if isinstance(body.routing_policy, str):
-            message.routing_policy.name = body.routing_policy
-        elif body.routing_policy is not None:
+        if body.routing_policy is not None:
             message.routing_policy.CopyFrom(pb.RoutingPolicy(**body.routing_policy.model_dump(exclude_none=True)))
         if body.domain is not None:
             message.domain = body.domain

@@ -81,6 +81,10 @@ class RoutingPolicyBody(BaseModel):
     force: bool = False
 
 
+def _policy_object(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
+
+
 class GenerationFields(BaseModel):
     """What completions and chat completions share; ``None`` takes the server's default.
     Validate with ``context={MAX_TOKENS_CAP: n}`` to hold ``max_tokens`` to the server's cap."""
@@ -104,7 +108,8 @@ class GenerationFields(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     #: expertmesh extras: the request's routing policy and its query domain (see the gRPC GenerateRequest)
-    routing_policy: str | RoutingPolicyBody | None = None
+    #: a plain string names the policy (``{"name": ...}``), so errors name the object's fields
+    routing_policy: Annotated[RoutingPolicyBody, BeforeValidator(_policy_object)] | None = None
     domain: str | None = None
 
     _check_stop = field_validator("stop")(_stop_limits)

@@ -280,7 +280,12 @@ class InferenceServicer:
         )
 
     def GetLoadStats(self, request: pb.LoadStatsRequest, context) -> pb.LoadStatsResponse:
-        return pb.LoadStatsResponse(stats_json=json.dumps(self._load_window.snapshot().to_stats_dict()))
+        """One page of MoE layers (rows) of the load window: every answer stays under a few MiB."""
+        try:
+            page, next_row = self._load_window.snapshot().stats_page(request.first_row, request.max_rows)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first_row: {err}")
+        return pb.LoadStatsResponse(stats_json=page, next_row=next_row)
 
 
 class InferenceServer:

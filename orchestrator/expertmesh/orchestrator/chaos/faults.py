@@ -272,3 +272,114 @@ class OrchestratorKilled:
         except BenchError as err:
             return Timeline(injected, lifted, None, note=str(err).splitlines()[0])
         return Timeline(injected, lifted, time.monotonic())
+
+
+@dataclass(frozen=True)
+class RedisFrozen:
+    """SIGSTOP of redis-server for ``down_s``, then SIGCONT: a store that accepts connections and answers
+    nothing (a hung host, a long fork), the case a refused connection does not test. Steps must not wait on
+    it: routers keep their table in a watcher thread."""
+
+    down_s: float = 10.0
+    name: str = "redis-frozen"
+
+    @property
+    def description(self) -> str:
+        return f"redis-server frozen (SIGSTOP) for {self.down_s:g} s, then SIGCONT"
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        injected = time.monotonic()
+        platform.redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(self.down_s)
+        finally:
+            platform.redis.proc.send_signal(signal.SIGCONT)
+        lifted, wall = time.monotonic(), time.time()
+        recovered = wait_until(
+            lambda: any(b.at > wall for b in platform.store.router_heartbeats().values()), RECOVERY_TIMEOUT_S
+        )
+        return Timeline(injected, lifted, recovered)
+
+
+@dataclass(frozen=True)
+class TableMismatch:
+    """A routing table for another model published over the good one (a misconfigured orchestrator of a
+    second deployment writing these keys, say): 2 experts per layer for this model's 4+. Routers refuse it
+    and serve on; lifted by publishing the good table again at the next version."""
+
+    name: str = "table-mismatch"
+    description: str = "a routing table of another model (fewer experts, another fingerprint) published over the good one"
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        from dataclasses import replace
+
+        from expertmesh.routing_table import ModelIdentity
+
+        store = platform.store
+        good = store.routing_table()
+        foreign = ModelIdentity("f" * 16, good.model.moe_layers if good.model else (), 2)
+        bad = replace(
+            good,
+            version=good.version + 1,
+            num_experts=2,
+            replicas={pair: groups for pair, groups in good.replicas.items() if pair[1] < 2},
+            shares={},
+            model=foreign,
+        )
+        injected = time.monotonic()
+        _write_table(store, bad)
+        _hold_until(injected, hold_s)
+        fixed = replace(good, version=bad.version + 1)
+        _write_table(store, fixed)
+        lifted = time.monotonic()
+        recovered = wait_until(lambda: platform.router_version() >= fixed.version, RECOVERY_TIMEOUT_S)
+        note = "" if platform.router_version() != bad.version else "a router served the foreign table"
+        return Timeline(injected, lifted, recovered, note=note)
+
+
+def _write_table(store, table) -> None:
+    """Write ``table`` as the next version whatever model it names, as a foreign writer would (the store's own
+    publish refuses another model's table over this one's)."""
+    current = store.routing_table_version()
+    store._kv.compare_and_set_many(
+        store._key("routing_table:version"),
+        str(current).encode() if current else None,
+        {store._key("routing_table"): table.to_json().encode(), store._key("routing_table:version"): str(table.version).encode()},
+    )
+
+
+@dataclass(frozen=True)
+class FlushedAfterMove:
+    """A live move of one expert, then FLUSHALL: the orchestrator must rebuild the table from what the groups
+    hold (the moved expert on its new group; the old one unloaded it), at a version above the routers', not
+    re-apply the placement file."""
+
+    layer: int
+    expert: int
+    source: str
+    target: str
+    name: str = "flush-after-move"
+
+    @property
+    def description(self) -> str:
+        return f"layer {self.layer} expert {self.expert} moved live {self.source} -> {self.target}, then FLUSHALL"
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        store = platform.store
+        injected = time.monotonic()
+        platform.migrate(self.layer, self.expert, admin_pb.MIGRATION_MODE_MOVE, target=self.target, source=self.source)
+        before = max(store.routing_table_version(), platform.router_version())
+        platform.redis.flush()
+
+        def whole() -> bool:
+            table = store.routing_table()
+            if table is None or table.version <= before or platform.router_version() < table.version:
+                return False
+            if set(store.endpoints()) != set(platform.groups):
+                return False
+            held = {g: platform.describe(g).pairs for g in table.groups()}
+            return all(pair in held[g] for pair, groups in table.replicas.items() for g in groups)
+
+        recovered = wait_until(whole, RECOVERY_TIMEOUT_S)
+        _hold_until(injected, hold_s)
+        return Timeline(injected, injected, recovered)

@@ -18,8 +18,9 @@ Findings (``findings``) and their severity:
 - probe_non_finite: the probe's output holds a NaN or an Inf -> quarantine;
 - divergence: KL(baseline || now) above ``kl_quarantine`` -> quarantine, above ``kl_suspect`` -> suspect;
 - mean_shift: the mean output norm moved more than ``mean_shift_suspect`` -> suspect;
-- served_non_finite: new NaN/Inf rows in served traffic (Describe) since the last check -> suspect
-  (extreme inputs can overflow a healthy expert in half precision; the probe then tells);
+- served_non_finite: new NaN/Inf rows in served traffic (Describe) since the last check -> a notice
+  only: a finite but extreme input from any Dispatch caller overflows a healthy expert, so served rows
+  alone must not move a replica towards quarantine; the probe, whose input is ours, tells;
 - replica_mismatch: with three or more replicas, one whose output norms are further than
   ``replica_deviation`` from their median -> suspect. With two, a disagreement cannot say
   which one is wrong: it only holds back a baseline (the fingerprint and KL still judge each).
@@ -92,7 +93,7 @@ def findings(record: ReplicaRecord, check: Check, config: HealthConfig) -> tuple
     served = new_non_finite(record, check)
     if served:
         found.append(
-            Finding(FindingKind.SERVED_NON_FINITE, Severity.SUSPECT, f"{served} served output rows held NaN or Inf since the last check")
+            Finding(FindingKind.SERVED_NON_FINITE, Severity.NOTICE, f"{served} served output rows held NaN or Inf since the last check")
         )
     if check.replicas >= 3 and check.deviation is not None and check.deviation > config.replica_deviation:
         found.append(
@@ -153,6 +154,7 @@ def _details(found: Iterable[Finding]) -> str:
 
 
 def _advance(record: ReplicaRecord, found: tuple[Finding, ...], config: HealthConfig, at: float) -> ReplicaRecord:
+    found = tuple(f for f in found if f.severity is not Severity.NOTICE)
     state = record.state
     if state is HealthState.QUARANTINED:
         return record

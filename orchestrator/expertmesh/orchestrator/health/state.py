@@ -131,6 +131,8 @@ class FindingKind(StrEnum):
 
 
 class Severity(StrEnum):
+    #: recorded and reported, never a state change by itself: evidence that any caller's input can produce
+    NOTICE = "notice"
     #: watch it: quarantined only if it lasts ``suspect_checks`` checks
     SUSPECT = "suspect"
     #: evidence enough to stop its traffic now

@@ -8,6 +8,7 @@ on LoadExperts is a full memory budget; on Dispatch, a busy group).
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -24,8 +25,12 @@ from expertmesh.telemetry.setup import intercept_client
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+
 #: Describe, Dispatch and UnloadExperts are quick; LoadExperts reads weights from disk.
 CALL_TIMEOUT_S = 30.0
+#: a reconcile round asks every group: one that hangs must not hold the round for long
+DESCRIBE_TIMEOUT_S = 5.0
 LOAD_TIMEOUT_S = 600.0
 
 
@@ -119,8 +124,8 @@ class GroupChannels:
         except grpc.RpcError as err:
             raise GroupCallFailed(group, err.code(), err.details() or "") from None
 
-    def describe(self, group: str) -> GroupView:
-        r = self._call(group, "Describe", pb.DescribeRequest())
+    def describe(self, group: str, timeout: float = CALL_TIMEOUT_S) -> GroupView:
+        r = self._call(group, "Describe", pb.DescribeRequest(), timeout)
         in_flight: dict[Pair, list[InFlightCalls]] = {}
         for f in r.in_flight:
             in_flight.setdefault((f.layer, f.expert), []).append(InFlightCalls(f.routing_table_version, f.calls))
@@ -186,3 +191,14 @@ class GroupChannels:
             for _, channel, _ in self._open.values():
                 channel.close()
             self._open.clear()
+
+
+def held_pairs(channels: GroupChannels, groups) -> dict[str, frozenset[Pair]]:
+    """group -> the pairs it reports holding (Describe), for those of ``groups`` that answered."""
+    held = {}
+    for group in groups:
+        try:
+            held[group] = channels.describe(group, timeout=DESCRIBE_TIMEOUT_S).pairs
+        except GroupCallFailed as err:
+            log.info("expert group %s did not describe what it holds: %s", group, err)
+    return held

@@ -167,6 +167,17 @@ def test_tokens_per_second_counts_arrivals_in_the_window():
     assert tokens_per_second(arrivals, 2.0, 2.0) is None
 
 
+def test_itl_p99_takes_the_gaps_between_a_requests_chunks_in_the_window():
+    from expertmesh.orchestrator.chaos.measure import itl_p99_ms
+    from expertmesh.orchestrator.chaos.traffic import Request
+
+    fast = Request(0, 0.0, 1.0, (1, 2, 3), arrivals=(0.2, 0.21, 0.22))
+    stalled = Request(1, 0.0, 6.0, (1, 2), arrivals=(0.3, 5.3))  # one 5 s gap, ending in the window
+    assert itl_p99_ms([fast, stalled], 0.0, 10.0) == pytest.approx(5000.0)
+    assert itl_p99_ms([fast, stalled], 0.0, 1.0) == pytest.approx(10.0)  # the stall ended after the window
+    assert itl_p99_ms([fast], 2.0, 3.0) is None
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -118,8 +118,11 @@ class ScriptedEngine:
 
 
 class FakeProbe:
+    """GroupProbe's answers, set by the test: health states, and what each group's Describe says it holds."""
+
     def __init__(self):
         self.states_now = {"g0": "serving", "g1": "serving"}
+        self.held = {}
 
     def states(self, groups, endpoints):
         return {g: self.states_now[g] for g in groups}
@@ -431,6 +434,18 @@ def test_health_reflects_store_groups_and_draining(scripted):
         assert status == 503 and body["status"] == "draining"
     finally:
         scripted.readiness.draining = False
+    assert health()[0] == 200
+    # g1 listed for expert 1 but no longer holding it (unloaded in a move the table does not know of): its
+    # tokens would fail NOT_FOUND, though every group is serving
+    scripted.probe.held = {"g0": frozenset({(1, 0), (1, 1)}), "g1": frozenset()}
+    try:
+        status, body = health()
+        assert status == 503 and body["reasons"] == [
+            "expert group g1 does not hold 1 of the experts the routing table lists on it (layer/expert 1/1): "
+            "their tokens fail NOT_FOUND"
+        ]
+    finally:
+        scripted.probe.held = {}
     assert health()[0] == 200
     live = httpx2.get(f"{scripted.url}/health/live")
     assert live.status_code == 200 and live.json() == {"status": "alive"}

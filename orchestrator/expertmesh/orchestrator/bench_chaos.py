@@ -207,7 +207,7 @@ def run(options: Options) -> dict:
 
     from expertmesh.client import Client
     from expertmesh.orchestrator.chaos.faults import ExpertCorrupted
-    from expertmesh.orchestrator.chaos.measure import count, overlapping, tokens_per_second
+    from expertmesh.orchestrator.chaos.measure import count, itl_p99_ms, overlapping, tokens_per_second
     from expertmesh.orchestrator.chaos.platform import ChaosPlatform, PlatformSettings
     from expertmesh.orchestrator.chaos.traffic import Traffic, complete
 
@@ -266,6 +266,8 @@ def run(options: Options) -> dict:
             "tokens_per_s_before": before,
             "tokens_per_s_during": during,
             "throughput_during_over_before": during / before if before and during is not None else None,
+            "itl_p99_ms_before": itl_p99_ms(traffic.requests, quiet_from, t.injected),
+            "itl_p99_ms_during": itl_p99_ms(traffic.requests, t.injected, end),
         }
         if isinstance(fault, ExpertCorrupted):
             since = functools.partial(_since, t.injected)
@@ -322,15 +324,15 @@ def table(result: dict) -> str:
         [
             s["scenario"], s["sent"], s["completed"], s["failed"], s["wrong_outputs"], s.get("wrong_before_quarantine"),
             s["degraded"], s.get("seconds_to_detect"), s.get("seconds_to_quarantine"), s["seconds_to_recover"],
-            s["tokens_per_s_before"], s["tokens_per_s_during"],
+            s["tokens_per_s_before"], s["tokens_per_s_during"], s["itl_p99_ms_before"], s["itl_p99_ms_during"],
         ]
         for s in result["scenarios"]
     ]
     body = format_table(
         ["scenario", "sent", "done", "failed", "wrong", "wrong<q", "degraded", "detect s", "quar. s", "recover s",
-         "tok/s before", "tok/s during"],
+         "tok/s before", "tok/s during", "ITL p99 ms before", "during"],
         rows,
-        ["", "d", "d", "d", "d", "d", "d", ".1f", ".1f", ".1f", ".1f", ".1f"],
+        ["", "d", "d", "d", "d", "d", "d", ".1f", ".1f", ".1f", ".1f", ".1f", ".0f", ".0f"],
     )
     steady = result["steady"]
     lines = [title, body, (

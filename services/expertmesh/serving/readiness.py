@@ -1,11 +1,14 @@
 """Whether this router can serve a request right now: the body of ``GET /health``.
 
 Ready means: not draining; the state store answers; a routing table is in
-use; and every expert of that table has a replica whose group answers its
-``grpc.health.v1`` check as SERVING. A group that is down while its experts
-are replicated elsewhere leaves the router ready (dispatch routes around it)
-but is reported. Groups are checked in parallel with a short deadline, and a
-report is reused for ``cache_s``, so a burst of probes is not a burst of RPCs.
+use; every expert of that table has a replica whose group answers its
+``grpc.health.v1`` check as SERVING; and every group holds the experts the
+table lists on it (its ``Describe``): a table that lists an expert on a group
+that unloaded it is an outage, every token routed there NOT_FOUND, however
+healthy the group. A group that is down while its experts are replicated
+elsewhere leaves the router ready (dispatch routes around it) but is reported.
+Groups are checked in parallel with a short deadline, and a report is reused
+for ``cache_s``, so a burst of probes is not a burst of RPCs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from expertmesh.router.dispatch import ExpertDispatcher
 from expertmesh.security import from_env
 from expertmesh.serving.engine import Engine
 from expertmesh.state import StateStore
+from expertmesh.v1 import experts_pb2, experts_pb2_grpc
 
 GroupState = Literal["serving", "not_serving", "unreachable", "no_endpoint"]
 
@@ -49,6 +53,8 @@ class GroupProbe:
         self._tls = tls if tls is not None else from_env(TlsConfig)
         self._timeout = timeout_s
         self._channels: dict[str, grpc.Channel] = {}
+        #: group -> the (layer, expert) pairs its last Describe said it holds (absent: not known)
+        self.held: dict[str, frozenset[tuple[int, int]]] = {}
 
     def states(self, groups: tuple[str, ...], endpoints: dict[str, str]) -> dict[str, GroupState]:
         for address in set(self._channels) - set(endpoints.values()):
@@ -60,19 +66,28 @@ class GroupProbe:
                 continue
             if address not in self._channels:
                 self._channels[address] = group_channel(address, self._tls)
-            stub = health_pb2_grpc.HealthStub(self._channels[address])
-            calls[group] = stub.Check.future(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout)
+            channel = self._channels[address]
+            calls[group] = (
+                health_pb2_grpc.HealthStub(channel).Check.future(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout),
+                experts_pb2_grpc.ExpertGroupStub(channel).Describe.future(experts_pb2.DescribeRequest(), timeout=self._timeout),
+            )
         out: dict[str, GroupState] = {}
+        self.held = {}
         for group in groups:
             if group not in calls:
                 out[group] = "no_endpoint"
                 continue
+            check, describe = calls[group]
             try:
-                serving = calls[group].result().status == health_pb2.HealthCheckResponse.SERVING
+                serving = check.result().status == health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
                 out[group] = "unreachable"
-            else:
-                out[group] = "serving" if serving else "not_serving"
+                continue
+            out[group] = "serving" if serving else "not_serving"
+            try:
+                self.held[group] = frozenset((e.layer, e.expert) for e in describe.result().experts)
+            except grpc.RpcError:
+                pass  # it answered its health check: what it holds is checked next time
         return out
 
     def close(self) -> None:
@@ -118,6 +133,7 @@ class Readiness:
             else:
                 groups = self._probe.states(view.groups, endpoints)
                 reasons += _unservable(view.holders, view.groups, groups)
+                reasons += _listed_but_not_held(view.holders, view.groups, self._probe.held)
         status = "draining" if self.draining else "not_ready" if reasons else "ready"
         return HealthReport(
             status=status,
@@ -145,4 +161,21 @@ def _unservable(
     return [
         f"expert group {group} is {states[group].replace('_', ' ')} and {n} of its experts have no other serving replica"
         for group, n in sorted(stranded.items())
+    ]
+
+
+def _listed_but_not_held(
+    holders: dict[tuple[int, int], tuple[int, ...]], names: tuple[str, ...], held: dict[str, frozenset[tuple[int, int]]]
+) -> list[str]:
+    """One reason per group the table lists for experts its Describe says it does not hold."""
+    missing: dict[str, list[tuple[int, int]]] = {}
+    for pair, replicas in sorted(holders.items()):
+        for i in replicas:
+            if names[i] in held and pair not in held[names[i]]:
+                missing.setdefault(names[i], []).append(pair)
+    return [
+        f"expert group {group} does not hold {len(pairs)} of the experts the routing table lists on it "
+        f"(layer/expert {', '.join(f'{layer}/{e}' for layer, e in pairs[:5])}{' ...' if len(pairs) > 5 else ''}): "
+        "their tokens fail NOT_FOUND"
+        for group, pairs in sorted(missing.items())
     ]

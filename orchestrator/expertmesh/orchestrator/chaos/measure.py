@@ -93,3 +93,14 @@ def tokens_per_second(arrivals: Sequence[tuple[float, int]], start: float, end: 
     if end <= start:
         return None
     return sum(n for t, n in arrivals if start <= t < end) / (end - start)
+
+
+def itl_p99_ms(requests: Sequence[Request], start: float, end: float) -> float | None:
+    """p99 of the gaps between a request's consecutive streamed chunks that ended in [start, end), in ms
+    (the inter-token latency clients saw); None without any."""
+    gaps = sorted(
+        b - a for r in requests for a, b in zip(r.arrivals, r.arrivals[1:]) if start <= b < end
+    )
+    if not gaps:
+        return None
+    return 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]

@@ -19,6 +19,8 @@ class Request:
     tokens: tuple[int, ...]
     #: "CODE: details" when the call failed, else None
     error: str | None = None
+    #: time.monotonic() of each streamed chunk
+    arrivals: tuple[float, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -72,12 +74,17 @@ class Traffic:
 
         with Client(self._target, timeout=self._deadline) as client:
             while not self._stop.is_set():
-                sent, error, tokens = time.monotonic(), None, []
+                sent, error, tokens, times = time.monotonic(), None, [], []
+
+                def arrived(n: int) -> None:
+                    times.append(time.monotonic())
+                    self._arrived(n)
+
                 try:
-                    tokens = complete(client, self._prompts[i], self._m, self._arrived)
+                    tokens = complete(client, self._prompts[i], self._m, arrived)
                 except grpc.RpcError as err:
                     error = f"{err.code().name}: {err.details()}"
                 with self._lock:
-                    self.requests.append(Request(i, sent, time.monotonic(), tuple(tokens), error))
+                    self.requests.append(Request(i, sent, time.monotonic(), tuple(tokens), error, tuple(times)))
                 if error is not None:
                     self._stop.wait(0.2)  # a client that keeps failing does not spin

@@ -53,6 +53,17 @@ def _wait(predicate, what, timeout=120):
         time.sleep(0.2)
 
 
+def _held(store, group: str) -> frozenset:
+    """What ``group``'s Describe says it holds."""
+    from expertmesh.orchestrator.migration.groups import GroupChannels
+
+    channels = GroupChannels(store.endpoints)
+    try:
+        return channels.describe(group).pairs
+    finally:
+        channels.close()
+
+
 def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, ray_session):
     model = make_tiny_checkpoint("mixtral", tmp_path / "mixtral", with_tokenizer=True, vocab_size=300)
     store = open_store(redis_url)
@@ -112,8 +123,10 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, 
             assert tokens() == ids[len(prompt):]
             # An operator edits the placement: layer 1 expert 0 now only on "hot".
             placement_file.write_text(yaml.safe_dump(_placement(hot_only=True)))
+            # applied as a live evict from "a" (make before break), not a table overwrite: "a" lets the expert go
             _wait(lambda: store.routing_table_version() == 2, "the orchestrator to publish version 2")
             assert store.routing_table().replicas[(1, 0)] == ("hot",)
+            _wait(lambda: (1, 0) not in _held(store, "a"), "group a to unload layer 1 expert 0")
             assert tokens() == ids[len(prompt):]
             assert client.models()[0].routing_table_version == 2
             # A broken edit is refused and the last good table stays.
@@ -128,9 +141,9 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, 
             assert tokens() == ids[len(prompt):]
             _wait(lambda: store.routing_table_version() == 3, "the orchestrator to restore the table as version 3")
             _wait(lambda: set(store.endpoints()) == {"a", "b", "hot"}, "the groups to register again")
-            # rebuilt from what the groups hold, not from the file: the edit above changed the table only, so
-            # "a" still holds layer 1 expert 0 and serves it too, after the file's "hot"
-            assert store.routing_table().replicas[(1, 0)] == ("hot", "a")
+            # rebuilt from what the groups hold (the edit above was applied as an evict: "a" unloaded the expert)
+            assert store.routing_table().replicas[(1, 0)] == ("hot",)
+            assert (1, 0) not in _held(store, "a")
             _wait(lambda: client.models()[0].routing_table_version == 3, "the router to take version 3")
             assert tokens() == ids[len(prompt):]
 

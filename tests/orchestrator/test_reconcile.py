@@ -112,3 +112,44 @@ def test_a_flushed_store_is_rebuilt_from_what_the_groups_hold_above_the_routers_
     assert late.reconcile_once() is None
     now[0] = 31.0
     assert late.reconcile_once().replicas == A.hosts()
+
+
+def test_placement_steps_make_before_break():
+    from expertmesh.orchestrator.migration.state import MigrationMode
+    from expertmesh.orchestrator.reconcile import Step, placement_steps
+
+    current = RoutingTable(3, 2, {(0, 0): ("g0",), (0, 1): ("g0", "g1"), (1, 0): ("g0",), (1, 1): ("g1",)})
+    desired = GroupPlacement({"g1": ((0, 0), (1, 1)), "g2": ((0, 1), (1, 0), (1, 1))})
+    assert placement_steps(current, desired) == [
+        Step((0, 0), MigrationMode.REPLICATE, "g1", "g0"),  # made on g1 first; g0 lets go only after
+        Step((0, 1), MigrationMode.REPLICATE, "g2", "g0"),
+        Step((1, 0), MigrationMode.REPLICATE, "g2", "g0"),
+        Step((1, 1), MigrationMode.REPLICATE, "g2", "g1"),
+    ]
+    made = RoutingTable(4, 2, {(0, 0): ("g0", "g1"), (0, 1): ("g0", "g1", "g2"), (1, 0): ("g0", "g2"), (1, 1): ("g1", "g2")})
+    assert placement_steps(made, desired, busy=[(0, 1)]) == [
+        Step((0, 0), MigrationMode.EVICT, None, "g0"),
+        Step((1, 0), MigrationMode.EVICT, None, "g0"),
+    ]
+    assert placement_steps(RoutingTable(9, 2, {p: tuple(sorted(g)) for p, g in desired.hosts().items()}), desired) == []
+
+
+def test_a_changed_file_is_applied_as_migrations_once_a_runner_is_attached(tmp_path):
+    from expertmesh.orchestrator.reconcile import PLACEMENT_FILE
+
+    path = tmp_path / "placement.yaml"
+    path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}}}))
+    store = open_store()
+    reconciler = Reconciler(store, SPEC, path)
+    assert reconciler.reconcile_once().version == 1
+    submitted = []
+    reconciler.use_migrations(lambda *args, **kwargs: submitted.append((args, kwargs)))
+    path.write_text(yaml.safe_dump({"groups": {"g1": {"*": [0, 1]}}}))
+    assert reconciler.reconcile_once() is None and store.routing_table_version() == 1  # no overwrite
+    assert [a for a, _ in submitted] == [(layer, e, "g1", "g0", "replicate") for layer in (0, 1) for e in (0, 1)]
+    assert all(k == {"initiator": PLACEMENT_FILE} for _, k in submitted)
+    # the migrations ran (as the runner would): every expert on g1 only; the file now counts as applied
+    store.publish_routing_table(RoutingTable(2, 2, {p: ("g1",) for p in A.hosts()}, model=ModelIdentity.of(SPEC)))
+    submitted.clear()
+    assert reconciler.reconcile_once() is None and submitted == []
+    assert store.placement_digest() is not None

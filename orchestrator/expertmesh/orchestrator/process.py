@@ -137,6 +137,7 @@ def run(args) -> int:
         on_drift_decision=DriftObjects(ExpertMigrationApi(connection), namespace) if connection else None,
         managers=[Manager("placement", args.interval, reconcile)],
     )
+    reconciler.use_migrations(orchestrator.runner.submit)  # file edits from now on: live moves, make before break
     port = orchestrator.server.port
     if args.health_port is not None:
         orchestrator.server.serve_plaintext_health(args.health_port)

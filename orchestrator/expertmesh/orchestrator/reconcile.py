@@ -19,7 +19,17 @@ unloaded them in a move: NOT_FOUND for every token routed there. It waits for
 the groups to register and answer (they re-register every few seconds) up to
 ``observe_grace_s``; past it, experts no group reported fall back to the file.
 
-``next_table`` and ``observed_table`` are the pure decisions; ``Reconciler`` does the I/O around them.
+A changed file over a table in use is applied as live migrations, make before
+break (``placement_steps``: a replicate onto each group the file adds for an
+expert, then an evict from each group it drops), once a migration runner is
+attached (``use_migrations``): overwriting the table would list experts on
+groups that never loaded them, and unlisted ones would be left loaded. Each
+round submits the next step of every expert not already migrating; the file
+counts as applied when the table matches it. Without a runner (a bare
+reconciler), the table is overwritten as before.
+
+``next_table``, ``observed_table`` and ``placement_steps`` are the pure decisions; ``Reconciler`` does the
+I/O around them.
 """
 
 from __future__ import annotations
@@ -27,16 +37,22 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from expertmesh import placement as placement_mod
 from expertmesh.checkpoint import MoESpec
+from expertmesh.errors import ExpertMeshError
+from expertmesh.orchestrator.migration.state import MigrationMode, load_all
 from expertmesh.placement import GroupPlacement
 from expertmesh.routing_table import ModelIdentity, RoutingTable
 from expertmesh.state import StateStore
 
 log = logging.getLogger(__name__)
+
+#: ``Migration.initiator`` of the migrations that apply a changed placement file
+PLACEMENT_FILE = "placement-file"
 
 
 def next_table(
@@ -71,6 +87,35 @@ def observed_table(
     return RoutingTable(version=version, num_experts=model.num_experts, replicas=replicas, model=model)
 
 
+@dataclass(frozen=True)
+class Step:
+    """One live migration towards the placement file: a replicate onto ``target`` or an evict from ``source``."""
+
+    pair: tuple[int, int]
+    mode: MigrationMode
+    target: str | None
+    source: str | None
+
+
+def placement_steps(current: RoutingTable, desired: GroupPlacement, busy: Iterable[tuple[int, int]] = ()) -> list[Step]:
+    """The next step of each (layer, expert) whose replicas differ from ``desired``'s and that has no migration
+    running (``busy``): make before break, so first a replicate onto a group the file adds, and only once every
+    added group serves it an evict from a group the file drops."""
+    steps = []
+    busy = set(busy)
+    for pair, wanted in sorted(desired.hosts().items()):
+        have = current.replicas.get(pair, ())
+        if pair in busy or not have:
+            continue
+        added = [g for g in wanted if g not in have]
+        dropped = [g for g in have if g not in wanted]
+        if added:
+            steps.append(Step(pair, MigrationMode.REPLICATE, added[0], have[0]))
+        elif dropped:
+            steps.append(Step(pair, MigrationMode.EVICT, None, dropped[0]))
+    return steps
+
+
 class Reconciler:
     def __init__(
         self,
@@ -92,6 +137,12 @@ class Reconciler:
         self._last_seen = 0
         #: clock() when this reconciler first found the store without a table (None: it has one)
         self._empty_since: float | None = None
+        #: starts a live migration (``MigrationRunner.submit``); None: a changed file overwrites the table
+        self._submit: Callable[..., object] | None = None
+
+    def use_migrations(self, submit: Callable[..., object]) -> None:
+        """From now on apply file changes as live migrations through ``submit`` (``MigrationRunner.submit``)."""
+        self._submit = submit
 
     def desired(self) -> GroupPlacement:
         desired = placement_mod.load(self._path, self._spec)
@@ -112,6 +163,9 @@ class Reconciler:
             if self._store.placement_digest() == digest:
                 return None
             table = next_table(current, desired, model, self._last_seen)
+            if table is not None and self._submit is not None and not self._migrate_towards(current, desired):
+                return None
+            table = None if self._submit is not None else table  # converged by migrations: nothing to publish
         elif self._observe is not None:
             table = self._from_what_runs(desired, model)
             if table is None:
@@ -142,3 +196,19 @@ class Reconciler:
         if missing:
             log.warning("groups %s did not describe what they hold; their experts are listed as the placement file says", missing)
         return observed_table(desired, held, model, self._last_seen + 1)
+
+    def _migrate_towards(self, current: RoutingTable, desired: GroupPlacement) -> bool:
+        """Submit the next make-before-break step of every expert the file places differently; True when there is
+        none left to take and none running (every expert on the file's groups, in whatever order they joined)."""
+        busy = {m.pair for m in load_all(self._store) if not m.phase.terminal}
+        steps = placement_steps(current, desired, busy)
+        if not steps and not busy:
+            return True
+        for step in steps:
+            layer, expert = step.pair
+            try:
+                self._submit(layer, expert, step.target, step.source, step.mode, initiator=PLACEMENT_FILE)
+                log.info("placement file: %s of layer %d expert %d (%s)", step.mode, layer, expert, step.target or step.source)
+            except ExpertMeshError as err:  # a group not registered yet, say: the next round tries again
+                log.warning("placement file: cannot start the %s of layer %d expert %d yet: %s", step.mode, layer, expert, err)
+        return False

@@ -244,6 +244,11 @@ class DataPlane:
             _owns_groups=False,
         )
 
+    @property
+    def store_is_shared(self) -> bool:
+        """Whether other processes read and write this plane's store (Redis), as opposed to its own in-process one."""
+        return not self.config.state_url.startswith("memory://")
+
     def close(self) -> None:
         self._publisher.stop()
         if self._samples is not None:

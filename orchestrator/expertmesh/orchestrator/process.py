@@ -92,8 +92,7 @@ def run(args) -> int:
     from expertmesh.orchestrator.kube.controller import start_controller
     from expertmesh.orchestrator.kube.quarantine_controller import start_quarantine_controller
     from expertmesh.orchestrator.kube.drift_objects import DriftObjects
-    from expertmesh.orchestrator.migration.groups import GroupChannels, held_pairs
-    from expertmesh.orchestrator.reconcile import Reconciler
+    from expertmesh.orchestrator.reconcile import Reconciler, what_runs
     from expertmesh.state import open_store
 
     config = data_plane_config(args, embedded_default=False)
@@ -110,8 +109,8 @@ def run(args) -> int:
     health_settings = health_config(args)  # likewise EXPERTMESH_HEALTH_*
     connection = kube_connection(args)
     store = open_store(config.state_url, config.deployment)
-    described = GroupChannels(store.endpoints)
-    reconciler = Reconciler(store, spec, config.placement, observe=lambda groups: held_pairs(described, groups))
+    observe, stop_observing = what_runs(store)
+    reconciler = Reconciler(store, spec, config.placement, observe=observe)
     first = reconciler.reconcile_once()  # a bad placement fails here, before we report healthy
     health = HealthMonitor(store, checkpoint, health_settings)
     namespace = (args.kube_namespace or connection.namespace) if connection else None
@@ -155,7 +154,7 @@ def run(args) -> int:
     if quarantines is not None:  # before the monitor closes its group channels
         quarantines.stop()
     orchestrator.stop()
-    described.close()
+    stop_observing()
     if kube is not None:  # after the runner: the migrations it finished on the way out are reported
         kube.stop()
     store.close()

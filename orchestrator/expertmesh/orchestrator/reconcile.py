@@ -121,7 +121,7 @@ class Reconciler:
         self,
         store: StateStore,
         spec: MoESpec,
-        placement_path: Path,
+        placement: Path | GroupPlacement,
         observe: Callable[[Iterable[str]], dict[str, frozenset[tuple[int, int]]]] | None = None,
         observe_grace_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -130,7 +130,8 @@ class Reconciler:
         (None: an empty store gets the file's table, as for a first start with no groups to ask)."""
         self._store = store
         self._spec = spec
-        self._path = placement_path
+        #: the placement file (re-read every round), or a fixed placement (the one `up` started its groups with)
+        self._placement = placement
         self._observe = observe
         self._grace_s = observe_grace_s
         self._clock = clock
@@ -145,7 +146,9 @@ class Reconciler:
         self._submit = submit
 
     def desired(self) -> GroupPlacement:
-        desired = placement_mod.load(self._path, self._spec)
+        if isinstance(self._placement, GroupPlacement):
+            return self._placement
+        desired = placement_mod.load(self._placement, self._spec)
         placement_mod.validate(desired, self._spec)
         return desired
 
@@ -212,3 +215,11 @@ class Reconciler:
             except ExpertMeshError as err:  # a group not registered yet, say: the next round tries again
                 log.warning("placement file: cannot start the %s of layer %d expert %d yet: %s", step.mode, layer, expert, err)
         return False
+
+
+def what_runs(store: StateStore) -> tuple[Callable[[Iterable[str]], dict[str, frozenset[tuple[int, int]]]], Callable[[], None]]:
+    """(``observe`` for a Reconciler: each group's Describe over its registered address, close)."""
+    from expertmesh.orchestrator.migration.groups import GroupChannels, held_pairs
+
+    channels = GroupChannels(store.endpoints)
+    return (lambda groups: held_pairs(channels, groups)), channels.close

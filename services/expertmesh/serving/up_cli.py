@@ -95,7 +95,10 @@ def _main(args: argparse.Namespace) -> int:
             from expertmesh.orchestrator.health.monitor import HealthMonitor
 
             monitor = HealthMonitor(plane.store, plane.checkpoint, health_settings)
-            orchestrator = start_orchestrator(plane.store, serving_config.host, args.admin_port, drift=drift, health=monitor)
+            orchestrator = start_orchestrator(
+                plane.store, serving_config.host, args.admin_port, drift=drift, health=monitor,
+                managers=_table_keeper(plane),
+            )
             progress(f"orchestrator admin gRPC on {serving_config.host}:{orchestrator.server.port}")
         apis = start_apis(plane, serving_config)
         if apis.http is not None:
@@ -118,3 +121,17 @@ def _main(args: argparse.Namespace) -> int:
         plane.close()
         telemetry.shutdown()
     return 0
+
+
+def _table_keeper(plane) -> list:
+    """With a shared store, the embedded orchestrator keeps the routing table there: a flushed store gets it
+    back, rebuilt from what the groups hold (they register again themselves), at a version above the router's.
+    An in-process store cannot be flushed from outside: nothing to keep."""
+    if not plane.store_is_shared:
+        return []
+    from expertmesh.orchestrator.control_loop import Manager
+    from expertmesh.orchestrator.reconcile import Reconciler, what_runs
+
+    observe, _ = what_runs(plane.store)
+    reconciler = Reconciler(plane.store, plane.checkpoint.spec, plane.placement, observe=observe)
+    return [Manager("routing-table", 5.0, reconciler.reconcile_once)]

@@ -44,6 +44,16 @@ def serving_address(banner: str) -> str:
     return re.search(r" on (\S+:\d+) ", banner).group(1)
 
 
+def wait_for(predicate, what: str, timeout_s: float = 60.0, poll_s: float = 0.1):
+    """``predicate()``'s first truthy value, polled every ``poll_s``; fails the test naming ``what`` past
+    ``timeout_s`` (a bound on waiting, never a figure the test asserts)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+    return value
+
+
 def first_line(proc: subprocess.Popen, timeout: float) -> str:
     """The first line of ``proc``'s stdout; "" if it exits first. Kills it past ``timeout``: a process
     that never prints must fail its test, not hang the suite in ``readline``."""

@@ -6,6 +6,7 @@ and ``expertmesh up --router-only`` serving from what the store holds. Only the
 Kubernetes API server and KubeRay operator are absent: Serve is driven
 directly with the same application and args."""
 
+import functools
 import os
 import re
 import signal
@@ -27,7 +28,7 @@ from expertmesh.client import Client
 from expertmesh.expert_group.deployment import APP_NAME, build_app
 from expertmesh.state import open_store
 from expertmesh.tiny import make_tiny_checkpoint
-from helpers import first_line, free_port_range, serving_address
+from helpers import first_line, free_port_range, serving_address, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -46,11 +47,8 @@ def _spawn(*args):
     return proc, lines
 
 
-def _wait(predicate, what, timeout=120):
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.2)
+#: its processes start Ray Serve groups, an orchestrator and a router: longer than the default wait
+_wait = functools.partial(wait_for, timeout_s=120, poll_s=0.2)
 
 
 def _held(store, group: str) -> frozenset:

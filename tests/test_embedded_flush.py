@@ -7,7 +7,6 @@ a live move, the moved expert on its new group — at a version above the router
 import os
 import subprocess
 import sys
-import time
 
 import httpx2
 import pytest
@@ -15,7 +14,7 @@ import redis
 
 from expertmesh.client import Client
 from expertmesh.state import open_store
-from helpers import Up
+from helpers import Up, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 BIN = os.path.dirname(sys.executable)
@@ -30,14 +29,6 @@ def _migrate(admin: str, *args) -> subprocess.CompletedProcess:
     return subprocess.run(
         [os.path.join(BIN, "expertmesh"), "migrate", *args, "--wait", "--admin", admin], capture_output=True, text=True, timeout=180
     )
-
-
-def _wait(predicate, what: str, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def test_a_flush_after_a_live_move_is_rebuilt_from_what_the_groups_hold(redis_url, shared_ray_address, tmp_path):
@@ -57,10 +48,10 @@ def test_a_flush_after_a_live_move_is_rebuilt_from_what_the_groups_hold(redis_ur
 
             redis.Redis.from_url(redis_url).flushdb()
             assert _tokens(client) == reference  # served on the router's cached table meanwhile
-            _wait(lambda: set(store.endpoints()) == {"g0", "g1"}, "the groups to register again")
-            table = _wait(lambda: (t := store.routing_table()) is not None and t.version > before and t, "the table back")
+            wait_for(lambda: set(store.endpoints()) == {"g0", "g1"}, "the groups to register again", 90)
+            table = wait_for(lambda: (t := store.routing_table()) is not None and t.version > before and t, "the table back", 90)
             assert table.replicas[(0, 0)] == ("g1",), "rebuilt from the file, not from what the groups hold"
-            _wait(lambda: httpx2.get(health, timeout=10).status_code == 200, "/health ready again")
+            wait_for(lambda: httpx2.get(health, timeout=10).status_code == 200, "/health ready again", 90)
             assert _tokens(client) == reference
             back = _migrate(admin, "--layer", "0", "--expert", "0", "--to", "g0")
             assert back.returncode == 0, back.stderr

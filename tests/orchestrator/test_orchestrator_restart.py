@@ -20,6 +20,7 @@ import time
 import grpc
 import pytest
 import yaml
+from helpers import wait_for
 from migration_mesh import EXPERT, LAYER, PAIR, PLACEMENT, FollowingRouter, start_mesh
 
 from expertmesh.orchestrator.migration.state import Phase, load
@@ -50,14 +51,6 @@ class Orchestrator:
         self.admin = found[0].group(1)
 
 
-def _wait(predicate, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
-
-
 def test_a_move_left_draining_by_a_killed_orchestrator_is_finished_by_the_next_one(redis_url, tiny_checkpoints, tmp_path):
     url = redis_url.rsplit("/", 1)[0] + f"/{DATABASE}"
     store = open_store(url)
@@ -72,14 +65,14 @@ def test_a_move_left_draining_by_a_killed_orchestrator_is_finished_by_the_next_o
             first = Orchestrator(url, path, placement)
             with grpc.insecure_channel(first.admin) as channel:
                 started = pb_grpc.AdminStub(channel).Migrate(pb.MigrateRequest(layer=LAYER, expert=EXPERT, target="g2"))
-            _wait(lambda: load(store, started.id).phase is Phase.DRAINING, "the move to drain")
+            wait_for(lambda: load(store, started.id).phase is Phase.DRAINING, "the move to drain")
             first.proc.send_signal(signal.SIGKILL)
             first.proc.wait(timeout=30)
             assert load(store, started.id).phase is Phase.DRAINING
             assert PAIR in mesh.groups["g0"].hosted.pairs(), "the source must stay loaded while routers may use it"
             second = Orchestrator(url, path, placement)
         with FollowingRouter(store, "r1"):  # the router takes v3: the new orchestrator's resumed move drains
-            done = _wait(lambda: (m := load(store, started.id)).phase.terminal and m, "the resumed move to end")
+            done = wait_for(lambda: (m := load(store, started.id)).phase.terminal and m, "the resumed move to end")
         assert done.phase is Phase.SUCCEEDED, done.reason
         assert store.routing_table().replicas[PAIR] == ("g2",)
         assert PAIR not in mesh.groups["g0"].hosted.pairs() and PAIR in mesh.groups["g2"].hosted.pairs()

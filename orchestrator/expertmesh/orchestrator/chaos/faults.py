@@ -201,6 +201,13 @@ class _ReplicaWatch:
         return "quarantined" in self.seen and healthy and listed and not entry and served >= table.version
 
 
+def _lifted_until_the_router_reports(platform: ChaosPlatform) -> tuple[float, float | None]:
+    """(now, when the router has reported to the store since now): a store fault lifted, and healed."""
+    lifted, wall = time.monotonic(), time.time()
+    recovered = wait_until(lambda: any(b.at > wall for b in platform.store.router_heartbeats().values()), RECOVERY_TIMEOUT_S)
+    return lifted, recovered
+
+
 @dataclass(frozen=True)
 class RedisStopped:
     """The state store down for ``down_s`` (SHUTDOWN SAVE, then started again with its data):
@@ -218,12 +225,7 @@ class RedisStopped:
         platform.redis.stop()
         time.sleep(self.down_s)
         platform.redis.start()
-        lifted, wall = time.monotonic(), time.time()
-        # Whole again when the router has reported to the store since it came back.
-        recovered = wait_until(
-            lambda: any(b.at > wall for b in platform.store.router_heartbeats().values()), RECOVERY_TIMEOUT_S
-        )
-        return Timeline(injected, lifted, recovered)
+        return Timeline(injected, *_lifted_until_the_router_reports(platform))
 
 
 @dataclass(frozen=True)
@@ -294,11 +296,7 @@ class RedisFrozen:
             time.sleep(self.down_s)
         finally:
             platform.redis.proc.send_signal(signal.SIGCONT)
-        lifted, wall = time.monotonic(), time.time()
-        recovered = wait_until(
-            lambda: any(b.at > wall for b in platform.store.router_heartbeats().values()), RECOVERY_TIMEOUT_S
-        )
-        return Timeline(injected, lifted, recovered)
+        return Timeline(injected, *_lifted_until_the_router_reports(platform))
 
 
 @dataclass(frozen=True)

@@ -584,3 +584,32 @@ def test_next_best_fallback_equals_the_stock_model_whose_gate_never_picks_the_ex
     assert not torch.allclose(expected, plain), "the mask changed nothing: a test that cannot fail"
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     dispatcher.close()
+
+
+def test_the_watcher_backs_off_while_the_store_fails_and_says_a_problem_once(caplog):
+    """Pure timing logic and logging of TableWatcher, with a dispatcher stand-in (no store, no groups)."""
+
+    class Dispatcher:
+        watched, fail, refused = False, ConnectionError("refused"), None
+
+        def refresh_quarantine(self):
+            if self.fail:
+                raise self.fail
+
+        def refresh(self):
+            if self.refused:
+                raise self.refused
+
+    dispatcher = Dispatcher()
+    watcher = TableWatcher(dispatcher, poll_s=0.25, max_backoff_s=5.0)
+    waits = []
+    for _ in range(7):
+        assert watcher.poll_once() is False
+        waits.append(watcher.next_wait())
+    assert waits == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
+    dispatcher.fail = None
+    dispatcher.refused = RoutingTableMismatch("routing table version 3 is for another model")
+    with caplog.at_level("WARNING"):
+        assert all(watcher.poll_once() for _ in range(5))
+    assert watcher.next_wait() == 0.25
+    assert sum("is for another model" in r.getMessage() for r in caplog.records) == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from expertmesh.errors import ExpertMeshError
 from expertmesh.router.dispatch import ExpertDispatcher
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class TableWatcher:
         self._thread: threading.Thread | None = None
         #: rounds in a row the store did not answer
         self.failures = 0
+        self._last_problem: str | None = None
 
     def start(self) -> "TableWatcher":
         self._dispatcher.watched = True
@@ -46,9 +48,12 @@ class TableWatcher:
             if self.failures == 1:
                 log.warning("state store not answering; steps serve on the routing table they have: %s", err)
             return False
-        except Exception:  # a refused table without a view to keep, a bug: the next round retries
-            log.warning("routing-table watch round failed", exc_info=True)
-            return True
+        except Exception as err:  # the store answered, but: a refused table without a view to keep, or a bug
+            if str(err) != self._last_problem:  # once per problem, not four times a second
+                log.warning("routing-table watch round failed: %s", err, exc_info=not isinstance(err, ExpertMeshError))
+                self._last_problem = str(err)
+        else:
+            self._last_problem = None
         if self.failures:
             log.info("state store answering again after %d failed rounds", self.failures)
         self.failures = 0

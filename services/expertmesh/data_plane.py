@@ -177,7 +177,8 @@ class DataPlane:
                 num_cpus=config.group_num_cpus,
                 num_gpus=gpus,
                 inherited_env={**telemetry.propagation_env(), **security.propagation_env()},
-                budget_bytes=config.group_budget_bytes,
+                # unset: a group placed on GPUs holds what their memory does, less the memory model's overhead
+                budget_bytes=config.group_budget_bytes or (layout.hardware[name].expert_budget_bytes if layout else None),
                 # a shared store: the groups register themselves too, so a flushed store lists them again
                 state_url=None if config.state_url.startswith("memory://") else config.state_url,
                 deployment=config.deployment,

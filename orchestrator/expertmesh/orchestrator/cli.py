@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from expertmesh.errors import PlacementError
+from expertmesh.errors import InvalidRequest, PlacementError
+from expertmesh.orchestrator.placement.memory import DTYPE_BYTES
 from expertmesh.orchestrator.topology import Topology, topology_to_dict
 
 
@@ -35,10 +36,16 @@ def add_commands(commands, bench_commands) -> None:
     topo.add_argument("--format", choices=["tree", "yaml"], default="tree", help="yaml: the topology file format")
     topo.set_defaults(run=run_topology)
 
-    p = commands.add_parser("plan", help="plan expert placement from load stats and topology")
-    p.add_argument("--stats", required=True, help="load stats JSON (num_layers, num_experts, top_k, load, coactivation)")
-    p.add_argument("--topology", required=True, help="topology YAML")
-    p.add_argument("--redundant", type=int, required=True, help="redundant replicas per layer beyond one per expert")
+    p = commands.add_parser(
+        "plan", help="plan expert placement from load stats and topology (`plan memory`: what a model needs where)"
+    )
+    # `plan --stats ... --topology ... --redundant N` plans; `plan memory ...` is the memory model. The planner's
+    # three flags are required there, checked in run_plan (argparse cannot require them of one form only).
+    p.add_argument("--stats", help="load stats JSON (num_layers, num_experts, top_k, load, coactivation); required")
+    p.add_argument("--topology", help="topology YAML; required")
+    p.add_argument("--redundant", type=int, help="redundant replicas per layer beyond one per expert; required")
+    p.add_argument("--model", help="checkpoint directory (config.json is enough): refuse a plan whose experts outgrow a GPU")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="with --model: the serving dtype")
     p.add_argument("--slots-per-gpu", type=int, help="replicas one GPU holds per layer (default ceil((E+N)/GPUs))")
     p.add_argument("--current", help="current placement JSON: keep what is good enough, move few weights")
     p.add_argument("--min-gain", type=float, default=0.0, help="keep a current layer within this balancedness of the plan")
@@ -51,6 +58,21 @@ def add_commands(commands, bench_commands) -> None:
     affinity.add_argument("--state-url", help="read the capability profiles from this state store instead (redis://...)")
     p.add_argument("--out", default="placement.json", help="placement JSON to write (default placement.json)")
     p.set_defaults(run=run_plan)
+    plan_sub = p.add_subparsers(dest="plan_command", metavar="[memory]")
+    m = plan_sub.add_parser("memory", help="memory per device: router (shared layers, KV cache), each group or GPU (experts)")
+    m.add_argument("--model", required=True, help="checkpoint directory (config.json is enough: no weights are read)")
+    where = m.add_mutually_exclusive_group()
+    where.add_argument("--placement", help="placement YAML (groups -> layer/expert pairs): one row per group")
+    where.add_argument("--gpu-placement", help="placement JSON of `expertmesh plan` (with --topology): one row per GPU")
+    m.add_argument(
+        "--topology", help="topology YAML: each GPU's memory_gb (alone: every expert once, spread evenly over its GPUs)"
+    )
+    m.add_argument("--batch", type=int, required=True, help="concurrent sequences the router caches")
+    m.add_argument("--seq", type=int, required=True, help="tokens per sequence (prompt + generated)")
+    m.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="dtype of weights and cache")
+    m.add_argument("--router-memory-gb", type=float, help="the router's device memory: say whether it fits")
+    m.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    m.set_defaults(run=run_plan_memory)
 
     bench_migration.add_command(bench_commands)
     bench_chaos.add_command(bench_commands)
@@ -84,6 +106,10 @@ def run_topology(args: argparse.Namespace) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     from expertmesh.orchestrator import topology_discovery as disc
+
+    missing = [flag for flag, value in (("--stats", args.stats), ("--topology", args.topology), ("--redundant", args.redundant)) if value is None]
+    if missing:
+        raise PlacementError(f"plan needs {', '.join(missing)} (or `plan memory` for the memory model)")
     from expertmesh.orchestrator.placement.bench import format_rows
     from expertmesh.orchestrator.placement.metrics import summarize
     from expertmesh.orchestrator.placement.plan import parse_placement_json, placement_to_dict
@@ -113,6 +139,8 @@ def run_plan(args: argparse.Namespace) -> int:
     result = plan(stats, topo, options, current, affinity)
     seconds = time.perf_counter() - start
     result.placement.check(result.slots_per_gpu)
+    if args.model:
+        _check_gpu_memory(args.model, args.dtype, result.placement, sites)
     try:
         Path(args.out).write_text(json.dumps(placement_to_dict(result.placement)) + "\n")
     except OSError as err:
@@ -140,6 +168,122 @@ def run_plan(args: argparse.Namespace) -> int:
             f" per token {touched[0]:.3f} (eplb {touched[1]:.3f})"
         )
     print(f"wrote {args.out}")
+    return 0
+
+
+def _replicas_per_gpu(placement) -> dict[int, int]:
+    """GPU id -> routed-expert replicas a GPU placement puts on it."""
+    counts = (placement.shares > 0).sum(axis=(0, 1))  # [G]
+    return {gpu: int(n) for gpu, n in zip(placement.gpu_ids, counts)}
+
+
+def _model_sizes(model: str):
+    from transformers import AutoConfig
+
+    from expertmesh.orchestrator.placement.memory import ModelSizes
+
+    try:
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise PlacementError(f"--model {model}: cannot read its config.json ({err})") from None
+    try:
+        return ModelSizes.of(config)
+    except ValueError as err:
+        raise PlacementError(f"--model {model}: {err}") from None
+
+
+def _check_gpu_memory(model: str, dtype: str, placement, sites) -> None:
+    """Refuse a plan that puts more expert weights on a GPU than its memory_gb holds (after its overhead)."""
+    from expertmesh.orchestrator.placement.memory import GB, expert_budget_bytes
+
+    sizes = _model_sizes(model)
+    per_expert = sizes.params_per_expert * DTYPE_BYTES[dtype]
+    memory = {site.gpu.id: site.gpu.memory_gb for site in sites}
+    over = [
+        (gpu, n * per_expert, memory[gpu])
+        for gpu, n in _replicas_per_gpu(placement).items()
+        if memory[gpu] and n * per_expert > expert_budget_bytes(int(memory[gpu] * GB))
+    ]
+    if over:
+        gpu, held, gb = over[0]
+        raise PlacementError(
+            f"the plan puts {held / GB:.1f} GB of {dtype} expert weights on GPU {gpu} ({gb:g} GB, less its overhead)"
+            f"{f' and {len(over) - 1} more over theirs' if len(over) > 1 else ''}; add GPUs, lower --redundant or "
+            "--slots-per-gpu, or serve a smaller dtype (see `expertmesh plan memory`)"
+        )
+
+
+def run_plan_memory(args: argparse.Namespace) -> int:
+    """``plan memory``: the memory model's table (or JSON) for a model, a placement, a batch and a length."""
+    from expertmesh import placement as placement_mod
+    from expertmesh.bench.report import format_table
+    from expertmesh.orchestrator import topology_discovery as disc
+    from expertmesh.orchestrator.placement.memory import GB, budget
+    from expertmesh.orchestrator.placement.plan import parse_placement_json
+
+    if args.batch < 1 or args.seq < 1:
+        raise InvalidRequest(f"--batch and --seq must be at least 1, got {args.batch} and {args.seq}")
+    sizes = _model_sizes(args.model)
+    replicas: dict[str, int] = {}
+    capacity: dict[str, int] = {}
+    if args.gpu_placement:
+        if not args.topology:
+            raise PlacementError("--gpu-placement needs the topology it was planned for (--topology)")
+        sites = disc.load_topology_file(args.topology).sites()
+        gpu_ids = tuple(site.gpu.id for site in sites)
+        gpu_placement = parse_placement_json(
+            disc.read_text(args.gpu_placement, "GPU placement"), gpu_ids, sizes.moe_layers, sizes.num_experts
+        )
+        replicas = {f"gpu {gpu}": n for gpu, n in _replicas_per_gpu(gpu_placement).items()}
+        capacity = {f"gpu {site.gpu.id}": int(site.gpu.memory_gb * GB) for site in sites if site.gpu.memory_gb}
+    elif args.topology:  # no placement yet: every expert once, spread evenly over the topology's GPUs
+        sites = disc.load_topology_file(args.topology).sites()
+        experts = sizes.moe_layers * sizes.num_experts
+        replicas = {f"gpu {site.gpu.id}": experts // len(sites) + (i < experts % len(sites)) for i, site in enumerate(sites)}
+        capacity = {f"gpu {site.gpu.id}": int(site.gpu.memory_gb * GB) for site in sites if site.gpu.memory_gb}
+    elif args.placement:
+        from expertmesh.checkpoint import Checkpoint
+
+        groups = placement_mod.load(Path(args.placement), Checkpoint(args.model).spec).groups
+        replicas = {name: len(pairs) for name, pairs in groups.items()}
+    router_capacity = int(args.router_memory_gb * GB) if args.router_memory_gb else None
+    rows = budget(sizes, replicas, args.batch, args.seq, DTYPE_BYTES[args.dtype], capacity, router_capacity)
+    per_sequence = sizes.kv_bytes(args.seq, DTYPE_BYTES[args.dtype])
+    summary = {
+        "model_type": sizes.model_type,
+        "dtype": args.dtype,
+        "total_params": sizes.total_params,
+        "shared_params": sizes.shared_params,
+        "params_per_expert": sizes.params_per_expert,
+        "moe_layers": sizes.moe_layers,
+        "num_experts": sizes.num_experts,
+        "kv_bytes_per_sequence": per_sequence,
+        "batch": args.batch,
+        "seq": args.seq,
+        "devices": [
+            {"name": r.name, "shared": r.shared, "experts": r.experts, "replicas": r.replicas, "kv": r.kv,
+             "overhead": r.overhead, "total": r.total, "capacity": r.capacity, "fits": r.fits}
+            for r in rows
+        ],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(
+        f"{sizes.model_type}: {sizes.total_params / 1e9:.1f}B parameters, {sizes.shared_params / 1e9:.2f}B shared, "
+        f"{sizes.moe_layers} MoE layers x {sizes.num_experts} experts of {sizes.params_per_expert / 1e6:.1f}M; {args.dtype}; "
+        f"KV cache {per_sequence / 2**20:.1f} MiB per sequence of {args.seq} tokens, {args.batch} sequences"
+    )
+    print(format_table(
+        ["device", "replicas", "shared GB", "experts GB", "KV GB", "overhead GB", "total GB", "has GB", "fits"],
+        [[r.name, r.replicas, r.shared / GB, r.experts / GB, r.kv / GB, r.overhead / GB, r.total / GB,
+          None if r.capacity is None else r.capacity / GB, {True: "yes", False: "NO", None: "-"}[r.fits]] for r in rows],
+        ["", "d", ".2f", ".2f", ".2f", ".2f", ".2f", ".0f", ""],
+    ))
+    if not replicas:
+        total = sum(r.total for r in rows) + (sizes.expert_params * DTYPE_BYTES[args.dtype])
+        print(f"no placement given: every expert once needs {sizes.expert_params * DTYPE_BYTES[args.dtype] / GB:.1f} GB "
+              f"of expert memory ({total / GB:.1f} GB with the router)")
     return 0
 
 

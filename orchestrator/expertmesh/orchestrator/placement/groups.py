@@ -22,6 +22,7 @@ import numpy as np
 
 from expertmesh.errors import PlacementError
 from expertmesh.orchestrator.placement.plan import Placement
+from expertmesh.orchestrator.placement.memory import GB, expert_budget_bytes
 from expertmesh.orchestrator.topology import Topology
 from expertmesh.placement import GroupPlacement
 
@@ -32,6 +33,13 @@ class GroupHardware:
     island: str
     gpu_ids: tuple[int, ...]
     numa: int | None
+    #: bytes of GPU memory the group has over its GPUs (the topology's memory_gb; 0: not stated)
+    memory_bytes: int = 0
+
+    @property
+    def expert_budget_bytes(self) -> int | None:
+        """The group's default budget of expert weights: its GPU memory less the memory model's overhead."""
+        return expert_budget_bytes(self.memory_bytes) if self.memory_bytes else None
 
 
 @dataclass(frozen=True)
@@ -57,13 +65,15 @@ def groups_from_placement(
     for node in topology.nodes:
         for island in node.islands:
             if per == "island":
-                hw = GroupHardware(node.name, island.name, tuple(g.id for g in island.gpus), island.numa)
+                memory = int(sum(g.memory_gb for g in island.gpus) * GB)
+                hw = GroupHardware(node.name, island.name, tuple(g.id for g in island.gpus), island.numa, memory)
                 for gpu in island.gpus:
                     where[gpu.id] = (_name(f"{node.name}-{island.name}"), hw)
             else:
                 for gpu in island.gpus:
                     numa = gpu.numa if gpu.numa is not None else island.numa
-                    where[gpu.id] = (f"gpu-{gpu.id}", GroupHardware(node.name, island.name, (gpu.id,), numa))
+                    hw = GroupHardware(node.name, island.name, (gpu.id,), numa, int(gpu.memory_gb * GB))
+                    where[gpu.id] = (f"gpu-{gpu.id}", hw)
     pairs: dict[str, set[tuple[int, int]]] = {}
     shares: dict[tuple[int, int], dict[str, float]] = {}
     for row, layer in enumerate(moe_layers):

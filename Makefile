@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 REDIS_PORT ?= 6399
 RUN_DIR := .run
 
-.PHONY: install proto run test redis-start redis-stop clean gpu-wheels
+.PHONY: install proto run test test-tools redis-start redis-stop clean gpu-wheels
 
 # A pinned CPU torch first: an unpinned one pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -27,6 +27,12 @@ proto: $(VENV)/.installed
 run: install
 	$(VENV)/bin/expertmesh up --orchestrator --http-port 8000 $(ARGS)
 
+# Debian packages the tests run: redis-server (the state store) and promtool (prometheus: the alert rules' tests).
+test-tools:
+	@missing=""; command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+		command -v promtool >/dev/null || missing="$$missing prometheus"; \
+		if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; fi
+
 redis-start:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@mkdir -p $(RUN_DIR)
@@ -38,7 +44,7 @@ redis-stop:
 	@test -f $(RUN_DIR)/redis.pid && kill $$(cat $(RUN_DIR)/redis.pid) 2>/dev/null; rm -f $(RUN_DIR)/redis.pid; true
 
 test: install
-	$(MAKE) redis-start
+	$(MAKE) test-tools redis-start
 	EXPERTMESH_TEST_REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0 HF_HUB_OFFLINE=1 \
 		$(PY) -m pytest -q $(PYTEST_ARGS); status=$$?; $(MAKE) redis-stop; exit $$status
 

@@ -405,6 +405,19 @@ def test_external_redis_tls_password_from_secret(render):
         assert vol["secret"]["secretName"] == "expertmesh-redis-ca"
 
 
+# -- Alerts -----------------------------------------------------------------------------------
+
+def test_alert_rules_render_as_a_prometheus_rule_only_when_asked(helm, render):
+    assert not by_kind(render("defaults"), "PrometheusRule")
+    docs = render_with(helm, "monitoring.alerts.enabled=true", "monitoring.alerts.labels.release=kube-prometheus")
+    rule = one(docs, "PrometheusRule", f"{FULLNAME}-alerts")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "kube-prometheus"
+    # the same rules as the plain-Prometheus file, word for word (their {{ $labels }} templates untouched by Helm)
+    assert rule["spec"] == yaml.safe_load((CHART / "files" / "expertmesh-alerts.yaml").read_text())
+    alerts = [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert len(alerts) == 10 and "{{ $labels.layer }}" in json.dumps(rule["spec"])
+
+
 # -- OpenTelemetry -----------------------------------------------------------------------------
 
 def test_otel_environment(render):

@@ -45,6 +45,7 @@ PROMETHEUS_METRICS = frozenset(
         "expertmesh_inter_token_latency_seconds_bucket",
         "expertmesh_active_parameters_per_token",
         "expertmesh_errors_total",
+        "expertmesh_group_circuit_open",
     }
 )
 

@@ -11,6 +11,8 @@ reads the load window's since-start counts and the traffic counters.
   ``expertmesh.group.call.duration`` histogram has the same labels)
 - ``expertmesh.active_parameters_per_token``: dense parameters plus the routed
   experts each token actually used, summed over MoE layers
+- ``expertmesh.group.circuit_open`` {group}: 1 while the router's circuit breaker keeps the group out of
+  its plans (open or half-open), else 0
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from expertmesh.observability.sparsity import balancedness, entropy_bits
+from expertmesh.router.circuit import BreakerState
 from expertmesh.router.dispatch import ExpertDispatcher
 from expertmesh.telemetry.setup import meter
 
@@ -65,6 +68,12 @@ def register_router_metrics(dispatcher: ExpertDispatcher, dense_parameters: int,
         experts_per_token = np.divide(load.sum(axis=1), tokens, out=np.zeros_like(tokens), where=tokens > 0)
         return [Observation(float(dense_parameters + parameters_per_expert * experts_per_token.sum()))]
 
+    def circuit_open(options: CallbackOptions):
+        return [
+            Observation(0 if dispatcher.breakers.state(group) is BreakerState.CLOSED else 1, {"group": group})
+            for group in dispatcher.queue_depths()
+        ]
+
     m = meter()
     m.create_observable_counter("expertmesh.expert.tokens", [expert_tokens], description="tokens routed to each expert")
     m.create_observable_gauge("expertmesh.layer.balancedness", [layer_balancedness], description="mean/max load over groups")
@@ -74,4 +83,7 @@ def register_router_metrics(dispatcher: ExpertDispatcher, dense_parameters: int,
     m.create_observable_gauge("expertmesh.group.queue_depth", [queue_depth], description="Dispatch calls in flight")
     m.create_observable_gauge(
         "expertmesh.active_parameters_per_token", [active_parameters], description="parameters each token used"
+    )
+    m.create_observable_gauge(
+        "expertmesh.group.circuit_open", [circuit_open], description="1 while the circuit breaker keeps the group out"
     )

@@ -38,6 +38,7 @@ from expertmesh.serving.engine import ErrorEvent, FinishEvent, GenerationRequest
 from expertmesh.serving.http_api import HttpApi
 from expertmesh.serving.http_server import HttpServer
 from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
+from expertmesh.serving.openai_schema import Prompt
 from expertmesh.serving.readiness import Readiness
 from expertmesh.tiny import make_tiny_checkpoint
 from expertmesh.tokenizer import save_byte_tokenizer
@@ -160,7 +161,7 @@ def layer(byte_tokenizer):
     adapter = OpenAIAdapter(engine, byte_tokenizer, ServedModel(MODEL, VOCAB, CONTEXT), config)
     app = HttpApi(adapter, readiness, config).app
     server = HttpServer(app, "127.0.0.1", 0, tls=TlsConfig()).start()
-    yield SimpleNamespace(url=server.url, app=app, engine=engine, store=store, probe=probe, readiness=readiness)
+    yield SimpleNamespace(url=server.url, app=app, engine=engine, store=store, probe=probe, readiness=readiness, adapter=adapter)
     server.stop()
 
 
@@ -388,9 +389,33 @@ def test_models(scripted):
     client = _openai(scripted.url)
     (model,) = client.models.list().data
     assert (model.id, model.object, model.owned_by) == (MODEL, "model", "expertmesh") and model.created > 0
+    assert model.max_model_len == CONTEXT  # vLLM's extension, which lm-eval and guidellm read
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(scripted):
+    """vLLM's /tokenize and /detokenize, which lm-eval and guidellm probe: the ids /v1/completions feeds."""
+    tokenized = _post(scripted.url, "/tokenize", {"model": MODEL, "prompt": "Hi!", "return_token_strs": True})
+    assert tokenized.status_code == 200, tokenized.text
+    body = tokenized.json()
+    ids = scripted.adapter.completion_prompt(Prompt(text="Hi!"))
+    assert body == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids,
+                    "token_strs": scripted.adapter._tokenizer.convert_ids_to_tokens(ids)}
+    assert _post(scripted.url, "/tokenize", {"prompt": "Hi!"}).json()["token_strs"] is None  # model optional
+    back = _post(scripted.url, "/detokenize", {"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "Hi!"}
+    for path, request, status, param, code in (
+        ("/detokenize", {"tokens": [VOCAB + 5]}, 400, "tokens", "invalid_value"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]", "invalid_value"),
+        ("/detokenize", {"tokens": "12"}, 400, "tokens", "invalid_type"),
+        ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, 400, "messages", "chat_template_missing"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens", "invalid_type"),
+    ):
+        _assert_error_shape(_post(scripted.url, path, request), status, code, param)
+    assert _post(scripted.url, "/tokenize", {"prompt": "x", "temperature": 1}).status_code == 200  # as vLLM: ignored
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -585,6 +610,17 @@ def test_stop_ignore_eos_and_seeded_sampling_equal_the_grpc_apis(served):
 
 
 @pytest.mark.slow
+def test_tokenize_chat_uses_the_checkpoints_template(served):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    body = httpx2.post(f"{served.url}/tokenize", json={"model": served.model, "messages": messages}, timeout=30).json()
+    assert body["tokens"] == list(ids) and body["count"] == len(ids) and body["max_model_len"] == REAL_CONTEXT
+    bare = httpx2.post(f"{served.url}/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=30).json()
+    assert bare["tokens"] == list(served.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    text = httpx2.post(f"{served.url}/detokenize", json={"tokens": body["tokens"]}, timeout=30).json()["prompt"]
+    assert text == served.tokenizer.decode(ids)
+
+
 def test_chat_applies_the_checkpoints_template(served):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
     ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]

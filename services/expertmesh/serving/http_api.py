@@ -56,15 +56,18 @@ from expertmesh.serving.openai_schema import (
     MAX_TOKENS_CAP,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationFields,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
 from expertmesh.serving.readiness import Readiness
 from expertmesh.telemetry.setup import meter, tracer
 
 log = logging.getLogger(__name__)
 
-R = TypeVar("R", bound=GenerationFields)
+R = TypeVar("R", bound=BaseModel)
 T = TypeVar("T")
 
 #: the status logged for a request whose client hung up first (nginx's "client closed request")
@@ -84,6 +87,8 @@ class HttpApi:
             routes=[
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/tokenize", self._tokenize, methods=["POST"]),
+                Route("/detokenize", self._detokenize, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
@@ -212,6 +217,20 @@ class HttpApi:
                 raise too_large
             chunks.append(chunk)
         return b"".join(chunks)
+
+    # -- the tokenizer ------------------------------------------------------------------------
+
+    async def _tokenize(self, request: Request) -> Response:
+        raw = await self._body(request)
+        try:  # vLLM's two shapes: messages (the chat template) or a prompt
+            shape = TokenizeChatRequest if b'"messages"' in raw else TokenizeCompletionRequest
+            body = shape.model_validate_json(raw)
+        except ValidationError as err:
+            raise ApiError.from_validation(err) from None
+        return _json(await run_in_threadpool(self._adapter.tokenize, body))
+
+    async def _detokenize(self, request: Request) -> Response:
+        return _json(self._adapter.detokenize(await self._parse(request, DetokenizeRequest)))
 
     # -- models, health, metrics -------------------------------------------------------------
 

@@ -32,10 +32,15 @@ from expertmesh.serving.openai_schema import (
     ChatMessage,
     Completion,
     CompletionChoice,
+    DetokenizeRequest,
+    DetokenizeResponse,
     FinishReason,
     GenerationFields,
     ModelCard,
     Prompt,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     Usage,
 )
 from expertmesh.serving.request_routing import RequestRouter
@@ -72,7 +77,7 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def card(self) -> ModelCard:
-        return ModelCard(id=self.name, created=self.created)
+        return ModelCard(id=self.name, created=self.created, max_model_len=self.max_context)
 
 
 class OpenAIAdapter:
@@ -109,6 +114,36 @@ class OpenAIAdapter:
 
     def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
         return chat_prompt_ids(self._tokenizer, messages, self.model.name)
+
+    # -- the tokenizer routes ------------------------------------------------------------
+
+    def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """vLLM's ``/tokenize``: the ids the generation routes would feed for this prompt or these messages."""
+        if body.model is not None:
+            self.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            ids = chat_prompt_ids(self._tokenizer, body.messages, self.model.name, body.add_generation_prompt)
+        else:
+            ids = list(self._require_tokenizer("prompt")(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        strs = self._tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.model.max_context, tokens=ids, token_strs=strs)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's ``/detokenize``: the text of these token ids."""
+        if body.model is not None:
+            self.check_model(body.model)
+        tokenizer = self._require_tokenizer("tokens")
+        bad = [i for i in body.tokens if i >= self.model.vocab_size]
+        if bad:
+            raise ApiError.bad_request(
+                f"token ids {bad[:5]} are outside the vocabulary (0-{self.model.vocab_size - 1})", param="tokens"
+            )
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+    def _require_tokenizer(self, param: str):
+        if self._tokenizer is None:
+            raise ApiError.bad_request("this model has no tokenizer; its prompts are token ids already", param=param)
+        return self._tokenizer
 
     # -- generation ----------------------------------------------------------------------
 

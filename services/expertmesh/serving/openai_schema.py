@@ -365,6 +365,51 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "expertmesh"
+    #: vLLM's extension: the longest prompt + completion the model takes, in tokens
+    max_model_len: int | None = None
+
+
+# -- the tokenizer routes (vLLM's /tokenize and /detokenize) --------------------------------------------------
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a prompt: its token ids as /v1/completions would feed them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)  # as vLLM: fields it does not know are ignored
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with messages: the chat template's token ids, as /v1/chat/completions would feed them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)  # as vLLM: fields it does not know are ignored
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # as vLLM: fields it does not know are ignored
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):

@@ -405,6 +405,57 @@ def test_external_redis_tls_password_from_secret(render):
         assert vol["secret"]["secretName"] == "expertmesh-redis-ca"
 
 
+# -- Control loops and routing settings ---------------------------------------------------------
+
+def test_loop_and_routing_values_render_into_the_settings_the_code_reads(helm, monkeypatch, tmp_path):
+    from expertmesh.config import DataPlaneConfig, ServingConfig
+    from expertmesh.orchestrator.drift.config import DriftConfig
+    from expertmesh.orchestrator.health.config import HealthConfig
+
+    profiles = '[{"domain": "code", "moe_layers": [0], "choices": [[1]], "share": [[1.0]], "lift": [[1.0]]}]'
+    (tmp_path / "profiles.json").write_text(profiles)
+    res = helm(*template_args(None), "--set", "orchestrator.drift.enabled=true",
+               "--set", "orchestrator.drift.settings.scan_interval_s=120", "--set", "orchestrator.drift.settings.dry_run=true",
+               "--set", "orchestrator.healthMonitor.enabled=true", "--set", "orchestrator.healthMonitor.settings.kl_suspect=0.02",
+               "--set", "router.routingPolicy=restrict+delta_gap", "--set", "router.hiddenSampleTokens=256",
+               "--set-file", f"router.profiles={tmp_path / 'profiles.json'}")
+    assert res.returncode == 0, res.stderr
+    docs = res.docs
+    orchestrator = one(docs, "Deployment", f"{FULLNAME}-orchestrator")["spec"]["template"]["spec"]["containers"][0]
+    router_pod = one(docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]
+    router = router_pod["containers"][0]
+    env = {**{k: v["value"] for k, v in env_of(orchestrator).items() if "value" in v},
+           **{k: v["value"] for k, v in env_of(router).items() if "value" in v}}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    drift, health = DriftConfig(), HealthConfig()  # what the orchestrator reads from that environment
+    assert (drift.enabled, drift.scan_interval_s, drift.dry_run) == (True, 120.0, True)
+    assert (health.enabled, health.kl_suspect) == (True, 0.02)
+    assert ServingConfig().routing_policy == "restrict+delta_gap"
+    assert DataPlaneConfig(model="/m").hidden_sample_tokens == 256
+    assert env["EXPERTMESH_PROFILES"] == "/etc/expertmesh/profiles/profiles.json"
+    configmap = one(docs, "ConfigMap", f"{FULLNAME}-profiles")
+    assert json.loads(configmap["data"]["profiles.json"]) == json.loads(profiles)
+    assert {"name": "profiles", "configMap": {"name": f"{FULLNAME}-profiles"}} in router_pod["volumes"]
+    # off by default: the loops say so, no profiles anywhere
+    defaults = helm(*template_args(None)).docs
+    assert not [d for d in defaults if d["metadata"]["name"].endswith("-profiles")]
+    default_env = env_of(one(defaults, "Deployment", f"{FULLNAME}-orchestrator")["spec"]["template"]["spec"]["containers"][0])
+    assert default_env["EXPERTMESH_DRIFT_ENABLED"]["value"] == "false" and default_env["EXPERTMESH_HEALTH_ENABLED"]["value"] == "false"
+
+
+def test_loop_settings_are_the_config_fields_and_nothing_else(helm):
+    from expertmesh.orchestrator.drift.config import DriftConfig
+    from expertmesh.orchestrator.health.config import HealthConfig
+
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["orchestrator"]["properties"]
+    for key, cls in (("drift", DriftConfig), ("healthMonitor", HealthConfig)):
+        names = schema[key]["properties"]["settings"]["propertyNames"]["enum"]
+        assert set(names) == set(cls.model_fields) - {"enabled"}, key
+    bad = helm(*template_args(None), "--set", "orchestrator.drift.settings.scan_every=5")
+    assert bad.returncode != 0 and "scan_every" in bad.stderr
+
+
 # -- Alerts -----------------------------------------------------------------------------------
 
 def test_alert_rules_render_as_a_prometheus_rule_only_when_asked(helm, render):

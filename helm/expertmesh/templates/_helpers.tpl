@@ -452,3 +452,15 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 {{- end -}}
+
+{{/* A control loop's environment: <prefix>ENABLED and one <prefix><NAME> per setting (call with
+  (dict "prefix" "EXPERTMESH_DRIFT_" "loop" .Values.orchestrator.drift)); the settings' names are the
+  config fields the schema lists. */}}
+{{- define "expertmesh.loopEnv" -}}
+- name: {{ .prefix }}ENABLED
+  value: {{ .loop.enabled | quote }}
+{{- range $name, $value := .loop.settings }}
+- name: {{ $.prefix }}{{ upper $name }}
+  value: {{ $value | quote }}
+{{- end }}
+{{- end -}}

@@ -535,6 +535,8 @@ def test_network_policies(render, name):
     operator = [p for rule in groups_np["spec"]["ingress"] for p in rule.get("from", ())
                 if p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "kuberay-operator"]
     assert operator and all(p["namespaceSelector"].get("matchLabels", {}).get("kubernetes.io/metadata.name") for p in operator)
+    head = rayservice(docs)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert head["dashboard-host"] == values_of(name)["expertGroups"]["head"]["dashboardHost"]
     # Orchestrator admin API: admins only.
     assert _allowed(docs, admin, orch, 50052)
     assert not _allowed(docs, router, orch, 50052) and not _allowed(docs, stranger, orch, 50052)

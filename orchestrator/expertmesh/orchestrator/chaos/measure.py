@@ -104,3 +104,9 @@ def itl_p99_ms(requests: Sequence[Request], start: float, end: float) -> float |
     if not gaps:
         return None
     return 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+
+
+def unhosted(replicas: dict[tuple[int, int], Sequence[str]], moe_layers: Sequence[int], num_experts: int) -> list[tuple[int, int]]:
+    """The (layer, expert) pairs of the model that a routing table's ``replicas`` give no group:
+    tokens routed to one of them have nowhere to go."""
+    return [(layer, e) for layer in moe_layers for e in range(num_experts) if not replicas.get((layer, e))]

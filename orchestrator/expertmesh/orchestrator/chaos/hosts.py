@@ -215,10 +215,13 @@ class TestHosts:
         return len(pids)
 
     def connections(self, host: str) -> list[tuple[str, str]]:
-        """The host's established TCP connections (``established``), read from its own /proc/net/tcp."""
-        done = subprocess.run(["ip", "netns", "exec", self.bed.host(host).netns, "cat", "/proc/net/tcp"],
-                              capture_output=True, text=True)
-        return established(done.stdout)
+        """The host's established TCP connections (``established``), read from its own /proc/net/tcp{,6}."""
+        pairs = []
+        for listing in ("/proc/net/tcp", "/proc/net/tcp6"):
+            done = subprocess.run(["ip", "netns", "exec", self.bed.host(host).netns, "cat", listing],
+                                  capture_output=True, text=True)
+            pairs += established(done.stdout)
+        return pairs
 
     def close(self) -> None:
         """Kill what still runs in the bed and delete its namespaces (the owner only); idempotent."""
@@ -234,12 +237,18 @@ class TestHosts:
 
 
 def established(proc_net_tcp: str) -> list[tuple[str, str]]:
-    """The established IPv4 TCP connections in a ``/proc/net/tcp`` listing, as ("ip:port" local,
-    "ip:port" remote) pairs (its addresses are little-endian hex: 0100007F:1F90 is 127.0.0.1:8080)."""
+    """The established TCP connections in a ``/proc/net/tcp`` or ``/proc/net/tcp6`` listing, as
+    ("ip:port" local, "ip:port" remote) pairs. Addresses there are hex, 32-bit words in the host's
+    (little-endian) order: 0100007F:1F90 is 127.0.0.1:8080; an IPv4-mapped IPv6 address (gRPC's
+    dual-stack sockets) is written as the IPv4 one."""
 
     def endpoint(field: str) -> str:
         ip, port = field.split(":")
-        return f"{ipaddress.IPv4Address(int(ip, 16).to_bytes(4, 'little'))}:{int(port, 16)}"
+        raw = b"".join(int(ip[i:i + 8], 16).to_bytes(4, "little") for i in range(0, len(ip), 8))
+        address = ipaddress.ip_address(raw)
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        return f"{address}:{int(port, 16)}"
 
     pairs = []
     for line in proc_net_tcp.splitlines()[1:]:

@@ -16,6 +16,9 @@ Host names: ``redis``, ``orch``, ``router``, ``client`` and the groups' names (`
 
 from __future__ import annotations
 
+import os
+import secrets
+
 from expertmesh.bench.report import BenchError
 from expertmesh.expert_group.serve_cli import BANNER
 from expertmesh.orchestrator.chaos.hosts import TestHosts
@@ -41,6 +44,10 @@ class HostsPlatform(ChaosPlatform):
         missing = sorted(set(host_names(settings.groups)) - {h.name for h in hosts.bed.hosts})
         if missing:
             raise BenchError(f"the test hosts lack {', '.join(missing)} for {settings.groups} groups")
+        # Admin calls (the orchestrator's loads and unloads on groups, this driver's moves) come from
+        # another host now, and a server without an admin identity accepts them from loopback only:
+        # one token for the run, in the environment every process of the platform inherits.
+        os.environ.setdefault("EXPERTMESH_ADMIN_TOKEN", secrets.token_hex(16))
         super().__init__(settings)
         #: each group's process, by group
         self.group_children: dict[str, Child] = {}

@@ -137,9 +137,12 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        # Off loopback, protected mode refuses every client without a password; the address is one
+        # of a test host's (``hosts``), reachable from the test's own hosts only.
+        protected = [] if self.host == "127.0.0.1" else ["--protected-mode", "no"]
         self.proc = subprocess.Popen(
             self._wrap([self._binary, "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "no",
-                        "--dir", str(self._dir), "--dbfilename", "chaos.rdb"]),
+                        "--dir", str(self._dir), "--dbfilename", "chaos.rdb", *protected]),
             stdout=subprocess.DEVNULL,
         )
         if wait_until(self.ping, 15) is None:

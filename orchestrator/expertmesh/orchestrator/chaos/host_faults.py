@@ -44,9 +44,22 @@ def _router_beat_since(platform: HostsPlatform, wall: float) -> bool:
     return any(b.at > wall for b in platform.store.router_heartbeats().values())
 
 
-def _group_back(platform: HostsPlatform, group: str, wall: float) -> bool:
-    """The group answers and is registered, and the router has reported since ``wall``."""
-    return platform.group_answers(group) and group in platform.store.endpoints() and _router_beat_since(platform, wall)
+class _GroupBack:
+    """Polled: the group answers, is registered, and routers stream calls to it again over TCP (its
+    "grpc-stream" calls grew since the first answer after the fault was lifted; a restarted group
+    starts from 0). Streams, not unary calls: the health monitor's probes are unary, and a router
+    whose stream path broke keeps off it for a while (``transport_auto.RETRY_PATH_S``)."""
+
+    def __init__(self, platform: HostsPlatform, group: str):
+        self._platform, self._group = platform, group
+        self._baseline: tuple[int, int] | None = None  # (pid, stream calls) at the first answer
+
+    def __call__(self) -> bool:
+        view = self._platform.describe(self._group)
+        calls = view.transport_calls.get("grpc-stream", 0)
+        if self._baseline is None or self._baseline[0] != view.pid:
+            self._baseline = (view.pid, calls)
+        return self._group in self._platform.store.endpoints() and calls > self._baseline[1]
 
 
 @dataclass(frozen=True)
@@ -83,8 +96,8 @@ class HostLinkDown:
             time.sleep(hold_s)
         finally:
             platform.hosts.link(self.group, up=True)
-        lifted, wall = time.monotonic(), time.time()
-        recovered = wait_until(lambda: _group_back(platform, self.group, wall), RECOVERY_TIMEOUT_S)
+        lifted = time.monotonic()
+        recovered = wait_until(_GroupBack(platform, self.group), RECOVERY_TIMEOUT_S)
         if self.sole is not None:
             platform.migrate(*self.sole, admin_pb.MIGRATION_MODE_REPLICATE, target=self.other, source=self.group)
             if recovered is not None:
@@ -184,8 +197,8 @@ class GroupHostKilled:
         killed = platform.hosts.kill(self.group)
         time.sleep(hold_s)
         platform.restart_group(self.group)
-        lifted, wall = time.monotonic(), time.time()
-        recovered = wait_until(lambda: _group_back(platform, self.group, wall), RECOVERY_TIMEOUT_S)
+        lifted = time.monotonic()
+        recovered = wait_until(_GroupBack(platform, self.group), RECOVERY_TIMEOUT_S)
         return Timeline(injected, lifted, recovered, note=f"{killed} process(es) killed")
 
 

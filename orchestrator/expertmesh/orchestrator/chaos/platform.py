@@ -298,7 +298,7 @@ class ChaosPlatform:
         self.target = self.router.wait_for(r"expertmesh is serving \S+ on (\S+:\d+) ", 300).group(1)
         progress(f"bench chaos: router serving on {self.target}")
 
-    # Where each process runs: here all on loopback; ``hosts.HostsPlatform`` puts each on a test host.
+    # Where each process runs: here all on loopback; ``hosts_platform.HostsPlatform`` puts each on a test host.
 
     def address_of(self, role: str) -> str:
         """The address the process of ``role`` ("router", "orchestrator", a group) binds."""

@@ -16,6 +16,7 @@ the fault struck count). Of its completed ones:
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,7 +85,13 @@ def count(requests: Sequence[Request], reference: Sequence[Sequence[int]], timel
     )
 
 
+#: the router's per-request id in an error ("UNAVAILABLE: request 9c2f…: expert group …"): dropped, so
+#: failures of one cause are counted together
+_REQUEST_ID = re.compile(r"\brequest [0-9a-f]{8,}: ")
+
+
 def _short(error: str) -> str:
+    error = _REQUEST_ID.sub("", error, count=1)
     return error if len(error) <= 160 else error[:157] + "..."
 
 

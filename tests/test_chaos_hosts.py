@@ -29,7 +29,8 @@ def _can_make_namespaces() -> str:
     return ""
 
 
-needs_namespaces = pytest.mark.skipif(bool(_can_make_namespaces()), reason=_can_make_namespaces() or "ok")
+_WHY_NOT = _can_make_namespaces()
+needs_namespaces = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT or "network namespaces work here")
 
 
 # -- pure parts --------------------------------------------------------------------------------

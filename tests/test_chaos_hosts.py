@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import subprocess
 import sys
 import time
@@ -97,6 +98,12 @@ def test_every_host_scenario_has_its_fault_and_no_name_is_shared_with_the_loopba
     assert move.target not in table.replicas[(move.layer, move.expert)]
 
 
+def test_the_bed_says_it_needs_root_to_a_user_without_it(monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    with pytest.raises(BenchError, match="bench chaos --hosts needs root for network namespaces"):
+        check_can_create()
+
+
 def test_bench_chaos_hosts_refuses_loopback_scenarios_before_starting_anything():
     proc = subprocess.run(
         [sys.executable, "-m", "expertmesh.cli", "bench", "chaos", "--hosts", "--scenarios", "group-sigkill"],
@@ -166,7 +173,6 @@ def test_bench_chaos_hosts_every_host_fault_heals_with_no_wrong_output_and_no_un
     without a replica in the table; every fault heals; the router reached every group by gRPC
     over TCP (never shared memory)."""
     out = tmp_path / "chaos-hosts.json"
-    before = _namespaces()
     proc = subprocess.run(
         [sys.executable, "-m", "expertmesh.cli", "bench", "chaos", "--hosts", "--clients", "2", "--max-new-tokens", "8",
          "--quiet-seconds", "1", "--hold-seconds", "4", "--health-interval", "2", "--health-tokens", "128",
@@ -174,12 +180,14 @@ def test_bench_chaos_hosts_every_host_fault_heals_with_no_wrong_output_and_no_un
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _namespaces() <= before  # the bed is gone
+    (run_id,) = re.findall(r"\(namespaces em([0-9a-f]+)-\*\)", proc.stderr)
+    assert not [n for n in _namespaces() if n.startswith(f"em{run_id}-")]  # the bed is gone
     result = json.loads(out.read_text())
     by_name = {s["scenario"]: s for s in result["scenarios"]}
-    assert list(by_name) == list(bench_chaos.HOST_SCENARIOS)
     for s in result["scenarios"]:
         assert s["recovered"], s
+    assert list(by_name) == list(bench_chaos.HOST_SCENARIOS)
+    for s in result["scenarios"]:
         assert s["sent"] > 0 and s["wrong_outputs"] == 0, s
         assert s["experts_unhosted"] == [] and s["table_reads"] > 0, s
     for name in ("host-link-down-replicated", "redis-host-cut-off", "orchestrator-cut-off-mid-migration", "group-host-killed"):

@@ -104,14 +104,21 @@ def test_the_bed_says_it_needs_root_to_a_user_without_it(monkeypatch):
         check_can_create()
 
 
-def test_bench_chaos_hosts_refuses_loopback_scenarios_before_starting_anything():
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--scenarios", "group-sigkill"], "--scenarios takes names from host-link-down-replicated,"),
+        (["--groups", "2"], "orchestrator-cut-off-mid-migration needs --groups 3 or more"),
+    ],
+)
+def test_bench_chaos_hosts_refuses_bad_flags_before_starting_anything(flags, message):
+    before = _namespaces()
     proc = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "bench", "chaos", "--hosts", "--scenarios", "group-sigkill"],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "expertmesh.cli", "bench", "chaos", "--hosts", *flags], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2, proc.stderr
-    assert "--scenarios takes names from host-link-down-replicated," in proc.stderr.strip().splitlines()[-1]
-    assert "with --hosts" in proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1]
+    assert _namespaces() <= before
 
 
 # -- the bed -----------------------------------------------------------------------------------

@@ -159,6 +159,8 @@ def _main(args: argparse.Namespace) -> int:
         scenarios=tuple(s for s in known if s in scenarios),
         log_dir=args.logs,
     )
+    if "orchestrator-cut-off-mid-migration" in options.scenarios and options.groups < 3:
+        raise BenchError("orchestrator-cut-off-mid-migration needs --groups 3 or more: it moves an expert to a group that does not hold it")
     if args.hosts and args.in_bed is None:
         return _run_in_bed(options)
     hosts = None

@@ -159,6 +159,16 @@ def test_counts_put_each_differing_completion_in_its_window():
     assert (plain.wrong_before_quarantine, plain.degraded, plain.wrong_outputs) == (0, 0, 4)
 
 
+def test_failures_of_one_cause_are_counted_together_whatever_their_request_id():
+    from expertmesh.orchestrator.chaos.measure import Timeline, count
+    from expertmesh.orchestrator.chaos.traffic import Request
+
+    cause = "expert group g1 at 10.0.0.6:50100 failed layer 0: DEADLINE_EXCEEDED: no answer"
+    requests = [Request(0, 1.0, 2.0, (), f"UNAVAILABLE: request {rid}: {cause}") for rid in ("9c2f91037dbc41b6", "13a4bd5e70374ea8")]
+    counts = count(requests, [[1]], Timeline(injected=0.0, lifted=0.0, recovered=3.0))
+    assert counts.failures == {f"UNAVAILABLE: {cause}": 2}
+
+
 def test_tokens_per_second_counts_arrivals_in_the_window():
     from expertmesh.orchestrator.chaos.measure import tokens_per_second
 

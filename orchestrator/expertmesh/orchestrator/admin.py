@@ -39,6 +39,9 @@ from expertmesh.v1 import admin_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "expertmesh.v1.Admin"
+#: a migration that lost the store waits this long before resuming, doubling up to STORE_RETRY_MAX_S
+STORE_RETRY_S = 0.5
+STORE_RETRY_MAX_S = 10.0
 _MODE_TO_PROTO = {
     MigrationMode.MOVE: pb.MIGRATION_MODE_MOVE,
     MigrationMode.REPLICATE: pb.MIGRATION_MODE_REPLICATE,
@@ -89,6 +92,7 @@ class MigrationRunner:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="expertmesh-migration")
         self._running: dict[str, Future] = {}
         self._lock = threading.Lock()
+        self._closing = threading.Event()
 
     def resume(self) -> None:
         """Finish or roll back, in the background, every migration a previous orchestrator left half done."""
@@ -120,13 +124,29 @@ class MigrationRunner:
 
     def _run(self, migration_id: str) -> None:
         try:
-            ended = self.executor.run(migration_id)
-            log.info("%s ended %s %s", ended.describe(), ended.phase, ended.reason)
+            ended = self._run_through_store_outages(migration_id)
+            if ended is not None:
+                log.info("%s ended %s %s", ended.describe(), ended.phase, ended.reason)
         except Exception:  # one migration's bug must not stop the others; its record shows where it stood
             log.exception("migration %s stopped with an error", migration_id)
         finally:
             with self._lock:
                 self._running.pop(migration_id, None)
+
+    def _run_through_store_outages(self, migration_id: str) -> Migration | None:
+        """Run the migration to its end; while the store cannot be reached (its host cut off, this
+        one cut off) wait and resume from the record it holds, as a restarted orchestrator would:
+        each phase is persisted after its work and safe to do again. None: stopped by ``close``
+        (the record stays resumable)."""
+        delay = STORE_RETRY_S
+        while True:
+            try:
+                return self.executor.run(migration_id)
+            except ConnectionError as err:
+                log.warning("migration %s: %s; resuming in %.1f s", migration_id, err, delay)
+            if self._closing.wait(delay):
+                return None
+            delay = min(2 * delay, STORE_RETRY_MAX_S)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """True once no migration runs (for a graceful stop), False at ``timeout_s``."""
@@ -140,6 +160,7 @@ class MigrationRunner:
 
     def close(self) -> None:
         """Stop taking migrations; those running finish their current run (records stay resumable)."""
+        self._closing.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.executor.close()
 

@@ -18,6 +18,19 @@ from the reference (``wrong_outputs``: must be 0; for the corruption, the ones s
 quarantine took effect are counted apart as ``wrong_before_quarantine``, and ``degraded`` ones
 served by a quarantine fallback apart again), seconds to detect, to quarantine and to recover,
 and streamed tokens per second during the fault against the quiet window before it.
+
+``--hosts``: the multi-host fault bed. Redis, the orchestrator, the router and each expert group
+(a plain ``expertmesh group serve`` process, no Ray) each on a test host of its own, a network
+namespace with its own address (``chaos.hosts``, ``chaos.hosts_platform``), so calls cross a
+network stack and the router reaches the groups by gRPC over TCP, never shared memory. Needs
+root. This process makes the bed and re-runs the command inside its ``client`` host (so the
+clients and the store reads dial only addresses of the bed), then deletes the bed. Its faults
+(``HOST_SCENARIOS``, ``chaos.host_faults``): a group host's link down for the hold and back,
+with and without another replica of one of its experts; the Redis host cut off; the
+orchestrator host cut off just after it started a live move; a group host killed whole. Per
+scenario also ``experts_unhosted``: the (layer, expert) pairs any read of the routing table
+during it found without a replica (must be none); and for the run, the router's transport per
+group (``group_transports``) and whether the router holds TCP connections to each group host.
 """
 
 from __future__ import annotations
@@ -47,6 +60,14 @@ SCENARIOS = (
     "table-mismatch",
     "flush-after-move",
     "orchestrator-killed",
+)
+#: the multi-host scenarios (``--hosts``), in the order they run
+HOST_SCENARIOS = (
+    "host-link-down-replicated",
+    "host-link-down-sole",
+    "redis-host-cut-off",
+    "orchestrator-cut-off-mid-migration",
+    "group-host-killed",
 )
 
 
@@ -86,7 +107,15 @@ def add_command(bench_commands) -> None:
     p.add_argument("--deadline", type=float, default=60.0, help="each request's deadline, s (default 60)")
     p.add_argument("--corrupt-factor", type=float, default=2.0, help="the corrupted expert's weights are scaled by this (default 2)")
     p.add_argument("--target-share", type=float, default=0.05, help="corrupt the expert nearest this share of tokens (default 0.05)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of: {', '.join(SCENARIOS)}")
+    p.add_argument(
+        "--scenarios",
+        help=f"comma-separated subset of: {', '.join(SCENARIOS)}; with --hosts of: {', '.join(HOST_SCENARIOS)} (default: all)",
+    )
+    p.add_argument(
+        "--hosts", action="store_true",
+        help="each process on a test host of its own (network namespaces; needs root): the multi-host scenarios",
+    )
+    p.add_argument("--in-bed", type=Path, help=argparse.SUPPRESS)  # the re-run inside the bed's client host
     p.add_argument("--logs", type=Path, help="keep the router's and the orchestrator's output in this folder")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario instead of the table")
     p.add_argument("--out", default="bench-chaos.json", help="JSON results (default bench-chaos.json)")
@@ -96,10 +125,12 @@ def add_command(bench_commands) -> None:
 def _main(args: argparse.Namespace) -> int:
     from expertmesh.embedded import default_checkpoint
 
-    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
-    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    known = HOST_SCENARIOS if args.hosts else SCENARIOS
+    scenarios = known if args.scenarios is None else tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    unknown = sorted(set(scenarios) - set(known))
     if unknown or not scenarios:
-        raise BenchError(f"--scenarios takes names from {', '.join(SCENARIOS)}; got {args.scenarios!r}")
+        with_hosts = " with --hosts" if args.hosts else ""
+        raise BenchError(f"--scenarios takes names from {', '.join(known)}{with_hosts}; got {args.scenarios!r}")
     for flag, value in (
         ("--quiet-seconds", args.quiet_seconds), ("--hold-seconds", args.hold_seconds),
         ("--redis-down-seconds", args.redis_down_seconds), ("--health-interval", args.health_interval),
@@ -125,12 +156,21 @@ def _main(args: argparse.Namespace) -> int:
         deadline_s=args.deadline,
         corrupt_factor=args.corrupt_factor,
         target_share=args.target_share,
-        scenarios=tuple(s for s in SCENARIOS if s in scenarios),
+        scenarios=tuple(s for s in known if s in scenarios),
         log_dir=args.logs,
     )
+    if "orchestrator-cut-off-mid-migration" in options.scenarios and options.groups < 3:
+        raise BenchError("orchestrator-cut-off-mid-migration needs --groups 3 or more: it moves an expert to a group that does not hold it")
+    if args.hosts and args.in_bed is None:
+        return _run_in_bed(options)
+    hosts = None
+    if args.in_bed is not None:
+        from expertmesh.orchestrator.chaos.hosts import BedPlan, TestHosts
+
+        hosts = TestHosts.adopt(BedPlan.from_dict(json.loads(args.in_bed.read_text())))
     # Ray prints its notices about the replica this benchmark kills to stdout: keep them off the results.
     with contextlib.redirect_stdout(sys.stderr):
-        result = run(options)
+        result = run(options, hosts)
     if args.json:
         for scenario in result["scenarios"]:
             print(json.dumps(scenario))
@@ -139,6 +179,25 @@ def _main(args: argparse.Namespace) -> int:
     write_json(args.out, result)
     progress(f"wrote {args.out}")
     return 0
+
+
+def _run_in_bed(options: Options) -> int:
+    """Make the test hosts, run this same command again inside their client host (its part that
+    measures), and delete them, also when it fails."""
+    import subprocess
+    import tempfile
+
+    from expertmesh.orchestrator.chaos.hosts import TestHosts, check_can_create, plan
+    from expertmesh.orchestrator.chaos.hosts_platform import CLIENT, host_names
+
+    check_can_create()
+    with TestHosts(plan(host_names(options.groups))) as hosts, tempfile.TemporaryDirectory(prefix="expertmesh-bed-") as tmp:
+        bed_file = Path(tmp) / "bed.json"
+        bed_file.write_text(json.dumps(hosts.bed.to_dict()))
+        progress(f"bench chaos: {len(hosts.bed.hosts)} test hosts on {hosts.bed.subnet} (namespaces em{hosts.bed.run_id}-*)")
+        argv = [sys.executable, "-m", "expertmesh.cli", *sys.argv[1:], "--in-bed", str(bed_file)]
+        # The driver itself needs no private TMPDIR: it shares the bed file and the model with the hosts.
+        return subprocess.run(hosts.command(CLIENT, argv, private_tmp=False)).returncode
 
 
 @dataclass(frozen=True)
@@ -174,9 +233,32 @@ def pick_expert(platform, target_share: float) -> Target:
     return Target(layer, expert, share, group, other)
 
 
+def _host_fault(name: str, platform):
+    from expertmesh.orchestrator.chaos import host_faults
+
+    groups, table = platform.groups, platform.store.routing_table()
+    if name == "host-link-down-replicated":
+        return host_faults.HostLinkDown(groups[0])
+    if name == "host-link-down-sole":
+        group = groups[1 % len(groups)]
+        pair = min(p for p, holders in table.replicas.items() if group in holders)
+        other = next(g for g in table.replicas[pair] if g != group)
+        return host_faults.HostLinkDown(group, pair, other)
+    if name == "redis-host-cut-off":
+        return host_faults.RedisHostCutOff()
+    if name == "orchestrator-cut-off-mid-migration":
+        layer, expert = min(table.replicas)
+        holders = table.replicas[(layer, expert)]
+        target = next(g for g in groups if g not in holders)
+        return host_faults.OrchestratorCutOffMidMigration(layer, expert, holders[0], target)
+    return host_faults.GroupHostKilled(groups[-1])
+
+
 def _fault(name: str, options: Options, platform, target: Callable[[], Target]):
     from expertmesh.orchestrator.chaos import faults
 
+    if name in HOST_SCENARIOS:
+        return _host_fault(name, platform)
     if name == "group-sigkill":
         return faults.GroupKilled(platform.groups[0])
     if name == "group-sigstop":
@@ -202,25 +284,32 @@ def _fault(name: str, options: Options, platform, target: Callable[[], Target]):
     return faults.OrchestratorKilled()
 
 
-def run(options: Options) -> dict:
+def run(options: Options, hosts=None) -> dict:
+    """The scenarios of ``options`` on the loopback platform, or with ``hosts`` (a ``TestHosts``
+    this process runs inside, on its client host) on the multi-host one."""
     import torch
 
     from expertmesh.client import Client
     from expertmesh.orchestrator.chaos.faults import ExpertCorrupted
+    from expertmesh.orchestrator.chaos.host_faults import UnhostedWatch
     from expertmesh.orchestrator.chaos.measure import count, itl_p99_ms, overlapping, tokens_per_second
     from expertmesh.orchestrator.chaos.platform import ChaosPlatform, PlatformSettings
     from expertmesh.orchestrator.chaos.traffic import Traffic, complete
 
-    platform = ChaosPlatform(
-        PlatformSettings(
-            model=options.model,
-            groups=options.groups,
-            health_interval_s=options.health_interval_s,
-            health_tokens=options.health_tokens,
-            group_timeout_s=options.group_timeout_s,
-            log_dir=options.log_dir,
-        )
-    ).start()
+    settings = PlatformSettings(
+        model=options.model,
+        groups=options.groups,
+        health_interval_s=options.health_interval_s,
+        health_tokens=options.health_tokens,
+        group_timeout_s=options.group_timeout_s,
+        log_dir=options.log_dir,
+    )
+    if hosts is None:
+        platform = ChaosPlatform(settings).start()
+    else:
+        from expertmesh.orchestrator.chaos.hosts_platform import HostsPlatform
+
+        platform = HostsPlatform(settings, hosts).start()
     target = functools.cache(lambda: pick_expert(platform, options.target_share))
     vocab = platform.checkpoint.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -237,19 +326,26 @@ def run(options: Options) -> dict:
                 time.sleep(options.quiet_seconds)
                 fault = _fault(name, options, platform, target)
                 progress(f"bench chaos: {fault.description}")
-                timeline = fault.run(platform, options.hold_seconds)
-                runs.append((fault, quiet_from, timeline))
+                watch = None if hosts is None else UnhostedWatch(platform).start()
+                try:
+                    timeline = fault.run(platform, options.hold_seconds)
+                finally:
+                    if watch is not None:
+                        watch.stop()
+                runs.append((fault, quiet_from, timeline, watch))
                 if timeline.recovered is None:
                     progress(f"bench chaos: {name} did not recover within the time allowed; stopping here")
                     break
         finally:
             traffic.stop()
+        if hosts is not None:
+            paths = _cross_host_paths(platform)
     finally:
         progress("bench chaos: stopping the platform")
         platform.close()
 
     scenarios = []
-    for fault, quiet_from, t in runs:
+    for fault, quiet_from, t, watch in runs:
         end = _span_end(t, options.hold_seconds)
         mine = overlapping(traffic.requests, t.injected, end)
         counts = count(mine, reference, t)
@@ -279,16 +375,39 @@ def run(options: Options) -> dict:
                 seconds_to_quarantine=since(t.quarantined),
                 seconds_to_repair=since(t.repaired),
             )
+        if watch is not None:
+            entry.update(experts_unhosted=sorted(watch.unhosted), table_reads=watch.reads, table_reads_failed=watch.unread)
         if t.note:
             entry["note"] = t.note
         scenarios.append(entry)
+    setup = {**options_summary(options), "machine": machine(), "placement": "every expert on two groups"}
+    if hosts is not None:
+        setup.update(hosts={h.name: h.address for h in hosts.bed.hosts}, **paths)
     return {
         "benchmark": "chaos",
         "model": model_summary(platform.checkpoint),
-        "setup": {**options_summary(options), "machine": machine(), "placement": "every expert on two groups"},
-        "steady": _steady(traffic.requests, reference, [(t.injected, _span_end(t, options.hold_seconds)) for _, _, t in runs]),
+        "setup": setup,
+        "steady": _steady(traffic.requests, reference, [(t.injected, _span_end(t, options.hold_seconds)) for _, _, t, _ in runs]),
         "scenarios": scenarios,
     }
+
+
+def _cross_host_paths(platform) -> dict:
+    """How the router reaches each group: the transport it reports (ListModels' group_transports:
+    "grpc-stream" / "grpc-unary" between hosts, "shm" / "cuda-ipc" on one) and whether the group's
+    host holds an established TCP connection from the router's address to the group's port."""
+    from expertmesh.client import Client
+    from expertmesh.orchestrator.chaos.hosts_platform import GROUP_PORT
+
+    with Client(platform.target, timeout=30) as client:
+        (info,) = client.models()
+    router = platform.address_of("router")
+    tcp = {
+        g: any(local.endswith(f":{GROUP_PORT}") and remote.split(":")[0] == router
+               for local, remote in platform.hosts.connections(platform.host_of(g)))
+        for g in platform.groups
+    }
+    return {"group_transports": dict(info.group_transports), "router_tcp_to_groups": tcp}
 
 
 def _since(start: float, moment: float | None) -> float | None:
@@ -319,6 +438,7 @@ def table(result: dict) -> str:
         f"{model['model_type']} {Path(model['path']).name}: {model['moe_layers']} MoE layers x {model['num_experts']} "
         f"experts on {setup['groups']} groups (every expert on two); {setup['clients']} streaming clients x "
         f"{setup['max_new_tokens']} tokens; {setup['machine']['cpus']} CPUs"
+        + ("; each process on a test host of its own" if "hosts" in setup else "")
     )
     rows = [
         [
@@ -328,17 +448,26 @@ def table(result: dict) -> str:
         ]
         for s in result["scenarios"]
     ]
-    body = format_table(
-        ["scenario", "sent", "done", "failed", "wrong", "wrong<q", "degraded", "detect s", "quar. s", "recover s",
-         "tok/s before", "tok/s during", "ITL p99 ms before", "during"],
-        rows,
-        ["", "d", "d", "d", "d", "d", "d", ".1f", ".1f", ".1f", ".1f", ".1f", ".0f", ".0f"],
-    )
+    headers = ["scenario", "sent", "done", "failed", "wrong", "wrong<q", "degraded", "detect s", "quar. s", "recover s",
+               "tok/s before", "tok/s during", "ITL p99 ms before", "during"]
+    formats = ["", "d", "d", "d", "d", "d", "d", ".1f", ".1f", ".1f", ".1f", ".1f", ".0f", ".0f"]
+    if "hosts" in setup:  # the multi-host scenarios: experts any table read found without a replica
+        headers.append("unhosted")
+        formats.append("d")
+        for row, s in zip(rows, result["scenarios"]):
+            row.append(len(s["experts_unhosted"]))
+    body = format_table(headers, rows, formats)
     steady = result["steady"]
     lines = [title, body, (
         f"outside the faults: {steady['sent']} sent, {steady['completed']} completed, {steady['failed']} failed, "
         f"{steady['wrong_outputs']} wrong"
     )]
+    if "hosts" in setup:
+        paths = ", ".join(
+            f"{g} {t or '-'}{'' if setup['router_tcp_to_groups'].get(g) else ' (no TCP connection seen)'}"
+            for g, t in sorted(setup["group_transports"].items())
+        )
+        lines.append(f"router -> groups: {paths}")
     for s in result["scenarios"]:
         lines.append(f"{s['scenario']}: {s['fault']}" + (f" ({s['note']})" if "note" in s else ""))
         for failure, n in s["failures"].items():

@@ -16,6 +16,7 @@ the fault struck count). Of its completed ones:
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,7 +85,13 @@ def count(requests: Sequence[Request], reference: Sequence[Sequence[int]], timel
     )
 
 
+#: the router's per-request id in an error ("UNAVAILABLE: request 9c2f…: expert group …"): dropped, so
+#: failures of one cause are counted together
+_REQUEST_ID = re.compile(r"\brequest [0-9a-f]{8,}: ")
+
+
 def _short(error: str) -> str:
+    error = _REQUEST_ID.sub("", error, count=1)
     return error if len(error) <= 160 else error[:157] + "..."
 
 
@@ -104,3 +111,9 @@ def itl_p99_ms(requests: Sequence[Request], start: float, end: float) -> float |
     if not gaps:
         return None
     return 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+
+
+def unhosted(replicas: dict[tuple[int, int], Sequence[str]], moe_layers: Sequence[int], num_experts: int) -> list[tuple[int, int]]:
+    """The (layer, expert) pairs of the model that a routing table's ``replicas`` give no group:
+    tokens routed to one of them have nowhere to go."""
+    return [(layer, e) for layer in moe_layers for e in range(num_experts) if not replicas.get((layer, e))]

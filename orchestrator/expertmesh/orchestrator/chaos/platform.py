@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,32 +112,46 @@ def wait_until(predicate, timeout_s: float, poll_s: float = 0.1) -> float | None
         time.sleep(poll_s)
 
 
-class RedisServer:
-    """A redis-server of the benchmark's own on a loopback port; ``stop`` saves its data to disk
-    and ``start`` again loads it (a restart, not a loss: ``flush`` is the loss)."""
+#: how a command is run where its process belongs: argv -> the argv to start (e.g. inside a test host)
+Wrap = Callable[[list[str]], list[str]]
 
-    def __init__(self, workdir: Path):
+
+def _as_is(argv: list[str]) -> list[str]:
+    return argv
+
+
+class RedisServer:
+    """A redis-server of the benchmark's own, on a loopback port unless ``host`` (with ``port``)
+    says where and ``wrap`` how to start it; ``stop`` saves its data to disk and ``start`` again
+    loads it (a restart, not a loss: ``flush`` is the loss)."""
+
+    def __init__(self, workdir: Path, host: str = "127.0.0.1", port: int | None = None, wrap: Wrap = _as_is):
         self._binary = shutil.which("redis-server")
         if self._binary is None:
             raise BenchError("bench chaos needs redis-server on PATH (e.g. apt-get install redis-server)")
         self._dir = workdir
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.host = host
+        self.port = port or _free_port()
+        self.url = f"redis://{host}:{self.port}/0"
+        self._wrap = wrap
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        # Off loopback, protected mode refuses every client without a password; the address is one
+        # of a test host's (``hosts``), reachable from the test's own hosts only.
+        protected = [] if self.host == "127.0.0.1" else ["--protected-mode", "no"]
         self.proc = subprocess.Popen(
-            [self._binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(self._dir), "--dbfilename", "chaos.rdb"],
+            self._wrap([self._binary, "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "no",
+                        "--dir", str(self._dir), "--dbfilename", "chaos.rdb", *protected]),
             stdout=subprocess.DEVNULL,
         )
         if wait_until(self.ping, 15) is None:
-            raise BenchError(f"redis-server on port {self.port} did not start")
+            raise BenchError(f"redis-server on {self.host}:{self.port} did not start")
 
     def _client(self):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, socket_connect_timeout=2)
+        return redis.Redis(host=self.host, port=self.port, socket_timeout=2, socket_connect_timeout=2)
 
     def ping(self) -> bool:
         with self._client() as client:
@@ -164,11 +179,12 @@ class RedisServer:
 
 
 class Child:
-    """An ``expertmesh`` command as a child process, its stderr kept for ``wait_for`` and reports."""
+    """An ``expertmesh`` command as a child process (started through ``wrap``), its stderr kept for
+    ``wait_for`` and reports."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path | None = None):
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path | None = None, wrap: Wrap = _as_is):
         self.name = name
-        self._argv = [sys.executable, "-m", "expertmesh.cli", *args]
+        self._argv = wrap([sys.executable, "-m", "expertmesh.cli", *args])
         self._env = {**os.environ, **env}
         self._log = None if log_dir is None else log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
@@ -232,7 +248,7 @@ class ChaosPlatform:
         self.groups = [f"g{i}" for i in range(settings.groups)]
         self.placement = ring_placement(self.spec, self.groups)
         self._workdir = Path(tempfile.mkdtemp(prefix="expertmesh-chaos-"))
-        self.redis = RedisServer(self._workdir)
+        self.redis = self._redis_server()
         self.store: StateStore | None = None
         self.channels: GroupChannels | None = None
         self.orchestrator: Child | None = None
@@ -258,27 +274,41 @@ class ChaosPlatform:
         self.channels = GroupChannels(self.store.endpoints)
         placement_file = self._workdir / "placement.yaml"
         placement_file.write_text(yaml.safe_dump(self.placement))
-        progress(f"bench chaos: redis-server on :{self.redis.port}; starting {len(self.groups)} expert groups on Ray Serve")
+        progress(f"bench chaos: redis-server on {self.redis.host}:{self.redis.port}; starting {len(self.groups)} expert groups")
         self._start_groups()
         self.orchestrator = Child(
             "orchestrator",
             ["orchestrator", "--state-url", self.redis.url, "--model", str(self.checkpoint.path), "--placement",
-             str(placement_file), "--admin-host", "127.0.0.1", "--admin-port", "0", "--interval", "1", "--health-monitor",
-             "--no-kube"],
+             str(placement_file), "--admin-host", self.address_of("orchestrator"), "--admin-port", "0", "--interval", "1",
+             "--health-monitor", "--no-kube"],
             {"EXPERTMESH_HEALTH_INTERVAL_S": str(s.health_interval_s), "EXPERTMESH_HEALTH_TOKENS": str(s.health_tokens)},
             s.log_dir,
+            self.wrap_for("orchestrator"),
         ).start()
         self.wait_for_orchestrator()
         self.router = Child(
             "router",
-            ["up", "--router-only", "--model", str(self.checkpoint.path), "--state-url", self.redis.url, "--port", "0",
-             "--max-active", "64"],
+            ["up", "--router-only", "--model", str(self.checkpoint.path), "--state-url", self.redis.url,
+             "--host", self.address_of("router"), "--port", "0", "--max-active", "64"],
             {"EXPERTMESH_DISPATCH_TIMEOUT_S": str(s.group_timeout_s), "EXPERTMESH_HEARTBEAT_S": str(s.heartbeat_s),
              "EXPERTMESH_LOAD_PUBLISH_S": "1"},
             s.log_dir,
+            self.wrap_for("router"),
         ).start()
         self.target = self.router.wait_for(r"expertmesh is serving \S+ on (\S+:\d+) ", 300).group(1)
         progress(f"bench chaos: router serving on {self.target}")
+
+    # Where each process runs: here all on loopback; ``hosts_platform.HostsPlatform`` puts each on a test host.
+
+    def address_of(self, role: str) -> str:
+        """The address the process of ``role`` ("router", "orchestrator", a group) binds."""
+        return "127.0.0.1"
+
+    def wrap_for(self, role: str) -> Wrap:
+        return _as_is
+
+    def _redis_server(self) -> RedisServer:
+        return RedisServer(self._workdir)
 
     def _start_groups(self) -> None:
         import ray
@@ -315,23 +345,46 @@ class ChaosPlatform:
         match = self.orchestrator.wait_for(r"orchestrator: routing table version \d+; admin gRPC on (\S+:\d+)", timeout_s)
         self.admin_address = match.group(1)
 
-    def migrate(self, layer: int, expert: int, mode: int, target: str = "", source: str = "", timeout_s: float = 120):
-        """One live migration through the orchestrator's admin API (``expertmesh migrate``), waited
-        for; BenchError unless it succeeds."""
+    def start_migration(self, layer: int, expert: int, mode: int, target: str = "", source: str = ""):
+        """One live migration started through the orchestrator's admin API (``expertmesh migrate``);
+        its first record (``admin_pb2.Migration``), not waited for."""
         from expertmesh.orchestrator import admin_client
         from expertmesh.v1 import admin_pb2 as pb
 
         channel, stub = admin_client.connect(self.admin_address)
         try:
             request = pb.MigrateRequest(layer=layer, expert=expert, mode=mode, target=target, source=source)
-            migration = admin_client.call(stub.Migrate, request)
-            done = (pb.MIGRATION_PHASE_SUCCEEDED, pb.MIGRATION_PHASE_FAILED, pb.MIGRATION_PHASE_ROLLED_BACK)
-            end = time.monotonic() + timeout_s
-            while migration.phase not in done and time.monotonic() < end:
-                time.sleep(0.2)
-                migration = admin_client.call(stub.GetMigration, pb.GetMigrationRequest(id=migration.id))
+            return admin_client.call(stub.Migrate, request)
         finally:
             channel.close()
+
+    def migration(self, migration_id: str):
+        """The migration's record as the admin API has it now."""
+        from expertmesh.orchestrator import admin_client
+        from expertmesh.v1 import admin_pb2 as pb
+
+        channel, stub = admin_client.connect(self.admin_address)
+        try:
+            return admin_client.call(stub.GetMigration, pb.GetMigrationRequest(id=migration_id))
+        finally:
+            channel.close()
+
+    def wait_migration(self, migration, timeout_s: float = 120):
+        """The migration's record once it has ended (succeeded, failed, rolled back) or ``timeout_s`` passed."""
+        from expertmesh.v1 import admin_pb2 as pb
+
+        done = (pb.MIGRATION_PHASE_SUCCEEDED, pb.MIGRATION_PHASE_FAILED, pb.MIGRATION_PHASE_ROLLED_BACK)
+        end = time.monotonic() + timeout_s
+        while migration.phase not in done and time.monotonic() < end:
+            time.sleep(0.2)
+            migration = self.migration(migration.id)
+        return migration
+
+    def migrate(self, layer: int, expert: int, mode: int, target: str = "", source: str = "", timeout_s: float = 120):
+        """One live migration through the orchestrator's admin API, waited for; BenchError unless it succeeds."""
+        from expertmesh.v1 import admin_pb2 as pb
+
+        migration = self.wait_migration(self.start_migration(layer, expert, mode, target, source), timeout_s)
         if migration.phase != pb.MIGRATION_PHASE_SUCCEEDED:
             raise BenchError(
                 f"migration of layer {layer} expert {expert} ({pb.MigrationMode.Name(mode)}) ended "

@@ -61,6 +61,8 @@ class GroupView:
     non_finite_rows: dict[Pair, int] = field(default_factory=dict)
     #: the group server's process id (a restarted replica answers with another)
     pid: int = 0
+    #: transport ("grpc-stream", "shm", ...) -> calls routers made on it since the server started
+    transport_calls: dict[str, int] = field(default_factory=dict)
 
     def holds(self, pair: Pair) -> bool:
         return pair in self.pairs
@@ -144,6 +146,7 @@ class GroupChannels:
             busy_seconds=r.busy_seconds,
             non_finite_rows={(s.layer, s.expert): s.non_finite for s in r.expert_stats},
             pid=r.pid,
+            transport_calls={t.transport: t.calls for t in r.transports},
         )
 
     def load(self, group: str, pair: Pair) -> Loaded:

@@ -174,7 +174,7 @@ def test_the_per_sequence_fallback_gives_the_same_tokens(models):
 def test_models_the_packed_step_cannot_take_are_named(models):
     spec = MaskSpec.of(models("gpt_oss"))
     assert spec.unsupported() is None
-    assert "'flash_attention_2' takes no packed 4D mask" in dataclasses.replace(spec, implementation="flash_attention_2").unsupported()
+    assert "'flash_attention_2' is not one the step runs per sequence" in dataclasses.replace(spec, implementation="flash_attention_2").unsupported()
     hybrid = dataclasses.replace(spec, kinds=("linear_attention", "full_attention"))
     assert hybrid.unsupported() == "layers of type linear_attention keep state outside the KV cache"
 
@@ -214,7 +214,7 @@ def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline(tiny
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_pack_lets_each_token_see_its_own_sequence_only(window):
-    """pack's indices against the definition, token by token: a query at position p of sequence s
+    """pack's layout against the definition, token by token: a query at position p of sequence s
     sees keys 0..p of s (within the window on sliding layers), and no other sequence's."""
     chunks = [  # a decode token, a prompt chunk with more to come, a whole short prompt, a Score
         Chunk(SequenceKV(), (7,), 5, Rows.LAST),
@@ -225,13 +225,20 @@ def test_pack_lets_each_token_see_its_own_sequence_only(window):
     kinds = (FULL, SLIDING) if window else (FULL,)
     batch = pack(chunks, MaskSpec("sdpa", kinds, window, torch.float32))
     queries = [(s, c.start + i) for s, c in enumerate(chunks) for i in range(len(c.token_ids))]
-    keys = [(s, p) for s, c in enumerate(chunks) for p in range(c.start + len(c.token_ids))]
     assert batch.positions.tolist() == [p for _, p in queries]
     assert batch.input_ids.tolist() == [[t for c in chunks for t in c.token_ids]]
-    masks = batch.attention_mask if window else {FULL: batch.attention_mask}
-    for kind, mask in masks.items():
-        expected = [
-            [qs == ks and kp <= qp and (kind == FULL or kp > qp - window) for ks, kp in keys] for qs, qp in queries
-        ]
-        assert mask.shape == (1, 1, len(queries), len(keys)) and mask[0, 0].tolist() == expected
+    step = batch.attention
+    for s, chunk in enumerate(chunks):
+        rows = step.sequences[s]
+        assert [queries[rows.offset + i] for i in range(rows.n)] == [(s, chunk.start + i) for i in range(len(chunk.token_ids))]
+        for kind in kinds:
+            first, allowed = step.allowed(s, kind)
+            end = chunk.start + len(chunk.token_ids)
+            # every key the definition allows lies in the range read from the cache
+            assert all(kind == FULL or p <= qp - window for qp in range(chunk.start, end) for p in range(first))
+            expected = [
+                [kp <= qp and (kind == FULL or kp > qp - window) for kp in range(first, end)]
+                for qp in range(chunk.start, end)
+            ]
+            assert allowed.tolist() == expected
     assert batch.logit_rows.tolist() == [0, 6, 7, 8, 9] and batch.rows_per_chunk == [1, 0, 1, 3]

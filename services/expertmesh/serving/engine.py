@@ -17,8 +17,8 @@ Glossary
   requests of different policies; a step of plain requests carries none and
   runs the stock gates untouched.
 
-The packed attention mask lets each query see only its own sequence's past,
-and every other layer works row by row, so a sequence's tokens are what they
+The step's attention (``serving.paged_attention``) lets each query see only
+its own sequence's past, and every other layer works row by row, so a sequence's tokens are what they
 would be if it were served alone: in float32 greedy output is token-identical
 (checked on every architecture we verify); in bfloat16 a batch moves logits by
 a rounding step at most, as batched expert dispatch always did, which can turn

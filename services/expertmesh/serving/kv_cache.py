@@ -9,9 +9,9 @@ Glossary
 - *step cache* (``PackedCache``): what one packed forward gets as its
   ``cache``. Every attention layer calls ``update`` once with the step's new
   states of all sequences side by side (``[1, heads, step tokens, dim]``); it
-  appends each sequence's share to that sequence's cache and returns all the
-  step's sequences' pasts, one after the other, for the packed attention mask
-  (``serving.forward``) to keep each query within its own sequence.
+  appends each sequence's share to that sequence's cache, and
+  ``serving.paged_attention`` then reads each sequence's own past with
+  ``past`` (views: nothing is copied per step beyond the new tokens).
 
 Being plain per-sequence tensors rather than pages of fixed shape, it holds
 whatever an attention layer caches, whatever its widths: that is why
@@ -53,6 +53,12 @@ class SequenceKV:
             out[:, :, :length] = old[:, :, :length]
         return out
 
+    def view(self, layer: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s past from position ``first``, [1, h, length - first, d] each (views)."""
+        length = self._lengths[layer]
+        first_buf, second_buf = self._buffers[layer]
+        return first_buf[:, :, first:length], second_buf[:, :, first:length]
+
     def length(self, layer: int = 0) -> int:
         return self._lengths.get(layer, 0)
 
@@ -67,9 +73,12 @@ class PackedCache:
     def update(
         self, first: torch.Tensor, second: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """first/second [1, h, step tokens, d] -> every step sequence's past, [1, h, sum of lengths, d] each."""
-        pasts = [
+        """Store first/second [1, h, step tokens, d] (each sequence its share); returns them as they came:
+        the attention reads each sequence's past with ``past``."""
+        for kv, a, b in zip(self._sequences, first.split(self._tokens, dim=2), second.split(self._tokens, dim=2)):
             kv.append(layer_idx, a, b)
-            for kv, a, b in zip(self._sequences, first.split(self._tokens, dim=2), second.split(self._tokens, dim=2))
-        ]
-        return torch.cat([a for a, _ in pasts], dim=2), torch.cat([b for _, b in pasts], dim=2)
+        return first, second
+
+    def past(self, layer: int, sequence: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's ``sequence``-th sequence's past on ``layer`` from position ``first``, [1, h, L, d] each."""
+        return self._sequences[sequence].view(layer, first)

@@ -1,0 +1,137 @@
+"""The attention of the packed serving step: each sequence's queries attend to its own past only.
+
+Registered in transformers' attention registry as ``IMPLEMENTATION``; ``forward.forward_packed``
+selects it for the duration of one packed forward and hands it the step's layout (``StepAttention``)
+as the keyword ``STEP``, which transformers passes through every decoder layer to here, as its own
+continuous batching passes ``cu_seq_lens``. The model's attention module has just stored the step's
+new keys and values with ``cache.update``; this function then, sequence by sequence, reads that
+sequence's past for the layer (``cache.past``: only the window on a sliding layer) and runs the
+model's own attention on it with a mask of that sequence alone:
+
+- ``sdpa`` models: the registry's ``sdpa`` (torch SDPA) with a boolean mask;
+- ``eager`` models: the module's own ``eager_attention_forward`` (found in its modeling module, so
+  GPT-OSS keeps its attention sinks) with an additive mask.
+
+Work per layer is therefore Σ (chunk × own past) rather than T × Σ past, and nothing copies the
+step's pasts side by side. A module that expands its cached latents after ``cache.update``
+(DeepSeek-V3's multi-head latent attention, ``expand_kv``) gets its past expanded here, per sequence.
+
+Glossary
+- *step layout* (``StepAttention``): for each sequence of the step, where its queries sit among
+  the step's T tokens and how long its past was before the step.
+- *key range*: the positions a sequence's chunk attends to on a layer: 0 .. its end on a full
+  layer; on a sliding layer from ``window - 1`` before its first query.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+__all__ = ["IMPLEMENTATION", "STEP", "StepAttention", "SequenceRows"]
+
+IMPLEMENTATION = "expertmesh_paged"
+#: the keyword the step's layout travels under, from the model's forward to this function
+STEP = "expertmesh_step"
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class PastReader(Protocol):
+    def past(self, layer: int, sequence: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``sequence``'s two cached tensors of ``layer`` from position ``first`` to its end, [1, h, L, d] each."""
+
+
+@dataclass(frozen=True)
+class SequenceRows:
+    """One sequence's share of the step: queries ``offset`` .. ``offset + n - 1`` of T, at positions ``start`` ..."""
+
+    offset: int
+    n: int
+    start: int
+
+    @property
+    def end(self) -> int:
+        """Its past's length after this step."""
+        return self.start + self.n
+
+
+@dataclass
+class StepAttention:
+    """The layout one packed forward's attention needs (see the glossary)."""
+
+    sequences: list[SequenceRows]
+    cache: PastReader
+    implementation: str  # the model's own: "sdpa" (boolean masks) or "eager" (additive masks)
+    kinds: tuple[str, ...]  # each attention layer's kind, in layer order
+    window: int | None  # tokens a sliding layer sees, itself included
+    dtype: torch.dtype
+    device: torch.device | str = "cpu"
+    #: (sequence, kind) -> (first key position, mask [1, 1, n, L]); the same for every layer of a kind
+    _masks: dict[tuple[int, str], tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+    def first_key(self, rows: SequenceRows, kind: str) -> int:
+        return max(0, rows.start - self.window + 1) if kind == SLIDING else 0
+
+    def allowed(self, i: int, kind: str) -> tuple[int, torch.Tensor]:
+        """Sequence ``i``'s key range start on a ``kind`` layer and which keys each of its queries sees,
+        [n, L] boolean (causal, within the window on a sliding layer)."""
+        rows = self.sequences[i]
+        first = self.first_key(rows, kind)
+        queries = torch.arange(rows.start, rows.end)[:, None]  # [n, 1]
+        keys = torch.arange(first, rows.end)[None, :]  # [1, L]
+        allowed = keys <= queries  # [n, L]
+        if kind == SLIDING:
+            allowed &= keys > queries - self.window
+        return first, allowed
+
+    def mask(self, i: int, kind: str) -> tuple[int, torch.Tensor]:
+        """``allowed`` as the model's attention takes it, [1, 1, n, L] on the model's device (built once a step)."""
+        key = (i, kind)
+        if key not in self._masks:
+            first, allowed = self.allowed(i, kind)
+            if self.implementation == "eager":  # added to the scores
+                formatted = torch.where(allowed, torch.zeros((), dtype=self.dtype), torch.finfo(self.dtype).min)
+            else:
+                formatted = allowed
+            self._masks[key] = first, formatted[None, None].to(self.device)
+        return self._masks[key]
+
+
+def _inner(module: torch.nn.Module, implementation: str):
+    """The model's own attention function for one sequence."""
+    if implementation == "sdpa":
+        return ALL_ATTENTION_FUNCTIONS["sdpa"]
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, d]
+    key: torch.Tensor,  # the step's new keys (already in the cache: unused)
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """[1, T, H, dv]: each sequence's queries attended over its own past (see the module docstring)."""
+    step: StepAttention = kwargs.pop(STEP)
+    layer = module.layer_idx
+    kind = step.kinds[layer]
+    attend = _inner(module, step.implementation)
+    expand = getattr(module, "expand_kv", None)  # MLA: the cache holds latents, expanded per use
+    out = []
+    for i, rows in enumerate(step.sequences):
+        first, mask = step.mask(i, kind)
+        past_first, past_second = step.cache.past(layer, i, first)  # [1, h, L, d] each
+        keys, values = expand(past_first, past_second) if expand is not None else (past_first, past_second)
+        q = query[:, :, rows.offset : rows.offset + rows.n]  # [1, H, n, d]
+        attended, _ = attend(module, q, keys, values, mask, **kwargs)  # [1, n, H, dv]
+        out.append(attended)
+    return torch.cat(out, dim=1), None
+
+
+AttentionInterface.register(IMPLEMENTATION, paged_attention_forward)

@@ -22,7 +22,7 @@ from expertmesh.checkpoint import experts_modules
 from expertmesh.router.dispatch import IMPLEMENTATION, ExpertDispatcher
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, ScoreEvent, TokenEvent
 from expertmesh.serving.forward import FULL, SLIDING, Chunk, MaskSpec, Rows, pack
-from expertmesh.serving.kv_cache import SequenceKV
+from expertmesh.serving.kv_cache import KVPool
 from expertmesh.serving.sampling import SamplingParams
 from expertmesh.tiny import MOE_ARCHITECTURES
 from helpers import stock_greedy
@@ -217,13 +217,15 @@ def test_pack_lets_each_token_see_its_own_sequence_only(window):
     """pack's layout against the definition, token by token: a query at position p of sequence s
     sees keys 0..p of s (within the window on sliding layers), and no other sequence's."""
     chunks = [  # a decode token, a prompt chunk with more to come, a whole short prompt, a Score
-        Chunk(SequenceKV(), (7,), 5, Rows.LAST),
-        Chunk(SequenceKV(), (3, 4, 5, 6), 0, Rows.NONE),
-        Chunk(SequenceKV(), (8, 9), 2, Rows.LAST),
-        Chunk(SequenceKV(), (10, 11, 12), 0, Rows.ALL),
+        Chunk([5, 2], (7,), 5, Rows.LAST),  # blocks of 4 positions: position 5 is slot 2 * 4 + 1
+        Chunk([0], (3, 4, 5, 6), 0, Rows.NONE),
+        Chunk([3], (8, 9), 2, Rows.LAST),
+        Chunk([1], (10, 11, 12), 0, Rows.ALL),
     ]
     kinds = (FULL, SLIDING) if window else (FULL,)
-    batch = pack(chunks, MaskSpec("sdpa", kinds, window, torch.float32))
+    batch = pack(chunks, MaskSpec("sdpa", kinds, window, torch.float32), KVPool(6, 4))
+    assert batch.cache._write.tolist() == [9, 0, 1, 2, 3, 14, 15, 4, 5, 6]
+    assert batch.cache._read.tolist() == [20, 21, 22, 23, 8, 9, 0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6]
     queries = [(s, c.start + i) for s, c in enumerate(chunks) for i in range(len(c.token_ids))]
     assert batch.positions.tolist() == [p for _, p in queries]
     assert batch.input_ids.tolist() == [[t for c in chunks for t in c.token_ids]]

@@ -3,7 +3,8 @@
 *packed* (every architecture we verify): the step's tokens of all sequences
 (chunks of prompts being prefilled, one token of each decoding sequence) side
 by side in one forward: ``input_ids`` and ``position_ids`` [1, T], a
-``kv_cache.PackedCache`` that stores each sequence's new keys and values, and
+``kv_cache.PackedCache`` that stores each sequence's new keys and values in its
+blocks of the paged pool (``kv_cache.KVPool``), and
 the step's layout for ``paged_attention``, which attends each sequence's
 queries to its own past only (causal, within the layer's sliding window where
 it has one). Embeddings, projections, norms, gates and the LM head run once per
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from expertmesh.serving.kv_cache import PackedCache, SequenceKV
+from expertmesh.serving.kv_cache import KVPool, PackedCache
 from expertmesh.serving.paged_attention import FULL, IMPLEMENTATION, SLIDING, STEP, SequenceRows, StepAttention
 
 #: the model's attention implementations that ``paged_attention`` runs per sequence
@@ -52,7 +53,7 @@ class Rows(enum.Enum):
 class Chunk:
     """One sequence's share of a step: ``token_ids`` at positions ``start`` .. ``start + n - 1``."""
 
-    cache: SequenceKV | DynamicCache
+    cache: list[int] | DynamicCache  # its block table in the packed step's pool, or its own cache alone
     token_ids: tuple[int, ...]
     start: int
     rows: Rows
@@ -99,12 +100,21 @@ class PackedBatch:
     cache: PackedCache
 
 
-def pack(chunks: list[Chunk], spec: MaskSpec, device: torch.device | str = "cpu") -> PackedBatch:
-    """The inputs of one packed forward over ``chunks`` (each with a SequenceKV cache)."""
+def pack(chunks: list[Chunk], spec: MaskSpec, pool: KVPool) -> PackedBatch:
+    """The inputs of one packed forward over ``chunks`` (each with a block table holding its positions
+    up to the chunk's end)."""
     tokens = [len(c.token_ids) for c in chunks]
     offsets = np.cumsum([0, *tokens[:-1]]).tolist()  # each chunk's first row of T
     sequences = [SequenceRows(offset, n, c.start) for c, offset, n in zip(chunks, offsets, tokens)]
-    cache = PackedCache([c.cache for c in chunks], tokens)
+    # Each sequence's slots of positions 0 .. its end, from its block table; built in numpy, as a torch
+    # op per chunk costs more than the arithmetic it does.
+    size = pool.block_size
+    slots = [_slots(c.cache, c.start + n, size) for c, n in zip(chunks, tokens)]
+    read_offsets = np.cumsum([0, *(len(s) for s in slots)]).tolist()
+    writes = np.concatenate([s[c.start :] for c, s in zip(chunks, slots)])  # [T]
+    cache = PackedCache(
+        pool, torch.from_numpy(writes).to(pool.device), torch.from_numpy(np.concatenate(slots)).to(pool.device), read_offsets
+    )
     rows = []
     for chunk, offset, k in zip(chunks, offsets, tokens):
         if chunk.rows is Rows.ALL:
@@ -114,11 +124,17 @@ def pack(chunks: list[Chunk], spec: MaskSpec, device: torch.device | str = "cpu"
     return PackedBatch(
         input_ids=torch.tensor([[t for c in chunks for t in c.token_ids]]),
         positions=torch.from_numpy(np.concatenate([np.arange(c.start, c.start + k) for c, k in zip(chunks, tokens)])),
-        attention=StepAttention(sequences, cache, spec.implementation, spec.kinds, spec.window, spec.dtype, device),
+        attention=StepAttention(sequences, cache, spec.implementation, spec.kinds, spec.window, spec.dtype, pool.device),
         logit_rows=torch.tensor(rows, dtype=torch.long),
         rows_per_chunk=[{Rows.NONE: 0, Rows.LAST: 1, Rows.ALL: k}[c.rows] for c, k in zip(chunks, tokens)],
         cache=cache,
     )
+
+
+def _slots(table: list[int], end: int, block_size: int) -> np.ndarray:
+    """The pool slots of positions 0 .. end - 1 of a sequence with block table ``table``, [end]."""
+    positions = np.arange(end)
+    return np.asarray(table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
 
 
 @contextmanager

@@ -66,7 +66,13 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         plane.model,
         tokenizer,
         plane.dispatcher,
-        EngineLimits(config.max_active_sequences, config.max_queued_requests),
+        EngineLimits(
+            config.max_active_sequences,
+            config.max_queued_requests,
+            kv_cache_bytes=config.kv_cache_bytes or None,
+            kv_block_size=config.kv_block_size,
+            prefix_caching=config.prefix_caching,
+        ),
         max_context=info.max_context,
     )
     info.batching = pb.BATCHING_PACKED if engine.batching.packed else pb.BATCHING_PER_SEQUENCE

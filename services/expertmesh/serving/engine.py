@@ -359,6 +359,7 @@ class Engine:
                             self._fail(seq, grpc.StatusCode.INTERNAL, f"step failed: {type(err).__name__}: {err}")
             with self._cond:
                 self._retire_finished()
+                self._note_kv()
                 self._cond.notify_all()
 
     def _admit(self, seq: Sequence) -> bool:

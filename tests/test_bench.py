@@ -194,6 +194,10 @@ def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
         assert result["platform_vs"][r["name"]] == pytest.approx(platform["tokens_per_s"] / r["tokens_per_s"])
     assert result["agreement"] == {"requests": 4, "differ": [], "passed": True}
     assert platform["token_ids"] == result["runs"][1]["token_ids"] and all(len(t) == 3 for t in platform["token_ids"])
+    kv = result["kv"]
+    assert 0 < kv["blocks_used_peak"] <= kv["blocks_total"] and kv["usage_peak"] == kv["blocks_used_peak"] / kv["blocks_total"]
+    assert kv["preemptions"] == 0 and kv["prefix_cache_queries"] >= kv["prefix_cache_hits"] >= 0
+    assert f"KV pool: peak {kv['blocks_used_peak']} of {kv['blocks_total']} blocks" in out
     # The baseline's tokens are plain argmax decoding (end-of-sequence allowed, as stop_at_eos=False streams it).
     from transformers import AutoModelForCausalLM
 

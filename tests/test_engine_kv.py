@@ -5,6 +5,10 @@ INVALID_ARGUMENT at submit, and finished and cancelled sequences give their bloc
 
 The tiny checkpoints with a local experts implementation stand in for the router's model."""
 
+import threading
+import time
+from contextlib import contextmanager
+
 import grpc
 import pytest
 from transformers import AutoModelForCausalLM
@@ -117,3 +121,71 @@ def test_cancelling_gives_the_blocks_back(model):
         assert engine._blocks.used() == 0 and engine._blocks.available() == 16
     finally:
         engine.stop()
+
+
+def test_the_kv_metrics_report_the_pool(model, monkeypatch):
+    """What an exporter collects after a run that preempted (an SDK meter provider local to this test)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from expertmesh.telemetry import kv_metrics
+
+    reader = InMemoryMetricReader()
+    monkeypatch.setattr(kv_metrics, "meter", lambda: MeterProvider(metric_readers=[reader]).get_meter("expertmesh"))
+    engine = _engine(model, 14)
+    kv_metrics.register_kv_metrics(engine.kv_usage)
+    _run(engine, [*GREEDY, SAMPLED])
+    usage = engine.kv_usage()
+    metrics = {
+        metric.name: metric.data.data_points[0].value
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+    }
+    assert metrics == {
+        "expertmesh.kv.blocks.total": 14,
+        "expertmesh.kv.blocks.used": 0,
+        "expertmesh.kv.usage": 0.0,
+        "expertmesh.kv.fragmentation": 0.0,
+        "expertmesh.kv.preemptions": usage.preemptions,
+        "expertmesh.kv.prefix_cache.queries": usage.prefix_queries,
+        "expertmesh.kv.prefix_cache.hits": usage.prefix_hits,
+    }
+    assert usage.preemptions > 0 and usage.prefix_queries > 0
+
+
+class GatedDispatcher(StepDispatcher):
+    """Holds the engine at the start of its second step until ``go`` is set."""
+
+    def __init__(self):
+        self.go = threading.Event()
+        self.steps = 0
+
+    @contextmanager
+    def serving_step(self, positions, links=(), routing=None):
+        self.steps += 1
+        if self.steps == 2:
+            self.go.wait(30)
+        yield
+
+
+def test_fragmentation_counts_the_unfilled_slots_of_held_blocks(model):
+    """One sequence with a 6-token prompt, in blocks of 4: after its first step it holds 2 blocks
+    (8 slots) and 6 are filled (its first generated token is fed by the next step), so 2/8 unfilled."""
+    dispatcher = GatedDispatcher()
+    limits = EngineLimits(4, 4, kv_cache_bytes=16 * BLOCK * token_bytes(model.config, model.dtype), kv_block_size=BLOCK)
+    engine = Engine(model, None, dispatcher, limits, max_context=64).start()
+    try:
+        seq = engine.submit(GenerationRequest("f", tuple(range(3, 9)), max_new_tokens=30, stop_at_eos=False))
+        events = iter(seq)
+        next(events)
+        while dispatcher.steps < 2:  # the engine is in its second step, past the boundary's snapshot
+            time.sleep(0.01)
+        usage = engine.kv_usage()
+        seq.cancel()
+        dispatcher.go.set()
+        list(events)
+    finally:
+        dispatcher.go.set()
+        engine.stop()
+    assert usage.blocks_used == 2 and usage.fragmentation == pytest.approx(2 / 8)

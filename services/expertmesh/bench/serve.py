@@ -225,6 +225,7 @@ def run(options: Options) -> dict:
     work = prompts(options, text.vocab_size)
     queries = text_prompts(options, checkpoint) if options.classifier else []
 
+    kv = None  # the KV pool's use, known of the in-process platform only
     with torch_threads(options.threads) as threads:
         if options.target:
             _check_target(options.target, checkpoint, text)
@@ -258,6 +259,7 @@ def run(options: Options) -> dict:
                     target = f"127.0.0.1:{server.port}"
                     classified = _classifier_runs(target, options, queries)
                     platform, baselines = _interleaved(target, checkpoint.path, options, work, text, device)
+                    kv = server.engine.kv_usage()
                 finally:
                     server.drain_and_stop()
 
@@ -279,7 +281,22 @@ def run(options: Options) -> dict:
     }
     if options.classifier:
         result["classifier"] = _classifier_summary(classified, queries)
+    if kv is not None:
+        result["kv"] = _kv_summary(kv)
     return result
+
+
+def _kv_summary(kv) -> dict:
+    """The in-process platform's KV pool over all its runs (``Engine.kv_usage``)."""
+    return {
+        "blocks_total": kv.blocks_total,
+        "block_size": kv.block_size,
+        "blocks_used_peak": kv.blocks_used_peak,
+        "usage_peak": kv.blocks_used_peak / kv.blocks_total,
+        "preemptions": kv.preemptions,
+        "prefix_cache_queries": kv.prefix_queries,
+        "prefix_cache_hits": kv.prefix_hits,
+    }
 
 
 def _interleaved(target: str, path: Path, options: Options, work: list, text, device) -> tuple[dict, list[dict]]:
@@ -566,6 +583,13 @@ def table(result: dict) -> str:
     )
     ratios = "; ".join(f"{v:.2f}x {k}" for k, v in result["platform_vs"].items())
     text = f"{title}\n{body}\nplatform tok/s = {ratios}\n{_agreement_line(result['agreement'])}"
+    if "kv" in result:
+        kv = result["kv"]
+        text += (
+            f"\nKV pool: peak {kv['blocks_used_peak']} of {kv['blocks_total']} blocks of {kv['block_size']} tokens "
+            f"({kv['usage_peak']:.1%}); {kv['preemptions']} preemptions; prefix cache hits {kv['prefix_cache_hits']} "
+            f"of {kv['prefix_cache_queries']} prompt tokens"
+        )
     if "classifier" in result:
         c = result["classifier"]
         alone, vs_exact, calls = c["added_ttft_ms"], c["added_ttft_ms_vs_exact"], c["classify_ms"]

@@ -442,8 +442,10 @@ class Engine:
         )
 
     def _retire_finished(self) -> None:
+        """Fail the cancelled and expired sequences, active or queued (a queued one may wait for KV
+        blocks a while), and let the finished ones go with their blocks."""
         now = time.monotonic()
-        for seq in self._active:
+        for seq in [*self._active, *self._queued]:
             if seq.done:
                 continue
             if seq.cancelled.is_set():
@@ -451,6 +453,7 @@ class Engine:
                 log.info("request %s cancelled after %d tokens", seq.request.request_id, len(seq.generated))
             elif seq.request.deadline is not None and now >= seq.request.deadline:
                 self._fail(seq, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        self._queued = deque(s for s in self._queued if not s.done)
         for seq in self._active:
             if seq.done:
                 self._release(seq)

@@ -10,6 +10,7 @@ import time
 from contextlib import contextmanager
 
 import grpc
+import torch
 import pytest
 from transformers import AutoModelForCausalLM
 
@@ -189,3 +190,56 @@ def test_fragmentation_counts_the_unfilled_slots_of_held_blocks(model):
         dispatcher.go.set()
         engine.stop()
     assert usage.blocks_used == 2 and usage.fragmentation == pytest.approx(2 / 8)
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True, window_size=(-1, -1)):
+    """flash-attn's ``flash_attn_varlen_func`` as documented, in torch: q [T, H, d], k/v [ΣL, h, d]
+    (h divides H), sequence i's rows cu_q[i]..cu_q[i+1] and keys cu_k[i]..cu_k[i+1]; the causal mask
+    aligned bottom-right; ``window_size[0]`` keys before each query at most (-1: all)."""
+    out = []
+    groups = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)  # [H, n, d]
+        ki, vi = (t[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(groups, 0) for t in (k, v))  # [H, L, d]
+        n, length = qi.shape[1], ki.shape[1]
+        assert n <= max_q and length <= max_k and causal
+        queries, keys = torch.arange(length - n, length)[:, None], torch.arange(length)[None]
+        allowed = keys <= queries
+        if window_size[0] >= 0:
+            allowed &= keys >= queries - window_size[0]
+        out.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=softmax_scale).transpose(0, 1))
+    return torch.cat(out)  # [T, H, d]
+
+
+@pytest.mark.parametrize("kernel", ["per-sequence", "flash-varlen"])
+@pytest.mark.parametrize("arch, overrides", [("mixtral", {"sliding_window": 5}), ("qwen2_moe", {})], ids=["sliding", "full"])
+def test_both_kernels_keep_the_tokens_stock(tiny_checkpoints, monkeypatch, arch, overrides, kernel):
+    """Each kernel on an sdpa model with and without a sliding window; flash-varlen's inputs
+    (cu_seqlens, layouts, window) against a torch model of flash-attn's contract (flash-attn is not
+    installed here)."""
+    import dataclasses
+
+    from expertmesh.serving import paged_attention
+
+    monkeypatch.setattr(paged_attention, "flash_varlen", lambda: _reference_varlen)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(arch, **overrides), experts_implementation="batched_mm").eval()
+    engine = _engine(model, 64, max_step_tokens=8)
+    engine._mask_spec = dataclasses.replace(engine._mask_spec, kernel=kernel)
+    tokens, _ = _run(engine, GREEDY)
+    for r in GREEDY:
+        assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
+
+
+def test_the_varlen_kernel_only_where_it_computes_the_models_attention(monkeypatch):
+    from expertmesh.serving import paged_attention
+    from expertmesh.serving.paged_attention import choose_kernel
+
+    cuda, cpu, half = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    monkeypatch.setattr(paged_attention, "flash_varlen", lambda: _reference_varlen)
+    assert choose_kernel(cuda, "sdpa", False, half) == "flash-varlen"
+    assert choose_kernel(cpu, "sdpa", False, half) == "per-sequence"
+    assert choose_kernel(cuda, "eager", False, half) == "per-sequence", "eager models may have sinks (GPT-OSS)"
+    assert choose_kernel(cuda, "sdpa", True, half) == "per-sequence", "MLA expands its latents"
+    assert choose_kernel(cuda, "sdpa", False, torch.float32) == "per-sequence", "flash-attn takes half precision only"
+    monkeypatch.setattr(paged_attention, "flash_varlen", lambda: None)
+    assert choose_kernel(cuda, "sdpa", False, half) == "per-sequence", "not installed"

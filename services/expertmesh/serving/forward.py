@@ -35,7 +35,16 @@ from torch import nn
 from transformers import DynamicCache
 
 from expertmesh.serving.kv_cache import KVPool, PackedCache
-from expertmesh.serving.paged_attention import FULL, IMPLEMENTATION, SLIDING, STEP, SequenceRows, StepAttention
+from expertmesh.serving.paged_attention import (
+    FULL,
+    IMPLEMENTATION,
+    SLIDING,
+    STEP,
+    AttentionKernel,
+    SequenceRows,
+    StepAttention,
+    choose_kernel,
+)
 
 #: the model's attention implementations that ``paged_attention`` runs per sequence
 PACKED_ATTENTION = ("sdpa", "eager")
@@ -70,13 +79,17 @@ class MaskSpec:
     kinds: tuple[str, ...]  # each attention layer's kind, in layer order
     window: int | None  # tokens a sliding layer sees, itself included
     dtype: torch.dtype
+    kernel: AttentionKernel = "per-sequence"  # paged_attention's, for this model on its device
 
     @classmethod
     def of(cls, model: nn.Module) -> "MaskSpec":
         config = model.config.get_text_config()
         window = getattr(config, "sliding_window", None) or None  # Qwen2-MoE says 0 when it has none
         kinds = getattr(config, "layer_types", None) or [SLIDING if window else FULL] * config.num_hidden_layers
-        return cls(config._attn_implementation, tuple(kinds), window, model.dtype)
+        implementation = config._attn_implementation
+        latent = bool(getattr(config, "kv_lora_rank", None))
+        kernel = choose_kernel(model.device, implementation, latent, model.dtype)
+        return cls(implementation, tuple(kinds), window, model.dtype, kernel)
 
     def unsupported(self) -> str | None:
         """Why the packed step cannot run this model, or None when it can."""
@@ -124,7 +137,9 @@ def pack(chunks: list[Chunk], spec: MaskSpec, pool: KVPool) -> PackedBatch:
     return PackedBatch(
         input_ids=torch.tensor([[t for c in chunks for t in c.token_ids]]),
         positions=torch.from_numpy(np.concatenate([np.arange(c.start, c.start + k) for c, k in zip(chunks, tokens)])),
-        attention=StepAttention(sequences, cache, spec.implementation, spec.kinds, spec.window, spec.dtype, pool.device),
+        attention=StepAttention(
+            sequences, cache, spec.implementation, spec.kinds, spec.window, spec.dtype, pool.device, spec.kernel
+        ),
         logit_rows=torch.tensor(rows, dtype=torch.long),
         rows_per_chunk=[{Rows.NONE: 0, Rows.LAST: 1, Rows.ALL: k}[c.rows] for c, k in zip(chunks, tokens)],
         cache=cache,

@@ -102,3 +102,10 @@ class PackedCache:
         """The step's ``sequence``-th sequence's past on ``layer`` from position ``first``, [1, h, L, d] each."""
         start, end = self._offsets[sequence], self._offsets[sequence + 1]
         return self._pool.read(layer, self._read[start + first : end])
+
+    def pasts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every step sequence's whole past on ``layer``, one after another, [1, h, ΣL, d] each."""
+        return self._pool.read(layer, self._read)
+
+    def past_offsets(self) -> list[int]:
+        return self._offsets

@@ -16,6 +16,13 @@ Work per layer is therefore Σ (chunk × own past) rather than T × Σ past, and
 step's pasts side by side. A module that expands its cached latents after ``cache.update``
 (DeepSeek-V3's multi-head latent attention, ``expand_kv``) gets its past expanded here, per sequence.
 
+Kernels (``KERNELS``, chosen once per model by ``choose_kernel``):
+- ``per-sequence``: the loop above, over each sequence's gathered blocks; every device, every model.
+- ``flash-varlen``: flash-attn's ``flash_attn_varlen_func``, one call per layer for all the step's
+  sequences over their gathered pasts (bottom-right causal, its ``window_size`` for sliding layers);
+  on CUDA, when flash-attn is importable, for plain sdpa models in half precision (no attention
+  sinks, no latent expansion, which it does not take).
+
 Glossary
 - *step layout* (``StepAttention``): for each sequence of the step, where its queries sit among
   the step's T tokens and how long its past was before the step.
@@ -25,15 +32,16 @@ Glossary
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Literal, Protocol, get_args
 
 import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["IMPLEMENTATION", "STEP", "StepAttention", "SequenceRows"]
+__all__ = ["IMPLEMENTATION", "STEP", "StepAttention", "SequenceRows", "AttentionKernel", "choose_kernel"]
 
 IMPLEMENTATION = "expertmesh_paged"
 #: the keyword the step's layout travels under, from the model's forward to this function
@@ -41,9 +49,18 @@ STEP = "expertmesh_step"
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
+AttentionKernel = Literal["per-sequence", "flash-varlen"]
+
+
 class PastReader(Protocol):
     def past(self, layer: int, sequence: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``sequence``'s two cached tensors of ``layer`` from position ``first`` to its end, [1, h, L, d] each."""
+
+    def pasts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every step sequence's whole past of ``layer``, one after another, [1, h, ΣL, d] each."""
+
+    def past_offsets(self) -> list[int]:
+        """Where each sequence's past begins in ``pasts``, and their total: [B + 1]."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,7 @@ class StepAttention:
     window: int | None  # tokens a sliding layer sees, itself included
     dtype: torch.dtype
     device: torch.device | str = "cpu"
+    kernel: AttentionKernel = "per-sequence"
     #: (sequence, kind) -> (first key position, mask [1, 1, n, L]); the same for every layer of a kind
     _masks: dict[tuple[int, str], tuple[int, torch.Tensor]] = field(default_factory=dict)
 
@@ -109,18 +127,9 @@ def _inner(module: torch.nn.Module, implementation: str):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
-def paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,  # [1, H, T, d]
-    key: torch.Tensor,  # the step's new keys (already in the cache: unused)
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """[1, T, H, dv]: each sequence's queries attended over its own past (see the module docstring)."""
-    step: StepAttention = kwargs.pop(STEP)
+def _per_sequence(module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict) -> torch.Tensor:
+    """query [1, H, T, d] -> [1, T, H, dv]: the model's own attention, sequence by sequence."""
     layer = module.layer_idx
-    kind = step.kinds[layer]
     attend = _inner(module, step.implementation)
     expand = getattr(module, "expand_kv", None)  # MLA: the cache holds latents, expanded per use
     out = []
@@ -131,7 +140,63 @@ def paged_attention_forward(
         q = query[:, :, rows.offset : rows.offset + rows.n]  # [1, H, n, d]
         attended, _ = attend(module, q, keys, values, mask, **kwargs)  # [1, n, H, dv]
         out.append(attended)
-    return torch.cat(out, dim=1), None
+    return torch.cat(out, dim=1)
+
+
+@functools.cache
+def flash_varlen() -> Callable | None:
+    """flash-attn's ``flash_attn_varlen_func`` when it is installed, else None."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def _flash_varlen(module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict) -> torch.Tensor:
+    """query [1, H, T, d] -> [1, T, H, d]: one varlen call for all sequences (its causal mask is
+    bottom-right aligned: each chunk's queries are the last of its keys)."""
+    keys, values = step.cache.pasts(module.layer_idx)  # [1, h, ΣL, d] each
+    cu_q = torch.tensor([*(r.offset for r in step.sequences), query.shape[2]], dtype=torch.int32, device=query.device)  # [B+1]
+    cu_k = torch.tensor(step.cache.past_offsets(), dtype=torch.int32, device=query.device)  # [B+1]
+    out = flash_varlen()(
+        query[0].transpose(0, 1).contiguous(),  # [T, H, d]
+        keys[0].transpose(0, 1).contiguous(),  # [ΣL, h, d]
+        values[0].transpose(0, 1).contiguous(),
+        cu_q,
+        cu_k,
+        max(r.n for r in step.sequences),
+        max(r.end for r in step.sequences),
+        softmax_scale=kwargs.get("scaling"),
+        causal=True,
+        window_size=(step.window - 1, 0) if kind == SLIDING else (-1, -1),
+    )  # [T, H, d]
+    return out[None]
+
+
+KERNELS: dict[str, Callable[..., torch.Tensor]] = {"per-sequence": _per_sequence, "flash-varlen": _flash_varlen}
+assert set(KERNELS) == set(get_args(AttentionKernel)), "every kernel the type names, and no other"
+
+
+def choose_kernel(device: torch.device, implementation: str, latent: bool, dtype: torch.dtype) -> AttentionKernel:
+    """``flash-varlen`` where it computes what the model's own attention does (see the module
+    docstring), else ``per-sequence``. ``latent``: the model caches latents it expands (MLA)."""
+    if device.type == "cuda" and implementation == "sdpa" and not latent and dtype in (torch.float16, torch.bfloat16) and flash_varlen() is not None:
+        return "flash-varlen"
+    return "per-sequence"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, d]
+    key: torch.Tensor,  # the step's new keys (already in the cache: unused)
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """[1, T, H, dv]: each sequence's queries attended over its own past (see the module docstring)."""
+    step: StepAttention = kwargs.pop(STEP)
+    return KERNELS[step.kernel](module, query, step, step.kinds[module.layer_idx], kwargs), None
 
 
 AttentionInterface.register(IMPLEMENTATION, paged_attention_forward)

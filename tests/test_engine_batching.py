@@ -243,4 +243,11 @@ def test_pack_lets_each_token_see_its_own_sequence_only(window):
                 for qp in range(chunk.start, end)
             ]
             assert allowed.tolist() == expected
+            _, mask = step.mask(s, kind)
+            if mask is None:  # sdpa then sees all keys (one query) or applies its own causal flag (a whole chunk)
+                n = len(chunk.token_ids)
+                plain = [[True] * len(expected[0])] if n == 1 else torch.ones(n, n).tril().bool().tolist()
+                assert expected == plain
+            else:
+                assert mask[0, 0].tolist() == expected
     assert batch.logit_rows.tolist() == [0, 6, 7, 8, 9] and batch.rows_per_chunk == [1, 0, 1, 3]

@@ -107,8 +107,15 @@ class StepAttention:
             allowed &= keys > queries - self.window
         return first, allowed
 
-    def mask(self, i: int, kind: str) -> tuple[int, torch.Tensor]:
-        """``allowed`` as the model's attention takes it, [1, 1, n, L] on the model's device (built once a step)."""
+    def mask(self, i: int, kind: str) -> tuple[int, torch.Tensor | None]:
+        """``allowed`` as the model's attention takes it, [1, 1, n, L] on the model's device (built once a
+        step), or None where no mask means the same, as in stock decoding and prefill: one query sees
+        its whole key range; sdpa's own causal flag covers a chunk that is its whole key range."""
+        rows = self.sequences[i]
+        first = self.first_key(rows, kind)
+        whole_chunk = rows.start == 0 and (kind == FULL or rows.end <= self.window)
+        if rows.n == 1 or (self.implementation == "sdpa" and whole_chunk):
+            return first, None
         key = (i, kind)
         if key not in self._masks:
             first, allowed = self.allowed(i, kind)

@@ -144,7 +144,7 @@ def test_the_kv_metrics_report_the_pool(model, monkeypatch):
         for metric in sm.metrics
     }
     assert metrics == {
-        "expertmesh.kv.blocks.total": 14,
+        "expertmesh.kv.blocks.capacity": 14,
         "expertmesh.kv.blocks.used": 0,
         "expertmesh.kv.usage": 0.0,
         "expertmesh.kv.fragmentation": 0.0,

@@ -1,9 +1,9 @@
 """The serving engine's KV-cache metrics, read when an exporter collects (``Engine.kv_usage``).
 
 Observable instruments, nothing computed on the data path (vLLM's nearest name in brackets, for
-porting dashboards):
+porting dashboards; in Prometheus the dots are underscores and counters end in ``_total``):
 
-- ``expertmesh.kv.blocks.total``: blocks in the pool (``vllm:num_gpu_blocks`` of ``cache_config_info``)
+- ``expertmesh.kv.blocks.capacity``: blocks in the pool (``vllm:num_gpu_blocks`` of ``cache_config_info``)
 - ``expertmesh.kv.blocks.used``: blocks held by sequences
 - ``expertmesh.kv.usage``: used / total, 0..1 (``vllm:kv_cache_usage_perc``)
 - ``expertmesh.kv.fragmentation``: allocated slots no token fills yet / allocated slots, 0..1
@@ -27,7 +27,7 @@ __all__ = ["register_kv_metrics"]
 
 #: name -> (what it reads of KVUsage, counter?, unit, description)
 _INSTRUMENTS: dict[str, tuple[Callable[["KVUsage"], float], bool, str, str]] = {
-    "expertmesh.kv.blocks.total": (lambda u: u.blocks_total, False, "{block}", "KV-cache blocks in the pool"),
+    "expertmesh.kv.blocks.capacity": (lambda u: u.blocks_total, False, "{block}", "KV-cache blocks in the pool"),
     "expertmesh.kv.blocks.used": (lambda u: u.blocks_used, False, "{block}", "KV-cache blocks held by sequences"),
     "expertmesh.kv.usage": (lambda u: u.usage, False, "1", "KV-cache blocks used / total"),
     "expertmesh.kv.fragmentation": (

@@ -243,3 +243,35 @@ def test_the_varlen_kernel_only_where_it_computes_the_models_attention(monkeypat
     assert choose_kernel(cuda, "sdpa", False, torch.float32) == "per-sequence", "flash-attn takes half precision only"
     monkeypatch.setattr(paged_attention, "flash_varlen", lambda: None)
     assert choose_kernel(cuda, "sdpa", False, half) == "per-sequence", "not installed"
+
+
+def test_a_prompt_under_another_routing_policy_shares_no_blocks():
+    """A routing policy changes the gates, so every later layer's keys and values: the same prompt
+    under dynamic_k takes none of the blocks an exact request left in the prefix cache, and gets the
+    tokens it gets with no cache at all."""
+    from expertmesh.router.gate_hook import GateBias
+    from expertmesh.router.routing_policy import RequestRouting, parse_policy
+    from test_routing_policy import _LocalDispatcher, _model
+
+    model = _model("mixtral")
+    gate_bias = GateBias(model)
+    k, e = model.config.num_experts_per_tok, next(iter(gate_bias.num_experts.values()))
+    prompt = tuple(range(10, 23))  # three full blocks
+    exact = GenerationRequest("exact", prompt, max_new_tokens=6, stop_at_eos=False)
+    widened = GenerationRequest("dyn", prompt, max_new_tokens=6, stop_at_eos=False,
+                                routing=RequestRouting(parse_policy("dynamic_k", {"threshold": 1.0}, k, e)))
+
+    def serve(requests, prefix_caching):
+        limits = EngineLimits(8, 8, kv_cache_bytes=32 * BLOCK * token_bytes(model.config, model.dtype),
+                              kv_block_size=BLOCK, prefix_caching=prefix_caching)
+        engine = Engine(model, None, _LocalDispatcher(gate_bias), limits, max_context=64).start()
+        try:
+            tokens = [_tokens(list(engine.submit(r))) for r in requests]  # one after the other
+            return tokens, engine.kv_usage()
+        finally:
+            engine.stop()
+
+    (exact_tokens, widened_tokens), usage = serve([exact, widened], prefix_caching=True)
+    [widened_alone], _ = serve([widened], prefix_caching=False)
+    assert usage.prefix_hits == 0 and usage.prefix_queries == 3 * BLOCK, "only the exact request looked"
+    assert widened_tokens == widened_alone and exact_tokens == stock_greedy(model, prompt, 6)

@@ -371,7 +371,11 @@ class Engine:
             seq.cache = DynamicCache(config=self._model.config)
             return True
         size, tokens = self._pool.block_size, len(seq.request.prompt_ids) + len(seq.generated)
-        if self.limits.prefix_caching and not seq.prefix:
+        routing = seq.request.routing
+        # A routing policy other than exact changes the gates, hence every later layer's keys and values:
+        # only stock-routed prompts share blocks.
+        stock_routed = routing is None or routing.policy.is_exact
+        if self.limits.prefix_caching and stock_routed and not seq.prefix:
             seq.prefix = prefix_hashes(seq.request.prompt_ids, size)
         # Score wants every prompt position's logits, and at least one token must go through the model
         reusable = [] if seq.request.score_only else seq.prefix[: (tokens - 1) // size]

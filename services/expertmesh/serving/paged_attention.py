@@ -202,7 +202,9 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """[1, T, H, dv]: each sequence's queries attended over its own past (see the module docstring)."""
-    step: StepAttention = kwargs.pop(STEP)
+    step: StepAttention | None = kwargs.pop(STEP, None)
+    if step is None:  # another forward of the model while a step runs would get no causal mask: refuse it
+        raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside the serving engine's step")
     return KERNELS[step.kernel](module, query, step, step.kinds[module.layer_idx], kwargs), None
 
 

@@ -275,3 +275,26 @@ def test_a_prompt_under_another_routing_policy_shares_no_blocks():
     [widened_alone], _ = serve([widened], prefix_caching=False)
     assert usage.prefix_hits == 0 and usage.prefix_queries == 3 * BLOCK, "only the exact request looked"
     assert widened_tokens == widened_alone and exact_tokens == stock_greedy(model, prompt, 6)
+
+
+def test_a_failed_sequence_leaves_nothing_in_the_prefix_cache(model):
+    """A request whose logits came out broken (as a broken expert's would) fails alone; its prompt's
+    blocks, which that step computed, are not offered to later requests."""
+    import math
+
+    engine = _engine(model, 32)
+    advance_step = engine._advance_step
+
+    def corrupting(work, logits):  # logits: per chunk, [rows, V] or None
+        return advance_step(work, [None if rows is None else torch.full_like(rows, math.nan) for rows in logits])
+
+    engine._advance_step = corrupting
+    prompt = tuple(range(10, 23))  # three full blocks
+    engine.start()
+    try:
+        (failed,) = [e for e in engine.submit(GenerationRequest("bad", prompt, max_new_tokens=4)) if isinstance(e, ErrorEvent)]
+        assert engine.drain(timeout=30)
+        assert engine._blocks.cached() == 0 and engine.kv_usage().blocks_used == 0
+    finally:
+        engine.stop()
+    assert failed.code == grpc.StatusCode.INTERNAL

@@ -28,8 +28,8 @@ Glossary
   runs the stock gates untouched.
 
 The step's attention (``serving.paged_attention``) lets each query see only
-its own sequence's past, and every other layer works row by row, so a sequence's tokens are what they
-would be if it were served alone: in float32 greedy output is token-identical
+its own sequence's past, and every other layer works row by row, so a
+sequence's tokens are what they would be if it were served alone: in float32 greedy output is token-identical
 (checked on every architecture we verify); in bfloat16 a batch moves logits by
 a rounding step at most, as batched expert dispatch always did, which can turn
 an exact near-tie. Sampling is the engine's own, per sequence, with its own
@@ -138,6 +138,8 @@ class Sequence:
     score_logits: list[torch.Tensor] = field(default_factory=list)
     generator: torch.Generator | None = None
     done: bool = False
+    #: it ended with an error (its blocks may hold what a broken step computed: never cached)
+    failed: bool = False
     #: the caller's trace context: this sequence's step spans belong to its request's trace
     trace_context: otel_context.Context | None = None
 
@@ -426,6 +428,8 @@ class Engine:
         if self._blocks is None or not self.limits.prefix_caching:
             return
         for seq, _ in work:
+            if seq.failed:
+                continue
             full = min(seq.fed, len(seq.request.prompt_ids)) // self._pool.block_size
             for j in range(seq.published, min(full, len(seq.prefix))):
                 self._blocks.publish(seq.blocks[j], seq.prefix[j])
@@ -632,4 +636,4 @@ class Engine:
 
     def _fail(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
         seq.events.put(ErrorEvent(code, message))
-        seq.done = True
+        seq.done = seq.failed = True

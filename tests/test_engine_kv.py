@@ -18,6 +18,7 @@ from expertmesh.errors import InvalidRequest
 from expertmesh.serving.engine import Engine, EngineLimits, ErrorEvent, GenerationRequest, TokenEvent
 from expertmesh.serving.kv_cache import token_bytes
 from expertmesh.serving.sampling import SamplingParams
+from expertmesh.tiny import MOE_ARCHITECTURES
 from helpers import stock_greedy
 from test_engine_batching import StepDispatcher, _serve, _tokens
 
@@ -298,3 +299,17 @@ def test_a_failed_sequence_leaves_nothing_in_the_prefix_cache(model):
     finally:
         engine.stop()
     assert failed.code == grpc.StatusCode.INTERNAL
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_preempted_and_prefix_cached_sequences_match_stock_on_every_architecture(tiny_checkpoints, arch):
+    """Three prompts with a shared two-block prefix, 25 tokens each (7 blocks) in a pool of 12: the
+    newest are preempted and, computed again, take the cached prefix; every stream is stock greedy
+    (DeepSeek-V3's latents and GPT-OSS's sliding window and sinks included)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(arch), experts_implementation="batched_mm").eval()
+    shared = tuple(range(20, 28))
+    requests = [GenerationRequest(f"r{i}", (*shared, 40 + i, 41, 42), max_new_tokens=14, stop_at_eos=False) for i in range(3)]
+    tokens, usage = _run(_engine(model, 12, max_step_tokens=8), requests)
+    assert usage.preemptions > 0 and usage.prefix_hits > 0
+    for r in requests:
+        assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id

@@ -313,3 +313,22 @@ def test_preempted_and_prefix_cached_sequences_match_stock_on_every_architecture
     assert usage.preemptions > 0 and usage.prefix_hits > 0
     for r in requests:
         assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
+
+
+def test_queue_time_is_recorded_once_per_request_even_when_preempted(model, monkeypatch):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from expertmesh.serving import engine as engine_module
+
+    reader = InMemoryMetricReader()
+    monkeypatch.setattr(engine_module, "meter", lambda: MeterProvider(metric_readers=[reader]).get_meter("expertmesh"))
+    _, usage = _run(_engine(model, 14), [*GREEDY, SAMPLED])
+    (histogram,) = [
+        m.data.data_points[0]
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "expertmesh.request.queue_time"
+    ]
+    assert usage.preemptions > 0 and histogram.count == 5

@@ -69,7 +69,7 @@ from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, token_bytes
 from expertmesh.serving.sampling import SamplingParams, greedy_tokens, make_generator, next_token, require_finite
 from expertmesh.serving.schedule import step_tokens
 from expertmesh.serving.text_stream import TextStream
-from expertmesh.telemetry.setup import tracer
+from expertmesh.telemetry.setup import meter, tracer
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,9 @@ class Sequence:
     failed: bool = False
     #: the caller's trace context: this sequence's step spans belong to its request's trace
     trace_context: otel_context.Context | None = None
+    #: time.monotonic() at submit, and whether it has joined the steps yet (its queue time ends then)
+    submitted: float = field(default_factory=time.monotonic)
+    joined: bool = False
 
     def cancel(self) -> None:
         """Free this sequence at the next step boundary (the caller went away)."""
@@ -250,6 +253,9 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="expertmesh-engine", daemon=True)
         self.steps = 0
+        self._queue_time = meter().create_histogram(
+            "expertmesh.request.queue_time", unit="s", description="submit to first joining a step (waiting for a slot or KV blocks)"
+        )
 
     @staticmethod
     def _kv_pool(model, limits: EngineLimits, max_context: int) -> tuple[BlockPool, KVPool]:
@@ -347,7 +353,7 @@ class Engine:
                     return
                 self._retire_finished()
                 while self._queued and len(self._active) < self.limits.max_active and self._admit(self._queued[0]):
-                    self._active.append(self._queued.popleft())
+                    self._join(self._queued.popleft())
                 self._grow()
                 self._note_kv()
                 batch = list(self._active)
@@ -391,6 +397,12 @@ class Engine:
         self._kv_counts["prefix_hits"] += len(shared) * size
         seq.blocks, seq.fed, seq.published = shared + own, len(shared) * size, len(shared)
         return True
+
+    def _join(self, seq: Sequence) -> None:
+        self._active.append(seq)
+        if not seq.joined:  # a preempted sequence joining again waited in no client's queue
+            seq.joined = True
+            self._queue_time.record(time.monotonic() - seq.submitted)
 
     def _grow(self) -> None:
         """Give each active sequence the block its next token needs, preempting the newest ones while

@@ -45,6 +45,7 @@ PROMETHEUS_METRICS = frozenset(
         "expertmesh_inter_token_latency_seconds_bucket",
         "expertmesh_active_parameters_per_token",
         "expertmesh_errors_total",
+        "expertmesh_request_queue_time_seconds_bucket",
         "expertmesh_kv_blocks_capacity",
         "expertmesh_kv_blocks_used",
         "expertmesh_kv_usage",

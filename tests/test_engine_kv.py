@@ -332,3 +332,30 @@ def test_queue_time_is_recorded_once_per_request_even_when_preempted(model, monk
         if m.name == "expertmesh.request.queue_time"
     ]
     assert usage.preemptions > 0 and histogram.count == 5
+
+
+def test_a_sliding_window_model_gives_back_the_blocks_behind_its_window(tiny_checkpoints):
+    """Every layer sees 5 tokens: three sequences of 24 tokens (6 blocks each, 18 in all) run in 10
+    blocks without a preemption, as each holds only the blocks its window reaches; the tokens are stock."""
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoints("mixtral", sliding_window=5), experts_implementation="batched_mm"
+    ).eval()
+    tokens, usage = _run(_engine(model, 10, max_step_tokens=8), GREEDY[:3])
+    assert usage.preemptions == 0 and usage.blocks_used_peak <= 10 and usage.blocks_used == 0
+    for r in GREEDY[:3]:
+        assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
+
+
+def test_pack_reads_a_sequence_from_its_first_held_block():
+    from expertmesh.serving.forward import Chunk, MaskSpec, Rows, pack
+    from expertmesh.serving.kv_blocks import FREED
+    from expertmesh.serving.kv_cache import KVPool
+
+    spec = MaskSpec("sdpa", ("sliding_attention",), 3, torch.float32)
+    batch = pack([Chunk([FREED, 2], (9,), 6, Rows.LAST), Chunk([1], (5, 6), 0, Rows.LAST)], spec, KVPool(4, 4))
+    cache = batch.cache
+    assert cache._write.tolist() == [10, 4, 5] and cache._read.tolist() == [8, 9, 10, 4, 5]
+    assert cache.past_offsets() == [0, 3, 5] and cache._bases == [4, 0]
+    assert batch.attention.first_key(batch.attention.sequences[0], "sliding_attention") == 4
+    with pytest.raises(ValueError, match="position 3 of step sequence 0 is in a block it gave back"):
+        cache.past(0, 0, 3)

@@ -16,7 +16,9 @@ Glossary
   A queued sequence joins only when its whole prompt's blocks fit (taking them
   then, and first any cached blocks of its prompt's prefix); a decoding one takes
   one more block each ``kv_block_size`` tokens; finished, failed and cancelled
-  ones give theirs back.
+  ones give theirs back. On a model whose every layer is sliding-window, a
+  sequence also gives back each block once every key its next tokens see lies
+  past it.
 - *preemption*: when a decoding sequence needs a block and none is free, the
   newest active sequence gives its blocks back and goes to the front of the
   queue with its prompt and generated tokens, to be computed again when it fits:
@@ -63,8 +65,8 @@ from expertmesh.errors import ExpertMeshError, InvalidRequest, Overloaded, Shutt
 from expertmesh.router import degraded
 from expertmesh.router.dispatch import ExpertDispatcher
 from expertmesh.router.routing_policy import RequestRouting, step_routing
-from expertmesh.serving.forward import Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
-from expertmesh.serving.kv_blocks import BlockPool, PoolExhausted, blocks_for, prefix_hashes
+from expertmesh.serving.forward import SLIDING, Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
+from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, blocks_for, prefix_hashes
 from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, token_bytes
 from expertmesh.serving.sampling import SamplingParams, greedy_tokens, make_generator, next_token, require_finite
 from expertmesh.serving.schedule import step_tokens
@@ -127,8 +129,9 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     #: its past under the per-sequence fallback (under the packed step: ``blocks``)
     cache: DynamicCache | None = None
-    #: its block table in the packed step's KV pool
+    #: its block table in the packed step's KV pool, and how many of its first entries it gave back
     blocks: list[int] = field(default_factory=list)
+    dropped: int = 0
     #: the prefix hash of each full block of its prompt, and how many of its blocks are in the prefix cache
     prefix: list[int] = field(default_factory=list)
     published: int = 0
@@ -243,6 +246,8 @@ class Engine:
         if unsupported is not None:
             log.warning("%s serves one forward per sequence: %s", type(model).__name__, unsupported)
         self._blocks, self._pool = self._kv_pool(model, limits, max_context) if self.batching.packed else (None, None)
+        #: tokens every layer sees, when every layer is sliding-window (blocks before them are given back)
+        self._window = self._mask_spec.window if set(self._mask_spec.kinds) == {SLIDING} else None
         self._kv_counts = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0, "peak": 0}
         eos = model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -354,6 +359,7 @@ class Engine:
                 self._retire_finished()
                 while self._queued and len(self._active) < self.limits.max_active and self._admit(self._queued[0]):
                     self._join(self._queued.popleft())
+                self._slide()
                 self._grow()
                 self._note_kv()
                 batch = list(self._active)
@@ -404,6 +410,19 @@ class Engine:
             seq.joined = True
             self._queue_time.record(time.monotonic() - seq.submitted)
 
+    def _slide(self) -> None:
+        """Under a sliding window on every layer, give back the blocks wholly before the first key the
+        next token of each sequence sees (position ``fed - window + 1``)."""
+        if self._blocks is None or self._window is None:
+            return
+        size = self._pool.block_size
+        for seq in self._active:
+            drop = max(0, seq.fed - self._window + 1) // size
+            if drop > seq.dropped:
+                self._blocks.release(seq.blocks[seq.dropped : drop])
+                seq.blocks[seq.dropped : drop] = [FREED] * (drop - seq.dropped)
+                seq.dropped = drop
+
     def _grow(self) -> None:
         """Give each active sequence the block its next token needs, preempting the newest ones while
         none is free."""
@@ -432,8 +451,8 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         if self._blocks is not None:
-            self._blocks.release(seq.blocks)
-            seq.blocks, seq.published = [], 0
+            self._blocks.release(seq.blocks[seq.dropped :])
+            seq.blocks, seq.published, seq.dropped = [], 0, 0
 
     def _publish(self, work: list[tuple[Sequence, Chunk]]) -> None:
         """Offer the prompt blocks this step filled to the prefix cache."""
@@ -443,7 +462,7 @@ class Engine:
             if seq.failed:
                 continue
             full = min(seq.fed, len(seq.request.prompt_ids)) // self._pool.block_size
-            for j in range(seq.published, min(full, len(seq.prefix))):
+            for j in range(max(seq.published, seq.dropped), min(full, len(seq.prefix))):
                 self._blocks.publish(seq.blocks[j], seq.prefix[j])
             seq.published = max(seq.published, full)
 
@@ -452,8 +471,8 @@ class Engine:
         if self._blocks is None:
             return
         used, size = self._blocks.used(), self._pool.block_size
-        allocated = sum(len(s.blocks) for s in self._active) * size
-        unfilled = sum(len(s.blocks) * size - s.fed for s in self._active)
+        allocated = sum(len(s.blocks) - s.dropped for s in self._active) * size
+        unfilled = sum(len(s.blocks) * size - s.fed for s in self._active)  # given-back blocks were full
         counts = self._kv_counts
         counts["peak"] = max(counts["peak"], used)
         self._kv_usage = KVUsage(

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from expertmesh.serving.kv_blocks import FREED
 from expertmesh.serving.kv_cache import KVPool, PackedCache
 from expertmesh.serving.paged_attention import (
     FULL,
@@ -119,14 +120,19 @@ def pack(chunks: list[Chunk], spec: MaskSpec, pool: KVPool) -> PackedBatch:
     tokens = [len(c.token_ids) for c in chunks]
     offsets = np.cumsum([0, *tokens[:-1]]).tolist()  # each chunk's first row of T
     sequences = [SequenceRows(offset, n, c.start) for c, offset, n in zip(chunks, offsets, tokens)]
-    # Each sequence's slots of positions 0 .. its end, from its block table; built in numpy, as a torch
-    # op per chunk costs more than the arithmetic it does.
+    # Each sequence's slots from its first held block to its end, from its block table; built in numpy,
+    # as a torch op per chunk costs more than the arithmetic it does.
     size = pool.block_size
-    slots = [_slots(c.cache, c.start + n, size) for c, n in zip(chunks, tokens)]
+    bases = [_held_from(c.cache) * size for c in chunks]
+    slots = [_slots(c.cache, base, c.start + n, size) for c, base, n in zip(chunks, bases, tokens)]
     read_offsets = np.cumsum([0, *(len(s) for s in slots)]).tolist()
-    writes = np.concatenate([s[c.start :] for c, s in zip(chunks, slots)])  # [T]
+    writes = np.concatenate([s[c.start - base :] for c, base, s in zip(chunks, bases, slots)])  # [T]
     cache = PackedCache(
-        pool, torch.from_numpy(writes).to(pool.device), torch.from_numpy(np.concatenate(slots)).to(pool.device), read_offsets
+        pool,
+        torch.from_numpy(writes).to(pool.device),
+        torch.from_numpy(np.concatenate(slots)).to(pool.device),
+        read_offsets,
+        bases,
     )
     rows = []
     for chunk, offset, k in zip(chunks, offsets, tokens):
@@ -146,9 +152,17 @@ def pack(chunks: list[Chunk], spec: MaskSpec, pool: KVPool) -> PackedBatch:
     )
 
 
-def _slots(table: list[int], end: int, block_size: int) -> np.ndarray:
-    """The pool slots of positions 0 .. end - 1 of a sequence with block table ``table``, [end]."""
-    positions = np.arange(end)
+def _held_from(table: list[int]) -> int:
+    """The first entry of ``table`` that is not ``FREED`` (the blocks a sliding-window sequence gave back lead)."""
+    held = 0
+    while table[held] == FREED:
+        held += 1
+    return held
+
+
+def _slots(table: list[int], first: int, end: int, block_size: int) -> np.ndarray:
+    """The pool slots of positions first .. end - 1 of a sequence with block table ``table``, [end - first]."""
+    positions = np.arange(first, end)
     return np.asarray(table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
 
 

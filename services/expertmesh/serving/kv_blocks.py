@@ -5,7 +5,9 @@ Glossary
   attention layer at once (``kv_cache.KVPool`` holds the tensors); identified by
   its index ``0 .. num_blocks - 1``.
 - *block table*: a sequence's blocks in position order: position p lives in
-  block ``table[p // block_size]`` at offset ``p % block_size``.
+  block ``table[p // block_size]`` at offset ``p % block_size``. Leading entries
+  may be ``FREED``: blocks a sliding-window model's sequence gave back once every
+  key its next tokens see lay past them.
 - *reference count*: how many live sequences' tables hold a block. A block at
   zero is free: on the free list, or, when it holds a cached prefix, *evictable*.
 - *prefix hash*: a full block of prompt tokens is named by the hash of its tokens
@@ -26,7 +28,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ["BlockPool", "PoolExhausted", "blocks_for", "prefix_hashes"]
+__all__ = ["BlockPool", "FREED", "PoolExhausted", "blocks_for", "prefix_hashes"]
+
+#: a block-table entry whose block was given back (see the glossary)
+FREED = -1
 
 #: the hash chain's seed: the "prefix" of a prompt's first block
 _ROOT = 0

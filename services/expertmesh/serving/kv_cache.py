@@ -81,14 +81,18 @@ class PackedCache:
     """The ``cache`` of one packed forward over the pool.
 
     ``write_slots`` [T]: where each of the step's tokens goes; ``read_slots`` [ΣL]: every step sequence's
-    slots of positions 0 .. its end, one sequence after another; ``read_offsets[i]``: where sequence i's begin.
+    slots of positions ``read_bases[i]`` .. its end, one sequence after another (a sequence's base is
+    past the blocks it gave back, else 0); ``read_offsets[i]``: where sequence i's begin.
     """
 
-    def __init__(self, pool: KVPool, write_slots: torch.Tensor, read_slots: torch.Tensor, read_offsets: list[int]):
+    def __init__(
+        self, pool: KVPool, write_slots: torch.Tensor, read_slots: torch.Tensor, read_offsets: list[int], read_bases: list[int]
+    ):
         self._pool = pool
         self._write = write_slots
         self._read = read_slots
         self._offsets = read_offsets
+        self._bases = read_bases
 
     def update(
         self, first: torch.Tensor, second: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -100,11 +104,13 @@ class PackedCache:
 
     def past(self, layer: int, sequence: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's ``sequence``-th sequence's past on ``layer`` from position ``first``, [1, h, L, d] each."""
-        start, end = self._offsets[sequence], self._offsets[sequence + 1]
-        return self._pool.read(layer, self._read[start + first : end])
+        start, end, base = self._offsets[sequence], self._offsets[sequence + 1], self._bases[sequence]
+        if first < base:
+            raise ValueError(f"position {first} of step sequence {sequence} is in a block it gave back (from {base} on)")
+        return self._pool.read(layer, self._read[start + first - base : end])
 
     def pasts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every step sequence's whole past on ``layer``, one after another, [1, h, ΣL, d] each."""
+        """Every step sequence's past on ``layer`` from its base, one after another, [1, h, ΣL, d] each."""
         return self._pool.read(layer, self._read)
 
     def past_offsets(self) -> list[int]:

@@ -57,7 +57,8 @@ class PastReader(Protocol):
         """Sequence ``sequence``'s two cached tensors of ``layer`` from position ``first`` to its end, [1, h, L, d] each."""
 
     def pasts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every step sequence's whole past of ``layer``, one after another, [1, h, ΣL, d] each."""
+        """Every step sequence's past of ``layer`` from its first held block, one after another, [1, h, ΣL, d]
+        each (a sequence of a sliding-window model may have given back the blocks behind its window)."""
 
     def past_offsets(self) -> list[int]:
         """Where each sequence's past begins in ``pasts``, and their total: [B + 1]."""

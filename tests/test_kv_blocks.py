@@ -1,5 +1,5 @@
 """The KV block allocator on plain data: allocation, reference counts, the prefix cache's hashes
-and its least-recently-used eviction, exhaustion."""
+and its least-recently-used eviction, exhaustion; and the automatic pool size's memory bound."""
 
 import pytest
 
@@ -90,3 +90,14 @@ def test_eviction_reuses_the_least_recently_used_cached_block_first():
     assert pool.match([h[1]]) == [], "an evicted block's prefix is gone from the cache"
     assert pool.allocate(1) == [blocks[2]] and pool.allocate(1) == [blocks[0]]
     assert pool.cached() == 0 and pool.available() == 0
+
+
+def test_an_automatic_cpu_pool_stays_within_the_containers_memory_limit():
+    from expertmesh.serving.kv_cache import host_free_bytes
+
+    gib = 1 << 30
+    assert host_free_bytes(64 * gib, None, None) == 64 * gib, "not in a cgroup v2 container"
+    assert host_free_bytes(64 * gib, "max\n", f"{gib}\n") == 64 * gib, "a container without a limit"
+    assert host_free_bytes(64 * gib, f"{8 * gib}\n", f"{3 * gib}\n") == 5 * gib, "a pod limited to 8 GiB, 3 in use"
+    assert host_free_bytes(2 * gib, f"{8 * gib}\n", f"{gib}\n") == 2 * gib, "the node has less free than the limit allows"
+    assert host_free_bytes(64 * gib, f"{gib}\n", f"{2 * gib}\n") == 0

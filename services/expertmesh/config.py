@@ -116,8 +116,9 @@ class ServingConfig(BaseSettings):
     kv_cache_bytes: int | None = Field(
         None,
         ge=0,
-        description="bytes of the KV-cache pool (unset or 0: a quarter of the host's available memory on CPU, half the "
-        "device's free memory on a GPU, at most what max_active_sequences full contexts need)",
+        description="bytes of the KV-cache pool (unset or 0: a quarter of the host's available memory on CPU, within "
+        "the container's memory limit, half the device's free memory on a GPU, at most what max_active_sequences "
+        "full contexts need)",
     )
     kv_block_size: int = Field(16, ge=1, description="token positions per KV-cache block")
     prefix_caching: bool = Field(True, description="share the KV blocks of equal prompt prefixes between requests")

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-__all__ = ["KVPool", "PackedCache", "token_bytes", "auto_cache_bytes"]
+__all__ = ["KVPool", "PackedCache", "token_bytes", "auto_cache_bytes", "host_free_bytes"]
 
 #: of the memory there is when the engine starts, what an automatic pool takes: the host's
 #: available memory on CPU, the device's free memory on a GPU (activations need the rest)
@@ -39,13 +39,34 @@ def token_bytes(config, dtype: torch.dtype) -> int:
     return layers * width * torch.empty((), dtype=dtype).element_size()
 
 
+#: cgroup v2's memory limit and use of this process's container (absent outside one, or under v1)
+CGROUP_MEMORY = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
+
+
 def auto_cache_bytes(device: torch.device) -> int:
-    """The pool size when none is set: a fraction (``AUTO_FRACTION``) of what the device has free."""
+    """The pool size when none is set: a fraction (``AUTO_FRACTION``) of what the device has free
+    (on CPU, within the container's memory limit when there is one: a pod's limit, not the node's memory)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = host_free_bytes(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), *map(_read, CGROUP_MEMORY))
     return int(free * AUTO_FRACTION.get(device.type, AUTO_FRACTION["cpu"]))
+
+
+def host_free_bytes(available: int, limit: str | None, current: str | None) -> int:
+    """The host's ``available`` bytes, or less when the cgroup's ``limit`` ("max": none) minus its
+    ``current`` use is less (both as cgroup v2 writes them; None: not in such a cgroup)."""
+    if limit is None or current is None or limit.strip() == "max":
+        return available
+    return max(0, min(available, int(limit) - int(current)))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 class KVPool:

@@ -359,3 +359,10 @@ def test_pack_reads_a_sequence_from_its_first_held_block():
     assert batch.attention.first_key(batch.attention.sequences[0], "sliding_attention") == 4
     with pytest.raises(ValueError, match="position 3 of step sequence 0 is in a block it gave back"):
         cache.past(0, 0, 3)
+
+
+def test_the_pool_is_reported_before_the_first_step(model):
+    engine = _engine(model, 9)
+    assert engine.kv_usage() == engine.kv_usage().__class__(9, 0, BLOCK, 0.0)
+    fallback = Engine(model, None, StepDispatcher(), EngineLimits(4, 4), max_context=64, packed=False)
+    assert fallback.kv_usage() is None

@@ -261,6 +261,8 @@ class Engine:
         self._queue_time = meter().create_histogram(
             "expertmesh.request.queue_time", unit="s", description="submit to first joining a step (waiting for a slot or KV blocks)"
         )
+        self._kv_usage: KVUsage | None = None
+        self._note_kv()  # the empty pool, reported before the first step
 
     @staticmethod
     def _kv_pool(model, limits: EngineLimits, max_context: int) -> tuple[BlockPool, KVPool]:
@@ -339,8 +341,8 @@ class Engine:
             )
 
     def kv_usage(self) -> KVUsage | None:
-        """The KV pool's use (None under the per-sequence fallback, which has no pool)."""
-        return getattr(self, "_kv_usage", None)
+        """The KV pool's use at the latest step boundary (None under the per-sequence fallback, which has no pool)."""
+        return self._kv_usage
 
     def load(self) -> tuple[int, int]:
         """(active, queued) sequences right now."""

@@ -61,6 +61,7 @@ def test_percentile_and_int_lists():
         (["serve", "--repeats", "0"], "--repeats must be at least 1"),
         (["serve", "--prompt-tokens", "100", "--max-new-tokens", "64"], f"above the model's context of {CONTEXT}"),
         (["serve", "--clients", "0"], "--clients must be at least 1"),
+        (["serve", "--sweep", "1,x"], "--sweep takes positive integers separated by commas"),
         (["serve", "--target", "127.0.0.1:1"], "cannot reach `expertmesh up` at 127.0.0.1:1"),
         (["serve", "--classifier", "--prompt-tokens", "8"], "no query of the classifier's eval split fits --prompt-tokens 8"),
     ],
@@ -194,6 +195,10 @@ def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
         assert result["platform_vs"][r["name"]] == pytest.approx(platform["tokens_per_s"] / r["tokens_per_s"])
     assert result["agreement"] == {"requests": 4, "differ": [], "passed": True}
     assert platform["token_ids"] == result["runs"][1]["token_ids"] and all(len(t) == 3 for t in platform["token_ids"])
+    kv = result["kv"]
+    assert 0 < kv["blocks_used_peak"] <= kv["blocks_total"] and kv["usage_peak"] == kv["blocks_used_peak"] / kv["blocks_total"]
+    assert kv["preemptions"] == 0 and kv["prefix_cache_queries"] >= kv["prefix_cache_hits"] >= 0
+    assert f"KV pool: peak {kv['blocks_used_peak']} of {kv['blocks_total']} blocks" in out
     # The baseline's tokens are plain argmax decoding (end-of-sequence allowed, as stop_at_eos=False streams it).
     from transformers import AutoModelForCausalLM
 
@@ -260,3 +265,21 @@ def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, 
             assert all(p.startswith("[expertmesh] bench serve:") for p in progress)
         finally:
             server.drain_and_stop()
+
+
+@slow
+def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_session, tmp_path):
+    out_file = tmp_path / "sweep.json"
+    code, out, _ = _run(
+        capsys, "serve", "--model", checkpoint, "--sweep", "1,2", "--requests-per-client", 1,
+        "--max-new-tokens", 3, "--prompt-tokens", 16, "--out", out_file,
+    )
+    assert code == 0
+    result = json.loads(out_file.read_text())
+    assert result["benchmark"] == "serve-sweep" and [p["clients"] for p in result["points"]] == [1, 2]
+    assert "bench serve --sweep" in out and "generate batched tok/s" in out
+    for p in result["points"]:
+        runs = p["result"]["runs"]
+        assert runs[0]["concurrency"] == p["clients"] and runs[-1]["name"] == f"transformers generate, batched x{p['clients']}"
+        assert p["ratio_to_batched"] == pytest.approx(p["platform_tokens_per_s"] / p["generate_batched_tokens_per_s"])
+        assert p["same_answers"] and p["preemptions"] == 0 and 0 < p["kv_usage_peak"] <= 1

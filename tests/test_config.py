@@ -200,3 +200,16 @@ def test_orchestrator_takes_the_same_settings(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EXPERTMESH_MODEL", str(tmp_path))
     line = _one_error_line(capsys, ["orchestrator", "--config", _file(tmp_path, {"redis": {"external": {"url": "memory://"}}})])
     assert line == "expertmesh orchestrator: error: --placement (or EXPERTMESH_PLACEMENT, or placement in --config) is required"
+
+
+def test_kv_cache_settings_from_flags_file_and_environment(tmp_path, monkeypatch):
+    assert (ServingConfig().kv_cache_bytes, ServingConfig().kv_block_size, ServingConfig().prefix_caching) == (None, 16, True)
+    args = _up("--kv-cache-bytes", 1 << 20, "--kv-block-size", 8, "--prefix-caching", "false")
+    serving = settings_from_args(ServingConfig, args)
+    assert (serving.kv_cache_bytes, serving.kv_block_size, serving.prefix_caching) == (1 << 20, 8, False)
+    monkeypatch.setenv("EXPERTMESH_PREFIX_CACHING", "false")
+    path = _file(tmp_path, {"kv_block_size": 32})
+    serving = settings_from_args(ServingConfig, _up("--config", path))
+    assert (serving.kv_block_size, serving.prefix_caching) == (32, False)
+    with pytest.raises(SystemExit):
+        _up("--prefix-caching", "maybe")

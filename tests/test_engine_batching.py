@@ -22,7 +22,7 @@ from expertmesh.checkpoint import experts_modules
 from expertmesh.router.dispatch import IMPLEMENTATION, ExpertDispatcher
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, ScoreEvent, TokenEvent
 from expertmesh.serving.forward import FULL, SLIDING, Chunk, MaskSpec, Rows, pack
-from expertmesh.serving.kv_cache import SequenceKV
+from expertmesh.serving.kv_cache import KVPool
 from expertmesh.serving.sampling import SamplingParams
 from expertmesh.tiny import MOE_ARCHITECTURES
 from helpers import stock_greedy
@@ -174,7 +174,7 @@ def test_the_per_sequence_fallback_gives_the_same_tokens(models):
 def test_models_the_packed_step_cannot_take_are_named(models):
     spec = MaskSpec.of(models("gpt_oss"))
     assert spec.unsupported() is None
-    assert "'flash_attention_2' takes no packed 4D mask" in dataclasses.replace(spec, implementation="flash_attention_2").unsupported()
+    assert "'flash_attention_2' is not one the step runs per sequence" in dataclasses.replace(spec, implementation="flash_attention_2").unsupported()
     hybrid = dataclasses.replace(spec, kinds=("linear_attention", "full_attention"))
     assert hybrid.unsupported() == "layers of type linear_attention keep state outside the KV cache"
 
@@ -214,24 +214,40 @@ def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline(tiny
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_pack_lets_each_token_see_its_own_sequence_only(window):
-    """pack's indices against the definition, token by token: a query at position p of sequence s
+    """pack's layout against the definition, token by token: a query at position p of sequence s
     sees keys 0..p of s (within the window on sliding layers), and no other sequence's."""
     chunks = [  # a decode token, a prompt chunk with more to come, a whole short prompt, a Score
-        Chunk(SequenceKV(), (7,), 5, Rows.LAST),
-        Chunk(SequenceKV(), (3, 4, 5, 6), 0, Rows.NONE),
-        Chunk(SequenceKV(), (8, 9), 2, Rows.LAST),
-        Chunk(SequenceKV(), (10, 11, 12), 0, Rows.ALL),
+        Chunk([5, 2], (7,), 5, Rows.LAST),  # blocks of 4 positions: position 5 is slot 2 * 4 + 1
+        Chunk([0], (3, 4, 5, 6), 0, Rows.NONE),
+        Chunk([3], (8, 9), 2, Rows.LAST),
+        Chunk([1], (10, 11, 12), 0, Rows.ALL),
     ]
     kinds = (FULL, SLIDING) if window else (FULL,)
-    batch = pack(chunks, MaskSpec("sdpa", kinds, window, torch.float32))
+    batch = pack(chunks, MaskSpec("sdpa", kinds, window, torch.float32), KVPool(6, 4))
+    assert batch.cache._write.tolist() == [9, 0, 1, 2, 3, 14, 15, 4, 5, 6]
+    assert batch.cache._read.tolist() == [20, 21, 22, 23, 8, 9, 0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6]
     queries = [(s, c.start + i) for s, c in enumerate(chunks) for i in range(len(c.token_ids))]
-    keys = [(s, p) for s, c in enumerate(chunks) for p in range(c.start + len(c.token_ids))]
     assert batch.positions.tolist() == [p for _, p in queries]
     assert batch.input_ids.tolist() == [[t for c in chunks for t in c.token_ids]]
-    masks = batch.attention_mask if window else {FULL: batch.attention_mask}
-    for kind, mask in masks.items():
-        expected = [
-            [qs == ks and kp <= qp and (kind == FULL or kp > qp - window) for ks, kp in keys] for qs, qp in queries
-        ]
-        assert mask.shape == (1, 1, len(queries), len(keys)) and mask[0, 0].tolist() == expected
+    step = batch.attention
+    for s, chunk in enumerate(chunks):
+        rows = step.sequences[s]
+        assert [queries[rows.offset + i] for i in range(rows.n)] == [(s, chunk.start + i) for i in range(len(chunk.token_ids))]
+        for kind in kinds:
+            first, allowed = step.allowed(s, kind)
+            end = chunk.start + len(chunk.token_ids)
+            # every key the definition allows lies in the range read from the cache
+            assert all(kind == FULL or p <= qp - window for qp in range(chunk.start, end) for p in range(first))
+            expected = [
+                [kp <= qp and (kind == FULL or kp > qp - window) for kp in range(first, end)]
+                for qp in range(chunk.start, end)
+            ]
+            assert allowed.tolist() == expected
+            _, mask = step.mask(s, kind)
+            if mask is None:  # sdpa then sees all keys (one query) or applies its own causal flag (a whole chunk)
+                n = len(chunk.token_ids)
+                plain = [[True] * len(expected[0])] if n == 1 else torch.ones(n, n).tril().bool().tolist()
+                assert expected == plain
+            else:
+                assert mask[0, 0].tolist() == expected
     assert batch.logit_rows.tolist() == [0, 6, 7, 8, 9] and batch.rows_per_chunk == [1, 0, 1, 3]

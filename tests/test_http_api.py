@@ -117,6 +117,9 @@ class ScriptedEngine:
     def load(self) -> tuple[int, int]:
         return sum(not s.cancelled.is_set() for s in self.submitted), 0
 
+    def kv_usage(self):
+        return None  # as under the per-sequence fallback: no pool
+
 
 class FakeProbe:
     """GroupProbe's answers, set by the test: health states, and what each group's Describe says it holds."""
@@ -441,6 +444,7 @@ def test_health_reflects_store_groups_and_draining(scripted):
     status, body = health()
     assert status == 200 and body["status"] == "ready" and body["reasons"] == []
     assert body["groups"] == {"g0": "serving", "g1": "serving"} and body["routing_table_version"] == 7
+    assert body["kv_blocks_used"] is None and body["kv_blocks_total"] is None
     # g1 down: every expert still has a serving replica in g0.
     scripted.probe.states_now["g1"] = "unreachable"
     assert health()[0] == 200
@@ -680,6 +684,7 @@ def test_health_and_metrics_on_the_same_port(served):
     body = health.json()
     assert body["status"] == "ready" and body["groups"] == {"g0": "serving", "g1": "serving"}
     assert body["routing_table_version"] >= 1
+    assert 0 <= body["kv_blocks_used"] <= body["kv_blocks_total"] and body["kv_blocks_total"] > 0
     _openai(served.url).completions.create(model=served.model, prompt="x", max_tokens=2)
     metrics = httpx2.get(f"{served.url}/metrics", timeout=30).text
     assert re.search(r'expertmesh_http_responses_total\{[^}]*route="/v1/completions"[^}]*status="200"', metrics), metrics[-3000:]

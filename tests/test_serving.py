@@ -132,6 +132,10 @@ def test_list_models(client, plane):
     assert list(info.groups) == ["g0", "g1"] and info.max_context == CONTEXT
     assert info.routing_table_version == plane.store.routing_table_version()
     assert (info.batching, info.batching_note) == (pb.BATCHING_PACKED, "")
+    kv = info.kv_pool  # auto-sized: the tiny model's 16 full contexts are far below a quarter of the memory
+    assert (kv.block_size, kv.blocks_total) == (16, 16 * -(-CONTEXT // 16))
+    assert 1 <= kv.blocks_used_peak <= kv.blocks_total and kv.preemptions == 0
+    assert kv.prefix_cache_queries >= kv.prefix_cache_hits
     stock = AutoModelForCausalLM.from_pretrained(plane.checkpoint.path)
     assert info.total_parameters == sum(p.numel() for p in stock.parameters())
     experts = sum(p.numel() for n, p in stock.named_parameters() if ".experts." in n)

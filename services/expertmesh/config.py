@@ -122,6 +122,15 @@ class ServingConfig(BaseSettings):
     port: int = Field(50051, ge=0, le=65535, description="its port (0 picks a free one)")
     max_active_sequences: int = Field(32, ge=1, description="sequences decoded together in one step")
     max_queued_requests: int = Field(128, ge=0, description="requests waiting for a slot; beyond: RESOURCE_EXHAUSTED")
+    kv_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="bytes of the KV-cache pool (unset or 0: a quarter of the host's available memory on CPU, within "
+        "the container's memory limit, half the device's free memory on a GPU, at most what max_active_sequences "
+        "full contexts need)",
+    )
+    kv_block_size: int = Field(16, ge=1, description="token positions per KV-cache block")
+    prefix_caching: bool = Field(True, description="share the KV blocks of equal prompt prefixes between requests")
     default_max_new_tokens: int = Field(64, ge=1, description="when a request does not say")
     max_new_tokens_cap: int = Field(1024, ge=1, description="requests asking for more are refused")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time in-flight requests get to finish")
@@ -360,6 +369,8 @@ def _flag_kind(annotation: Any) -> dict[str, Any]:
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     if typing.get_origin(annotation) is Literal:
         return {"choices": list(typing.get_args(annotation))}
+    if annotation is bool:  # the field's validator reads the word
+        return {"choices": ["true", "false"]}
     return {"type": annotation}
 
 
@@ -447,6 +458,9 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_flag(parser, ServingConfig, "port")
     add_setting_flag(parser, ServingConfig, "max_active_sequences", "--max-active")
     add_setting_flag(parser, ServingConfig, "max_queued_requests", "--max-queued")
+    add_setting_flag(parser, ServingConfig, "kv_cache_bytes")
+    add_setting_flag(parser, ServingConfig, "kv_block_size")
+    add_setting_flag(parser, ServingConfig, "prefix_caching")
     add_setting_flag(parser, ServingConfig, "default_max_new_tokens")
     add_setting_flag(parser, ServingConfig, "max_new_tokens_cap")
     add_setting_flag(parser, ServingConfig, "drain_timeout_s", "--drain-timeout")

@@ -44,6 +44,12 @@ interleaved (platform, one at a time, batched, platform, ...), so a machine whos
 speed drifts slows both sides alike; each row is the repeat of median tokens/s
 (the lower middle one for even K), with every repeat's tokens/s beside it in the
 JSON (``tokens_per_s_repeats``), and the ratios are of those medians.
+
+``--sweep 1,8,16,32`` repeats the whole benchmark (a fresh platform each) at each
+of those client counts, with the other options as given (issue 22's sweep:
+``--prompt-tokens 480 --max-new-tokens 96 --requests-per-client 1``), and prints one
+row per point: platform and batched ``generate`` tokens/s, their ratio, ITL p50 of
+each (about the step time per decode token), the KV pool's peak and preemptions.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from expertmesh.bench.report import (
     machine,
     model_summary,
     options_summary,
+    parse_int_list,
     percentile,
     torch_threads,
     write_json,
@@ -89,6 +96,7 @@ class Options:
     repeats: int = 1  # interleaved repeats of the platform and baseline runs; medians reported
     groups_as: str = "ray"  # "ray": Ray Serve deployments; "process": `expertmesh group serve` processes
     device: str = "auto"  # of the router's model and the baseline: auto, cpu, cuda, cuda:N
+    sweep: tuple[int, ...] = ()  # client counts: the whole benchmark at each (see the module's docstring)
 
 
 _RUNNERS = {"ray": "groups on Ray Serve", "process": "groups as plain processes"}
@@ -135,6 +143,10 @@ def add_command(bench_commands) -> None:
         "--repeats", type=int, default=1,
         help="runs of the platform and of each baseline, interleaved; each row reports the median's (default 1)",
     )
+    p.add_argument(
+        "--sweep",
+        help="comma-separated client counts (e.g. 1,8,16,32): the benchmark at each, one table row per point (default: off)",
+    )
     add_platform_arguments(p)
     p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
     p.set_defaults(run=_main)
@@ -159,7 +171,14 @@ def _main(args: argparse.Namespace) -> int:
         repeats=check_positive(args.repeats, "--repeats"),
         groups_as=args.groups_as,
         device=args.device,
+        sweep=tuple(parse_int_list(args.sweep, "--sweep")) if args.sweep else (),
     )
+    if options.sweep:
+        result = run_sweep(options)
+        print(sweep_table(result))
+        write_json(args.out, result)
+        print(f"wrote {args.out}")
+        return 0
     result = run(options)
     print(table(result))
     write_json(args.out, result)
@@ -225,6 +244,7 @@ def run(options: Options) -> dict:
     work = prompts(options, text.vocab_size)
     queries = text_prompts(options, checkpoint) if options.classifier else []
 
+    kv = None  # the KV pool's use, known of the in-process platform only
     with torch_threads(options.threads) as threads:
         if options.target:
             _check_target(options.target, checkpoint, text)
@@ -258,6 +278,7 @@ def run(options: Options) -> dict:
                     target = f"127.0.0.1:{server.port}"
                     classified = _classifier_runs(target, options, queries)
                     platform, baselines = _interleaved(target, checkpoint.path, options, work, text, device)
+                    kv = server.engine.kv_usage()
                 finally:
                     server.drain_and_stop()
 
@@ -279,7 +300,70 @@ def run(options: Options) -> dict:
     }
     if options.classifier:
         result["classifier"] = _classifier_summary(classified, queries)
+    if kv is not None:
+        result["kv"] = _kv_summary(kv)
     return result
+
+
+def _kv_summary(kv) -> dict:
+    """The in-process platform's KV pool over all its runs (``Engine.kv_usage``)."""
+    return {
+        "blocks_total": kv.blocks_total,
+        "block_size": kv.block_size,
+        "blocks_used_peak": kv.blocks_used_peak,
+        "usage_peak": kv.blocks_used_peak / kv.blocks_total,
+        "preemptions": kv.preemptions,
+        "prefix_cache_queries": kv.prefix_queries,
+        "prefix_cache_hits": kv.prefix_hits,
+    }
+
+
+def run_sweep(options: Options) -> dict:
+    """The benchmark at each of ``options.sweep`` client counts; one summary row per point."""
+    import dataclasses
+
+    points = []
+    for clients in options.sweep:
+        result = run(dataclasses.replace(options, clients=clients, sweep=()))
+        platform, batched = result["runs"][0], result["runs"][-1]
+        kv = result.get("kv", {})
+        points.append({
+            "clients": clients,
+            "platform_tokens_per_s": platform["tokens_per_s"],
+            "generate_batched_tokens_per_s": batched["tokens_per_s"],
+            "ratio_to_batched": platform["tokens_per_s"] / batched["tokens_per_s"],
+            "itl_p50_ms": {"platform": platform["itl_ms"]["p50"], "generate_batched": batched["itl_ms"]["p50"]},
+            "kv_usage_peak": kv.get("usage_peak"),
+            "preemptions": kv.get("preemptions"),
+            "same_answers": result["agreement"]["passed"],
+            "result": result,
+        })
+    return {"benchmark": "serve-sweep", "model": points[0]["result"]["model"], "points": points}
+
+
+def sweep_table(result: dict) -> str:
+    rows = [
+        [
+            p["clients"], p["platform_tokens_per_s"], p["generate_batched_tokens_per_s"], p["ratio_to_batched"],
+            p["itl_p50_ms"]["platform"], p["itl_p50_ms"]["generate_batched"],
+            None if p["kv_usage_peak"] is None else 100 * p["kv_usage_peak"], p["preemptions"],
+            "PASS" if p["same_answers"] else "FAIL",
+        ]
+        for p in result["points"]
+    ]
+    setup = result["points"][0]["result"]["setup"]
+    title = (
+        f"bench serve --sweep: {result['model']['model_type']} {Path(result['model']['path']).name}, {setup['dtype']}; "
+        f"{setup['max_new_tokens']} new tokens, prompts up to {setup['prompt_tokens']} tokens, "
+        f"{setup['requests_per_client']} request(s) per client; {setup['threads']} torch threads"
+    )
+    body = format_table(
+        ["clients", "platform tok/s", "generate batched tok/s", "ratio", "ITL p50 ms", "generate ITL p50 ms",
+         "KV peak %", "preemptions", "same answers"],
+        rows,
+        ["d", ".1f", ".1f", ".2f", ".1f", ".1f", ".1f", "d", ""],
+    )
+    return f"{title}\n{body}"
 
 
 def _interleaved(target: str, path: Path, options: Options, work: list, text, device) -> tuple[dict, list[dict]]:
@@ -566,6 +650,13 @@ def table(result: dict) -> str:
     )
     ratios = "; ".join(f"{v:.2f}x {k}" for k, v in result["platform_vs"].items())
     text = f"{title}\n{body}\nplatform tok/s = {ratios}\n{_agreement_line(result['agreement'])}"
+    if "kv" in result:
+        kv = result["kv"]
+        text += (
+            f"\nKV pool: peak {kv['blocks_used_peak']} of {kv['blocks_total']} blocks of {kv['block_size']} tokens "
+            f"({kv['usage_peak']:.1%}); {kv['preemptions']} preemptions; prefix cache hits {kv['prefix_cache_hits']} "
+            f"of {kv['prefix_cache_queries']} prompt tokens"
+        )
     if "classifier" in result:
         c = result["classifier"]
         alone, vs_exact, calls = c["added_ttft_ms"], c["added_ttft_ms_vs_exact"], c["classify_ms"]

@@ -11,15 +11,27 @@ Glossary
   from the engine's one thread.
 - *step boundary*: between steps. Queued sequences join, finished, cancelled
   and expired ones leave, and the routing table may switch version, only here.
+- *KV blocks* (``serving.kv_blocks``): under the packed step every sequence's
+  past lives in blocks of one preallocated pool (``EngineLimits.kv_cache_bytes``).
+  A queued sequence joins only when its whole prompt's blocks fit (taking them
+  then, and first any cached blocks of its prompt's prefix); a decoding one takes
+  one more block each ``kv_block_size`` tokens; finished, failed and cancelled
+  ones give theirs back. On a model whose every layer is sliding-window, a
+  sequence also gives back each block once every key its next tokens see lies
+  past it.
+- *preemption*: when a decoding sequence needs a block and none is free, the
+  newest active sequence gives its blocks back and goes to the front of the
+  queue with its prompt and generated tokens, to be computed again when it fits:
+  its stream just pauses (the same tokens, its sampler's state kept).
 - *routing*: each request's routing policy and query domain
   (``GenerationRequest.routing``) ride with its tokens through the packed
   forward (``routing_policy.StepRouting``, per token), so one step serves
   requests of different policies; a step of plain requests carries none and
   runs the stock gates untouched.
 
-The packed attention mask lets each query see only its own sequence's past,
-and every other layer works row by row, so a sequence's tokens are what they
-would be if it were served alone: in float32 greedy output is token-identical
+The step's attention (``serving.paged_attention``) lets each query see only
+its own sequence's past, and every other layer works row by row, so a
+sequence's tokens are what they would be if it were served alone: in float32 greedy output is token-identical
 (checked on every architecture we verify); in bfloat16 a batch moves logits by
 a rounding step at most, as batched expert dispatch always did, which can turn
 an exact near-tie. Sampling is the engine's own, per sequence, with its own
@@ -49,16 +61,17 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from transformers import DynamicCache
 
-from expertmesh.errors import ExpertMeshError, Overloaded, ShuttingDown
+from expertmesh.errors import ExpertMeshError, InvalidRequest, Overloaded, ShuttingDown
 from expertmesh.router import degraded
 from expertmesh.router.dispatch import ExpertDispatcher
 from expertmesh.router.routing_policy import RequestRouting, step_routing
-from expertmesh.serving.forward import Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
-from expertmesh.serving.kv_cache import SequenceKV
+from expertmesh.serving.forward import SLIDING, Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
+from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, blocks_for, prefix_hashes
+from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, token_bytes
 from expertmesh.serving.sampling import SamplingParams, greedy_tokens, make_generator, next_token, require_finite
 from expertmesh.serving.schedule import step_tokens
 from expertmesh.serving.text_stream import TextStream
-from expertmesh.telemetry.setup import tracer
+from expertmesh.telemetry.setup import meter, tracer
 
 log = logging.getLogger(__name__)
 
@@ -114,16 +127,27 @@ class Sequence:
     events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)
-    #: its past: a SequenceKV under the packed step, a DynamicCache under the per-sequence one
-    cache: SequenceKV | DynamicCache | None = None
+    #: its past under the per-sequence fallback (under the packed step: ``blocks``)
+    cache: DynamicCache | None = None
+    #: its block table in the packed step's KV pool, and how many of its first entries it gave back
+    blocks: list[int] = field(default_factory=list)
+    dropped: int = 0
+    #: the prefix hash of each full block of its prompt, and how many of its blocks are in the prefix cache
+    prefix: list[int] = field(default_factory=list)
+    published: int = 0
     #: tokens of prompt + generated already in the cache (the position of the next one to feed)
     fed: int = 0
     #: Score: the prompt's logits so far, one [rows, V] tensor per chunk
     score_logits: list[torch.Tensor] = field(default_factory=list)
     generator: torch.Generator | None = None
     done: bool = False
+    #: it ended with an error (its blocks may hold what a broken step computed: never cached)
+    failed: bool = False
     #: the caller's trace context: this sequence's step spans belong to its request's trace
     trace_context: otel_context.Context | None = None
+    #: time.monotonic() at submit, and whether it has joined the steps yet (its queue time ends then)
+    submitted: float = field(default_factory=time.monotonic)
+    joined: bool = False
 
     def cancel(self) -> None:
         """Free this sequence at the next step boundary (the caller went away)."""
@@ -144,7 +168,12 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return self.fed >= len(self.request.prompt_ids)
+        """Past its prompt and feeding one token a step (a preempted sequence computing its generated
+        tokens again reads them like prompt)."""
+        return self.fed >= len(self.request.prompt_ids) and self.pending <= 1
+
+    def tokens(self) -> tuple[int, ...]:
+        return (*self.request.prompt_ids, *self.generated)
 
 
 def _request_span(seq: Sequence) -> trace.Span | None:
@@ -158,6 +187,33 @@ class EngineLimits:
     max_queued: int = 128
     #: tokens one step feeds at most, decoding sequences' tokens first; prompts beyond it are chunked
     max_step_tokens: int = 512
+    #: the KV pool's size (None: ``kv_cache.auto_cache_bytes``, at most what max_active sequences of the
+    #: whole context need); the packed step only
+    kv_cache_bytes: int | None = None
+    #: token positions per KV block
+    kv_block_size: int = 16
+    #: share the KV blocks of equal prompt prefixes between requests
+    prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """The KV pool at the latest step boundary (``Engine.kv_usage``)."""
+
+    blocks_total: int
+    blocks_used: int
+    block_size: int
+    #: allocated slots no token fills yet (the rest of each sequence's last block, reserved prompt) / allocated
+    fragmentation: float
+    blocks_used_peak: int = 0
+    preemptions: int = 0
+    #: prompt tokens looked up in the prefix cache, and those found there
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+    @property
+    def usage(self) -> float:
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
 
 @dataclass(frozen=True)
@@ -189,6 +245,10 @@ class Engine:
         self.batching = Batching(packed=unsupported is None, note=unsupported or "")
         if unsupported is not None:
             log.warning("%s serves one forward per sequence: %s", type(model).__name__, unsupported)
+        self._blocks, self._pool = self._kv_pool(model, limits, max_context) if self.batching.packed else (None, None)
+        #: tokens every layer sees, when every layer is sliding-window (blocks before them are given back)
+        self._window = self._mask_spec.window if set(self._mask_spec.kinds) == {SLIDING} else None
+        self._kv_counts = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0, "peak": 0}
         eos = model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self._cond = threading.Condition()
@@ -198,6 +258,26 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="expertmesh-engine", daemon=True)
         self.steps = 0
+        self._queue_time = meter().create_histogram(
+            "expertmesh.request.queue_time", unit="s", description="submit to first joining a step (waiting for a slot or KV blocks)"
+        )
+        self._kv_usage: KVUsage | None = None
+        self._note_kv()  # the empty pool, reported before the first step
+
+    @staticmethod
+    def _kv_pool(model, limits: EngineLimits, max_context: int) -> tuple[BlockPool, KVPool]:
+        size = limits.kv_block_size
+        block_bytes = token_bytes(model.config.get_text_config(), model.dtype) * size
+        if limits.kv_cache_bytes:
+            num_blocks = limits.kv_cache_bytes // block_bytes
+        else:  # no more than the count admission could ever fill
+            num_blocks = min(auto_cache_bytes(model.device) // block_bytes, limits.max_active * blocks_for(max_context, size))
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes {limits.kv_cache_bytes} holds no KV block: one block of {size} tokens takes {block_bytes} bytes"
+            )
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, size, num_blocks * block_bytes / 2**20)
+        return BlockPool(num_blocks), KVPool(num_blocks, size, model.device)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -232,6 +312,7 @@ class Engine:
     # -- requests --------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> Sequence:
+        self._check_fits(request)
         seq = Sequence(request, TextStream(self._tokenizer, request.stop), trace_context=otel_context.get_current())
         with self._cond:
             if not self._accepting:
@@ -244,6 +325,24 @@ class Engine:
             self._queued.append(seq)
             self._cond.notify_all()
         return seq
+
+    def _check_fits(self, request: GenerationRequest) -> None:
+        """A request the whole KV pool could not hold would wait for ever: refuse it now."""
+        if self._blocks is None:
+            return
+        tokens = len(request.prompt_ids) + (0 if request.score_only else request.max_new_tokens)
+        tokens = min(tokens, self.max_context)
+        size = self._pool.block_size
+        if blocks_for(tokens, size) > self._blocks.num_blocks:
+            raise InvalidRequest(
+                f"the prompt ({len(request.prompt_ids)} tokens) and its new tokens need {blocks_for(tokens, size)} "
+                f"KV blocks of {size} tokens; the KV pool (kv_cache_bytes) holds {self._blocks.num_blocks} "
+                f"({self._blocks.num_blocks * size} tokens)"
+            )
+
+    def kv_usage(self) -> KVUsage | None:
+        """The KV pool's use at the latest step boundary (None under the per-sequence fallback, which has no pool)."""
+        return self._kv_usage
 
     def load(self) -> tuple[int, int]:
         """(active, queued) sequences right now."""
@@ -260,8 +359,11 @@ class Engine:
                 if self._stopping:
                     return
                 self._retire_finished()
-                while self._queued and len(self._active) < self.limits.max_active:
-                    self._active.append(self._admit(self._queued.popleft()))
+                while self._queued and len(self._active) < self.limits.max_active and self._admit(self._queued[0]):
+                    self._join(self._queued.popleft())
+                self._slide()
+                self._grow()
+                self._note_kv()
                 batch = list(self._active)
             if batch:
                 try:
@@ -273,16 +375,118 @@ class Engine:
                             self._fail(seq, grpc.StatusCode.INTERNAL, f"step failed: {type(err).__name__}: {err}")
             with self._cond:
                 self._retire_finished()
+                self._note_kv()
                 self._cond.notify_all()
 
-    def _admit(self, seq: Sequence) -> Sequence:
-        seq.cache = SequenceKV() if self.batching.packed else DynamicCache(config=self._model.config)
-        seq.generator = make_generator(seq.request.sampling)
-        return seq
+    def _admit(self, seq: Sequence) -> bool:
+        """Give ``seq`` what it needs to join the step (under the packed step: the blocks of all its
+        tokens so far, cached prefix blocks first); False if they do not fit now."""
+        if seq.generator is None:  # kept across a preemption: the samples go on where they were
+            seq.generator = make_generator(seq.request.sampling)
+        if self._blocks is None:
+            seq.cache = DynamicCache(config=self._model.config)
+            return True
+        size, tokens = self._pool.block_size, len(seq.request.prompt_ids) + len(seq.generated)
+        routing = seq.request.routing
+        # A routing policy other than exact changes the gates, hence every later layer's keys and values:
+        # only stock-routed prompts share blocks.
+        stock_routed = routing is None or routing.policy.is_exact
+        if self.limits.prefix_caching and stock_routed and not seq.prefix:
+            seq.prefix = prefix_hashes(seq.request.prompt_ids, size)
+        # Score wants every prompt position's logits, and at least one token must go through the model
+        reusable = [] if seq.request.score_only else seq.prefix[: (tokens - 1) // size]
+        shared = self._blocks.match(reusable)
+        try:
+            own = self._blocks.allocate(blocks_for(tokens, size) - len(shared))
+        except PoolExhausted:
+            self._blocks.release(shared)
+            return False
+        self._kv_counts["prefix_queries"] += len(reusable) * size
+        self._kv_counts["prefix_hits"] += len(shared) * size
+        seq.blocks, seq.fed, seq.published = shared + own, len(shared) * size, len(shared)
+        return True
+
+    def _join(self, seq: Sequence) -> None:
+        self._active.append(seq)
+        if not seq.joined:  # a preempted sequence joining again waited in no client's queue
+            seq.joined = True
+            self._queue_time.record(time.monotonic() - seq.submitted)
+
+    def _slide(self) -> None:
+        """Under a sliding window on every layer, give back the blocks wholly before the first key the
+        next token of each sequence sees (position ``fed - window + 1``)."""
+        if self._blocks is None or self._window is None:
+            return
+        size = self._pool.block_size
+        for seq in self._active:
+            drop = max(0, seq.fed - self._window + 1) // size
+            if drop > seq.dropped:
+                self._blocks.release(seq.blocks[seq.dropped : drop])
+                seq.blocks[seq.dropped : drop] = [FREED] * (drop - seq.dropped)
+                seq.dropped = drop
+
+    def _grow(self) -> None:
+        """Give each active sequence the block its next token needs, preempting the newest ones while
+        none is free."""
+        if self._blocks is None:
+            return
+        for seq in list(self._active):
+            if seq not in self._active:  # preempted for an older one's block
+                continue
+            need = blocks_for(len(seq.request.prompt_ids) + len(seq.generated), self._pool.block_size) - len(seq.blocks)
+            while need > self._blocks.available():
+                victim = self._active[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                seq.blocks += self._blocks.allocate(max(need, 0))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first, to compute its prompt and generated tokens again."""
+        log.info("request %s preempted after %d tokens: the KV pool is full", seq.request.request_id, len(seq.generated))
+        self._release(seq)
+        seq.fed, seq.score_logits = 0, []
+        self._active.remove(seq)
+        self._queued.appendleft(seq)
+        self._kv_counts["preemptions"] += 1
+
+    def _release(self, seq: Sequence) -> None:
+        if self._blocks is not None:
+            self._blocks.release(seq.blocks[seq.dropped :])
+            seq.blocks, seq.published, seq.dropped = [], 0, 0
+
+    def _publish(self, work: list[tuple[Sequence, Chunk]]) -> None:
+        """Offer the prompt blocks this step filled to the prefix cache."""
+        if self._blocks is None or not self.limits.prefix_caching:
+            return
+        for seq, _ in work:
+            if seq.failed:
+                continue
+            full = min(seq.fed, len(seq.request.prompt_ids)) // self._pool.block_size
+            for j in range(max(seq.published, seq.dropped), min(full, len(seq.prefix))):
+                self._blocks.publish(seq.blocks[j], seq.prefix[j])
+            seq.published = max(seq.published, full)
+
+    def _note_kv(self) -> None:
+        """The pool's use at this boundary, for ``kv_usage`` (read by metrics on other threads)."""
+        if self._blocks is None:
+            return
+        used, size = self._blocks.used(), self._pool.block_size
+        allocated = sum(len(s.blocks) - s.dropped for s in self._active) * size
+        unfilled = sum(len(s.blocks) * size - s.fed for s in self._active)  # given-back blocks were full
+        counts = self._kv_counts
+        counts["peak"] = max(counts["peak"], used)
+        self._kv_usage = KVUsage(
+            self._blocks.num_blocks, used, size, unfilled / allocated if allocated else 0.0,
+            counts["peak"], counts["preemptions"], counts["prefix_queries"], counts["prefix_hits"],
+        )
 
     def _retire_finished(self) -> None:
+        """Fail the cancelled and expired sequences, active or queued (a queued one may wait for KV
+        blocks a while), and let the finished ones go with their blocks."""
         now = time.monotonic()
-        for seq in self._active:
+        for seq in [*self._active, *self._queued]:
             if seq.done:
                 continue
             if seq.cancelled.is_set():
@@ -290,6 +494,10 @@ class Engine:
                 log.info("request %s cancelled after %d tokens", seq.request.request_id, len(seq.generated))
             elif seq.request.deadline is not None and now >= seq.request.deadline:
                 self._fail(seq, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        self._queued = deque(s for s in self._queued if not s.done)
+        for seq in self._active:
+            if seq.done:
+                self._release(seq)
         self._active = [s for s in self._active if not s.done]
 
     def _step(self, batch: list[Sequence]) -> None:
@@ -320,16 +528,16 @@ class Engine:
 
     def _chunk(self, seq: Sequence, n: int) -> Chunk:
         """Sequence ``seq``'s next ``n`` tokens, and which of their logits it needs."""
-        tokens = (*seq.request.prompt_ids, *seq.generated)
+        tokens = seq.tokens()
         end = seq.fed + n
         rows = Rows.ALL if seq.request.score_only else Rows.LAST if end == len(tokens) else Rows.NONE
-        return Chunk(seq.cache, tokens[seq.fed : end], seq.fed, rows)
+        return Chunk(seq.blocks if self._blocks is not None else seq.cache, tokens[seq.fed : end], seq.fed, rows)
 
     def _packed_step(self, work: list[tuple[Sequence, Chunk]]) -> None:
         """One forward for all of ``work``; if it fails, so do all of its requests (and no others)."""
         spans = [self._step_span(seq, chunk, len(work)) for seq, chunk in work]
         try:
-            batch = pack([chunk for _, chunk in work], self._mask_spec)
+            batch = pack([chunk for _, chunk in work], self._mask_spec, self._pool)
             # The forward's spans nest under the first request's step; the other requests' steps are linked.
             links = [span.get_span_context() for span in spans[1:]]
             routing = step_routing([(seq.request.routing, len(chunk.token_ids)) for seq, chunk in work])
@@ -354,6 +562,7 @@ class Engine:
             for span in spans:
                 span.end()
         self._advance_step(work, logits)
+        self._publish(work)
 
     def _forward_alone(self, seq: Sequence, chunk: Chunk, step_size: int) -> torch.Tensor | None:
         """The per-sequence fallback: this sequence's own forward."""
@@ -460,4 +669,4 @@ class Engine:
 
     def _fail(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
         seq.events.put(ErrorEvent(code, message))
-        seq.done = True
+        seq.done = seq.failed = True

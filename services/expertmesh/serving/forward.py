@@ -3,11 +3,13 @@
 *packed* (every architecture we verify): the step's tokens of all sequences
 (chunks of prompts being prefilled, one token of each decoding sequence) side
 by side in one forward: ``input_ids`` and ``position_ids`` [1, T], a
-``kv_cache.PackedCache``, and an attention mask [1, 1, T, KV] that lets each
-query see only its own sequence's past (causal, within the layer's sliding
-window where it has one). Embeddings, attention, norms, gates and the LM head
-run once per step for everyone, and each MoE layer calls the experts function
-once with all T tokens. Logits are computed only for the rows that need them.
+``kv_cache.PackedCache`` that stores each sequence's new keys and values in its
+blocks of the paged pool (``kv_cache.KVPool``), and
+the step's layout for ``paged_attention``, which attends each sequence's
+queries to its own past only (causal, within the layer's sliding window where
+it has one). Embeddings, projections, norms, gates and the LM head run once per
+step for everyone, and each MoE layer calls the experts function once with all
+T tokens. Logits are computed only for the rows that need them.
 
 *per-sequence* (the fallback): each sequence's own forward with its own
 ``DynamicCache``, one after another. For a model the packed step cannot take:
@@ -23,18 +25,30 @@ compressed latents; this step keeps all of that in the engine's hands.
 from __future__ import annotations
 
 import enum
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from expertmesh.serving.kv_cache import PackedCache, SequenceKV
+from expertmesh.serving.kv_blocks import FREED
+from expertmesh.serving.kv_cache import KVPool, PackedCache
+from expertmesh.serving.paged_attention import (
+    FULL,
+    IMPLEMENTATION,
+    SLIDING,
+    STEP,
+    AttentionKernel,
+    SequenceRows,
+    StepAttention,
+    choose_kernel,
+)
 
-#: attention implementations that take a ready 4D mask as is
+#: the model's attention implementations that ``paged_attention`` runs per sequence
 PACKED_ATTENTION = ("sdpa", "eager")
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 class Rows(enum.Enum):
@@ -49,7 +63,7 @@ class Rows(enum.Enum):
 class Chunk:
     """One sequence's share of a step: ``token_ids`` at positions ``start`` .. ``start + n - 1``."""
 
-    cache: SequenceKV | DynamicCache
+    cache: list[int] | DynamicCache  # its block table in the packed step's pool, or its own cache alone
     token_ids: tuple[int, ...]
     start: int
     rows: Rows
@@ -60,24 +74,28 @@ class Chunk:
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """The model's attention as the packed mask needs it: which layer kinds, what window, which format."""
+    """The model's attention as the step's per-sequence masks need it: which layer kinds, what window, which format."""
 
-    implementation: str  # "sdpa" (boolean mask) or "eager" (additive float mask)
+    implementation: str  # "sdpa" (boolean masks) or "eager" (additive float masks)
     kinds: tuple[str, ...]  # each attention layer's kind, in layer order
     window: int | None  # tokens a sliding layer sees, itself included
     dtype: torch.dtype
+    kernel: AttentionKernel = "per-sequence"  # paged_attention's, for this model on its device
 
     @classmethod
     def of(cls, model: nn.Module) -> "MaskSpec":
         config = model.config.get_text_config()
         window = getattr(config, "sliding_window", None) or None  # Qwen2-MoE says 0 when it has none
         kinds = getattr(config, "layer_types", None) or [SLIDING if window else FULL] * config.num_hidden_layers
-        return cls(config._attn_implementation, tuple(kinds), window, model.dtype)
+        implementation = config._attn_implementation
+        latent = bool(getattr(config, "kv_lora_rank", None))
+        kernel = choose_kernel(model.device, implementation, latent, model.dtype)
+        return cls(implementation, tuple(kinds), window, model.dtype, kernel)
 
     def unsupported(self) -> str | None:
         """Why the packed step cannot run this model, or None when it can."""
         if self.implementation not in PACKED_ATTENTION:
-            return f"attention implementation {self.implementation!r} takes no packed 4D mask (sdpa and eager do)"
+            return f"attention implementation {self.implementation!r} is not one the step runs per sequence (sdpa and eager are)"
         other = sorted(set(self.kinds) - {FULL, SLIDING})
         if other:
             return f"layers of type {', '.join(other)} keep state outside the KV cache"
@@ -90,74 +108,90 @@ class MaskSpec:
 class PackedBatch:
     input_ids: torch.Tensor  # [1, T]
     positions: torch.Tensor  # [T] each token's position in its own sequence
-    attention_mask: torch.Tensor | dict[str, torch.Tensor]  # [1, 1, T, KV]; by layer kind when kinds differ
+    attention: StepAttention  # each sequence's queries and past, for paged_attention
     logit_rows: torch.Tensor  # [R] the rows of T that need logits
     rows_per_chunk: list[int]  # how many of the R rows each chunk gets
     cache: PackedCache
 
 
-def pack(chunks: list[Chunk], spec: MaskSpec) -> PackedBatch:
-    """The inputs of one packed forward over ``chunks`` (each with a SequenceKV cache)."""
-    # The indices are built in numpy: a step packs every step, and a torch op per chunk costs more
-    # than the arithmetic it does.
+def pack(chunks: list[Chunk], spec: MaskSpec, pool: KVPool) -> PackedBatch:
+    """The inputs of one packed forward over ``chunks`` (each with a block table holding its positions
+    up to the chunk's end)."""
     tokens = [len(c.token_ids) for c in chunks]
-    n = np.array(tokens, dtype=np.int64)  # [B]
-    lengths = np.array([c.start for c in chunks], dtype=np.int64) + n  # [B] the pasts after this step
-    query_seq = np.repeat(np.arange(len(chunks)), n)  # [T]
-    positions = lengths[query_seq] - n[query_seq] + _offsets_within(n, query_seq)  # [T]
-    key_seq = np.repeat(np.arange(len(chunks)), lengths)  # [KV]
-    key_pos = _offsets_within(lengths, key_seq)  # [KV]
-    causal = (query_seq[:, None] == key_seq[None, :]) & (key_pos[None, :] <= positions[:, None])  # [T, KV]
-    masks = {FULL: causal}
-    if SLIDING in spec.kinds:
-        masks[SLIDING] = causal & (key_pos[None, :] > positions[:, None] - spec.window)
-    masks = {kind: _formatted(torch.from_numpy(m), spec) for kind, m in masks.items()}
-    # A model with one kind of layer takes the mask itself; one that mixes kinds takes a dict by kind.
-    attention_mask = masks[spec.kinds[0]] if len(set(spec.kinds)) == 1 else masks
-    rows, offset = [], 0
-    for chunk, k in zip(chunks, tokens):
+    offsets = np.cumsum([0, *tokens[:-1]]).tolist()  # each chunk's first row of T
+    sequences = [SequenceRows(offset, n, c.start) for c, offset, n in zip(chunks, offsets, tokens)]
+    # Each sequence's slots from its first held block to its end, from its block table; built in numpy,
+    # as a torch op per chunk costs more than the arithmetic it does.
+    size = pool.block_size
+    bases = [_held_from(c.cache) * size for c in chunks]
+    slots = [_slots(c.cache, base, c.start + n, size) for c, base, n in zip(chunks, bases, tokens)]
+    read_offsets = np.cumsum([0, *(len(s) for s in slots)]).tolist()
+    writes = np.concatenate([s[c.start - base :] for c, base, s in zip(chunks, bases, slots)])  # [T]
+    cache = PackedCache(
+        pool,
+        torch.from_numpy(writes).to(pool.device),
+        torch.from_numpy(np.concatenate(slots)).to(pool.device),
+        read_offsets,
+        bases,
+    )
+    rows = []
+    for chunk, offset, k in zip(chunks, offsets, tokens):
         if chunk.rows is Rows.ALL:
             rows.extend(range(offset, offset + k))
         elif chunk.rows is Rows.LAST:
             rows.append(offset + k - 1)
-        offset += k
     return PackedBatch(
         input_ids=torch.tensor([[t for c in chunks for t in c.token_ids]]),
-        positions=torch.from_numpy(positions),
-        attention_mask=attention_mask,
+        positions=torch.from_numpy(np.concatenate([np.arange(c.start, c.start + k) for c, k in zip(chunks, tokens)])),
+        attention=StepAttention(
+            sequences, cache, spec.implementation, spec.kinds, spec.window, spec.dtype, pool.device, spec.kernel
+        ),
         logit_rows=torch.tensor(rows, dtype=torch.long),
         rows_per_chunk=[{Rows.NONE: 0, Rows.LAST: 1, Rows.ALL: k}[c.rows] for c, k in zip(chunks, tokens)],
-        cache=PackedCache([c.cache for c in chunks], tokens),
+        cache=cache,
     )
 
 
-def _offsets_within(sizes: np.ndarray, owner: np.ndarray) -> np.ndarray:
-    """For items laid out group after group (``sizes[g]`` items of group g; ``owner`` [N] each item's
-    group), each item's index within its group: 0, 1, .. sizes[0]-1, 0, 1, .."""
-    return np.arange(len(owner)) - (np.cumsum(sizes) - sizes)[owner]
+def _held_from(table: list[int]) -> int:
+    """The first entry of ``table`` that is not ``FREED`` (the blocks a sliding-window sequence gave back lead)."""
+    held = 0
+    while table[held] == FREED:
+        held += 1
+    return held
 
 
-def _formatted(allowed: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
-    """allowed [T, KV] -> the [1, 1, T, KV] mask the attention implementation wants."""
-    if spec.implementation == "eager":  # added to the scores
-        zero = torch.zeros((), dtype=spec.dtype)
-        return torch.where(allowed, zero, torch.finfo(spec.dtype).min)[None, None]
-    return allowed[None, None]
+def _slots(table: list[int], first: int, end: int, block_size: int) -> np.ndarray:
+    """The pool slots of positions first .. end - 1 of a sequence with block table ``table``, [end - first]."""
+    positions = np.arange(first, end)
+    return np.asarray(table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+
+
+@contextmanager
+def _paged_attention(model: nn.Module) -> Iterator[None]:
+    """Within: the model's attention modules call ``paged_attention`` (the engine's thread is the
+    model's only user while it serves; stock calls outside a step see the model unchanged)."""
+    config = model.config
+    own = config._attn_implementation
+    config._attn_implementation = IMPLEMENTATION
+    try:
+        yield
+    finally:
+        config._attn_implementation = own
 
 
 def forward_packed(model: nn.Module, batch: PackedBatch) -> list[torch.Tensor | None]:
     """One forward of ``batch``; per chunk, its logits [rows, V] float32 on the host, or None if it needs none.
     The batch is built on the host and goes to the model's device here."""
     device = model.device
-    mask = batch.attention_mask
-    out = model(
-        input_ids=batch.input_ids.to(device),
-        position_ids=batch.positions[None].to(device),
-        attention_mask={kind: m.to(device) for kind, m in mask.items()} if isinstance(mask, dict) else mask.to(device),
-        cache=batch.cache,
-        use_cache=True,
-        logits_to_keep=batch.logit_rows.to(device),
-    )
+    with _paged_attention(model):
+        out = model(
+            input_ids=batch.input_ids.to(device),
+            position_ids=batch.positions[None].to(device),
+            cache=batch.cache,
+            use_cache=True,
+            logits_to_keep=batch.logit_rows.to(device),
+            **{STEP: batch.attention},
+        )
     logits = out.logits[0].float().cpu()  # [R, V]: sampling and the Score API read them on the host
     return [part if n else None for part, n in zip(logits.split(batch.rows_per_chunk), batch.rows_per_chunk)]
 

@@ -1,75 +1,138 @@
-"""The KV cache of the packed serving step.
+"""The KV cache of the packed serving step: the paged pool's tensors and the step's view of them.
 
-Glossary
-- *sequence cache* (``SequenceKV``): one sequence's past, per attention layer
-  the two tensors that layer hands to ``cache.update``: keys and values (or
-  DeepSeek-V3's compressed latent and rotary key, of other widths), each
-  ``[1, heads, length, dim]``. Grown by doubling, so appending a token costs
-  O(1) amortised rather than a copy of the whole past.
-- *step cache* (``PackedCache``): what one packed forward gets as its
-  ``cache``. Every attention layer calls ``update`` once with the step's new
-  states of all sequences side by side (``[1, heads, step tokens, dim]``); it
-  appends each sequence's share to that sequence's cache and returns all the
-  step's sequences' pasts, one after the other, for the packed attention mask
-  (``serving.forward``) to keep each query within its own sequence.
-
-Being plain per-sequence tensors rather than pages of fixed shape, it holds
-whatever an attention layer caches, whatever its widths: that is why
-DeepSeek-V3's compressed cache takes the packed path too.
+Glossary (blocks, block tables and the prefix cache: ``serving.kv_blocks``)
+- *pool* (``KVPool``): per attention layer, the two tensors that layer hands to
+  ``cache.update`` (keys and values, or DeepSeek-V3's compressed latent and
+  rotary key, each with its own heads and width), preallocated for every slot:
+  ``[heads, num_blocks * block_size, dim]`` each. Allocated at the layer's first
+  update, from the shapes and dtype it brings.
+- *slot*: one token position of one block, ``block * block_size + offset``.
+- *step cache* (``PackedCache``): what one packed forward gets as its ``cache``.
+  Every attention layer calls ``update`` once with the step's new states of all
+  sequences side by side (``[1, heads, T, dim]``), which it writes into their
+  slots; ``serving.paged_attention`` then reads each sequence's own past with
+  ``past`` (a gather of that sequence's slots: O(its length), nothing of the
+  other sequences is touched).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+__all__ = ["KVPool", "PackedCache", "token_bytes", "auto_cache_bytes", "host_free_bytes"]
 
-class SequenceKV:
-    def __init__(self) -> None:
-        # layer -> (first [1, h, capacity, d1], second [1, h', capacity, d2]); rows up to the layer's length are valid
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._lengths: dict[int, int] = {}
+#: of the memory there is when the engine starts, what an automatic pool takes: the host's
+#: available memory on CPU, the device's free memory on a GPU (activations need the rest)
+AUTO_FRACTION = {"cpu": 0.25, "cuda": 0.5}
 
-    def append(self, layer: int, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add ``first``/``second`` [1, h, n, d] of layer ``layer``; returns that layer's whole past
-        including them, [1, h, length, d] each (views: valid until the next append)."""
-        n = first.shape[2]
-        length = self._lengths.get(layer, 0)
-        buffers = self._buffers.get(layer)
-        if buffers is None or length + n > buffers[0].shape[2]:
-            buffers = tuple(self._grown(old, new, length, length + n) for old, new in zip(buffers or (None, None), (first, second)))
-            self._buffers[layer] = buffers
-        buffers[0][:, :, length : length + n] = first
-        buffers[1][:, :, length : length + n] = second
-        self._lengths[layer] = length + n
-        return buffers[0][:, :, : length + n], buffers[1][:, :, : length + n]
 
-    @staticmethod
-    def _grown(old: torch.Tensor | None, like: torch.Tensor, length: int, needed: int) -> torch.Tensor:
-        """A buffer of at least twice ``needed`` rows holding ``old``'s first ``length`` rows."""
-        shape = list(like.shape)
-        shape[2] = max(16, 2 * needed)
-        out = like.new_empty(shape)
-        if old is not None:
-            out[:, :, :length] = old[:, :, :length]
-        return out
+def token_bytes(config, dtype: torch.dtype) -> int:
+    """What one token's past costs in every attention layer of a model with text ``config``."""
+    layers = config.num_hidden_layers
+    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: one latent and one rotary key per token
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        width = 2 * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    return layers * width * torch.empty((), dtype=dtype).element_size()
 
-    def length(self, layer: int = 0) -> int:
-        return self._lengths.get(layer, 0)
+
+#: cgroup v2's memory limit and use of this process's container (absent outside one, or under v1)
+CGROUP_MEMORY = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
+
+
+def auto_cache_bytes(device: torch.device) -> int:
+    """The pool size when none is set: a fraction (``AUTO_FRACTION``) of what the device has free
+    (on CPU, within the container's memory limit when there is one: a pod's limit, not the node's memory)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = host_free_bytes(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), *map(_read, CGROUP_MEMORY))
+    return int(free * AUTO_FRACTION.get(device.type, AUTO_FRACTION["cpu"]))
+
+
+def host_free_bytes(available: int, limit: str | None, current: str | None) -> int:
+    """The host's ``available`` bytes, or less when the cgroup's ``limit`` ("max": none) minus its
+    ``current`` use is less (both as cgroup v2 writes them; None: not in such a cgroup)."""
+    if limit is None or current is None or limit.strip() == "max":
+        return available
+    return max(0, min(available, int(limit) - int(current)))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+class KVPool:
+    """The preallocated cache tensors of ``num_blocks`` blocks of ``block_size`` slots, per attention layer."""
+
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        # layer -> (first [h, slots, d1], second [h', slots, d2])
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, layer: int, first: torch.Tensor, second: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store ``first``/``second`` [1, h, T, d] of ``layer`` in ``slots`` [T]."""
+        if layer not in self._layers:
+            self._layers[layer] = tuple(
+                new.new_empty((new.shape[1], self.num_blocks * self.block_size, new.shape[3])) for new in (first, second)
+            )
+        for store, new in zip(self._layers[layer], (first, second)):
+            store.index_copy_(1, slots, new[0])
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s two tensors at ``slots`` [L], [1, h, L, d] each (a gather: a copy of L rows)."""
+        first, second = self._layers[layer]
+        return first.index_select(1, slots)[None], second.index_select(1, slots)[None]
+
+    def bytes(self) -> int:
+        """What the layers allocated so far hold."""
+        return sum(t.numel() * t.element_size() for pair in self._layers.values() for t in pair)
 
 
 class PackedCache:
-    """The ``cache`` of one packed forward: ``sequences[i]`` adds ``tokens[i]`` states this step."""
+    """The ``cache`` of one packed forward over the pool.
 
-    def __init__(self, sequences: list[SequenceKV], tokens: list[int]):
-        self._sequences = sequences
-        self._tokens = tokens
+    ``write_slots`` [T]: where each of the step's tokens goes; ``read_slots`` [ΣL]: every step sequence's
+    slots of positions ``read_bases[i]`` .. its end, one sequence after another (a sequence's base is
+    past the blocks it gave back, else 0); ``read_offsets[i]``: where sequence i's begin.
+    """
+
+    def __init__(
+        self, pool: KVPool, write_slots: torch.Tensor, read_slots: torch.Tensor, read_offsets: list[int], read_bases: list[int]
+    ):
+        self._pool = pool
+        self._write = write_slots
+        self._read = read_slots
+        self._offsets = read_offsets
+        self._bases = read_bases
 
     def update(
         self, first: torch.Tensor, second: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """first/second [1, h, step tokens, d] -> every step sequence's past, [1, h, sum of lengths, d] each."""
-        pasts = [
-            kv.append(layer_idx, a, b)
-            for kv, a, b in zip(self._sequences, first.split(self._tokens, dim=2), second.split(self._tokens, dim=2))
-        ]
-        return torch.cat([a for a, _ in pasts], dim=2), torch.cat([b for _, b in pasts], dim=2)
+        """Store first/second [1, h, T, d] in the step's slots; returns them as they came: the attention
+        reads each sequence's past with ``past``."""
+        self._pool.write(layer_idx, first, second, self._write)
+        return first, second
+
+    def past(self, layer: int, sequence: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's ``sequence``-th sequence's past on ``layer`` from position ``first``, [1, h, L, d] each."""
+        start, end, base = self._offsets[sequence], self._offsets[sequence + 1], self._bases[sequence]
+        if first < base:
+            raise ValueError(f"position {first} of step sequence {sequence} is in a block it gave back (from {base} on)")
+        return self._pool.read(layer, self._read[start + first - base : end])
+
+    def pasts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every step sequence's past on ``layer`` from its base, one after another, [1, h, ΣL, d] each."""
+        return self._pool.read(layer, self._read)
+
+    def past_offsets(self) -> list[int]:
+        return self._offsets

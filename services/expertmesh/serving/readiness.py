@@ -40,6 +40,9 @@ class HealthReport(BaseModel):
     groups: dict[str, GroupState]
     active_sequences: int
     queued_requests: int
+    #: the KV pool's blocks held and in all (None under the per-sequence fallback, which has none)
+    kv_blocks_used: int | None = None
+    kv_blocks_total: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -120,6 +123,7 @@ class Readiness:
 
     def _check(self) -> HealthReport:
         active, queued = self._engine.load()
+        kv = self._engine.kv_usage()
         view = self._dispatcher.view
         reasons: list[str] = []
         groups: dict[str, GroupState] = {}
@@ -142,6 +146,8 @@ class Readiness:
             groups=groups,
             active_sequences=active,
             queued_requests=queued,
+            kv_blocks_used=None if kv is None else kv.blocks_used,
+            kv_blocks_total=None if kv is None else kv.blocks_total,
         )
 
     def close(self) -> None:

@@ -273,6 +273,13 @@ class InferenceServicer:
         info.CopyFrom(self._info)
         info.routing_table_version = self._table_version()
         info.group_transports.update(self._group_transports())
+        kv = self._engine.kv_usage()
+        if kv is not None:
+            info.kv_pool.CopyFrom(pb.KVPool(
+                blocks_total=kv.blocks_total, blocks_used=kv.blocks_used, block_size=kv.block_size,
+                fragmentation=kv.fragmentation, blocks_used_peak=kv.blocks_used_peak, preemptions=kv.preemptions,
+                prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            ))
         return pb.ListModelsResponse(
             models=[info],
             routing_policies=self.routing.catalogue(),

@@ -15,6 +15,7 @@ from expertmesh.serving.engine import Engine, EngineLimits
 from expertmesh.serving.readiness import Readiness
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.service import InferenceServer, InferenceServicer
+from expertmesh.telemetry.kv_metrics import register_kv_metrics
 from expertmesh.telemetry.router_metrics import register_router_metrics
 from expertmesh.v1 import inference_pb2 as pb
 
@@ -66,9 +67,16 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         plane.model,
         tokenizer,
         plane.dispatcher,
-        EngineLimits(config.max_active_sequences, config.max_queued_requests),
+        EngineLimits(
+            config.max_active_sequences,
+            config.max_queued_requests,
+            kv_cache_bytes=config.kv_cache_bytes or None,
+            kv_block_size=config.kv_block_size,
+            prefix_caching=config.prefix_caching,
+        ),
         max_context=info.max_context,
     )
+    register_kv_metrics(engine.kv_usage)
     info.batching = pb.BATCHING_PACKED if engine.batching.packed else pb.BATCHING_PER_SEQUENCE
     info.batching_note = engine.batching.note
     servicer = InferenceServicer(

@@ -46,6 +46,14 @@ PROMETHEUS_METRICS = frozenset(
         "expertmesh_active_parameters_per_token",
         "expertmesh_errors_total",
         "expertmesh_group_circuit_open",
+        "expertmesh_request_queue_time_seconds_bucket",
+        "expertmesh_kv_blocks_capacity",
+        "expertmesh_kv_blocks_used",
+        "expertmesh_kv_usage",
+        "expertmesh_kv_fragmentation",
+        "expertmesh_kv_preemptions_total",
+        "expertmesh_kv_prefix_cache_queries_total",
+        "expertmesh_kv_prefix_cache_hits_total",
     }
 )
 

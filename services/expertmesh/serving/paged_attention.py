@@ -1,0 +1,212 @@
+"""The attention of the packed serving step: each sequence's queries attend to its own past only.
+
+Registered in transformers' attention registry as ``IMPLEMENTATION``; ``forward.forward_packed``
+selects it for the duration of one packed forward and hands it the step's layout (``StepAttention``)
+as the keyword ``STEP``, which transformers passes through every decoder layer to here, as its own
+continuous batching passes ``cu_seq_lens``. The model's attention module has just stored the step's
+new keys and values with ``cache.update``; this function then, sequence by sequence, reads that
+sequence's past for the layer (``cache.past``: only the window on a sliding layer) and runs the
+model's own attention on it with a mask of that sequence alone:
+
+- ``sdpa`` models: the registry's ``sdpa`` (torch SDPA) with a boolean mask;
+- ``eager`` models: the module's own ``eager_attention_forward`` (found in its modeling module, so
+  GPT-OSS keeps its attention sinks) with an additive mask.
+
+Work per layer is therefore Σ (chunk × own past) rather than T × Σ past, and nothing copies the
+step's pasts side by side. A module that expands its cached latents after ``cache.update``
+(DeepSeek-V3's multi-head latent attention, ``expand_kv``) gets its past expanded here, per sequence.
+
+Kernels (``KERNELS``, chosen once per model by ``choose_kernel``):
+- ``per-sequence``: the loop above, over each sequence's gathered blocks; every device, every model.
+- ``flash-varlen``: flash-attn's ``flash_attn_varlen_func``, one call per layer for all the step's
+  sequences over their gathered pasts (bottom-right causal, its ``window_size`` for sliding layers);
+  on CUDA, when flash-attn is importable, for plain sdpa models in half precision (no attention
+  sinks, no latent expansion, which it does not take).
+
+Glossary
+- *step layout* (``StepAttention``): for each sequence of the step, where its queries sit among
+  the step's T tokens and how long its past was before the step.
+- *key range*: the positions a sequence's chunk attends to on a layer: 0 .. its end on a full
+  layer; on a sliding layer from ``window - 1`` before its first query.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Protocol, get_args
+
+import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+__all__ = ["IMPLEMENTATION", "STEP", "StepAttention", "SequenceRows", "AttentionKernel", "choose_kernel"]
+
+IMPLEMENTATION = "expertmesh_paged"
+#: the keyword the step's layout travels under, from the model's forward to this function
+STEP = "expertmesh_step"
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+AttentionKernel = Literal["per-sequence", "flash-varlen"]
+
+
+class PastReader(Protocol):
+    def past(self, layer: int, sequence: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``sequence``'s two cached tensors of ``layer`` from position ``first`` to its end, [1, h, L, d] each."""
+
+    def pasts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every step sequence's past of ``layer`` from its first held block, one after another, [1, h, ΣL, d]
+        each (a sequence of a sliding-window model may have given back the blocks behind its window)."""
+
+    def past_offsets(self) -> list[int]:
+        """Where each sequence's past begins in ``pasts``, and their total: [B + 1]."""
+
+
+@dataclass(frozen=True)
+class SequenceRows:
+    """One sequence's share of the step: queries ``offset`` .. ``offset + n - 1`` of T, at positions ``start`` ..."""
+
+    offset: int
+    n: int
+    start: int
+
+    @property
+    def end(self) -> int:
+        """Its past's length after this step."""
+        return self.start + self.n
+
+
+@dataclass
+class StepAttention:
+    """The layout one packed forward's attention needs (see the glossary)."""
+
+    sequences: list[SequenceRows]
+    cache: PastReader
+    implementation: str  # the model's own: "sdpa" (boolean masks) or "eager" (additive masks)
+    kinds: tuple[str, ...]  # each attention layer's kind, in layer order
+    window: int | None  # tokens a sliding layer sees, itself included
+    dtype: torch.dtype
+    device: torch.device | str = "cpu"
+    kernel: AttentionKernel = "per-sequence"
+    #: (sequence, kind) -> (first key position, mask [1, 1, n, L]); the same for every layer of a kind
+    _masks: dict[tuple[int, str], tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+    def first_key(self, rows: SequenceRows, kind: str) -> int:
+        return max(0, rows.start - self.window + 1) if kind == SLIDING else 0
+
+    def allowed(self, i: int, kind: str) -> tuple[int, torch.Tensor]:
+        """Sequence ``i``'s key range start on a ``kind`` layer and which keys each of its queries sees,
+        [n, L] boolean (causal, within the window on a sliding layer)."""
+        rows = self.sequences[i]
+        first = self.first_key(rows, kind)
+        queries = torch.arange(rows.start, rows.end)[:, None]  # [n, 1]
+        keys = torch.arange(first, rows.end)[None, :]  # [1, L]
+        allowed = keys <= queries  # [n, L]
+        if kind == SLIDING:
+            allowed &= keys > queries - self.window
+        return first, allowed
+
+    def mask(self, i: int, kind: str) -> tuple[int, torch.Tensor | None]:
+        """``allowed`` as the model's attention takes it, [1, 1, n, L] on the model's device (built once a
+        step), or None where no mask means the same, as in stock decoding and prefill: one query sees
+        its whole key range; sdpa's own causal flag covers a chunk that is its whole key range."""
+        rows = self.sequences[i]
+        first = self.first_key(rows, kind)
+        whole_chunk = rows.start == 0 and (kind == FULL or rows.end <= self.window)
+        if rows.n == 1 or (self.implementation == "sdpa" and whole_chunk):
+            return first, None
+        key = (i, kind)
+        if key not in self._masks:
+            first, allowed = self.allowed(i, kind)
+            if self.implementation == "eager":  # added to the scores
+                formatted = torch.where(allowed, torch.zeros((), dtype=self.dtype), torch.finfo(self.dtype).min)
+            else:
+                formatted = allowed
+            self._masks[key] = first, formatted[None, None].to(self.device)
+        return self._masks[key]
+
+
+def _inner(module: torch.nn.Module, implementation: str):
+    """The model's own attention function for one sequence."""
+    if implementation == "sdpa":
+        return ALL_ATTENTION_FUNCTIONS["sdpa"]
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _per_sequence(module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict) -> torch.Tensor:
+    """query [1, H, T, d] -> [1, T, H, dv]: the model's own attention, sequence by sequence."""
+    layer = module.layer_idx
+    attend = _inner(module, step.implementation)
+    expand = getattr(module, "expand_kv", None)  # MLA: the cache holds latents, expanded per use
+    out = []
+    for i, rows in enumerate(step.sequences):
+        first, mask = step.mask(i, kind)
+        past_first, past_second = step.cache.past(layer, i, first)  # [1, h, L, d] each
+        keys, values = expand(past_first, past_second) if expand is not None else (past_first, past_second)
+        q = query[:, :, rows.offset : rows.offset + rows.n]  # [1, H, n, d]
+        attended, _ = attend(module, q, keys, values, mask, **kwargs)  # [1, n, H, dv]
+        out.append(attended)
+    return torch.cat(out, dim=1)
+
+
+@functools.cache
+def flash_varlen() -> Callable | None:
+    """flash-attn's ``flash_attn_varlen_func`` when it is installed, else None."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def _flash_varlen(module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict) -> torch.Tensor:
+    """query [1, H, T, d] -> [1, T, H, d]: one varlen call for all sequences (its causal mask is
+    bottom-right aligned: each chunk's queries are the last of its keys)."""
+    keys, values = step.cache.pasts(module.layer_idx)  # [1, h, ΣL, d] each
+    cu_q = torch.tensor([*(r.offset for r in step.sequences), query.shape[2]], dtype=torch.int32, device=query.device)  # [B+1]
+    cu_k = torch.tensor(step.cache.past_offsets(), dtype=torch.int32, device=query.device)  # [B+1]
+    out = flash_varlen()(
+        query[0].transpose(0, 1).contiguous(),  # [T, H, d]
+        keys[0].transpose(0, 1).contiguous(),  # [ΣL, h, d]
+        values[0].transpose(0, 1).contiguous(),
+        cu_q,
+        cu_k,
+        max(r.n for r in step.sequences),
+        max(r.end for r in step.sequences),
+        softmax_scale=kwargs.get("scaling"),
+        causal=True,
+        window_size=(step.window - 1, 0) if kind == SLIDING else (-1, -1),
+    )  # [T, H, d]
+    return out[None]
+
+
+KERNELS: dict[str, Callable[..., torch.Tensor]] = {"per-sequence": _per_sequence, "flash-varlen": _flash_varlen}
+assert set(KERNELS) == set(get_args(AttentionKernel)), "every kernel the type names, and no other"
+
+
+def choose_kernel(device: torch.device, implementation: str, latent: bool, dtype: torch.dtype) -> AttentionKernel:
+    """``flash-varlen`` where it computes what the model's own attention does (see the module
+    docstring), else ``per-sequence``. ``latent``: the model caches latents it expands (MLA)."""
+    if device.type == "cuda" and implementation == "sdpa" and not latent and dtype in (torch.float16, torch.bfloat16) and flash_varlen() is not None:
+        return "flash-varlen"
+    return "per-sequence"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, d]
+    key: torch.Tensor,  # the step's new keys (already in the cache: unused)
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """[1, T, H, dv]: each sequence's queries attended over its own past (see the module docstring)."""
+    step: StepAttention | None = kwargs.pop(STEP, None)
+    if step is None:  # another forward of the model while a step runs would get no causal mask: refuse it
+        raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside the serving engine's step")
+    return KERNELS[step.kernel](module, query, step, step.kinds[module.layer_idx], kwargs), None
+
+
+AttentionInterface.register(IMPLEMENTATION, paged_attention_forward)

@@ -1,0 +1,368 @@
+"""The engine's paged KV pool: requests wait until their prompt's blocks fit, a full pool preempts
+the newest sequence (computed again later: the same tokens, its samples unchanged), equal prompt
+prefixes share blocks (the same tokens with and without), a request the pool can never hold is
+INVALID_ARGUMENT at submit, and finished and cancelled sequences give their blocks back.
+
+The tiny checkpoints with a local experts implementation stand in for the router's model."""
+
+import threading
+import time
+from contextlib import contextmanager
+
+import grpc
+import torch
+import pytest
+from transformers import AutoModelForCausalLM
+
+from expertmesh.errors import InvalidRequest
+from expertmesh.serving.engine import Engine, EngineLimits, ErrorEvent, GenerationRequest, TokenEvent
+from expertmesh.serving.kv_cache import token_bytes
+from expertmesh.serving.sampling import SamplingParams
+from expertmesh.tiny import MOE_ARCHITECTURES
+from helpers import stock_greedy
+from test_engine_batching import StepDispatcher, _serve, _tokens
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoints):
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3_moe"), experts_implementation="batched_mm").eval()
+
+
+def _engine(model, blocks, prefix_caching=True, max_active=8, max_step_tokens=16):
+    limits = EngineLimits(
+        max_active, 8, max_step_tokens,
+        kv_cache_bytes=blocks * BLOCK * token_bytes(model.config, model.dtype),
+        kv_block_size=BLOCK,
+        prefix_caching=prefix_caching,
+    )
+    return Engine(model, None, StepDispatcher(), limits, max_context=64)
+
+
+def _run(engine, requests):
+    try:
+        events = _serve(engine, requests)
+        assert engine.drain(timeout=30)
+        return {rid: _tokens(e) for rid, e in events.items()}, engine.kv_usage()
+    finally:
+        engine.stop()
+
+
+GREEDY = [GenerationRequest(f"g{i}", tuple(range(3 + i, 9 + i)), max_new_tokens=18, stop_at_eos=False) for i in range(4)]
+SAMPLED = GenerationRequest(
+    "s", (7, 7, 8), max_new_tokens=18, stop_at_eos=False, sampling=SamplingParams(temperature=1.0, top_k=20, seed=5)
+)
+
+
+def test_a_full_pool_preempts_and_the_tokens_stay_the_same(model):
+    """Five sequences of 21-24 tokens (6 blocks each) in 14 blocks: the newest are preempted and
+    computed again, and every stream is what it is alone."""
+    requests = [*GREEDY, SAMPLED]
+    alone, _ = _run(_engine(model, 64), [SAMPLED])
+    tokens, usage = _run(_engine(model, 14), requests)
+    assert usage.preemptions > 0 and usage.blocks_used_peak <= 14
+    assert usage.blocks_used == 0, "every block given back"
+    for r in GREEDY:
+        assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
+    assert tokens["s"] == alone["s"], "a preempted sequence's sampler goes on where it was"
+
+
+def test_requests_wait_for_blocks_rather_than_fail(model):
+    """A pool that holds one sequence at a time serves them one after another, each exact."""
+    tokens, usage = _run(_engine(model, 6), GREEDY[:3])
+    assert usage.blocks_used_peak <= 6
+    for r in GREEDY[:3]:
+        assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cached", "not-cached"])
+def test_a_shared_prefix_is_computed_once_and_changes_no_token(model, prefix_caching):
+    system = tuple(range(10, 22))  # three full blocks
+    requests = [GenerationRequest(f"p{i}", (*system, 30 + i, 31), max_new_tokens=6, stop_at_eos=False) for i in range(3)]
+    engine = _engine(model, 32, prefix_caching)
+    first = engine.submit(requests[0])
+    engine.start()
+    try:
+        head = list(first)  # the first prompt's blocks are in the cache before the others arrive
+        tokens = {"p0": _tokens(head)}
+        for seq, r in [(engine.submit(r), r) for r in requests[1:]]:
+            tokens[r.request_id] = _tokens(list(seq))
+        assert engine.drain(timeout=30)
+        usage = engine.kv_usage()
+    finally:
+        engine.stop()
+    for r in requests:
+        assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens)
+    assert usage.prefix_queries == (3 * 3 * BLOCK if prefix_caching else 0)
+    assert usage.prefix_hits == (2 * 3 * BLOCK if prefix_caching else 0), "the later two reuse all three blocks"
+
+
+def test_a_request_the_pool_can_never_hold_is_invalid(model):
+    engine = _engine(model, 4)  # 16 tokens
+    try:
+        with pytest.raises(InvalidRequest, match=r"need 5 KV blocks of 4 tokens; the KV pool \(kv_cache_bytes\) holds 4") as err:
+            engine.submit(GenerationRequest("big", tuple(range(3, 13)), max_new_tokens=10))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        engine.submit(GenerationRequest("score", tuple(range(3, 19)), score_only=True))  # 16 tokens: fits
+    finally:
+        engine.stop()
+
+
+def test_cancelling_gives_the_blocks_back(model):
+    engine = _engine(model, 16, prefix_caching=False).start()
+    try:
+        seq = engine.submit(GenerationRequest("c", (5, 6, 7), max_new_tokens=40, stop_at_eos=False))
+        events = iter(seq)
+        assert isinstance(next(events), TokenEvent)
+        assert engine.kv_usage().blocks_used > 0
+        seq.cancel()
+        final = list(events)[-1]
+        assert isinstance(final, ErrorEvent) and final.code == grpc.StatusCode.CANCELLED
+        assert engine.drain(timeout=30)
+        assert engine._blocks.used() == 0 and engine._blocks.available() == 16
+    finally:
+        engine.stop()
+
+
+def test_the_kv_metrics_report_the_pool(model, monkeypatch):
+    """What an exporter collects after a run that preempted (an SDK meter provider local to this test)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from expertmesh.telemetry import kv_metrics
+
+    reader = InMemoryMetricReader()
+    monkeypatch.setattr(kv_metrics, "meter", lambda: MeterProvider(metric_readers=[reader]).get_meter("expertmesh"))
+    engine = _engine(model, 14)
+    kv_metrics.register_kv_metrics(engine.kv_usage)
+    _run(engine, [*GREEDY, SAMPLED])
+    usage = engine.kv_usage()
+    metrics = {
+        metric.name: metric.data.data_points[0].value
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+    }
+    assert metrics == {
+        "expertmesh.kv.blocks.capacity": 14,
+        "expertmesh.kv.blocks.used": 0,
+        "expertmesh.kv.usage": 0.0,
+        "expertmesh.kv.fragmentation": 0.0,
+        "expertmesh.kv.preemptions": usage.preemptions,
+        "expertmesh.kv.prefix_cache.queries": usage.prefix_queries,
+        "expertmesh.kv.prefix_cache.hits": usage.prefix_hits,
+    }
+    assert usage.preemptions > 0 and usage.prefix_queries > 0
+
+
+class GatedDispatcher(StepDispatcher):
+    """Holds the engine at the start of its second step until ``go`` is set."""
+
+    def __init__(self):
+        self.go = threading.Event()
+        self.steps = 0
+
+    @contextmanager
+    def serving_step(self, positions, links=(), routing=None):
+        self.steps += 1
+        if self.steps == 2:
+            self.go.wait(30)
+        yield
+
+
+def test_fragmentation_counts_the_unfilled_slots_of_held_blocks(model):
+    """One sequence with a 6-token prompt, in blocks of 4: after its first step it holds 2 blocks
+    (8 slots) and 6 are filled (its first generated token is fed by the next step), so 2/8 unfilled."""
+    dispatcher = GatedDispatcher()
+    limits = EngineLimits(4, 4, kv_cache_bytes=16 * BLOCK * token_bytes(model.config, model.dtype), kv_block_size=BLOCK)
+    engine = Engine(model, None, dispatcher, limits, max_context=64).start()
+    try:
+        seq = engine.submit(GenerationRequest("f", tuple(range(3, 9)), max_new_tokens=30, stop_at_eos=False))
+        events = iter(seq)
+        next(events)
+        while dispatcher.steps < 2:  # the engine is in its second step, past the boundary's snapshot
+            time.sleep(0.01)
+        usage = engine.kv_usage()
+        seq.cancel()
+        dispatcher.go.set()
+        list(events)
+    finally:
+        dispatcher.go.set()
+        engine.stop()
+    assert usage.blocks_used == 2 and usage.fragmentation == pytest.approx(2 / 8)
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True, window_size=(-1, -1)):
+    """flash-attn's ``flash_attn_varlen_func`` as documented, in torch: q [T, H, d], k/v [ΣL, h, d]
+    (h divides H), sequence i's rows cu_q[i]..cu_q[i+1] and keys cu_k[i]..cu_k[i+1]; the causal mask
+    aligned bottom-right; ``window_size[0]`` keys before each query at most (-1: all)."""
+    out = []
+    groups = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)  # [H, n, d]
+        ki, vi = (t[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(groups, 0) for t in (k, v))  # [H, L, d]
+        n, length = qi.shape[1], ki.shape[1]
+        assert n <= max_q and length <= max_k and causal
+        queries, keys = torch.arange(length - n, length)[:, None], torch.arange(length)[None]
+        allowed = keys <= queries
+        if window_size[0] >= 0:
+            allowed &= keys >= queries - window_size[0]
+        out.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=softmax_scale).transpose(0, 1))
+    return torch.cat(out)  # [T, H, d]
+
+
+@pytest.mark.parametrize("kernel", ["per-sequence", "flash-varlen"])
+@pytest.mark.parametrize("arch, overrides", [("mixtral", {"sliding_window": 5}), ("qwen2_moe", {})], ids=["sliding", "full"])
+def test_both_kernels_keep_the_tokens_stock(tiny_checkpoints, monkeypatch, arch, overrides, kernel):
+    """Each kernel on an sdpa model with and without a sliding window; flash-varlen's inputs
+    (cu_seqlens, layouts, window) against a torch model of flash-attn's contract (flash-attn is not
+    installed here)."""
+    import dataclasses
+
+    from expertmesh.serving import paged_attention
+
+    monkeypatch.setattr(paged_attention, "flash_varlen", lambda: _reference_varlen)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(arch, **overrides), experts_implementation="batched_mm").eval()
+    engine = _engine(model, 64, max_step_tokens=8)
+    engine._mask_spec = dataclasses.replace(engine._mask_spec, kernel=kernel)
+    tokens, _ = _run(engine, GREEDY)
+    for r in GREEDY:
+        assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
+
+
+def test_the_varlen_kernel_only_where_it_computes_the_models_attention(monkeypatch):
+    from expertmesh.serving import paged_attention
+    from expertmesh.serving.paged_attention import choose_kernel
+
+    cuda, cpu, half = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    monkeypatch.setattr(paged_attention, "flash_varlen", lambda: _reference_varlen)
+    assert choose_kernel(cuda, "sdpa", False, half) == "flash-varlen"
+    assert choose_kernel(cpu, "sdpa", False, half) == "per-sequence"
+    assert choose_kernel(cuda, "eager", False, half) == "per-sequence", "eager models may have sinks (GPT-OSS)"
+    assert choose_kernel(cuda, "sdpa", True, half) == "per-sequence", "MLA expands its latents"
+    assert choose_kernel(cuda, "sdpa", False, torch.float32) == "per-sequence", "flash-attn takes half precision only"
+    monkeypatch.setattr(paged_attention, "flash_varlen", lambda: None)
+    assert choose_kernel(cuda, "sdpa", False, half) == "per-sequence", "not installed"
+
+
+def test_a_prompt_under_another_routing_policy_shares_no_blocks():
+    """A routing policy changes the gates, so every later layer's keys and values: the same prompt
+    under dynamic_k takes none of the blocks an exact request left in the prefix cache, and gets the
+    tokens it gets with no cache at all."""
+    from expertmesh.router.gate_hook import GateBias
+    from expertmesh.router.routing_policy import RequestRouting, parse_policy
+    from test_routing_policy import _LocalDispatcher, _model
+
+    model = _model("mixtral")
+    gate_bias = GateBias(model)
+    k, e = model.config.num_experts_per_tok, next(iter(gate_bias.num_experts.values()))
+    prompt = tuple(range(10, 23))  # three full blocks
+    exact = GenerationRequest("exact", prompt, max_new_tokens=6, stop_at_eos=False)
+    widened = GenerationRequest("dyn", prompt, max_new_tokens=6, stop_at_eos=False,
+                                routing=RequestRouting(parse_policy("dynamic_k", {"threshold": 1.0}, k, e)))
+
+    def serve(requests, prefix_caching):
+        limits = EngineLimits(8, 8, kv_cache_bytes=32 * BLOCK * token_bytes(model.config, model.dtype),
+                              kv_block_size=BLOCK, prefix_caching=prefix_caching)
+        engine = Engine(model, None, _LocalDispatcher(gate_bias), limits, max_context=64).start()
+        try:
+            tokens = [_tokens(list(engine.submit(r))) for r in requests]  # one after the other
+            return tokens, engine.kv_usage()
+        finally:
+            engine.stop()
+
+    (exact_tokens, widened_tokens), usage = serve([exact, widened], prefix_caching=True)
+    [widened_alone], _ = serve([widened], prefix_caching=False)
+    assert usage.prefix_hits == 0 and usage.prefix_queries == 3 * BLOCK, "only the exact request looked"
+    assert widened_tokens == widened_alone and exact_tokens == stock_greedy(model, prompt, 6)
+
+
+def test_a_failed_sequence_leaves_nothing_in_the_prefix_cache(model):
+    """A request whose logits came out broken (as a broken expert's would) fails alone; its prompt's
+    blocks, which that step computed, are not offered to later requests."""
+    import math
+
+    engine = _engine(model, 32)
+    advance_step = engine._advance_step
+
+    def corrupting(work, logits):  # logits: per chunk, [rows, V] or None
+        return advance_step(work, [None if rows is None else torch.full_like(rows, math.nan) for rows in logits])
+
+    engine._advance_step = corrupting
+    prompt = tuple(range(10, 23))  # three full blocks
+    engine.start()
+    try:
+        (failed,) = [e for e in engine.submit(GenerationRequest("bad", prompt, max_new_tokens=4)) if isinstance(e, ErrorEvent)]
+        assert engine.drain(timeout=30)
+        assert engine._blocks.cached() == 0 and engine.kv_usage().blocks_used == 0
+    finally:
+        engine.stop()
+    assert failed.code == grpc.StatusCode.INTERNAL
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_preempted_and_prefix_cached_sequences_match_stock_on_every_architecture(tiny_checkpoints, arch):
+    """Three prompts with a shared two-block prefix, 25 tokens each (7 blocks) in a pool of 12: the
+    newest are preempted and, computed again, take the cached prefix; every stream is stock greedy
+    (DeepSeek-V3's latents and GPT-OSS's sliding window and sinks included)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(arch), experts_implementation="batched_mm").eval()
+    shared = tuple(range(20, 28))
+    requests = [GenerationRequest(f"r{i}", (*shared, 40 + i, 41, 42), max_new_tokens=14, stop_at_eos=False) for i in range(3)]
+    tokens, usage = _run(_engine(model, 12, max_step_tokens=8), requests)
+    assert usage.preemptions > 0 and usage.prefix_hits > 0
+    for r in requests:
+        assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
+
+
+def test_queue_time_is_recorded_once_per_request_even_when_preempted(model, monkeypatch):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from expertmesh.serving import engine as engine_module
+
+    reader = InMemoryMetricReader()
+    monkeypatch.setattr(engine_module, "meter", lambda: MeterProvider(metric_readers=[reader]).get_meter("expertmesh"))
+    _, usage = _run(_engine(model, 14), [*GREEDY, SAMPLED])
+    (histogram,) = [
+        m.data.data_points[0]
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "expertmesh.request.queue_time"
+    ]
+    assert usage.preemptions > 0 and histogram.count == 5
+
+
+def test_a_sliding_window_model_gives_back_the_blocks_behind_its_window(tiny_checkpoints):
+    """Every layer sees 5 tokens: three sequences of 24 tokens (6 blocks each, 18 in all) run in 10
+    blocks without a preemption, as each holds only the blocks its window reaches; the tokens are stock."""
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoints("mixtral", sliding_window=5), experts_implementation="batched_mm"
+    ).eval()
+    tokens, usage = _run(_engine(model, 10, max_step_tokens=8), GREEDY[:3])
+    assert usage.preemptions == 0 and usage.blocks_used_peak <= 10 and usage.blocks_used == 0
+    for r in GREEDY[:3]:
+        assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
+
+
+def test_pack_reads_a_sequence_from_its_first_held_block():
+    from expertmesh.serving.forward import Chunk, MaskSpec, Rows, pack
+    from expertmesh.serving.kv_blocks import FREED
+    from expertmesh.serving.kv_cache import KVPool
+
+    spec = MaskSpec("sdpa", ("sliding_attention",), 3, torch.float32)
+    batch = pack([Chunk([FREED, 2], (9,), 6, Rows.LAST), Chunk([1], (5, 6), 0, Rows.LAST)], spec, KVPool(4, 4))
+    cache = batch.cache
+    assert cache._write.tolist() == [10, 4, 5] and cache._read.tolist() == [8, 9, 10, 4, 5]
+    assert cache.past_offsets() == [0, 3, 5] and cache._bases == [4, 0]
+    assert batch.attention.first_key(batch.attention.sequences[0], "sliding_attention") == 4
+    with pytest.raises(ValueError, match="position 3 of step sequence 0 is in a block it gave back"):
+        cache.past(0, 0, 3)
+
+
+def test_the_pool_is_reported_before_the_first_step(model):
+    engine = _engine(model, 9)
+    assert engine.kv_usage() == engine.kv_usage().__class__(9, 0, BLOCK, 0.0)
+    fallback = Engine(model, None, StepDispatcher(), EngineLimits(4, 4), max_context=64, packed=False)
+    assert fallback.kv_usage() is None

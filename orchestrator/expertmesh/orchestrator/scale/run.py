@@ -35,7 +35,7 @@ from expertmesh.orchestrator.placement.metrics import layer_balancedness
 from expertmesh.orchestrator.placement.planner import PlanOptions, plan
 from expertmesh.orchestrator.placement.stats import LoadStats
 from expertmesh.orchestrator.scale.model import Costs, ModelShape, diurnal, expert_load, zipf_popularity
-from expertmesh.orchestrator.scale.simulated import Clock, CountingBackend, RouterFleet, SimulatedGroups
+from expertmesh.orchestrator.scale.simulated import Clock, CountingBackend, ParsedTableStore, RouterFleet, SimulatedGroups
 from expertmesh.router.load_window import LoadSnapshot
 from expertmesh.routing_table import RoutingTable
 from expertmesh.state import StateStore
@@ -171,18 +171,25 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
     # -- the store, the groups, the routers, the executor ------------------------------------------
     clock = Clock()
     backend = CountingBackend()
-    orch = StateStore(backend.view("orchestrator"))
+    orch = ParsedTableStore(backend.view("orchestrator"))
     for g in groups:
         orch.set_endpoint(g, f"sim://{g}")
     if not orch.publish_routing_table(table):
         raise RuntimeError("the first routing table was not stored")
-    table_bytes = len(table.to_json())
+    raw_table = table.to_json()
+    table_bytes = len(raw_table)
+    started = time.perf_counter()
+    RoutingTable.from_json(raw_table)
+    table_parse_wall_s = time.perf_counter() - started  # every reader of the table pays this per version
     held: dict[str, set] = {g: set() for g in groups}
     for pair, names in table.replicas.items():
         for name in names:
             held[name].add(pair)
     sim = SimulatedGroups(model, costs, held, clock)
     snapshot = window_snapshot(model, stats0)
+    started = time.perf_counter()
+    LoadSnapshot.from_bytes(snapshot)
+    window_decode_wall_s = time.perf_counter() - started  # the drift observer decodes one per router per scan
     fleet = RouterFleet(StateStore(backend.view("routers")), case.routers, costs, window_bytes=snapshot)
     versions = _Versions(case.routers)
     versions.publish(1, 0.0, fleet.serve_delays(0.0, table_bytes))
@@ -341,6 +348,7 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
             "versions": len(versions.published),
             "versions_strictly_increase": versions.increasing,
             "bytes": table_bytes,
+            "parse_wall_s": table_parse_wall_s,
             "all_routers_serve_s_max": max(versions.all_serve_s),
             "all_routers_serve_s_mean": float(np.mean(versions.all_serve_s)),
             "unhosted_or_unheld": unhosted,
@@ -354,6 +362,8 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
             "ops_s": router_ops_s + orchestrator_ops_s,
             "ops_s_per_router": router_ops_s / case.routers,
             "load_window_bytes": len(snapshot),
+            "scan_reads_bytes": len(snapshot) * case.routers,
+            "scan_decode_wall_s": window_decode_wall_s * case.routers,
         },
         "health": health,
         "hours": hours,

@@ -29,7 +29,7 @@ from expertmesh.orchestrator.health import measure, policy as health_policy
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.state import Check, ReplicaId, ReplicaRecord
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
-from expertmesh.orchestrator.migration.state import Phase, load_all
+from expertmesh.orchestrator.migration.state import Phase, load, load_all
 from expertmesh.orchestrator.placement.bench import grid_topology
 from expertmesh.orchestrator.placement.metrics import layer_balancedness
 from expertmesh.orchestrator.placement.planner import PlanOptions, plan
@@ -235,7 +235,7 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
                     unhosted += 1
 
     def wake(mid: str) -> None:
-        m = next(x for x in load_all(orch) if x.id == mid)
+        m = load(orch, mid)
         if m.phase in _DRAINS:
             serving = versions.at(clock.now)
             if serving.min() < m.table_version:
@@ -315,8 +315,11 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
     for h, row in enumerate(hours):
         row["moves"] = by_hour_moves[h]
         row["bytes_moved"] = by_hour_bytes[h]
-    orchestrator_ops = backend.counts["orchestrator"].total()
-    orchestrator_ops_s = orchestrator_ops / max(end, 1.0)
+    orchestrator = backend.counts["orchestrator"]
+    orchestrator_ops_s = orchestrator.total() / max(end, 1.0)
+    # Migration records are never pruned and every step reads them all (``StateStore.migration``):
+    # what the orchestrator reads grows with the day's moves.
+    orchestrator_bytes_out_s = orchestrator.bytes_out / max(end, 1.0)
 
     # -- steady-state store traffic: the fleet's calls, one by one, over a simulated window --------
     backend.reset()
@@ -359,6 +362,7 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
             "router_bytes_in_s": router_counts.bytes_in / case.ops_window_s,
             "router_bytes_out_s": router_counts.bytes_out / case.ops_window_s,
             "orchestrator_ops_s": orchestrator_ops_s,
+            "orchestrator_bytes_out_s": orchestrator_bytes_out_s,
             "ops_s": router_ops_s + orchestrator_ops_s,
             "ops_s_per_router": router_ops_s / case.routers,
             "load_window_bytes": len(snapshot),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from expertmesh.cli import main
+from expertmesh.orchestrator.bench_scale import plots, table
 from expertmesh.orchestrator.migration.groups import GroupCallFailed
 from expertmesh.orchestrator.scale.model import DEEPSEEK_V3, QUICK_MODEL, Costs, diurnal, zipf_popularity
 from expertmesh.orchestrator.scale.run import Case, run_case
@@ -38,7 +39,6 @@ def test_zipf_popularity_is_a_distribution_that_drifts_smoothly():
     # Zipf: the hottest expert takes 1/H(32) of a layer's tokens.
     np.testing.assert_allclose(a.max(axis=1), 1.0 / np.sum(1.0 / np.arange(1, 33)))
     later = zipf_popularity(3, 32, 12.0, seed=1)
-    assert (a.argmax(axis=1) != later.argmax(axis=1)).any() or not np.allclose(a, later)  # the hot set moved
     # between epochs the shares move linearly: a minute later is close, half a day later is not
     assert np.abs(zipf_popularity(3, 32, 1.0, seed=1) - zipf_popularity(3, 32, 1.0 + 1 / 60, seed=1)).max() < 0.01
     assert np.abs(a - later).max() > 0.01
@@ -137,3 +137,13 @@ def test_bench_scale_command_writes_json(tmp_path):
 )
 def test_bench_scale_bad_flags_exit_2(argv):
     assert main(["bench", "scale", *argv]) == 2
+
+
+def test_table_and_plots_of_a_quick_run(quick_runs, tmp_path):
+    text = table(list(quick_runs.values()))
+    assert "4 GPUs 2 routers" in text and "4 GPUs 4 routers" in text
+    pytest.importorskip("matplotlib")
+    message = plots(list(quick_runs.values()), tmp_path / "plots")
+    assert (tmp_path / "plots" / "balancedness.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "moves.png").stat().st_size > 0
+    assert "wrote" in message

@@ -72,8 +72,7 @@ def table(results: list[dict]) -> str:
     """One row per case. (sim) figures are simulated time, (wall) measured on this machine."""
     rows = []
     for r in results:
-        hours, store, health = r["hours"], r["store"], r["health"]
-        mean = lambda key: sum(h[key] for h in hours) / len(hours) if hours else None  # noqa: E731
+        store, health = r["store"], r["health"]
         rows.append(
             [
                 f"{r['case']['gpus']} GPUs {r['case']['routers']} routers",
@@ -81,8 +80,8 @@ def table(results: list[dict]) -> str:
                 r["planner"]["replan_wall_s"],
                 r["drift"]["moves_per_hour"],
                 r["drift"]["bytes_moved_per_hour"] / 1e9,
-                mean("balancedness_static"),
-                mean("balancedness_drift"),
+                _mean(r["hours"], "balancedness_static"),
+                _mean(r["hours"], "balancedness_drift"),
                 r["memory"]["peak_utilisation"],
                 r["table"]["all_routers_serve_s_max"],
                 store["ops_s"],
@@ -114,6 +113,10 @@ def table(results: list[dict]) -> str:
         rows,
         ["", ".2f", ".2f", ".1f", ".2f", ".3f", ".3f", ".2f", ".3f", ".0f", ".2f", ".1f", ".1f", ".1f", ".1f"],
     )
+
+
+def _mean(hours: list[dict], key: str) -> float | None:
+    return sum(h[key] for h in hours) / len(hours) if hours else None
 
 
 def plots(results: list[dict], directory: Path) -> str:

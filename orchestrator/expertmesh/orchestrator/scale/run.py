@@ -32,6 +32,7 @@ from expertmesh.orchestrator.migration.executor import MigrationExecutor
 from expertmesh.orchestrator.migration.state import Phase, load, load_all
 from expertmesh.orchestrator.placement.bench import grid_topology
 from expertmesh.orchestrator.placement.metrics import layer_balancedness
+from expertmesh.orchestrator.placement.plan import Placement
 from expertmesh.orchestrator.placement.planner import PlanOptions, plan
 from expertmesh.orchestrator.placement.stats import LoadStats
 from expertmesh.orchestrator.scale.model import Costs, ModelShape, diurnal, expert_load, zipf_popularity
@@ -377,8 +378,6 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
 
 def _replan(case: Case, topo, options: PlanOptions, table: RoutingTable, groups: list[str], pop: np.ndarray, tokens: float) -> dict:
     """A full re-plan at the day's end given the placement now (measured wall time), and what it would move."""
-    from expertmesh.orchestrator.placement.plan import Placement
-
     model = case.model
     stats = _stats(model, pop, tokens)
     current = table_shares(table, groups, model.moe_layers, model.num_experts)

@@ -1,5 +1,5 @@
 """Control-plane commands: ``orchestrator``, ``migrate``, ``migrations``, ``drift``, ``experts``,
-``quarantine``, ``release``, ``topology``, ``plan`` and ``bench placement|migration|chaos``.
+``quarantine``, ``release``, ``topology``, ``plan`` and ``bench placement|migration|chaos|scale``.
 
 ``expertmesh.cli`` calls ``add_commands``; each command's ``run(args)`` returns
 the exit code, and input errors raise PlacementError (the CLI prints one line and
@@ -22,7 +22,7 @@ from expertmesh.orchestrator.topology import Topology, topology_to_dict
 
 
 def add_commands(commands, bench_commands) -> None:
-    from expertmesh.orchestrator import bench_chaos, bench_migration, migrate_cli, process
+    from expertmesh.orchestrator import bench_chaos, bench_migration, bench_scale, migrate_cli, process
     from expertmesh.orchestrator.drift import cli as drift_cli
     from expertmesh.orchestrator.health import cli as health_cli
 
@@ -76,6 +76,7 @@ def add_commands(commands, bench_commands) -> None:
 
     bench_migration.add_command(bench_commands)
     bench_chaos.add_command(bench_commands)
+    bench_scale.add_command(bench_commands)
     b = bench_commands.add_parser(
         "placement", help="placement planner vs DeepSeek EPLB on synthetic workloads, and with vs without domain affinity"
     )

@@ -62,6 +62,7 @@ class MigrationExecutor:
         drain_timeout_s: float = 60.0,
         router_liveness_s: float = 15.0,
         publish_attempts: int = 5,
+        groups: GroupChannels | None = None,
     ):
         self._store = store
         self._clock = clock
@@ -69,7 +70,8 @@ class MigrationExecutor:
         self._drain_timeout_s = drain_timeout_s
         self._liveness_s = router_liveness_s
         self._publish_attempts = publish_attempts
-        self._groups = GroupChannels(store.endpoints)
+        # ``groups``: anything with GroupChannels' methods (the scale simulation's simulated groups)
+        self._groups = groups if groups is not None else GroupChannels(store.endpoints)
         self._ended = meter().create_counter("expertmesh.migrations", description="migrations ended, by result and reason")
         self._work: dict[Phase, Callable[[Migration], Migration]] = {
             Phase.PENDING: self._pending,

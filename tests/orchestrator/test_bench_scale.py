@@ -1,0 +1,149 @@
+"""The scale simulation (``expertmesh bench scale``): its pure parts, the simulated store, groups and
+routers, and one quick run's structure and invariants. Nothing here asserts on wall-clock time."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import numpy as np
+import pytest
+
+from expertmesh.cli import main
+from expertmesh.orchestrator.bench_scale import plots, table
+from expertmesh.orchestrator.migration.groups import GroupCallFailed
+from expertmesh.orchestrator.scale.model import DEEPSEEK_V3, QUICK_MODEL, Costs, diurnal, zipf_popularity
+from expertmesh.orchestrator.scale.run import Case, run_case
+from expertmesh.orchestrator.scale.simulated import Clock, CountingBackend, RouterFleet, SimulatedGroups
+from expertmesh.state import StateStore
+
+QUICK_COSTS = Costs(budget_bytes=64 * QUICK_MODEL.expert_bytes)
+
+
+def test_deepseek_v3_shape():
+    assert DEEPSEEK_V3.pairs == 58 * 256
+    assert DEEPSEEK_V3.expert_bytes == 3 * 7168 * 2048 * 2  # 88 MB in bf16
+    assert Costs().load_s(DEEPSEEK_V3.expert_bytes) == pytest.approx(DEEPSEEK_V3.expert_bytes / 2e9 + 0.002)
+
+
+def test_diurnal_peaks_in_the_afternoon():
+    assert diurnal(14.0) == pytest.approx(1.0)
+    assert diurnal(2.0) == pytest.approx(0.1)
+
+
+def test_zipf_popularity_is_a_distribution_that_drifts_smoothly():
+    a = zipf_popularity(3, 32, 0.0, seed=1)
+    assert a.shape == (3, 32)
+    np.testing.assert_allclose(a.sum(axis=1), 1.0)
+    np.testing.assert_array_equal(a, zipf_popularity(3, 32, 0.0, seed=1))  # deterministic
+    # Zipf: the hottest expert takes 1/H(32) of a layer's tokens.
+    np.testing.assert_allclose(a.max(axis=1), 1.0 / np.sum(1.0 / np.arange(1, 33)))
+    later = zipf_popularity(3, 32, 12.0, seed=1)
+    # between epochs the shares move linearly: a minute later is close, half a day later is not
+    assert np.abs(zipf_popularity(3, 32, 1.0, seed=1) - zipf_popularity(3, 32, 1.0 + 1 / 60, seed=1)).max() < 0.01
+    assert np.abs(a - later).max() > 0.01
+
+
+def test_counting_backend_counts_per_caller_and_kind():
+    backend = CountingBackend()
+    routers, orch = StateStore(backend.view("routers")), StateStore(backend.view("orchestrator"))
+    orch.set_endpoint("g0", "sim://g0")
+    routers.routing_table_version()
+    routers.publish_load("r0", b"12345")
+    assert dict(backend.counts["routers"].ops) == {"get": 1, "hset": 1}
+    assert backend.counts["routers"].bytes_in == 5
+    assert dict(backend.counts["orchestrator"].ops) == {"hset": 1}
+    assert routers.endpoints() == {"g0": "sim://g0"}  # one store under the views
+    backend.reset()
+    assert backend.counts["routers"].total() == 0
+
+
+def test_simulated_groups_load_unload_and_budget():
+    clock = Clock()
+    groups = SimulatedGroups(QUICK_MODEL, Costs(budget_bytes=2 * QUICK_MODEL.expert_bytes), {"g0": {(0, 0)}}, clock)
+    assert groups.describe("g0").weight_bytes == QUICK_MODEL.expert_bytes
+    assert groups.load("g0", (0, 1)).added
+    assert not groups.load("g0", (0, 1)).added
+    with pytest.raises(GroupCallFailed) as err:
+        groups.load("g0", (0, 2))
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert groups.peak_memory == pytest.approx(1.0)
+    assert groups.unload("g0", (0, 0)) and not groups.describe("g0").holds((0, 0))
+    groups.set_busy({"g0": 0.5})
+    clock.advance_to(10.0)
+    assert groups.describe("g0").busy_seconds == pytest.approx(5.0)
+
+
+def _window_ops(routers: int) -> dict:
+    backend = CountingBackend()
+    fleet = RouterFleet(StateStore(backend.view("routers")), routers, Costs(), window_bytes=b"x" * 100)
+    fleet.run_window(0.0, 20.0)
+    return dict(backend.counts["routers"].ops)
+
+
+def test_router_store_ops_grow_linearly_in_routers():
+    one, two = _window_ops(8), _window_ops(16)
+    assert two == {kind: 2 * n for kind, n in one.items()}
+    # per router and second: 4 version GETs + 4 quarantine HGETALLs, a heartbeat, a tenth of a load window
+    assert one == {"get": 8 * 80, "hgetall": 8 * 80, "hset": 8 * 20 + 8 * 2}
+
+
+def test_serve_delays_are_within_one_poll():
+    fleet = RouterFleet(StateStore(CountingBackend().view("routers")), 16, Costs())
+    delays = fleet.serve_delays(3.1, table_bytes=1000)
+    overhead = 2 * Costs().fetch_s(0) + Costs().fetch_s(1000) + Costs().step_s
+    assert delays.shape == (16,)
+    assert (delays >= overhead).all() and (delays < 0.25 + overhead).all()
+
+
+@pytest.fixture(scope="module")
+def quick_runs():
+    return {r: run_case(Case(QUICK_MODEL, gpus=4, routers=r, hours=2.0, costs=QUICK_COSTS)) for r in (2, 4)}
+
+
+def test_quick_run_structure_and_invariants(quick_runs):
+    result = quick_runs[2]
+    assert set(result) >= {"case", "planner", "drift", "memory", "table", "store", "health", "hours"}
+    assert [h["hour"] for h in result["hours"]] == [1.0, 2.0]
+    for h in result["hours"]:
+        assert 0 < h["balancedness_static"] <= 1 and 0 < h["balancedness_drift"] <= 1
+    assert result["table"]["unhosted_or_unheld"] == 0
+    assert result["table"]["versions_strictly_increase"]
+    assert result["drift"]["succeeded"] >= 1  # the drifting load made drift move something
+    assert result["drift"]["bytes_moved_per_hour"] == pytest.approx(result["drift"]["moves_per_hour"] * QUICK_MODEL.expert_bytes)
+    assert 0 < result["memory"]["peak_utilisation"] <= 1
+    assert result["health"]["replicas"] == QUICK_MODEL.moe_layers * (QUICK_MODEL.num_experts + 4)  # moves keep the count
+    assert result["health"]["probe_bytes"] == 2 * result["health"]["replicas"] * 1000 * QUICK_MODEL.hidden_size * 2
+
+
+def test_quick_run_store_ops_linear_in_routers(quick_runs):
+    two, four = quick_runs[2]["store"], quick_runs[4]["store"]
+    assert four["router_ops_s"] == pytest.approx(2 * two["router_ops_s"], rel=0.01)
+    assert four["ops_s_per_router"] == pytest.approx(two["ops_s_per_router"], rel=0.01)
+
+
+def test_bench_scale_command_writes_json(tmp_path):
+    out = tmp_path / "scale.json"
+    assert main(["bench", "scale", "--quick", "--gpus", "4", "--routers", "2", "--hours", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "scale" and len(doc["results"]) == 1
+    assert doc["results"][0]["case"] == {"model": "quick", "gpus": 4, "routers": 2, "hours": 1.0, "redundant": 4}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--hours", "0"], ["--gpus", "x"], ["--routers", "0"], ["--gpus", "12"], ["--gpus", "8"]],
+    ids=["hours", "gpus-not-int", "routers-zero", "gpus-not-nodes", "gpus-too-few-for-dsv3"],
+)
+def test_bench_scale_bad_flags_exit_2(argv):
+    assert main(["bench", "scale", *argv]) == 2
+
+
+def test_table_and_plots_of_a_quick_run(quick_runs, tmp_path):
+    text = table(list(quick_runs.values()))
+    assert "4 GPUs 2 routers" in text and "4 GPUs 4 routers" in text
+    pytest.importorskip("matplotlib")
+    message = plots(list(quick_runs.values()), tmp_path / "plots")
+    assert (tmp_path / "plots" / "balancedness.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "moves.png").stat().st_size > 0
+    assert "wrote" in message

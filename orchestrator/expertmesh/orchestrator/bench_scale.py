@@ -15,7 +15,10 @@ from pathlib import Path
 from expertmesh.bench.report import BenchError, format_table, machine, parse_int_list, write_json
 from expertmesh.console import progress
 from expertmesh.orchestrator.scale.model import DEEPSEEK_V3, QUICK_MODEL, Costs
-from expertmesh.orchestrator.scale.run import Case, run_case
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the simulation imports numpy and the router's modules: not at `expertmesh --help`
+    from expertmesh.orchestrator.scale.run import Case
 
 #: the quick shape's groups give experts room for 64 of its experts (memory then reads ~0.3, as at full scale)
 QUICK_BUDGET_EXPERTS = 64
@@ -33,7 +36,9 @@ def add_command(bench_commands) -> None:
     p.set_defaults(run=_main)
 
 
-def cases(gpus: list[int], routers: list[int], hours: float, quick: bool, seed: int) -> list[Case]:
+def cases(gpus: list[int], routers: list[int], hours: float, quick: bool, seed: int) -> list["Case"]:
+    from expertmesh.orchestrator.scale.run import Case
+
     model = QUICK_MODEL if quick else DEEPSEEK_V3
     costs = Costs(budget_bytes=QUICK_BUDGET_EXPERTS * model.expert_bytes) if quick else Costs()
     for g in gpus:
@@ -45,6 +50,8 @@ def cases(gpus: list[int], routers: list[int], hours: float, quick: bool, seed: 
 
 
 def _main(args: argparse.Namespace) -> int:
+    from expertmesh.orchestrator.scale.run import run_case
+
     if not args.hours > 0:
         raise BenchError(f"--hours must be > 0, got {args.hours}")
     gpus = parse_int_list(args.gpus or ("4,8" if args.quick else "64,256"), "--gpus")

@@ -461,8 +461,8 @@ def test_heartbeat_reports_the_served_version_and_the_watcher_refreshes_an_idle_
     heartbeat = Heartbeat(store, "router-a", interval_s=0.05)
     dispatcher = _dispatcher(store, transport, on_switch=heartbeat.beat)
     dispatcher.refresh()
-    assert store.router_heartbeats()["router-a"].table_version == 1
-    heartbeat.start(dispatcher)
+    assert store.router_heartbeats()["router-a"].table_version == 1  # before start: reported at once
+    heartbeat.start(dispatcher)  # from now on by its thread, woken by each switch
     watcher = TableWatcher(dispatcher, poll_s=0.05).start()
     _publish(store, ("g2",))
     deadline = time.monotonic() + 10
@@ -613,3 +613,26 @@ def test_the_watcher_backs_off_while_the_store_fails_and_says_a_problem_once(cap
         assert all(watcher.poll_once() for _ in range(5))
     assert watcher.next_wait() == 0.25
     assert sum("is for another model" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_new_table_waits_for_the_step_in_flight_before_it_is_served_or_reported():
+    """The watcher builds views on its own thread. Swapped in mid-step and reported at once, a router said it
+    served version N while its step still routed on N-1, and a migration then unloaded the old replica under
+    that step: NOT_FOUND (found by test_migration_live)."""
+    store = open_store("memory://")
+    switches = []
+    dispatcher = ExpertDispatcher(store, LAYERS, on_switch=switches.append, model=MODEL)
+    replicas = {(layer, e): ("g0",) for layer in LAYERS for e in range(4)}
+    store.publish_routing_table(RoutingTable(1, 4, replicas, model=MODEL))
+    dispatcher.refresh()
+    dispatcher.watched = True  # as a TableWatcher sets it
+    with dispatcher.serving_step(torch.zeros(1, dtype=torch.long)):
+        store.publish_routing_table(RoutingTable(2, 4, {**replicas, (1, 3): ("g1",)}, model=MODEL))
+        dispatcher.refresh()  # the watcher's round, during the step
+        assert dispatcher.view.version == 1 and dispatcher._local.view.version == 1 and switches == [1]
+    assert dispatcher.view.version == 1  # not before the next step boundary either
+    dispatcher.begin_step()
+    assert dispatcher.view.version == 2 and switches == [1, 2]
+    dispatcher.refresh()  # nothing new: no second switch
+    assert switches == [1, 2]
+    dispatcher.close()

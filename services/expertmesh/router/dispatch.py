@@ -140,8 +140,13 @@ class ExpertDispatcher:
         )
         #: called with the new version after every table switch (the router's heartbeat)
         self._on_switch = on_switch
-        self._refresh_lock = threading.Lock()
+        self._refresh_lock = threading.Lock()  # one refresh at a time (held over store reads)
+        #: guards ``view``, ``_pending`` and ``_steps_in_flight``; never held over I/O, so a step never waits on the store
+        self._view_lock = threading.Lock()
         self.view: RoutingView | None = None
+        #: a view built while a serving step ran: swapped in at the next step boundary (``begin_step``)
+        self._pending: RoutingView | None = None
+        self._steps_in_flight = 0
         self._rejected_version = 0
         self._store_errors = 0
         #: a TableWatcher keeps the view current (set by it): steps then never read the store themselves
@@ -171,7 +176,12 @@ class ExpertDispatcher:
         (the trace contexts of the step's other requests). ``routing``: the tokens' routing policies
         and domains (None: every token is routed by the stock gate and counted under no domain)."""
         self._local.step = (positions, tuple(links), routing)
-        self._local.view = self.view  # every layer of the step dispatches on the same table version
+        with self._view_lock:
+            # Every layer of the step dispatches on this one table version, and no newer version is reported
+            # (heartbeat) before the step ends: a migration unloads an old replica only once every router
+            # reports the version without it, so no step in flight may still be routing to it.
+            self._steps_in_flight += 1
+            self._local.view = self.view
         try:
             if routing is not None and self.gate_bias is not None:
                 with self.gate_bias.routing(routing):
@@ -181,6 +191,8 @@ class ExpertDispatcher:
         finally:
             self._local.step = None
             self._local.view = None
+            with self._view_lock:
+                self._steps_in_flight -= 1
 
     def on_forward(self) -> None:
         """Forward pre-hook: a new step, unless the serving engine already began this one."""
@@ -189,9 +201,17 @@ class ExpertDispatcher:
 
     def begin_step(self) -> None:
         """At a step boundary: make sure there is a view to serve. Watched, the watcher keeps it current and
-        the step does no store I/O; unwatched, the store is read now (``refresh``)."""
+        the step does no store I/O (it swaps in a view the watcher built during the last step); unwatched,
+        the store is read now (``refresh``)."""
         if not self.watched or self.view is None:
             self.refresh()
+            return
+        with self._view_lock:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._swap(pending)
+        if pending is not None:
+            self._switched(pending)
 
     # -- the routing view ----------------------------------------------------------------
 
@@ -203,7 +223,7 @@ class ExpertDispatcher:
         (ConnectionError / GroupUnavailable / RoutingTableRefused).
         """
         with self._refresh_lock:
-            current = self.view
+            current = self._pending or self.view  # the newest view this router has built
             try:
                 version = self._store.routing_table_version()
                 if current is not None and version in (0, current.version, self._rejected_version):
@@ -240,7 +260,11 @@ class ExpertDispatcher:
             # as groups re-register, and its calls go on meanwhile.
             known = {g: self._transport.address(g) for g in view.groups}
             self._transport.update({g: a for g in view.groups if (a := endpoints.get(g) or known[g])})
-            self._use(view)
+            swapped = self._use(view)
+        if swapped:
+            self._switched(view)
+
+    def _switched(self, view: RoutingView) -> None:
         log.info("routing table version %d: %d groups", view.version, len(view.groups))
         if self._on_switch is not None:
             self._on_switch(view.version)
@@ -260,17 +284,28 @@ class ExpertDispatcher:
             if quarantined == self._quarantined:
                 return
             self._quarantined = quarantined
-            if self.view is None:
+            base = self._pending or self.view  # the newest table this router has, whether or not it serves it yet
+            if base is None:
                 return
-            view = RoutingView.build(self.view.table, self._moe_layers, quarantined, self.model)
+            view = RoutingView.build(base.table, self._moe_layers, quarantined, self.model)
             self._use(view)
         log.warning(
             "quarantined replicas now %s; experts served by the %s fallback: %s",
             sorted(quarantined) or "none", self.fallback, {layer: sorted(e) for layer, e in view.fallback.items()} or "none",
         )
 
-    def _use(self, view: RoutingView) -> None:
-        """Swap ``view`` in; the gates stop choosing its fallback experts (next-best fallback)."""
+    def _use(self, view: RoutingView) -> bool:
+        """Swap ``view`` in now, or, while a serving step runs, at the next step boundary. True: swapped now."""
+        with self._view_lock:
+            if self._steps_in_flight:
+                self._pending = view
+                return False
+            self._pending = None
+            self._swap(view)
+            return True
+
+    def _swap(self, view: RoutingView) -> None:
+        """(Under ``_view_lock``) ``view`` in use; the gates stop choosing its fallback experts (next-best fallback)."""
         if self.gate_bias is not None and self.fallback == "next_best":
             self.gate_bias.set({layer: masked(view.num_experts, experts) for layer, experts in view.fallback.items()})
         self.view = view

@@ -27,9 +27,18 @@ class Heartbeat:
         self.router_id = router_id
         self._interval = interval_s
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def beat(self, version: int) -> None:
+        """Report ``version`` as soon as this heartbeat's thread can (the dispatcher calls this on a switch, from
+        the serving step's thread, which must not wait on the store); before ``start``, report it now."""
+        if self._thread is None:
+            self.publish(version)
+        else:
+            self._wake.set()
+
+    def publish(self, version: int) -> None:
         """Report ``version`` now; a store hiccup is logged, the next beat retries."""
         try:
             self._store.publish_router_heartbeat(RouterHeartbeat(self.router_id, version, time.time()))
@@ -44,16 +53,21 @@ class Heartbeat:
         return self
 
     def _run(self, dispatcher: ExpertDispatcher) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)  # every interval, or at once after a switch
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 if dispatcher.view is not None:
-                    self.beat(dispatcher.view.version)
+                    self.publish(dispatcher.view.version)
             except Exception:  # the heartbeat must outlive any one failure; the next round retries
                 log.warning("heartbeat round failed", exc_info=True)
 
     def stop(self) -> None:
         """Stop beating and leave the store's list of routers (a migration then stops waiting for us)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
         try:

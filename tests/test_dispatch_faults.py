@@ -388,30 +388,33 @@ def test_a_watched_router_steps_without_reading_the_store_and_serves_through_a_f
     dispatcher = _dispatcher(store, transport, model=MODEL)
     dispatcher.refresh()
     watcher = TableWatcher(dispatcher, poll_s=0.05, max_backoff_s=0.2).start()
-    step_thread = threading.current_thread().name
-    before = store.calls[step_thread]
-    proc.send_signal(signal.SIGSTOP)
     try:
-        for seed in range(5):
-            dispatcher.begin_step()
-            _check_exact(dispatcher, stock, seed=seed)
-        assert store.calls[step_thread] == before, "a step read the state store"
+        step_thread = threading.current_thread().name
+        before = store.calls[step_thread]
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            for seed in range(5):
+                dispatcher.begin_step()
+                _check_exact(dispatcher, stock, seed=seed)
+            assert store.calls[step_thread] == before, "a step read the state store"
+            deadline = time.monotonic() + 30
+            while watcher.failures == 0:
+                assert time.monotonic() < deadline, "the watcher never noticed the frozen store"
+                time.sleep(0.05)
+            assert watcher.next_wait() > 0.05  # backing off
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        _publish(redis_store, ("g2",))
+        # the new table is swapped in during a round and the failure count cleared at its end: wait for both
         deadline = time.monotonic() + 30
-        while watcher.failures == 0:
-            assert time.monotonic() < deadline, "the watcher never noticed the frozen store"
+        while dispatcher.table.version != 2 or watcher.failures:
+            assert time.monotonic() < deadline, "the watcher never took the new table after the store came back"
             time.sleep(0.05)
-        assert watcher.next_wait() > 0.05  # backing off
+        assert watcher.next_wait() == 0.05  # back to its interval
     finally:
-        proc.send_signal(signal.SIGCONT)
-    _publish(redis_store, ("g2",))
-    deadline = time.monotonic() + 30
-    while dispatcher.table.version != 2:
-        assert time.monotonic() < deadline, "the watcher never took the new table after the store came back"
-        time.sleep(0.05)
-    assert watcher.failures == 0
-    watcher.stop()
+        watcher.stop()
+        dispatcher.close()
     assert not dispatcher.watched
-    dispatcher.close()
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 REDIS_PORT ?= 6399
 RUN_DIR := .run
 
-.PHONY: install proto run test test-tools redis-start redis-stop clean gpu-wheels
+.PHONY: install proto run test lint test-tools redis-start redis-stop clean gpu-wheels
 
 # A pinned CPU torch first: an unpinned one pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -33,6 +33,16 @@ test-tools:
 		command -v promtool >/dev/null || missing="$$missing prometheus"; \
 		if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; fi
 
+# ruff (lint, import order, format) and the import-linter contracts of pyproject.toml. import-linter reads
+# one folder per root package, and `expertmesh` spans two (services/, orchestrator/): it reads a merged copy.
+LINT_TREE := build/lint
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	@rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE) && cp -r services/expertmesh $(LINT_TREE)/ \
+		&& cp -r orchestrator/expertmesh/orchestrator $(LINT_TREE)/expertmesh/
+	cd $(LINT_TREE) && PYTHONPATH=. $(abspath $(VENV))/bin/lint-imports --config $(abspath pyproject.toml) --no-cache
+
 redis-start:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@mkdir -p $(RUN_DIR)
@@ -43,7 +53,7 @@ redis-start:
 redis-stop:
 	@test -f $(RUN_DIR)/redis.pid && kill $$(cat $(RUN_DIR)/redis.pid) 2>/dev/null; rm -f $(RUN_DIR)/redis.pid; true
 
-test: install
+test: install lint
 	$(MAKE) test-tools redis-start
 	EXPERTMESH_TEST_REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0 HF_HUB_OFFLINE=1 \
 		$(PY) -m pytest -q $(PYTEST_ARGS); status=$$?; $(MAKE) redis-stop; exit $$status

@@ -10,7 +10,7 @@ from urllib.parse import urlparse, urlunparse
 
 import pytest
 
-from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.models.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +93,9 @@ def redis_url():
     db = next((n for n in range(1, databases) if claims.set(_CLAIM.format(n), owner, nx=True, ex=3600)), None)
     if db is None:
         claims.close()
-        pytest.fail(f"all {databases - 1} Redis databases of {base} are claimed: start redis-server with more --databases")
+        pytest.fail(
+            f"all {databases - 1} Redis databases of {base} are claimed: start redis-server with more --databases"
+        )
     url = urlunparse(urlparse(base)._replace(path=f"/{db}"))
     own = redis.Redis.from_url(url)
     own.flushdb()

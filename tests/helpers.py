@@ -73,7 +73,7 @@ class Up:
         self.proc = subprocess.Popen(
             # Port 0, read back from the banner: a port picked in advance can be taken by one of
             # the Ray workers the command starts before it binds.
-            [sys.executable, "-m", "expertmesh.cli", "up", "--port", "0", *args],
+            [sys.executable, "-m", "expertmesh.cli.main", "up", "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -108,10 +108,21 @@ class RayHead:
     def __init__(self, port: int, timeout: float = 120):
         self.address = f"127.0.0.1:{port}"
         self.proc = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
-             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-             "--disable-usage-stats"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            [
+                os.path.join(os.path.dirname(sys.executable), "ray"),
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                f"--port={port}",
+                "--num-cpus=2",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         self.output: list[str] = []
         ready = threading.Event()
@@ -137,7 +148,11 @@ class RayHead:
         except ProcessLookupError:
             return
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and self.proc.poll() is None and _session_members(self.proc.pid) - {self.proc.pid}:
+        while (
+            time.monotonic() < deadline
+            and self.proc.poll() is None
+            and _session_members(self.proc.pid) - {self.proc.pid}
+        ):
             time.sleep(0.1)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)

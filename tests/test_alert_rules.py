@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from expertmesh.telemetry import ORCHESTRATOR_PROMETHEUS_METRICS, PROMETHEUS_METRICS
+from expertmesh.infra.telemetry import ORCHESTRATOR_PROMETHEUS_METRICS, PROMETHEUS_METRICS
 
 RULES = Path(__file__).resolve().parents[1] / "helm" / "expertmesh" / "files" / "expertmesh-alerts.yaml"
 #: counted only once it happens, so absent from a healthy router's /metrics (router.dispatch's counter)
@@ -60,9 +60,17 @@ def _tests() -> list[dict]:
     wobble = [10.0 + (i % 3) for i in range(DAY + 60)]  # a share that varies a little: a baseline with spread
     series = [
         # layer 0: expert 0 takes 10x the others (load CV 1.2); layer 1 even
-        *({"series": f'expertmesh_expert_tokens_total{{layer="0",expert="{e}"}}', "values": _counter(skewed if e == 0 else even)}
-          for e in range(4)),
-        *({"series": f'expertmesh_expert_tokens_total{{layer="1",expert="{e}"}}', "values": _counter(even)} for e in range(4)),
+        *(
+            {
+                "series": f'expertmesh_expert_tokens_total{{layer="0",expert="{e}"}}',
+                "values": _counter(skewed if e == 0 else even),
+            }
+            for e in range(4)
+        ),
+        *(
+            {"series": f'expertmesh_expert_tokens_total{{layer="1",expert="{e}"}}', "values": _counter(even)}
+            for e in range(4)
+        ),
         {"series": 'expertmesh_layer_balancedness{layer="0"}', "values": "0.3x60"},
         {"series": 'expertmesh_layer_balancedness{layer="1"}', "values": "0.9x60"},
         {"series": 'expertmesh_expert_kl{layer="1",expert="2",group="g0"}', "values": "0.2x60"},
@@ -82,11 +90,22 @@ def _tests() -> list[dict]:
     ]
     day = [
         # layer 2: four experts evenly for a day, then expert 0 takes everything (entropy 2 bits -> 0)
-        *({"series": f'expertmesh_expert_tokens_total{{layer="2",expert="{e}"}}',
-           "values": _counter([10.0] * DAY + ([40.0] * 60 if e == 0 else [0.0] * 60))} for e in range(4)),
+        *(
+            {
+                "series": f'expertmesh_expert_tokens_total{{layer="2",expert="{e}"}}',
+                "values": _counter([10.0] * DAY + ([40.0] * 60 if e == 0 else [0.0] * 60)),
+            }
+            for e in range(4)
+        ),
         # layer 3: expert 0's share wobbles near 0.5 for a day, then jumps to 0.75 (entropy 1 -> 0.81 bits: no collapse)
-        {"series": 'expertmesh_expert_tokens_total{layer="3",expert="0"}', "values": _counter(wobble[:DAY] + [30.0] * 60)},
-        {"series": 'expertmesh_expert_tokens_total{layer="3",expert="1"}', "values": _counter([10.0] * DAY + [10.0] * 60)},
+        {
+            "series": 'expertmesh_expert_tokens_total{layer="3",expert="0"}',
+            "values": _counter(wobble[:DAY] + [30.0] * 60),
+        },
+        {
+            "series": 'expertmesh_expert_tokens_total{layer="3",expert="1"}',
+            "values": _counter([10.0] * DAY + [10.0] * 60),
+        },
     ]
 
     def alerts(name: str, at: str, *labelled: dict) -> dict:
@@ -120,9 +139,13 @@ def _tests() -> list[dict]:
                 alerts("ExpertmeshRoutingEntropyCollapse", f"{DAY + 40}m", {**warning, "layer": "2"}),
                 alerts("ExpertmeshExpertLoadAnomaly", f"{DAY - 10}m"),
                 # layer 3's jump, and layer 2's collapse: every one of its experts left its baseline too
-                alerts("ExpertmeshExpertLoadAnomaly", f"{DAY + 40}m",
-                       *({**warning, "layer": "2", "expert": str(e)} for e in range(4)),
-                       {**warning, "layer": "3", "expert": "0"}, {**warning, "layer": "3", "expert": "1"}),
+                alerts(
+                    "ExpertmeshExpertLoadAnomaly",
+                    f"{DAY + 40}m",
+                    *({**warning, "layer": "2", "expert": str(e)} for e in range(4)),
+                    {**warning, "layer": "3", "expert": "0"},
+                    {**warning, "layer": "3", "expert": "1"},
+                ),
             ],
         },
     ]

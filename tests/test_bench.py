@@ -7,8 +7,8 @@ import json
 import pytest
 
 from expertmesh.bench.report import BenchError, format_table, parse_int_list, percentile
-from expertmesh.cli import main
-from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.cli.main import main
+from expertmesh.models.tiny import make_tiny_checkpoint
 
 CONTEXT = 128
 slow = pytest.mark.slow
@@ -56,14 +56,20 @@ def test_percentile_and_int_lists():
         (["dispatch", "--batches", "0"], "--batches takes positive integers"),
         (["dispatch", "--prefill-tokens", CONTEXT + 1], f"above the model's context of {CONTEXT}"),
         (["dispatch", "--decode-steps", CONTEXT], f"above the model's context of {CONTEXT}"),
-        (["dispatch", "--prefill-tokens", 32, "--device", "gpu"], "--device 'gpu': a device is auto, cpu, cuda or cuda:N"),
+        (
+            ["dispatch", "--prefill-tokens", 32, "--device", "gpu"],
+            "--device 'gpu': a device is auto, cpu, cuda or cuda:N",
+        ),
         (["dispatch", "--repeats", "0"], "--repeats must be at least 1"),
         (["serve", "--repeats", "0"], "--repeats must be at least 1"),
         (["serve", "--prompt-tokens", "100", "--max-new-tokens", "64"], f"above the model's context of {CONTEXT}"),
         (["serve", "--clients", "0"], "--clients must be at least 1"),
         (["serve", "--sweep", "1,x"], "--sweep takes positive integers separated by commas"),
         (["serve", "--target", "127.0.0.1:1"], "cannot reach `expertmesh up` at 127.0.0.1:1"),
-        (["serve", "--classifier", "--prompt-tokens", "8"], "no query of the classifier's eval split fits --prompt-tokens 8"),
+        (
+            ["serve", "--classifier", "--prompt-tokens", "8"],
+            "no query of the classifier's eval split fits --prompt-tokens 8",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, checkpoint, tmp_path, argv, message):
@@ -79,7 +85,16 @@ def test_a_gpu_that_is_not_there_is_one_line(capsys, checkpoint, tmp_path, monke
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, _, err = _run(
-        capsys, "dispatch", "--model", checkpoint, "--prefill-tokens", 32, "--device", "cuda", "--out", tmp_path / "x.json"
+        capsys,
+        "dispatch",
+        "--model",
+        checkpoint,
+        "--prefill-tokens",
+        32,
+        "--device",
+        "cuda",
+        "--out",
+        tmp_path / "x.json",
     )
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--device cuda: this process sees no CUDA GPU" in err, err
@@ -97,9 +112,19 @@ def test_agreement_passes_only_the_same_answers():
     model = lambda shifted: lambda input_ids: SimpleNamespace(logits=logits + shifted)  # noqa: E731
     ids = torch.zeros(1, 2, dtype=torch.long)
     same = _agreement(model(0.0), model(0.0), ids, "float32")
-    assert same == {"max_abs_logit_diff": 0.0, "tolerance": 1e-4, "positions": 2, "argmax_differs_at": 0, "passed": True}
+    assert same == {
+        "max_abs_logit_diff": 0.0,
+        "tolerance": 1e-4,
+        "positions": 2,
+        "argmax_differs_at": 0,
+        "passed": True,
+    }
     near = _agreement(model(0.0), model(torch.tensor([0.0, 0.0, 2e-4])), ids, "float32")
-    assert not near["passed"] and near["argmax_differs_at"] == 0 and near["max_abs_logit_diff"] == pytest.approx(2e-4, rel=1e-3)
+    assert (
+        not near["passed"]
+        and near["argmax_differs_at"] == 0
+        and near["max_abs_logit_diff"] == pytest.approx(2e-4, rel=1e-3)
+    )
     flipped = _agreement(model(0.0), model(torch.tensor([0.0, 0.0, 0.6])), ids, "bfloat16")  # row 0: 1.1 > 1.0
     assert not flipped["passed"] and flipped["argmax_differs_at"] == 1
 
@@ -108,8 +133,16 @@ def test_serve_agreement_names_the_prompts_whose_tokens_differ():
     from expertmesh.bench.serve import same_tokens
 
     reference = {"token_ids": [[5, 6], [7, 8], [9, 9]]}
-    assert same_tokens({"token_ids": [[5, 6], [7, 8], [9, 9]]}, reference) == {"requests": 3, "differ": [], "passed": True}
-    assert same_tokens({"token_ids": [[5, 6], [7, 1], [9, 9]]}, reference) == {"requests": 3, "differ": [1], "passed": False}
+    assert same_tokens({"token_ids": [[5, 6], [7, 8], [9, 9]]}, reference) == {
+        "requests": 3,
+        "differ": [],
+        "passed": True,
+    }
+    assert same_tokens({"token_ids": [[5, 6], [7, 1], [9, 9]]}, reference) == {
+        "requests": 3,
+        "differ": [1],
+        "passed": False,
+    }
     assert not same_tokens({"token_ids": [[5, 6], [7, 8]]}, reference)["passed"], "a missing request is no agreement"
 
 
@@ -125,8 +158,20 @@ def test_missing_checkpoint_exits_2(capsys, tmp_path):
 def test_dispatch_reports_both_sides_and_consistent_wire_figures(capsys, checkpoint, ray_session, tmp_path):
     out_file = tmp_path / "dispatch.json"
     code, out, _ = _run(
-        capsys, "dispatch", "--model", checkpoint, "--prefill-tokens", 32, "--batches", "1,2",
-        "--decode-steps", 2, "--repeats", 1, "--out", out_file,
+        capsys,
+        "dispatch",
+        "--model",
+        checkpoint,
+        "--prefill-tokens",
+        32,
+        "--batches",
+        "1,2",
+        "--decode-steps",
+        2,
+        "--repeats",
+        1,
+        "--out",
+        out_file,
     )
     assert code == 0
     result = json.loads(out_file.read_text())
@@ -167,26 +212,45 @@ def test_dispatch_reports_both_sides_and_consistent_wire_figures(capsys, checkpo
 
 
 @slow
-def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(capsys, checkpoint, ray_session, tmp_path):
+def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
+    capsys, checkpoint, ray_session, tmp_path
+):
     """One platform start for both halves: the token-id runs against transformers, then (``--classifier``)
     the text-prompt runs with and without the router classifying."""
     out_file = tmp_path / "serve.json"
     code, out, _ = _run(
-        capsys, "serve", "--model", checkpoint, "--clients", 2, "--requests-per-client", 2,
-        "--max-new-tokens", 3, "--prompt-tokens", 24, "--classifier", "--out", out_file,
+        capsys,
+        "serve",
+        "--model",
+        checkpoint,
+        "--clients",
+        2,
+        "--requests-per-client",
+        2,
+        "--max-new-tokens",
+        3,
+        "--prompt-tokens",
+        24,
+        "--classifier",
+        "--out",
+        out_file,
     )
     assert code == 0
     result = json.loads(out_file.read_text())
     assert "platform: 2 streaming clients" in out and "ITL p50 ms" in out
     names = [r["name"] for r in result["runs"]]
     assert names == [
-        "platform: 2 streaming clients", "transformers generate, one at a time", "transformers generate, batched x2",
+        "platform: 2 streaming clients",
+        "transformers generate, one at a time",
+        "transformers generate, batched x2",
     ]
     assert [r["concurrency"] for r in result["runs"]] == [2, 1, 2]
     assert all(12 <= n <= 24 for n in result["setup"]["prompt_lengths"]) and len(result["setup"]["prompt_lengths"]) == 4
     c = result["classifier"]
     for r in result["runs"] + c["runs"]:
-        assert r["requests"] == 4 and r["tokens"] == 12, "every request, classified or not, streams exactly max_new_tokens"
+        assert r["requests"] == 4 and r["tokens"] == 12, (
+            "every request, classified or not, streams exactly max_new_tokens"
+        )
         assert r["seconds"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
         assert 0 <= r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
@@ -196,24 +260,32 @@ def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
     assert result["agreement"] == {"requests": 4, "differ": [], "passed": True}
     assert platform["token_ids"] == result["runs"][1]["token_ids"] and all(len(t) == 3 for t in platform["token_ids"])
     kv = result["kv"]
-    assert 0 < kv["blocks_used_peak"] <= kv["blocks_total"] and kv["usage_peak"] == kv["blocks_used_peak"] / kv["blocks_total"]
+    assert (
+        0 < kv["blocks_used_peak"] <= kv["blocks_total"]
+        and kv["usage_peak"] == kv["blocks_used_peak"] / kv["blocks_total"]
+    )
     assert kv["preemptions"] == 0 and kv["prefix_cache_queries"] >= kv["prefix_cache_hits"] >= 0
     assert f"KV pool: peak {kv['blocks_used_peak']} of {kv['blocks_total']} blocks" in out
     # The baseline's tokens are plain argmax decoding (end-of-sequence allowed, as stop_at_eos=False streams it).
+    from tests.helpers import stock_greedy
     from transformers import AutoModelForCausalLM
 
     from expertmesh.bench.serve import Options, prompts
-    from tests.helpers import stock_greedy
 
     stock = AutoModelForCausalLM.from_pretrained(checkpoint, experts_implementation="eager").eval()
     work = prompts(Options(model=checkpoint, clients=2, requests_per_client=2, prompt_tokens=24), 300)
     assert [stock_greedy(stock, p, 3) for p in work] == result["runs"][1]["token_ids"]
-    assert "same answers: PASS: each of the 4 requests streamed the tokens transformers generate gives its prompt alone" in out
+    assert (
+        "same answers: PASS: each of the 4 requests streamed the tokens transformers generate gives its prompt alone"
+        in out
+    )
 
     assert result["setup"]["classifier"] is True
     text_runs = [r["name"] for r in c["runs"]]
     assert text_runs == [
-        "text, exact: 2 clients", "text, prefer alpha=0, domain given: 2 clients", "text, prefer alpha=0, classified: 2 clients",
+        "text, exact: 2 clients",
+        "text, prefer alpha=0, domain given: 2 clients",
+        "text, prefer alpha=0, classified: 2 clients",
     ]
     assert all(name in out for name in text_runs) and "query classifier's added TTFT" in out
     assert c["policy"] == "prefer(alpha=0)" and len(c["prompts"]["domains"]) == 4
@@ -227,9 +299,9 @@ def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
 
 @slow
 def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, checkpoint, ray_session, tmp_path):
-    from expertmesh.config import DataPlaneConfig, ServingConfig
-    from expertmesh.data_plane import DataPlane
-    from expertmesh.serving.up import serve_plane
+    from expertmesh.config.settings import DataPlaneConfig, ServingConfig
+    from expertmesh.platform.data_plane import DataPlane
+    from expertmesh.platform.router_apis import serve_plane
 
     other = make_tiny_checkpoint("mixtral", tmp_path / "other", hidden_size=48, max_position_embeddings=CONTEXT)
     with DataPlane.start(DataPlaneConfig(model=checkpoint, groups=1)) as plane:
@@ -241,8 +313,24 @@ def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, 
 
             out_file = tmp_path / "serve.json"
             code, out, _ = _run(
-                capsys, "serve", "--model", checkpoint, "--target", target, "--clients", 2,
-                "--requests-per-client", 1, "--max-new-tokens", 3, "--prompt-tokens", 6, "--repeats", 3, "--out", out_file,
+                capsys,
+                "serve",
+                "--model",
+                checkpoint,
+                "--target",
+                target,
+                "--clients",
+                2,
+                "--requests-per-client",
+                1,
+                "--max-new-tokens",
+                3,
+                "--prompt-tokens",
+                6,
+                "--repeats",
+                3,
+                "--out",
+                out_file,
             )
             assert code == 0 and "median of 3 interleaved repeats" in out
             result = json.loads(out_file.read_text())
@@ -257,11 +345,30 @@ def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, 
 
             # a target holds no capability profiles unless built: prefer (alpha 0) is refused, in one line
             code, _, err = _run(
-                capsys, "serve", "--model", checkpoint, "--target", target, "--classifier", "--clients", 1,
-                "--requests-per-client", 1, "--max-new-tokens", 2, "--prompt-tokens", 24, "--out", tmp_path / "c.json",
+                capsys,
+                "serve",
+                "--model",
+                checkpoint,
+                "--target",
+                target,
+                "--classifier",
+                "--clients",
+                1,
+                "--requests-per-client",
+                1,
+                "--max-new-tokens",
+                2,
+                "--prompt-tokens",
+                24,
+                "--out",
+                tmp_path / "c.json",
             )
             *progress, line = err.strip().splitlines()  # after the runs before it, one error line
-            assert code == 2 and line.startswith("expertmesh bench: error: ") and "domain: no capability profile for" in line
+            assert (
+                code == 2
+                and line.startswith("expertmesh bench: error: ")
+                and "domain: no capability profile for" in line
+            )
             assert all(p.startswith("[expertmesh] bench serve:") for p in progress)
         finally:
             server.drain_and_stop()
@@ -271,8 +378,20 @@ def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, 
 def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_session, tmp_path):
     out_file = tmp_path / "sweep.json"
     code, out, _ = _run(
-        capsys, "serve", "--model", checkpoint, "--sweep", "1,2", "--requests-per-client", 1,
-        "--max-new-tokens", 3, "--prompt-tokens", 16, "--out", out_file,
+        capsys,
+        "serve",
+        "--model",
+        checkpoint,
+        "--sweep",
+        "1,2",
+        "--requests-per-client",
+        1,
+        "--max-new-tokens",
+        3,
+        "--prompt-tokens",
+        16,
+        "--out",
+        out_file,
     )
     assert code == 0
     result = json.loads(out_file.read_text())
@@ -280,6 +399,9 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
     assert "bench serve --sweep" in out and "generate batched tok/s" in out
     for p in result["points"]:
         runs = p["result"]["runs"]
-        assert runs[0]["concurrency"] == p["clients"] and runs[-1]["name"] == f"transformers generate, batched x{p['clients']}"
+        assert (
+            runs[0]["concurrency"] == p["clients"]
+            and runs[-1]["name"] == f"transformers generate, batched x{p['clients']}"
+        )
         assert p["ratio_to_batched"] == pytest.approx(p["platform_tokens_per_s"] / p["generate_batched_tokens_per_s"])
         assert p["same_answers"] and p["preemptions"] == 0 and 0 < p["kv_usage_peak"] <= 1

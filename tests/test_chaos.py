@@ -8,10 +8,11 @@ import grpc
 import pytest
 import torch
 
-from expertmesh import security, wire
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts import wire
 from expertmesh.expert_group.service import start_server
+from expertmesh.infra import security
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
@@ -112,7 +113,7 @@ def test_the_opt_in_travels_to_the_groups_a_router_starts(monkeypatch):
 
 
 def test_ring_placement_gives_every_expert_two_groups_and_survives_any_one_group(tiny_checkpoints):
-    from expertmesh.orchestrator.chaos.platform import ring_placement
+    from expertmesh.bench.chaos.platform import ring_placement
 
     spec = Checkpoint(tiny_checkpoints("mixtral")).spec
     groups = ["g0", "g1", "g2"]
@@ -129,8 +130,8 @@ def test_ring_placement_gives_every_expert_two_groups_and_survives_any_one_group
 
 
 def test_counts_put_each_differing_completion_in_its_window():
-    from expertmesh.orchestrator.chaos.measure import Timeline, count, overlapping
-    from expertmesh.orchestrator.chaos.traffic import Request
+    from expertmesh.bench.chaos.measure import Timeline, count, overlapping
+    from expertmesh.bench.chaos.traffic import Request
 
     reference = [[1, 2], [3, 4]]
     good, bad = (1, 2), (9, 9)
@@ -147,7 +148,9 @@ def test_counts_put_each_differing_completion_in_its_window():
         req(17.0),
         req(18.0, (), "UNAVAILABLE: gone"),
     ]
-    timeline = Timeline(injected=10.0, lifted=10.0, recovered=20.0, detected=11.5, quarantined=12.0, fallback_until=15.0)
+    timeline = Timeline(
+        injected=10.0, lifted=10.0, recovered=20.0, detected=11.5, quarantined=12.0, fallback_until=15.0
+    )
     mine = overlapping(requests, timeline.injected, timeline.recovered)
     assert len(mine) == 6
     counts = count(mine, reference, timeline)
@@ -160,17 +163,20 @@ def test_counts_put_each_differing_completion_in_its_window():
 
 
 def test_failures_of_one_cause_are_counted_together_whatever_their_request_id():
-    from expertmesh.orchestrator.chaos.measure import Timeline, count
-    from expertmesh.orchestrator.chaos.traffic import Request
+    from expertmesh.bench.chaos.measure import Timeline, count
+    from expertmesh.bench.chaos.traffic import Request
 
     cause = "expert group g1 at 10.0.0.6:50100 failed layer 0: DEADLINE_EXCEEDED: no answer"
-    requests = [Request(0, 1.0, 2.0, (), f"UNAVAILABLE: request {rid}: {cause}") for rid in ("9c2f91037dbc41b6", "13a4bd5e70374ea8")]
+    requests = [
+        Request(0, 1.0, 2.0, (), f"UNAVAILABLE: request {rid}: {cause}")
+        for rid in ("9c2f91037dbc41b6", "13a4bd5e70374ea8")
+    ]
     counts = count(requests, [[1]], Timeline(injected=0.0, lifted=0.0, recovered=3.0))
     assert counts.failures == {f"UNAVAILABLE: {cause}": 2}
 
 
 def test_tokens_per_second_counts_arrivals_in_the_window():
-    from expertmesh.orchestrator.chaos.measure import tokens_per_second
+    from expertmesh.bench.chaos.measure import tokens_per_second
 
     arrivals = [(0.5, 1), (1.0, 2), (1.5, 1), (3.0, 4)]
     assert tokens_per_second(arrivals, 1.0, 3.0) == 1.5
@@ -178,8 +184,8 @@ def test_tokens_per_second_counts_arrivals_in_the_window():
 
 
 def test_itl_p99_takes_the_gaps_between_a_requests_chunks_in_the_window():
-    from expertmesh.orchestrator.chaos.measure import itl_p99_ms
-    from expertmesh.orchestrator.chaos.traffic import Request
+    from expertmesh.bench.chaos.measure import itl_p99_ms
+    from expertmesh.bench.chaos.traffic import Request
 
     fast = Request(0, 0.0, 1.0, (1, 2, 3), arrivals=(0.2, 0.21, 0.22))
     stalled = Request(1, 0.0, 6.0, (1, 2), arrivals=(0.3, 5.3))  # one 5 s gap, ending in the window
@@ -201,7 +207,10 @@ def test_bench_chaos_refuses_bad_flags_before_starting_anything(flags, message):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "bench", "chaos", *flags], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "expertmesh.cli.main", "bench", "chaos", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr.strip().splitlines()[-1]
@@ -217,8 +226,8 @@ def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
     no completion differs from the reference except those the corruption made before its
     quarantine took effect (counted apart) and the fallback's degraded ones; each corrupted
     replica is found and quarantined; every fault heals."""
-    from expertmesh.embedded import default_checkpoint
-    from expertmesh.orchestrator import bench_chaos
+    from expertmesh.bench.chaos import suite as bench_chaos
+    from expertmesh.models.embedded import default_checkpoint
 
     options = bench_chaos.Options(
         model=default_checkpoint(),
@@ -236,7 +245,9 @@ def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
     assert list(by_name) == list(bench_chaos.SCENARIOS)
     for s in result["scenarios"]:
         assert s["recovered"], s
-        assert s["sent"] > 0 and s["failed"] == 0, f"{s['scenario']}: {s['failed']} of {s['sent']} failed: {s['failures']}"
+        assert s["sent"] > 0 and s["failed"] == 0, (
+            f"{s['scenario']}: {s['failed']} of {s['sent']} failed: {s['failures']}"
+        )
         assert s["wrong_outputs"] == 0, f"{s['scenario']}: {s['wrong_outputs']} wrong outputs"
     for name in ("expert-corrupted", "expert-corrupted-sole"):
         assert by_name[name]["detected"] and by_name[name]["quarantined"], by_name[name]

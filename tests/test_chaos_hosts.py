@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from expertmesh.bench.chaos import suite as bench_chaos
+from expertmesh.bench.chaos.hosts import IFNAME_MAX, BedPlan, TestHosts, check_can_create, established, new_run_id, plan
+from expertmesh.bench.chaos.hosts_platform import host_names
+from expertmesh.bench.chaos.measure import unhosted
 from expertmesh.bench.report import BenchError
-from expertmesh.orchestrator import bench_chaos
-from expertmesh.orchestrator.chaos.hosts import IFNAME_MAX, BedPlan, TestHosts, check_can_create, established, new_run_id, plan
-from expertmesh.orchestrator.chaos.hosts_platform import host_names
-from expertmesh.orchestrator.chaos.measure import unhosted
 
 
 def _can_make_namespaces() -> str:
@@ -44,8 +44,10 @@ def test_a_bed_plan_gives_each_host_a_unique_name_port_and_address_in_one_privat
     assert subnet.prefixlen == 24 and subnet.is_private and subnet.subnet_of(ipaddress.IPv4Network("10.0.0.0/8"))
     addresses = [ipaddress.IPv4Address(h.address) for h in bed.hosts]
     assert len(set(addresses)) == len(addresses)
-    assert all(a in subnet and a not in (subnet.network_address, subnet.network_address + 1, subnet.broadcast_address)
-               for a in addresses)
+    assert all(
+        a in subnet and a not in (subnet.network_address, subnet.network_address + 1, subnet.broadcast_address)
+        for a in addresses
+    )
     names = [bed.switch, *(h.netns for h in bed.hosts)]
     assert len(set(names)) == len(names) and all("12ab34cd" in n for n in names)
     ports = [h.port for h in bed.hosts]
@@ -92,7 +94,9 @@ def test_every_host_scenario_has_its_fault_and_no_name_is_shared_with_the_loopba
         fault = bench_chaos._fault(name, None, platform, None)
         assert fault.name == name and fault.description
     sole = bench_chaos._fault("host-link-down-sole", None, platform, None)
-    assert sole.group in table.replicas[sole.sole] and sole.other in table.replicas[sole.sole] and sole.other != sole.group
+    assert (
+        sole.group in table.replicas[sole.sole] and sole.other in table.replicas[sole.sole] and sole.other != sole.group
+    )
     move = bench_chaos._fault("orchestrator-cut-off-mid-migration", None, platform, None)
     assert move.source in table.replicas[(move.layer, move.expert)]
     assert move.target not in table.replicas[(move.layer, move.expert)]
@@ -114,7 +118,10 @@ def test_the_bed_says_it_needs_root_to_a_user_without_it(monkeypatch):
 def test_bench_chaos_hosts_refuses_bad_flags_before_starting_anything(flags, message):
     before = _namespaces()
     proc = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "bench", "chaos", "--hosts", *flags], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "expertmesh.cli.main", "bench", "chaos", "--hosts", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr.strip().splitlines()[-1]
@@ -143,13 +150,19 @@ def test_test_hosts_connect_over_tcp_hide_each_others_tmpdir_cut_links_and_leave
         made = {hosts.bed.switch, *(h.netns for h in hosts.bed.hosts)}
         assert made <= _namespaces()
         a = hosts.address("a")
-        server = subprocess.Popen(hosts.command("a", [sys.executable, "-c", server_code, a]), stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            hosts.command("a", [sys.executable, "-c", server_code, a]), stdout=subprocess.PIPE, text=True
+        )
         assert server.stdout.readline().strip() == "listening"
-        reached = subprocess.run(hosts.command("b", [sys.executable, "-c", client_code, a]), capture_output=True, text=True, timeout=30)
+        reached = subprocess.run(
+            hosts.command("b", [sys.executable, "-c", client_code, a]), capture_output=True, text=True, timeout=30
+        )
         assert reached.stdout.split("\n")[:2] == ["[]", "hi"], reached.stderr  # a's file is not in b's TMPDIR
         server.wait(timeout=10)
         hosts.link("b", up=False)
-        cut = subprocess.run(hosts.command("b", [sys.executable, "-c", client_code, a]), capture_output=True, text=True, timeout=30)
+        cut = subprocess.run(
+            hosts.command("b", [sys.executable, "-c", client_code, a]), capture_output=True, text=True, timeout=30
+        )
         # Unanswered: a timeout, or no route once the neighbour entry went (never a refusal).
         assert cut.returncode != 0 and ("timed out" in cut.stderr or "No route to host" in cut.stderr), cut.stderr
         hosts.link("b", up=True)
@@ -181,10 +194,33 @@ def test_bench_chaos_hosts_every_host_fault_heals_with_no_wrong_output_and_no_un
     over TCP (never shared memory)."""
     out = tmp_path / "chaos-hosts.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "bench", "chaos", "--hosts", "--clients", "2", "--max-new-tokens", "8",
-         "--quiet-seconds", "1", "--hold-seconds", "4", "--health-interval", "2", "--health-tokens", "128",
-         "--deadline", "120", "--out", str(out)],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "expertmesh.cli.main",
+            "bench",
+            "chaos",
+            "--hosts",
+            "--clients",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--quiet-seconds",
+            "1",
+            "--hold-seconds",
+            "4",
+            "--health-interval",
+            "2",
+            "--health-tokens",
+            "128",
+            "--deadline",
+            "120",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_id,) = re.findall(r"\(namespaces em([0-9a-f]+)-\*\)", proc.stderr)
@@ -197,7 +233,12 @@ def test_bench_chaos_hosts_every_host_fault_heals_with_no_wrong_output_and_no_un
     for s in result["scenarios"]:
         assert s["sent"] > 0 and s["wrong_outputs"] == 0, s
         assert s["experts_unhosted"] == [] and s["table_reads"] > 0, s
-    for name in ("host-link-down-replicated", "redis-host-cut-off", "orchestrator-cut-off-mid-migration", "group-host-killed"):
+    for name in (
+        "host-link-down-replicated",
+        "redis-host-cut-off",
+        "orchestrator-cut-off-mid-migration",
+        "group-host-killed",
+    ):
         s = by_name[name]
         assert s["failed"] == 0, f"{name}: {s['failed']} of {s['sent']} failed: {s['failures']}"
     assert result["steady"]["failed"] == 0 and result["steady"]["wrong_outputs"] == 0

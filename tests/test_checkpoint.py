@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from expertmesh.checkpoint import Checkpoint, experts_modules
-from expertmesh.errors import CheckpointError
-from expertmesh.router.dispatch import ExpertDispatcher
+from expertmesh.contracts.errors import CheckpointError
+from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.models.tiny import MOE_ARCHITECTURES
+from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
 from expertmesh.router.model import build_router_model
-from expertmesh.state import open_store
-from expertmesh.tiny import MOE_ARCHITECTURES
+from expertmesh.store import open_store
 
 
 def _stock_experts(path, layer):

@@ -1,6 +1,6 @@
 """Per-group circuit breakers: a pure state machine on an injected clock."""
 
-from expertmesh.router.circuit import BreakerState, CircuitBreakers
+from expertmesh.router.dispatch.circuit import BreakerState, CircuitBreakers
 
 
 class Clock:

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from expertmesh.classifier import (
     Classification,
     QueryClassifier,
@@ -27,7 +28,7 @@ from expertmesh.classifier.evaluate import (
 )
 from expertmesh.classifier.features import FeatureConfig, features
 from expertmesh.classifier.train import TrainConfig, train
-from expertmesh.cli import main
+from expertmesh.cli.main import main
 
 PROBES = [
     "How do I fix a KeyError when reading a dict in Python?",

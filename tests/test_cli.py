@@ -9,12 +9,12 @@ import sys
 import pytest
 import yaml
 
-from expertmesh.cli import build_parser, main
+from expertmesh.cli.main import build_parser, main
 
 
 def _run(*args, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "expertmesh.cli.main", *map(str, args)], capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -65,7 +65,9 @@ def test_verify_dense_checkpoint_exits_2(tiny_checkpoints, capsys):
 def test_verify_bad_placement_exits_2_before_starting_ray(tiny_checkpoints, tmp_path, capsys):
     placement = tmp_path / "p.yaml"
     placement.write_text(yaml.safe_dump({"groups": {"a": {"*": [0, 1, 2]}}}))
-    line = _one_error_line_in_process(["verify", "--model", tiny_checkpoints("mixtral"), "--placement", placement], capsys)
+    line = _one_error_line_in_process(
+        ["verify", "--model", tiny_checkpoints("mixtral"), "--placement", placement], capsys
+    )
     assert "leaves 2 experts unhosted: layer 0 expert 3, layer 1 expert 3" in line
 
 
@@ -159,7 +161,7 @@ def test_bad_input_to_every_command_is_one_line_and_exit_2(path, capsys):
 def test_building_the_parser_imports_no_torch_transformers_or_ray():
     """What keeps ``expertmesh --help`` and completion fast: command modules defer heavy imports."""
     probe = (
-        "import sys\nfrom expertmesh.cli import build_parser\nbuild_parser()\n"
+        "import sys\nfrom expertmesh.cli.main import build_parser\nbuild_parser()\n"
         "print(sorted(m for m in ('torch', 'transformers', 'ray', 'safetensors') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
@@ -188,7 +190,7 @@ def test_completion_script_and_completions(tmp_path, capsys):
         "COMP_POINT": str(len(line)),
         "_ARGCOMPLETE_STDOUT_FILENAME": str(answer),
     }
-    subprocess.run([sys.executable, "-m", "expertmesh.cli"], env=env, timeout=120, capture_output=True)
+    subprocess.run([sys.executable, "-m", "expertmesh.cli.main"], env=env, timeout=120, capture_output=True)
     assert answer.read_text().split() == ["--dtype"]
 
 
@@ -207,7 +209,8 @@ def test_progress_bars_show_on_a_terminal_only(monkeypatch):
     import struct
     import termios
 
-    from expertmesh import console
+    from expertmesh.expert_group import deployment
+    from expertmesh.infra import console
 
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a fresh pty is 0 columns wide
@@ -230,7 +233,7 @@ def test_progress_bars_show_on_a_terminal_only(monkeypatch):
     os.close(leader)
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert console.bar(3, "groups").disable
-    with console.groups_loading(2):  # no terminal: no bar and no watcher thread
+    with deployment.groups_loading(2):  # no terminal: no bar and no watcher thread
         assert not any(t.name == "expertmesh-groups-bar" for t in __import__("threading").enumerate())
 
 
@@ -247,7 +250,11 @@ def _required(parser: argparse.ArgumentParser, tmp_path) -> list[str]:
     """Some value for every required argument (a number where it takes one)."""
     argv: list[str] = []
     for action in parser._actions:
-        value = "0" if action.type in (int, float) else (action.choices and next(iter(action.choices))) or str(tmp_path / action.dest)
+        value = (
+            "0"
+            if action.type in (int, float)
+            else (action.choices and next(iter(action.choices))) or str(tmp_path / action.dest)
+        )
         if action.option_strings and action.required:
             argv += [action.option_strings[0]] + ([] if action.nargs == 0 else [str(value)])
         elif not action.option_strings and action.nargs is None and not isinstance(action, argparse._SubParsersAction):

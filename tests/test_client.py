@@ -7,12 +7,12 @@ import inspect
 
 import pytest
 
-from expertmesh.cli import main
+from expertmesh.cli.main import main
 from expertmesh.client import AsyncClient, Client
-from expertmesh.config import DataPlaneConfig, ServingConfig
-from expertmesh.data_plane import DataPlane
-from expertmesh.serving.up import serve_plane
-from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.config.settings import DataPlaneConfig, ServingConfig
+from expertmesh.models.tiny import make_tiny_checkpoint
+from expertmesh.platform.data_plane import DataPlane
+from expertmesh.platform.router_apis import serve_plane
 
 
 def _public(cls) -> dict[str, inspect.Signature]:
@@ -91,4 +91,6 @@ def test_generate_command_streams_and_refuses_bad_input(target, capsys):
     assert captured.err.strip().endswith("completion tokens]") and "4 completion" in captured.err
     assert main(["generate", "Hello", "--max-tokens", "33", "--target", target]) == 2  # above the cap
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == [f"expertmesh generate: error: {target}: INVALID_ARGUMENT: max_new_tokens 33 is above this server's cap of 32"]
+    assert lines == [
+        f"expertmesh generate: error: {target}: INVALID_ARGUMENT: max_new_tokens 33 is above this server's cap of 32"
+    ]

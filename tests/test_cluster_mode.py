@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -26,8 +25,8 @@ from transformers import AutoModelForCausalLM
 
 from expertmesh.client import Client
 from expertmesh.expert_group.deployment import APP_NAME, build_app
-from expertmesh.state import open_store
-from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.models.tiny import make_tiny_checkpoint
+from expertmesh.store import open_store
 from helpers import first_line, free_port_range, serving_address, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -40,7 +39,7 @@ def _placement(hot_only: bool) -> dict:
 
 def _spawn(*args):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "expertmesh.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "expertmesh.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
@@ -53,7 +52,7 @@ _wait = functools.partial(wait_for, timeout_s=120, poll_s=0.2)
 
 def _held(store, group: str) -> frozenset:
     """What ``group``'s Describe says it holds."""
-    from expertmesh.orchestrator.migration.groups import GroupChannels
+    from expertmesh.orchestrator.migration.group_calls import GroupChannels
 
     channels = GroupChannels(store.endpoints)
     try:
@@ -90,8 +89,19 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, 
         assert endpoints == {g: f"127.0.0.1:{port_base + i}" for i, g in enumerate(["a", "b", "hot"])}
 
         orchestrator, orch_log = _spawn(
-            "orchestrator", "--state-url", redis_url, "--model", str(model), "--placement", str(placement_file),
-            "--admin-port", "0", "--admin-host", "127.0.0.1", "--interval", "0.3",
+            "orchestrator",
+            "--state-url",
+            redis_url,
+            "--model",
+            str(model),
+            "--placement",
+            str(placement_file),
+            "--admin-port",
+            "0",
+            "--admin-host",
+            "127.0.0.1",
+            "--interval",
+            "0.3",
         )
         procs.append(orchestrator)
         _wait(lambda: store.routing_table_version() == 1, "the first routing table")
@@ -101,7 +111,9 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, 
         _wait(lambda: _serving(health), "the orchestrator's health")
         assert store.routing_table().replicas[(1, 0)] == ("a", "hot")
 
-        router, router_log = _spawn("up", "--router-only", "--model", str(model), "--state-url", redis_url, "--port", "0")
+        router, router_log = _spawn(
+            "up", "--router-only", "--model", str(model), "--state-url", redis_url, "--port", "0"
+        )
         procs.append(router)
         banner = first_line(router, timeout=300)
         assert "expertmesh is serving" in banner, "".join(router_log)[-3000:]
@@ -114,18 +126,19 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, 
             for _ in range(8):
                 ids.append(int(stock(torch.tensor([ids])).logits[0, -1].argmax()))
         with Client(router_address) as client:
+
             def tokens():
                 chunks = list(client.generate(prompt, max_new_tokens=8, stop_at_eos=False))
                 return [t for c in chunks for t in c.token_ids]
 
-            assert tokens() == ids[len(prompt):]
+            assert tokens() == ids[len(prompt) :]
             # An operator edits the placement: layer 1 expert 0 now only on "hot".
             placement_file.write_text(yaml.safe_dump(_placement(hot_only=True)))
             # applied as a live evict from "a" (make before break), not a table overwrite: "a" lets the expert go
             _wait(lambda: store.routing_table_version() == 2, "the orchestrator to publish version 2")
             assert store.routing_table().replicas[(1, 0)] == ("hot",)
             _wait(lambda: (1, 0) not in _held(store, "a"), "group a to unload layer 1 expert 0")
-            assert tokens() == ids[len(prompt):]
+            assert tokens() == ids[len(prompt) :]
             assert client.models()[0].routing_table_version == 2
             # A broken edit is refused and the last good table stays.
             placement_file.write_text(yaml.safe_dump({"groups": {"a": {"*": [0]}}}))
@@ -136,14 +149,14 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, 
             # orchestrator restores the table at a later version than any router has seen.
             placement_file.write_text(yaml.safe_dump(_placement(hot_only=True)))
             redis.Redis.from_url(redis_url).flushdb()
-            assert tokens() == ids[len(prompt):]
+            assert tokens() == ids[len(prompt) :]
             _wait(lambda: store.routing_table_version() == 3, "the orchestrator to restore the table as version 3")
             _wait(lambda: set(store.endpoints()) == {"a", "b", "hot"}, "the groups to register again")
             # rebuilt from what the groups hold (the edit above was applied as an evict: "a" unloaded the expert)
             assert store.routing_table().replicas[(1, 0)] == ("hot",)
             assert (1, 0) not in _held(store, "a")
             _wait(lambda: client.models()[0].routing_table_version == 3, "the router to take version 3")
-            assert tokens() == ids[len(prompt):]
+            assert tokens() == ids[len(prompt) :]
 
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
@@ -153,8 +166,20 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, 
         # The router published its load window to Redis on the way out; export sums all routers.
         out = tmp_path / "stats.json"
         export = subprocess.run(
-            [sys.executable, "-m", "expertmesh.cli", "stats", "export", "--state-url", redis_url, "--out", str(out)],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "expertmesh.cli.main",
+                "stats",
+                "export",
+                "--state-url",
+                redis_url,
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert export.returncode == 0, export.stderr
         stats = yaml.safe_load(out.read_text())
@@ -170,16 +195,25 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, 
 
 def _serving(health) -> bool:
     try:
-        return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == health_pb2.HealthCheckResponse.SERVING
+        return (
+            health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     except grpc.RpcError:
         return False
 
 
 def test_router_only_and_orchestrator_refuse_an_in_process_store(tmp_path):
     model = make_tiny_checkpoint("mixtral", tmp_path / "m")
-    for args in (["up", "--router-only", "--model", str(model)], ["orchestrator", "--model", str(model), "--placement", "x.yaml"]):
+    for args in (
+        ["up", "--router-only", "--model", str(model)],
+        ["orchestrator", "--model", str(model), "--placement", "x.yaml"],
+    ):
         proc = subprocess.run(
-            [sys.executable, "-m", "expertmesh.cli", *args], capture_output=True, text=True, timeout=120,
+            [sys.executable, "-m", "expertmesh.cli.main", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
             env={k: v for k, v in os.environ.items() if k != "EXPERTMESH_STATE_URL"},
         )
         assert proc.returncode == 2, proc.stderr
@@ -187,7 +221,7 @@ def test_router_only_and_orchestrator_refuse_an_in_process_store(tmp_path):
 
 
 def test_build_app_refuses_a_bad_placement_before_any_replica(tmp_path):
-    from expertmesh.errors import PlacementError
+    from expertmesh.contracts.errors import PlacementError
 
     model = make_tiny_checkpoint("mixtral", tmp_path / "m")
     with pytest.raises(PlacementError, match="leaves 2 experts unhosted"):
@@ -210,9 +244,25 @@ def test_orchestrator_on_a_taken_admin_port_exits_2(tmp_path, redis_url):
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "expertmesh.cli", "orchestrator", "--state-url", redis_url, "--model", str(model),
-             "--placement", str(placement), "--admin-host", "127.0.0.1", "--admin-port", str(port)],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "expertmesh.cli.main",
+                "orchestrator",
+                "--state-url",
+                redis_url,
+                "--model",
+                str(model),
+                "--placement",
+                str(placement),
+                "--admin-host",
+                "127.0.0.1",
+                "--admin-port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]

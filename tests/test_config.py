@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from expertmesh.cli import build_parser, main
-from expertmesh.config import ConfigError, DataPlaneConfig, ServingConfig, data_plane_config, settings_from_args
+from expertmesh.cli.main import build_parser, main
+from expertmesh.config.settings import ConfigError, DataPlaneConfig, ServingConfig, settings_from_args
+from expertmesh.models.resolve import data_plane_config
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +110,13 @@ def test_the_environment_names_the_model_when_no_flag_does(tmp_path, monkeypatch
 
 def test_unset_flags_do_not_hide_the_environment(monkeypatch):
     """The bug this replaces: every flag passed its own default and overrode EXPERTMESH_*."""
-    for name, value in {"GROUPS": "3", "DTYPE": "bfloat16", "PORT": "6123", "HTTP_PORT": "8123", "STATE_URL": "redis://x/1"}.items():
+    for name, value in {
+        "GROUPS": "3",
+        "DTYPE": "bfloat16",
+        "PORT": "6123",
+        "HTTP_PORT": "8123",
+        "STATE_URL": "redis://x/1",
+    }.items():
         monkeypatch.setenv(f"EXPERTMESH_{name}", value)
     args = _up()
     plane = settings_from_args(DataPlaneConfig, args, fallback={"model": Path("m")})
@@ -121,12 +128,42 @@ def test_unset_flags_do_not_hide_the_environment(monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "env", "file", "expected"),
     [
-        (["--groups", "0"], {}, None, "expertmesh up: error: --groups: Input should be greater than or equal to 1 (got 0)"),
-        (["--max-active", "0"], {}, None, "expertmesh up: error: --max-active: Input should be greater than or equal to 1"),
-        ([], {"EXPERTMESH_GROUPS": "many"}, None, "expertmesh up: error: EXPERTMESH_GROUPS: Input should be a valid integer"),
-        ([], {"EXPERTMESH_DTYPE": "int8"}, None, "expertmesh up: error: EXPERTMESH_DTYPE: Input should be 'float32', 'bfloat16'"),
-        ([], {"EXPERTMESH_PORT": "99999"}, None, "expertmesh up: error: EXPERTMESH_PORT: Input should be less than or equal to 65535"),
-        (["--router-device", "gpu"], {}, None, "expertmesh up: error: --router-device: a device is auto, cpu, cuda or cuda:N (got 'gpu')"),
+        (
+            ["--groups", "0"],
+            {},
+            None,
+            "expertmesh up: error: --groups: Input should be greater than or equal to 1 (got 0)",
+        ),
+        (
+            ["--max-active", "0"],
+            {},
+            None,
+            "expertmesh up: error: --max-active: Input should be greater than or equal to 1",
+        ),
+        (
+            [],
+            {"EXPERTMESH_GROUPS": "many"},
+            None,
+            "expertmesh up: error: EXPERTMESH_GROUPS: Input should be a valid integer",
+        ),
+        (
+            [],
+            {"EXPERTMESH_DTYPE": "int8"},
+            None,
+            "expertmesh up: error: EXPERTMESH_DTYPE: Input should be 'float32', 'bfloat16'",
+        ),
+        (
+            [],
+            {"EXPERTMESH_PORT": "99999"},
+            None,
+            "expertmesh up: error: EXPERTMESH_PORT: Input should be less than or equal to 65535",
+        ),
+        (
+            ["--router-device", "gpu"],
+            {},
+            None,
+            "expertmesh up: error: --router-device: a device is auto, cpu, cuda or cuda:N (got 'gpu')",
+        ),
         ([], {}, {"groups": -1}, "{file}: groups: Input should be greater than or equal to 1 (got -1)"),
         ([], {}, {"router": {"port": "http"}}, "{file}: router.port: Input should be a valid integer"),
         ([], {}, {"groupz": 3}, "config file {file}: unknown key 'groupz'"),
@@ -153,7 +190,9 @@ def test_a_bad_flag_type_is_one_line(capsys):
 
 def test_a_missing_config_file_is_one_line(tmp_path, capsys):
     line = _one_error_line(capsys, ["up", "--config", tmp_path / "absent.yaml"])
-    assert line == f"expertmesh up: error: cannot read config file {tmp_path / 'absent.yaml'}: No such file or directory"
+    assert (
+        line == f"expertmesh up: error: cannot read config file {tmp_path / 'absent.yaml'}: No such file or directory"
+    )
 
 
 def test_settings_are_checked_before_anything_starts(tmp_path, capsys):
@@ -164,7 +203,9 @@ def test_settings_are_checked_before_anything_starts(tmp_path, capsys):
 
 def test_every_setting_flag_says_its_default_and_variable():
     up = build_parser()._subparsers._group_actions[0].choices["up"]
-    flags = {a.dest: a for a in up._actions if a.dest in DataPlaneConfig.model_fields or a.dest in ServingConfig.model_fields}
+    flags = {
+        a.dest: a for a in up._actions if a.dest in DataPlaneConfig.model_fields or a.dest in ServingConfig.model_fields
+    }
     assert {"model", "groups", "dtype", "state_url", "port", "http_port", "max_active_sequences"} <= set(flags)
     for dest, action in flags.items():
         assert action.default is None, dest  # unset unless given: the other sources decide
@@ -189,7 +230,12 @@ def test_the_readme_example_config_file_means_what_it_says(tmp_path):
         1.0,
     )
     assert plane.state_url == "redis://redis:6379/0"
-    assert (serving.port, serving.health_port, serving.http_port, serving.max_active_sequences) == (50051, 50061, 8000, 16)
+    assert (serving.port, serving.health_port, serving.http_port, serving.max_active_sequences) == (
+        50051,
+        50061,
+        8000,
+        16,
+    )
 
 
 def test_orchestrator_takes_the_same_settings(tmp_path, monkeypatch, capsys):
@@ -198,12 +244,21 @@ def test_orchestrator_takes_the_same_settings(tmp_path, monkeypatch, capsys):
     line = _one_error_line(capsys, ["orchestrator", "--placement", tmp_path / "p.yaml"])
     assert line == "expertmesh orchestrator: error: --model is required (or EXPERTMESH_MODEL, or model in --config)"
     monkeypatch.setenv("EXPERTMESH_MODEL", str(tmp_path))
-    line = _one_error_line(capsys, ["orchestrator", "--config", _file(tmp_path, {"redis": {"external": {"url": "memory://"}}})])
-    assert line == "expertmesh orchestrator: error: --placement (or EXPERTMESH_PLACEMENT, or placement in --config) is required"
+    line = _one_error_line(
+        capsys, ["orchestrator", "--config", _file(tmp_path, {"redis": {"external": {"url": "memory://"}}})]
+    )
+    assert (
+        line
+        == "expertmesh orchestrator: error: --placement (or EXPERTMESH_PLACEMENT, or placement in --config) is required"
+    )
 
 
 def test_kv_cache_settings_from_flags_file_and_environment(tmp_path, monkeypatch):
-    assert (ServingConfig().kv_cache_bytes, ServingConfig().kv_block_size, ServingConfig().prefix_caching) == (None, 16, True)
+    assert (ServingConfig().kv_cache_bytes, ServingConfig().kv_block_size, ServingConfig().prefix_caching) == (
+        None,
+        16,
+        True,
+    )
     args = _up("--kv-cache-bytes", 1 << 20, "--kv-block-size", 8, "--prefix-caching", "false")
     serving = settings_from_args(ServingConfig, args)
     assert (serving.kv_cache_bytes, serving.kv_block_size, serving.prefix_caching) == (1 << 20, 8, False)

@@ -18,23 +18,23 @@ import time
 
 import pytest
 import torch
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry import trace
 from transformers import AutoModelForCausalLM
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts.group_map import GroupPlacement
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.expert_group.service import start_server
-from expertmesh.placement import GroupPlacement
-from expertmesh.router.dispatch import ExpertDispatcher
-from expertmesh.router.gate_hook import find_gates
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
+from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
 from expertmesh.router.model import build_router_model
-from expertmesh.routing_table import RoutingTable
+from expertmesh.router.policy.gate_hook import find_gates
 from expertmesh.serving import engine as engine_module
 from expertmesh.serving.engine import Engine, EngineLimits, GenerationRequest
-from expertmesh.state import QuarantinedReplica, open_store
+from expertmesh.store import QuarantinedReplica, open_store
 
 LAYER, EXPERT = 1, 3
 
@@ -69,7 +69,9 @@ def test_only_the_request_whose_tokens_fell_back_is_marked_degraded(checkpoint, 
     placement, address = group
     store = open_store("memory://")
     store.set_endpoint("g0", address)
-    assert store.publish_routing_table(RoutingTable.from_placement(placement, num_experts=checkpoint.spec.num_experts, version=1))
+    assert store.publish_routing_table(
+        RoutingTable.from_placement(placement, num_experts=checkpoint.spec.num_experts, version=1)
+    )
     store.set_quarantined(QuarantinedReplica(LAYER, EXPERT, "g0", "quarantined", "test", time.time(), withdrawn=False))
     dispatcher = ExpertDispatcher(store, checkpoint.spec.moe_layers, fallback=fallback)
     model = build_router_model(checkpoint, dispatcher, torch.float32)

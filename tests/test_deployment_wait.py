@@ -30,14 +30,25 @@ def _running(app):
 
 
 def test_waits_through_deploying_until_running(monkeypatch):
-    asked = _script(monkeypatch, (ApplicationStatus.NOT_STARTED, ""), (ApplicationStatus.DEPLOYING, ""), (ApplicationStatus.RUNNING, ""))
+    asked = _script(
+        monkeypatch,
+        (ApplicationStatus.NOT_STARTED, ""),
+        (ApplicationStatus.DEPLOYING, ""),
+        (ApplicationStatus.RUNNING, ""),
+    )
     deployment._wait_for_app(_running, "start", 5.0)
     assert len(asked) == 3
 
 
 def test_a_failed_deployment_raises_with_serves_message(monkeypatch):
-    _script(monkeypatch, (ApplicationStatus.DEPLOYING, ""), (ApplicationStatus.DEPLOY_FAILED, "replica raised OverBudget: 4 MiB over"))
-    with pytest.raises(RuntimeError, match="Deploying application expertmesh-groups failed: replica raised OverBudget: 4 MiB over"):
+    _script(
+        monkeypatch,
+        (ApplicationStatus.DEPLOYING, ""),
+        (ApplicationStatus.DEPLOY_FAILED, "replica raised OverBudget: 4 MiB over"),
+    )
+    with pytest.raises(
+        RuntimeError, match="Deploying application expertmesh-groups failed: replica raised OverBudget: 4 MiB over"
+    ):
         deployment._wait_for_app(_running, "start", 5.0)
 
 

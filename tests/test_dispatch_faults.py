@@ -22,10 +22,10 @@ from collections import Counter
 import grpc
 import pytest
 import torch
+from tests.helpers import free_port
 from transformers import AutoModelForCausalLM
 
-from expertmesh.checkpoint import Checkpoint, experts_modules
-from expertmesh.errors import (
+from expertmesh.contracts.errors import (
     BadGroupResponse,
     DeadlineExceeded,
     GroupUnavailable,
@@ -33,17 +33,17 @@ from expertmesh.errors import (
     StoreCollision,
     UnhostedExperts,
 )
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
 from expertmesh.expert_group import local_server, stream_service
 from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
-from expertmesh.router import transport as transports
-from expertmesh.router.circuit import CircuitBreakers
-from expertmesh.router.dispatch import ExpertDispatcher
-from expertmesh.router.heartbeat import Heartbeat
-from expertmesh.router.table_watcher import TableWatcher
-from expertmesh.routing_table import ModelIdentity, RoutingTable
-from expertmesh.state import QuarantinedReplica, open_store
-from tests.helpers import free_port
+from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.models.hosted_experts import HostedExperts
+from expertmesh.router.dispatch.circuit import CircuitBreakers
+from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+from expertmesh.router.dispatch.heartbeat import Heartbeat
+from expertmesh.router.dispatch.table_watcher import TableWatcher
+from expertmesh.router.transport import base as transports
+from expertmesh.store import QuarantinedReplica, open_store
 
 LAYERS = (0, 1)
 
@@ -213,8 +213,12 @@ def test_a_group_that_keeps_failing_is_skipped_once_its_breaker_opens(cluster, f
 
 @pytest.mark.parametrize(
     "fault, message",
-    [("nan", "NaN/Inf in its partial sums"), ("shape", "shape [12, 31], expected [12, 32]"),
-     ("dtype", "torch.bfloat16 partial sums"), ("bytes", "undecodable tensor")],
+    [
+        ("nan", "NaN/Inf in its partial sums"),
+        ("shape", "shape [12, 31], expected [12, 32]"),
+        ("dtype", "torch.bfloat16 partial sums"),
+        ("bytes", "undecodable tensor"),
+    ],
 )
 def test_a_bad_answer_with_no_other_replica_fails_the_step_as_internal_naming_the_group(
     cluster, faulty, fault, message, transport
@@ -282,7 +286,10 @@ def _publish_raw(store, table):
     assert kv.compare_and_set_many(
         store._key("routing_table:version"),
         str(current).encode() if current else None,
-        {store._key("routing_table"): table.to_json().encode(), store._key("routing_table:version"): str(table.version).encode()},
+        {
+            store._key("routing_table"): table.to_json().encode(),
+            store._key("routing_table:version"): str(table.version).encode(),
+        },
     )
 
 
@@ -302,7 +309,9 @@ def test_a_table_for_another_model_is_refused_and_the_last_good_one_stays(cluste
         "checkpoint fingerprint ffffffffffffffff": RoutingTable(
             good + 3, 4, dispatcher.table.replicas, model=ModelIdentity("ffffffffffffffff", LAYERS, 4)
         ),
-        "MoE layers 0-2, not 0,1": RoutingTable(good + 4, 4, dispatcher.table.replicas, model=ModelIdentity("", (0, 1, 2), 4)),
+        "MoE layers 0-2, not 0,1": RoutingTable(
+            good + 4, 4, dispatcher.table.replicas, model=ModelIdentity("", (0, 1, 2), 4)
+        ),
     }
     for reason, table in bad_tables.items():
         _publish_raw(store, table)
@@ -314,7 +323,8 @@ def test_a_table_for_another_model_is_refused_and_the_last_good_one_stays(cluste
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     # unreadable text in the table's key: refused the same way
     store._kv.compare_and_set_many(
-        store._key("routing_table:version"), str(good + 4).encode(),
+        store._key("routing_table:version"),
+        str(good + 4).encode(),
         {store._key("routing_table"): b'{"version": 9, "replicas": 3}', store._key("routing_table:version"): b"9"},
     )
     dispatcher.refresh()
@@ -349,7 +359,9 @@ def test_the_store_refuses_to_publish_one_models_table_over_anothers():
     replicas = {(layer, e): ("g0",) for layer in LAYERS for e in range(4)}
     assert store.publish_routing_table(RoutingTable(1, 4, replicas, model=MODEL))
     other = ModelIdentity("ffffffffffffffff", LAYERS, 4)
-    with pytest.raises(StoreCollision, match="another deployment uses these keys; give each deployment its own --deployment"):
+    with pytest.raises(
+        StoreCollision, match="another deployment uses these keys; give each deployment its own --deployment"
+    ):
         store.publish_routing_table(RoutingTable(2, 4, replicas, model=other))
     assert store.routing_table().model == MODEL
     assert store.publish_routing_table(RoutingTable(2, 4, replicas, model=MODEL))
@@ -375,7 +387,9 @@ class _CountingStore:
         return counted
 
 
-def test_a_watched_router_steps_without_reading_the_store_and_serves_through_a_frozen_one(cluster, own_redis, transport):
+def test_a_watched_router_steps_without_reading_the_store_and_serves_through_a_frozen_one(
+    cluster, own_redis, transport
+):
     """A redis-server stopped with SIGSTOP answers nothing until SIGCONT: reading the table version at every
     step waited out the client's socket timeout (5 s) each time. With the watcher the steps make no store call
     at all; the watcher backs off while the store is frozen and takes the new table once it answers again."""
@@ -425,7 +439,19 @@ def own_redis(tmp_path):
         pytest.skip("redis-server is not installed: run through `make test`, which installs it")
     port = free_port()
     proc = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        [
+            binary,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
         stdout=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 10
@@ -567,8 +593,8 @@ def test_next_best_fallback_equals_the_stock_model_whose_gate_never_picks_the_ex
     cluster, tiny_checkpoints, transport
 ):
     """The router's whole model over real groups, against stock transformers with the same gate mask."""
-    from expertmesh.router.gate_hook import GateBias, masked
     from expertmesh.router.model import build_router_model
+    from expertmesh.router.policy.gate_hook import GateBias, masked
 
     path = tiny_checkpoints("mixtral")
     store = _store(cluster, replicas_of_high=("g1",))

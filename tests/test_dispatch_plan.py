@@ -5,11 +5,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertmesh.errors import UnhostedExperts
-from expertmesh.router import dispatch_plan
-from expertmesh.router.dispatch_plan import NoHealthyReplica, plan_layer, restrict_to
-from expertmesh.router.routing_view import RoutingView
-from expertmesh.routing_table import RoutingTable
+from expertmesh.contracts.errors import UnhostedExperts
+from expertmesh.contracts.routing_table import RoutingTable
+from expertmesh.router.dispatch import layer_plan as dispatch_plan
+from expertmesh.router.dispatch.layer_plan import NoHealthyReplica, plan_layer, restrict_to
+from expertmesh.router.dispatch.routing_view import RoutingView
 
 E = 4
 
@@ -109,7 +109,9 @@ def test_property_every_valid_slot_is_sent_exactly_once_to_a_holder(tokens, k, l
     replicas = dict(_two_groups().replicas)
     replicas[(1, 3)] = tuple(layer1_expert3)
     view = RoutingView.build(_table(replicas), moe_layers=(0, 1))
-    index = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, E), min_size=k, max_size=k), min_size=tokens, max_size=tokens)))
+    index = torch.tensor(
+        data.draw(st.lists(st.lists(st.integers(0, E), min_size=k, max_size=k), min_size=tokens, max_size=tokens))
+    )
     in_flight = data.draw(st.lists(st.integers(0, 3), min_size=3, max_size=3))
     calls = plan_layer(view, 1, index, torch.rand(tokens, k), in_flight)
     owner = _rebuild(calls, tokens, k)
@@ -130,7 +132,9 @@ def test_property_small_layers_are_planned_in_python_exactly_as_with_tensors(tok
     """Layer 0 has no replicated experts: a decode-sized plan takes the plain-Python path, which must
     give the tensor path's calls bit for bit (the weights' dtype and every value, -1 / 0 elsewhere)."""
     view = RoutingView.build(_two_groups(), moe_layers=(0, 1))
-    index = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, E), min_size=k, max_size=k), min_size=tokens, max_size=tokens)))
+    index = torch.tensor(
+        data.draw(st.lists(st.lists(st.integers(0, E), min_size=k, max_size=k), min_size=tokens, max_size=tokens))
+    )
     weights = torch.rand(tokens, k).to(dtype)
     small = plan_layer(view, 0, index, weights, [0, 0])
     original = dispatch_plan.SMALL_PLAN_SLOTS

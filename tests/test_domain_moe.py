@@ -1,4 +1,4 @@
-"""The small MoE trained on the multi-domain corpus (``expertmesh.domain_moe``).
+"""The small MoE trained on the multi-domain corpus (``expertmesh.models.domain_moe``).
 
 Training is deterministic with a seed, and what it saves is a plain Mixtral checkpoint that stock
 transformers loads with the config it was trained with. On the trained model (the default recipe, trained
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from expertmesh.classifier.corpus import Example, load_examples, shipped
-from expertmesh.domain_moe import (
+from expertmesh.models.domain_moe import (
     SHAPE,
     Recipe,
     TrainingReport,
@@ -74,7 +74,9 @@ def test_training_is_deterministic_and_stock_transformers_loads_it(tmp_path):
     assert {k: getattr(model.config, k) for k in SHAPE} == SHAPE
     assert model.config.output_router_logits is False, "served like any checkpoint: no router logits by default"
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "a")
-    assert specialisation(model, tokenizer, held_out, recipe.max_tokens) == first.trained, "routes as it did in training"
+    assert specialisation(model, tokenizer, held_out, recipe.max_tokens) == first.trained, (
+        "routes as it did in training"
+    )
     assert tokenizer.decode(tokenizer("合同 contract")["input_ids"]) == "合同 contract"
     assert TrainingReport.from_json((tmp_path / "a" / "training.json").read_text()) == first
 
@@ -92,10 +94,12 @@ def model_and_tokenizer(trained):
 
 
 def _profiles(model, tokenizer, examples):
-    from expertmesh.router.profiles import build_profiles
+    from expertmesh.router.policy.profiles import build_profiles
 
     domains, counts = domain_choice_counts(model, tokenizer, examples, Recipe().max_tokens)  # [L, D, E]
-    return build_profiles({d: counts[:, i] for i, d in enumerate(domains)}, tuple(range(model.config.num_hidden_layers)))
+    return build_profiles(
+        {d: counts[:, i] for i, d in enumerate(domains)}, tuple(range(model.config.num_hidden_layers))
+    )
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -110,25 +114,37 @@ def test_profiles_are_stable_across_disjoint_query_sets(model_and_tokenizer):
         by_domain[ex.domain].append(ex)
     halves = [_profiles(model, tokenizer, [ex for exs in by_domain.values() for ex in exs[part::2]]) for part in (0, 1)]
     layers = range(model.config.num_hidden_layers)
-    same = {(d, layer): _spearman(halves[0][d].share[layer], halves[1][d].share[layer]) for d in by_domain for layer in layers}
+    same = {
+        (d, layer): _spearman(halves[0][d].share[layer], halves[1][d].share[layer])
+        for d in by_domain
+        for layer in layers
+    }
     rounded = {k: round(v, 2) for k, v in same.items()}
     assert np.mean(list(same.values())) >= STABLE_MEAN, rounded
     assert min(same.values()) >= STABLE_MIN, rounded
     across = [
-        _spearman(halves[0][d].share[layer], halves[1][o].share[layer]) for d in by_domain for o in by_domain if o != d for layer in layers
+        _spearman(halves[0][d].share[layer], halves[1][o].share[layer])
+        for d in by_domain
+        for o in by_domain
+        if o != d
+        for layer in layers
     ]
-    assert np.mean(list(same.values())) > np.mean(across) + STRUCTURE, "a domain's profile is closer to itself than to others'"
+    assert np.mean(list(same.values())) > np.mean(across) + STRUCTURE, (
+        "a domain's profile is closer to itself than to others'"
+    )
 
 
 def _next_token_logprobs(model, tokenizer, gate, examples, biases):
     import torch
 
-    from expertmesh.domain_moe import encode, pad
+    from expertmesh.models.domain_moe import encode, pad
 
     gate.set(biases)
     try:
         with torch.no_grad():
-            ids, mask = pad([encode(tokenizer, ex.text, Recipe().max_tokens) for ex in examples], tokenizer.pad_token_id)
+            ids, mask = pad(
+                [encode(tokenizer, ex.text, Recipe().max_tokens) for ex in examples], tokenizer.pad_token_id
+            )
             return model(input_ids=ids, attention_mask=mask).logits.log_softmax(-1)[mask.bool()]  # [positions, V]
     finally:
         gate.set({})
@@ -137,8 +153,8 @@ def _next_token_logprobs(model, tokenizer, gate, examples, biases):
 def test_restrict_to_the_right_domain_is_closer_to_exact_than_to_a_wrong_one(model_and_tokenizer):
     import torch
 
-    from expertmesh.router.gate_hook import GateBias
-    from expertmesh.router.routing_policy import parse_policy, restrict_bias
+    from expertmesh.router.policy.gate_hook import GateBias
+    from expertmesh.router.policy.routing_policy import parse_policy, restrict_bias
 
     model, tokenizer = model_and_tokenizer
     config = model.config
@@ -153,7 +169,9 @@ def test_restrict_to_the_right_domain_is_closer_to_exact_than_to_a_wrong_one(mod
     for i, d in enumerate(domains):
         exact = _next_token_logprobs(model, tokenizer, gate, held_out[d], {})
         for j, o in enumerate(domains):
-            biases = {layer: restrict_bias(torch.from_numpy(profiles[o].share[layer]), policy.top_n) for layer in gate.gates}
+            biases = {
+                layer: restrict_bias(torch.from_numpy(profiles[o].share[layer]), policy.top_n) for layer in gate.gates
+            }
             restricted = _next_token_logprobs(model, tokenizer, gate, held_out[d], biases)
             kl[i, j] = float((exact.exp() * (exact - restricted)).sum(-1).mean())
     right = np.diag(kl)
@@ -164,9 +182,9 @@ def test_restrict_to_the_right_domain_is_closer_to_exact_than_to_a_wrong_one(mod
 
 @pytest.mark.usefixtures("ray_session")
 def test_exact_through_the_platform_is_token_identical(trained):
-    from expertmesh import verify
-    from expertmesh.config import DataPlaneConfig
-    from expertmesh.data_plane import DataPlane
+    from expertmesh.config.settings import DataPlaneConfig
+    from expertmesh.platform.data_plane import DataPlane
+    from expertmesh.verify import check as verify
 
     with DataPlane.start(DataPlaneConfig(model=trained, groups=2)) as plane:
         report = verify.compare(plane, tokens=24)

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from expertmesh.client import Client
-from expertmesh.embedded import SHAPE
-from expertmesh.orchestrator.placement.metrics import balancedness
+from expertmesh.models.embedded import SHAPE
+from expertmesh.orchestrator.placement.quality import balancedness
 from expertmesh.v1 import admin_pb2 as apb
 from expertmesh.v1 import admin_pb2_grpc as apb_grpc
 from expertmesh.v1 import experts_pb2 as epb
@@ -38,7 +38,10 @@ LAYERS, EXPERTS = SHAPE["num_hidden_layers"], SHAPE["num_local_experts"]
 EXPERT_BYTES = 3 * SHAPE["hidden_size"] * SHAPE["intermediate_size"] * 4
 BUDGET = 29 * EXPERT_BYTES
 PROMPTS = [[(37 * i + 11 * j) % 300 + 10 for j in range(4 + i % 5)] for i in range(8)]
-BEFORE = {"g0": {(layer, e) for layer in range(LAYERS) for e in range(7)}, "g1": {(layer, 7) for layer in range(LAYERS)}}
+BEFORE = {
+    "g0": {(layer, e) for layer in range(LAYERS) for e in range(7)},
+    "g1": {(layer, 7) for layer in range(LAYERS)},
+}
 
 
 def _tokens(client: Client, prompt) -> list[int]:
@@ -72,7 +75,17 @@ def up(tmp_path_factory, shared_ray_address):
         "EXPERTMESH_DRIFT_SCAN_INTERVAL_S": "1",
         "EXPERTMESH_DRIFT_MIN_WINDOW_TOKENS": "1000",
     }
-    up = Up("--placement", str(placement), "--orchestrator", "--drift", "--admin-port", "0", "--ray-address", shared_ray_address, env=env)
+    up = Up(
+        "--placement",
+        str(placement),
+        "--orchestrator",
+        "--drift",
+        "--admin-port",
+        "0",
+        "--ray-address",
+        shared_ray_address,
+        env=env,
+    )
     up.admin = up.wait_for_stderr(r"orchestrator admin gRPC on (\S+:\d+)").group(1)
     up.groups = dict(re.findall(r"(g\d+)@(\S+:\d+)", up.wait_for_stderr(r"data plane ready").string))
     yield up
@@ -103,7 +116,9 @@ def test_drift_moves_experts_off_the_crowded_group_and_changes_no_token(up):
     while not any(d.hold == "low_traffic" for d in _scan(admin).decisions):
         assert time.monotonic() < deadline, _scan(admin)
         time.sleep(0.5)
-    assert list(admin.ListMigrations(apb.ListMigrationsRequest()).migrations) == [], "nothing moved before the references"
+    assert list(admin.ListMigrations(apb.ListMigrationsRequest()).migrations) == [], (
+        "nothing moved before the references"
+    )
 
     stop = threading.Event()
     problems: list[str] = []
@@ -133,7 +148,9 @@ def test_drift_moves_experts_off_the_crowded_group_and_changes_no_token(up):
             moves = list(admin.ListMigrations(apb.ListMigrationsRequest()).migrations)
             if len(moves) >= 2 and all(m.phase == apb.MIGRATION_PHASE_SUCCEEDED for m in moves):
                 break
-            assert not any(m.phase in (apb.MIGRATION_PHASE_FAILED, apb.MIGRATION_PHASE_ROLLED_BACK) for m in moves), moves
+            assert not any(m.phase in (apb.MIGRATION_PHASE_FAILED, apb.MIGRATION_PHASE_ROLLED_BACK) for m in moves), (
+                moves
+            )
             assert time.monotonic() < deadline, f"no drift moves: {_scan(admin)}"
             time.sleep(0.5)
         # More completions on the new placement, checked against the references too.
@@ -150,7 +167,8 @@ def test_drift_moves_experts_off_the_crowded_group_and_changes_no_token(up):
     moves = list(admin.ListMigrations(apb.ListMigrationsRequest()).migrations)
     assert len(moves) == 2, "g0 is below the high watermark after one move of two experts"
     assert all(
-        (m.initiator, m.source, m.target, m.phase) == ("drift:high_watermark", "g0", "g1", apb.MIGRATION_PHASE_SUCCEEDED)
+        (m.initiator, m.source, m.target, m.phase)
+        == ("drift:high_watermark", "g0", "g1", apb.MIGRATION_PHASE_SUCCEEDED)
         for m in moves
     )
     moved = {(m.layer, m.expert) for m in moves}
@@ -161,7 +179,9 @@ def test_drift_moves_experts_off_the_crowded_group_and_changes_no_token(up):
     assert _group(last, "g1").memory == pytest.approx(6 / 29)
 
     with grpc.insecure_channel(up.target) as inference:
-        stats = json.loads(ipb_grpc.InferenceStub(inference).GetLoadStats(ipb.LoadStatsRequest(), timeout=30).stats_json)
+        stats = json.loads(
+            ipb_grpc.InferenceStub(inference).GetLoadStats(ipb.LoadStatsRequest(), timeout=30).stats_json
+        )
     load = np.array(stats["load"])  # [layers, experts]: every token this router served
     assert all(load[layer, expert] > 0 for layer, expert in moved), "the least used were still used"
     assert balancedness(load, _shares(after)) > balancedness(load, _shares(BEFORE))

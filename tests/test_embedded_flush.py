@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from expertmesh.client import Client
-from expertmesh.state import open_store
+from expertmesh.store import open_store
 from helpers import Up, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -27,14 +27,27 @@ def _tokens(client: Client) -> list[int]:
 
 def _migrate(admin: str, *args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [os.path.join(BIN, "expertmesh"), "migrate", *args, "--wait", "--admin", admin], capture_output=True, text=True, timeout=180
+        [os.path.join(BIN, "expertmesh"), "migrate", *args, "--wait", "--admin", admin],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 
 def test_a_flush_after_a_live_move_is_rebuilt_from_what_the_groups_hold(redis_url, shared_ray_address, tmp_path):
     env = {"EXPERTMESH_HOME": str(tmp_path), "EXPERTMESH_HEARTBEAT_S": "0.2"}
-    up = Up("--orchestrator", "--admin-port", "0", "--http-port", "0", "--state-url", redis_url,
-            "--ray-address", shared_ray_address, env=env)
+    up = Up(
+        "--orchestrator",
+        "--admin-port",
+        "0",
+        "--http-port",
+        "0",
+        "--state-url",
+        redis_url,
+        "--ray-address",
+        shared_ray_address,
+        env=env,
+    )
     store = open_store(redis_url)
     try:
         admin = up.wait_for_stderr(r"orchestrator admin gRPC on (\S+:\d+)").group(1)
@@ -49,7 +62,9 @@ def test_a_flush_after_a_live_move_is_rebuilt_from_what_the_groups_hold(redis_ur
             redis.Redis.from_url(redis_url).flushdb()
             assert _tokens(client) == reference  # served on the router's cached table meanwhile
             wait_for(lambda: set(store.endpoints()) == {"g0", "g1"}, "the groups to register again", 90)
-            table = wait_for(lambda: (t := store.routing_table()) is not None and t.version > before and t, "the table back", 90)
+            table = wait_for(
+                lambda: (t := store.routing_table()) is not None and t.version > before and t, "the table back", 90
+            )
             assert table.replicas[(0, 0)] == ("g1",), "rebuilt from the file, not from what the groups hold"
             wait_for(lambda: httpx2.get(health, timeout=10).status_code == 200, "/health ready again", 90)
             assert _tokens(client) == reference

@@ -18,13 +18,13 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
-from expertmesh.checkpoint import experts_modules
-from expertmesh.router.dispatch import IMPLEMENTATION, ExpertDispatcher
+from expertmesh.models.checkpoint import experts_modules
+from expertmesh.models.tiny import MOE_ARCHITECTURES
+from expertmesh.router.dispatch.dispatcher import IMPLEMENTATION, ExpertDispatcher
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, ScoreEvent, TokenEvent
 from expertmesh.serving.forward import FULL, SLIDING, Chunk, MaskSpec, Rows, pack
 from expertmesh.serving.kv_cache import KVPool
 from expertmesh.serving.sampling import SamplingParams
-from expertmesh.tiny import MOE_ARCHITECTURES
 from helpers import stock_greedy
 
 RECORDING = "expertmesh_test_recording"
@@ -139,8 +139,13 @@ def test_score_matches_stock_prompt_logits_across_chunks(models, arch):
 def test_seeded_sampling_is_the_same_together_and_alone(models):
     model = models("qwen3_moe")
     sampled = [
-        GenerationRequest(f"s{i}", (5 + i, 6, 7), max_new_tokens=10, stop_at_eos=False,
-                          sampling=SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=i))
+        GenerationRequest(
+            f"s{i}",
+            (5 + i, 6, 7),
+            max_new_tokens=10,
+            stop_at_eos=False,
+            sampling=SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=i),
+        )
         for i in range(3)
     ]
     greedy = GenerationRequest("g", (9, 9), max_new_tokens=10, stop_at_eos=False)
@@ -174,14 +179,19 @@ def test_the_per_sequence_fallback_gives_the_same_tokens(models):
 def test_models_the_packed_step_cannot_take_are_named(models):
     spec = MaskSpec.of(models("gpt_oss"))
     assert spec.unsupported() is None
-    assert "'flash_attention_2' is not one the step runs per sequence" in dataclasses.replace(spec, implementation="flash_attention_2").unsupported()
+    assert (
+        "'flash_attention_2' is not one the step runs per sequence"
+        in dataclasses.replace(spec, implementation="flash_attention_2").unsupported()
+    )
     hybrid = dataclasses.replace(spec, kinds=("linear_attention", "full_attention"))
     assert hybrid.unsupported() == "layers of type linear_attention keep state outside the KV cache"
 
 
 def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline(tiny_checkpoints):
     """The router's own ExpertDispatcher.experts path (its remote dispatch replaced by a local one)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("mixtral"), experts_implementation=IMPLEMENTATION).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoints("mixtral"), experts_implementation=IMPLEMENTATION
+    ).eval()
     dispatcher = ExpertDispatcher(types.SimpleNamespace(endpoints=dict), moe_layers=(0, 1))
     dispatcher.refresh = lambda: None
     seen = []
@@ -207,8 +217,10 @@ def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline(tiny
         engine.stop()
     assert all(isinstance(e[-1], FinishEvent) for e in events.values())
     assert seen == [
-        (0, [0, 1, 2, 0, 1], 1, far + 1), (1, [0, 1, 2, 0, 1], 1, far + 1),  # both prompts
-        (0, [3, 2], 1, far + 1), (1, [3, 2], 1, far + 1),  # one token each
+        (0, [0, 1, 2, 0, 1], 1, far + 1),
+        (1, [0, 1, 2, 0, 1], 1, far + 1),  # both prompts
+        (0, [3, 2], 1, far + 1),
+        (1, [3, 2], 1, far + 1),  # one token each
     ]
 
 
@@ -232,7 +244,9 @@ def test_pack_lets_each_token_see_its_own_sequence_only(window):
     step = batch.attention
     for s, chunk in enumerate(chunks):
         rows = step.sequences[s]
-        assert [queries[rows.offset + i] for i in range(rows.n)] == [(s, chunk.start + i) for i in range(len(chunk.token_ids))]
+        assert [queries[rows.offset + i] for i in range(rows.n)] == [
+            (s, chunk.start + i) for i in range(len(chunk.token_ids))
+        ]
         for kind in kinds:
             first, allowed = step.allowed(s, kind)
             end = chunk.start + len(chunk.token_ids)

@@ -13,7 +13,8 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM
 
-from expertmesh.errors import GroupUnavailable
+from expertmesh.contracts.errors import GroupUnavailable
+from expertmesh.models.tiny import CONFIG_BUILDERS
 from expertmesh.serving.engine import (
     Engine,
     EngineLimits,
@@ -24,8 +25,7 @@ from expertmesh.serving.engine import (
     TokenEvent,
 )
 from expertmesh.serving.sampling import SamplingParams
-from expertmesh.state._redis import RedisBackend
-from expertmesh.tiny import CONFIG_BUILDERS
+from expertmesh.store._redis import RedisBackend
 
 
 class FlakyStoreDispatcher:
@@ -71,7 +71,9 @@ def test_unreachable_store_fails_the_step_and_the_engine_goes_on(model):
 
 GOOD = (
     GenerationRequest("greedy", (5, 6, 7), max_new_tokens=5, stop_at_eos=False),
-    GenerationRequest("sampled", (9, 8), max_new_tokens=5, sampling=SamplingParams(temperature=0.8, seed=3), stop_at_eos=False),
+    GenerationRequest(
+        "sampled", (9, 8), max_new_tokens=5, sampling=SamplingParams(temperature=0.8, seed=3), stop_at_eos=False
+    ),
 )
 
 

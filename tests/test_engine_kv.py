@@ -10,15 +10,15 @@ import time
 from contextlib import contextmanager
 
 import grpc
-import torch
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
-from expertmesh.errors import InvalidRequest
+from expertmesh.contracts.errors import InvalidRequest
+from expertmesh.models.tiny import MOE_ARCHITECTURES
 from expertmesh.serving.engine import Engine, EngineLimits, ErrorEvent, GenerationRequest, TokenEvent
 from expertmesh.serving.kv_cache import token_bytes
 from expertmesh.serving.sampling import SamplingParams
-from expertmesh.tiny import MOE_ARCHITECTURES
 from helpers import stock_greedy
 from test_engine_batching import StepDispatcher, _serve, _tokens
 
@@ -27,12 +27,16 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def model(tiny_checkpoints):
-    return AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3_moe"), experts_implementation="batched_mm").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoints("qwen3_moe"), experts_implementation="batched_mm"
+    ).eval()
 
 
 def _engine(model, blocks, prefix_caching=True, max_active=8, max_step_tokens=16):
     limits = EngineLimits(
-        max_active, 8, max_step_tokens,
+        max_active,
+        8,
+        max_step_tokens,
         kv_cache_bytes=blocks * BLOCK * token_bytes(model.config, model.dtype),
         kv_block_size=BLOCK,
         prefix_caching=prefix_caching,
@@ -49,7 +53,9 @@ def _run(engine, requests):
         engine.stop()
 
 
-GREEDY = [GenerationRequest(f"g{i}", tuple(range(3 + i, 9 + i)), max_new_tokens=18, stop_at_eos=False) for i in range(4)]
+GREEDY = [
+    GenerationRequest(f"g{i}", tuple(range(3 + i, 9 + i)), max_new_tokens=18, stop_at_eos=False) for i in range(4)
+]
 SAMPLED = GenerationRequest(
     "s", (7, 7, 8), max_new_tokens=18, stop_at_eos=False, sampling=SamplingParams(temperature=1.0, top_k=20, seed=5)
 )
@@ -79,7 +85,9 @@ def test_requests_wait_for_blocks_rather_than_fail(model):
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cached", "not-cached"])
 def test_a_shared_prefix_is_computed_once_and_changes_no_token(model, prefix_caching):
     system = tuple(range(10, 22))  # three full blocks
-    requests = [GenerationRequest(f"p{i}", (*system, 30 + i, 31), max_new_tokens=6, stop_at_eos=False) for i in range(3)]
+    requests = [
+        GenerationRequest(f"p{i}", (*system, 30 + i, 31), max_new_tokens=6, stop_at_eos=False) for i in range(3)
+    ]
     engine = _engine(model, 32, prefix_caching)
     first = engine.submit(requests[0])
     engine.start()
@@ -101,7 +109,9 @@ def test_a_shared_prefix_is_computed_once_and_changes_no_token(model, prefix_cac
 def test_a_request_the_pool_can_never_hold_is_invalid(model):
     engine = _engine(model, 4)  # 16 tokens
     try:
-        with pytest.raises(InvalidRequest, match=r"need 5 KV blocks of 4 tokens; the KV pool \(kv_cache_bytes\) holds 4") as err:
+        with pytest.raises(
+            InvalidRequest, match=r"need 5 KV blocks of 4 tokens; the KV pool \(kv_cache_bytes\) holds 4"
+        ) as err:
             engine.submit(GenerationRequest("big", tuple(range(3, 13)), max_new_tokens=10))
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         engine.submit(GenerationRequest("score", tuple(range(3, 19)), score_only=True))  # 16 tokens: fits
@@ -130,7 +140,7 @@ def test_the_kv_metrics_report_the_pool(model, monkeypatch):
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from expertmesh.telemetry import kv_metrics
+    from expertmesh.serving import kv_metrics
 
     reader = InMemoryMetricReader()
     monkeypatch.setattr(kv_metrics, "meter", lambda: MeterProvider(metric_readers=[reader]).get_meter("expertmesh"))
@@ -208,12 +218,18 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, cau
         allowed = keys <= queries
         if window_size[0] >= 0:
             allowed &= keys >= queries - window_size[0]
-        out.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=softmax_scale).transpose(0, 1))
+        out.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=allowed, scale=softmax_scale
+            ).transpose(0, 1)
+        )
     return torch.cat(out)  # [T, H, d]
 
 
 @pytest.mark.parametrize("kernel", ["per-sequence", "flash-varlen"])
-@pytest.mark.parametrize("arch, overrides", [("mixtral", {"sliding_window": 5}), ("qwen2_moe", {})], ids=["sliding", "full"])
+@pytest.mark.parametrize(
+    "arch, overrides", [("mixtral", {"sliding_window": 5}), ("qwen2_moe", {})], ids=["sliding", "full"]
+)
 def test_both_kernels_keep_the_tokens_stock(tiny_checkpoints, monkeypatch, arch, overrides, kernel):
     """Each kernel on an sdpa model with and without a sliding window; flash-varlen's inputs
     (cu_seqlens, layouts, window) against a torch model of flash-attn's contract (flash-attn is not
@@ -223,7 +239,9 @@ def test_both_kernels_keep_the_tokens_stock(tiny_checkpoints, monkeypatch, arch,
     from expertmesh.serving import paged_attention
 
     monkeypatch.setattr(paged_attention, "flash_varlen", lambda: _reference_varlen)
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(arch, **overrides), experts_implementation="batched_mm").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoints(arch, **overrides), experts_implementation="batched_mm"
+    ).eval()
     engine = _engine(model, 64, max_step_tokens=8)
     engine._mask_spec = dataclasses.replace(engine._mask_spec, kernel=kernel)
     tokens, _ = _run(engine, GREEDY)
@@ -250,8 +268,8 @@ def test_a_prompt_under_another_routing_policy_shares_no_blocks():
     """A routing policy changes the gates, so every later layer's keys and values: the same prompt
     under dynamic_k takes none of the blocks an exact request left in the prefix cache, and gets the
     tokens it gets with no cache at all."""
-    from expertmesh.router.gate_hook import GateBias
-    from expertmesh.router.routing_policy import RequestRouting, parse_policy
+    from expertmesh.router.policy.gate_hook import GateBias
+    from expertmesh.router.policy.routing_policy import RequestRouting, parse_policy
     from test_routing_policy import _LocalDispatcher, _model
 
     model = _model("mixtral")
@@ -259,12 +277,22 @@ def test_a_prompt_under_another_routing_policy_shares_no_blocks():
     k, e = model.config.num_experts_per_tok, next(iter(gate_bias.num_experts.values()))
     prompt = tuple(range(10, 23))  # three full blocks
     exact = GenerationRequest("exact", prompt, max_new_tokens=6, stop_at_eos=False)
-    widened = GenerationRequest("dyn", prompt, max_new_tokens=6, stop_at_eos=False,
-                                routing=RequestRouting(parse_policy("dynamic_k", {"threshold": 1.0}, k, e)))
+    widened = GenerationRequest(
+        "dyn",
+        prompt,
+        max_new_tokens=6,
+        stop_at_eos=False,
+        routing=RequestRouting(parse_policy("dynamic_k", {"threshold": 1.0}, k, e)),
+    )
 
     def serve(requests, prefix_caching):
-        limits = EngineLimits(8, 8, kv_cache_bytes=32 * BLOCK * token_bytes(model.config, model.dtype),
-                              kv_block_size=BLOCK, prefix_caching=prefix_caching)
+        limits = EngineLimits(
+            8,
+            8,
+            kv_cache_bytes=32 * BLOCK * token_bytes(model.config, model.dtype),
+            kv_block_size=BLOCK,
+            prefix_caching=prefix_caching,
+        )
         engine = Engine(model, None, _LocalDispatcher(gate_bias), limits, max_context=64).start()
         try:
             tokens = [_tokens(list(engine.submit(r))) for r in requests]  # one after the other
@@ -293,7 +321,9 @@ def test_a_failed_sequence_leaves_nothing_in_the_prefix_cache(model):
     prompt = tuple(range(10, 23))  # three full blocks
     engine.start()
     try:
-        (failed,) = [e for e in engine.submit(GenerationRequest("bad", prompt, max_new_tokens=4)) if isinstance(e, ErrorEvent)]
+        (failed,) = [
+            e for e in engine.submit(GenerationRequest("bad", prompt, max_new_tokens=4)) if isinstance(e, ErrorEvent)
+        ]
         assert engine.drain(timeout=30)
         assert engine._blocks.cached() == 0 and engine.kv_usage().blocks_used == 0
     finally:
@@ -308,7 +338,9 @@ def test_preempted_and_prefix_cached_sequences_match_stock_on_every_architecture
     (DeepSeek-V3's latents and GPT-OSS's sliding window and sinks included)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(arch), experts_implementation="batched_mm").eval()
     shared = tuple(range(20, 28))
-    requests = [GenerationRequest(f"r{i}", (*shared, 40 + i, 41, 42), max_new_tokens=14, stop_at_eos=False) for i in range(3)]
+    requests = [
+        GenerationRequest(f"r{i}", (*shared, 40 + i, 41, 42), max_new_tokens=14, stop_at_eos=False) for i in range(3)
+    ]
     tokens, usage = _run(_engine(model, 12, max_step_tokens=8), requests)
     assert usage.preemptions > 0 and usage.prefix_hits > 0
     for r in requests:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from expertmesh import wire
-from expertmesh.checkpoint import Checkpoint, experts_modules
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts import wire
 from expertmesh.expert_group.service import start_server
+from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
@@ -89,7 +89,11 @@ def _bad_dispatches():
     inf_weights[0, 1] = float("inf")
     wide = torch.tensor([[1, 3, -1, -1]] * 5)  # [T, 4]: top-k 2 + 1 allowed
     return [
-        ("too many columns", _request(hidden, wide, torch.rand(5, 4)), "expert_ids has 4 columns; this model routes a token to at most 3 experts"),
+        (
+            "too many columns",
+            _request(hidden, wide, torch.rand(5, 4)),
+            "expert_ids has 4 columns; this model routes a token to at most 3 experts",
+        ),
         ("too many slots", _request(*_good(tokens=7)), "7x2 = 14 (token, expert) slots, over this group's cap of 12"),
         ("NaN hidden state", _request(nan_hidden, ids, weights), "hidden_states holds 1 non-finite values"),
         ("Inf routing weight", _request(hidden, ids, inf_weights), "routing_weights holds 1 non-finite values"),
@@ -139,7 +143,9 @@ class _Blocking:
 
 
 def _in_flight(stub):
-    return sorted((f.routing_table_version, f.layer, f.expert, f.calls) for f in stub.Describe(pb.DescribeRequest()).in_flight)
+    return sorted(
+        (f.routing_table_version, f.layer, f.expert, f.calls) for f in stub.Describe(pb.DescribeRequest()).in_flight
+    )
 
 
 def test_dispatch_beyond_the_concurrency_limit_is_refused_at_once(mixtral):
@@ -197,7 +203,12 @@ def test_in_flight_count_returns_to_empty_when_compute_fails(mixtral):
         assert err.value.code() == grpc.StatusCode.INTERNAL and "injected compute failure" in err.value.details()
         assert _in_flight(stub) == []
         del hosted.compute
-        _refused(stub.Dispatch, _request(*_good()[:1], torch.full((5, 2), 2), torch.rand(5, 2)), grpc.StatusCode.NOT_FOUND, "experts [2]")
+        _refused(
+            stub.Dispatch,
+            _request(*_good()[:1], torch.full((5, 2), 2), torch.rand(5, 2)),
+            grpc.StatusCode.NOT_FOUND,
+            "experts [2]",
+        )
         assert _in_flight(stub) == []
         _assert_serves(stub, stock)
 
@@ -302,7 +313,7 @@ def test_stats_count_non_finite_outputs_and_reset_on_unload(mixtral):
 def test_decode_sized_calls_keep_the_same_statistics_to_the_bit(mixtral, monkeypatch):
     """Small calls keep their statistics in plain Python (hosted.SMALL_RECORD_ROWS): the same numbers,
     bit for bit, as the tensor path, non-finite outputs and weight-0 slots included."""
-    from expertmesh.expert_group import hosted as hosted_mod
+    from expertmesh.models import hosted_experts as hosted_mod
 
     path, _ = mixtral
     calls = [_good(tokens=t, seed=t) for t in (1, 3, 5, 2)]

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from expertmesh import wire
-from expertmesh.checkpoint import Checkpoint, experts_modules
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts import wire
 from expertmesh.expert_group.service import start_server
+from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 

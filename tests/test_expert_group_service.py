@@ -8,10 +8,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
-from expertmesh import wire
-from expertmesh.checkpoint import Checkpoint, experts_modules
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts import wire
 from expertmesh.expert_group.service import start_server
+from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
@@ -76,13 +76,38 @@ def _bad_requests():
     float_ids = _request(hidden, ids, weights)
     float_ids.expert_ids.CopyFrom(wire.encode(ids.float()))
     return [
-        ("wrong hidden size", _request(torch.randn(5, 16), ids, weights), grpc.StatusCode.INVALID_ARGUMENT, "must be [tokens, 32]"),
+        (
+            "wrong hidden size",
+            _request(torch.randn(5, 16), ids, weights),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "must be [tokens, 32]",
+        ),
         ("unknown layer", _request(hidden, ids, weights, layer=9), grpc.StatusCode.NOT_FOUND, "layer 9 has no experts"),
-        ("expert not hosted", _request(hidden, torch.full((5, 2), 2), weights), grpc.StatusCode.NOT_FOUND, r"experts [2] of layer 1 are not held"),
+        (
+            "expert not hosted",
+            _request(hidden, torch.full((5, 2), 2), weights),
+            grpc.StatusCode.NOT_FOUND,
+            r"experts [2] of layer 1 are not held",
+        ),
         ("expert does not exist", _request(hidden, torch.full((5, 2), 99), weights), grpc.StatusCode.NOT_FOUND, "[99]"),
-        ("mismatched lengths", _request(hidden, ids[:3], weights[:3]), grpc.StatusCode.INVALID_ARGUMENT, "to match 5 tokens"),
-        ("weights shape", _request(hidden, ids, weights[:, :1]), grpc.StatusCode.INVALID_ARGUMENT, "must match expert_ids"),
-        ("bytes vs shape", truncated, grpc.StatusCode.INVALID_ARGUMENT, "hidden_states: 637 bytes do not match shape [5, 32]"),
+        (
+            "mismatched lengths",
+            _request(hidden, ids[:3], weights[:3]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "to match 5 tokens",
+        ),
+        (
+            "weights shape",
+            _request(hidden, ids, weights[:, :1]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "must match expert_ids",
+        ),
+        (
+            "bytes vs shape",
+            truncated,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "hidden_states: 637 bytes do not match shape [5, 32]",
+        ),
         ("no tensors at all", pb.DispatchRequest(layer=LAYER), grpc.StatusCode.INVALID_ARGUMENT, "unset dtype"),
         ("float ids", float_ids, grpc.StatusCode.INVALID_ARGUMENT, "expert_ids must be int32 or int64"),
     ]
@@ -106,7 +131,9 @@ def test_load_unload_describe(served):
     assert [(r.layer, r.expert) for r in described.experts] == [(0, 0), (LAYER, 1), (LAYER, 3)]
     before = described.weight_bytes
 
-    loaded = stub.LoadExperts(pb.LoadExpertsRequest(experts=[pb.ExpertRef(layer=LAYER, expert=2), pb.ExpertRef(layer=LAYER, expert=1)]))
+    loaded = stub.LoadExperts(
+        pb.LoadExpertsRequest(experts=[pb.ExpertRef(layer=LAYER, expert=2), pb.ExpertRef(layer=LAYER, expert=1)])
+    )
     assert [(r.layer, r.expert) for r in loaded.loaded] == [(LAYER, 2)]
     assert loaded.weight_bytes == before * 4 // 3
     hidden = torch.randn(3, 32)
@@ -156,8 +183,8 @@ def test_a_taken_port_is_refused_not_shared(tiny_checkpoints):
 def test_decode_sized_and_larger_calls_pick_the_same_pairs(tiny_checkpoints, monkeypatch):
     """Calls of up to SMALL_RECORD_ROWS slots find their (token, expert) pairs in plain Python, larger
     ones with tensor ops: the same call both ways gives the same sums, and the same NotHosted."""
-    from expertmesh.errors import NotHosted
-    from expertmesh.expert_group import hosted as hosted_mod
+    from expertmesh.contracts.errors import NotHosted
+    from expertmesh.models import hosted_experts as hosted_mod
 
     hosted = HostedExperts(Checkpoint(tiny_checkpoints("mixtral")))
     hosted.load([(LAYER, 1), (LAYER, 3)])

@@ -8,14 +8,14 @@ import yaml
 from ray import serve
 from ray.serve.schema import ApplicationStatus
 
-from expertmesh import verify
-from expertmesh.config import DataPlaneConfig
-from expertmesh.data_plane import DataPlane
-from expertmesh.errors import PlacementError
+from expertmesh.config.settings import DataPlaneConfig
+from expertmesh.contracts.errors import PlacementError
 from expertmesh.expert_group import deployment
-from expertmesh.security.admin_auth import admin_metadata
-from expertmesh.tiny import MOE_ARCHITECTURES
+from expertmesh.infra.security.admin_auth import admin_metadata
+from expertmesh.models.tiny import MOE_ARCHITECTURES
+from expertmesh.platform.data_plane import DataPlane
 from expertmesh.v1 import experts_pb2 as pb
+from expertmesh.verify import check as verify
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
@@ -49,23 +49,27 @@ def test_placement_file_with_hot_replica_and_live_load(tiny_checkpoints, tmp_pat
         status = deployment.app_status()  # what deploy waited on, from Serve's controller
         assert status.app_status.status == ApplicationStatus.RUNNING
         assert {d.name: d.status for d in status.deployment_statuses} == {
-            "directory": "HEALTHY", "group-a": "HEALTHY", "group-b": "HEALTHY", "group-hot": "HEALTHY"
+            "directory": "HEALTHY",
+            "group-a": "HEALTHY",
+            "group-b": "HEALTHY",
+            "group-hot": "HEALTHY",
         }
         table = plane.store.routing_table()
         assert table.replicas[(1, 0)] == ("a", "hot")
         assert verify.compare(plane, tokens=16).passed
 
-        from expertmesh.router.group_client import GroupClients
+        from expertmesh.infra.group_channels import GroupClients
 
         clients = GroupClients()
         clients.update(plane.addresses)
         described = clients.stub("hot").Describe(pb.DescribeRequest())
         assert [(r.layer, r.expert) for r in described.experts] == [(1, 0)]
         clients.stub("hot").LoadExperts(
-            pb.LoadExpertsRequest(experts=[pb.ExpertRef(layer=0, expert=e) for e in range(4)]), metadata=admin_metadata()
+            pb.LoadExpertsRequest(experts=[pb.ExpertRef(layer=0, expert=e) for e in range(4)]),
+            metadata=admin_metadata(),
         )
         # Route all of layer 0 to the "hot" group: a new table version, picked up at the next step.
-        from expertmesh.routing_table import RoutingTable
+        from expertmesh.contracts.routing_table import RoutingTable
 
         moved = dict(table.replicas)
         for e in range(4):
@@ -101,15 +105,23 @@ def test_planned_gpu_placement_with_hot_replicas_runs_as_logical_groups(tiny_che
 
     import numpy as np
 
-    from expertmesh.orchestrator.placement.plan import placement_to_dict
+    from expertmesh.contracts.gpu_plan import placement_to_dict
+    from expertmesh.contracts.topology import topology_from_dict
     from expertmesh.orchestrator.placement.planner import PlanOptions, plan
     from expertmesh.orchestrator.placement.stats import LoadStats
-    from expertmesh.orchestrator.topology import topology_from_dict
 
     path = tiny_checkpoints("deepseek_v3")  # 8 experts, MoE layer 1 only
-    topo_doc = {"nodes": [{"name": "n0", "islands": [
-        {"name": "a", "numa": 0, "gpus": [{"id": 0, "memory_gb": 80}, {"id": 1, "memory_gb": 80}]},
-        {"name": "b", "numa": 0, "gpus": [{"id": 2, "memory_gb": 80}, {"id": 3, "memory_gb": 80}]}]}]}
+    topo_doc = {
+        "nodes": [
+            {
+                "name": "n0",
+                "islands": [
+                    {"name": "a", "numa": 0, "gpus": [{"id": 0, "memory_gb": 80}, {"id": 1, "memory_gb": 80}]},
+                    {"name": "b", "numa": 0, "gpus": [{"id": 2, "memory_gb": 80}, {"id": 3, "memory_gb": 80}]},
+                ],
+            }
+        ]
+    }
     load = np.array([[400.0, 300, 20, 20, 10, 10, 5, 5]])  # two hot experts
     result = plan(LoadStats(1, 8, 2, load), topology_from_dict(topo_doc), PlanOptions(redundant=4))
     (tmp_path / "placement.json").write_text(json.dumps(placement_to_dict(result.placement)))

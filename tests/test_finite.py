@@ -1,10 +1,10 @@
-"""expertmesh.finite answers exactly as torch.isfinite does, its shortcut (a finite sum) included:
+"""expertmesh.infra.finite answers exactly as torch.isfinite does, its shortcut (a finite sum) included:
 large finite values whose sum overflows are finite, a NaN or an Inf anywhere is not."""
 
 import pytest
 import torch
 
-from expertmesh.finite import all_finite, finite_rows
+from expertmesh.infra.finite import all_finite, finite_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

@@ -1,13 +1,13 @@
-"""Biasing the stock gate before its top-k (router/gate_hook.py), on every verified architecture:
+"""Biasing the stock gate before its top-k (router/policy/gate_hook.py), on every verified architecture:
 stock transformers models from the families' own config classes, eager experts."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from expertmesh.checkpoint import experts_modules
-from expertmesh.router.gate_hook import GateBias, masked
-from expertmesh.tiny import CONFIG_BUILDERS, MOE_ARCHITECTURES
+from expertmesh.models.checkpoint import experts_modules
+from expertmesh.models.tiny import CONFIG_BUILDERS, MOE_ARCHITECTURES
+from expertmesh.router.policy.gate_hook import GateBias, masked
 
 
 def _model(arch):
@@ -19,7 +19,9 @@ def _routing(model, ids):
     """layer -> (top_k_index [T, K], top_k_weights [T, K]) the experts modules received, and the logits."""
     seen, handles = {}, []
     for layer, (_, experts) in experts_modules(model).items():
-        handles.append(experts.register_forward_pre_hook(lambda _m, args, layer=layer: seen.__setitem__(layer, (args[1], args[2]))))
+        handles.append(
+            experts.register_forward_pre_hook(lambda _m, args, layer=layer: seen.__setitem__(layer, (args[1], args[2])))
+        )
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     for h in handles:

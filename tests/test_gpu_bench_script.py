@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tests.helpers import environment_without_gpu_machine_absentees
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +37,9 @@ def test_the_gpu_run_script_runs_here_on_cpu(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     environment = (out / "env.txt").read_text()
-    assert "ray: absent" in environment and "imports ok: transformers, expertmesh.cli, expertmesh.v1" in environment
+    assert (
+        "ray: absent" in environment and "imports ok: transformers, expertmesh.cli.main, expertmesh.v1" in environment
+    )
     data = json.loads((out / "dispatch-tiny-auto.json").read_text())
     assert data["setup"]["device"] == "cpu" and data["setup"]["transports"] == {"g0": "shm", "g1": "shm"}
     assert data["agreement"]["passed"]

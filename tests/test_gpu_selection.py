@@ -5,7 +5,7 @@ import ray
 
 from expertmesh.expert_group import deployment
 from expertmesh.expert_group.deployment import GroupSpec, actor_options, hardware_binding
-from expertmesh.orchestrator.placement.groups import GroupHardware
+from expertmesh.orchestrator.placement.to_groups import GroupHardware
 
 HW = GroupHardware(node="n0", island="nvl-0", gpu_ids=(4, 5), numa=1)
 
@@ -37,9 +37,9 @@ def test_hardware_binding_on_gpu_and_cpu_clusters(monkeypatch):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from expertmesh.cli import main  # noqa: E402
-from expertmesh.devices import router_device  # noqa: E402
-from expertmesh.errors import DeviceUnavailable  # noqa: E402
+from expertmesh.cli.main import main  # noqa: E402
+from expertmesh.contracts.errors import DeviceUnavailable  # noqa: E402
+from expertmesh.infra.devices import router_device  # noqa: E402
 
 
 def _gpus(monkeypatch, count: int) -> None:
@@ -66,7 +66,7 @@ def test_without_a_gpu_auto_is_the_cpu_and_cuda_an_error(monkeypatch):
 
 def test_up_on_a_gpu_that_is_not_there_fails_before_anything_starts(monkeypatch, capsys, tmp_path):
     """One line, exit 2, and nothing read or started: the device is checked before the checkpoint and the groups."""
-    from expertmesh import data_plane
+    from expertmesh.platform import data_plane
 
     def checkpoint(*_):
         raise AssertionError("the checkpoint was read before the device was checked")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.telemetry import ORCHESTRATOR_PROMETHEUS_METRICS, PROMETHEUS_METRICS
+from expertmesh.infra.telemetry import ORCHESTRATOR_PROMETHEUS_METRICS, PROMETHEUS_METRICS
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "expertmesh-dashboard.json"
 METRICS = PROMETHEUS_METRICS | ORCHESTRATOR_PROMETHEUS_METRICS
@@ -18,10 +18,36 @@ METRICS = PROMETHEUS_METRICS | ORCHESTRATOR_PROMETHEUS_METRICS
 
 PROMQL_WORDS = {
     # functions and aggregations the dashboard may use
-    "rate", "irate", "increase", "sum", "avg", "min", "max", "count", "topk", "bottomk", "quantile",
-    "histogram_quantile", "scalar", "vector", "clamp_min", "clamp_max", "label_values", "abs",
+    "rate",
+    "irate",
+    "increase",
+    "sum",
+    "avg",
+    "min",
+    "max",
+    "count",
+    "topk",
+    "bottomk",
+    "quantile",
+    "histogram_quantile",
+    "scalar",
+    "vector",
+    "clamp_min",
+    "clamp_max",
+    "label_values",
+    "abs",
     # modifiers
-    "by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool", "and", "or", "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "offset",
+    "bool",
+    "and",
+    "or",
+    "unless",
 }
 
 
@@ -88,14 +114,31 @@ def test_queries_use_only_expertmesh_metrics(dashboard):
 
 
 def test_the_identifier_check_catches_a_stray_metric():
-    assert _identifiers('sum by (le) (rate(http_requests_total{job="x"}[5m]))') == {"sum", "by", "rate", "http_requests_total"}
+    assert _identifiers('sum by (le) (rate(http_requests_total{job="x"}[5m]))') == {
+        "sum",
+        "by",
+        "rate",
+        "http_requests_total",
+    }
 
 
 def test_required_panels_are_there(dashboard):
     titles = " | ".join(panel["title"].lower() for panel in _panels(dashboard))
-    for words in ("load", "balancedness", "entropy", "group call latency", "queue depth", "request latency",
-                  "time to first token", "inter-token latency", "errors", "active parameters",
-                  "expert health", "kl divergence", "not healthy"):
+    for words in (
+        "load",
+        "balancedness",
+        "entropy",
+        "group call latency",
+        "queue depth",
+        "request latency",
+        "time to first token",
+        "inter-token latency",
+        "errors",
+        "active parameters",
+        "expert health",
+        "kl divergence",
+        "not healthy",
+    ):
         assert words in titles, words
     exprs = " ".join(expr for _, expr in _queries(dashboard))
     assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs

@@ -3,7 +3,7 @@
 import time
 
 from expertmesh.expert_group.registration import EndpointRegistration
-from expertmesh.state import open_store
+from expertmesh.store import open_store
 
 
 def test_a_flushed_endpoint_comes_back_by_itself():

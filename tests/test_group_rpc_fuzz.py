@@ -21,11 +21,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertmesh import wire
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.errors import InvalidRequest
-from expertmesh.expert_group.hosted import HostedExperts
-from expertmesh.expert_group.service import CHANNEL_OPTIONS, start_server
+from expertmesh.contracts import wire
+from expertmesh.contracts.errors import InvalidRequest
+from expertmesh.expert_group.service import start_server
+from expertmesh.infra.group_channels import CHANNEL_OPTIONS
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
@@ -67,7 +68,9 @@ dims = st.one_of(st.integers(0, 40), st.integers(-3, -1), st.integers(0, 2**63 -
 @st.composite
 def raw_tensors(draw) -> pb.Tensor:
     """Any dtype code, any shape, any bytes: mostly inconsistent."""
-    return pb.Tensor(dtype=draw(dtype_codes), shape=draw(st.lists(dims, max_size=5)), data=draw(st.binary(max_size=256)))
+    return pb.Tensor(
+        dtype=draw(dtype_codes), shape=draw(st.lists(dims, max_size=5)), data=draw(st.binary(max_size=256))
+    )
 
 
 @st.composite
@@ -87,10 +90,20 @@ def plausible_requests(draw) -> pb.DispatchRequest:
     columns = draw(st.integers(0, 4))
     width = draw(st.sampled_from([HIDDEN, HIDDEN, 16]))
     hidden = torch.randn(tokens, width, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16))))  # [T, H]
-    hidden = hidden.to(draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16, torch.float16, torch.int32])))
+    hidden = hidden.to(
+        draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16, torch.float16, torch.int32]))
+    )
     ids = draw(st.lists(st.integers(-3, 6), min_size=tokens * columns, max_size=tokens * columns))
-    ids = torch.tensor(ids, dtype=draw(st.sampled_from([torch.int32, torch.int64, torch.float32]))).reshape(tokens, columns)
-    weights = draw(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=tokens * columns, max_size=tokens * columns))
+    ids = torch.tensor(ids, dtype=draw(st.sampled_from([torch.int32, torch.int64, torch.float32]))).reshape(
+        tokens, columns
+    )
+    weights = draw(
+        st.lists(
+            st.floats(allow_nan=True, allow_infinity=True, width=32),
+            min_size=tokens * columns,
+            max_size=tokens * columns,
+        )
+    )
     weights = torch.tensor(weights, dtype=torch.float32).reshape(tokens, columns)  # [T, K]
     weights = weights.to(draw(st.sampled_from([torch.float32, torch.float32, torch.float16, torch.int64])))
     return pb.DispatchRequest(
@@ -115,12 +128,17 @@ def arbitrary_requests(draw) -> pb.DispatchRequest:
 
 
 refs = st.lists(
-    st.builds(pb.ExpertRef, layer=st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1)), expert=st.one_of(st.integers(0, 5), st.integers(0, 2**32 - 1))),
+    st.builds(
+        pb.ExpertRef,
+        layer=st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1)),
+        expert=st.one_of(st.integers(0, 5), st.integers(0, 2**32 - 1)),
+    ),
     max_size=5,
 )
 
 
 # -- properties --------------------------------------------------------------------------------------
+
 
 @FUZZ
 @given(request=st.one_of(plausible_requests(), arbitrary_requests()))
@@ -154,7 +172,9 @@ def test_load_and_unload_answer_ok_or_a_clear_status(group, load, experts):
 def test_request_bytes_that_do_not_parse_are_invalid_argument(group, method, body):
     """Raw bytes on the wire: they parse (then validation answers) or they are INVALID_ARGUMENT."""
     _, channel = group
-    call = channel.unary_unary(f"/expertmesh.v1.ExpertGroup/{method}", request_serializer=None, response_deserializer=None)
+    call = channel.unary_unary(
+        f"/expertmesh.v1.ExpertGroup/{method}", request_serializer=None, response_deserializer=None
+    )
     code, answer = _answer(call, body)
     assert code == grpc.StatusCode.OK or code in CLEAR, f"{code.name}: {answer}"
 

@@ -17,16 +17,16 @@ import sys
 import pytest
 import redis
 import torch
+from tests.helpers import environment_without_gpu_machine_absentees
 from transformers import AutoModelForCausalLM
 
-from expertmesh import placement as placement_mod
-from expertmesh.checkpoint import Checkpoint, experts_modules
+from expertmesh.contracts import group_map as placement_mod
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.expert_group.local_server import runtime_dir
-from expertmesh.expert_group.processes import start_groups
-from expertmesh.router.dispatch import ExpertDispatcher
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import open_store
-from tests.helpers import environment_without_gpu_machine_absentees
+from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.platform.group_processes import start_groups
+from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+from expertmesh.store import open_store
 
 DATABASE = 13
 
@@ -73,9 +73,22 @@ def test_plain_process_groups_register_and_serve_a_router_exactly(tiny_checkpoin
 
 def test_a_group_the_placement_does_not_have_is_a_one_line_error(tiny_checkpoints):
     result = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "group", "serve", "--model", str(tiny_checkpoints("mixtral")),
-         "--groups", "2", "--group", "g7"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "expertmesh.cli.main",
+            "group",
+            "serve",
+            "--model",
+            str(tiny_checkpoints("mixtral")),
+            "--groups",
+            "2",
+            "--group",
+            "g7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
@@ -88,10 +101,33 @@ def test_bench_dispatch_runs_on_plain_process_groups_without_ray(tiny_checkpoint
     env = environment_without_gpu_machine_absentees(tmp_path)
     out = tmp_path / "dispatch.json"
     result = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "bench", "dispatch", "--model", str(tiny_checkpoints("mixtral")),
-         "--groups-as", "process", "--transport", "grpc", "--prefill-tokens", "16", "--batches", "1",
-         "--decode-steps", "2", "--repeats", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env,
+        [
+            sys.executable,
+            "-m",
+            "expertmesh.cli.main",
+            "bench",
+            "dispatch",
+            "--model",
+            str(tiny_checkpoints("mixtral")),
+            "--groups-as",
+            "process",
+            "--transport",
+            "grpc",
+            "--prefill-tokens",
+            "16",
+            "--batches",
+            "1",
+            "--decode-steps",
+            "2",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 expert groups (plain processes), transport grpc (carried by grpc-stream)" in result.stdout
@@ -109,10 +145,31 @@ def test_bench_serve_runs_on_plain_process_groups_without_ray(tiny_checkpoints, 
     groups without Ray, redis-py or the OpenTelemetry SDK; the streamed tokens are transformers' own."""
     out = tmp_path / "serve.json"
     result = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "bench", "serve", "--model", str(tiny_checkpoints("mixtral")),
-         "--groups-as", "process", "--clients", "2", "--requests-per-client", "1", "--max-new-tokens", "4",
-         "--prompt-tokens", "16", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=environment_without_gpu_machine_absentees(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "expertmesh.cli.main",
+            "bench",
+            "serve",
+            "--model",
+            str(tiny_checkpoints("mixtral")),
+            "--groups-as",
+            "process",
+            "--clients",
+            "2",
+            "--requests-per-client",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--prompt-tokens",
+            "16",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=environment_without_gpu_machine_absentees(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())

@@ -32,16 +32,16 @@ from cryptography.x509.oid import NameOID
 from transformers import AutoTokenizer
 
 from expertmesh.client import Client
-from expertmesh.config import ServingConfig, TlsConfig
-from expertmesh.errors import Overloaded, ShuttingDown
+from expertmesh.config.settings import ServingConfig, TlsConfig
+from expertmesh.contracts.errors import Overloaded, ShuttingDown
+from expertmesh.models.tiny import make_tiny_checkpoint
+from expertmesh.models.tokenizer import save_byte_tokenizer
 from expertmesh.serving.engine import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from expertmesh.serving.http_api import HttpApi
 from expertmesh.serving.http_server import HttpServer
 from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
 from expertmesh.serving.openai_schema import Prompt
 from expertmesh.serving.readiness import Readiness
-from expertmesh.tiny import make_tiny_checkpoint
-from expertmesh.tokenizer import save_byte_tokenizer
 from helpers import Up
 
 MODEL = "tiny"
@@ -164,7 +164,9 @@ def layer(byte_tokenizer):
     adapter = OpenAIAdapter(engine, byte_tokenizer, ServedModel(MODEL, VOCAB, CONTEXT), config)
     app = HttpApi(adapter, readiness, config).app
     server = HttpServer(app, "127.0.0.1", 0, tls=TlsConfig()).start()
-    yield SimpleNamespace(url=server.url, app=app, engine=engine, store=store, probe=probe, readiness=readiness, adapter=adapter)
+    yield SimpleNamespace(
+        url=server.url, app=app, engine=engine, store=store, probe=probe, readiness=readiness, adapter=adapter
+    )
     server.stop()
 
 
@@ -187,7 +189,7 @@ def _post(url: str, path: str, body) -> httpx2.Response:
 
 
 def _sse_data(response: httpx2.Response) -> list[str]:
-    return [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
 
 
 def _assert_error_shape(response: httpx2.Response, status: int, code: str | None, param: str | None = None) -> dict:
@@ -195,7 +197,9 @@ def _assert_error_shape(response: httpx2.Response, status: int, code: str | None
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == code and error["param"] == param, error
-    assert error["type"] == ("server_error" if status >= 500 else "rate_limit_error" if status == 429 else "invalid_request_error")
+    assert error["type"] == (
+        "server_error" if status >= 500 else "rate_limit_error" if status == 429 else "invalid_request_error"
+    )
     assert error["message"]
     return error
 
@@ -205,7 +209,11 @@ def test_completion_defaults_shape_and_usage(scripted):
     assert completion.object == "text_completion" and completion.id.startswith("cmpl-") and completion.model == MODEL
     (choice,) = completion.choices
     assert (choice.text, choice.finish_reason, choice.index) == ("Hello", "length", 0)
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (8, 2, 10)
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (
+        8,
+        2,
+        10,
+    )
     (seq,) = scripted.engine.submitted
     request = seq.request
     assert request.prompt_ids == tuple(ord(c) + 3 for c in "Hi there")  # the byte tokenizer: 3 specials first
@@ -215,16 +223,30 @@ def test_completion_defaults_shape_and_usage(scripted):
 
 
 def test_streamed_completion_and_chat_chunks_end_with_done(scripted):
-    body = {"model": MODEL, "prompt": [5, 6], "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 2}
+    body = {
+        "model": MODEL,
+        "prompt": [5, 6],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 2,
+    }
     data = _sse_data(_post(scripted.url, "/v1/completions", body))
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
     assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["Hel", "lo", ""]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 2,
+        "total_tokens": 4,
+    }
     assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
 
-    response = _post(scripted.url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True})
+    response = _post(
+        scripted.url,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
+    )
     # The scripted engine never sees the chat prompt: the byte tokenizer has no template, so this is a 400.
     _assert_error_shape(response, 400, "chat_template_missing", "messages")
 
@@ -322,7 +344,11 @@ COMPLETION_ERRORS = [
 CHAT_ERRORS = [
     ({"messages": []}, "messages", "invalid_value"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role", "invalid_value"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content", "unsupported_value"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content",
+        "unsupported_value",
+    ),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
@@ -349,12 +375,26 @@ def test_bad_chat_requests_are_400_naming_the_field(scripted, fields, param, cod
 
 
 def test_missing_fields_unknown_model_and_unknown_fields(scripted):
-    _assert_error_shape(_post(scripted.url, "/v1/completions", {"prompt": "x"}), 400, "missing_required_parameter", "model")
-    _assert_error_shape(_post(scripted.url, "/v1/completions", {"model": MODEL}), 400, "missing_required_parameter", "prompt")
-    error = _assert_error_shape(_post(scripted.url, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404, "model_not_found", "model")
+    _assert_error_shape(
+        _post(scripted.url, "/v1/completions", {"prompt": "x"}), 400, "missing_required_parameter", "model"
+    )
+    _assert_error_shape(
+        _post(scripted.url, "/v1/completions", {"model": MODEL}), 400, "missing_required_parameter", "prompt"
+    )
+    error = _assert_error_shape(
+        _post(scripted.url, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404, "model_not_found", "model"
+    )
     assert MODEL in error["message"]
     # Fields OpenAI does not define, or defines as harmless, are ignored as OpenAI ignores them.
-    body = {"model": MODEL, "prompt": "x", "user": "u1", "metadata": {"a": "b"}, "vendor_extra": [1, 2], "n": 1, "best_of": 1}
+    body = {
+        "model": MODEL,
+        "prompt": "x",
+        "user": "u1",
+        "metadata": {"a": "b"},
+        "vendor_extra": [1, 2],
+        "n": 1,
+        "best_of": 1,
+    }
     assert _post(scripted.url, "/v1/completions", body).status_code == 200
 
 
@@ -404,8 +444,12 @@ def test_tokenize_and_detokenize_in_vllms_shapes(scripted):
     assert tokenized.status_code == 200, tokenized.text
     body = tokenized.json()
     ids = scripted.adapter.completion_prompt(Prompt(text="Hi!"))
-    assert body == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids,
-                    "token_strs": scripted.adapter._tokenizer.convert_ids_to_tokens(ids)}
+    assert body == {
+        "count": len(ids),
+        "max_model_len": CONTEXT,
+        "tokens": ids,
+        "token_strs": scripted.adapter._tokenizer.convert_ids_to_tokens(ids),
+    }
     assert _post(scripted.url, "/tokenize", {"prompt": "Hi!"}).json()["token_strs"] is None  # model optional
     back = _post(scripted.url, "/detokenize", {"tokens": body["tokens"]})
     assert back.status_code == 200 and back.json() == {"prompt": "Hi!"}
@@ -497,9 +541,13 @@ def _issue(cn: str, issuer=None, *, ca: bool = False):
     signer_key, signer = issuer or (key, None)
     now = datetime.datetime.now(datetime.UTC)
     builder = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(signer.subject if signer else name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(signer.subject if signer else name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if not ca:
@@ -548,7 +596,10 @@ REAL_CONTEXT = 512
 def served(tmp_path_factory, shared_ray_address):
     """`expertmesh up --http-port 0` over a tiny Mixtral whose tokenizer carries a chat template."""
     path = make_tiny_checkpoint(
-        "mixtral", tmp_path_factory.mktemp("chat-ckpt"), with_tokenizer=True, vocab_size=VOCAB,
+        "mixtral",
+        tmp_path_factory.mktemp("chat-ckpt"),
+        with_tokenizer=True,
+        vocab_size=VOCAB,
         max_position_embeddings=REAL_CONTEXT,
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -583,7 +634,12 @@ def test_greedy_completions_equal_the_grpc_apis(served, prompt):
     assert whole.choices[0].finish_reason == _REASON[done.finish_reason]
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (done.prompt_tokens, done.completion_tokens)
     stream = client.completions.create(
-        model=served.model, prompt=prompt, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=served.model,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
@@ -595,15 +651,24 @@ def test_greedy_completions_equal_the_grpc_apis(served, prompt):
 def test_stop_ignore_eos_and_seeded_sampling_equal_the_grpc_apis(served):
     client = _openai(served.url)
     text, done = _grpc(served, "Hello", max_new_tokens=40, stop_at_eos=False)
-    whole = client.completions.create(model=served.model, prompt="Hello", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(
+        model=served.model, prompt="Hello", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert whole.choices[0].text == text and whole.usage.completion_tokens == done.completion_tokens == 40
     stop = text.strip()[2:4]
     if stop:  # the random model's text decides what can be a stop sequence
         stopped, done = _grpc(served, "Hello", max_new_tokens=40, stop_at_eos=False, stop=[stop])
         whole = client.completions.create(
-            model=served.model, prompt="Hello", max_tokens=40, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+            model=served.model,
+            prompt="Hello",
+            max_tokens=40,
+            temperature=0,
+            stop=[stop],
+            extra_body={"ignore_eos": True},
         )
-        assert whole.choices[0].text == stopped and whole.choices[0].finish_reason == "stop" == _REASON[done.finish_reason]
+        assert (
+            whole.choices[0].text == stopped and whole.choices[0].finish_reason == "stop" == _REASON[done.finish_reason]
+        )
     # 0.5 is exact in float32, so both APIs divide the logits by the same number.
     sampled, _ = _grpc(served, [9, 8, 7], max_new_tokens=12, temperature=0.5, seed=1234, top_k=50)
     for _ in range(2):
@@ -616,18 +681,26 @@ def test_stop_ignore_eos_and_seeded_sampling_equal_the_grpc_apis(served):
 @pytest.mark.slow
 def test_tokenize_chat_uses_the_checkpoints_template(served):
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
-    ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     body = httpx2.post(f"{served.url}/tokenize", json={"model": served.model, "messages": messages}, timeout=30).json()
     assert body["tokens"] == list(ids) and body["count"] == len(ids) and body["max_model_len"] == REAL_CONTEXT
-    bare = httpx2.post(f"{served.url}/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=30).json()
-    assert bare["tokens"] == list(served.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    bare = httpx2.post(
+        f"{served.url}/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=30
+    ).json()
+    assert bare["tokens"] == list(
+        served.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    )
     text = httpx2.post(f"{served.url}/detokenize", json={"tokens": body["tokens"]}, timeout=30).json()["prompt"]
     assert text == served.tokenizer.decode(ids)
 
 
 def test_chat_applies_the_checkpoints_template(served):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
-    ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     assert len(ids) > len("Be brief.Hi there!"), "the template adds its role markers"
     text, done = _grpc(served, list(ids), max_new_tokens=16)
     client = _openai(served.url)
@@ -638,7 +711,11 @@ def test_chat_applies_the_checkpoints_template(served):
     assert (choice.message.role, choice.message.content) == ("assistant", text)
     assert choice.finish_reason == _REASON[done.finish_reason]
     stream = client.chat.completions.create(
-        model=served.model, messages=messages, max_completion_tokens=16, temperature=0, stream=True,
+        model=served.model,
+        messages=messages,
+        max_completion_tokens=16,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -667,13 +744,16 @@ def test_bad_requests_through_the_openai_client(served):
         assert err.value.body["param"] == param, fields
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
-            model=served.model, messages=[{"role": "user", "content": "x"}],
+            model=served.model,
+            messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )
     assert err.value.body["code"] == "unsupported_parameter"
     raw = httpx2.post(f"{served.url}/v1/completions", content=b'{"model": ', timeout=30)
     _assert_error_shape(raw, 400, "invalid_json")
-    huge = httpx2.post(f"{served.url}/v1/completions", content=b" " * (ServingConfig().http_max_body_bytes + 1), timeout=30)
+    huge = httpx2.post(
+        f"{served.url}/v1/completions", content=b" " * (ServingConfig().http_max_body_bytes + 1), timeout=30
+    )
     _assert_error_shape(huge, 413, "request_too_large")
 
 
@@ -687,12 +767,14 @@ def test_health_and_metrics_on_the_same_port(served):
     assert 0 <= body["kv_blocks_used"] <= body["kv_blocks_total"] and body["kv_blocks_total"] > 0
     _openai(served.url).completions.create(model=served.model, prompt="x", max_tokens=2)
     metrics = httpx2.get(f"{served.url}/metrics", timeout=30).text
-    assert re.search(r'expertmesh_http_responses_total\{[^}]*route="/v1/completions"[^}]*status="200"', metrics), metrics[-3000:]
+    assert re.search(r'expertmesh_http_responses_total\{[^}]*route="/v1/completions"[^}]*status="200"', metrics), (
+        metrics[-3000:]
+    )
     assert "expertmesh_expert_tokens" in metrics  # the router's own meters, on the same port
 
 
 def _first_chunk(lines) -> dict:
-    return json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+    return json.loads(next(line for line in lines if line.startswith("data: "))[len("data: ") :])
 
 
 @pytest.mark.slow
@@ -729,7 +811,7 @@ def test_sigterm_lets_http_streams_finish_and_refuses_new_requests(served):
         assert err.value.status_code == 503
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
     assert up.proc.wait(timeout=90) == 0
     up.wait_for_stderr("drained")
 

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from expertmesh.config import data_plane_config
-from expertmesh.errors import CheckpointError
-from expertmesh.hub import resolve_model
+from expertmesh.contracts.errors import CheckpointError
+from expertmesh.models.hub import resolve_model
+from expertmesh.models.resolve import data_plane_config
 
 REPO = "tiny-org/tiny-mixtral"
 
@@ -47,7 +47,7 @@ def hub_cache(tmp_path, tiny_checkpoints):
 
 def _cli(*args, env):
     return subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", *map(str, args)],
+        [sys.executable, "-m", "expertmesh.cli.main", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -74,7 +74,7 @@ def test_the_command_line_serves_the_snapshot_under_the_hub_id(hub_cache, monkey
     """``data_plane_config`` resolves once: the router and every group get the snapshot's path."""
     from huggingface_hub import constants
 
-    from expertmesh.cli import build_parser
+    from expertmesh.cli.main import build_parser
 
     cache, main, _ = hub_cache
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
@@ -90,11 +90,16 @@ def test_the_command_line_serves_the_snapshot_under_the_hub_id(hub_cache, monkey
             "tiny-org/absent@v2 is not in the local Hub cache and HF_HUB_OFFLINE is set: fetch it first with "
             "`hf download tiny-org/absent --revision v2`",
         ),
-        ({"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot download tiny-org/absent@v2 from the Hub ("),
+        (
+            {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"},
+            "cannot download tiny-org/absent@v2 from the Hub (",
+        ),
     ],
 )
 def test_a_model_not_cached_without_network_exits_2_saying_how_to_fetch_it(tmp_path, env, expected):
-    result = _cli("verify", "--model", "tiny-org/absent", "--revision", "v2", env={"HF_HUB_CACHE": str(tmp_path), **env})
+    result = _cli(
+        "verify", "--model", "tiny-org/absent", "--revision", "v2", env={"HF_HUB_CACHE": str(tmp_path), **env}
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("expertmesh verify: error: "), result.stderr
@@ -106,6 +111,8 @@ def test_a_model_not_cached_without_network_exits_2_saying_how_to_fetch_it(tmp_p
 def test_verify_runs_a_hub_id_from_the_cache(hub_cache):
     """Router and groups (on Ray Serve) load the one snapshot and match stock transformers on it."""
     cache, _, _ = hub_cache
-    result = _cli("verify", "--model", REPO, "--groups", 2, "--tokens", 8, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    result = _cli(
+        "verify", "--model", REPO, "--groups", 2, "--tokens", 8, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("PASS mixtral float32 groups=2 tokens=8")

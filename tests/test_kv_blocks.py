@@ -99,5 +99,7 @@ def test_an_automatic_cpu_pool_stays_within_the_containers_memory_limit():
     assert host_free_bytes(64 * gib, None, None) == 64 * gib, "not in a cgroup v2 container"
     assert host_free_bytes(64 * gib, "max\n", f"{gib}\n") == 64 * gib, "a container without a limit"
     assert host_free_bytes(64 * gib, f"{8 * gib}\n", f"{3 * gib}\n") == 5 * gib, "a pod limited to 8 GiB, 3 in use"
-    assert host_free_bytes(2 * gib, f"{8 * gib}\n", f"{gib}\n") == 2 * gib, "the node has less free than the limit allows"
+    assert host_free_bytes(2 * gib, f"{8 * gib}\n", f"{gib}\n") == 2 * gib, (
+        "the node has less free than the limit allows"
+    )
     assert host_free_bytes(64 * gib, f"{gib}\n", f"{2 * gib}\n") == 0

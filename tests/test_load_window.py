@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from expertmesh.contracts.load_window import LoadSnapshot, LoadWindow
 from expertmesh.orchestrator.placement.stats import stats_from_dict
-from expertmesh.router.load_window import LoadSnapshot, LoadWindow
 
 
 class Clock:
@@ -71,8 +71,12 @@ def test_load_stats_come_in_pages_that_merge_back_to_the_whole():
     window = LoadWindow(layers, 16, 2)
     g = torch.Generator().manual_seed(0)
     for layer in layers:
-        window.record(layer, torch.randint(0, 16, (50, 2), generator=g), None,
-                      (torch.randint(-1, 2, (50,), generator=g), ("code", "legal/contracts")))
+        window.record(
+            layer,
+            torch.randint(0, 16, (50, 2), generator=g),
+            None,
+            (torch.randint(-1, 2, (50,), generator=g), ("code", "legal/contracts")),
+        )
     snap = window.snapshot()
     whole = snap.to_stats_dict()
     one_row = len(snap.stats_page(0, max_rows=1)[0])

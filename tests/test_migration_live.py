@@ -48,7 +48,14 @@ def _cli(*args):
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, shared_ray_address):
     home = tmp_path_factory.mktemp("home")
-    up = Up("--orchestrator", "--admin-port", "0", "--ray-address", shared_ray_address, env={"EXPERTMESH_HOME": str(home), "EXPERTMESH_HEARTBEAT_S": "0.2"})
+    up = Up(
+        "--orchestrator",
+        "--admin-port",
+        "0",
+        "--ray-address",
+        shared_ray_address,
+        env={"EXPERTMESH_HOME": str(home), "EXPERTMESH_HEARTBEAT_S": "0.2"},
+    )
     up.admin = up.wait_for_stderr(r"orchestrator admin gRPC on (\S+:\d+)").group(1)
     up.groups = dict(re.findall(r"(g\d+)@(\S+:\d+)", up.wait_for_stderr(r"data plane ready").string))
     yield up
@@ -89,7 +96,18 @@ def test_moves_under_streaming_load_fail_no_request_and_change_no_token(up):
             layer, expert = (n // 2) % 4, (n // 2) % 4
             source, target = ("g0", "g1") if n % 2 == 0 else ("g1", "g0")
             if n == 0:  # the first one as a person would: the command line, waiting for the end
-                run = _cli("migrate", "--layer", str(layer), "--expert", str(expert), "--to", target, "--wait", "--admin", up.admin)
+                run = _cli(
+                    "migrate",
+                    "--layer",
+                    str(layer),
+                    "--expert",
+                    str(expert),
+                    "--to",
+                    target,
+                    "--wait",
+                    "--admin",
+                    up.admin,
+                )
                 assert run.returncode == 0, run.stderr
                 assert "succeeded" in run.stdout
                 final = admin.ListMigrations(apb.ListMigrationsRequest()).migrations[-1]

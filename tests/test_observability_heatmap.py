@@ -60,7 +60,11 @@ def test_many_layers_and_experts_render():
 
 @pytest.mark.parametrize(
     "counts, layers, message",
-    [(np.zeros((2, 16, 4)), (0, 1), "no routed tokens"), (np.ones((2, 16, 4)), (0,), "expected"), (np.ones((2, 4)), (0, 1), "expected")],
+    [
+        (np.zeros((2, 16, 4)), (0, 1), "no routed tokens"),
+        (np.ones((2, 16, 4)), (0,), "expected"),
+        (np.ones((2, 4)), (0, 1), "expected"),
+    ],
 )
 def test_bad_counts_are_refused(counts, layers, message):
     with pytest.raises(ValueError, match=message):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import yaml
 
-from expertmesh.cli import main
+from expertmesh.cli.main import main
+from expertmesh.cli.probe import format_table
 from expertmesh.observability import remote
-from expertmesh.observability.probe_cli import format_table
 from expertmesh.observability.sparsity import ModelShape, analyse, entropy_bits, group_shares
 from expertmesh.v1 import inference_pb2 as pb
 
@@ -119,7 +119,11 @@ def test_known_token_counts_change_pairs_per_token_and_active_parameters():
 
 @pytest.mark.parametrize(
     "load, message",
-    [(np.ones((3, 4)), r"expected \(2, 4\)"), (np.zeros((2, 4)), "no routed tokens"), (-np.ones((2, 4)), "non-negative")],
+    [
+        (np.ones((3, 4)), r"expected \(2, 4\)"),
+        (np.zeros((2, 4)), "no routed tokens"),
+        (-np.ones((2, 4)), "non-negative"),
+    ],
 )
 def test_bad_load_is_refused(load, message):
     with pytest.raises(ValueError, match=message):
@@ -180,8 +184,9 @@ def test_groups_from_a_placement_file(tmp_path):
 
 
 def test_load_stats_difference_and_window_roll():
-    from expertmesh.router.load_window import LoadWindow
     import torch
+
+    from expertmesh.contracts.load_window import LoadWindow
 
     window = LoadWindow((0, 2), 4, 2, max_context=64, position_bins=4)
     before = remote.LoadStats.from_json(json.dumps(window.snapshot().to_stats_dict()))
@@ -245,13 +250,17 @@ def test_bad_arguments_exit_2_before_connecting(capsys, argv, message):
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory, ray_session):
-    from expertmesh.config import DataPlaneConfig, ServingConfig
-    from expertmesh.data_plane import DataPlane
-    from expertmesh.serving.up import serve_plane
-    from expertmesh.tiny import make_tiny_checkpoint
+    from expertmesh.config.settings import DataPlaneConfig, ServingConfig
+    from expertmesh.models.tiny import make_tiny_checkpoint
+    from expertmesh.platform.data_plane import DataPlane
+    from expertmesh.platform.router_apis import serve_plane
 
     model = make_tiny_checkpoint(
-        "mixtral", tmp_path_factory.mktemp("probe-ckpt"), with_tokenizer=True, vocab_size=300, max_position_embeddings=128
+        "mixtral",
+        tmp_path_factory.mktemp("probe-ckpt"),
+        with_tokenizer=True,
+        vocab_size=300,
+        max_position_embeddings=128,
     )
     plane = DataPlane.start(DataPlaneConfig(model=model, groups=2))
     server = serve_plane(plane, ServingConfig(port=0))

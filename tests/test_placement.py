@@ -1,9 +1,9 @@
 import pytest
 
-from expertmesh import placement
-from expertmesh.checkpoint import MoESpec
-from expertmesh.errors import PlacementError
-from expertmesh.routing_table import RoutingTable
+from expertmesh.contracts import group_map as placement
+from expertmesh.contracts.errors import PlacementError
+from expertmesh.contracts.routing_table import RoutingTable
+from expertmesh.models.checkpoint import MoESpec
 
 SPEC = MoESpec("deepseek_v3", 3, (1, 2), 8, 2, 32, ("gate_up_proj", "down_proj"))
 

@@ -8,15 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertmesh.errors import PlacementError
-from expertmesh.orchestrator.placement.affinity import (
-    DomainAffinity,
-    affinity_from_counts,
-    affinity_to_dict,
-    groups_per_token,
-    parse_affinity_json,
-)
-from expertmesh.orchestrator.placement.bench import (
+from expertmesh.bench.placement import (
     affinity_cases,
     grid_topology,
     run_affinity_case,
@@ -24,8 +16,16 @@ from expertmesh.orchestrator.placement.bench import (
     synthetic_domains,
     synthetic_stats,
 )
-from expertmesh.orchestrator.placement.metrics import gpu_loads
+from expertmesh.contracts.errors import InputError
+from expertmesh.orchestrator.placement.affinity import (
+    DomainAffinity,
+    affinity_from_counts,
+    affinity_to_dict,
+    groups_per_token,
+    parse_affinity_json,
+)
 from expertmesh.orchestrator.placement.planner import PlanOptions, plan
+from expertmesh.orchestrator.placement.quality import gpu_loads
 from expertmesh.orchestrator.placement.stats import LoadStats
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -80,7 +80,9 @@ def test_affinity_keeps_constraints_and_balance_and_never_touches_more_groups(pr
 def test_without_affinity_the_plan_ignores_every_affinity_setting(problem):
     stats, topo, options, _ = problem
     base = plan(stats, topo, options).placement.shares
-    other = PlanOptions(options.redundant, options.slots_per_gpu, balance_tolerance=options.balance_tolerance, affinity_swaps=0)
+    other = PlanOptions(
+        options.redundant, options.slots_per_gpu, balance_tolerance=options.balance_tolerance, affinity_swaps=0
+    )
     assert np.array_equal(plan(stats, topo, other, affinity=None).placement.shares, base)
 
 
@@ -96,7 +98,10 @@ def test_constructed_case_touches_strictly_fewer_groups():
     with_ = plan(stats, topo, options, affinity=affinity).placement
     assert groups_per_token(affinity, without.shares, 2)[0] == pytest.approx(1.5)  # 1 - 0.5**2 on each GPU
     assert groups_per_token(affinity, with_.shares, 2)[0] == pytest.approx(1.0)
-    assert {frozenset(np.flatnonzero(with_.shares[0, :, g])) for g in range(2)} == {frozenset({0, 1}), frozenset({2, 3})}
+    assert {frozenset(np.flatnonzero(with_.shares[0, :, g])) for g in range(2)} == {
+        frozenset({0, 1}),
+        frozenset({2, 3}),
+    }
     assert gpu_loads(stats.load, with_.shares).max() == gpu_loads(stats.load, without.shares).max()
 
 
@@ -148,7 +153,7 @@ def test_affinity_from_counts_normalises_and_drops_silent_domains():
     assert affinity.domains == ("a", "c")
     assert np.allclose(affinity.share[0], [[0.75, 0.25], [0.0, 1.0]])
     assert np.allclose(affinity.weight, [8 / 16, 8 / 16])
-    with pytest.raises(PlacementError, match="no domain has tokens"):
+    with pytest.raises(InputError, match="no domain has tokens"):
         affinity_from_counts(("a",), np.zeros((1, 1, 2)))
 
 
@@ -167,14 +172,14 @@ def test_affinity_json_round_trip_and_errors():
         ('{"domains": ["a"], "weight": [1], "share": [[[0.5], [0.5, 0.5]]]}', "rectangular"),
     ]
     for text, message in bad:
-        with pytest.raises(PlacementError, match=message):
+        with pytest.raises(InputError, match=message):
             parse_affinity_json(text)
 
 
 def test_affinity_must_match_the_stats():
     stats = synthetic_stats(2, 8, 2, 1.0, 2, seed=1)
     affinity = _affinity(np.full((2, 1, 6), 1 / 6), np.array([1.0]))
-    with pytest.raises(PlacementError, match="affinity covers 2 layers x 6 experts, the stats 2 x 8"):
+    with pytest.raises(InputError, match="affinity covers 2 layers x 6 experts, the stats 2 x 8"):
         plan(stats, grid_topology(1, 1, 2), PlanOptions(redundant=0), affinity=affinity)
 
 
@@ -197,7 +202,7 @@ nodes:
 
 
 def _profiles(num_layers: int, num_experts: int, seed: int):
-    from expertmesh.router.profiles import build_profiles
+    from expertmesh.router.policy.profiles import build_profiles
 
     _, q = synthetic_domains(num_layers, num_experts, 1.0, 3, seed, 30.0)
     return build_profiles({f"dom{d}": 1000 * q[:, d] for d in range(3)}, tuple(range(1, num_layers + 1)))
@@ -211,11 +216,21 @@ def plan_files(tmp_path):
     stats.write_text(json.dumps(stats_to_dict(synthetic_stats(3, 16, 2, 1.0, 3, seed=5))))
     topo = tmp_path / "topo.yaml"
     topo.write_text(TOPO)
-    return tmp_path, ["plan", "--stats", str(stats), "--topology", str(topo), "--redundant", "4", "--balance-tolerance", "0.1"]
+    return tmp_path, [
+        "plan",
+        "--stats",
+        str(stats),
+        "--topology",
+        str(topo),
+        "--redundant",
+        "4",
+        "--balance-tolerance",
+        "0.1",
+    ]
 
 
 def test_plan_reads_profiles_file(plan_files, capsys):
-    from expertmesh.cli import main
+    from expertmesh.cli.main import main
 
     tmp_path, argv = plan_files
     profiles = tmp_path / "profiles.json"
@@ -237,7 +252,7 @@ def test_plan_reads_profiles_file(plan_files, capsys):
     ],
 )
 def test_plan_bad_profiles_file_is_one_line(plan_files, capsys, content, message):
-    from expertmesh.cli import main
+    from expertmesh.cli.main import main
 
     tmp_path, argv = plan_files
     bad = tmp_path / "bad.json"
@@ -248,7 +263,7 @@ def test_plan_bad_profiles_file_is_one_line(plan_files, capsys, content, message
 
 
 def test_plan_profiles_of_another_model_are_refused(plan_files, capsys):
-    from expertmesh.cli import main
+    from expertmesh.cli.main import main
 
     tmp_path, argv = plan_files
     other = tmp_path / "other.json"
@@ -258,9 +273,9 @@ def test_plan_profiles_of_another_model_are_refused(plan_files, capsys):
 
 
 def test_plan_reads_profiles_from_the_state_store(plan_files, redis_url, capsys):
-    from expertmesh.cli import main
-    from expertmesh.router.profiles import save_profiles
-    from expertmesh.state import open_store
+    from expertmesh.cli.main import main
+    from expertmesh.router.policy.profiles import save_profiles
+    from expertmesh.store import open_store
 
     tmp_path, argv = plan_files
     store = open_store(redis_url)

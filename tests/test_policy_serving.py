@@ -10,15 +10,15 @@ import httpx2
 import numpy as np
 import pytest
 
-from expertmesh.cli import main
+from expertmesh.cli.main import main
 from expertmesh.client import Client
-from expertmesh.config import DataPlaneConfig, ServingConfig
-from expertmesh.data_plane import DataPlane
-from expertmesh.router.policy_quality import PolicyQuality, QualityFigures
-from expertmesh.router.profiles import ProfileFileError, build_profiles, read_profiles_file, write_profiles_file
-from expertmesh.serving.up import serve_plane, start_apis
-from expertmesh.state import open_store
-from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.config.settings import DataPlaneConfig, ServingConfig
+from expertmesh.models.tiny import make_tiny_checkpoint
+from expertmesh.platform.data_plane import DataPlane
+from expertmesh.platform.router_apis import serve_plane, start_apis
+from expertmesh.router.policy.profiles import ProfileFileError, build_profiles, read_profiles_file, write_profiles_file
+from expertmesh.router.policy.quality import PolicyQuality, QualityFigures
+from expertmesh.store import open_store
 from expertmesh.v1 import inference_pb2 as pb
 from expertmesh.v1 import inference_pb2_grpc as pb_grpc
 
@@ -68,7 +68,9 @@ def test_list_models_lists_the_policies_with_their_ranges(served):
     assert response.default_routing_policy == "exact"
     policies = {p.name: p for p in response.routing_policies}
     assert {"exact", "prefer", "restrict", "delta_gap", "dynamic_k", "prefer+dynamic_k"} <= set(policies)
-    assert not policies["exact"].parameters and policies["prefer"].needs_domain and not policies["dynamic_k"].needs_domain
+    assert (
+        not policies["exact"].parameters and policies["prefer"].needs_domain and not policies["dynamic_k"].needs_domain
+    )
     top_n = next(p for p in policies["restrict"].parameters if p.name == "top_n")
     assert (top_n.min, top_n.max, top_n.integer) == (2, 4, True)  # top-k 2 of 4 experts
     delta = next(p for p in policies["delta_gap"].parameters if p.name == "delta")
@@ -150,7 +152,18 @@ def test_a_profiles_file_serves_prefer_on_an_in_process_store(served, tmp_path, 
     queries = tmp_path / "queries.jsonl"
     queries.write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
     profiles = tmp_path / "profiles.json"
-    argv = ["profile", "build", "--queries", str(queries), "--target", target, "--max-tokens", "2", "--out", str(profiles)]
+    argv = [
+        "profile",
+        "build",
+        "--queries",
+        str(queries),
+        "--target",
+        target,
+        "--max-tokens",
+        "2",
+        "--out",
+        str(profiles),
+    ]
     assert main(argv) == 0
     assert f"in {profiles}" in capsys.readouterr().err
     assert set(read_profiles_file(profiles)) == {"code", "legal"}
@@ -162,7 +175,9 @@ def test_a_profiles_file_serves_prefer_on_an_in_process_store(served, tmp_path, 
     with DataPlane.attach(DataPlaneConfig(model=plane.checkpoint.path, state_url="memory://"), store=store) as embedded:
         other = tmp_path / "other.json"  # profiles of another model are refused at start, before serving
         write_profiles_file(other, build_profiles({"code": np.ones((1, 4))}, (0,)))
-        with pytest.raises(ProfileFileError, match=r"built on another model \(MoE layers \[0\] x 4 experts; this one has"):
+        with pytest.raises(
+            ProfileFileError, match=r"built on another model \(MoE layers \[0\] x 4 experts; this one has"
+        ):
             serve_plane(embedded, ServingConfig(port=0, profiles=other))
         server = serve_plane(embedded, ServingConfig(port=0, max_new_tokens_cap=32, profiles=profiles))
         try:
@@ -208,14 +223,20 @@ def test_policy_eval_reports_per_domain_and_records_for_the_guard(served, tmp_pa
     assert main(["policy", "eval", "--policy", "exact", *common]) == 0
     same = json.loads(capsys.readouterr().out)
     assert same["recorded"] is None and set(same["per_domain"]) == {"code", "legal"}
-    assert same["overall"]["kl"] == 0 and same["overall"]["top1_agreement"] == 1 and same["overall"]["greedy_agreement"] == 1
+    assert (
+        same["overall"]["kl"] == 0
+        and same["overall"]["top1_agreement"] == 1
+        and same["overall"]["greedy_agreement"] == 1
+    )
     assert same["overall"]["saved_params_per_token"] == 0
 
     assert main(["policy", "eval", "--policy", "delta_gap", "--delta", "0", *common, "--state-url", redis_url]) == 0
     narrow = json.loads(capsys.readouterr().out)
     assert narrow["policy"] == "delta_gap(delta=0,weight_boost=1.2)" and narrow["recorded"] == redis_url
     assert narrow["overall"]["kl"] > 0 and narrow["overall"]["saved_params_per_token"] > 0  # top-1 instead of top-2
-    assert PolicyQuality.from_json(plane.store.policy_quality()[narrow["policy"]]).overall.kl == pytest.approx(narrow["overall"]["kl"])
+    assert PolicyQuality.from_json(plane.store.policy_quality()[narrow["policy"]]).overall.kl == pytest.approx(
+        narrow["overall"]["kl"]
+    )
 
     assert main(["policy", "eval", "--policy", "dynamic_k", "--threshold", "1", *common]) == 0
     wide = json.loads(capsys.readouterr().out)
@@ -229,7 +250,9 @@ def test_the_http_api_takes_the_same_extras(served):
     name = plane.checkpoint.path.name
     url = f"{apis.http.url}/v1/completions"
     body = {"model": name, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
-    ok = httpx2.post(url, json={**body, "routing_policy": {"name": "dynamic_k", "threshold": 0.5}, "domain": "code"}, timeout=60)
+    ok = httpx2.post(
+        url, json={**body, "routing_policy": {"name": "dynamic_k", "threshold": 0.5}, "domain": "code"}, timeout=60
+    )
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] >= 1
     assert httpx2.post(url, json={**body, "routing_policy": "delta_gap"}, timeout=60).status_code == 200

@@ -1,4 +1,4 @@
-"""Expert capability profiles (router/profiles.py): built from counts by domain, stored, read back; the
+"""Expert capability profiles (router/policy/profiles.py): built from counts by domain, stored, read back; the
 load window's counts by domain; and a request's routing as the router resolves it (serving/
 request_routing.py): biases from the profile, the trained default classifier called once, only when
 the policy needs a domain, under a ``classify`` span; the profiles file (``profile build --out``, ``profile
@@ -16,11 +16,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from expertmesh.classifier import default_classifier
-from expertmesh.cli import build_parser, main
-from expertmesh.config import ServingConfig, settings_from_args
-from expertmesh.errors import InvalidRequest
-from expertmesh.router.load_window import LoadSnapshot, LoadWindow
-from expertmesh.router.profiles import (
+from expertmesh.cli.main import build_parser, main
+from expertmesh.config.settings import ServingConfig, settings_from_args
+from expertmesh.contracts.errors import InvalidRequest
+from expertmesh.contracts.load_window import LoadSnapshot, LoadWindow
+from expertmesh.router.policy.profiles import (
     ProfileFileError,
     build_profiles,
     fit_problem,
@@ -31,7 +31,7 @@ from expertmesh.router.profiles import (
     write_profiles_file,
 )
 from expertmesh.serving.request_routing import RequestRouter
-from expertmesh.state import open_store
+from expertmesh.store import open_store
 from expertmesh.v1 import inference_pb2 as pb
 
 LAYERS = (1, 3)
@@ -51,12 +51,18 @@ def test_shares_and_lifts_over_the_overall_share():
     assert code.share[0].tolist() == [0.75, 0.25, 0, 0]
     # overall layer-1 shares: [30, 20, 20, 10] / 80
     assert np.allclose(code.lift[0], [0.75 / 0.375, 0.25 / 0.25, 0, 0])
-    assert np.allclose(profiles["legal"].lift[1], [0.25 / (15 / 80), 0.25 / (15 / 80), 0.25 / (30 / 80), 0.25 / (20 / 80)])
+    assert np.allclose(
+        profiles["legal"].lift[1], [0.25 / (15 / 80), 0.25 / (15 / 80), 0.25 / (30 / 80), 0.25 / (20 / 80)]
+    )
     assert lookup(profiles, "legal/contract") is profiles["legal"] and lookup(profiles, "medical") is None
     store = open_store("memory://")
     save_profiles(store, profiles)
     back = load_profiles(store)
-    assert set(back) == {"code", "legal"} and np.array_equal(back["code"].lift, code.lift) and back["code"].moe_layers == LAYERS
+    assert (
+        set(back) == {"code", "legal"}
+        and np.array_equal(back["code"].lift, code.lift)
+        and back["code"].moe_layers == LAYERS
+    )
     assert build_profiles({}, LAYERS) == {}
 
 
@@ -66,10 +72,17 @@ def test_the_load_window_counts_by_domain_since_start():
     window.record(1, index, domains=(torch.tensor([0, 0, 1]), ("code", "legal")))
     window.record(3, index)  # no domains: counted in load only
     snap = window.snapshot()
-    assert snap.domain_load["code"][0].tolist() == [1, 1, 1, 0] and snap.domain_load["legal"][0].tolist() == [0, 1, 0, 1]
+    assert snap.domain_load["code"][0].tolist() == [1, 1, 1, 0] and snap.domain_load["legal"][0].tolist() == [
+        0,
+        1,
+        0,
+        1,
+    ]
     assert snap.domain_load["code"][1].sum() == 0
     back = LoadSnapshot.from_bytes(snap.to_bytes())
-    assert set(back.domain_load) == {"code", "legal"} and np.array_equal(back.domain_load["legal"], snap.domain_load["legal"])
+    assert set(back.domain_load) == {"code", "legal"} and np.array_equal(
+        back.domain_load["legal"], snap.domain_load["legal"]
+    )
     assert (back + back).domain_load["code"][0].tolist() == [2, 2, 2, 0]
     assert snap.to_stats_dict()["domain_load"]["legal"][0] == [0, 1, 0, 1]
 
@@ -188,7 +201,10 @@ def _record(**change):
         ([_record(lift=[[1, 1], [1, 1]])], "profile 'code': lift is 2 x 2, share 2 x 4"),
         ([_record(share=[[0.5, 0.1, 0, 0], [0.25] * 4])], "profile 'code': each row of share must sum to 1"),
         ([_record(), _record()], "two profiles of 'code'"),
-        ([_record(), _record(domain="legal", moe_layers=[1, 2])], "the profiles of 'code' and 'legal' were built on different models"),
+        (
+            [_record(), _record(domain="legal", moe_layers=[1, 2])],
+            "the profiles of 'code' and 'legal' were built on different models",
+        ),
     ],
 )
 def test_a_bad_profiles_file_is_one_line_naming_what_is_wrong(tmp_path, capsys, content, message):
@@ -254,10 +270,15 @@ def test_one_unreadable_profile_record_leaves_the_others_served():
     store.save_profile("finance", b"not json")
     router = RequestRouter(2, 4, LAYERS, "exact", store, kl_bound=0.1, classifier=default_classifier)
     query = "Summarise this contract"
-    given = router.resolve(pb.GenerateRequest(text=query, routing_policy=pb.RoutingPolicy(name="prefer"), domain="legal"), lambda: query)
+    given = router.resolve(
+        pb.GenerateRequest(text=query, routing_policy=pb.RoutingPolicy(name="prefer"), domain="legal"), lambda: query
+    )
     assert given.domain == "legal" and set(given.biases) == set(LAYERS)
     with pytest.raises(InvalidRequest, match="^domain: no capability profile for 'medical'"):
-        router.resolve(pb.GenerateRequest(text=query, routing_policy=pb.RoutingPolicy(name="prefer"), domain="medical"), lambda: query)
+        router.resolve(
+            pb.GenerateRequest(text=query, routing_policy=pb.RoutingPolicy(name="prefer"), domain="medical"),
+            lambda: query,
+        )
 
 
 def test_domains_are_bounded_in_length_and_to_the_taxonomy():
@@ -276,7 +297,7 @@ def test_domains_are_bounded_in_length_and_to_the_taxonomy():
 
 
 def test_a_load_window_counts_at_most_max_domains_apart():
-    from expertmesh.router import load_window
+    from expertmesh.contracts import load_window
 
     window = LoadWindow(LAYERS, 4, 2)
     names = tuple(f"code/{i}" for i in range(load_window.MAX_DOMAINS + 10))

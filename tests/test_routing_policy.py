@@ -1,4 +1,4 @@
-"""Per-request routing policies (router/routing_policy.py, gate_hook.py): pure functions on hand-made
+"""Per-request routing policies (router/policy/routing_policy.py, gate_hook.py): pure functions on hand-made
 scores, then every policy on every verified architecture through the stock gates of stock transformers
 models (the families' own config classes). The experts run locally with transformers' own loop; a
 policy's empty slots (the skip sentinel) are given weight 0 there, as the router's dispatch plan skips
@@ -12,9 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ExpertsInterface
 
-from expertmesh.checkpoint import experts_modules
-from expertmesh.router.gate_hook import GateBias
-from expertmesh.router.routing_policy import (
+from expertmesh.models.checkpoint import experts_modules
+from expertmesh.models.tiny import CONFIG_BUILDERS, MOE_ARCHITECTURES
+from expertmesh.router.policy.gate_hook import GateBias
+from expertmesh.router.policy.routing_policy import (
     KRules,
     PolicyError,
     RequestRouting,
@@ -28,7 +29,6 @@ from expertmesh.router.routing_policy import (
     widen_rows,
 )
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, TokenEvent
-from expertmesh.tiny import CONFIG_BUILDERS, MOE_ARCHITECTURES
 from helpers import stock_greedy
 
 LOCAL = "expertmesh_test_policy_local"
@@ -75,7 +75,9 @@ def test_bias_rules_are_bounded_and_keep_the_top_n():
     lift = torch.tensor([4.0, 2.0, 1.0, 0.5, 0.0])
     bias = prefer_bias(lift, alpha=1.5)
     assert bias[2] == 0 and (bias.abs() <= 1.5).all() and bias[0] > bias[1] > 0 > bias[3] > bias[4]
-    assert torch.equal(restrict_bias(torch.tensor([0.1, 0.4, 0.2, 0.4]), 2), torch.tensor([float("-inf"), 0, float("-inf"), 0]))
+    assert torch.equal(
+        restrict_bias(torch.tensor([0.1, 0.4, 0.2, 0.4]), 2), torch.tensor([float("-inf"), 0, float("-inf"), 0])
+    )
 
 
 def test_k_rules_narrow_widen_and_leave_other_tokens_bit_identical():
@@ -84,8 +86,11 @@ def test_k_rules_narrow_widen_and_leave_other_tokens_bit_identical():
     index = torch.tensor([[0, 1], [0, 1], [0, 1]])
     weights = torch.tensor([[0.875, 0.125], [0.53, 0.47], [0.625, 0.375]])
     gap = top2_gap(scores)  # 0.6, 0.05, 0.2
-    rules = KRules(delta=torch.tensor([0.18, 0.18, math.inf]), weight_boost=torch.full((3,), 1.2),
-                   threshold=torch.tensor([0.15, 0.15, 0.0]))
+    rules = KRules(
+        delta=torch.tensor([0.18, 0.18, math.inf]),
+        weight_boost=torch.full((3,), 1.2),
+        threshold=torch.tensor([0.15, 0.15, 0.0]),
+    )
     widen = widen_rows(gap, rules)
     assert widen.tolist() == [False, True, False]
     wide = (torch.tensor([1]), torch.tensor([[0, 1, 2]]), torch.tensor([[0.44, 0.39, 0.17]]))
@@ -124,7 +129,9 @@ def _route(model, ids, gate_bias, step):
     """layer -> (index [T, K], weights [T, K]) the experts received, and the logits, under ``step``."""
     seen, handles = {}, []
     for layer, (_, experts) in experts_modules(model).items():
-        handles.append(experts.register_forward_pre_hook(lambda _m, a, layer=layer: seen.__setitem__(layer, (a[1], a[2]))))
+        handles.append(
+            experts.register_forward_pre_hook(lambda _m, a, layer=layer: seen.__setitem__(layer, (a[1], a[2])))
+        )
     try:
         with torch.no_grad(), gate_bias.routing(step):
             logits = model(input_ids=ids).logits
@@ -209,6 +216,7 @@ def test_every_policy_on_every_architecture(arch):
                 chosen = {int(e) for e, w in zip(index[mine].flatten(), weights[mine].flatten()) if w != 0}
                 assert chosen <= allowed, where
             if "prefer" in policy.rules:
+
                 def strong(idx, w):
                     return int(((idx < 2) & (w != 0)).sum())
 
@@ -245,10 +253,20 @@ def test_exact_requests_stay_token_identical_beside_policy_requests(arch):
     K, E = model.config.num_experts_per_tok, next(iter(gate_bias.num_experts.values()))
     engine = Engine(model, None, _LocalDispatcher(gate_bias), EngineLimits(8, 8), max_context=64)
     exact = GenerationRequest("exact", (5, 6, 7, 8), max_new_tokens=8, stop_at_eos=False)
-    widened = GenerationRequest("dyn", (9, 10, 11), max_new_tokens=8, stop_at_eos=False,
-                                routing=RequestRouting(parse_policy("dynamic_k", {"threshold": 1.0}, K, E)))
-    narrowed = GenerationRequest("gap", (12, 13), max_new_tokens=8, stop_at_eos=False,
-                                 routing=RequestRouting(parse_policy("delta_gap", {"delta": 0.0}, K, E)))
+    widened = GenerationRequest(
+        "dyn",
+        (9, 10, 11),
+        max_new_tokens=8,
+        stop_at_eos=False,
+        routing=RequestRouting(parse_policy("dynamic_k", {"threshold": 1.0}, K, E)),
+    )
+    narrowed = GenerationRequest(
+        "gap",
+        (12, 13),
+        max_new_tokens=8,
+        stop_at_eos=False,
+        routing=RequestRouting(parse_policy("delta_gap", {"delta": 0.0}, K, E)),
+    )
     seqs = [engine.submit(r) for r in (exact, widened, narrowed)]
     engine.start()
     try:

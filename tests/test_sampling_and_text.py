@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from expertmesh.errors import NonFiniteLogits
+from expertmesh.contracts.errors import NonFiniteLogits
+from expertmesh.models.tokenizer import save_byte_tokenizer
 from expertmesh.serving.sampling import MIN_TEMPERATURE, SamplingParams, greedy_tokens, make_generator, next_token
 from expertmesh.serving.text_stream import MAX_STOP_BYTES, MAX_STOP_SEQUENCES, TextStream, stop_problems
-from expertmesh.tokenizer import save_byte_tokenizer
 
 
 def test_greedy_is_argmax():
@@ -16,10 +16,12 @@ def test_greedy_is_argmax():
 
 def test_seeded_sampling_is_reproducible_and_varies_with_seed():
     logits = torch.zeros(50)
+
     def draw(seed):
         params = SamplingParams(temperature=1.0, seed=seed)
         gen = make_generator(params)
         return [next_token(logits, params, gen) for _ in range(20)]
+
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
 
@@ -27,7 +29,10 @@ def test_seeded_sampling_is_reproducible_and_varies_with_seed():
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
     best = int(logits.argmax())
-    for params in (SamplingParams(temperature=5.0, top_k=1, seed=1), SamplingParams(temperature=5.0, top_p=1e-6, seed=1)):
+    for params in (
+        SamplingParams(temperature=5.0, top_k=1, seed=1),
+        SamplingParams(temperature=5.0, top_p=1e-6, seed=1),
+    ):
         gen = make_generator(params)
         assert {next_token(logits, params, gen) for _ in range(30)} == {best}
 
@@ -74,7 +79,11 @@ def test_top_k_above_the_vocabulary_keeps_every_token():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(), SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.0, top_k=2, top_p=0.5, seed=1)],
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, seed=1),
+        SamplingParams(temperature=1.0, top_k=2, top_p=0.5, seed=1),
+    ],
 )
 def test_non_finite_logits_are_refused_not_sampled(params, bad):
     logits = torch.tensor([0.1, 3.0, -1.0, 2.9])

@@ -26,18 +26,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expertmesh import wire
-from expertmesh.checkpoint import Checkpoint
 from expertmesh.client import AsyncClient, Client
-from expertmesh.config import AdminAuthConfig, TlsConfig
-from expertmesh.errors import SecurityMisconfigured
-from expertmesh.expert_group.hosted import HostedExperts
-from expertmesh.expert_group.service import group_channel, start_server
-from expertmesh.grpc_server import GrpcServer
-from expertmesh.router.group_client import GroupClients
-from expertmesh.security import from_env
-from expertmesh.security.admin_auth import AdminPolicy, admin_metadata, authorize, is_loopback
-from expertmesh.security.tls import secure_or_insecure_channel
+from expertmesh.config.settings import AdminAuthConfig, TlsConfig
+from expertmesh.contracts import wire
+from expertmesh.contracts.errors import SecurityMisconfigured
+from expertmesh.expert_group.service import start_server
+from expertmesh.infra.group_channels import GroupClients, group_channel
+from expertmesh.infra.grpc_server import GrpcServer
+from expertmesh.infra.security import from_env
+from expertmesh.infra.security.admin_auth import AdminPolicy, admin_metadata, authorize, is_loopback
+from expertmesh.infra.security.tls import secure_or_insecure_channel
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
@@ -50,6 +50,7 @@ REFUSED_HANDSHAKE = grpc.StatusCode.UNAVAILABLE
 
 
 # -- certificates -------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Pki:
@@ -121,6 +122,7 @@ def pki(tmp_path_factory) -> Pki:
 
 # -- a real expert-group server with mutual TLS ----------------------------------------------
 
+
 def _group_server(tiny_checkpoints, tls: TlsConfig, admin: AdminAuthConfig):
     hosted = HostedExperts(Checkpoint(tiny_checkpoints("mixtral")))
     hosted.load([(LAYER, 1), (LAYER, 3)])
@@ -147,7 +149,10 @@ def _dispatch_request() -> pb.DispatchRequest:
     hidden = torch.randn(3, 32)  # [T, H]
     ids = torch.tensor([[1, 3], [3, -1], [-1, 1]], dtype=torch.int32)  # [T, K]
     return pb.DispatchRequest(
-        layer=LAYER, hidden_states=wire.encode(hidden), expert_ids=wire.encode(ids), routing_weights=wire.encode(torch.rand(3, 2))
+        layer=LAYER,
+        hidden_states=wire.encode(hidden),
+        expert_ids=wire.encode(ids),
+        routing_weights=wire.encode(torch.rand(3, 2)),
     )
 
 
@@ -211,7 +216,8 @@ def test_admin_call_needs_the_token(pki, group):
         loaded = _load(stub, metadata=admin_metadata(AdminAuthConfig(token=TOKEN)))
         assert [(r.layer, r.expert) for r in loaded.loaded] == [(LAYER, 2)]
         unloaded = stub.UnloadExperts(
-            pb.UnloadExpertsRequest(experts=[pb.ExpertRef(layer=LAYER, expert=2)]), metadata=admin_metadata(AdminAuthConfig(token=TOKEN))
+            pb.UnloadExpertsRequest(experts=[pb.ExpertRef(layer=LAYER, expert=2)]),
+            metadata=admin_metadata(AdminAuthConfig(token=TOKEN)),
         )
         assert [(r.layer, r.expert) for r in unloaded.unloaded] == [(LAYER, 2)]
         # Data-plane calls stay open to any TLS peer: Describe without a token.
@@ -248,7 +254,10 @@ def test_router_group_clients_dial_mutual_tls_from_the_environment(pki, group, m
     """Real: the router's GroupClients, configured only by EXPERTMESH_TLS_* as in a deployment."""
     cert, key = pki.clients["router"]
     for name, value in {
-        "CERT_FILE": cert, "KEY_FILE": key, "CA_FILE": pki.ca, "GROUP_SERVER_NAME": GROUP_NAME,
+        "CERT_FILE": cert,
+        "KEY_FILE": key,
+        "CA_FILE": pki.ca,
+        "GROUP_SERVER_NAME": GROUP_NAME,
     }.items():
         monkeypatch.setenv(f"EXPERTMESH_TLS_{name}", str(value))
     clients = GroupClients()
@@ -270,12 +279,18 @@ def test_router_group_clients_dial_mutual_tls_from_the_environment(pki, group, m
 
 # -- other servers: the Inference client, the admin service, plaintext health ---------------------
 
+
 @pytest.fixture
 def bare_tls_server(pki):
     """A GrpcServer with TLS (server certificate only) and the Admin service's generated base
     servicer, which answers UNIMPLEMENTED: enough to show what the interceptor lets through."""
-    server = GrpcServer("test", "127.0.0.1", 0, tls=TlsConfig(cert_file=pki.server_cert, key_file=pki.server_key),
-                        admin=AdminAuthConfig(token=TOKEN))
+    server = GrpcServer(
+        "test",
+        "127.0.0.1",
+        0,
+        tls=TlsConfig(cert_file=pki.server_cert, key_file=pki.server_key),
+        admin=AdminAuthConfig(token=TOKEN),
+    )
     admin_pb2_grpc.add_AdminServicer_to_server(admin_pb2_grpc.AdminServicer(), server.server)
     server.start()
     yield server
@@ -362,6 +377,7 @@ def test_up_serves_tls_end_to_end(pki, tmp_path, shared_ray_address):
 
 # -- the rules, without servers --------------------------------------------------------------------
 
+
 def test_loopback_rule_and_peer_strings():
     """Pure: remote peers are refused when no admin identity is configured."""
     open_policy = AdminPolicy(token=None, allowed_cns=frozenset())
@@ -398,6 +414,10 @@ def test_settings_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("EXPERTMESH_ADMIN_TOKEN")
     with pytest.raises(SecurityMisconfigured, match="requires client certificates"):
         GrpcServer(
-            "test", "127.0.0.1", 0, tls=TlsConfig(cert_file=token_file, key_file=token_file), admin=AdminAuthConfig(),
+            "test",
+            "127.0.0.1",
+            0,
+            tls=TlsConfig(cert_file=token_file, key_file=token_file),
+            admin=AdminAuthConfig(),
             require_client_cert=True,
         )

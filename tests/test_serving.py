@@ -14,10 +14,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from transformers import AutoModelForCausalLM
 
 from expertmesh.client import AsyncClient, Client, generate_request
-from expertmesh.config import DataPlaneConfig, ServingConfig
-from expertmesh.data_plane import DataPlane
-from expertmesh.serving.up import serve_plane
-from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.config.settings import DataPlaneConfig, ServingConfig
+from expertmesh.models.tiny import make_tiny_checkpoint
+from expertmesh.platform.data_plane import DataPlane
+from expertmesh.platform.router_apis import serve_plane
 from expertmesh.v1 import inference_pb2 as pb
 from expertmesh.v1 import inference_pb2_grpc as pb_grpc
 
@@ -66,7 +66,7 @@ def test_greedy_matches_stock_transformers(client, checkpoint):
     with torch.no_grad():
         for _ in range(12):  # plain greedy, EOS included like any token (the request sets stop_at_eos=False)
             ids.append(int(stock(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert _tokens(client, prompt, 12) == ids[len(prompt):]
+    assert _tokens(client, prompt, 12) == ids[len(prompt) :]
 
 
 def test_concurrent_requests_share_steps_and_match_running_alone(client, server):
@@ -255,7 +255,10 @@ def test_limits_give_resource_exhausted(plane):
 def test_health_and_reflection(server):
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     health = health_pb2_grpc.HealthStub(channel)
-    assert health.Check(health_pb2.HealthCheckRequest(service="expertmesh.v1.Inference")).status == health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(service="expertmesh.v1.Inference")).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
     db = ProtoReflectionDescriptorDatabase(channel)
     assert "expertmesh.v1.Inference" in db.get_services()
     service = db.FindFileContainingSymbol("expertmesh.v1.Inference")
@@ -282,8 +285,20 @@ def test_load_stats_match_the_routing_and_feed_the_planner(server, client, plane
 
     out = tmp_path / "stats.json"
     export = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "stats", "export", "--target", f"127.0.0.1:{server.port}", "--out", str(out)],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "expertmesh.cli.main",
+            "stats",
+            "export",
+            "--target",
+            f"127.0.0.1:{server.port}",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert export.returncode == 0, export.stderr
     stats = json.loads(out.read_text())
@@ -297,12 +312,38 @@ def test_load_stats_match_the_routing_and_feed_the_planner(server, client, plane
     assert torch.equal(positions.sum(dim=1), load)
 
     topology = tmp_path / "topo.yaml"
-    topology.write_text(yaml.safe_dump({"nodes": [{"name": "n0", "islands": [
-        {"name": "i0", "numa": 0, "gpus": [{"id": 0, "memory_gb": 80}, {"id": 1, "memory_gb": 80}]}]}]}))
+    topology.write_text(
+        yaml.safe_dump(
+            {
+                "nodes": [
+                    {
+                        "name": "n0",
+                        "islands": [
+                            {"name": "i0", "numa": 0, "gpus": [{"id": 0, "memory_gb": 80}, {"id": 1, "memory_gb": 80}]}
+                        ],
+                    }
+                ]
+            }
+        )
+    )
     plan = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "plan", "--stats", str(out), "--topology", str(topology),
-         "--redundant", "2", "--out", str(tmp_path / "placement.json")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "expertmesh.cli.main",
+            "plan",
+            "--stats",
+            str(out),
+            "--topology",
+            str(topology),
+            "--redundant",
+            "2",
+            "--out",
+            str(tmp_path / "placement.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert plan.returncode == 0, plan.stderr
     placement = json.loads((tmp_path / "placement.json").read_text())

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from expertmesh.placement import GroupPlacement
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import open_store
+from expertmesh.contracts.group_map import GroupPlacement
+from expertmesh.contracts.routing_table import RoutingTable
+from expertmesh.store import open_store
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -16,7 +16,10 @@ def store(request):
     if request.param == "memory":
         s = open_store("memory://")
     else:
-        s = open_store(request.getfixturevalue("redis_url"), deployment=re.sub(r"[^A-Za-z0-9._-]", "-", f"test-{request.node.name}")[:63])
+        s = open_store(
+            request.getfixturevalue("redis_url"),
+            deployment=re.sub(r"[^A-Za-z0-9._-]", "-", f"test-{request.node.name}")[:63],
+        )
         s._kv._client.flushdb()
     yield s
     s.close()
@@ -71,7 +74,7 @@ def test_hidden_state_samples_per_layer_and_router_and_pinned_probes(store):
     """Raw bytes in, the same bytes out (``state.samples`` gives them their form)."""
     import torch
 
-    from expertmesh.state import samples
+    from expertmesh.store import samples
 
     store.publish_hidden_sample(3, "r1", samples.encode(torch.ones(2, 4, dtype=torch.bfloat16)))
     store.publish_hidden_sample(3, "r2", b"\x00\xff")
@@ -102,10 +105,22 @@ def test_records_with_unknown_fields_are_read_and_unreadable_ones_skipped(store)
     """A newer writer's extra field raised TypeError in the router's heartbeat thread before it beat."""
     import json
 
-    store._kv.hset(store._key("routers"), "r1", json.dumps({"router_id": "r1", "table_version": 3, "at": 1.0, "zone": "b"}).encode())
+    store._kv.hset(
+        store._key("routers"),
+        "r1",
+        json.dumps({"router_id": "r1", "table_version": 3, "at": 1.0, "zone": "b"}).encode(),
+    )
     store._kv.hset(store._key("routers"), "r2", b"{broken")
     assert set(store.router_heartbeats()) == {"r1"} and store.router_heartbeats()["r1"].table_version == 3
-    entry = {"layer": 0, "expert": 1, "group": "g0", "state": "quarantined", "reason": "t", "since": 1.0, "withdrawn": False}
+    entry = {
+        "layer": 0,
+        "expert": 1,
+        "group": "g0",
+        "state": "quarantined",
+        "reason": "t",
+        "since": 1.0,
+        "withdrawn": False,
+    }
     store._kv.hset(store._key("quarantine"), "0/1/g0", json.dumps({**entry, "added_later": 1}).encode())
     store._kv.hset(store._key("quarantine"), "0/2/g0", json.dumps({"layer": 0}).encode())  # fields missing
     assert list(store.quarantined()) == [(0, 1, "g0")]

@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from expertmesh.client import Client
-from expertmesh.telemetry import PROMETHEUS_METRICS
-from expertmesh.telemetry.sink import OtlpSink
-from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.infra.telemetry import PROMETHEUS_METRICS
+from expertmesh.infra.telemetry.sink import OtlpSink
+from expertmesh.models.tiny import make_tiny_checkpoint
 from helpers import Up
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,9 @@ def test_one_trace_per_request_with_the_span_tree(run):
         by_trace[span.trace_id].append((service, span))
     requests = [s for _, s in r.spans if s.name == "expertmesh.request"]
     assert len(requests) == len(PROMPTS) + 1  # the refused request is traced too
-    served = sorted((s for s in requests if "expertmesh.prompt_tokens" in _attrs(s)), key=lambda s: s.start_time_unix_nano)
+    served = sorted(
+        (s for s in requests if "expertmesh.prompt_tokens" in _attrs(s)), key=lambda s: s.start_time_unix_nano
+    )
     assert [_attrs(s)["expertmesh.prompt_tokens"] for s in served] == [len(p) for p in PROMPTS]
     assert len({s.trace_id for s in served}) == len(PROMPTS)
     for request in served:
@@ -138,7 +140,7 @@ def test_metrics_match_the_routing(run):
     assert sum(p.count for p in duration) == len(PROMPTS)
     itl = _latest(r, "expertmesh.inter_token_latency").histogram.data_points
     assert sum(p.count for p in itl) == len(PROMPTS) * (NEW_TOKENS - 1)
-    errors = _latest(r, "expertmesh.errors").sum.data_points
+    errors = _latest(r, "expertmesh.contracts.errors").sum.data_points
     assert [(p.attributes[0].value.string_value, p.as_int) for p in errors] == [("INVALID_ARGUMENT", 1)]
     calls = _latest(r, "expertmesh.group.call.duration").histogram.data_points
     labels = [{a.key: a.value.string_value for a in p.attributes} for p in calls]

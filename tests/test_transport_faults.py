@@ -27,15 +27,17 @@ import grpc
 import pytest
 import torch
 
-from expertmesh import shared_buffer, wire, wire_frames
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts import frames as wire_frames
+from expertmesh.contracts import shared_buffer, wire
+from expertmesh.contracts.frames import STREAM_METHOD
 from expertmesh.expert_group.local_server import LocalServer, runtime_dir
-from expertmesh.expert_group.processes import start_groups
-from expertmesh.expert_group.service import SERVICE_NAME, ExpertGroupServicer, GroupServer, group_channel
-from expertmesh.expert_group.stream_service import STREAM_METHOD
-from expertmesh.grpc_server import GrpcServer
-from expertmesh.router.transport import GroupRequest, TransportError, build
+from expertmesh.expert_group.service import SERVICE_NAME, ExpertGroupServicer, GroupServer
+from expertmesh.infra.group_channels import group_channel
+from expertmesh.infra.grpc_server import GrpcServer
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
+from expertmesh.platform.group_processes import start_groups
+from expertmesh.router.transport.base import GroupRequest, TransportError, build
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
@@ -72,7 +74,10 @@ def _tensors(tokens=3, seed=0):
 def _unary(address, hidden, ids, weights) -> torch.Tensor:
     with group_channel(address) as channel:
         request = pb.DispatchRequest(
-            layer=LAYER, hidden_states=wire.encode(hidden), expert_ids=wire.encode(ids), routing_weights=wire.encode(weights)
+            layer=LAYER,
+            hidden_states=wire.encode(hidden),
+            expert_ids=wire.encode(ids),
+            routing_weights=wire.encode(weights),
         )
         return wire.decode(pb_grpc.ExpertGroupStub(channel).Dispatch(request, timeout=30).partial_sums)
 
@@ -103,7 +108,9 @@ def _stream_bad_frames() -> list[tuple[str, bytes, str]]:
     metas = [wire_frames.meta(t) for t in (hidden, ids, weights)]
     payload = b"".join(t.numpy().tobytes() for t in (hidden, ids, weights))
     negative = [pb.TensorMeta(dtype=metas[0].dtype, shape=[-3, HIDDEN], nbytes=0), *metas[1:]]
-    wrong_count = [pb.TensorMeta(dtype=m.dtype, shape=m.shape, nbytes=m.nbytes - 4) if i == 0 else m for i, m in enumerate(metas)]
+    wrong_count = [
+        pb.TensorMeta(dtype=m.dtype, shape=m.shape, nbytes=m.nbytes - 4) if i == 0 else m for i, m in enumerate(metas)
+    ]
     return [
         ("too short", b"\x01", "shorter than its header length"),
         ("header past the end", struct.pack("<I", 500) + b"abc", "does not fit"),
@@ -113,7 +120,11 @@ def _stream_bad_frames() -> list[tuple[str, bytes, str]]:
         ("payload short", _stream_message(_frame(tensors=metas), payload[:-8]), "shorter than its tensors"),
         ("payload long", _stream_message(_frame(tensors=metas), payload + b"xyz"), "beyond its tensors"),
         ("negative dimension", _stream_message(_frame(tensors=negative), payload), "negative dimension"),
-        ("unknown dtype", _stream_message(_frame(tensors=[pb.TensorMeta(dtype=99, shape=[1], nbytes=4), *metas[1:]]), payload), "dtype"),
+        (
+            "unknown dtype",
+            _stream_message(_frame(tensors=[pb.TensorMeta(dtype=99, shape=[1], nbytes=4), *metas[1:]]), payload),
+            "dtype",
+        ),
     ]
 
 
@@ -121,7 +132,9 @@ def test_bad_stream_frames_get_error_frames_and_the_stream_goes_on(group):
     _, address = group
     bad = _stream_bad_frames()
     with grpc.insecure_channel(address) as channel:
-        answers = list(channel.stream_stream(STREAM_METHOD)(iter([m for _, m, _ in bad] + [_good_frame(42)]), timeout=60))
+        answers = list(
+            channel.stream_stream(STREAM_METHOD)(iter([m for _, m, _ in bad] + [_good_frame(42)]), timeout=60)
+        )
     assert len(answers) == len(bad) + 1, "every frame is answered, in order, on the one stream"
     for (what, _, message), data in zip(bad, answers):
         frame, payload = wire_frames.split(data)
@@ -143,9 +156,7 @@ def test_a_stream_frame_the_experts_refuse_is_answered_with_their_status(group):
     ]
     with grpc.insecure_channel(address) as channel:
         answers = [wire_frames.split(a)[0] for a in channel.stream_stream(STREAM_METHOD)(iter(frames), timeout=60)]
-    assert [(a.call_id, a.code) for a in answers] == [
-        (1, grpc.StatusCode.NOT_FOUND.value[0]), (2, INVALID)
-    ]
+    assert [(a.call_id, a.code) for a in answers] == [(1, grpc.StatusCode.NOT_FOUND.value[0]), (2, INVALID)]
     assert "non-finite" in answers[1].message
 
 
@@ -184,7 +195,9 @@ def _shm_call(buffer: torch.Tensor, call_id: int, **fields) -> pb.DispatchFrame:
     metas = [wire_frames.meta(t) for t in tensors]
     for view, tensor in zip(wire_frames.BufferViews(buffer).views(metas, wire_frames.REQUEST_TENSORS), tensors):
         view.copy_(tensor)
-    defaults = dict(call_id=call_id, layer=LAYER, tensors=metas, buffer_bytes=buffer.numel(), answer_offset=wire_frames.span(metas))
+    defaults = dict(
+        call_id=call_id, layer=LAYER, tensors=metas, buffer_bytes=buffer.numel(), answer_offset=wire_frames.span(metas)
+    )
     return pb.DispatchFrame(**{**defaults, **fields})
 
 
@@ -214,11 +227,26 @@ def test_bad_shared_memory_frames_get_error_frames_and_the_connection_goes_on(gr
         ("a file, not a memfd", call.SerializeToString(), [a_file], "not a memfd"),
         ("a pipe, not a memfd", call.SerializeToString(), [pipe_r], "not a memfd"),
         ("two descriptors", call.SerializeToString(), [fd, fd], "more than one descriptor"),
-        ("buffer larger than the memfd", _shm_call(buffer, 2, buffer_bytes=1 << 20).SerializeToString(), [small_fd], "does not fit"),
+        (
+            "buffer larger than the memfd",
+            _shm_call(buffer, 2, buffer_bytes=1 << 20).SerializeToString(),
+            [small_fd],
+            "does not fit",
+        ),
         ("oversized frame", b"x" * (wire_frames.MAX_HEADER_BYTES + 10), [], "is not a dispatch frame"),
-        ("CUDA handle without CUDA", _shm_call(buffer, 3, cuda_buffer=pb.CudaIpcHandle(gpu_uuid="GPU-x", size_bytes=4096)).SerializeToString(), [], "not visible"),
+        (
+            "CUDA handle without CUDA",
+            _shm_call(buffer, 3, cuda_buffer=pb.CudaIpcHandle(gpu_uuid="GPU-x", size_bytes=4096)).SerializeToString(),
+            [],
+            "not visible",
+        ),
         ("tensors beyond the buffer", _shm_call(buffer, 4, tensors=beyond).SerializeToString(), [fd], "do not fit"),
-        ("answer beyond the buffer", _shm_call(buffer, 5, answer_offset=4096).SerializeToString(), [], "does not fit where"),
+        (
+            "answer beyond the buffer",
+            _shm_call(buffer, 5, answer_offset=4096).SerializeToString(),
+            [],
+            "does not fit where",
+        ),
         ("unaligned answer", _shm_call(buffer, 6, answer_offset=1000).SerializeToString(), [], "not a multiple of 64"),
     ]
     for what, data, fds, message in cases:
@@ -227,7 +255,9 @@ def test_bad_shared_memory_frames_get_error_frames_and_the_connection_goes_on(gr
     good = _shm_call(buffer, 9)
     answer = client.ask(good.SerializeToString())
     assert answer.code == 0 and answer.call_id == 9
-    (partial,) = wire_frames.BufferViews(buffer).views(answer.tensors, wire_frames.ANSWER_TENSORS, start=good.answer_offset)
+    (partial,) = wire_frames.BufferViews(buffer).views(
+        answer.tensors, wire_frames.ANSWER_TENSORS, start=good.answer_offset
+    )
     assert torch.equal(partial, _unary(address, *_tensors()))
     client.close()
     for descriptor in (fd, small_fd, a_file, pipe_r, pipe_w):

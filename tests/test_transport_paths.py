@@ -18,13 +18,13 @@ import grpc
 import pytest
 import torch
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.expert_group.hosted import HostedExperts
-from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer, group_channel
-from expertmesh.router import transport_local
-from expertmesh.router.group_client import GroupClients
-from expertmesh.router.transport import TRANSPORTS, GroupRequest, TransportError, build
-from expertmesh.router.transport_auto import AutoTransport
+from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
+from expertmesh.infra.group_channels import GroupClients, group_channel
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
+from expertmesh.router.transport import local as transport_local
+from expertmesh.router.transport.auto import AutoTransport
+from expertmesh.router.transport.base import TRANSPORTS, GroupRequest, TransportError, build
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 from test_security import pki  # noqa: F401  (that module's certificate fixture, reused)
@@ -206,8 +206,8 @@ def test_socket_files_go_with_the_server(tiny_checkpoints):
 
 _EXIT_WITHOUT_STOP = """
 import sys
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
 
 server = GroupServer(ExpertGroupServicer("g0", HostedExperts(Checkpoint(sys.argv[1])))).start()

@@ -7,13 +7,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
 
 from expertmesh.client import Client
-from expertmesh.tiny import make_tiny_checkpoint
+from expertmesh.models.tiny import make_tiny_checkpoint
 from helpers import RayHead, Up, free_port
 
 pytestmark = pytest.mark.slow
@@ -27,7 +26,9 @@ def test_up_with_no_arguments_serves_the_embedded_model_and_drains_on_sigterm(tm
         assert (tmp_path / "tiny-mixtral-v1" / "tokenizer.json").is_file()
         cli = subprocess.run(
             [os.path.join(BIN, "expertmesh"), "generate", "Hello", "--max-tokens", "8", "--target", up.target],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert cli.returncode == 0, cli.stderr
         assert "completion tokens]" in cli.stderr
@@ -72,10 +73,15 @@ def test_up_joins_an_existing_ray_cluster(tmp_path, monkeypatch):
         up.wait_for_stderr(re.escape(f"starting Ray (127.0.0.1:{ray_port})"))
         # The cluster outlives `up`, and `up` took its expert groups with it.
         probe = subprocess.run(
-            [sys.executable, "-c",
-             "import ray; from ray import serve; ray.init(address=%r, logging_level='ERROR');"
-             "print(sorted(serve.status().applications))" % f"127.0.0.1:{ray_port}"],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-c",
+                "import ray; from ray import serve; ray.init(address=%r, logging_level='ERROR');"
+                "print(sorted(serve.status().applications))" % f"127.0.0.1:{ray_port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert probe.returncode == 0, probe.stderr[-2000:]
         assert "expertmesh-groups" not in probe.stdout
@@ -85,8 +91,14 @@ def test_up_joins_an_existing_ray_cluster(tmp_path, monkeypatch):
 
 def test_up_with_an_unreachable_ray_cluster_fails_fast():
     proc = subprocess.run(
-        [sys.executable, "-m", "expertmesh.cli", "up", "--ray-address", f"127.0.0.1:{free_port()}", "--port", "0"],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "expertmesh.cli.main", "up", "--ray-address", f"127.0.0.1:{free_port()}", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("expertmesh up: error: cannot reach the Ray cluster at 127.0.0.1:")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("expertmesh up: error: cannot reach the Ray cluster at 127.0.0.1:")
+    )

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from expertmesh import wire
-from expertmesh.errors import InvalidRequest
+from expertmesh.contracts import wire
+from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.v1 import experts_pb2 as pb
 
 
@@ -40,7 +40,7 @@ def test_unsupported_dtype_cannot_be_encoded():
 
 
 def test_buffer_views_of_a_layout_seen_before_are_the_same_views_and_bad_layouts_stay_refused():
-    from expertmesh import wire_frames
+    from expertmesh.contracts import frames as wire_frames
 
     shared = wire_frames.BufferViews(torch.zeros(16384, dtype=torch.uint8))
     hidden, ids = torch.randn(3, 8), torch.tensor([[1, -1], [0, 2], [2, 1]], dtype=torch.int32)

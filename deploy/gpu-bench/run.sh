@@ -131,15 +131,15 @@ for mod in ["ray", "redis", "opentelemetry.sdk"]:
     except ImportError:
         print(f"{mod}: absent")
 try:
-    import transformers, expertmesh.cli, expertmesh.v1.experts_pb2_grpc  # noqa: F401
-    print("imports ok: transformers, expertmesh.cli, expertmesh.v1")
+    import transformers, expertmesh.cli.main, expertmesh.v1.experts_pb2_grpc  # noqa: F401
+    print("imports ok: transformers, expertmesh.cli.main, expertmesh.v1")
 except Exception as e:
     print("IMPORT FAILED:", repr(e))
 EOF
 } >>"$ENV_TXT" 2>&1 || true
 cat "$ENV_TXT"
 
-EM=("$PYTHON" -m expertmesh.cli)
+EM=("$PYTHON" -m expertmesh.cli.main)
 
 # -- one benchmark under the timeout; timeout makes its own process group (pgid = its pid), so the
 # group servers the benchmark starts can be ended with it ------------------------------------------
@@ -179,7 +179,7 @@ for model in $MODELS; do
       path=$MODELS_DIR/mixtral-h512-l8-e8
       if [[ ! -f $path/config.json ]]; then
         log "building the 214M checkpoint in $path"
-        if ! timeout -k 10 180 "$PYTHON" -c "from expertmesh.tiny import make_tiny_checkpoint; make_tiny_checkpoint('mixtral', '$path', with_tokenizer=True, vocab_size=32000, hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024)" \
+        if ! timeout -k 10 180 "$PYTHON" -c "from expertmesh.models.tiny import make_tiny_checkpoint; make_tiny_checkpoint('mixtral', '$path', with_tokenizer=True, vocab_size=32000, hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024)" \
             >"$OUT/make-checkpoint.log" 2>&1; then
           log "building the checkpoint FAILED:"; tail -n 15 "$OUT/make-checkpoint.log" | tee -a "$SUMMARY"
           continue

@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator, Sequence, TypedDict, Unpack
 
-from expertmesh.config import TlsConfig
-from expertmesh.security.tls import secure_or_insecure_channel
+from expertmesh.config.settings import TlsConfig
+from expertmesh.infra.security.tls import secure_or_insecure_channel
 from expertmesh.v1 import inference_pb2 as pb
 from expertmesh.v1 import inference_pb2_grpc as pb_grpc
 

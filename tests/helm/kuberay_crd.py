@@ -39,13 +39,33 @@ import yaml
 MAX_RAYSERVICE_NAME = 47
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
-KNOWN_SPEC = {"serveConfigV2", "rayClusterConfig", "serviceUnhealthySecondThreshold",
-              "deploymentUnhealthySecondThreshold", "serveService"}
-KNOWN_CLUSTER = {"headGroupSpec", "workerGroupSpecs", "rayVersion", "enableInTreeAutoscaling",
-                 "autoscalerOptions", "headServiceAnnotations", "suspend"}
+KNOWN_SPEC = {
+    "serveConfigV2",
+    "rayClusterConfig",
+    "serviceUnhealthySecondThreshold",
+    "deploymentUnhealthySecondThreshold",
+    "serveService",
+}
+KNOWN_CLUSTER = {
+    "headGroupSpec",
+    "workerGroupSpecs",
+    "rayVersion",
+    "enableInTreeAutoscaling",
+    "autoscalerOptions",
+    "headServiceAnnotations",
+    "suspend",
+}
 KNOWN_HEAD = {"serviceType", "headService", "enableIngress", "rayStartParams", "template"}
-KNOWN_WORKER = {"groupName", "replicas", "minReplicas", "maxReplicas", "numOfHosts",
-                "rayStartParams", "template", "scaleStrategy"}
+KNOWN_WORKER = {
+    "groupName",
+    "replicas",
+    "minReplicas",
+    "maxReplicas",
+    "numOfHosts",
+    "rayStartParams",
+    "template",
+    "scaleStrategy",
+}
 
 
 def _require(obj: dict, keys, where: str, errors: list[str]) -> None:
@@ -117,8 +137,15 @@ def check_serve_config(text, where: str = "spec.serveConfigV2") -> tuple[dict | 
                 need = {"CPU": opts.get("num_cpus", 1), "GPU": opts.get("num_gpus", 0), **(opts.get("resources") or {})}
                 for res, amount in need.items():
                     if amount and first.get(res, 0) < amount:
-                        errors.append(f"{dat}: ray_actor_options need {res}={amount} but the first bundle has {first.get(res, 0)}")
-                if dep.get("placement_group_strategy", "PACK") not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+                        errors.append(
+                            f"{dat}: ray_actor_options need {res}={amount} but the first bundle has {first.get(res, 0)}"
+                        )
+                if dep.get("placement_group_strategy", "PACK") not in (
+                    "PACK",
+                    "SPREAD",
+                    "STRICT_PACK",
+                    "STRICT_SPREAD",
+                ):
                     errors.append(f"{dat}.placement_group_strategy: unknown {dep.get('placement_group_strategy')!r}")
     try:
         from ray.serve.schema import ServeDeploySchema
@@ -126,7 +153,9 @@ def check_serve_config(text, where: str = "spec.serveConfigV2") -> tuple[dict | 
         errors.append(f"{where}: cannot import ray.serve.schema to validate: {exc}")
     else:
         try:
-            ServeDeploySchema.model_validate(cfg) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(cfg)
+            ServeDeploySchema.model_validate(cfg) if hasattr(
+                ServeDeploySchema, "model_validate"
+            ) else ServeDeploySchema.parse_obj(cfg)
         except Exception as exc:  # pydantic ValidationError
             errors.append(f"{where}: Ray Serve rejects it: {exc}")
     return cfg, errors
@@ -187,5 +216,7 @@ def check_rayservice(obj: dict) -> list[str]:
                 parsed = parse_start_resources(res)
                 assert isinstance(parsed, dict) and all(isinstance(v, (int, float)) for v in parsed.values())
             except Exception:
-                errors.append(f"{where}.rayStartParams.resources: {res!r} is not the quoted JSON object `ray start --resources` takes")
+                errors.append(
+                    f"{where}.rayStartParams.resources: {res!r} is not the quoted JSON object `ray start --resources` takes"
+                )
     return errors

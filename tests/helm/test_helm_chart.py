@@ -17,7 +17,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from helmchart import CHART, K8S_VERSIONS, NAMESPACE, RELEASE, VALUE_SETS, VALUES_DIR, template_args, values_of
 from kuberay_crd import check_rayservice, check_serve_config, parse_start_resources
 
@@ -27,6 +26,7 @@ FULLNAME = f"{RELEASE}-expertmesh"
 
 
 # -- helpers ---------------------------------------------------------------------------
+
 
 def by_kind(docs, kind):
     return [d for d in docs if d["kind"] == kind]
@@ -73,6 +73,7 @@ def selects(selector: dict, labels: dict) -> bool:
 
 # -- lint, render, schemas ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", SETS)
 def test_helm_lint_strict(helm, name):
     args = ["lint", "--strict", str(CHART), "--kube-version", "1.30.0", "--set", "kuberay.checkCRD=false"]
@@ -117,6 +118,7 @@ def test_rayservice_satisfies_kuberay_crd(render, name):
 
 def test_kuberay_checker_catches_missing_fields(render):
     import copy
+
     rs = copy.deepcopy(rayservice(render("defaults")))
     del rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
     wg = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
@@ -141,6 +143,7 @@ def test_namespaced_objects_and_names(render, name):
 
 
 # -- pods: security context and resources on everything ----------------------------------
+
 
 @pytest.mark.parametrize("name", SETS)
 def test_every_pod_is_non_root_with_hardened_containers(render, name):
@@ -174,6 +177,7 @@ def test_every_container_has_requests_and_limits(render, name):
 
 # -- router --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", SETS)
 def test_router_grpc_service_probes_and_pdb(render, name):
     docs = render(name)
@@ -205,12 +209,17 @@ def test_router_hpa_optional(render):
     assert by_kind(render("defaults"), "HorizontalPodAutoscaler") == []
     docs = render("external-redis-tls")
     (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{FULLNAME}-router"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": f"{FULLNAME}-router",
+    }
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
     assert "replicas" not in one(docs, "Deployment", f"{FULLNAME}-router")["spec"], "the HPA owns replicas"
 
 
 # -- orchestrator and RBAC -------------------------------------------------------------------
+
 
 def test_orchestrator_rbac_grants_only_what_it_uses(render):
     docs = render("defaults")
@@ -232,14 +241,24 @@ def test_orchestrator_rbac_grants_only_what_it_uses(render):
     # ConfigMaps (the placement is a volume).
     (role,) = by_kind(docs, "Role")
     assert role["rules"] == [
-        {"apiGroups": ["expertmesh.io"], "resources": ["expertmigrations"], "verbs": ["get", "list", "watch", "create"]},
+        {
+            "apiGroups": ["expertmesh.io"],
+            "resources": ["expertmigrations"],
+            "verbs": ["get", "list", "watch", "create"],
+        },
         {"apiGroups": ["expertmesh.io"], "resources": ["expertmigrations/status"], "verbs": ["patch"]},
-        {"apiGroups": ["expertmesh.io"], "resources": ["expertquarantines"], "verbs": ["get", "list", "create", "delete"]},
+        {
+            "apiGroups": ["expertmesh.io"],
+            "resources": ["expertquarantines"],
+            "verbs": ["get", "list", "create", "delete"],
+        },
         {"apiGroups": ["expertmesh.io"], "resources": ["expertquarantines/status"], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]
-    for kind, role_kind, role_name in (("ClusterRoleBinding", "ClusterRole", cr["metadata"]["name"]),
-                                       ("RoleBinding", "Role", role["metadata"]["name"])):
+    for kind, role_kind, role_name in (
+        ("ClusterRoleBinding", "ClusterRole", cr["metadata"]["name"]),
+        ("RoleBinding", "Role", role["metadata"]["name"]),
+    ):
         (b,) = by_kind(docs, kind)
         assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": role_name}
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
@@ -253,7 +272,9 @@ def test_placement_configmap_from_values(render):
         docs = render(name)
         cm = one(docs, "ConfigMap", f"{FULLNAME}-placement")
         placement = yaml.safe_load(cm["data"]["placement.yaml"])
-        want = {g["name"]: {str(k): v for k, v in g["experts"].items()} for g in values_of(name)["expertGroups"]["groups"]}
+        want = {
+            g["name"]: {str(k): v for k, v in g["experts"].items()} for g in values_of(name)["expertGroups"]["groups"]
+        }
         assert placement == {"groups": want}
         assert serve_app(docs)["args"]["placement"] == {"groups": want}
         vols = one(docs, "Deployment", f"{FULLNAME}-orchestrator")["spec"]["template"]["spec"]["volumes"]
@@ -261,6 +282,7 @@ def test_placement_configmap_from_values(render):
 
 
 # -- expert groups: RayService --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", SETS)
 def test_serve_config_one_deployment_per_group(render, name):
@@ -274,7 +296,12 @@ def test_serve_config_one_deployment_per_group(render, name):
     args = app["args"]
     assert args["host"] == "0.0.0.0" and args["port_base"] == values["expertGroups"]["portBase"]
     assert args["model"] == values["model"]["path"] and args["dtype"] == values["model"]["dtype"]
-    assert args["state_url"] == env_of(one(docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0])["EXPERTMESH_STATE_URL"]["value"]
+    assert (
+        args["state_url"]
+        == env_of(one(docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0])[
+            "EXPERTMESH_STATE_URL"
+        ]["value"]
+    )
     deps = {d["name"]: d for d in app["deployments"]}
     groups = [g["name"] for g in values["expertGroups"]["groups"]]
     assert set(deps) == {"directory"} | {f"group-{g}" for g in groups}
@@ -332,8 +359,14 @@ def test_gpu_placement_lands_each_group_on_its_node_and_island(render):
         assert serve_app(docs)["args"]["resources"][group["name"]] == {res: 1}
     # 2 nodes x 2 islands, each island's 4 GPUs filled by its 2 groups.
     assert len(workers) == 4
-    assert {wg["groupName"]: wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
-            for wg in workers} == gpus_used == {f"island-{n}": 4 for n in islands}
+    assert (
+        {
+            wg["groupName"]: wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+            for wg in workers
+        }
+        == gpus_used
+        == {f"island-{n}": 4 for n in islands}
+    )
     nodes = {wg["template"]["spec"]["nodeSelector"]["kubernetes.io/hostname"] for wg in workers}
     assert nodes == {"gpu-node-0", "gpu-node-1"}
 
@@ -343,7 +376,10 @@ def test_gpu_workers_request_gpus_tolerate_taints_and_select_gpu_nodes(render, n
     for wg in rayservice(render(name))["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         spec = wg["template"]["spec"]
         res = spec["containers"][0]["resources"]
-        assert res["limits"]["nvidia.com/gpu"] >= 1 and res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"]
+        assert (
+            res["limits"]["nvidia.com/gpu"] >= 1
+            and res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"]
+        )
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
         terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
         assert {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]} in terms[0]["matchExpressions"]
@@ -372,6 +408,7 @@ def test_cpu_only_has_no_gpu_anything(render):
 
 # -- Redis -----------------------------------------------------------------------------------
 
+
 def test_bundled_redis_statefulset_with_pvc(render):
     docs = render("defaults")
     sts = one(docs, "StatefulSet", f"{FULLNAME}-redis")
@@ -397,7 +434,10 @@ def test_external_redis_tls_password_from_secret(render):
         c = tpl["spec"]["containers"][0]
         env = env_of(c)
         assert env["EXPERTMESH_STATE_URL"]["value"] == url, where
-        assert env["EXPERTMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "expertmesh-redis", "key": "redis-password"}, where
+        assert env["EXPERTMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": "expertmesh-redis",
+            "key": "redis-password",
+        }, where
         ca = env["EXPERTMESH_REDIS_CA_FILE"]["value"]
         mount = next(m for m in c["volumeMounts"] if m["name"] == "redis-tls")
         assert ca.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
@@ -407,25 +447,42 @@ def test_external_redis_tls_password_from_secret(render):
 
 # -- Control loops and routing settings ---------------------------------------------------------
 
+
 def test_loop_and_routing_values_render_into_the_settings_the_code_reads(helm, monkeypatch, tmp_path):
-    from expertmesh.config import DataPlaneConfig, ServingConfig
+    from expertmesh.config.settings import DataPlaneConfig, ServingConfig
     from expertmesh.orchestrator.drift.config import DriftConfig
     from expertmesh.orchestrator.health.config import HealthConfig
 
     profiles = '[{"domain": "code", "moe_layers": [0], "choices": [[1]], "share": [[1.0]], "lift": [[1.0]]}]'
     (tmp_path / "profiles.json").write_text(profiles)
-    res = helm(*template_args(None), "--set", "orchestrator.drift.enabled=true",
-               "--set", "orchestrator.drift.settings.scan_interval_s=120", "--set", "orchestrator.drift.settings.dry_run=true",
-               "--set", "orchestrator.healthMonitor.enabled=true", "--set", "orchestrator.healthMonitor.settings.kl_suspect=0.02",
-               "--set", "router.routingPolicy=restrict+delta_gap", "--set", "router.hiddenSampleTokens=256",
-               "--set-file", f"router.profiles={tmp_path / 'profiles.json'}")
+    res = helm(
+        *template_args(None),
+        "--set",
+        "orchestrator.drift.enabled=true",
+        "--set",
+        "orchestrator.drift.settings.scan_interval_s=120",
+        "--set",
+        "orchestrator.drift.settings.dry_run=true",
+        "--set",
+        "orchestrator.healthMonitor.enabled=true",
+        "--set",
+        "orchestrator.healthMonitor.settings.kl_suspect=0.02",
+        "--set",
+        "router.routingPolicy=restrict+delta_gap",
+        "--set",
+        "router.hiddenSampleTokens=256",
+        "--set-file",
+        f"router.profiles={tmp_path / 'profiles.json'}",
+    )
     assert res.returncode == 0, res.stderr
     docs = res.docs
     orchestrator = one(docs, "Deployment", f"{FULLNAME}-orchestrator")["spec"]["template"]["spec"]["containers"][0]
     router_pod = one(docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]
     router = router_pod["containers"][0]
-    env = {**{k: v["value"] for k, v in env_of(orchestrator).items() if "value" in v},
-           **{k: v["value"] for k, v in env_of(router).items() if "value" in v}}
+    env = {
+        **{k: v["value"] for k, v in env_of(orchestrator).items() if "value" in v},
+        **{k: v["value"] for k, v in env_of(router).items() if "value" in v},
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     drift, health = DriftConfig(), HealthConfig()  # what the orchestrator reads from that environment
@@ -440,8 +497,13 @@ def test_loop_and_routing_values_render_into_the_settings_the_code_reads(helm, m
     # off by default: the loops say so, no profiles anywhere
     defaults = helm(*template_args(None)).docs
     assert not [d for d in defaults if d["metadata"]["name"].endswith("-profiles")]
-    default_env = env_of(one(defaults, "Deployment", f"{FULLNAME}-orchestrator")["spec"]["template"]["spec"]["containers"][0])
-    assert default_env["EXPERTMESH_DRIFT_ENABLED"]["value"] == "false" and default_env["EXPERTMESH_HEALTH_ENABLED"]["value"] == "false"
+    default_env = env_of(
+        one(defaults, "Deployment", f"{FULLNAME}-orchestrator")["spec"]["template"]["spec"]["containers"][0]
+    )
+    assert (
+        default_env["EXPERTMESH_DRIFT_ENABLED"]["value"] == "false"
+        and default_env["EXPERTMESH_HEALTH_ENABLED"]["value"] == "false"
+    )
 
 
 def test_loop_settings_are_the_config_fields_and_nothing_else(helm):
@@ -458,11 +520,14 @@ def test_loop_settings_are_the_config_fields_and_nothing_else(helm):
 
 # -- Alerts -----------------------------------------------------------------------------------
 
+
 def test_alert_rules_render_as_a_prometheus_rule_only_when_asked(helm, render):
     assert not by_kind(render("defaults"), "PrometheusRule")
     docs = render_with(helm, "monitoring.alerts.enabled=true", "monitoring.alerts.labels.release=kube-prometheus")
     rule = one(docs, "PrometheusRule", f"{FULLNAME}-alerts")
-    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert (
+        rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "kube-prometheus"
+    )
     # the same rules as the plain-Prometheus file, word for word (their {{ $labels }} templates untouched by Helm)
     assert rule["spec"] == yaml.safe_load((CHART / "files" / "expertmesh-alerts.yaml").read_text())
     alerts = [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
@@ -471,13 +536,17 @@ def test_alert_rules_render_as_a_prometheus_rule_only_when_asked(helm, render):
 
 # -- OpenTelemetry -----------------------------------------------------------------------------
 
+
 def test_otel_environment(render):
     docs = render("external-redis-tls")
     names = set()
     for where, tpl in pod_templates(docs):
         env = env_of(tpl["spec"]["containers"][0])
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "https://otlp.example.com:4317", where
-        assert env["OTEL_EXPORTER_OTLP_HEADERS"]["valueFrom"]["secretKeyRef"] == {"name": "expertmesh-otlp", "key": "headers"}
+        assert env["OTEL_EXPORTER_OTLP_HEADERS"]["valueFrom"]["secretKeyRef"] == {
+            "name": "expertmesh-otlp",
+            "key": "headers",
+        }
         assert env["OTEL_TRACES_SAMPLER"]["value"] == "parentbased_traceidratio"
         assert float(env["OTEL_TRACES_SAMPLER_ARG"]["value"]) == 0.25
         assert "deployment.environment=prod" in env["OTEL_RESOURCE_ATTRIBUTES"]["value"]
@@ -492,6 +561,7 @@ def test_otel_environment(render):
 
 # -- NetworkPolicies -------------------------------------------------------------------------
 
+
 def _policies_for(docs, labels):
     return [np_ for np_ in by_kind(docs, "NetworkPolicy") if selects(np_["spec"]["podSelector"], labels)]
 
@@ -504,7 +574,10 @@ def _allowed(docs, src_labels, dst_labels, port) -> bool:
             if ports and not any(p["port"] <= port <= p.get("endPort", p["port"]) for p in ports):
                 continue
             peers = rule.get("from")
-            if peers is None or any("namespaceSelector" not in p and "podSelector" in p and selects(p["podSelector"], src_labels) for p in peers):
+            if peers is None or any(
+                "namespaceSelector" not in p and "podSelector" in p and selects(p["podSelector"], src_labels)
+                for p in peers
+            ):
                 return True
     return False
 
@@ -532,9 +605,15 @@ def test_network_policies(render, name):
     assert not _allowed(docs, router, groups, 8265)
     # The KubeRay operator reaches the dashboard from its own namespace only, never "any pod so labelled anywhere".
     groups_np = one(docs, "NetworkPolicy", f"{FULLNAME}-expert-groups")
-    operator = [p for rule in groups_np["spec"]["ingress"] for p in rule.get("from", ())
-                if p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "kuberay-operator"]
-    assert operator and all(p["namespaceSelector"].get("matchLabels", {}).get("kubernetes.io/metadata.name") for p in operator)
+    operator = [
+        p
+        for rule in groups_np["spec"]["ingress"]
+        for p in rule.get("from", ())
+        if p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "kuberay-operator"
+    ]
+    assert operator and all(
+        p["namespaceSelector"].get("matchLabels", {}).get("kubernetes.io/metadata.name") for p in operator
+    )
     head = rayservice(docs)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
     assert head["dashboard-host"] == values_of(name)["expertGroups"]["head"]["dashboardHost"]
     # Orchestrator admin API: admins only.
@@ -553,7 +632,11 @@ def test_network_policies(render, name):
 # -- Security: Redis password, gRPC TLS, admin token, egress --------------------------------------
 
 TLS_DIR = "/etc/expertmesh-tls/grpc"
-TLS_ENV = {"EXPERTMESH_TLS_CERT_FILE": "tls.crt", "EXPERTMESH_TLS_KEY_FILE": "tls.key", "EXPERTMESH_TLS_CA_FILE": "ca.crt"}
+TLS_ENV = {
+    "EXPERTMESH_TLS_CERT_FILE": "tls.crt",
+    "EXPERTMESH_TLS_KEY_FILE": "tls.key",
+    "EXPERTMESH_TLS_CA_FILE": "ca.crt",
+}
 
 
 def render_with(helm, *sets: str) -> list[dict]:
@@ -587,7 +670,9 @@ def test_bundled_redis_requires_a_generated_password(helm, render):
     template = (CHART / "templates" / "secrets.yaml").read_text()
     assert 'lookup "v1" "Secret" .Release.Namespace $name' in template and "randAlphaNum" in template
     # An existing Secret replaces the generated one; an external Redis brings its own.
-    assert not [d for d in render_with(helm, "redis.auth.existingSecret=mine") if d["metadata"]["name"].endswith("-redis-auth")]
+    assert not [
+        d for d in render_with(helm, "redis.auth.existingSecret=mine") if d["metadata"]["name"].endswith("-redis-auth")
+    ]
     assert not [d for d in render("external-redis-tls") if d["metadata"]["name"].endswith("-redis-auth")]
 
 
@@ -628,8 +713,12 @@ def test_tls_disabled_renders_no_certificates(helm):
 
 def test_tls_from_existing_secrets_as_cert_manager_writes_them(helm):
     docs = render_with(
-        helm, "tls.routerSecret=cm-router", "tls.orchestratorSecret=cm-orch", "tls.expertGroupsSecret=cm-groups",
-        "tls.groupServerName=groups.example.internal", "tls.requireClientCert=true",
+        helm,
+        "tls.routerSecret=cm-router",
+        "tls.orchestratorSecret=cm-orch",
+        "tls.expertGroupsSecret=cm-groups",
+        "tls.groupServerName=groups.example.internal",
+        "tls.requireClientCert=true",
     )
     assert not [d for d in by_kind(docs, "Secret") if "-tls-" in d["metadata"]["name"]]
     want = {"router": "cm-router", "orchestrator": "cm-orch", "expert-group": "cm-groups"}
@@ -657,7 +746,10 @@ def test_admin_token_reaches_the_servers_that_check_it_and_the_orchestrator(helm
             assert "EXPERTMESH_ADMIN_TOKEN" not in env, "the router makes no admin calls"
             continue
         seen.add(component)
-        assert env["EXPERTMESH_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-admin-token", "key": "token"}
+        assert env["EXPERTMESH_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": f"{FULLNAME}-admin-token",
+            "key": "token",
+        }
         assert env["EXPERTMESH_ADMIN_ALLOWED_CNS"]["value"] == f"{FULLNAME}-orchestrator", where
     assert seen == {"orchestrator", "expert-group"}
     docs = render_with(helm, "auth.existingSecret=admins", "auth.tokenKey=t", "auth.adminCommonNames={ops,ci}")
@@ -674,9 +766,9 @@ def test_generated_certificates_complete_mutual_tls_with_expertmesh(render, tmp_
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from expertmesh.config import AdminAuthConfig, TlsConfig
-    from expertmesh.expert_group.service import group_channel
-    from expertmesh.grpc_server import GrpcServer
+    from expertmesh.config.settings import AdminAuthConfig, TlsConfig
+    from expertmesh.infra.group_channels import group_channel
+    from expertmesh.infra.grpc_server import GrpcServer
     from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 
     docs = render("defaults")
@@ -692,12 +784,19 @@ def test_generated_certificates_complete_mutual_tls_with_expertmesh(render, tmp_
         return out
 
     admin = AdminAuthConfig(allowed_cns=pods["expert-group"]["EXPERTMESH_ADMIN_ALLOWED_CNS"]["value"])
-    server = GrpcServer("chart-tls", "127.0.0.1", 0, tls=TlsConfig(**files("expert-group")), admin=admin, require_client_cert=True)
+    server = GrpcServer(
+        "chart-tls", "127.0.0.1", 0, tls=TlsConfig(**files("expert-group")), admin=admin, require_client_cert=True
+    )
     admin_pb2_grpc.add_AdminServicer_to_server(admin_pb2_grpc.AdminServicer(), server.server)
     server.start()
     try:
-        for component, admin_code in (("router", grpc.StatusCode.PERMISSION_DENIED), ("orchestrator", grpc.StatusCode.UNIMPLEMENTED)):
-            tls = TlsConfig(**files(component), group_server_name=pods[component]["EXPERTMESH_TLS_GROUP_SERVER_NAME"]["value"])
+        for component, admin_code in (
+            ("router", grpc.StatusCode.PERMISSION_DENIED),
+            ("orchestrator", grpc.StatusCode.UNIMPLEMENTED),
+        ):
+            tls = TlsConfig(
+                **files(component), group_server_name=pods[component]["EXPERTMESH_TLS_GROUP_SERVER_NAME"]["value"]
+            )
             with group_channel(f"127.0.0.1:{server.port}", tls) as channel:
                 check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert check.status == health_pb2.HealthCheckResponse.SERVING
@@ -723,7 +822,9 @@ def _egress_allowed(docs, src_labels, dst_labels, port, protocol="TCP") -> bool:
     for np_ in policies:
         for rule in np_["spec"].get("egress", []):
             ports = rule.get("ports")
-            if ports and not any(p.get("protocol", "TCP") == protocol and p["port"] <= port <= p.get("endPort", p["port"]) for p in ports):
+            if ports and not any(
+                p.get("protocol", "TCP") == protocol and p["port"] <= port <= p.get("endPort", p["port"]) for p in ports
+            ):
                 continue
             peers = rule.get("to")
             if peers is None or any(_peer_admits(p, dst_labels) for p in peers):
@@ -769,16 +870,20 @@ def test_egress_rules_can_be_left_out(helm):
 
 # -- values.schema.json: negative cases and descriptions -------------------------------------
 
+
 def names_key(out: str, key: str) -> bool:
     """Helm <= 3.17 names a key as router.replicas, Helm >= 3.18 as '/router/replicas'."""
     return key in out or "/" + key.replace(".", "/") in out
 
 
 # (value file, the key the message must name, words of which one must appear: both Helm schema libraries)
-@pytest.mark.parametrize("case,key,words", [
-    ("wrong-type.yaml", "router.replicas", ["integer"]),
-    ("unknown-key.yaml", "expertGroups", ["portbase"]),
-])
+@pytest.mark.parametrize(
+    "case,key,words",
+    [
+        ("wrong-type.yaml", "router.replicas", ["integer"]),
+        ("unknown-key.yaml", "expertGroups", ["portbase"]),
+    ],
+)
 @pytest.mark.parametrize("command", ["template", "lint"])
 def test_bad_values_fail_schema_validation_naming_the_key(helm, case, key, words, command):
     if command == "template":
@@ -791,17 +896,22 @@ def test_bad_values_fail_schema_validation_naming_the_key(helm, case, key, words
     assert "values don't meet the specifications of the schema" in out, out
     assert names_key(out, key) and all(w in out for w in words), out
     if "Invalid type" in out or "Additional property" in out:  # the pinned Helm 3.17: exact wording
-        assert {"wrong-type.yaml": "- router.replicas: Invalid type. Expected: integer, given: string",
-                "unknown-key.yaml": "- expertGroups: Additional property portbase is not allowed"}[case] in out, out
+        assert {
+            "wrong-type.yaml": "- router.replicas: Invalid type. Expected: integer, given: string",
+            "unknown-key.yaml": "- expertGroups: Additional property portbase is not allowed",
+        }[case] in out, out
 
 
-@pytest.mark.parametrize("sets,key", [
-    (["mode=tpu"], "mode"),
-    (["router.resources.limits.memory=lots"], "router.resources.limits.memory"),
-    (["redis.external.url=http://redis:6379"], "redis.external.url"),
-    (["otel.enabled=true"], "otel.endpoint"),
-    (["expertGroups.groups[0].name=g0", "expertGroups.groups[0].experts.x[0]=1"], "expertGroups.groups.0.experts"),
-])
+@pytest.mark.parametrize(
+    "sets,key",
+    [
+        (["mode=tpu"], "mode"),
+        (["router.resources.limits.memory=lots"], "router.resources.limits.memory"),
+        (["redis.external.url=http://redis:6379"], "redis.external.url"),
+        (["otel.enabled=true"], "otel.endpoint"),
+        (["expertGroups.groups[0].name=g0", "expertGroups.groups[0].experts.x[0]=1"], "expertGroups.groups.0.experts"),
+    ],
+)
 def test_more_schema_violations_are_named(helm, sets, key):
     args = template_args(None)
     for s in sets:
@@ -811,17 +921,38 @@ def test_more_schema_violations_are_named(helm, sets, key):
     assert names_key(res.stderr, key), res.stderr
 
 
-@pytest.mark.parametrize("values,message", [
-    ({"expertGroups": {"groups": [{"name": "a", "experts": {"*": [0]}, "island": "i0", "node": "n1"},
-                                  {"name": "b", "experts": {"*": [1]}, "island": "i0", "node": "n2"}]}},
-     'group "b" names node "n2" but island "i0" is on node "n1"'),
-    ({"expertGroups": {"islands": [{"name": "i0", "node": "n1", "gpus": 2}],
-                       "groups": [{"name": "a", "experts": {"*": [0]}, "island": "i0", "gpus": 2},
-                                  {"name": "b", "experts": {"*": [1]}, "island": "i0", "gpus": 1}]}},
-     'island "i0" has 2 GPUs but its groups [a b] need 3'),
-    ({"expertGroups": {"groups": [{"name": "a", "experts": {"*": [0]}}, {"name": "a", "experts": {"*": [1]}}]}},
-     'group "a" is listed twice'),
-])
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        (
+            {
+                "expertGroups": {
+                    "groups": [
+                        {"name": "a", "experts": {"*": [0]}, "island": "i0", "node": "n1"},
+                        {"name": "b", "experts": {"*": [1]}, "island": "i0", "node": "n2"},
+                    ]
+                }
+            },
+            'group "b" names node "n2" but island "i0" is on node "n1"',
+        ),
+        (
+            {
+                "expertGroups": {
+                    "islands": [{"name": "i0", "node": "n1", "gpus": 2}],
+                    "groups": [
+                        {"name": "a", "experts": {"*": [0]}, "island": "i0", "gpus": 2},
+                        {"name": "b", "experts": {"*": [1]}, "island": "i0", "gpus": 1},
+                    ],
+                }
+            },
+            'island "i0" has 2 GPUs but its groups [a b] need 3',
+        ),
+        (
+            {"expertGroups": {"groups": [{"name": "a", "experts": {"*": [0]}}, {"name": "a", "experts": {"*": [1]}}]}},
+            'group "a" is listed twice',
+        ),
+    ],
+)
 def test_topology_mistakes_fail_with_a_clear_message(helm, tmp_path, values, message):
     path = tmp_path / "v.yaml"
     path.write_text(yaml.safe_dump(values))
@@ -850,9 +981,15 @@ def _schema_nodes(node, path="$"):
 def test_schema_describes_every_value_and_accepts_the_value_sets():
     schema = yaml.safe_load((CHART / "values.schema.json").read_text())
     defs = schema["definitions"]
-    missing = [p for root in [schema, *defs.values()] for p, n in _schema_nodes(root)
-               if isinstance(n, dict) and "$ref" not in n and "description" not in n
-               and not p.endswith((".cpu", ".memory", ".*"))]
+    missing = [
+        p
+        for root in [schema, *defs.values()]
+        for p, n in _schema_nodes(root)
+        if isinstance(n, dict)
+        and "$ref" not in n
+        and "description" not in n
+        and not p.endswith((".cpu", ".memory", ".*"))
+    ]
     assert not missing, f"schema nodes without a description: {missing}"
     validator = jsonschema.Draft7Validator(schema)
     for name in SETS:
@@ -867,7 +1004,11 @@ def test_schema_describes_every_value_and_accepts_the_value_sets():
 
 
 def _leaf_paths(node, prefix=""):
-    if isinstance(node, dict) and node and not prefix.endswith(("resources", "securityContext", "SecurityContext", "experts")):
+    if (
+        isinstance(node, dict)
+        and node
+        and not prefix.endswith(("resources", "securityContext", "SecurityContext", "experts"))
+    ):
         for k, v in node.items():
             yield from _leaf_paths(v, f"{prefix}.{k}" if prefix else k)
     else:
@@ -887,12 +1028,14 @@ def test_notes_tell_how_to_reach_the_grpc_api(helm, tmp_path):
     """NOTES.txt is only rendered by install/upgrade (which need a cluster), so render it
     here through a copy of the chart where a ConfigMap carries `tpl` of the notes."""
     import shutil
+
     chart = tmp_path / "expertmesh"
     shutil.copytree(CHART, chart)
     (chart / "notes.txt").write_text((CHART / "templates" / "NOTES.txt").read_text())
     (chart / "templates" / "zz-notes.yaml").write_text(
-        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n'
-        'data:\n  notes: {{ tpl (.Files.Get "notes.txt") . | quote }}\n')
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data:\n  notes: {{ tpl (.Files.Get "notes.txt") . | quote }}\n'
+    )
     args = template_args(None, "--show-only", "templates/zz-notes.yaml")
     args[2] = str(chart)
     res = helm(*args)
@@ -903,13 +1046,16 @@ def test_notes_tell_how_to_reach_the_grpc_api(helm, tmp_path):
     assert "grpc.health.v1.Health/Check" in notes
 
 
-@pytest.mark.parametrize("sets", [
-    ["orchestrator.enabled=false"],
-    ["networkPolicy.enabled=false", "router.podDisruptionBudget.enabled=false"],
-    ["redis.auth.existingSecret=redis-auth", "model.pvc.claimName=models", "model.pvc.subPath=mixtral"],
-    ["mode=cpu", "expertGroups.defaultWorkers.replicas=3", "expertGroups.worker.readOnlyRootFilesystem=false"],
-    ["expertGroups.defaultWorkers.replicas=2", "expertGroups.defaultWorkers.gpus=4", "image.tag=1.2.3"],
-])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["orchestrator.enabled=false"],
+        ["networkPolicy.enabled=false", "router.podDisruptionBudget.enabled=false"],
+        ["redis.auth.existingSecret=redis-auth", "model.pvc.claimName=models", "model.pvc.subPath=mixtral"],
+        ["mode=cpu", "expertGroups.defaultWorkers.replicas=3", "expertGroups.worker.readOnlyRootFilesystem=false"],
+        ["expertGroups.defaultWorkers.replicas=2", "expertGroups.defaultWorkers.gpus=4", "image.tag=1.2.3"],
+    ],
+)
 def test_toggles_render_and_validate(helm, sets):
     args = template_args(None)
     for s in sets:
@@ -930,7 +1076,12 @@ def test_toggles_render_and_validate(helm, sets):
         assert "NetworkPolicy" not in kinds and "PodDisruptionBudget" not in kinds
     if "redis.auth.existingSecret=redis-auth" in sets:
         sts = one(docs, "StatefulSet", f"{FULLNAME}-redis")
-        assert env_of(sts["spec"]["template"]["spec"]["containers"][0])["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "redis-auth"
+        assert (
+            env_of(sts["spec"]["template"]["spec"]["containers"][0])["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"][
+                "name"
+            ]
+            == "redis-auth"
+        )
         for where, tpl in pod_templates(docs):
             c = tpl["spec"]["containers"][0]
             if "redis" not in where:
@@ -941,8 +1092,13 @@ def test_toggles_render_and_validate(helm, sets):
                 assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     if "expertGroups.defaultWorkers.gpus=4" in sets:
         (wg,) = rayservice(docs)["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-        assert wg["replicas"] == 2 and wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
-        assert one(docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":1.2.3")
+        assert (
+            wg["replicas"] == 2
+            and wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+        )
+        assert one(docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0][
+            "image"
+        ].endswith(":1.2.3")
         assert wg["template"]["spec"]["containers"][0]["image"].endswith(":1.2.3-cuda")
     if "expertGroups.worker.readOnlyRootFilesystem=false" in sets:
         for wg in rayservice(docs)["spec"]["rayClusterConfig"]["workerGroupSpecs"]:

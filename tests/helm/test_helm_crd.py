@@ -19,7 +19,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from helmchart import CHART, K8S_VERSIONS, structural_problems, template_args
 
 from expertmesh.orchestrator.kube.conditions import refused_status, status_of
@@ -45,7 +44,9 @@ def test_helm_installs_the_crd_from_crds_before_the_templates(helm):
     assert [d["metadata"]["name"] for d in crds] == [f"{PLURAL}.{GROUP}", f"expertquarantines.{GROUP}"]
     assert [docs.index(d) for d in crds] == [0, 1], "CRDs come first"
     plain = helm(*template_args(None))
-    assert plain.returncode == 0 and "CustomResourceDefinition" not in plain.stdout, "not a template: never upgraded or deleted"
+    assert plain.returncode == 0 and "CustomResourceDefinition" not in plain.stdout, (
+        "not a template: never upgraded or deleted"
+    )
     shown = helm("show", "crds", str(CHART))
     by_name = lambda docs: sorted(docs, key=lambda d: d["metadata"]["name"])  # noqa: E731
     files = [yaml.safe_load(f.read_text()) for f in CRD_FILE.parent.glob("*.yaml")]
@@ -59,14 +60,23 @@ def test_the_crd_validates_against_the_kubernetes_openapi_schema(crd, version):
 
 def test_the_crd_names_scope_subresource_and_printer_columns(crd):
     spec = crd["spec"]
-    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (GROUP, "Namespaced", KIND, PLURAL)
+    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (
+        GROUP,
+        "Namespaced",
+        KIND,
+        PLURAL,
+    )
     (version,) = spec["versions"]
     assert (version["name"], version["served"], version["storage"]) == (VERSION, True, True)
     assert version["subresources"] == {"status": {}}
     columns = [(c["name"].upper(), c["jsonPath"]) for c in version["additionalPrinterColumns"] if not c.get("priority")]
     assert columns == [
-        ("LAYER", ".spec.layer"), ("EXPERT", ".spec.expert"), ("FROM", ".status.source"),
-        ("TO", ".spec.to"), ("STATUS", ".status.phase"), ("AGE", ".metadata.creationTimestamp"),
+        ("LAYER", ".spec.layer"),
+        ("EXPERT", ".spec.expert"),
+        ("FROM", ".status.source"),
+        ("TO", ".spec.to"),
+        ("STATUS", ".status.phase"),
+        ("AGE", ".metadata.creationTimestamp"),
     ]
 
 
@@ -79,26 +89,32 @@ def test_the_schema_is_structural(schema):
 # -- the spec: what the API server accepts --------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", [
-    {"layer": 0, "expert": 0, "to": "g1"},
-    {"layer": 3, "expert": 7, "from": "g0", "to": "g1", "mode": "move"},
-    {"layer": 3, "expert": 7, "to": "g2", "mode": "replicate"},
-    {"layer": 3, "expert": 7, "from": "g0", "mode": "evict"},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"layer": 0, "expert": 0, "to": "g1"},
+        {"layer": 3, "expert": 7, "from": "g0", "to": "g1", "mode": "move"},
+        {"layer": 3, "expert": 7, "to": "g2", "mode": "replicate"},
+        {"layer": 3, "expert": 7, "from": "g0", "mode": "evict"},
+    ],
+)
 def test_valid_specs_are_accepted(schema, spec):
     jsonschema.validate(sample(**spec), schema)
 
 
-@pytest.mark.parametrize("spec, where", [
-    ({"layer": -1, "expert": 0, "to": "g1"}, ["spec", "layer"]),
-    ({"layer": 0, "expert": -1, "to": "g1"}, ["spec", "expert"]),
-    ({"layer": 0, "expert": 0, "to": "g1", "mode": "teleport"}, ["spec", "mode"]),
-    ({"layer": "0", "expert": 0, "to": "g1"}, ["spec", "layer"]),
-    ({"layer": 0.5, "expert": 0, "to": "g1"}, ["spec", "layer"]),
-    ({"layer": 0, "expert": 0, "to": ""}, ["spec", "to"]),
-    ({"expert": 0, "to": "g1"}, ["spec"]),
-    ({"layer": 0, "to": "g1"}, ["spec"]),
-])
+@pytest.mark.parametrize(
+    "spec, where",
+    [
+        ({"layer": -1, "expert": 0, "to": "g1"}, ["spec", "layer"]),
+        ({"layer": 0, "expert": -1, "to": "g1"}, ["spec", "expert"]),
+        ({"layer": 0, "expert": 0, "to": "g1", "mode": "teleport"}, ["spec", "mode"]),
+        ({"layer": "0", "expert": 0, "to": "g1"}, ["spec", "layer"]),
+        ({"layer": 0.5, "expert": 0, "to": "g1"}, ["spec", "layer"]),
+        ({"layer": 0, "expert": 0, "to": ""}, ["spec", "to"]),
+        ({"expert": 0, "to": "g1"}, ["spec"]),
+        ({"layer": 0, "to": "g1"}, ["spec"]),
+    ],
+)
 def test_invalid_specs_are_refused_naming_the_field(schema, spec, where):
     with pytest.raises(jsonschema.ValidationError) as err:
         jsonschema.validate(sample(**spec), schema)
@@ -115,21 +131,38 @@ def test_an_object_without_spec_is_refused(schema):
 
 def _record(mode: MigrationMode, end: Phase, failure: Failure | None = None) -> Migration:
     order = PHASES[mode]
-    phases = [p for p in order if p is not Phase.SUCCEEDED][: 3] + ([end] if end.terminal else [])
+    phases = [p for p in order if p is not Phase.SUCCEEDED][:3] + ([end] if end.terminal else [])
     history = tuple(PhaseChange(p, 1_700_000_000.0 + i, 1 + i) for i, p in enumerate(phases))
     return Migration(
-        id="0123456789ab", layer=1, expert=1, mode=mode, source="g0", target=None if mode is MigrationMode.EVICT else "g2",
-        phase=history[-1].phase, table_version=history[-1].table_version, replicas_before=("g0",), shares_before=(),
-        started_at=history[0].at, completed_at=history[-1].at if end.terminal else None,
-        failure=failure, reason="over its memory budget" if failure else "", history=history,
+        id="0123456789ab",
+        layer=1,
+        expert=1,
+        mode=mode,
+        source="g0",
+        target=None if mode is MigrationMode.EVICT else "g2",
+        phase=history[-1].phase,
+        table_version=history[-1].table_version,
+        replicas_before=("g0",),
+        shares_before=(),
+        started_at=history[0].at,
+        completed_at=history[-1].at if end.terminal else None,
+        failure=failure,
+        reason="over its memory budget" if failure else "",
+        history=history,
     )
 
 
 @pytest.mark.parametrize("mode", list(MigrationMode))
-@pytest.mark.parametrize("end, failure", [(Phase.PENDING, None), (Phase.FAILED, Failure.OVER_BUDGET), (Phase.ROLLED_BACK, Failure.DRAIN_TIMEOUT)])
+@pytest.mark.parametrize(
+    "end, failure",
+    [(Phase.PENDING, None), (Phase.FAILED, Failure.OVER_BUDGET), (Phase.ROLLED_BACK, Failure.DRAIN_TIMEOUT)],
+)
 def test_every_status_the_controller_writes_fits_the_schema(schema, mode, end, failure):
     obj = sample(layer=1, expert=1, to="g2")
-    for status in (status_of(_record(mode, end, failure), 2), refused_status("Refused", "unknown group 'g9'", 1_700_000_000.0, 1)):
+    for status in (
+        status_of(_record(mode, end, failure), 2),
+        refused_status("Refused", "unknown group 'g9'", 1_700_000_000.0, 1),
+    ):
         written = copy.deepcopy(obj) | {"status": status.to_dict()}
         jsonschema.validate(written, schema)
     succeeded = _record(mode, Phase.PENDING)
@@ -153,7 +186,9 @@ def test_orchestrator_rbac_covers_exactly_the_calls_of_the_kube_package(render):
     granted = {
         (group, resource, verb)
         for rule in role["rules"] + cluster["rules"]
-        for group in rule["apiGroups"] for resource in rule["resources"] for verb in rule["verbs"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
         if resource in (PLURAL, f"{PLURAL}/status", "expertquarantines", "expertquarantines/status", "events", "nodes")
     }
     assert granted == {

@@ -14,7 +14,6 @@ import copy
 import jsonschema
 import kubernetes_validate
 import pytest
-
 from helmchart import CHART, K8S_VERSIONS, structural_problems
 
 from expertmesh.orchestrator.health.monitor import ReplicaStatus
@@ -32,13 +31,26 @@ def test_the_crd_validates_against_the_kubernetes_openapi_schema(crd, version):
 
 def test_the_crd_names_scope_subresource_and_printer_columns(crd):
     spec = crd["spec"]
-    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (GROUP, "Namespaced", KIND, PLURAL)
+    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (
+        GROUP,
+        "Namespaced",
+        KIND,
+        PLURAL,
+    )
     (version,) = spec["versions"]
-    assert (version["name"], version["served"], version["storage"], version["subresources"]) == (VERSION, True, True, {"status": {}})
+    assert (version["name"], version["served"], version["storage"], version["subresources"]) == (
+        VERSION,
+        True,
+        True,
+        {"status": {}},
+    )
     columns = [(c["name"].upper(), c["jsonPath"]) for c in version["additionalPrinterColumns"] if not c.get("priority")]
     assert columns == [
-        ("LAYER", ".spec.layer"), ("EXPERT", ".spec.expert"), ("GROUP", ".spec.group"),
-        ("STATE", ".status.state"), ("AGE", ".metadata.creationTimestamp"),
+        ("LAYER", ".spec.layer"),
+        ("EXPERT", ".spec.expert"),
+        ("GROUP", ".spec.group"),
+        ("STATE", ".status.state"),
+        ("AGE", ".metadata.creationTimestamp"),
     ]
 
 
@@ -52,12 +64,15 @@ def test_the_manifests_the_code_writes_are_accepted(schema, spec):
     jsonschema.validate(manifest(spec, "q", mirror=True), schema)
 
 
-@pytest.mark.parametrize("spec, where", [
-    ({"layer": -1, "expert": 0}, ["spec", "layer"]),
-    ({"layer": 0, "expert": "3"}, ["spec", "expert"]),
-    ({"layer": 0, "expert": 0, "group": ""}, ["spec", "group"]),
-    ({"layer": 0}, ["spec"]),
-])
+@pytest.mark.parametrize(
+    "spec, where",
+    [
+        ({"layer": -1, "expert": 0}, ["spec", "layer"]),
+        ({"layer": 0, "expert": "3"}, ["spec", "expert"]),
+        ({"layer": 0, "expert": 0, "group": ""}, ["spec", "group"]),
+        ({"layer": 0}, ["spec"]),
+    ],
+)
 def test_invalid_specs_are_refused_naming_the_field(schema, spec, where):
     with pytest.raises(jsonschema.ValidationError) as err:
         jsonschema.validate({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "q"}, "spec": spec}, schema)
@@ -65,15 +80,24 @@ def test_invalid_specs_are_refused_naming_the_field(schema, spec, where):
 
 
 def _replica(group: str, state: HealthState, by: Initiator | None) -> ReplicaStatus:
-    record = ReplicaRecord(ReplicaId(1, 2, group), state=state, reason="why", since=1_700_000_000.0, quarantined_by=by, repairs=1)
+    record = ReplicaRecord(
+        ReplicaId(1, 2, group), state=state, reason="why", since=1_700_000_000.0, quarantined_by=by, repairs=1
+    )
     return ReplicaStatus(record, listed=state is HealthState.HEALTHY)
 
 
 @pytest.mark.parametrize("state", list(HealthState))
 def test_every_status_the_controller_writes_fits_the_schema(schema, state):
     obj = manifest(QuarantineSpec(1, 2), "q")
-    replicas = [_replica("g0", state, Initiator.MONITOR if state.out_of_service else None), _replica("g1", HealthState.HEALTHY, None)]
-    for status in (status_of(QuarantineSpec(1, 2), replicas, 3), status_of(QuarantineSpec(1, 2, "g9"), replicas, 3), refused("no such expert", 1)):
+    replicas = [
+        _replica("g0", state, Initiator.MONITOR if state.out_of_service else None),
+        _replica("g1", HealthState.HEALTHY, None),
+    ]
+    for status in (
+        status_of(QuarantineSpec(1, 2), replicas, 3),
+        status_of(QuarantineSpec(1, 2, "g9"), replicas, 3),
+        refused("no such expert", 1),
+    ):
         jsonschema.validate(copy.deepcopy(obj) | {"status": status.to_dict()}, schema)
     shown = status_of(QuarantineSpec(1, 2), replicas, 3)
     assert shown.state == State(state.value.capitalize()) and [r.group for r in shown.replicas] == ["g0", "g1"]

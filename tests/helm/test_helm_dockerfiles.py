@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from helmchart import CHART, REPO
 
 DOCKERFILES = {"cpu": REPO / "deploy" / "Dockerfile", "cuda": REPO / "deploy" / "Dockerfile.cuda"}
@@ -55,7 +54,9 @@ def test_nothing_downloaded_outside_package_registries(flavor):
             # ${VAR} index URLs come from ARGs, checked below.
             assert not urls, f"RUN names a URL: {urls}"
         if word == "ARG" and "://" in args:
-            assert re.search(r"=https://(download\.pytorch\.org/whl/|pypi\.org/simple)", args), f"ARG {args}: not a pip index"
+            assert re.search(r"=https://(download\.pytorch\.org/whl/|pypi\.org/simple)", args), (
+                f"ARG {args}: not a pip index"
+            )
 
 
 @pytest.mark.parametrize("flavor", DOCKERFILES)

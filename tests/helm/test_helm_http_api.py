@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-
 from helmchart import CHART, NAMESPACE, RELEASE, template_args
 
 FULLNAME = f"{RELEASE}-expertmesh"
@@ -84,7 +83,9 @@ def test_client_certificates_keep_the_grpc_probes(helm):
 
 
 def test_service_monitor_scrapes_metrics_over_the_router_certificate(helm):
-    docs = render(helm, *HTTP, "router.http.serviceMonitor.enabled=true", "router.http.serviceMonitor.labels.release=prom")
+    docs = render(
+        helm, *HTTP, "router.http.serviceMonitor.enabled=true", "router.http.serviceMonitor.labels.release=prom"
+    )
     monitor = one(docs, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["metadata"]["labels"]["release"] == "prom"
     service = one(docs, "Service")
@@ -96,7 +97,9 @@ def test_service_monitor_scrapes_metrics_over_the_router_certificate(helm):
     assert endpoint["tlsConfig"] == {"serverName": ROUTER, "ca": {"secret": {"name": secret, "key": "ca.crt"}}}
     assert one(docs, "Secret", secret)["type"] == "kubernetes.io/tls"
 
-    mutual = one(render(helm, *HTTP, "router.http.serviceMonitor.enabled=true", "tls.requireClientCert=true"), "ServiceMonitor")
+    mutual = one(
+        render(helm, *HTTP, "router.http.serviceMonitor.enabled=true", "tls.requireClientCert=true"), "ServiceMonitor"
+    )
     tls_config = mutual["spec"]["endpoints"][0]["tlsConfig"]
     assert tls_config["cert"] == {"secret": {"name": secret, "key": "tls.crt"}}
     assert tls_config["keySecret"] == {"name": secret, "key": "tls.key"}
@@ -116,7 +119,8 @@ def test_network_policy_admits_clients_and_scrapers_to_the_http_port(helm):
     assert ingress_allows(docs, stranger, 8000) and ingress_allows(docs, stranger, 50051)
     app, prometheus = {"app": "chat-frontend"}, {"app.kubernetes.io/name": "prometheus"}
     docs = render(
-        helm, *HTTP,
+        helm,
+        *HTTP,
         "networkPolicy.clientFrom[0].podSelector.matchLabels.app=chat-frontend",
         "networkPolicy.metricsFrom[0].podSelector.matchLabels.app\\.kubernetes\\.io/name=prometheus",
     )
@@ -125,11 +129,14 @@ def test_network_policy_admits_clients_and_scrapers_to_the_http_port(helm):
     assert not ingress_allows(docs, stranger, 8000)
 
 
-@pytest.mark.parametrize("setting,key", [
-    ("router.http.port=0", "router.http.port"),
-    ("router.http.serviceMonitor.interval=often", "router.http.serviceMonitor.interval"),
-    ("router.http.tls=true", "router.http"),
-])
+@pytest.mark.parametrize(
+    "setting,key",
+    [
+        ("router.http.port=0", "router.http.port"),
+        ("router.http.serviceMonitor.interval=often", "router.http.serviceMonitor.interval"),
+        ("router.http.tls=true", "router.http"),
+    ],
+)
 def test_schema_names_bad_http_values(helm, setting, key):
     res = helm(*template_args(None, "--set", setting))
     assert res.returncode != 0 and "values don't meet the specifications of the schema" in res.stderr, res.stderr
@@ -138,9 +145,19 @@ def test_schema_names_bad_http_values(helm, setting, key):
 
 def test_lint_strict_with_everything_on(helm):
     res = helm(
-        "lint", "--strict", str(CHART), "--kube-version", "1.30.0", "--namespace", NAMESPACE,
-        "--set", "kuberay.checkCRD=false", "--set", "router.http.enabled=true",
-        "--set", "router.http.serviceMonitor.enabled=true",
+        "lint",
+        "--strict",
+        str(CHART),
+        "--kube-version",
+        "1.30.0",
+        "--namespace",
+        NAMESPACE,
+        "--set",
+        "kuberay.checkCRD=false",
+        "--set",
+        "router.http.enabled=true",
+        "--set",
+        "router.http.serviceMonitor.enabled=true",
     )
     assert res.returncode == 0, res.stdout + res.stderr
 

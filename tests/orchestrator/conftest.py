@@ -17,7 +17,7 @@ from expertmesh.orchestrator.admin import MigrationRunner
 from expertmesh.orchestrator.kube.api import ExpertMigrationApi, connect
 from expertmesh.orchestrator.kube.controller import ControllerSettings, MigrationController
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
-from expertmesh.state import open_store
+from expertmesh.store import open_store
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "helm" / "expertmesh" / "crds" / "expertmigrations.expertmesh.io.yaml"
 NAMESPACE = "expertmesh"

@@ -15,14 +15,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts.group_map import GroupPlacement
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.expert_group.service import start_server
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.state import ReplicaId
-from expertmesh.placement import GroupPlacement
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import StateStore, open_store
+from expertmesh.store import StateStore, open_store
 
 PLACEMENT = GroupPlacement(
     {
@@ -64,7 +64,9 @@ def running(path: Path) -> Iterator[Mesh]:
             server.stop(0)
 
 
-def corrupt(mesh: Mesh, group: str, pair: tuple[int, int], scale: float = 3.0, at: tuple[int, int] | None = None) -> None:
+def corrupt(
+    mesh: Mesh, group: str, pair: tuple[int, int], scale: float = 3.0, at: tuple[int, int] | None = None
+) -> None:
     """The injected fault: scale the expert's down projection in the group's memory, in place
     (only the element ``at`` of it when given)."""
     held = mesh.hosted[group]._layers[pair[0]]

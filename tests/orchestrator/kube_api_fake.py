@@ -91,7 +91,9 @@ class FakeKube(kmock.KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         for key, kind, namespaced in BUILTINS:
-            self.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs={"get", "list", "watch", "create", "patch"})
+            self.resources[key] = kmock.ResourceInfo(
+                kind=kind, namespaced=namespaced, verbs={"get", "list", "watch", "create", "patch"}
+            )
             self._kinds[references.resource(key)] = kind
 
     async def __aenter__(self):
@@ -106,8 +108,11 @@ class FakeKube(kmock.KubernetesEmulator):
             resource = references.resource(f"{spec['group']}/{version['name']}/{names['plural']}")
             subresources = set(version.get("subresources") or {})
             self.resources[resource] = kmock.ResourceInfo(
-                kind=names["kind"], singular=names.get("singular"), namespaced=spec["scope"] == "Namespaced",
-                shortnames=set(names.get("shortNames") or ()), subresources=subresources,
+                kind=names["kind"],
+                singular=names.get("singular"),
+                namespaced=spec["scope"] == "Namespaced",
+                shortnames=set(names.get("shortNames") or ()),
+                subresources=subresources,
                 verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
             )
             self._schemas[resource] = version["schema"]["openAPIV3Schema"]
@@ -195,7 +200,11 @@ class FakeKube(kmock.KubernetesEmulator):
         custom = resource in self._schemas
         allowed = {"application/merge-patch+json"} | (set() if custom else {"application/strategic-merge-patch+json"})
         if content_type not in allowed:
-            raise _status(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: {', '.join(sorted(allowed))}")
+            raise _status(
+                415,
+                "UnsupportedMediaType",
+                f"the body of the request was in an unknown format - accepted media types include: {', '.join(sorted(allowed))}",
+            )
         key = (resource, request.namespace, request.name)
         if key not in self._objects or self._objects[key].deleted:
             return  # kmock answers 404
@@ -209,7 +218,8 @@ class FakeKube(kmock.KubernetesEmulator):
         if wanted and wanted != current["metadata"]["resourceVersion"]:
             self.conflicts += 1
             raise _status(
-                409, "Conflict",
+                409,
+                "Conflict",
                 f'Operation cannot be fulfilled on {resource.plural}.{resource.group} "{request.name}": '
                 "the object has been modified; please apply your changes to the latest version and try again",
             )
@@ -231,7 +241,9 @@ class FakeKube(kmock.KubernetesEmulator):
         if schema is not None:  # the result, status included, must still fit the schema
             self._validate(request.resource, schema, merge_patch_dict(copy.deepcopy(current), patch))
         generation = current["metadata"].get("generation", 1)
-        if "spec" in patch and merge_patch_dict(copy.deepcopy(current.get("spec") or {}), patch["spec"] or {}) != current.get("spec"):
+        if "spec" in patch and merge_patch_dict(
+            copy.deepcopy(current.get("spec") or {}), patch["spec"] or {}
+        ) != current.get("spec"):
             generation += 1
         patch["metadata"] = {**meta, "resourceVersion": self._next_version(), "generation": generation}
 
@@ -243,7 +255,9 @@ class FakeKube(kmock.KubernetesEmulator):
             where = ".".join(str(p) for p in err.absolute_path)
             name = meta.get("name") or meta.get("generateName", "")
             raise _status(
-                422, "Invalid", f'{kind}.{resource.group} "{name}" is invalid: {where}: Invalid value: {err.instance!r}: {err.message}'
+                422,
+                "Invalid",
+                f'{kind}.{resource.group} "{name}" is invalid: {where}: Invalid value: {err.instance!r}: {err.message}',
             ) from None
 
     def _write_aside(self, key, change: Callable[[dict], None]) -> None:
@@ -318,10 +332,18 @@ class FakeKube(kmock.KubernetesEmulator):
             position = int(since)
             if position < self._compacted:
                 self.expired += 1
-                yield {"type": "ERROR", "object": {
-                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                    "message": f"too old resource version: {position} ({self._compacted})", "reason": "Expired", "code": 410,
-                }}
+                yield {
+                    "type": "ERROR",
+                    "object": {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "metadata": {},
+                        "status": "Failure",
+                        "message": f"too old resource version: {position} ({self._compacted})",
+                        "reason": "Expired",
+                        "code": 410,
+                    },
+                }
                 return
         while True:
             if epoch != self._watch_epoch:
@@ -373,19 +395,29 @@ class ApiServer:
 
     def kubeconfig(self, directory: Path, namespace: str) -> Path:
         path = directory / "kubeconfig"
-        path.write_text(yaml.safe_dump({
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "tester", "user": {"token": "t0ken"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "tester", "namespace": namespace}}],
-            "current-context": "fake",
-        }))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "tester", "user": {"token": "t0ken"}}],
+                    "contexts": [
+                        {"name": "fake", "context": {"cluster": "fake", "user": "tester", "namespace": namespace}}
+                    ],
+                    "current-context": "fake",
+                }
+            )
+        )
         return path
 
     def history(self, resource: str, namespace: str, name: str) -> list[dict]:
         """Every stored version of one object, oldest first."""
-        return self.call(lambda: [copy.deepcopy(v.raw) for v in self.fake.objects[resource, namespace, name].history if v is not None])
+        return self.call(
+            lambda: [
+                copy.deepcopy(v.raw) for v in self.fake.objects[resource, namespace, name].history if v is not None
+            ]
+        )
 
     def requests(self) -> list[tuple[str, str]]:
         """(method, path?query) of every request served so far."""

@@ -17,12 +17,12 @@ from typing import Self
 
 import grpc
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts.group_map import GroupPlacement
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.expert_group.service import start_server
-from expertmesh.placement import GroupPlacement
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import RouterHeartbeat, StateStore
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
+from expertmesh.store import RouterHeartbeat, StateStore
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 

@@ -9,13 +9,13 @@ import grpc
 import numpy as np
 import pytest
 
-from expertmesh.cli import main
-from expertmesh.orchestrator.bench_scale import plots, table
-from expertmesh.orchestrator.migration.groups import GroupCallFailed
-from expertmesh.orchestrator.scale.model import DEEPSEEK_V3, QUICK_MODEL, Costs, diurnal, zipf_popularity
-from expertmesh.orchestrator.scale.run import Case, run_case
-from expertmesh.orchestrator.scale.simulated import Clock, CountingBackend, RouterFleet, SimulatedGroups
-from expertmesh.state import StateStore
+from expertmesh.bench.scale.model import DEEPSEEK_V3, QUICK_MODEL, Costs, diurnal, zipf_popularity
+from expertmesh.bench.scale.run import Case, run_case
+from expertmesh.bench.scale.simulated import Clock, CountingBackend, RouterFleet, SimulatedGroups
+from expertmesh.bench.scale.suite import plots, table
+from expertmesh.cli.main import main
+from expertmesh.orchestrator.migration.group_calls import GroupCallFailed
+from expertmesh.store import StateStore
 
 QUICK_COSTS = Costs(budget_bytes=64 * QUICK_MODEL.expert_bytes)
 
@@ -110,9 +110,13 @@ def test_quick_run_structure_and_invariants(quick_runs):
     assert result["table"]["unhosted_or_unheld"] == 0
     assert result["table"]["versions_strictly_increase"]
     assert result["drift"]["succeeded"] >= 1  # the drifting load made drift move something
-    assert result["drift"]["bytes_moved_per_hour"] == pytest.approx(result["drift"]["moves_per_hour"] * QUICK_MODEL.expert_bytes)
+    assert result["drift"]["bytes_moved_per_hour"] == pytest.approx(
+        result["drift"]["moves_per_hour"] * QUICK_MODEL.expert_bytes
+    )
     assert 0 < result["memory"]["peak_utilisation"] <= 1
-    assert result["health"]["replicas"] == QUICK_MODEL.moe_layers * (QUICK_MODEL.num_experts + 4)  # moves keep the count
+    assert result["health"]["replicas"] == QUICK_MODEL.moe_layers * (
+        QUICK_MODEL.num_experts + 4
+    )  # moves keep the count
     assert result["health"]["probe_bytes"] == 2 * result["health"]["replicas"] * 1000 * QUICK_MODEL.hidden_size * 2
 
 

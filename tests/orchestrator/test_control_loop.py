@@ -18,8 +18,11 @@ def test_each_manager_runs_on_its_own_interval_and_a_failure_stops_nothing():
         raise RuntimeError("a group did not answer")
 
     loop = ControlLoop(
-        [Manager("reconcile", 1.0, lambda: calls.append("reconcile")), Manager("health", 3.0, broken),
-         Manager("drift", 2.0, lambda: calls.append("drift"))],
+        [
+            Manager("reconcile", 1.0, lambda: calls.append("reconcile")),
+            Manager("health", 3.0, broken),
+            Manager("drift", 2.0, lambda: calls.append("drift")),
+        ],
         clock=clock,
     )
     assert loop.step() == []

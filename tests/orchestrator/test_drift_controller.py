@@ -21,12 +21,16 @@ import grpc
 import numpy as np
 import pytest
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.cli import main
-from expertmesh.errors import MigrationRefused
+from expertmesh.cli.main import main
+from expertmesh.contracts.errors import MigrationRefused
+from expertmesh.contracts.group_map import GroupPlacement
+from expertmesh.contracts.load_window import LoadSnapshot
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.expert_group.busy import BusyClock
-from expertmesh.expert_group.hosted import HostedExperts
 from expertmesh.expert_group.service import start_server
+from expertmesh.infra.telemetry.logs import JsonFormatter
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.orchestrator.admin import MigrationRunner, start_orchestrator
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.controller import DriftController, Result
@@ -34,13 +38,9 @@ from expertmesh.orchestrator.drift.observe import Observer
 from expertmesh.orchestrator.drift.state import Hold, Trigger
 from expertmesh.orchestrator.migration import plan
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
-from expertmesh.orchestrator.migration.groups import GroupChannels
+from expertmesh.orchestrator.migration.group_calls import GroupChannels
 from expertmesh.orchestrator.migration.state import Migration, MigrationMode, Phase, load_all
-from expertmesh.placement import GroupPlacement
-from expertmesh.router.load_window import LoadSnapshot
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import StateStore, open_store
-from expertmesh.telemetry.logs import JsonFormatter
+from expertmesh.store import StateStore, open_store
 from expertmesh.v1 import admin_pb2 as pb
 from expertmesh.v1 import admin_pb2_grpc as pb_grpc
 
@@ -91,7 +91,9 @@ def mesh(tiny_checkpoints):
 
 @pytest.fixture
 def runner(mesh):
-    runner = MigrationRunner(mesh.store, MigrationExecutor(mesh.store, poll_s=0.01, drain_timeout_s=10.0), max_concurrent=2)
+    runner = MigrationRunner(
+        mesh.store, MigrationExecutor(mesh.store, poll_s=0.01, drain_timeout_s=10.0), max_concurrent=2
+    )
     yield runner
     runner.close()
 
@@ -206,9 +208,15 @@ def test_configured_dry_run_never_moves(mesh, runner):
 
 
 def test_quiet_windows_hold(mesh, runner):
-    drift = DriftController(mesh.store, runner, DriftConfig(**{**FAST, "consecutive_scans": 1, "min_window_tokens": 1e6}))
+    drift = DriftController(
+        mesh.store, runner, DriftConfig(**{**FAST, "consecutive_scans": 1, "min_window_tokens": 1e6})
+    )
     (record,) = drift.update().records
-    assert (record.result, record.decision.hold, record.decision.trigger) == (Result.HELD, Hold.LOW_TRAFFIC, Trigger.HIGH_WATERMARK)
+    assert (record.result, record.decision.hold, record.decision.trigger) == (
+        Result.HELD,
+        Hold.LOW_TRAFFIC,
+        Trigger.HIGH_WATERMARK,
+    )
     drift.close()
 
 
@@ -235,8 +243,13 @@ def test_scan_drift_rpc_and_the_drift_command(mesh, capsys):
             assert first.dry_run and list(first.decisions) == []
             groups = {g.group: g for g in first.groups}
             assert groups["g0"].memory == pytest.approx(6 / 6.5) and not groups["g0"].HasField("busy")
-            assert groups["g0"].scans_above == 1 and first.window_tokens == pytest.approx(1090 / 2)  # layer 0's tokens over top-2
-            assert [(b.layer, round(b.balancedness, 3)) for b in first.layers] == [(0, round(545 / 590, 3)), (1, round(350 / 400, 3))]
+            assert groups["g0"].scans_above == 1 and first.window_tokens == pytest.approx(
+                1090 / 2
+            )  # layer 0's tokens over top-2
+            assert [(b.layer, round(b.balancedness, 3)) for b in first.layers] == [
+                (0, round(545 / 590, 3)),
+                (1, round(350 / 400, 3)),
+            ]
             stub.ScanDrift(pb.ScanDriftRequest())  # a real scan: the first of two in a row
 
         assert main(["drift", "--once", "--dry-run", "--admin", address]) == 0
@@ -263,8 +276,17 @@ def test_the_drift_command_without_an_orchestrator_is_one_line(capsys):
 
 def test_migration_records_say_who_started_them():
     record = Migration(
-        id="m1", layer=0, expert=1, mode=MigrationMode.MOVE, source="g0", target="g1", phase=Phase.PENDING,
-        table_version=3, replicas_before=("g0",), shares_before=(), initiator="drift:rebalance",
+        id="m1",
+        layer=0,
+        expert=1,
+        mode=MigrationMode.MOVE,
+        source="g0",
+        target="g1",
+        phase=Phase.PENDING,
+        table_version=3,
+        replicas_before=("g0",),
+        shares_before=(),
+        initiator="drift:rebalance",
     )
     assert Migration.from_json(record.to_json()) == record
     older = json.loads(record.to_json())

@@ -13,6 +13,7 @@ from dataclasses import replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.policy import busy_fraction, decide
 from expertmesh.orchestrator.drift.state import (
@@ -26,7 +27,6 @@ from expertmesh.orchestrator.drift.state import (
     Trigger,
 )
 from expertmesh.orchestrator.migration.state import Migration, MigrationMode, Phase
-from expertmesh.routing_table import RoutingTable
 
 UNIT = 100
 BUDGET = 10 * UNIT
@@ -42,12 +42,26 @@ TABLE = RoutingTable(
     },
 )
 #: tokens per expert: on a, (1, 2) is used least, then (0, 1), then (1, 0) ...
-LOAD = {(0, 0): 400.0, (0, 1): 20.0, (0, 2): 300.0, (0, 3): 500.0, (1, 0): 60.0, (1, 1): 350.0, (1, 2): 5.0, (1, 3): 450.0}
+LOAD = {
+    (0, 0): 400.0,
+    (0, 1): 20.0,
+    (0, 2): 300.0,
+    (0, 3): 500.0,
+    (1, 0): 60.0,
+    (1, 1): 350.0,
+    (1, 2): 5.0,
+    (1, 3): 450.0,
+}
 
 
 def config(**changes) -> DriftConfig:
     base = dict(
-        high_watermark=0.9, low_watermark=0.4, consecutive_scans=3, experts_per_move=2, cooldown_s=1800.0, min_window_tokens=100.0
+        high_watermark=0.9,
+        low_watermark=0.4,
+        consecutive_scans=3,
+        experts_per_move=2,
+        cooldown_s=1800.0,
+        min_window_tokens=100.0,
     )
     return DriftConfig(**{**base, **changes})
 
@@ -103,7 +117,14 @@ def migration(pair, started_at: float, phase: Phase = Phase.SUCCEEDED, source="a
 
 def test_fires_on_the_third_consecutive_scan_above_the_high_watermark():
     cold = {"b": 0.2, "c": 0.0}
-    series = [{"a": 0.95, **cold}, {"a": 0.95, **cold}, {"a": 0.85, **cold}, {"a": 0.95, **cold}, {"a": 0.91, **cold}, {"a": 0.95, **cold}]
+    series = [
+        {"a": 0.95, **cold},
+        {"a": 0.95, **cold},
+        {"a": 0.85, **cold},
+        {"a": 0.95, **cold},
+        {"a": 0.91, **cold},
+        {"a": 0.95, **cold},
+    ]
     scans, state = run(series)
     assert [[u.scans_above for u in s.groups if u.group == "a"][0] for s in scans] == [1, 2, 0, 1, 2, 3]
     assert [s.decisions for s in scans[:5]] == [()] * 5  # the dip at scan 3 starts the count again
@@ -228,7 +249,9 @@ def test_a_group_that_does_not_answer_starts_its_count_again():
 
 def test_the_hottest_group_goes_first():
     table = replace(TABLE, replicas={**TABLE.replicas, (0, 3): ("z",), (1, 3): ("z",)})
-    scans, _ = run([{"a": 0.92, "z": 0.99, "c": 0.0}] * 3, table=table, cfg=config(high_watermark=0.9, experts_per_move=1))
+    scans, _ = run(
+        [{"a": 0.92, "z": 0.99, "c": 0.0}] * 3, table=table, cfg=config(high_watermark=0.9, experts_per_move=1)
+    )
     assert [m.source for m in moves(scans[2])] == ["z", "a"]
 
 
@@ -295,7 +318,11 @@ def test_rebalance_moves_are_bounded_by_the_batch():
     scans, _ = run([{"a": 0.5, "b": 0.0, "c": 0.0}] * 3, cfg, max_moves=3, table=table, load=heavy)
     assert len(moves(scans[2])) == 3
     scans, _ = run(
-        [{"a": 0.5, "b": 0.0, "c": 0.0}] * 3, cfg, max_moves=3, table=table, load=heavy,
+        [{"a": 0.5, "b": 0.0, "c": 0.0}] * 3,
+        cfg,
+        max_moves=3,
+        table=table,
+        load=heavy,
         migrations=[migration((0, 0), 0.0, Phase.LOADING, source="x", target="y")] * 3,
     )
     assert {d.hold for d in scans[2].decisions} == {Hold.IN_FLIGHT}
@@ -364,7 +391,9 @@ def test_no_decision_breaks_a_rule(obs, scans_before, rebalance):
         added[m.target] = added.get(m.target, 0) + UNIT
     for target, extra in added.items():
         assert (samples[target].weight_bytes + extra) / BUDGET <= cfg.high_watermark
-    watermark = [m for d, m in zip(scan.decisions, [d.move for d in scan.decisions]) if m and d.trigger is Trigger.HIGH_WATERMARK]
+    watermark = [
+        m for d, m in zip(scan.decisions, [d.move for d in scan.decisions]) if m and d.trigger is Trigger.HIGH_WATERMARK
+    ]
     for source in {m.source for m in watermark}:
         assert sum(m.source == source for m in watermark) <= cfg.experts_per_move
     for d in scan.decisions:

@@ -21,7 +21,7 @@ def test_balanced_packing_heaviest_first_into_lightest_pack_with_room():
 
 
 def test_global_policy_merges_two_replicas_on_one_gpu():
-    shares = eplb_shares(np.array([[6.0, 2.0, 2.0, 2.0]]), num_redundant=2, gpus_per_node=[2], num_groups=1)
+    shares = eplb_shares(np.array([[6.0, 2.0, 2.0, 2.0]]), num_redundant=2, gpus_per_node=[2], num_gating_groups=1)
     # Expert 0 gets 3 replicas of 2 tokens; six equal items alternate g0, g1, g0, ...
     # so g0 holds replicas 0 and 4 (both expert 0), merged into one share of 2/3.
     assert np.allclose(shares[0, 0], [2 / 3, 1 / 3])
@@ -31,7 +31,7 @@ def test_global_policy_merges_two_replicas_on_one_gpu():
 
 def test_hierarchical_policy_packs_groups_to_nodes_then_replicates_inside():
     # 2 groups {0,1} (3 tokens) and {2,3} (7 tokens) on 2 nodes x 2 GPUs, 4 redundant.
-    shares = eplb_shares(np.array([[1.0, 2.0, 3.0, 4.0]]), num_redundant=4, gpus_per_node=[2, 2], num_groups=2)
+    shares = eplb_shares(np.array([[1.0, 2.0, 3.0, 4.0]]), num_redundant=4, gpus_per_node=[2, 2], num_gating_groups=2)
     # Heavier group goes to node 0 (GPUs 0, 1); inside, experts 3 then 2 get a second
     # replica, and the four equal-ish replicas spread one of each per GPU.
     assert np.allclose(shares[0, 3], [0.5, 0.5, 0, 0])
@@ -41,7 +41,7 @@ def test_hierarchical_policy_packs_groups_to_nodes_then_replicates_inside():
 
 
 def test_without_divisibility_falls_back_to_global_with_rounded_up_capacity():
-    shares = eplb_shares(np.array([[5.0, 1.0, 1.0]]), num_redundant=0, gpus_per_node=[2], num_groups=1)
+    shares = eplb_shares(np.array([[5.0, 1.0, 1.0]]), num_redundant=0, gpus_per_node=[2], num_gating_groups=1)
     # 3 replicas on 2 GPUs: up to 2 per GPU. 5 -> g0, 1 -> g1, 1 -> g1.
     assert (shares[0] > 0).sum(axis=1).tolist() == [1, 1, 1]
     assert shares[0, 0, 0] == 1 and shares[0, 1, 1] == 1 and shares[0, 2, 1] == 1

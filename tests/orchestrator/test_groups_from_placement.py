@@ -5,19 +5,26 @@ import os
 import numpy as np
 import pytest
 
-from expertmesh.errors import PlacementError
+from expertmesh.contracts.errors import PlacementError
+from expertmesh.contracts.gpu_plan import Placement
+from expertmesh.contracts.routing_table import RoutingTable
+from expertmesh.contracts.topology import topology_from_dict
 from expertmesh.expert_group.deployment import parse_cpulist, pin_to_numa_node
-from expertmesh.orchestrator.placement.groups import groups_from_placement
-from expertmesh.orchestrator.placement.plan import Placement
-from expertmesh.orchestrator.topology import topology_from_dict
-from expertmesh.router.replica_split import split_by_share
-from expertmesh.routing_table import RoutingTable
+from expertmesh.orchestrator.placement.to_groups import groups_from_placement
+from expertmesh.router.dispatch.replica_split import split_by_share
 
 TOPO = topology_from_dict(
-    {"nodes": [{"name": "n0", "islands": [
-        {"name": "a", "numa": 0, "gpus": [{"id": 0, "memory_gb": 80}, {"id": 1, "memory_gb": 80}]},
-        {"name": "b", "numa": 1, "gpus": [{"id": 2, "memory_gb": 80}, {"id": 3, "memory_gb": 80}]},
-    ]}]}
+    {
+        "nodes": [
+            {
+                "name": "n0",
+                "islands": [
+                    {"name": "a", "numa": 0, "gpus": [{"id": 0, "memory_gb": 80}, {"id": 1, "memory_gb": 80}]},
+                    {"name": "b", "numa": 1, "gpus": [{"id": 2, "memory_gb": 80}, {"id": 3, "memory_gb": 80}]},
+                ],
+            }
+        ]
+    }
 )
 
 
@@ -31,7 +38,10 @@ def _placement():
 def test_group_per_gpu():
     layout = groups_from_placement(_placement(), TOPO, moe_layers=(3,), per="gpu")
     assert layout.placement.groups == {
-        "gpu-0": ((3, 0),), "gpu-1": ((3, 0), (3, 1)), "gpu-2": ((3, 0), (3, 2)), "gpu-3": ((3, 3),)
+        "gpu-0": ((3, 0),),
+        "gpu-1": ((3, 0), (3, 1)),
+        "gpu-2": ((3, 0), (3, 2)),
+        "gpu-3": ((3, 3),),
     }
     assert layout.shares[(3, 0)] == {"gpu-0": 0.5, "gpu-1": 0.25, "gpu-2": 0.25}
     assert layout.hardware["gpu-2"].island == "b" and layout.hardware["gpu-2"].numa == 1

@@ -9,11 +9,11 @@ import grpc
 import pytest
 import torch
 
-from expertmesh import wire
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.expert_group import fingerprint as fp
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts import wire
 from expertmesh.expert_group.service import start_server
+from expertmesh.models import fingerprint as fp
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
@@ -79,7 +79,9 @@ def test_a_reload_restores_the_weights_and_restarts_statistics(group):
     assert not torch.equal(output(stub, 0, 1), good)
     stats = {(s.layer, s.expert): s.calls for s in stub.Describe(pb.DescribeRequest(), timeout=10).expert_stats}
     assert stats[(0, 1)] == 2
-    response = stub.LoadExperts(pb.LoadExpertsRequest(experts=[pb.ExpertRef(layer=0, expert=1)], reload=True), timeout=30)
+    response = stub.LoadExperts(
+        pb.LoadExpertsRequest(experts=[pb.ExpertRef(layer=0, expert=1)], reload=True), timeout=30
+    )
     assert [(e.layer, e.expert) for e in response.loaded] == [(0, 1)]
     assert torch.equal(output(stub, 0, 1), good)
     loaded, current = prints(stub)[(0, 1)]

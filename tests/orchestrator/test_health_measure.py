@@ -75,9 +75,11 @@ def test_the_same_output_does_not_diverge_from_its_baseline_and_a_scaled_one_doe
     assert measure.divergence(measure.summarise(out), base) == 0.0
     assert measure.divergence(measure.summarise(out * 1.001), base) < 0.05
     assert measure.divergence(measure.summarise(out * 3), base) > 1.0
-    assert measure.divergence(measure.summarise(-out), base) < 0.05 < measure.divergence(measure.summarise(out.abs()), base), (
-        "a sign flip keeps the norms; the activation histogram tells the rectified output"
-    )
+    assert (
+        measure.divergence(measure.summarise(-out), base)
+        < 0.05
+        < measure.divergence(measure.summarise(out.abs()), base)
+    ), "a sign flip keeps the norms; the activation histogram tells the rectified output"
 
 
 def test_deviations_measure_each_replica_from_the_median():

@@ -17,16 +17,16 @@ import grpc
 import pytest
 from health_mesh import CONFIG, REPLICATED, SINGLE, corrupt, rid, running
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.cli import main
-from expertmesh.errors import QuarantineRefused
+from expertmesh.cli.main import main
+from expertmesh.contracts.errors import QuarantineRefused
+from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.orchestrator.admin import start_orchestrator
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.health import monitor as monitor_module
 from expertmesh.orchestrator.health.monitor import HealthMonitor
 from expertmesh.orchestrator.health.state import FindingKind, HealthState, Initiator, load_all
-from expertmesh.router.routing_view import RoutingView
-from expertmesh.state import open_store
+from expertmesh.router.dispatch.routing_view import RoutingView
+from expertmesh.store import open_store
 from expertmesh.v1 import admin_pb2 as pb
 from expertmesh.v1 import admin_pb2_grpc as pb_grpc
 
@@ -50,7 +50,9 @@ def test_clean_rounds_quarantine_nothing(mesh, monitor):
         assert all(found == () for found in round_.findings.values())
     assert len(round_.findings) == 9 and round_.unreachable == ()
     assert {r.state for r in round_.records.values()} == {HealthState.HEALTHY}
-    assert all(r.kl == 0.0 and r.baseline is not None for r in round_.records.values()), "the same probe, the same figures"
+    assert all(r.kl == 0.0 and r.baseline is not None for r in round_.records.values()), (
+        "the same probe, the same figures"
+    )
     assert all(r.history == () for r in round_.records.values())
     assert mesh.store.routing_table().version == 1 and round_.table_version == 1
     assert mesh.store.quarantined() == {}
@@ -154,7 +156,9 @@ def test_operator_quarantine_waits_for_release(mesh, monitor):
     assert mesh.replicas(REPLICATED) == ("g1", "g0")
     with pytest.raises(QuarantineRefused, match="no quarantined replica of layer 1 expert 1"):
         monitor.release(1, 1)
-    with pytest.raises(QuarantineRefused, match=r"group 'g9' does not serve layer 1 expert 1 \(replicas: \['g0', 'g1'\]\)"):
+    with pytest.raises(
+        QuarantineRefused, match=r"group 'g9' does not serve layer 1 expert 1 \(replicas: \['g0', 'g1'\]\)"
+    ):
         monitor.quarantine(1, 1, "g9")
 
 
@@ -185,14 +189,47 @@ def test_admin_rpcs_and_the_commands(mesh, monitor, capsys):
             assert listed[0].probe_source == "seeded", "no router records hidden states here"
             with pytest.raises(grpc.RpcError) as err:
                 stub.Quarantine(pb.QuarantineRequest(layer=1, expert=9))
-            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "not in routing table v1" in err.value.details()
+            assert (
+                err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+                and "not in routing table v1" in err.value.details()
+            )
 
         assert main(["experts", "--layer", "0", "--admin", address]) == 0
         out = capsys.readouterr().out.splitlines()
-        assert out[0].split() == ["LAYER", "EXPERT", "GROUP", "STATE", "LISTED", "KL", "NORM", "BASELINE", "LAST", "CHECK", "PROBE", "REASON"]
+        assert out[0].split() == [
+            "LAYER",
+            "EXPERT",
+            "GROUP",
+            "STATE",
+            "LISTED",
+            "KL",
+            "NORM",
+            "BASELINE",
+            "LAST",
+            "CHECK",
+            "PROBE",
+            "REASON",
+        ]
         assert len(out) == 5 and out[1].split()[:6] == ["0", "0", "g0", "healthy", "yes", "0"]
 
-        assert main(["quarantine", "--layer", "1", "--expert", "1", "--group", "g1", "--reason", "suspicious", "--admin", address]) == 0
+        assert (
+            main(
+                [
+                    "quarantine",
+                    "--layer",
+                    "1",
+                    "--expert",
+                    "1",
+                    "--group",
+                    "g1",
+                    "--reason",
+                    "suspicious",
+                    "--admin",
+                    address,
+                ]
+            )
+            == 0
+        )
         out = capsys.readouterr().out
         assert "quarantined (operator)" in out and "suspicious" in out
         assert mesh.replicas(REPLICATED) == ("g0",)
@@ -247,7 +284,7 @@ def test_the_quarantine_set_in_redis(redis_url):
     """The store contract routers read, on the cluster backend."""
     import uuid
 
-    from expertmesh.state import QuarantinedReplica
+    from expertmesh.store import QuarantinedReplica
 
     store = open_store(redis_url, deployment=f"test-{uuid.uuid4().hex[:8]}")
     entry = QuarantinedReplica(1, 2, "g1", "quarantined", "fingerprint: changed", 12.5, False)

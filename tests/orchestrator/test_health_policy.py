@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from expertmesh.errors import InvalidRequest
+from expertmesh.contracts.errors import InvalidRequest
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.health import policy
 from expertmesh.orchestrator.health.config import HealthConfig, health_config
 from expertmesh.orchestrator.health.state import (
@@ -24,7 +25,6 @@ from expertmesh.orchestrator.health.state import (
     ReplicaRecord,
     Severity,
 )
-from expertmesh.routing_table import RoutingTable
 
 CONFIG = HealthConfig(suspect_checks=2, probation_checks=2)
 RID = ReplicaId(1, 2, "g0")
@@ -32,7 +32,9 @@ HIST = Histogram((1.0,), (5, 5))
 
 
 def baseline(fingerprint: str = "f", norm_mean: float = 10.0, at: float = 1.0, probe: str = "p") -> Baseline:
-    return Baseline(taken_at=at, fingerprint=fingerprint, norm_mean=norm_mean, norms=HIST, activations=HIST, probe=probe)
+    return Baseline(
+        taken_at=at, fingerprint=fingerprint, norm_mean=norm_mean, norms=HIST, activations=HIST, probe=probe
+    )
 
 
 def check(at: float = 100.0, **changes) -> Check:
@@ -69,15 +71,23 @@ def test_a_clean_check_finds_nothing():
 
 
 def test_a_changed_fingerprint_or_a_non_finite_probe_quarantines():
-    assert kinds(policy.findings(record(), check(fingerprint_intact=False), CONFIG)) == {FindingKind.FINGERPRINT: Severity.QUARANTINE}
+    assert kinds(policy.findings(record(), check(fingerprint_intact=False), CONFIG)) == {
+        FindingKind.FINGERPRINT: Severity.QUARANTINE
+    }
     found = policy.findings(record(), check(probe_non_finite=3), CONFIG)
-    assert kinds(found) == {FindingKind.PROBE_NON_FINITE: Severity.QUARANTINE} and "3 probe output rows" in found[0].detail
+    assert (
+        kinds(found) == {FindingKind.PROBE_NON_FINITE: Severity.QUARANTINE} and "3 probe output rows" in found[0].detail
+    )
 
 
 @pytest.mark.parametrize(
     ("kl", "expected"),
-    [(0.05, {}), (0.0501, {FindingKind.DIVERGENCE: Severity.SUSPECT}), (0.5, {FindingKind.DIVERGENCE: Severity.SUSPECT}),
-     (0.5001, {FindingKind.DIVERGENCE: Severity.QUARANTINE})],
+    [
+        (0.05, {}),
+        (0.0501, {FindingKind.DIVERGENCE: Severity.SUSPECT}),
+        (0.5, {FindingKind.DIVERGENCE: Severity.SUSPECT}),
+        (0.5001, {FindingKind.DIVERGENCE: Severity.QUARANTINE}),
+    ],
 )
 def test_kl_thresholds(kl, expected):
     assert kinds(policy.findings(record(), check(kl=kl), CONFIG)) == expected
@@ -94,7 +104,9 @@ def test_a_baseline_of_other_weights_or_another_probe_input_judges_nothing(stale
     old = record(baseline=stale)
     assert policy.current_baseline(old, "f", "p") is None
     assert policy.findings(old, check(kl=9.0, norm_mean=1.0), CONFIG) == ()
-    assert policy.judge(old, check(kl=None, at=9.0), CONFIG)[0].baseline == baseline(at=9.0), "a clean check takes a new one"
+    assert policy.judge(old, check(kl=None, at=9.0), CONFIG)[0].baseline == baseline(at=9.0), (
+        "a clean check takes a new one"
+    )
 
 
 def test_the_verdict_says_what_the_probe_input_was():
@@ -106,7 +118,9 @@ def test_a_probe_input_changes_only_when_every_replica_was_judged_healthy_on_it(
     healthy, other = record(), replace(record(), replica=ReplicaId(1, 3, "g1"))
     assert policy.may_change_probe([healthy, other], {}, "p")
     assert not policy.may_change_probe([healthy, other], {}, "q"), "judged on another input"
-    assert not policy.may_change_probe([healthy, record(baseline=None)], {}, "p"), "one was never judged against a baseline"
+    assert not policy.may_change_probe([healthy, record(baseline=None)], {}, "p"), (
+        "one was never judged against a baseline"
+    )
     assert not policy.may_change_probe([healthy, record(HealthState.SUSPECT)], {}, "p")
     assert not policy.may_change_probe([healthy, record(HealthState.PROBATION)], {}, "p")
     found = policy.findings(healthy, check(kl=0.06), CONFIG)
@@ -185,7 +199,9 @@ def test_suspect_checks_of_one_quarantines_at_the_first_finding():
 
 @pytest.mark.parametrize("state", [HealthState.HEALTHY, HealthState.SUSPECT])
 def test_a_quarantine_level_finding_quarantines_at_once(state):
-    after, _ = policy.judge(record(state, suspect_checks=int(state is HealthState.SUSPECT)), check(fingerprint_intact=False), CONFIG)
+    after, _ = policy.judge(
+        record(state, suspect_checks=int(state is HealthState.SUSPECT)), check(fingerprint_intact=False), CONFIG
+    )
     assert after.state is HealthState.QUARANTINED and after.reason.startswith("fingerprint: weights changed in memory")
 
 
@@ -202,7 +218,11 @@ def test_probation_needs_clean_checks_then_healthy_and_a_relapse_is_quarantine()
     one, _ = policy.judge(p, check(at=10.0), CONFIG)
     assert one.state is HealthState.PROBATION and one.clean_checks == 1
     two, _ = policy.judge(one, check(at=20.0), CONFIG)
-    assert two.state is HealthState.HEALTHY and two.reason == "2 clean checks since the repair" and two.quarantined_by is None
+    assert (
+        two.state is HealthState.HEALTHY
+        and two.reason == "2 clean checks since the repair"
+        and two.quarantined_by is None
+    )
     assert [t.state for t in two.history] == [HealthState.QUARANTINED, HealthState.PROBATION, HealthState.HEALTHY]
     relapse, _ = policy.judge(one, check(kl=0.1, at=20.0), CONFIG)
     assert relapse.state is HealthState.QUARANTINED and relapse.reason.startswith("relapsed on probation: divergence")
@@ -212,7 +232,12 @@ def test_probation_needs_clean_checks_then_healthy_and_a_relapse_is_quarantine()
 def test_operator_quarantine_from_any_state_and_who_repairs_what():
     for state in HealthState:
         q = policy.quarantine(record(state), Initiator.OPERATOR, "looks odd", 3.0)
-        assert (q.state, q.quarantined_by, q.reason, q.since) == (HealthState.QUARANTINED, Initiator.OPERATOR, "looks odd", 3.0)
+        assert (q.state, q.quarantined_by, q.reason, q.since) == (
+            HealthState.QUARANTINED,
+            Initiator.OPERATOR,
+            "looks odd",
+            3.0,
+        )
         assert not policy.wants_repair(q, CONFIG), "an operator's quarantine waits for release"
     mine = policy.quarantine(record(), Initiator.MONITOR, "bad", 3.0)
     assert policy.wants_repair(mine, CONFIG) and not policy.wants_repair(mine, HealthConfig(auto_repair=False))
@@ -271,7 +296,11 @@ def test_the_last_replica_is_never_unlisted():
 
 def test_several_experts_change_in_one_version():
     records = dict(
-        [at(1, 0, "g1", HealthState.QUARANTINED), at(1, 2, "g0", HealthState.QUARANTINED), at(1, 2, "g2", HealthState.PROBATION)]
+        [
+            at(1, 0, "g1", HealthState.QUARANTINED),
+            at(1, 2, "g0", HealthState.QUARANTINED),
+            at(1, 2, "g2", HealthState.PROBATION),
+        ]
     )
     table = policy.plan_table(TABLE, records)
     assert table.version == 5 and table.replicas[(1, 0)] == ("g0",) and table.replicas[(1, 2)] == ("g1",)
@@ -302,7 +331,12 @@ def test_mark_withdrawn_follows_the_table():
         ]
     )
     marked = policy.mark_withdrawn(records, table)
-    assert {rid.key: r.withdrawn for rid, r in marked.items()} == {"1/0/g1": True, "1/1/g0": False, "1/0/g0": False, "1/1/g1": True}
+    assert {rid.key: r.withdrawn for rid, r in marked.items()} == {
+        "1/0/g1": True,
+        "1/1/g0": False,
+        "1/0/g0": False,
+        "1/1/g1": True,
+    }
 
 
 # -- records and settings ------------------------------------------------------------------------------
@@ -325,7 +359,9 @@ def test_the_history_keeps_the_last_transitions():
 def test_settings_are_checked_and_named_by_their_variable(monkeypatch):
     assert health_config(type("Args", (), {"health_monitor": True})()).enabled
     monkeypatch.setenv("EXPERTMESH_HEALTH_KL_SUSPECT", "0.9")
-    with pytest.raises(InvalidRequest, match=r"EXPERTMESH_HEALTH_KL_SUSPECT \(0.9\) must be below EXPERTMESH_HEALTH_KL_QUARANTINE"):
+    with pytest.raises(
+        InvalidRequest, match=r"EXPERTMESH_HEALTH_KL_SUSPECT \(0.9\) must be below EXPERTMESH_HEALTH_KL_QUARANTINE"
+    ):
         health_config(type("Args", (), {"health_monitor": None})())
     monkeypatch.setenv("EXPERTMESH_HEALTH_KL_SUSPECT", "0.01")
     monkeypatch.setenv("EXPERTMESH_HEALTH_TOKENS", "3")

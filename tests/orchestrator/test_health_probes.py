@@ -20,10 +20,10 @@ from expertmesh.orchestrator.health import probes
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.monitor import HealthMonitor
 from expertmesh.orchestrator.health.state import FindingKind, HealthState
-from expertmesh.router.dispatch import ExpertDispatcher
-from expertmesh.router.hidden_sample import HiddenSampler, SamplePublisher
+from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
 from expertmesh.router.model import build_router_model
-from expertmesh.state import samples
+from expertmesh.router.reporting.hidden_sample import HiddenSampler, SamplePublisher
+from expertmesh.store import samples
 
 LAYERS = (0, 1)
 
@@ -49,7 +49,9 @@ def clock():
 
 @pytest.fixture
 def monitor(mesh, clock):
-    m = HealthMonitor(mesh.store, mesh.checkpoint, HealthConfig(tokens=64, probation_checks=2, probe_refresh_s=100.0), clock=clock)
+    m = HealthMonitor(
+        mesh.store, mesh.checkpoint, HealthConfig(tokens=64, probation_checks=2, probe_refresh_s=100.0), clock=clock
+    )
     yield m
     m.close()
 
@@ -129,11 +131,14 @@ def test_a_router_publishes_its_samples_and_removes_them_when_it_stops(mesh):
 
 @pytest.mark.parametrize(
     ("raw", "message"),
-    [(b"\xff\xfe garbage", "not a Tensor message"), (samples.encode(torch.ones(3)), "expected [rows, H]"),
-     (samples.encode(torch.ones(2, 2, dtype=torch.int32)), "expected [rows, H] floats")],
+    [
+        (b"\xff\xfe garbage", "not a Tensor message"),
+        (samples.encode(torch.ones(3)), "expected [rows, H]"),
+        (samples.encode(torch.ones(2, 2, dtype=torch.int32)), "expected [rows, H] floats"),
+    ],
 )
 def test_a_stored_sample_that_is_not_one_is_a_clear_error(raw, message):
-    from expertmesh.errors import InvalidRequest
+    from expertmesh.contracts.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match=message.replace("[", r"\[")):
         samples.decode(raw)
@@ -177,7 +182,9 @@ def test_recorded_states_become_the_probe_once_every_replica_was_healthy_on_the_
     assert repaired.baseline.probe == pinned[1].digest, "verified against the checkpoint on the recorded probe"
 
 
-def test_a_layer_with_an_unhealthy_replica_keeps_its_probe_and_refreshes_after_the_interval(mesh, router, monitor, clock):
+def test_a_layer_with_an_unhealthy_replica_keeps_its_probe_and_refreshes_after_the_interval(
+    mesh, router, monitor, clock
+):
     model, dispatcher = router
     monitor.update()  # seeded baselines
     corrupt(mesh, "g1", REPLICATED)
@@ -205,7 +212,10 @@ def test_samples_that_do_not_fit_are_left_out(mesh, monitor, caplog):
     with caplog.at_level(logging.WARNING):
         round_ = monitor.update()
     assert round_.probes == {0: "seeded", 1: "seeded"}
-    assert "router junk's hidden-state sample of layer 0" in caplog.text and "router wide's sample of layer 0" in caplog.text
+    assert (
+        "router junk's hidden-state sample of layer 0" in caplog.text
+        and "router wide's sample of layer 0" in caplog.text
+    )
 
 
 def test_one_dispatch_per_group_per_layer_gives_each_expert_its_own_output(mesh, monitor):
@@ -232,7 +242,9 @@ def test_a_small_batch_budget_splits_a_groups_experts_into_more_calls(mesh, cloc
     m = HealthMonitor(mesh.store, mesh.checkpoint, config, clock=clock)
     calls = []
     dispatch = m._groups.dispatch
-    m._groups.dispatch = lambda group, layer, batch: calls.append(batch.expert_ids.unique().numel()) or dispatch(group, layer, batch)
+    m._groups.dispatch = lambda group, layer, batch: (
+        calls.append(batch.expert_ids.unique().numel()) or dispatch(group, layer, batch)
+    )
     try:
         round_ = m.update()
     finally:

@@ -15,10 +15,10 @@ from dataclasses import replace
 
 import kubernetes
 import pytest
-from conftest import NAMESPACE, RESOURCE
 from migration_mesh import EXPERT, LAYER, PAIR, FollowingRouter
 
-from expertmesh.errors import MigrationRefused
+from conftest import NAMESPACE, RESOURCE
+from expertmesh.contracts.errors import MigrationRefused
 from expertmesh.orchestrator.kube.api import KubeApiError, connect, create_migration_object
 from expertmesh.orchestrator.kube.conditions import status_of
 from expertmesh.orchestrator.kube.controller import migration_id_for
@@ -41,7 +41,10 @@ def wait_for(check, what: str, timeout_s: float = 30.0):
 
 
 def finished(kube_api, obj: ExpertMigration) -> ExpertMigration:
-    return wait_for(lambda: (o := kube_api.get(NAMESPACE, obj.name)) is not None and o.status.finished and o, f"{obj.name} to finish")
+    return wait_for(
+        lambda: (o := kube_api.get(NAMESPACE, obj.name)) is not None and o.status.finished and o,
+        f"{obj.name} to finish",
+    )
 
 
 def truth(obj_doc: dict) -> dict[str, str]:
@@ -53,42 +56,60 @@ def events_of(kubeconfig, name: str) -> list[tuple[str, str]]:
     core = kubernetes.client.CoreV1Api(connect(str(kubeconfig)).client)
     items = core.list_namespaced_event(NAMESPACE).items
     mine = sorted((e for e in items if e.involved_object.name == name), key=lambda e: int(e.metadata.resource_version))
-    assert all(e.involved_object.kind == "ExpertMigration" and e.source.component == "expertmesh-orchestrator" for e in mine)
+    assert all(
+        e.involved_object.kind == "ExpertMigration" and e.source.component == "expertmesh-orchestrator" for e in mine
+    )
     return [(e.type, e.reason) for e in mine]
 
 
 # -- create -> conditions progress -> Succeeded --------------------------------------------------
 
 
-def test_an_object_runs_through_the_executor_and_its_conditions_progress(api_server, kube_api, kubeconfig, group_mesh, run_controller):
+def test_an_object_runs_through_the_executor_and_its_conditions_progress(
+    api_server, kube_api, kubeconfig, group_mesh, run_controller
+):
     store = group_mesh.store
     with run_controller():
         # One router that stops at v2: the move gets loaded, checked and switched, then waits to drain.
         with FollowingRouter(store, "r1", stop_at=2):
             obj = create_migration_object(kube_api, MOVE, origin=Origin.MANUAL)
             draining = wait_for(
-                lambda: (o := kube_api.get(NAMESPACE, obj.name)) and o.status.phase == "Draining" and o, "the move to drain"
+                lambda: (o := kube_api.get(NAMESPACE, obj.name)) and o.status.phase == "Draining" and o,
+                "the move to drain",
             )
-        assert {c.type.value: c.status for c in draining.status.conditions} == {"Loaded": "True", "Switched": "True", "Drained": "Unknown"}
+        assert {c.type.value: c.status for c in draining.status.conditions} == {
+            "Loaded": "True",
+            "Switched": "True",
+            "Drained": "Unknown",
+        }
         assert not draining.status.finished
         with FollowingRouter(store, "r1"):  # the router takes v3: the source drains
             done = finished(kube_api, obj)
 
     assert done.status.phase == "Succeeded", done.status
     assert {c.type.value: (c.status, c.reason) for c in done.status.conditions} == {
-        "Loaded": ("True", "CanaryPassed"), "Switched": ("True", "TablePublished"),
-        "Drained": ("True", "SourceDrained"), "Succeeded": ("True", "Completed"),
+        "Loaded": ("True", "CanaryPassed"),
+        "Switched": ("True", "TablePublished"),
+        "Drained": ("True", "SourceDrained"),
+        "Succeeded": ("True", "Completed"),
     }
     assert (done.status.source, done.status.target, done.status.routing_table_version) == ("g0", "g2", 3)
     assert done.status.bytes_loaded > 0 and done.status.completed_at >= done.status.started_at
     assert done.status.migration_id == migration_id_for(done.uid)
     record = load(store, done.status.migration_id)
     assert record.phase is Phase.SUCCEEDED and record.initiator == f"kubernetes:{NAMESPACE}/{obj.name}"
-    assert store.routing_table().replicas[PAIR] == ("g2",) and PAIR in group_mesh.held("g2") and PAIR not in group_mesh.held("g0")
+    assert (
+        store.routing_table().replicas[PAIR] == ("g2",)
+        and PAIR in group_mesh.held("g2")
+        and PAIR not in group_mesh.held("g0")
+    )
 
     # Every stored version of the object: a condition, once True, stays True, and they turn True in order.
     versions = [truth(doc) for doc in api_server.history(RESOURCE, NAMESPACE, obj.name)]
-    first_true = {k: next(i for i, v in enumerate(versions) if v.get(k) == "True") for k in ("Loaded", "Switched", "Drained", "Succeeded")}
+    first_true = {
+        k: next(i for i, v in enumerate(versions) if v.get(k) == "True")
+        for k in ("Loaded", "Switched", "Drained", "Succeeded")
+    }
     assert first_true["Loaded"] <= first_true["Switched"] < first_true["Drained"] <= first_true["Succeeded"]
     for kind, i in first_true.items():
         assert all(v.get(kind) == "True" for v in versions[i:]), kind
@@ -98,8 +119,12 @@ def test_an_object_runs_through_the_executor_and_its_conditions_progress(api_ser
 
 def test_a_spec_the_executor_refuses_fails_the_object_with_its_reason(kube_api, kubeconfig, group_mesh, run_controller):
     with run_controller():
-        unknown = create_migration_object(kube_api, MigrationSpec(LAYER, EXPERT, MigrationMode.MOVE, None, "g9"), origin=Origin.MANUAL)
-        last = create_migration_object(kube_api, MigrationSpec(LAYER, EXPERT, MigrationMode.EVICT), origin=Origin.MANUAL)
+        unknown = create_migration_object(
+            kube_api, MigrationSpec(LAYER, EXPERT, MigrationMode.MOVE, None, "g9"), origin=Origin.MANUAL
+        )
+        last = create_migration_object(
+            kube_api, MigrationSpec(LAYER, EXPERT, MigrationMode.EVICT), origin=Origin.MANUAL
+        )
         unknown, last = finished(kube_api, unknown), finished(kube_api, last)
     for obj, words in ((unknown, "unknown group 'g9'"), (last, "holds the only replica")):
         failed = obj.status.condition(ConditionType.FAILED)
@@ -109,16 +134,30 @@ def test_a_spec_the_executor_refuses_fails_the_object_with_its_reason(kube_api, 
 
 
 def test_the_api_server_refuses_an_invalid_spec_by_the_crd_schema(kube_api):
-    for spec, words in [({"layer": -1, "expert": 0, "to": "g2"}, "spec.layer"),
-                        ({"layer": 0, "expert": -3, "to": "g2"}, "spec.expert"),
-                        ({"layer": 0, "expert": 0, "to": "g2", "mode": "teleport"}, "spec.mode"),
-                        ({"expert": 0, "to": "g2"}, "'layer' is a required property")]:
-        body = {"apiVersion": "expertmesh.io/v1alpha1", "kind": "ExpertMigration", "metadata": {"name": "bad"}, "spec": spec}
+    for spec, words in [
+        ({"layer": -1, "expert": 0, "to": "g2"}, "spec.layer"),
+        ({"layer": 0, "expert": -3, "to": "g2"}, "spec.expert"),
+        ({"layer": 0, "expert": 0, "to": "g2", "mode": "teleport"}, "spec.mode"),
+        ({"expert": 0, "to": "g2"}, "'layer' is a required property"),
+    ]:
+        body = {
+            "apiVersion": "expertmesh.io/v1alpha1",
+            "kind": "ExpertMigration",
+            "metadata": {"name": "bad"},
+            "spec": spec,
+        }
         with pytest.raises(KubeApiError, match="422") as err:
             kube_api.create(NAMESPACE, body)
         assert words in str(err.value)
-    created = kube_api.create(NAMESPACE, {"apiVersion": "expertmesh.io/v1alpha1", "kind": "ExpertMigration",
-                                          "metadata": {"name": "ok"}, "spec": {"layer": 0, "expert": 0, "to": "g2"}})
+    created = kube_api.create(
+        NAMESPACE,
+        {
+            "apiVersion": "expertmesh.io/v1alpha1",
+            "kind": "ExpertMigration",
+            "metadata": {"name": "ok"},
+            "spec": {"layer": 0, "expert": 0, "to": "g2"},
+        },
+    )
     assert created.spec.mode is MigrationMode.MOVE, "the schema's default mode is applied"
 
 
@@ -127,7 +166,9 @@ def test_a_conflicting_status_write_is_reread_and_retried(api_server, kube_api, 
     def touched(doc: dict) -> None:
         doc["metadata"].setdefault("labels", {})["team"] = "inference"
 
-    api_server.call(api_server.fake.interfere_once, lambda r: r.method.value == "PATCH" and r.subresource == "status", touched)
+    api_server.call(
+        api_server.fake.interfere_once, lambda r: r.method.value == "PATCH" and r.subresource == "status", touched
+    )
     with run_controller(), FollowingRouter(group_mesh.store, "r1"):
         done = finished(kube_api, create_migration_object(kube_api, MOVE, origin=Origin.MANUAL))
     assert api_server.call(lambda: api_server.fake.conflicts) == 1
@@ -139,10 +180,22 @@ def test_a_conflicting_status_write_is_reread_and_retried(api_server, kube_api, 
 
 def test_a_finished_object_is_left_alone(api_server, kube_api, kubeconfig, group_mesh, run_controller):
     doc = {
-        "apiVersion": "expertmesh.io/v1alpha1", "kind": "ExpertMigration",
-        "metadata": {"name": "old", "namespace": NAMESPACE}, "spec": {"layer": LAYER, "expert": EXPERT, "to": "g2", "mode": "move"},
-        "status": {"phase": "Failed", "conditions": [{"type": "Failed", "status": "True", "reason": "DrainTimeout",
-                                                      "message": "x", "lastTransitionTime": "2024-01-01T00:00:00Z"}]},
+        "apiVersion": "expertmesh.io/v1alpha1",
+        "kind": "ExpertMigration",
+        "metadata": {"name": "old", "namespace": NAMESPACE},
+        "spec": {"layer": LAYER, "expert": EXPERT, "to": "g2", "mode": "move"},
+        "status": {
+            "phase": "Failed",
+            "conditions": [
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "DrainTimeout",
+                    "message": "x",
+                    "lastTransitionTime": "2024-01-01T00:00:00Z",
+                }
+            ],
+        },
     }
     stored = api_server.call(api_server.fake.put, RESOURCE, doc)
     with run_controller():
@@ -152,7 +205,9 @@ def test_a_finished_object_is_left_alone(api_server, kube_api, kubeconfig, group
     assert load_all(group_mesh.store) == [] and events_of(kubeconfig, "old") == []
 
 
-def test_an_object_whose_status_names_a_record_resumes_it(api_server, kube_api, kubeconfig, group_mesh, runner, run_controller):
+def test_an_object_whose_status_names_a_record_resumes_it(
+    api_server, kube_api, kubeconfig, group_mesh, runner, run_controller
+):
     store = group_mesh.store
     obj = create_migration_object(kube_api, MOVE, origin=Origin.MANUAL)
     # A previous orchestrator started the move, got it to SWITCHING, reported that, and stopped.
@@ -189,7 +244,9 @@ def test_an_object_naming_a_record_submitted_first_only_reports_on_it(kube_api, 
     # The drift controller's way: submit to the runner, then create the object naming the record.
     with run_controller(), FollowingRouter(group_mesh.store, "r1"):
         record = runner.submit(LAYER, EXPERT, "g2", None, MigrationMode.MOVE, initiator="drift:hot_group")
-        obj = create_migration_object(kube_api, MOVE, origin=Origin.DRIFT, initiator="drift:hot_group", migration_id=record.id)
+        obj = create_migration_object(
+            kube_api, MOVE, origin=Origin.DRIFT, initiator="drift:hot_group", migration_id=record.id
+        )
         done = finished(kube_api, obj)
     assert done.status.phase == "Succeeded" and done.status.migration_id == record.id
     assert [m.id for m in load_all(group_mesh.store)] == [record.id] and done.labels["expertmesh.io/origin"] == "drift"
@@ -201,7 +258,10 @@ def test_an_object_whose_record_is_gone_fails_instead_of_moving_again(kube_api, 
     with run_controller():
         done = finished(kube_api, obj)
     failed = done.status.condition(ConditionType.FAILED)
-    assert (failed.reason, failed.message) == ("RecordLost", "the state store has no migration feedfacecafe; create a new ExpertMigration")
+    assert (failed.reason, failed.message) == (
+        "RecordLost",
+        "the state store has no migration feedfacecafe; create a new ExpertMigration",
+    )
     assert load_all(group_mesh.store) == [] and events_of(kubeconfig, obj.name) == [("Warning", "RecordLost")]
 
 
@@ -209,9 +269,12 @@ def test_an_object_whose_record_is_gone_fails_instead_of_moving_again(kube_api, 
 
 
 def test_an_expired_watch_lists_again_and_misses_nothing(api_server, kube_api, group_mesh, run_controller):
-    doc = {"apiVersion": "expertmesh.io/v1alpha1", "kind": "ExpertMigration",
-           "metadata": {"name": "during-outage", "namespace": NAMESPACE},
-           "spec": {"layer": LAYER, "expert": EXPERT, "to": "g2", "mode": "move"}}
+    doc = {
+        "apiVersion": "expertmesh.io/v1alpha1",
+        "kind": "ExpertMigration",
+        "metadata": {"name": "during-outage", "namespace": NAMESPACE},
+        "spec": {"layer": LAYER, "expert": EXPERT, "to": "g2", "mode": "move"},
+    }
     with run_controller(), FollowingRouter(group_mesh.store, "r1"):
         wait_for(lambda: any("watch=true" in path.lower() for _, path in api_server.requests()), "the first watch")
         lists_before = sum(1 for m, p in api_server.requests() if m == "GET" and p.endswith("/expertmigrations"))

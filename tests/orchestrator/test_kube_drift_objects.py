@@ -2,10 +2,10 @@
 Kubernetes API fake of these tests (the chart's CRD installed; no API server can run here), a
 real migration runner and real expert groups on loopback."""
 
-from conftest import NAMESPACE
 from migration_mesh import EXPERT, LAYER, FollowingRouter
 from test_kube_controller import finished
 
+from conftest import NAMESPACE
 from expertmesh.orchestrator.drift.controller import DriftRecord, Result
 from expertmesh.orchestrator.drift.state import Decision, Hold, Move, Trigger
 from expertmesh.orchestrator.kube.drift_objects import DriftObjects

@@ -15,13 +15,13 @@ import time
 
 import pytest
 import yaml
-from conftest import NAMESPACE
 from migration_mesh import EXPERT, LAYER, PAIR, FollowingRouter, start_mesh
 
+from conftest import NAMESPACE
 from expertmesh.orchestrator.kube.api import create_migration_object
 from expertmesh.orchestrator.kube.resource import MigrationSpec, Origin
 from expertmesh.orchestrator.migration.state import MigrationMode
-from expertmesh.state import open_store
+from expertmesh.store import open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -39,9 +39,29 @@ def test_the_orchestrator_process_runs_expertmigrations(redis_url, tiny_checkpoi
     placement.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}, "g1": {"*": [2, 3]}}}))
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"} | {"KUBECONFIG": str(kubeconfig)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "expertmesh.cli", "--log-format", "text", "orchestrator", "--state-url", url,
-         "--model", str(path), "--placement", str(placement), "--admin-host", "127.0.0.1", "--admin-port", "0", "--kube"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "expertmesh.cli.main",
+            "--log-format",
+            "text",
+            "orchestrator",
+            "--state-url",
+            url,
+            "--model",
+            str(path),
+            "--placement",
+            str(placement),
+            "--admin-host",
+            "127.0.0.1",
+            "--admin-port",
+            "0",
+            "--kube",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
@@ -51,7 +71,9 @@ def test_the_orchestrator_process_runs_expertmigrations(redis_url, tiny_checkpoi
             assert proc.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
             time.sleep(0.1)
         with FollowingRouter(store, "r1"):
-            obj = create_migration_object(kube_api, MigrationSpec(LAYER, EXPERT, MigrationMode.MOVE, None, "g2"), origin=Origin.MANUAL)
+            obj = create_migration_object(
+                kube_api, MigrationSpec(LAYER, EXPERT, MigrationMode.MOVE, None, "g2"), origin=Origin.MANUAL
+            )
             while not (current := kube_api.get(NAMESPACE, obj.name)).status.finished:
                 assert proc.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
                 time.sleep(0.1)

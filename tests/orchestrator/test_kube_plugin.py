@@ -10,15 +10,15 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
-from conftest import NAMESPACE
 from migration_mesh import EXPERT, LAYER, FollowingRouter
 
-from expertmesh.orchestrator.kube.plugin import main
+from conftest import NAMESPACE
+from expertmesh.cli.kubectl_plugin import main
+from expertmesh.contracts.load_window import LoadSnapshot
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.kube.resource import MigrationSpec
 from expertmesh.orchestrator.migration.state import MigrationMode
-from expertmesh.router.load_window import LoadSnapshot
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import QuarantinedReplica, open_store
+from expertmesh.store import QuarantinedReplica, open_store
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,11 @@ def test_migrate_creates_an_expertmigration(kubeconfig, kube_api, capsys):
     assert obj.labels == {"expertmesh.io/origin": "manual"}
     assert migrate(kubeconfig, "--mode", "evict", "--from", "g0", "-n", "other") == 0
     (evict,) = kube_api.list("other").items
-    assert evict.name.startswith(f"l{LAYER}-e{EXPERT}-") and evict.spec.mode is MigrationMode.EVICT and evict.spec.source == "g0"
+    assert (
+        evict.name.startswith(f"l{LAYER}-e{EXPERT}-")
+        and evict.spec.mode is MigrationMode.EVICT
+        and evict.spec.source == "g0"
+    )
 
 
 def test_migrate_wait_follows_the_object_until_it_succeeds(kubeconfig, group_mesh, run_controller, capsys):
@@ -80,7 +84,7 @@ def test_experts_prints_groups_load_share_quarantines_and_table_version(monkeypa
         snapshot = LoadSnapshot((0, 1), 2, 1, load, np.zeros((2, 2, 2)), np.zeros((2, 1, 2)), 64)
         store.publish_load(router, snapshot.to_bytes())
     store.set_quarantined(QuarantinedReplica(1, 1, "g1", "quarantined", "bad outputs", 1.0, withdrawn=False))
-    monkeypatch.setattr("expertmesh.state.open_store", lambda url: store)
+    monkeypatch.setattr("expertmesh.store.open_store", lambda url: store)
 
     assert main(["experts", "--state-url", "redis://redis:6379/0"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -96,7 +100,8 @@ def test_experts_prints_groups_load_share_quarantines_and_table_version(monkeypa
     doc = json.loads(capsys.readouterr().out)
     assert doc["routing_table_version"] == 1 and doc["routers"] == 2
     assert [(e["expert"], e["replicas"], e["load_share"]) for e in doc["experts"]] == [
-        (0, [{"group": "g1", "share": 1.0, "state": ""}], 0.4), (1, [{"group": "g1", "share": 1.0, "state": "quarantined"}], 0.6),
+        (0, [{"group": "g1", "share": 1.0, "state": ""}], 0.4),
+        (1, [{"group": "g1", "share": 1.0, "state": "quarantined"}], 0.6),
     ]
 
 
@@ -104,6 +109,6 @@ def test_experts_without_a_store_says_how_to_reach_one(monkeypatch, capsys):
     monkeypatch.delenv("EXPERTMESH_STATE_URL", raising=False)
     assert main(["experts"]) == 2
     assert "kubectl port-forward svc/<release>-expertmesh-redis 6379" in capsys.readouterr().err
-    monkeypatch.setattr("expertmesh.state.open_store", lambda url: open_store("memory://"))
+    monkeypatch.setattr("expertmesh.store.open_store", lambda url: open_store("memory://"))
     assert main(["experts", "--state-url", "redis://empty:6379/0"]) == 2
     assert "no routing table in redis://empty:6379/0 yet" in capsys.readouterr().err

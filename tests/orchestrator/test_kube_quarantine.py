@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import kubernetes
 import pytest
-from conftest import NAMESPACE
 from health_mesh import CONFIG, REPLICATED, corrupt, rid, running
 
+from conftest import NAMESPACE
 from expertmesh.orchestrator.health.monitor import HealthMonitor
 from expertmesh.orchestrator.health.state import HealthState, Initiator, load_all
 from expertmesh.orchestrator.kube.api import connect
@@ -89,7 +89,9 @@ def test_a_created_object_quarantines_and_deleting_it_releases(mesh, api, contro
     assert mesh.replicas(REPLICATED) == ("g0", "g1")
 
 
-def test_a_monitor_quarantine_shows_as_a_mirror_until_the_replica_is_healthy(mesh, api, controller, monitor, connection):
+def test_a_monitor_quarantine_shows_as_a_mirror_until_the_replica_is_healthy(
+    mesh, api, controller, monitor, connection
+):
     monitor.update()
     corrupt(mesh, "g1", REPLICATED)
     monitor.update()
@@ -97,7 +99,10 @@ def test_a_monitor_quarantine_shows_as_a_mirror_until_the_replica_is_healthy(mes
     name = mirror_name(*REPLICATED, "g1")
     mirror = objects(api)[name]
     assert mirror.mirror and mirror.spec == QuarantineSpec(*REPLICATED, "g1")
-    assert (mirror.status.state, mirror.status.quarantined_by) == ("Quarantined", "monitor") and "fingerprint" in mirror.status.reason
+    assert (mirror.status.state, mirror.status.quarantined_by) == (
+        "Quarantined",
+        "monitor",
+    ) and "fingerprint" in mirror.status.reason
     monitor.update()  # the monitor repairs its own quarantine: probation
     controller.sync_once()
     assert objects(api)[name].status.state == "Probation"
@@ -130,7 +135,10 @@ def test_an_object_deleted_while_no_controller_ran_is_released_at_the_next_start
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [({"layer": 1, "expert": 9}, "not in routing table v1"), ({"layer": 1, "expert": 2, "group": "g0"}, "does not serve layer 1 expert 2")],
+    [
+        ({"layer": 1, "expert": 9}, "not in routing table v1"),
+        ({"layer": 1, "expert": 2, "group": "g0"}, "does not serve layer 1 expert 2"),
+    ],
 )
 def test_a_quarantine_the_monitor_refuses_is_refused_with_the_reason(mesh, api, controller, connection, spec, message):
     api.create(NAMESPACE, {**manifest(QuarantineSpec(0, 0), "bad"), "spec": spec})

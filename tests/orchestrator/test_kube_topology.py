@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import json
 
-from expertmesh.cli import main
-from expertmesh.orchestrator.topology import topology_from_k8s_nodes, topology_to_dict
+from expertmesh.cli.main import main
+from expertmesh.contracts.topology import topology_from_k8s_nodes, topology_to_dict
 from expertmesh.orchestrator.topology_discovery import load_k8s_topology
 
 NODES = [
-    {"metadata": {"name": "gpu-b", "labels": {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.memory": "81920",
-                                              "nvidia.com/gpu.clique": "c1"}}},
-    {"metadata": {"name": "gpu-a", "labels": {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.memory": "81920",
-                                              "nvidia.com/gpu.clique": "c1"}}},
+    {
+        "metadata": {
+            "name": "gpu-b",
+            "labels": {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.memory": "81920", "nvidia.com/gpu.clique": "c1"},
+        }
+    },
+    {
+        "metadata": {
+            "name": "gpu-a",
+            "labels": {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.memory": "81920", "nvidia.com/gpu.clique": "c1"},
+        }
+    },
     {"metadata": {"name": "cpu-0", "labels": {}}, "status": {"capacity": {"cpu": "32"}}},
 ]
 

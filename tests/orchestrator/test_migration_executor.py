@@ -25,14 +25,14 @@ import torch
 from migration_mesh import EXPERT, FAST, LAYER, PAIR, PLACEMENT, FollowingRouter, Mesh, start_mesh
 from safetensors.torch import load_file, save_file
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.errors import InvalidRequest, MigrationRefused
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.contracts.errors import InvalidRequest, MigrationRefused
+from expertmesh.contracts.routing_table import RoutingTable
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
 from expertmesh.orchestrator.migration.plan import PHASES
 from expertmesh.orchestrator.migration.state import Failure, MigrationMode, Phase, load
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import QuarantinedReplica, RouterHeartbeat, open_store
+from expertmesh.store import QuarantinedReplica, RouterHeartbeat, open_store
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
@@ -63,7 +63,9 @@ def assert_move_done(mesh: Mesh, migration) -> None:
     assert (version_at[Phase.CONFIRMING], version_at[Phase.DRAINING]) == (2, 3), "make as v2, break as v3"
     table = mesh.store.routing_table()
     assert table.version == 3 and table.replicas[PAIR] == ("g2",)
-    assert {p: g for p, g in table.replicas.items() if p != PAIR} == {p: g for p, g in PLACEMENT.hosts().items() if p != PAIR}
+    assert {p: g for p, g in table.replicas.items() if p != PAIR} == {
+        p: g for p, g in PLACEMENT.hosts().items() if p != PAIR
+    }
     assert PAIR in mesh.held("g2") and PAIR not in mesh.held("g0")
     assert migration.bytes_loaded > 0 and migration.completed_at >= migration.started_at
 
@@ -306,7 +308,9 @@ def test_span_and_counter_per_migration(mesh, monkeypatch):
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     monkeypatch.setattr(executor_module, "tracer", lambda: tracer_provider.get_tracer("expertmesh"))
-    monkeypatch.setattr(executor_module, "meter", lambda: MeterProvider(metric_readers=[reader]).get_meter("expertmesh"))
+    monkeypatch.setattr(
+        executor_module, "meter", lambda: MeterProvider(metric_readers=[reader]).get_meter("expertmesh")
+    )
 
     executor = MigrationExecutor(mesh.store, **FAST)
     executor.run(executor.submit(LAYER, EXPERT, target="g2", mode="replicate").id)
@@ -317,7 +321,9 @@ def test_span_and_counter_per_migration(mesh, monkeypatch):
     ok, bad = spans.get_finished_spans()
     assert ok.name == bad.name == "expertmesh.migration"
     assert ok.attributes["expertmesh.migration.result"] == "succeeded" and ok.attributes["expertmesh.layer"] == LAYER
-    assert [e.name for e in ok.events] == [f"expertmesh.migration.{p.value}" for p in PHASES[MigrationMode.REPLICATE][1:]]
+    assert [e.name for e in ok.events] == [
+        f"expertmesh.migration.{p.value}" for p in PHASES[MigrationMode.REPLICATE][1:]
+    ]
     assert not bad.status.is_ok and bad.attributes["expertmesh.migration.result"] == "failed"
     (metric,) = [m for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
     assert metric.name == "expertmesh.migrations"

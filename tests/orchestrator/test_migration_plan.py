@@ -6,12 +6,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertmesh.errors import MigrationRefused
+from expertmesh.contracts.errors import MigrationRefused
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.migration import plan
 from expertmesh.orchestrator.migration.plan import InFlightCalls, Tolerance
 from expertmesh.orchestrator.migration.state import MigrationMode, Phase
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import RouterHeartbeat
+from expertmesh.store import RouterHeartbeat
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 GROUPS = ["g0", "g1", "g2", "g3"]
@@ -36,11 +36,23 @@ def tables(draw):
 
 def test_phase_orders():
     assert [p.value for p in plan.PHASES[MigrationMode.MOVE]] == [
-        "pending", "loading", "checking", "switching", "confirming", "retiring", "draining", "unloading", "succeeded"
+        "pending",
+        "loading",
+        "checking",
+        "switching",
+        "confirming",
+        "retiring",
+        "draining",
+        "unloading",
+        "succeeded",
     ]
     assert plan.PHASES[MigrationMode.REPLICATE][-2:] == (Phase.SWITCHING, Phase.SUCCEEDED)
     assert plan.PHASES[MigrationMode.EVICT] == (
-        Phase.PENDING, Phase.RETIRING, Phase.DRAINING, Phase.UNLOADING, Phase.SUCCEEDED
+        Phase.PENDING,
+        Phase.RETIRING,
+        Phase.DRAINING,
+        Phase.UNLOADING,
+        Phase.SUCCEEDED,
     )
     for mode, order in plan.PHASES.items():
         walked = [Phase.PENDING]
@@ -84,7 +96,9 @@ def test_add_replica(table, group):
     assert new.version == table.version + 1
     assert new.replicas[PAIR] == (*table.replicas[PAIR], group)
     assert PAIR not in new.shares, "the edited pair takes equal shares"
-    assert {p: r for p, r in new.replicas.items() if p != PAIR} == {p: r for p, r in table.replicas.items() if p != PAIR}
+    assert {p: r for p, r in new.replicas.items() if p != PAIR} == {
+        p: r for p, r in table.replicas.items() if p != PAIR
+    }
     assert {p: s for p, s in new.shares.items()} == {p: s for p, s in table.shares.items() if p != PAIR}
     plan.check_all_hosted(table, new)
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertmesh.errors import MigrationNotFound
+from expertmesh.contracts.errors import MigrationNotFound
 from expertmesh.orchestrator.migration.state import (
     Failure,
     Migration,
@@ -16,7 +16,7 @@ from expertmesh.orchestrator.migration.state import (
     load_all,
     save,
 )
-from expertmesh.state import open_store
+from expertmesh.store import open_store
 
 
 def _record(**kw) -> Migration:

@@ -20,13 +20,13 @@ import time
 import grpc
 import pytest
 import yaml
-from helpers import wait_for
 from migration_mesh import EXPERT, LAYER, PAIR, PLACEMENT, FollowingRouter, start_mesh
 
 from expertmesh.orchestrator.migration.state import Phase, load
-from expertmesh.state import open_store
+from expertmesh.store import open_store
 from expertmesh.v1 import admin_pb2 as pb
 from expertmesh.v1 import admin_pb2_grpc as pb_grpc
+from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -37,28 +37,61 @@ DATABASE = 6
 class Orchestrator:
     def __init__(self, url: str, model, placement):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "expertmesh.cli", "--log-format", "text", "orchestrator", "--state-url", url,
-             "--model", str(model), "--placement", str(placement), "--admin-host", "127.0.0.1", "--admin-port", "0",
-             "--no-kube", "--interval", "0.5"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "expertmesh.cli.main",
+                "--log-format",
+                "text",
+                "orchestrator",
+                "--state-url",
+                url,
+                "--model",
+                str(model),
+                "--placement",
+                str(placement),
+                "--admin-host",
+                "127.0.0.1",
+                "--admin-port",
+                "0",
+                "--no-kube",
+                "--interval",
+                "0.5",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         self.stderr: list[str] = []
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
         deadline = time.monotonic() + 120
-        while not (found := [re.search(r"admin gRPC on (\S+:\d+)", line) for line in self.stderr if "admin gRPC on" in line]):
+        while not (
+            found := [re.search(r"admin gRPC on (\S+:\d+)", line) for line in self.stderr if "admin gRPC on" in line]
+        ):
             assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.stderr)[-3000:]
             time.sleep(0.05)
         self.admin = found[0].group(1)
 
 
-def test_a_move_left_draining_by_a_killed_orchestrator_is_finished_by_the_next_one(redis_url, tiny_checkpoints, tmp_path):
+def test_a_move_left_draining_by_a_killed_orchestrator_is_finished_by_the_next_one(
+    redis_url, tiny_checkpoints, tmp_path
+):
     url = redis_url.rsplit("/", 1)[0] + f"/{DATABASE}"
     store = open_store(url)
     store._kv._client.flushdb()
     path = tiny_checkpoints("mixtral")
     mesh = start_mesh(store, path)
     placement = tmp_path / "placement.yaml"
-    placement.write_text(yaml.safe_dump({"groups": {g: {layer: sorted(e for l, e in pairs if l == layer) for layer in {l for l, _ in pairs}} for g, pairs in PLACEMENT.groups.items()}}))
+    placement.write_text(
+        yaml.safe_dump(
+            {
+                "groups": {
+                    g: {layer: sorted(e for l, e in pairs if l == layer) for layer in {l for l, _ in pairs}}
+                    for g, pairs in PLACEMENT.groups.items()
+                }
+            }
+        )
+    )
     first = second = None
     try:
         with FollowingRouter(store, "r1", stop_at=2):  # acknowledges the make (v2), never the break (v3)

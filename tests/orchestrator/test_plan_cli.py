@@ -1,11 +1,11 @@
-"""``expertmesh plan``, ``topology`` and ``bench placement`` through ``expertmesh.cli.main``."""
+"""``expertmesh plan``, ``topology`` and ``bench placement`` through ``expertmesh.cli.main.main``."""
 
 import json
 
 import pytest
 
-from expertmesh.cli import main
-from expertmesh.orchestrator.placement.bench import synthetic_stats
+from expertmesh.bench.placement import synthetic_stats
+from expertmesh.cli.main import main
 from expertmesh.orchestrator.placement.stats import stats_to_dict
 
 TOPO = """
@@ -63,7 +63,9 @@ def test_plan_with_current_placement_moves_nothing_when_good_enough(files, capsy
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     for la, lb in zip(a["layers"], b["layers"]):
         for ea, eb in zip(la["experts"], lb["experts"]):
-            assert [r["gpu"] for r in ea["replicas"]] == [r["gpu"] for r in eb["replicas"]]  # no weight moved (shares may be re-split: free)
+            assert [r["gpu"] for r in ea["replicas"]] == [
+                r["gpu"] for r in eb["replicas"]
+            ]  # no weight moved (shares may be re-split: free)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +75,11 @@ def test_plan_with_current_placement_moves_nothing_when_good_enough(files, capsy
         ({"num_layers": 1, "num_experts": 2, "top_k": 1, "load": [[1, 2, 3]]}, [], "load has shape [1, 3]"),
         ({"num_layers": 1, "num_experts": 2, "top_k": 1, "load": [[1, -2]]}, [], "non-negative"),
         ({"num_layers": 1, "num_experts": 2, "top_k": 1, "load": [[1], [2, 3]]}, [], "rectangular"),
-        ({"num_layers": 1, "num_experts": 2, "top_k": 1, "load": [[1, 2]], "coactivation": [[[0, 1], [2, 0]]]}, [], "symmetric"),
+        (
+            {"num_layers": 1, "num_experts": 2, "top_k": 1, "load": [[1, 2]], "coactivation": [[[0, 1], [2, 0]]]},
+            [],
+            "symmetric",
+        ),
         ({"num_layers": 1, "num_experts": 2, "top_k": 3, "load": [[1, 2]]}, [], "top_k must be between"),
         ({"num_layers": 1, "num_experts": 2, "load": [[1, 2]]}, [], "no 'top_k'"),
         ({"num_layers": 1, "num_experts": 8, "top_k": 1, "load": [[1] * 8]}, ["--slots-per-gpu", "1"], "too few slots"),
@@ -97,7 +103,9 @@ def test_plan_topology_and_current_errors(files, capsys):
     assert _plan(tmp / "missing.json", topo, tmp / "p.json", "--redundant", "0") == 2
     assert "cannot read stats file" in capsys.readouterr().err
     bad = tmp / "cur.json"
-    bad.write_text(json.dumps({"layers": [{"layer": 0, "experts": [{"expert": 0, "replicas": [{"gpu": 99, "share": 1}]}]}]}))
+    bad.write_text(
+        json.dumps({"layers": [{"layer": 0, "experts": [{"expert": 0, "replicas": [{"gpu": 99, "share": 1}]}]}]})
+    )
     assert _plan(stats, topo, tmp / "p.json", "--redundant", "0", "--current", str(bad)) == 2
     assert "names GPU 99, not in the topology" in capsys.readouterr().err
 

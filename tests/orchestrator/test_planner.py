@@ -5,10 +5,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertmesh.errors import PlacementError
-from expertmesh.orchestrator.placement.bench import grid_topology, synthetic_stats
-from expertmesh.orchestrator.placement.metrics import balancedness, gpu_loads, split_pair_fraction, weights_moved
+from expertmesh.bench.placement import grid_topology, synthetic_stats
+from expertmesh.contracts.errors import PlacementError
 from expertmesh.orchestrator.placement.planner import PlanOptions, plan
+from expertmesh.orchestrator.placement.quality import balancedness, gpu_loads, split_pair_fraction, weights_moved
 from expertmesh.orchestrator.placement.stats import LoadStats
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -22,10 +22,14 @@ def problems(draw):
     redundant = draw(st.integers(0, min(E * (G - 1), 2 * E)))
     default_slots = -(-(E + redundant) // G)
     slots = draw(st.sampled_from([None, default_slots, default_slots + 1, default_slots + 3]))
-    load = np.array(draw(st.lists(st.lists(st.integers(0, 1000), min_size=E, max_size=E), min_size=L, max_size=L)), float)
+    load = np.array(
+        draw(st.lists(st.lists(st.integers(0, 1000), min_size=E, max_size=E), min_size=L, max_size=L)), float
+    )
     coact = None
     if draw(st.booleans()):
-        raw = np.array(draw(st.lists(st.integers(0, 50), min_size=L * E * E, max_size=L * E * E)), float).reshape(L, E, E)
+        raw = np.array(draw(st.lists(st.integers(0, 50), min_size=L * E * E, max_size=L * E * E)), float).reshape(
+            L, E, E
+        )
         coact = raw + raw.transpose(0, 2, 1)
     stats = LoadStats(L, E, draw(st.integers(1, E)), load, coact)
     options = PlanOptions(redundant, slots, eplb_groups=draw(st.sampled_from([1, 2])))
@@ -93,7 +97,12 @@ def test_beats_eplb_and_splits_fewer_pairs_on_clustered_workload():
 
 @pytest.mark.parametrize(
     "redundant, slots, message",
-    [(-1, None, "--redundant must be >= 0"), (2, 1, "too few slots"), (100, None, "without two copies"), (0, 0, "must be >= 1")],
+    [
+        (-1, None, "--redundant must be >= 0"),
+        (2, 1, "too few slots"),
+        (100, None, "without two copies"),
+        (0, 0, "must be >= 1"),
+    ],
 )
 def test_option_errors(redundant, slots, message):
     stats = synthetic_stats(1, 4, 2, 1.0, 2, seed=0)

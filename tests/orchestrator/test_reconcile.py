@@ -3,12 +3,12 @@
 import pytest
 import yaml
 
-from expertmesh.checkpoint import MoESpec
-from expertmesh.errors import PlacementError
+from expertmesh.contracts.errors import PlacementError
+from expertmesh.contracts.group_map import GroupPlacement
+from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
+from expertmesh.models.checkpoint import MoESpec
 from expertmesh.orchestrator.reconcile import Reconciler, next_table, observed_table
-from expertmesh.placement import GroupPlacement
-from expertmesh.routing_table import ModelIdentity, RoutingTable
-from expertmesh.state import open_store
+from expertmesh.store import open_store
 
 SPEC = MoESpec("mixtral", 2, (0, 1), 2, 1, 8, ("gate_up_proj", "down_proj"))
 A = GroupPlacement({"g0": ((0, 0), (0, 1), (1, 0), (1, 1))})
@@ -50,7 +50,7 @@ def test_a_restarted_reconciler_keeps_live_edits_until_the_file_changes(tmp_path
     path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0]}, "g1": {"*": [1]}}}))
     store = open_store()
     assert Reconciler(store, SPEC, path).reconcile_once().version == 1
-    from expertmesh.routing_table import RoutingTable
+    from expertmesh.contracts.routing_table import RoutingTable
 
     moved = dict(store.routing_table().replicas)
     moved[(0, 1)] = ("g0",)
@@ -89,7 +89,7 @@ def test_observed_table_lists_only_replicas_that_hold_their_experts():
 def test_a_flushed_store_is_rebuilt_from_what_the_groups_hold_above_the_routers_versions(tmp_path):
     """Re-applying the placement file after a flush listed expert (0, 1) on g0 again, which had unloaded it
     in a move: NOT_FOUND for every token routed there, while routers went back to a lower version."""
-    from expertmesh.state import RouterHeartbeat
+    from expertmesh.store import RouterHeartbeat
 
     path = tmp_path / "placement.yaml"
     path.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}}}))
@@ -97,8 +97,14 @@ def test_a_flushed_store_is_rebuilt_from_what_the_groups_hold_above_the_routers_
     store.publish_router_heartbeat(RouterHeartbeat("r1", 7, 0.0))  # a router serving version 7 (a live move's)
     held: dict = {}
     now = [0.0]
-    reconciler = Reconciler(store, SPEC, path, observe=lambda groups: {g: held[g] for g in groups if g in held},
-                            observe_grace_s=30, clock=lambda: now[0])
+    reconciler = Reconciler(
+        store,
+        SPEC,
+        path,
+        observe=lambda groups: {g: held[g] for g in groups if g in held},
+        observe_grace_s=30,
+        clock=lambda: now[0],
+    )
     assert reconciler.reconcile_once() is None, "published before the groups said what they hold"
     held.update({"g0": frozenset({(0, 0), (1, 0), (1, 1)}), "g1": frozenset({(0, 1)})})
     store.set_endpoint("g1", "127.0.0.1:1")  # g1 is not in the file: found through its registration
@@ -126,7 +132,9 @@ def test_placement_steps_make_before_break():
         Step((1, 0), MigrationMode.REPLICATE, "g2", "g0"),
         Step((1, 1), MigrationMode.REPLICATE, "g2", "g1"),
     ]
-    made = RoutingTable(4, 2, {(0, 0): ("g0", "g1"), (0, 1): ("g0", "g1", "g2"), (1, 0): ("g0", "g2"), (1, 1): ("g1", "g2")})
+    made = RoutingTable(
+        4, 2, {(0, 0): ("g0", "g1"), (0, 1): ("g0", "g1", "g2"), (1, 0): ("g0", "g2"), (1, 1): ("g1", "g2")}
+    )
     assert placement_steps(made, desired, busy=[(0, 1)]) == [
         Step((0, 0), MigrationMode.EVICT, None, "g0"),
         Step((1, 0), MigrationMode.EVICT, None, "g0"),

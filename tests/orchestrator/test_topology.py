@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from expertmesh.errors import PlacementError
-from expertmesh.orchestrator.topology import parse_topology_yaml, topology_from_k8s_nodes
+from expertmesh.contracts.errors import InputError
+from expertmesh.contracts.topology import parse_topology_yaml, topology_from_k8s_nodes
 
 FILE = """
 nodes:
@@ -50,12 +50,18 @@ nodes:
 @pytest.mark.parametrize(
     "doc, message",
     [
-        ("nodes:\n - {name: a, islands: [{gpus: [{id: 0}]}]}\n - {name: b, islands: [{gpus: [{id: 0}]}]}", "GPU id 0 appears twice"),
+        (
+            "nodes:\n - {name: a, islands: [{gpus: [{id: 0}]}]}\n - {name: b, islands: [{gpus: [{id: 0}]}]}",
+            "GPU id 0 appears twice",
+        ),
         ("nodes:\n - {name: a, islands: []}", "node 'a' has no GPUs"),
         ("nodes:\n - {name: a}", "node 'a' has no GPUs"),
         ("nodes: []", "no nodes"),
         ("nodes:\n - {name: a, islands: [{gpus: [{id: x}]}]}", "id must be a non-negative integer"),
-        ("nodes:\n - {name: a, islands: [{gpus: [{id: 1, memory_gb: lots}]}]}", "memory_gb must be a non-negative number"),
+        (
+            "nodes:\n - {name: a, islands: [{gpus: [{id: 1, memory_gb: lots}]}]}",
+            "memory_gb must be a non-negative number",
+        ),
         ("nodes:\n - {name: a, islands: [{numa: zero, gpus: [{id: 1}]}]}", "numa must be an integer"),
         ("nodes: {a: 1}", "nodes must be a list"),
         ("gpus: 8", "mapping with a 'nodes' list"),
@@ -63,7 +69,7 @@ nodes:
     ],
 )
 def test_file_errors_are_clear(doc, message):
-    with pytest.raises(PlacementError, match=message):
+    with pytest.raises(InputError, match=message):
         parse_topology_yaml(doc)
 
 
@@ -111,7 +117,7 @@ def test_k8s_labels_give_nodes_islands_and_cluster_unique_ids():
     ],
 )
 def test_k8s_errors(doc, message):
-    with pytest.raises(PlacementError, match=message):
+    with pytest.raises(InputError, match=message):
         topology_from_k8s_nodes(doc)
 
 
@@ -202,5 +208,5 @@ def test_nvml_unavailable_is_a_clear_error(monkeypatch):
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
 
     monkeypatch.setattr(pynvml, "nvmlInit", fail)
-    with pytest.raises(PlacementError, match="NVML is not available"):
+    with pytest.raises(InputError, match="NVML is not available"):
         discover_nvml()

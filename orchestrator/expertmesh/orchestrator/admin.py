@@ -22,8 +22,8 @@ from typing import Callable, Iterator, Sequence
 
 import grpc
 
-from expertmesh.errors import QuarantineRefused
-from expertmesh.grpc_server import GrpcServer, guarded
+from expertmesh.contracts.errors import QuarantineRefused
+from expertmesh.infra.grpc_server import GrpcServer, guarded
 from expertmesh.orchestrator.control_loop import ControlLoop, Manager
 from expertmesh.orchestrator.drift import api as drift_api
 from expertmesh.orchestrator.drift.config import DriftConfig
@@ -32,7 +32,7 @@ from expertmesh.orchestrator.health import api as health_api
 from expertmesh.orchestrator.health.monitor import HealthMonitor
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
 from expertmesh.orchestrator.migration.state import OPERATOR, Migration, MigrationMode, Phase, load, load_all
-from expertmesh.state import StateStore
+from expertmesh.store import StateStore
 from expertmesh.v1 import admin_pb2 as pb
 from expertmesh.v1 import admin_pb2_grpc as pb_grpc
 
@@ -77,7 +77,10 @@ def to_proto(m: Migration) -> pb.Migration:
         bytes_loaded=m.bytes_loaded,
         started_at=m.started_at,
         completed_at=m.completed_at or 0.0,
-        history=[pb.PhaseChange(phase=phase_to_proto(h.phase), at=h.at, routing_table_version=h.table_version) for h in m.history],
+        history=[
+            pb.PhaseChange(phase=phase_to_proto(h.phase), at=h.at, routing_table_version=h.table_version)
+            for h in m.history
+        ],
         initiator=m.initiator,
     )
 
@@ -287,7 +290,9 @@ def start_orchestrator(
     also answers the health RPCs (without it they are FAILED_PRECONDITION).
     ``on_drift_decision``: called with each drift decision (cluster mode: ``kube.drift_objects``)."""
     runner = MigrationRunner(store, MigrationExecutor(store, drain_timeout_s=drain_timeout_s), max_concurrent)
-    controller = DriftController(store, runner, drift if drift is not None else DriftConfig(), on_decision=on_drift_decision)
+    controller = DriftController(
+        store, runner, drift if drift is not None else DriftConfig(), on_decision=on_drift_decision
+    )
     server = GrpcServer("admin", host, port)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(runner, store, drift=controller, health=health), server.server)
     server.start((SERVICE_NAME,))

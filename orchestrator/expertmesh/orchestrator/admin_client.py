@@ -14,9 +14,9 @@ import time
 
 import grpc
 
-from expertmesh.errors import GroupUnavailable, InvalidRequest
-from expertmesh.security.admin_auth import admin_metadata
-from expertmesh.security.tls import secure_or_insecure_channel
+from expertmesh.contracts.errors import GroupUnavailable, InvalidRequest
+from expertmesh.infra.security.admin_auth import admin_metadata
+from expertmesh.infra.security.tls import secure_or_insecure_channel
 from expertmesh.v1 import admin_pb2_grpc as pb_grpc
 
 DEFAULT_ADMIN = os.environ.get("EXPERTMESH_ADMIN_ADDRESS", "127.0.0.1:50052")

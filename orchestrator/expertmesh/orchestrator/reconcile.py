@@ -41,13 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from expertmesh import placement as placement_mod
-from expertmesh.checkpoint import MoESpec
-from expertmesh.errors import ExpertMeshError
+from expertmesh.contracts import group_map as placement_mod
+from expertmesh.contracts.errors import ExpertMeshError
+from expertmesh.contracts.group_map import GroupPlacement
+from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
+from expertmesh.models.checkpoint import MoESpec
 from expertmesh.orchestrator.migration.state import MigrationMode, load_all
-from expertmesh.placement import GroupPlacement
-from expertmesh.routing_table import ModelIdentity, RoutingTable
-from expertmesh.state import StateStore
+from expertmesh.store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,10 @@ class Reconciler:
             log.info("empty state store: waiting for expert groups %s to register and describe what they hold", missing)
             return None
         if missing:
-            log.warning("groups %s did not describe what they hold; their experts are listed as the placement file says", missing)
+            log.warning(
+                "groups %s did not describe what they hold; their experts are listed as the placement file says",
+                missing,
+            )
         return observed_table(desired, held, model, self._last_seen + 1)
 
     def _migrate_towards(self, current: RoutingTable, desired: GroupPlacement) -> bool:
@@ -211,15 +214,25 @@ class Reconciler:
             layer, expert = step.pair
             try:
                 self._submit(layer, expert, step.target, step.source, step.mode, initiator=PLACEMENT_FILE)
-                log.info("placement file: %s of layer %d expert %d (%s)", step.mode, layer, expert, step.target or step.source)
+                log.info(
+                    "placement file: %s of layer %d expert %d (%s)",
+                    step.mode,
+                    layer,
+                    expert,
+                    step.target or step.source,
+                )
             except ExpertMeshError as err:  # a group not registered yet, say: the next round tries again
-                log.warning("placement file: cannot start the %s of layer %d expert %d yet: %s", step.mode, layer, expert, err)
+                log.warning(
+                    "placement file: cannot start the %s of layer %d expert %d yet: %s", step.mode, layer, expert, err
+                )
         return False
 
 
-def what_runs(store: StateStore) -> tuple[Callable[[Iterable[str]], dict[str, frozenset[tuple[int, int]]]], Callable[[], None]]:
+def what_runs(
+    store: StateStore,
+) -> tuple[Callable[[Iterable[str]], dict[str, frozenset[tuple[int, int]]]], Callable[[], None]]:
     """(``observe`` for a Reconciler: each group's Describe over its registered address, close)."""
-    from expertmesh.orchestrator.migration.groups import GroupChannels, held_pairs
+    from expertmesh.orchestrator.migration.group_calls import GroupChannels, held_pairs
 
     channels = GroupChannels(store.endpoints)
     return (lambda groups: held_pairs(channels, groups)), channels.close

@@ -13,8 +13,8 @@ import json
 import socket
 from pathlib import Path
 
-from expertmesh.errors import PlacementError
-from expertmesh.orchestrator.topology import (
+from expertmesh.contracts.errors import InputError
+from expertmesh.contracts.topology import (
     NvmlGpuFacts,
     Topology,
     parse_topology_yaml,
@@ -36,7 +36,7 @@ def load_k8s_topology(path: str | Path | None = None) -> Topology:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
-        raise PlacementError(f"{where} is not valid JSON: {err}") from None
+        raise InputError(f"{where} is not valid JSON: {err}") from None
     return topology_from_k8s_nodes(doc)
 
 
@@ -53,11 +53,11 @@ def _list_nodes() -> str:
         response = kubernetes.client.CoreV1Api(connection.client).list_node(_preload_content=False, _request_timeout=60)
         return response.data.decode()
     except KubeApiError as err:
-        raise PlacementError(f"{err}; pass --file with saved `kubectl get nodes -o json`") from None
+        raise InputError(f"{err}; pass --file with saved `kubectl get nodes -o json`") from None
     except ApiException as err:
-        raise PlacementError(f"cannot list nodes: {err.status} {err.reason}") from None
+        raise InputError(f"cannot list nodes: {err.status} {err.reason}") from None
     except urllib3.exceptions.HTTPError as err:
-        raise PlacementError(f"cannot list nodes: the Kubernetes API is unreachable ({err})") from None
+        raise InputError(f"cannot list nodes: the Kubernetes API is unreachable ({err})") from None
 
 
 def discover_nvml(node_name: str | None = None) -> Topology:
@@ -65,11 +65,11 @@ def discover_nvml(node_name: str | None = None) -> Topology:
     try:
         import pynvml
     except ImportError:
-        raise PlacementError("NVML discovery needs nvidia-ml-py (pip install nvidia-ml-py)") from None
+        raise InputError("NVML discovery needs nvidia-ml-py (pip install nvidia-ml-py)") from None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
-        raise PlacementError(f"NVML is not available on this machine: {err}") from None
+        raise InputError(f"NVML is not available on this machine: {err}") from None
     try:
         facts = [_gpu_facts(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())]
     finally:
@@ -107,8 +107,8 @@ def _bus_id(pci) -> str:
 
 
 def read_text(path: str | Path, what: str) -> str:
-    """A file's text, or PlacementError naming what it was meant to be."""
+    """A file's text, or InputError naming what it was meant to be."""
     try:
         return Path(path).read_text()
     except OSError as err:
-        raise PlacementError(f"cannot read {what} {str(path)!r}: {err.strerror}") from None
+        raise InputError(f"cannot read {what} {str(path)!r}: {err.strerror}") from None

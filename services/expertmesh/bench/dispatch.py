@@ -72,8 +72,8 @@ from expertmesh.bench.report import (
     torch_threads,
     write_json,
 )
-from expertmesh.config import TransportName
-from expertmesh.console import bar, progress
+from expertmesh.config.settings import TransportName
+from expertmesh.infra.console import bar, progress
 
 DECODE_PROMPT_TOKENS = 8  # prompt of each sequence before the timed decode steps
 WARMUP_STEPS = 1  # untimed decode steps after the prompt, before the timed ones
@@ -108,11 +108,15 @@ def add_command(bench_commands) -> None:
     p.add_argument("--prefill-tokens", type=int, default=512, help="tokens of the prefill phase (default 512)")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated (default 1,8,32)")
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per repeat (default 16)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per phase and side; median reported (default 5)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed repeats per phase and side; median reported (default 5)"
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads for both sides (default: torch's, = cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the checkpoint and the inputs")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
-    p.add_argument("--tracing", action="store_true", help="measure again with OpenTelemetry tracing on (OTLP to loopback)")
+    p.add_argument(
+        "--tracing", action="store_true", help="measure again with OpenTelemetry tracing on (OTLP to loopback)"
+    )
     p.add_argument(
         "--transport",
         choices=typing.get_args(TransportName),
@@ -126,7 +130,7 @@ def add_command(bench_commands) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from expertmesh.embedded import default_checkpoint
+    from expertmesh.models.embedded import default_checkpoint
 
     options = Options(
         model=args.model or default_checkpoint(),
@@ -280,14 +284,12 @@ def _phase(name, batch, tokens_per_step, mono_s, plat_s, meter, moe_layers, hidd
 
 def validate(options: Options):
     """Check the inputs against the checkpoint before starting anything; returns the Checkpoint."""
-    from expertmesh.checkpoint import Checkpoint
+    from expertmesh.models.checkpoint import Checkpoint
 
     checkpoint = Checkpoint(options.model)
     context = checkpoint.spec.max_context
     if context and options.prefill_tokens > context:
-        raise BenchError(
-            f"--prefill-tokens {options.prefill_tokens} is above the model's context of {context} tokens"
-        )
+        raise BenchError(f"--prefill-tokens {options.prefill_tokens} is above the model's context of {context} tokens")
     decode_len = DECODE_PROMPT_TOKENS + WARMUP_STEPS + options.decode_steps
     if context and decode_len > context:
         raise BenchError(
@@ -301,9 +303,9 @@ def run(options: Options) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from expertmesh.checkpoint import experts_modules
-    from expertmesh.config import DataPlaneConfig
-    from expertmesh.devices import router_device
+    from expertmesh.config.settings import DataPlaneConfig
+    from expertmesh.infra.devices import router_device
+    from expertmesh.models.checkpoint import experts_modules
 
     checkpoint = validate(options)
     device = router_device(options.device, "--device")
@@ -316,9 +318,13 @@ def run(options: Options) -> dict:
     with torch_threads(options.threads) as threads:
         baseline = resident_bytes()
         progress(f"bench dispatch: loading stock transformers ({spec.model_type}, {options.dtype}, on {device})")
-        mono = AutoModelForCausalLM.from_pretrained(
-            checkpoint.path, experts_implementation="eager", dtype=dtype, local_files_only=True
-        ).eval().to(device)
+        mono = (
+            AutoModelForCausalLM.from_pretrained(
+                checkpoint.path, experts_implementation="eager", dtype=dtype, local_files_only=True
+            )
+            .eval()
+            .to(device)
+        )
         memory = {
             "baseline_bytes": baseline,
             "monolithic_bytes": resident_bytes(),
@@ -386,7 +392,7 @@ def run(options: Options) -> dict:
 
 def _groups_peak_bytes(addresses: dict[str, str]) -> dict[str, int]:
     """Each group's peak resident memory, as its Describe reports it."""
-    from expertmesh.router.group_client import GroupClients
+    from expertmesh.infra.group_channels import GroupClients
     from expertmesh.v1 import experts_pb2 as pb
 
     clients = GroupClients()
@@ -401,8 +407,8 @@ def _measure_traced(measure: Callable[[], dict]) -> dict:
     """The same phases with tracing on in router and groups, exporting to a loopback OTLP receiver."""
     import os
 
-    from expertmesh.telemetry import setup as setup_telemetry
-    from expertmesh.telemetry.sink import OtlpSink
+    from expertmesh.infra.telemetry import setup as setup_telemetry
+    from expertmesh.infra.telemetry.sink import OtlpSink
 
     sink = OtlpSink().start()
     saved = {k: os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_INSECURE")}
@@ -425,7 +431,7 @@ def _measure_traced(measure: Callable[[], dict]) -> dict:
 def _agreement(mono, platform, ids, dtype: str) -> dict:
     """Both sides' logits on the prefill input ids [1, P]: a speed figure of a platform that computes
     something else would mean nothing (``expertmesh verify``'s tolerance; argmax at every position)."""
-    from expertmesh.verify import TOLERANCE
+    from expertmesh.verify.tolerances import VERIFY_TOLERANCE
 
     expected = mono(input_ids=ids).logits.float()  # [1, P, V]
     actual = platform(input_ids=ids).logits.float()
@@ -433,10 +439,10 @@ def _agreement(mono, platform, ids, dtype: str) -> dict:
     differ = int((expected.argmax(-1) != actual.argmax(-1)).sum())
     return {
         "max_abs_logit_diff": diff,
-        "tolerance": TOLERANCE[dtype],
+        "tolerance": VERIFY_TOLERANCE[dtype],
         "positions": ids.shape[1],
         "argmax_differs_at": differ,
-        "passed": diff <= TOLERANCE[dtype] and differ == 0,
+        "passed": diff <= VERIFY_TOLERANCE[dtype] and differ == 0,
     }
 
 
@@ -462,8 +468,15 @@ def _run_phases(
         mono_s, plat_s = _measure(lambda m, w: _prefill_seconds(m, ids, w), mono, platform, meter, options.repeats)
         phases.append(
             _phase(
-                f"prefill {options.prefill_tokens}", 1, options.prefill_tokens, mono_s, plat_s, meter,
-                moe_layers, hidden, dtype_bytes,
+                f"prefill {options.prefill_tokens}",
+                1,
+                options.prefill_tokens,
+                mono_s,
+                plat_s,
+                meter,
+                moe_layers,
+                hidden,
+                dtype_bytes,
             )
         )
         for batch in options.batches:
@@ -539,8 +552,20 @@ def table(result: dict) -> str:
         f"median of {setup['repeats']}"
     )
     body = format_table(
-        ["phase", "mono ms", "plat ms", "ratio", "mono tok/s", "plat tok/s", "+ms/layer",
-         "dispatch ms/layer", "groups/tok", "B/tok/layer", "min B", "x min"],
+        [
+            "phase",
+            "mono ms",
+            "plat ms",
+            "ratio",
+            "mono tok/s",
+            "plat tok/s",
+            "+ms/layer",
+            "dispatch ms/layer",
+            "groups/tok",
+            "B/tok/layer",
+            "min B",
+            "x min",
+        ],
         rows,
         ["", ".2f", ".2f", ".2f", ".1f", ".1f", ".3f", ".3f", ".2f", ".0f", ".0f", ".2f"],
     )

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from expertmesh.console import progress
+from expertmesh.infra.console import progress
 
 if TYPE_CHECKING:
-    from expertmesh.config import DataPlaneConfig
-    from expertmesh.data_plane import DataPlane
+    from expertmesh.config.settings import DataPlaneConfig
+    from expertmesh.platform.data_plane import DataPlane
 
 GROUPS_AS = ("ray", "process")
 
@@ -49,7 +49,7 @@ def device_summary(device) -> dict:
 @contextmanager
 def started(config: DataPlaneConfig, groups_as: str, bench: str) -> Iterator[DataPlane]:
     """The router's data plane over groups on Ray Serve or in plain processes; stopped on exit."""
-    from expertmesh.data_plane import DataPlane
+    from expertmesh.platform.data_plane import DataPlane
 
     if groups_as == "ray":
         plane = DataPlane.start(config)
@@ -77,11 +77,11 @@ def _group_processes(config: DataPlaneConfig, bench: str):
     them and their routing table (as ``DataPlane.start`` publishes it): neither Ray nor Redis."""
     import torch
 
-    from expertmesh import placement as placement_mod
-    from expertmesh.checkpoint import Checkpoint
-    from expertmesh.expert_group.processes import start_groups
-    from expertmesh.routing_table import ModelIdentity, RoutingTable
-    from expertmesh.state import open_store
+    from expertmesh.contracts import group_map as placement_mod
+    from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
+    from expertmesh.models.checkpoint import Checkpoint
+    from expertmesh.platform.group_processes import start_groups
+    from expertmesh.store import open_store
 
     spec = Checkpoint(config.model).spec
     placement = placement_mod.contiguous(spec, config.groups)
@@ -93,5 +93,7 @@ def _group_processes(config: DataPlaneConfig, bench: str):
     store = open_store("memory://")
     for name, group in groups.items():
         store.set_endpoint(name, group.address)
-    store.publish_routing_table(RoutingTable.from_placement(placement, spec.num_experts, version=1, model=ModelIdentity.of(spec)))
+    store.publish_routing_table(
+        RoutingTable.from_placement(placement, spec.num_experts, version=1, model=ModelIdentity.of(spec))
+    )
     return groups, store

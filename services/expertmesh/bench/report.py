@@ -16,7 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from expertmesh.errors import ExpertMeshError
+from expertmesh.contracts.errors import ExpertMeshError
 
 
 class BenchError(ExpertMeshError):

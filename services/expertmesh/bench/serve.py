@@ -74,7 +74,7 @@ from expertmesh.bench.report import (
     torch_threads,
     write_json,
 )
-from expertmesh.console import bar, progress
+from expertmesh.infra.console import bar, progress
 
 FIRST_TOKEN_ID = 3  # seeded prompts avoid the tiny models' pad/bos/eos ids (0, 1, 2)
 
@@ -130,17 +130,22 @@ def add_command(bench_commands) -> None:
     p.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default 8)")
     p.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends in turn (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
-    p.add_argument("--prompt-tokens", type=int, default=32, help="longest prompt; prompts are half to this (default 32)")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=32, help="longest prompt; prompts are half to this (default 32)"
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads in this process (default: torch's, = cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the checkpoint and the prompts")
     p.add_argument("--ray-address", help="join this Ray cluster when starting the platform here")
     p.add_argument(
-        "--classifier", action="store_true",
+        "--classifier",
+        action="store_true",
         help="also measure the query classifier's added TTFT: text prompts with exact, prefer (alpha 0) with the "
         "domain given, and prefer (alpha 0) classified (default: off)",
     )
     p.add_argument(
-        "--repeats", type=int, default=1,
+        "--repeats",
+        type=int,
+        default=1,
         help="runs of the platform and of each baseline, interleaved; each row reports the median's (default 1)",
     )
     p.add_argument(
@@ -153,7 +158,7 @@ def add_command(bench_commands) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from expertmesh.embedded import default_checkpoint
+    from expertmesh.models.embedded import default_checkpoint
 
     options = Options(
         model=args.model or default_checkpoint(),
@@ -187,7 +192,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def validate(options: Options):
-    from expertmesh.checkpoint import Checkpoint
+    from expertmesh.models.checkpoint import Checkpoint
 
     checkpoint = Checkpoint(options.model)
     context = checkpoint.spec.max_context
@@ -218,7 +223,7 @@ def text_prompts(options: Options, checkpoint) -> list[tuple[str, str, int]]:
     import random
 
     from expertmesh.classifier.corpus import load_examples, shipped
-    from expertmesh.serving.up import load_tokenizer
+    from expertmesh.platform.router_apis import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint.path)
     if tokenizer is None:
@@ -236,7 +241,7 @@ def text_prompts(options: Options, checkpoint) -> list[tuple[str, str, int]]:
 
 
 def run(options: Options) -> dict:
-    from expertmesh.devices import router_device
+    from expertmesh.infra.devices import router_device
 
     checkpoint = validate(options)
     device = router_device(options.device, "--device")
@@ -252,8 +257,8 @@ def run(options: Options) -> dict:
             classified = _classifier_runs(options.target, options, queries)
             platform, baselines = _interleaved(options.target, checkpoint.path, options, work, text, device)
         else:
-            from expertmesh.config import DataPlaneConfig, ServingConfig
-            from expertmesh.serving.up import serve_plane
+            from expertmesh.config.settings import DataPlaneConfig, ServingConfig
+            from expertmesh.platform.router_apis import serve_plane
 
             config = DataPlaneConfig(
                 model=checkpoint.path,
@@ -289,7 +294,8 @@ def run(options: Options) -> dict:
         "setup": {
             **options_summary(options),
             "threads": threads,
-            "platform": options.target or f"in-process expertmesh up (local data plane, {_RUNNERS[options.groups_as]}, gRPC on loopback)",
+            "platform": options.target
+            or f"in-process expertmesh up (local data plane, {_RUNNERS[options.groups_as]}, gRPC on loopback)",
             **device_summary(device),
             "prompt_lengths": [len(p) for p in work],
             "machine": machine(),
@@ -327,26 +333,33 @@ def run_sweep(options: Options) -> dict:
         result = run(dataclasses.replace(options, clients=clients, sweep=()))
         platform, batched = result["runs"][0], result["runs"][-1]
         kv = result.get("kv", {})
-        points.append({
-            "clients": clients,
-            "platform_tokens_per_s": platform["tokens_per_s"],
-            "generate_batched_tokens_per_s": batched["tokens_per_s"],
-            "ratio_to_batched": platform["tokens_per_s"] / batched["tokens_per_s"],
-            "itl_p50_ms": {"platform": platform["itl_ms"]["p50"], "generate_batched": batched["itl_ms"]["p50"]},
-            "kv_usage_peak": kv.get("usage_peak"),
-            "preemptions": kv.get("preemptions"),
-            "same_answers": result["agreement"]["passed"],
-            "result": result,
-        })
+        points.append(
+            {
+                "clients": clients,
+                "platform_tokens_per_s": platform["tokens_per_s"],
+                "generate_batched_tokens_per_s": batched["tokens_per_s"],
+                "ratio_to_batched": platform["tokens_per_s"] / batched["tokens_per_s"],
+                "itl_p50_ms": {"platform": platform["itl_ms"]["p50"], "generate_batched": batched["itl_ms"]["p50"]},
+                "kv_usage_peak": kv.get("usage_peak"),
+                "preemptions": kv.get("preemptions"),
+                "same_answers": result["agreement"]["passed"],
+                "result": result,
+            }
+        )
     return {"benchmark": "serve-sweep", "model": points[0]["result"]["model"], "points": points}
 
 
 def sweep_table(result: dict) -> str:
     rows = [
         [
-            p["clients"], p["platform_tokens_per_s"], p["generate_batched_tokens_per_s"], p["ratio_to_batched"],
-            p["itl_p50_ms"]["platform"], p["itl_p50_ms"]["generate_batched"],
-            None if p["kv_usage_peak"] is None else 100 * p["kv_usage_peak"], p["preemptions"],
+            p["clients"],
+            p["platform_tokens_per_s"],
+            p["generate_batched_tokens_per_s"],
+            p["ratio_to_batched"],
+            p["itl_p50_ms"]["platform"],
+            p["itl_p50_ms"]["generate_batched"],
+            None if p["kv_usage_peak"] is None else 100 * p["kv_usage_peak"],
+            p["preemptions"],
             "PASS" if p["same_answers"] else "FAIL",
         ]
         for p in result["points"]
@@ -358,8 +371,17 @@ def sweep_table(result: dict) -> str:
         f"{setup['requests_per_client']} request(s) per client; {setup['threads']} torch threads"
     )
     body = format_table(
-        ["clients", "platform tok/s", "generate batched tok/s", "ratio", "ITL p50 ms", "generate ITL p50 ms",
-         "KV peak %", "preemptions", "same answers"],
+        [
+            "clients",
+            "platform tok/s",
+            "generate batched tok/s",
+            "ratio",
+            "ITL p50 ms",
+            "generate ITL p50 ms",
+            "KV peak %",
+            "preemptions",
+            "same answers",
+        ],
         rows,
         ["d", ".1f", ".1f", ".2f", ".1f", ".1f", ".1f", "d", ""],
     )
@@ -463,7 +485,7 @@ def _neutral_profiles(plane) -> None:
     import numpy as np
 
     from expertmesh.classifier import default_classifier
-    from expertmesh.router.profiles import build_profiles, save_profiles
+    from expertmesh.router.policy.profiles import build_profiles, save_profiles
 
     spec = plane.checkpoint.spec
     even = np.ones((len(spec.moe_layers), spec.num_experts))  # [L, E]: every expert chosen alike
@@ -483,11 +505,18 @@ def _classifier_runs(target: str, options: Options, queries: list[tuple[str, str
     return [
         _platform_run(target, options, texts, f"text, exact: {n} clients", [{"routing_policy": "exact"}] * len(texts)),
         _platform_run(
-            target, options, texts, f"text, prefer alpha=0, domain given: {n} clients",
+            target,
+            options,
+            texts,
+            f"text, prefer alpha=0, domain given: {n} clients",
             [{"routing_policy": neutral, "domain": d} for _, d, _ in queries],
         ),
         _platform_run(
-            target, options, texts, f"text, prefer alpha=0, classified: {n} clients", [{"routing_policy": neutral}] * len(texts)
+            target,
+            options,
+            texts,
+            f"text, prefer alpha=0, classified: {n} clients",
+            [{"routing_policy": neutral}] * len(texts),
         ),
     ]
 
@@ -539,9 +568,13 @@ def _baselines(path: Path, options: Options, text, device) -> Callable[[list[lis
     from transformers import AutoModelForCausalLM
 
     progress(f"bench serve: loading stock transformers ({options.dtype}, on {device})")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, experts_implementation="eager", dtype=getattr(torch, options.dtype), local_files_only=True
-    ).eval().to(device)
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            path, experts_implementation="eager", dtype=getattr(torch, options.dtype), local_files_only=True
+        )
+        .eval()
+        .to(device)
+    )
     pad = text.pad_token_id if text.pad_token_id is not None else 0
     m, n = options.max_new_tokens, options.clients
 
@@ -556,8 +589,13 @@ def _baselines(path: Path, options: Options, text, device) -> Callable[[list[lis
             # No end-of-sequence token (rather than min_new_tokens, which forbids it): exactly new_tokens
             # tokens, each the argmax, as the platform streams them with stop_at_eos=False.
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None,
-                do_sample=False, pad_token_id=pad, streamer=clock,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                eos_token_id=None,
+                do_sample=False,
+                pad_token_id=pad,
+                streamer=clock,
             )  # [B, width + new_tokens]
         steps = clock.times[1:]  # the first call hands over the prompt
         new = out[:, width:].tolist()
@@ -629,8 +667,16 @@ def table(result: dict) -> str:
     model, setup = result["model"], result["setup"]
     rows = [
         [
-            r["name"], r["requests"], r["concurrency"], r["tokens"], r["seconds"], r["tokens_per_s"],
-            r["itl_ms"]["p50"], r["itl_ms"]["p99"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"],
+            r["name"],
+            r["requests"],
+            r["concurrency"],
+            r["tokens"],
+            r["seconds"],
+            r["tokens_per_s"],
+            r["itl_ms"]["p50"],
+            r["itl_ms"]["p99"],
+            r["ttft_ms"]["p50"],
+            r["ttft_ms"]["p99"],
         ]
         for r in [*result["runs"], *result.get("classifier", {}).get("runs", [])]
     ]
@@ -643,8 +689,18 @@ def table(result: dict) -> str:
         + (f"; median of {setup['repeats']} interleaved repeats" if setup["repeats"] > 1 else "")
     )
     body = format_table(
-        ["run", "requests", "concurrent", "tokens", "seconds", "tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms",
-         "TTFT p99 ms"],
+        [
+            "run",
+            "requests",
+            "concurrent",
+            "tokens",
+            "seconds",
+            "tok/s",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+        ],
         rows,
         ["", "d", "d", "d", ".2f", ".1f", ".2f", ".2f", ".1f", ".1f"],
     )

@@ -23,7 +23,7 @@ from expertmesh.classifier.corpus import (
 )
 from expertmesh.classifier.model import FORMAT, QueryClassifier
 from expertmesh.classifier.train import TrainConfig, train
-from expertmesh.embedded import home
+from expertmesh.infra.home import home
 
 _lock = threading.Lock()
 _default: QueryClassifier | None = None

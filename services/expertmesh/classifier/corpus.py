@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from expertmesh.errors import ExpertMeshError
+from expertmesh.contracts.errors import ExpertMeshError
 
 
 class CorpusError(ExpertMeshError):

@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from expertmesh.classifier.features import FeatureConfig, feature_ids
-from expertmesh.errors import ExpertMeshError
+from expertmesh.contracts.errors import ExpertMeshError
 
 FORMAT = 1
 

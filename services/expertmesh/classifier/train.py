@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from expertmesh.classifier.corpus import Example
 from expertmesh.classifier.features import FeatureConfig, feature_ids
 from expertmesh.classifier.model import QueryClassifier, weighted_bag
-from expertmesh.errors import ExpertMeshError
+from expertmesh.contracts.errors import ExpertMeshError
 
 
 class TrainConfig(BaseModel):

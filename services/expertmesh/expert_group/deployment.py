@@ -24,17 +24,21 @@ store heals without restarts.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.schema import ApplicationStatus
 
 from expertmesh.expert_group.runtime import GroupSpec, RunningGroup
+
 # At home in runtime (which needs no Ray); still importable from here.
 from expertmesh.expert_group.runtime import parse_cpulist as parse_cpulist
 from expertmesh.expert_group.runtime import pin_to_numa_node as pin_to_numa_node
+from expertmesh.infra.console import bar
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +150,9 @@ DEPLOY_TIMEOUT_S = 600.0
 def deploy(specs: list[GroupSpec]) -> dict[str, str]:
     """Deploy (or update) every group; blocks until all serve. Returns group -> gRPC address."""
     serve.start(proxy_location="Disabled")
-    target = serve.RunTarget(application(specs), name=APP_NAME, route_prefix=None, logging_config={"log_level": "WARNING"})
+    target = serve.RunTarget(
+        application(specs), name=APP_NAME, route_prefix=None, logging_config={"log_level": "WARNING"}
+    )
     (handle,) = serve.run_many([target], wait_for_applications_running=False)
     _wait_for_app(lambda app: app.status == ApplicationStatus.RUNNING, "start", DEPLOY_TIMEOUT_S)
     return handle.addresses.remote().result()
@@ -158,23 +164,29 @@ class GroupsAppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="checkpoint directory inside the Ray worker containers")
-    placement: dict[str, Any] = Field(description="placement, as in a placement YAML: {groups: {name: {layer: [experts]}}}")
+    placement: dict[str, Any] = Field(
+        description="placement, as in a placement YAML: {groups: {name: {layer: [experts]}}}"
+    )
     dtype: str = "float32"
     state_url: str = Field(description="shared state store (redis://...) the groups register their addresses in")
-    deployment: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="the deployment's keys in it")
+    deployment: str = Field(
+        "default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="the deployment's keys in it"
+    )
     host: str = "0.0.0.0"
     port_base: int = Field(50100, ge=1, le=65000, description="group i (in name order) listens on port_base + i")
     num_cpus: float = 1.0
     num_gpus: float = 0
     #: group name -> Ray custom resources (e.g. its NVLink island)
     resources: dict[str, dict[str, float]] = Field(default_factory=dict)
-    budget_bytes: int | None = Field(None, ge=1, description="bytes of expert weights each group may hold; unset: unlimited")
+    budget_bytes: int | None = Field(
+        None, ge=1, description="bytes of expert weights each group may hold; unset: unlimited"
+    )
 
 
 def build_app(args: dict):
     """Serve application builder for RayService: validates everything before any replica starts."""
-    from expertmesh import placement as placement_mod
-    from expertmesh.checkpoint import Checkpoint
+    from expertmesh.contracts import group_map as placement_mod
+    from expertmesh.models.checkpoint import Checkpoint
 
     config = GroupsAppArgs.model_validate(args)
     spec = Checkpoint(config.model).spec
@@ -238,5 +250,36 @@ def _wait_for_app(done, doing: str, timeout_s: float) -> None:
         if app.status == ApplicationStatus.DEPLOY_FAILED:
             raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the expert groups did not {doing} within {timeout_s:.0f}s (Serve status: {app.status.value})")
+            raise TimeoutError(
+                f"the expert groups did not {doing} within {timeout_s:.0f}s (Serve status: {app.status.value})"
+            )
         time.sleep(STATUS_POLL_S)
+
+
+@contextmanager
+def groups_loading(total: int, poll_s: float = 0.5) -> Iterator[None]:
+    """While the body deploys ``total`` expert groups on Ray Serve: a bar of the groups that serve
+    (their replicas have loaded their weights), from Serve's status. Nothing runs when no bar shows."""
+    shown = bar(total, "expert groups loaded", unit="group")
+    if shown.disable:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(poll_s):
+            try:
+                deployments = app_status().deployment_statuses
+            except Exception:  # Serve not up yet, or going down: the bar just waits
+                continue
+            healthy = sum(d.status == "HEALTHY" for d in deployments if d.name.startswith("group-"))
+            shown.update(healthy - shown.n)
+
+    watcher = threading.Thread(target=watch, name="expertmesh-groups-bar", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        shown.close()

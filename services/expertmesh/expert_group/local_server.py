@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from expertmesh import shared_buffer, wire_frames
-from expertmesh.errors import InvalidRequest
+from expertmesh.contracts import frames as wire_frames
+from expertmesh.contracts import shared_buffer
+from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.v1 import experts_pb2 as pb
 
 if TYPE_CHECKING:
@@ -95,7 +96,10 @@ class _Connection:
         """Map the buffer that came with ``frame``, if one did; closes every descriptor received."""
         try:
             if frame.HasField("cuda_buffer"):
-                self.shared, self.transport = self._opened(shared_buffer.open_cuda, frame.cuda_buffer, frame), "cuda-ipc"
+                self.shared, self.transport = (
+                    self._opened(shared_buffer.open_cuda, frame.cuda_buffer, frame),
+                    "cuda-ipc",
+                )
             elif fds:
                 self.shared, self.transport = self._opened(shared_buffer.open_memfd, fds.pop(), frame), "shm"
             elif self.shared is None:
@@ -197,7 +201,9 @@ class LocalServer:
             conn.settimeout(HELLO_TIMEOUT_S)
             for fd in socket.recv_fds(conn, wire_frames.MAX_HEADER_BYTES, 1)[1]:
                 os.close(fd)
-            refusal = _error(0, grpc.StatusCode.RESOURCE_EXHAUSTED, "this group has its limit of same-host connections open")
+            refusal = _error(
+                0, grpc.StatusCode.RESOURCE_EXHAUSTED, "this group has its limit of same-host connections open"
+            )
             conn.send(refusal.SerializeToString())
         except OSError:
             pass
@@ -248,7 +254,9 @@ class LocalServer:
             conn.settimeout(None)
             return True
         refusal = _error(
-            0, grpc.StatusCode.PERMISSION_DENIED, "this socket takes only callers that present the token of the group's Transports RPC"
+            0,
+            grpc.StatusCode.PERMISSION_DENIED,
+            "this socket takes only callers that present the token of the group's Transports RPC",
         )
         conn.send(refusal.SerializeToString())
         return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from expertmesh.state import StateStore
+from expertmesh.store import StateStore
 
 log = logging.getLogger(__name__)
 

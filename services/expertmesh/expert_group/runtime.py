@@ -13,9 +13,20 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from typing import Callable
+
+#: What ``expertmesh group serve`` prints once its group serves; whoever starts one (``platform.group_processes``,
+#: the chaos hosts) waits for this line and reads the name, address and pid from it.
+BANNER = re.compile(r"expertmesh group (\S+) is serving \d+ experts on (\S+) \(pid (\d+)\)")
+
+
+def serving_line(name: str, experts: int, address: str) -> str:
+    """The line ``BANNER`` matches, for the group serving in this process."""
+    return f"expertmesh group {name} is serving {experts} experts on {address} (pid {os.getpid()})"
+
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +103,10 @@ class RunningGroup:
     def __init__(self, spec: GroupSpec, advertise: Callable[[], str] = node_ip):
         import torch
 
-        from expertmesh.checkpoint import Checkpoint
-        from expertmesh.expert_group.hosted import HostedExperts
         from expertmesh.expert_group.service import start_server
-        from expertmesh.telemetry import setup as setup_telemetry
+        from expertmesh.infra.telemetry import setup as setup_telemetry
+        from expertmesh.models.checkpoint import Checkpoint
+        from expertmesh.models.hosted_experts import HostedExperts
 
         if spec.numa is not None:
             pin_to_numa_node(spec.numa)
@@ -115,7 +126,7 @@ class RunningGroup:
             self.address = f"{advertise() if spec.host in ('0.0.0.0', '::') else spec.host}:{port}"
             if spec.state_url:
                 from expertmesh.expert_group.registration import EndpointRegistration
-                from expertmesh.state import open_store
+                from expertmesh.store import open_store
 
                 self._registration = EndpointRegistration(
                     open_store(spec.state_url, spec.deployment), spec.name, self.address

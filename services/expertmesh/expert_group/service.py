@@ -7,7 +7,7 @@ keeps serving everyone else. At most ``max_concurrent_dispatch`` Dispatch calls
 execute at once; one more is refused at once with RESOURCE_EXHAUSTED rather
 than queued, so a router can try another replica instead of waiting.
 LoadExperts and UnloadExperts are admin RPCs: the server's interceptor lets
-them through only with an admin identity (``expertmesh.security.admin_auth``).
+them through only with an admin identity (``expertmesh.infra.security.admin_auth``).
 
 The servicer counts the Dispatch calls executing now per (routing-table
 version, layer, expert): a migration unloads a source only once no call of an
@@ -41,40 +41,22 @@ import grpc
 import torch
 from opentelemetry import propagate
 
-from expertmesh import shared_buffer, wire
-from expertmesh.config import AdminAuthConfig, FaultInjectionConfig, TlsConfig
+from expertmesh.config.settings import AdminAuthConfig, FaultInjectionConfig, TlsConfig
+from expertmesh.contracts import shared_buffer, wire
+from expertmesh.contracts.errors import ExpertMeshError, FaultInjectionDisabled, InvalidRequest, Overloaded
 from expertmesh.expert_group.busy import BusyClock
-from expertmesh.errors import ExpertMeshError, FaultInjectionDisabled, InvalidRequest, Overloaded
-from expertmesh.expert_group.hosted import HostedExperts
 from expertmesh.expert_group.transport_use import TransportUse, offered
-from expertmesh.grpc_server import GrpcServer, guarded
-from expertmesh.security import from_env
-from expertmesh.security.tls import secure_or_insecure_channel
-from expertmesh.telemetry.setup import tracer
+from expertmesh.infra.group_channels import CHANNEL_OPTIONS
+from expertmesh.infra.grpc_server import GrpcServer, guarded
+from expertmesh.infra.security import from_env
+from expertmesh.infra.telemetry.setup import tracer
+from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "expertmesh.v1.ExpertGroup"
-# Hidden states of a large prefill exceed gRPC's 4 MiB default (4k tokens of a 7168-wide
-# model in fp32 are ~117 MB, and the router sends a layer's tokens in one call); more than
-# this in one call is refused before it is read. The router's channels use the same options.
-MAX_MESSAGE_BYTES = 512 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-
-
-def group_channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
-    """A channel to the group at ``address`` (router and orchestrator alike): these message limits,
-    and mutual TLS when configured (``tls``, default the environment's), verifying the name the
-    groups' certificate is issued for (``group_server_name``) since groups are dialled by IP."""
-    tls = tls if tls is not None else from_env(TlsConfig)
-    return secure_or_insecure_channel(address, CHANNEL_OPTIONS, tls=tls, server_name=tls.group_server_name)
-
-
 #: Dispatch calls one group executes at once by default; more are refused with RESOURCE_EXHAUSTED.
 MAX_CONCURRENT_DISPATCH = 64
 
@@ -170,11 +152,15 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
         try:
             experts = _named_experts(ids, self.hosted.spec.num_experts)
             tokens = hidden.shape[0] if hidden.dim() else 0
-            with self._tracking(version, layer, experts), tracer().start_as_current_span(
-                "expertmesh.group.compute",
-                context=parent,
-                attributes={"expertmesh.group": self.group, "expertmesh.layer": layer, "expertmesh.tokens": tokens},
-            ), self.busy.running():
+            with (
+                self._tracking(version, layer, experts),
+                tracer().start_as_current_span(
+                    "expertmesh.group.compute",
+                    context=parent,
+                    attributes={"expertmesh.group": self.group, "expertmesh.layer": layer, "expertmesh.tokens": tokens},
+                ),
+                self.busy.running(),
+            ):
                 return self.hosted.compute(layer, hidden, ids, weights)
         finally:
             self._slots.release()
@@ -278,7 +264,13 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
             raise InvalidRequest(f"InjectFault needs a kind: FAULT_KIND_SCALE or FAULT_KIND_NAN, got {request.kind}")
         layer, expert = request.expert.layer, request.expert.expert
         loaded, current = self.hosted.inject_fault(layer, expert, _FAULT_KINDS[request.kind], request.factor)
-        log.warning("group %s: injected a %s fault into layer %d expert %d", self.group, _FAULT_KINDS[request.kind], layer, expert)
+        log.warning(
+            "group %s: injected a %s fault into layer %d expert %d",
+            self.group,
+            _FAULT_KINDS[request.kind],
+            layer,
+            expert,
+        )
         return pb.InjectFaultResponse(
             fingerprint=pb.ExpertFingerprint(layer=layer, expert=expert, loaded=loaded, current=current)
         )
@@ -297,7 +289,7 @@ class GroupServer(GrpcServer):
     set of Dispatch calls neither blocks Describe, LoadExperts and health checks nor delays the
     refusal of one call too many. With TLS (``tls``, default the environment's) the server requires
     client certificates: only routers and the orchestrator call groups. LoadExperts and UnloadExperts
-    need an admin identity (``admin``; see expertmesh.security).
+    need an admin identity (``admin``; see expertmesh.infra.security).
     """
 
     def __init__(

@@ -20,15 +20,14 @@ from typing import TYPE_CHECKING, Iterator
 
 import grpc
 
-from expertmesh import wire_frames
-from expertmesh.errors import InvalidRequest
+from expertmesh.contracts import frames as wire_frames
+from expertmesh.contracts.errors import InvalidRequest
+from expertmesh.contracts.frames import STREAM_METHOD, STREAM_SERVICE_NAME  # noqa: F401  (STREAM_METHOD: its clients)
 from expertmesh.v1 import experts_pb2 as pb
 
 if TYPE_CHECKING:
     from expertmesh.expert_group.service import ExpertGroupServicer
 
-STREAM_SERVICE_NAME = "expertmesh.v1.ExpertGroupStream"
-STREAM_METHOD = f"/{STREAM_SERVICE_NAME}/Dispatch"
 TRANSPORT = "grpc-stream"
 
 

@@ -9,6 +9,6 @@
   snapshots and the probe's own traffic over the Inference API.
 - ``probe_cli`` / ``heatmap_cli``: ``expertmesh probe`` and ``expertmesh heatmap``.
 
-Traces and Prometheus metrics live in ``expertmesh.telemetry``; the Grafana
+Traces and Prometheus metrics live in ``expertmesh.infra.telemetry``; the Grafana
 dashboard over those metrics is ``deploy/grafana/expertmesh-dashboard.json``.
 """

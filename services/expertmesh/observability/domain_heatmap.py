@@ -45,8 +45,15 @@ def render_domain_heatmap(
         if row >= L:
             ax.set_axis_off()
             continue
-        image = ax.imshow(freq[row].T, aspect="auto", origin="lower", cmap=_colormap(), vmin=0.0,
-                          vmax=float(freq.max()) or 1.0, interpolation="nearest")
+        image = ax.imshow(
+            freq[row].T,
+            aspect="auto",
+            origin="lower",
+            cmap=_colormap(),
+            vmin=0.0,
+            vmax=float(freq.max()) or 1.0,
+            interpolation="nearest",
+        )
         ax.set_title(f"layer {moe_layers[row]}", fontsize=9)
         ax.set_xticks(range(D))
         ax.set_xticklabels(domains, fontsize=6, rotation=90)
@@ -60,7 +67,9 @@ def render_domain_heatmap(
         bar.ax.tick_params(labelsize=7)
         bar.ax.axhline(top_k / E, color="red", linewidth=1.5)  # routing that ignores the domain
     name = f"{model_name}: " if model_name else ""
-    fig.suptitle(f"{name}expert activation by query domain, top-{top_k} of {E} experts (red line: even routing)", fontsize=10)
+    fig.suptitle(
+        f"{name}expert activation by query domain, top-{top_k} of {E} experts (red line: even routing)", fontsize=10
+    )
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()

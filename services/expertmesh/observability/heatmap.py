@@ -53,7 +53,9 @@ def render_position_heatmap(
 
     counts = np.asarray(position_load, dtype=np.float64)
     if counts.ndim != 3 or counts.shape[0] != len(moe_layers):
-        raise ValueError(f"position_load has shape {counts.shape}, expected (MoE layers={len(moe_layers)}, bins, experts)")
+        raise ValueError(
+            f"position_load has shape {counts.shape}, expected (MoE layers={len(moe_layers)}, bins, experts)"
+        )
     L, P, E = counts.shape
     if counts.sum() <= 0:
         raise ValueError("no routed tokens with known positions in the counts")

@@ -19,16 +19,16 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from expertmesh.errors import ExpertMeshError, GroupUnavailable, InvalidRequest
+from expertmesh.contracts.errors import ExpertMeshError, GroupUnavailable, InvalidRequest
+from expertmesh.infra.security.tls import secure_or_insecure_channel
 from expertmesh.observability.sparsity import ModelShape
-from expertmesh.security.tls import secure_or_insecure_channel
 from expertmesh.v1 import inference_pb2 as pb
 from expertmesh.v1 import inference_pb2_grpc as pb_grpc
 
 #: Prompts of different kinds, cycled through by the probe's traffic.
 PROMPTS = (
     "The history of the Roman Empire begins with",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Solve for x: 3x + 7 = 22. First, subtract 7 from both sides",
     "Dear hiring manager, I am writing to apply for the position of",
     "SELECT name, COUNT(*) FROM orders JOIN customers ON",
@@ -69,7 +69,12 @@ class LoadStats:
         load = np.asarray(stats["load"], dtype=np.float64).reshape(L, E)
         position = np.asarray(stats.get("position_load") or np.zeros((L, 0, E)), dtype=np.float64)
         return cls(
-            tuple(stats["moe_layers"]), E, stats["top_k"], int(stats.get("max_context") or 0), load, position.reshape(L, -1, E)
+            tuple(stats["moe_layers"]),
+            E,
+            stats["top_k"],
+            int(stats.get("max_context") or 0),
+            load,
+            position.reshape(L, -1, E),
         )
 
     def __sub__(self, before: "LoadStats") -> "LoadStats":
@@ -81,7 +86,9 @@ class LoadStats:
                 "the router's load window aged out old counts during the probe, so the difference is not this "
                 "probe's traffic; run it again (or use --requests 0 to report the whole window)"
             )
-        return LoadStats(self.moe_layers, self.num_experts, self.top_k, self.max_context, load.clip(0), position.clip(0))
+        return LoadStats(
+            self.moe_layers, self.num_experts, self.top_k, self.max_context, load.clip(0), position.clip(0)
+        )
 
 
 @dataclass(frozen=True)
@@ -173,9 +180,7 @@ class Router:
         with ThreadPoolExecutor(max(1, concurrency)) as pool:
             rest = list(pool.map(one, range(1, requests)))
         usage = first + rest
-        return Traffic(
-            requests, sum(p for p, _ in usage), sum(c for _, c in usage), time.monotonic() - start
-        )
+        return Traffic(requests, sum(p for p, _ in usage), sum(c for _, c in usage), time.monotonic() - start)
 
 
 def _request(prompt, max_new_tokens: int, seed: int, request_id: str) -> pb.GenerateRequest:
@@ -202,10 +207,10 @@ def expert_groups(info: pb.ModelInfo, placement_file: Path | None) -> tuple[dict
     """(group name -> hosted (layer, expert) pairs, how they were obtained).
 
     ``ModelInfo`` does not say which group holds which expert: with a placement
-    file we read it; otherwise we assume ``expertmesh.placement.contiguous``
+    file we read it; otherwise we assume ``expertmesh.contracts.group_map.contiguous``
     over as many groups as the router reports (what ``--groups N`` starts)."""
-    from expertmesh import placement
-    from expertmesh.checkpoint import MoESpec
+    from expertmesh.contracts import group_map as placement
+    from expertmesh.models.checkpoint import MoESpec
 
     spec = MoESpec(
         model_type=info.architecture,
@@ -234,6 +239,4 @@ def expert_groups(info: pb.ModelInfo, placement_file: Path | None) -> tuple[dict
 
 def check_not_empty(stats: LoadStats, target: str, source: str) -> None:
     if stats.load.sum() <= 0:
-        raise InvalidRequest(
-            f"no routed tokens in {source} of {target}: send traffic first or pass --requests N"
-        )
+        raise InvalidRequest(f"no routed tokens in {source} of {target}: send traffic first or pass --requests N")

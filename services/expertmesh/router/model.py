@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from expertmesh.checkpoint import Checkpoint, experts_modules
-from expertmesh.errors import CheckpointError
-from expertmesh.router.dispatch import IMPLEMENTATION, ExpertDispatcher
-from expertmesh.router.degraded import StockChoice
-from expertmesh.router.gate_hook import GateBias
+from expertmesh.contracts.errors import CheckpointError
+from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.router.dispatch.degraded import StockChoice
+from expertmesh.router.dispatch.dispatcher import IMPLEMENTATION, ExpertDispatcher
+from expertmesh.router.policy.gate_hook import GateBias
 
 
 def build_router_model(

@@ -17,7 +17,9 @@ from expertmesh.serving.openai_errors import ApiError
 from expertmesh.serving.openai_schema import ChatMessage
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage], model: str, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(
+    tokenizer, messages: Sequence[ChatMessage], model: str, add_generation_prompt: bool = True
+) -> list[int]:
     """The token ids of ``messages`` rendered by the model's chat template, ending where the assistant's turn starts
     (``add_generation_prompt``; else after the last message)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -32,6 +34,10 @@ def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage], model: str, add_
         encoded = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
         )
-    except TemplateError as err:  # templates refuse what they cannot render (e.g. a system message) with raise_exception
-        raise ApiError.bad_request(f"the model's chat template refused these messages: {err}", param="messages") from None
+    except (
+        TemplateError
+    ) as err:  # templates refuse what they cannot render (e.g. a system message) with raise_exception
+        raise ApiError.bad_request(
+            f"the model's chat template refused these messages: {err}", param="messages"
+        ) from None
     return list(encoded["input_ids"])

@@ -61,17 +61,17 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from transformers import DynamicCache
 
-from expertmesh.errors import ExpertMeshError, InvalidRequest, Overloaded, ShuttingDown
-from expertmesh.router import degraded
-from expertmesh.router.dispatch import ExpertDispatcher
-from expertmesh.router.routing_policy import RequestRouting, step_routing
+from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest, Overloaded, ShuttingDown
+from expertmesh.infra.telemetry.setup import meter, tracer
+from expertmesh.router.dispatch import degraded
+from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+from expertmesh.router.policy.routing_policy import RequestRouting, step_routing
 from expertmesh.serving.forward import SLIDING, Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
 from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, blocks_for, prefix_hashes
 from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, token_bytes
 from expertmesh.serving.sampling import SamplingParams, greedy_tokens, make_generator, next_token, require_finite
 from expertmesh.serving.schedule import step_tokens
 from expertmesh.serving.text_stream import TextStream
-from expertmesh.telemetry.setup import meter, tracer
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="expertmesh-engine", daemon=True)
         self.steps = 0
         self._queue_time = meter().create_histogram(
-            "expertmesh.request.queue_time", unit="s", description="submit to first joining a step (waiting for a slot or KV blocks)"
+            "expertmesh.request.queue_time",
+            unit="s",
+            description="submit to first joining a step (waiting for a slot or KV blocks)",
         )
         self._kv_usage: KVUsage | None = None
         self._note_kv()  # the empty pool, reported before the first step
@@ -271,7 +273,9 @@ class Engine:
         if limits.kv_cache_bytes:
             num_blocks = limits.kv_cache_bytes // block_bytes
         else:  # no more than the count admission could ever fill
-            num_blocks = min(auto_cache_bytes(model.device) // block_bytes, limits.max_active * blocks_for(max_context, size))
+            num_blocks = min(
+                auto_cache_bytes(model.device) // block_bytes, limits.max_active * blocks_for(max_context, size)
+            )
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_bytes {limits.kv_cache_bytes} holds no KV block: one block of {size} tokens takes {block_bytes} bytes"
@@ -444,7 +448,9 @@ class Engine:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first, to compute its prompt and generated tokens again."""
-        log.info("request %s preempted after %d tokens: the KV pool is full", seq.request.request_id, len(seq.generated))
+        log.info(
+            "request %s preempted after %d tokens: the KV pool is full", seq.request.request_id, len(seq.generated)
+        )
         self._release(seq)
         seq.fed, seq.score_logits = 0, []
         self._active.remove(seq)
@@ -478,8 +484,14 @@ class Engine:
         counts = self._kv_counts
         counts["peak"] = max(counts["peak"], used)
         self._kv_usage = KVUsage(
-            self._blocks.num_blocks, used, size, unfilled / allocated if allocated else 0.0,
-            counts["peak"], counts["preemptions"], counts["prefix_queries"], counts["prefix_hits"],
+            self._blocks.num_blocks,
+            used,
+            size,
+            unfilled / allocated if allocated else 0.0,
+            counts["peak"],
+            counts["preemptions"],
+            counts["prefix_queries"],
+            counts["prefix_hits"],
         )
 
     def _retire_finished(self) -> None:
@@ -552,7 +564,10 @@ class Engine:
         except Exception as err:
             log.log(
                 logging.WARNING if isinstance(err, ExpertMeshError) else logging.ERROR,
-                "step %d failed for its %d requests: %s", self.steps, len(work), err,
+                "step %d failed for its %d requests: %s",
+                self.steps,
+                len(work),
+                err,
                 exc_info=not isinstance(err, ExpertMeshError),
             )
             for seq, _ in work:

@@ -39,7 +39,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from expertmesh.config import ServingConfig
+from expertmesh.config.settings import ServingConfig
+from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.serving.async_events import sequence_events
 from expertmesh.serving.engine import ErrorEvent, Event, FinishEvent, TokenEvent
 from expertmesh.serving.openai_adapter import (
@@ -63,7 +64,6 @@ from expertmesh.serving.openai_schema import (
     TokenizeCompletionRequest,
 )
 from expertmesh.serving.readiness import Readiness
-from expertmesh.telemetry.setup import meter, tracer
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,11 @@ class HttpApi:
             "expertmesh.http.generate",
             context=propagate.extract(request.headers),
             kind=SpanKind.SERVER,
-            attributes={"expertmesh.request_id": shapes.id, "http.route": request.url.path, "expertmesh.prompt_tokens": len(ids)},
+            attributes={
+                "expertmesh.request_id": shapes.id,
+                "http.route": request.url.path,
+                "expertmesh.prompt_tokens": len(ids),
+            },
         )
         streaming = False
         try:
@@ -153,7 +157,13 @@ class HttpApi:
                 span.end()
 
     async def _stream(
-        self, first: Event, events: AsyncIterator[Event], shapes: Shapes, include_usage: bool, started: float, span: Span
+        self,
+        first: Event,
+        events: AsyncIterator[Event],
+        shapes: Shapes,
+        include_usage: bool,
+        started: float,
+        span: Span,
     ) -> AsyncIterator[bytes]:
         event = first
         try:
@@ -184,7 +194,11 @@ class HttpApi:
         elapsed = time.monotonic() - started
         log.info(
             "request %s finished (%s): %d prompt + %d completion tokens in %.3fs",
-            rid, event.reason, event.prompt_tokens, event.completion_tokens, elapsed,
+            rid,
+            event.reason,
+            event.prompt_tokens,
+            event.completion_tokens,
+            elapsed,
             extra={
                 "request_id": rid,
                 "finish_reason": event.reason,

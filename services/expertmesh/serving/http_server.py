@@ -18,8 +18,8 @@ import time
 import uvicorn
 from starlette.types import ASGIApp
 
-from expertmesh.config import TlsConfig
-from expertmesh.security import from_env
+from expertmesh.config.settings import TlsConfig
+from expertmesh.infra.security import from_env
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -61,7 +61,9 @@ class HttpServer:
             self._socket.close()
             raise
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, name="expertmesh-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="expertmesh-http", daemon=True
+        )
 
     def start(self, timeout_s: float = 30.0) -> HttpServer:
         self._thread.start()

@@ -83,7 +83,8 @@ class KVPool:
         """Store ``first``/``second`` [1, h, T, d] of ``layer`` in ``slots`` [T]."""
         if layer not in self._layers:
             self._layers[layer] = tuple(
-                new.new_empty((new.shape[1], self.num_blocks * self.block_size, new.shape[3])) for new in (first, second)
+                new.new_empty((new.shape[1], self.num_blocks * self.block_size, new.shape[3]))
+                for new in (first, second)
             )
         for store, new in zip(self._layers[layer], (first, second)):
             store.index_copy_(1, slots, new[0])
@@ -107,7 +108,12 @@ class PackedCache:
     """
 
     def __init__(
-        self, pool: KVPool, write_slots: torch.Tensor, read_slots: torch.Tensor, read_offsets: list[int], read_bases: list[int]
+        self,
+        pool: KVPool,
+        write_slots: torch.Tensor,
+        read_slots: torch.Tensor,
+        read_offsets: list[int],
+        read_bases: list[int],
     ):
         self._pool = pool
         self._write = write_slots
@@ -127,7 +133,9 @@ class PackedCache:
         """The step's ``sequence``-th sequence's past on ``layer`` from position ``first``, [1, h, L, d] each."""
         start, end, base = self._offsets[sequence], self._offsets[sequence + 1], self._bases[sequence]
         if first < base:
-            raise ValueError(f"position {first} of step sequence {sequence} is in a block it gave back (from {base} on)")
+            raise ValueError(
+                f"position {first} of step sequence {sequence} is in a block it gave back (from {base} on)"
+            )
         return self._pool.read(layer, self._read[start + first - base : end])
 
     def pasts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

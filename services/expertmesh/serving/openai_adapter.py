@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from expertmesh.config import ServingConfig
-from expertmesh.errors import ExpertMeshError, InvalidRequest
-from expertmesh.router.routing_policy import RequestRouting
+from expertmesh.config.settings import ServingConfig
+from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
+from expertmesh.router.policy.routing_policy import RequestRouting
 from expertmesh.serving.chat import chat_prompt_ids
 from expertmesh.serving.engine import Engine, FinishEvent, GenerationRequest
 from expertmesh.serving.engine import Sequence as EngineSequence
@@ -124,7 +124,9 @@ class OpenAIAdapter:
         if isinstance(body, TokenizeChatRequest):
             ids = chat_prompt_ids(self._tokenizer, body.messages, self.model.name, body.add_generation_prompt)
         else:
-            ids = list(self._require_tokenizer("prompt")(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+            ids = list(
+                self._require_tokenizer("prompt")(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+            )
         strs = self._tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.model.max_context, tokens=ids, token_strs=strs)
 
@@ -166,7 +168,9 @@ class OpenAIAdapter:
                 code="context_length_exceeded",
             )
         if body.stop and self._tokenizer is None:
-            raise ApiError.bad_request("stop sequences need the model's tokenizer, and this model has none", param="stop")
+            raise ApiError.bad_request(
+                "stop sequences need the model's tokenizer, and this model has none", param="stop"
+            )
         max_new = body.max_new_tokens
         routing = self._request_routing(body, prompt_ids)
         return GenerationRequest(

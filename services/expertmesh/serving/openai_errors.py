@@ -1,7 +1,7 @@
 """Errors of the HTTP API in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``
 with the HTTP status an OpenAI SDK turns into the matching exception.
 
-Engine and validation errors carry gRPC status codes (``expertmesh.errors``);
+Engine and validation errors carry gRPC status codes (``expertmesh.contracts.errors``);
 ``ApiError.from_grpc`` maps them, so both APIs refuse the same request for the
 same reason: INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429 (SDKs
 retry it), UNAVAILABLE 503 (also while draining), DEADLINE_EXCEEDED 504,
@@ -36,7 +36,16 @@ _TYPE = {
 }
 
 # pydantic's error types that mean "wrong JSON type" rather than "wrong value"
-_TYPE_ERRORS = {"model_type", "dict_type", "list_type", "string_type", "int_type", "float_type", "bool_type", "invalid_type"}
+_TYPE_ERRORS = {
+    "model_type",
+    "dict_type",
+    "list_type",
+    "string_type",
+    "int_type",
+    "float_type",
+    "bool_type",
+    "invalid_type",
+}
 
 
 class ApiError(Exception):
@@ -66,9 +75,12 @@ class ApiError(Exception):
         if not first["loc"]:
             return cls.bad_request(f"the request body must be a JSON object: {first['msg']}", code="invalid_type")
         code = (
-            "missing_required_parameter" if kind == "missing"
-            else "invalid_type" if kind in _TYPE_ERRORS
-            else kind if kind.startswith("unsupported_")
+            "missing_required_parameter"
+            if kind == "missing"
+            else "invalid_type"
+            if kind in _TYPE_ERRORS
+            else kind
+            if kind.startswith("unsupported_")
             else "invalid_value"
         )
         message = "; ".join(f"{_param(p['loc'])}: {p['msg']}" for p in problems)

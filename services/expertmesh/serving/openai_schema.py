@@ -62,7 +62,9 @@ class StreamOptions(BaseModel):
 def _within_cap(value: int | None, info: ValidationInfo) -> int | None:
     cap = (info.context or {}).get(MAX_TOKENS_CAP)
     if value is not None and cap is not None and value > cap:
-        raise PydanticCustomError("invalid_value", "{value} is above this server's cap of {cap}", {"value": value, "cap": cap})
+        raise PydanticCustomError(
+            "invalid_value", "{value} is above this server's cap of {cap}", {"value": value, "cap": cap}
+        )
     return value
 
 
@@ -227,7 +229,9 @@ def _text_content(value: Any) -> Any:
     for part in value:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise PydanticCustomError("unsupported_value", "only text content parts are supported, got {kind}", {"kind": kind})
+            raise PydanticCustomError(
+                "unsupported_value", "only text content parts are supported, got {kind}", {"kind": kind}
+            )
         texts.append(part["text"])
     return "".join(texts)
 

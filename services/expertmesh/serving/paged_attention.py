@@ -135,7 +135,9 @@ def _inner(module: torch.nn.Module, implementation: str):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
-def _per_sequence(module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict) -> torch.Tensor:
+def _per_sequence(
+    module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict
+) -> torch.Tensor:
     """query [1, H, T, d] -> [1, T, H, dv]: the model's own attention, sequence by sequence."""
     layer = module.layer_idx
     attend = _inner(module, step.implementation)
@@ -161,11 +163,15 @@ def flash_varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def _flash_varlen(module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict) -> torch.Tensor:
+def _flash_varlen(
+    module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict
+) -> torch.Tensor:
     """query [1, H, T, d] -> [1, T, H, d]: one varlen call for all sequences (its causal mask is
     bottom-right aligned: each chunk's queries are the last of its keys)."""
     keys, values = step.cache.pasts(module.layer_idx)  # [1, h, ΣL, d] each
-    cu_q = torch.tensor([*(r.offset for r in step.sequences), query.shape[2]], dtype=torch.int32, device=query.device)  # [B+1]
+    cu_q = torch.tensor(
+        [*(r.offset for r in step.sequences), query.shape[2]], dtype=torch.int32, device=query.device
+    )  # [B+1]
     cu_k = torch.tensor(step.cache.past_offsets(), dtype=torch.int32, device=query.device)  # [B+1]
     out = flash_varlen()(
         query[0].transpose(0, 1).contiguous(),  # [T, H, d]
@@ -189,7 +195,13 @@ assert set(KERNELS) == set(get_args(AttentionKernel)), "every kernel the type na
 def choose_kernel(device: torch.device, implementation: str, latent: bool, dtype: torch.dtype) -> AttentionKernel:
     """``flash-varlen`` where it computes what the model's own attention does (see the module
     docstring), else ``per-sequence``. ``latent``: the model caches latents it expands (MLA)."""
-    if device.type == "cuda" and implementation == "sdpa" and not latent and dtype in (torch.float16, torch.bfloat16) and flash_varlen() is not None:
+    if (
+        device.type == "cuda"
+        and implementation == "sdpa"
+        and not latent
+        and dtype in (torch.float16, torch.bfloat16)
+        and flash_varlen() is not None
+    ):
         return "flash-varlen"
     return "per-sequence"
 

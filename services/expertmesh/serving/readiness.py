@@ -21,12 +21,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel
 
-from expertmesh.config import TlsConfig
-from expertmesh.expert_group.service import group_channel
-from expertmesh.router.dispatch import ExpertDispatcher
-from expertmesh.security import from_env
+from expertmesh.config.settings import TlsConfig
+from expertmesh.infra.group_channels import group_channel
+from expertmesh.infra.security import from_env
+from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
 from expertmesh.serving.engine import Engine
-from expertmesh.state import StateStore
+from expertmesh.store import StateStore
 from expertmesh.v1 import experts_pb2, experts_pb2_grpc
 
 GroupState = Literal["serving", "not_serving", "unreachable", "no_endpoint"]
@@ -71,8 +71,12 @@ class GroupProbe:
                 self._channels[address] = group_channel(address, self._tls)
             channel = self._channels[address]
             calls[group] = (
-                health_pb2_grpc.HealthStub(channel).Check.future(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout),
-                experts_pb2_grpc.ExpertGroupStub(channel).Describe.future(experts_pb2.DescribeRequest(), timeout=self._timeout),
+                health_pb2_grpc.HealthStub(channel).Check.future(
+                    health_pb2.HealthCheckRequest(service=""), timeout=self._timeout
+                ),
+                experts_pb2_grpc.ExpertGroupStub(channel).Describe.future(
+                    experts_pb2.DescribeRequest(), timeout=self._timeout
+                ),
             )
         out: dict[str, GroupState] = {}
         self.held = {}
@@ -101,7 +105,12 @@ class GroupProbe:
 
 class Readiness:
     def __init__(
-        self, store: StateStore, dispatcher: ExpertDispatcher, engine: Engine, probe: GroupProbe | None = None, cache_s: float = 1.0
+        self,
+        store: StateStore,
+        dispatcher: ExpertDispatcher,
+        engine: Engine,
+        probe: GroupProbe | None = None,
+        cache_s: float = 1.0,
     ):
         self._store = store
         self._dispatcher = dispatcher

@@ -18,10 +18,11 @@ from typing import Callable
 
 import torch
 
-from expertmesh.errors import ExpertMeshError, InvalidRequest
-from expertmesh.router.policy_quality import PolicyQuality, guard_problem
-from expertmesh.router.profiles import DomainProfile, load_profiles, lookup
-from expertmesh.router.routing_policy import (
+from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
+from expertmesh.infra.telemetry.setup import tracer
+from expertmesh.router.policy.profiles import DomainProfile, load_profiles, lookup
+from expertmesh.router.policy.quality import PolicyQuality, guard_problem
+from expertmesh.router.policy.routing_policy import (
     DESCRIPTIONS,
     PolicyError,
     RequestRouting,
@@ -32,8 +33,7 @@ from expertmesh.router.routing_policy import (
     prefer_bias,
     restrict_bias,
 )
-from expertmesh.state import StateStore
-from expertmesh.telemetry.setup import tracer
+from expertmesh.store import StateStore
 from expertmesh.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,9 @@ class RequestRouter:
         try:
             self.default = parse_policy(default_policy, {}, top_k, num_experts, "routing_policy")
         except PolicyError as err:
-            raise ExpertMeshError(f"the server's default routing policy (--routing-policy, EXPERTMESH_ROUTING_POLICY): {err}") from None
+            raise ExpertMeshError(
+                f"the server's default routing policy (--routing-policy, EXPERTMESH_ROUTING_POLICY): {err}"
+            ) from None
         self._store = store
         self._kl_bound = kl_bound
         self._classifier_factory = classifier
@@ -85,8 +87,13 @@ class RequestRouter:
                     needs_domain=any(r in ("prefer", "restrict") for r in rules),
                     parameters=[
                         pb.RoutingParameter(
-                            name=p.name, rule=p.rule, default_value=p.default, min=p.low, max=p.high,
-                            integer=p.integer, description=p.description,
+                            name=p.name,
+                            rule=p.rule,
+                            default_value=p.default,
+                            min=p.low,
+                            max=p.high,
+                            integer=p.integer,
+                            description=p.description,
                         )
                         for p in params
                         if p.rule in rules
@@ -147,7 +154,9 @@ class RequestRouter:
 
     def _classify(self, policy: RoutingPolicy, text: str | None) -> str:
         if not text:
-            raise InvalidRequest(f"domain: policy {policy.name} needs the query's domain; set domain (a token-id prompt cannot be classified)")
+            raise InvalidRequest(
+                f"domain: policy {policy.name} needs the query's domain; set domain (a token-id prompt cannot be classified)"
+            )
         with tracer().start_as_current_span("classify") as span:
             result = self._classifier().classify(text)
             span.set_attributes(

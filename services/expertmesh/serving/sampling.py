@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from expertmesh.errors import NonFiniteLogits
-from expertmesh.finite import all_finite
+from expertmesh.contracts.errors import NonFiniteLogits
+from expertmesh.infra.finite import all_finite
 
 #: The smallest temperature above 0 (vLLM's floor too). Below it, dividing by the
 #: temperature blows logit gaps up until sampling is greedy in all but name and, far

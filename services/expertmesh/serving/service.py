@@ -11,7 +11,6 @@ an INVALID_ARGUMENT too rather than gRPC's generic deserialisation failure.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -19,15 +18,16 @@ from typing import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
-from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
-from expertmesh import wire
-from expertmesh.config import ServingConfig
-from expertmesh.errors import ExpertMeshError, InvalidRequest
-from expertmesh.grpc_server import GrpcServer
+from expertmesh.config.settings import ServingConfig
+from expertmesh.contracts import wire
+from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
+from expertmesh.infra.grpc_server import GrpcServer
+from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.serving.engine import (
     Engine,
     ErrorEvent,
@@ -39,7 +39,6 @@ from expertmesh.serving.engine import (
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.sampling import SamplingParams
 from expertmesh.serving.text_stream import stop_problems
-from expertmesh.telemetry.setup import meter, tracer
 from expertmesh.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -69,10 +68,18 @@ class InferenceServicer:
         store, so policies that need a domain's profile are refused)."""
         self._load_window = load_window
         m = meter()
-        self._duration = m.create_histogram("expertmesh.request.duration", unit="s", description="Generate, first byte in to last out")
-        self._ttft = m.create_histogram("expertmesh.time_to_first_token", unit="s", description="Generate request to first token")
-        self._itl = m.create_histogram("expertmesh.inter_token_latency", unit="s", description="between streamed tokens")
-        self._errors = m.create_counter("expertmesh.errors", description="requests answered with an error, by gRPC status")
+        self._duration = m.create_histogram(
+            "expertmesh.request.duration", unit="s", description="Generate, first byte in to last out"
+        )
+        self._ttft = m.create_histogram(
+            "expertmesh.time_to_first_token", unit="s", description="Generate request to first token"
+        )
+        self._itl = m.create_histogram(
+            "expertmesh.inter_token_latency", unit="s", description="between streamed tokens"
+        )
+        self._errors = m.create_counter(
+            "expertmesh.contracts.errors", description="requests answered with an error, by gRPC status"
+        )
         self._engine = engine
         self._tokenizer = tokenizer
         self._info = info
@@ -200,12 +207,19 @@ class InferenceServicer:
                 elif isinstance(event, FinishEvent):
                     self._duration.record(now - started)
                     span.set_attributes(
-                        {"expertmesh.completion_tokens": event.completion_tokens, "expertmesh.finish_reason": event.reason}
+                        {
+                            "expertmesh.completion_tokens": event.completion_tokens,
+                            "expertmesh.finish_reason": event.reason,
+                        }
                     )
                     with trace.use_span(span):
                         log.info(
                             "request %s finished (%s): %d prompt + %d completion tokens in %.3fs",
-                            request.request_id, event.reason, event.prompt_tokens, event.completion_tokens, now - started,
+                            request.request_id,
+                            event.reason,
+                            event.prompt_tokens,
+                            event.completion_tokens,
+                            now - started,
                             extra={
                                 "request_id": request.request_id,
                                 "finish_reason": event.reason,
@@ -218,7 +232,9 @@ class InferenceServicer:
                         request_id=request.request_id,
                         finished=pb.Finished(
                             reason=_FINISH[event.reason],
-                            usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+                            usage=pb.Usage(
+                                prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
+                            ),
                         ),
                     )
                 elif isinstance(event, ErrorEvent):
@@ -275,11 +291,18 @@ class InferenceServicer:
         info.group_transports.update(self._group_transports())
         kv = self._engine.kv_usage()
         if kv is not None:
-            info.kv_pool.CopyFrom(pb.KVPool(
-                blocks_total=kv.blocks_total, blocks_used=kv.blocks_used, block_size=kv.block_size,
-                fragmentation=kv.fragmentation, blocks_used_peak=kv.blocks_used_peak, preemptions=kv.preemptions,
-                prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
-            ))
+            info.kv_pool.CopyFrom(
+                pb.KVPool(
+                    blocks_total=kv.blocks_total,
+                    blocks_used=kv.blocks_used,
+                    block_size=kv.block_size,
+                    fragmentation=kv.fragmentation,
+                    blocks_used_peak=kv.blocks_used_peak,
+                    preemptions=kv.preemptions,
+                    prefix_cache_queries=kv.prefix_queries,
+                    prefix_cache_hits=kv.prefix_hits,
+                )
+            )
         return pb.ListModelsResponse(
             models=[info],
             routing_policies=self.routing.catalogue(),
@@ -306,9 +329,7 @@ class InferenceServer:
         limits = engine.limits
         # Streams hold a thread each; past this many concurrent RPCs gRPC answers RESOURCE_EXHAUSTED itself.
         concurrent = limits.max_active + limits.max_queued + 8
-        self._grpc = GrpcServer(
-            "rpc", config.host, config.port, workers=concurrent, maximum_concurrent_rpcs=concurrent
-        )
+        self._grpc = GrpcServer("rpc", config.host, config.port, workers=concurrent, maximum_concurrent_rpcs=concurrent)
         self._server = self._grpc.server
         self._server.add_generic_rpc_handlers(
             [
@@ -335,9 +356,7 @@ class InferenceServer:
                 )
             ]
         )
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
-        )
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self.port = self._grpc.port
         if config.health_port is not None:
             self._grpc.serve_plaintext_health(config.health_port)

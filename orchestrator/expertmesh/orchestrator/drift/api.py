@@ -8,7 +8,9 @@ from expertmesh.v1 import admin_pb2 as pb
 
 
 def _group(u: GroupUtilisation) -> pb.DriftGroup:
-    group = pb.DriftGroup(group=u.group, weight_bytes=u.weight_bytes, budget_bytes=u.budget_bytes, scans_above=u.scans_above)
+    group = pb.DriftGroup(
+        group=u.group, weight_bytes=u.weight_bytes, budget_bytes=u.budget_bytes, scans_above=u.scans_above
+    )
     if u.memory is not None:
         group.memory = u.memory
     if u.busy is not None:
@@ -26,7 +28,12 @@ def _decision(r: DriftRecord) -> pb.DriftDecision:
         migration_id=r.migration_id,
     )
     if move is not None:
-        decision.layer, decision.expert, decision.source, decision.target = move.layer, move.expert, move.source, move.target
+        decision.layer, decision.expert, decision.source, decision.target = (
+            move.layer,
+            move.expert,
+            move.source,
+            move.target,
+        )
     return decision
 
 
@@ -34,7 +41,10 @@ def to_proto(report: ScanReport) -> pb.ScanDriftResponse:
     return pb.ScanDriftResponse(
         dry_run=report.dry_run,
         groups=[_group(u) for u in report.scan.groups],
-        layers=[pb.DriftLayer(layer=b.layer, balancedness=b.balancedness, scans_below=b.scans_below) for b in report.scan.layers],
+        layers=[
+            pb.DriftLayer(layer=b.layer, balancedness=b.balancedness, scans_below=b.scans_below)
+            for b in report.scan.layers
+        ],
         decisions=[_decision(r) for r in report.records],
         window_tokens=report.scan.window_tokens,
     )

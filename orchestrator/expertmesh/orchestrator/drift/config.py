@@ -10,7 +10,7 @@ import argparse
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from expertmesh.errors import InvalidRequest
+from expertmesh.contracts.errors import InvalidRequest
 
 
 class DriftConfig(BaseSettings):
@@ -18,18 +18,27 @@ class DriftConfig(BaseSettings):
 
     enabled: bool = Field(False, description="run the drift loop in the orchestrator (`--drift`)")
     scan_interval_s: float = Field(300.0, gt=0, description="seconds between the loop's scans")
-    high_watermark: float = Field(0.90, gt=0, le=1, description="a group above this level (max of memory, busy) is too full")
+    high_watermark: float = Field(
+        0.90, gt=0, le=1, description="a group above this level (max of memory, busy) is too full"
+    )
     low_watermark: float = Field(0.40, ge=0, lt=1, description="only groups below this level take experts")
     consecutive_scans: int = Field(3, ge=1, description="scans in a row a trigger must hold before anything moves")
     experts_per_move: int = Field(2, ge=1, description="least-used experts a full group gives away when it fires")
-    cooldown_s: float = Field(1800.0, ge=0, description="an expert moved (by anyone) within this many seconds stays put")
+    cooldown_s: float = Field(
+        1800.0, ge=0, description="an expert moved (by anyone) within this many seconds stays put"
+    )
     min_window_tokens: float = Field(
         1000.0, ge=0, description="move nothing until the routers' load windows hold this many tokens (busiest layer)"
     )
     rebalance: bool = Field(False, description="also re-plan layers whose balancedness stays below rebalance_below")
-    rebalance_below: float = Field(0.8, gt=0, le=1, description="balancedness (mean / max group load) that triggers a re-plan")
+    rebalance_below: float = Field(
+        0.8, gt=0, le=1, description="balancedness (mean / max group load) that triggers a re-plan"
+    )
     rebalance_min_gain: float = Field(
-        0.05, ge=0, le=1, description="keep a layer whose balancedness is within this of the planner's (`plan --min-gain`)"
+        0.05,
+        ge=0,
+        le=1,
+        description="keep a layer whose balancedness is within this of the planner's (`plan --min-gain`)",
     )
     dry_run: bool = Field(False, description="decide and record, but never start a migration")
 

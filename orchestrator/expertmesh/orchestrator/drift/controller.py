@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from expertmesh.errors import ExpertMeshError
+from expertmesh.contracts.errors import ExpertMeshError
+from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.observe import Observer
 from expertmesh.orchestrator.drift.policy import decide
 from expertmesh.orchestrator.drift.state import Decision, DriftState, Scan
 from expertmesh.orchestrator.migration.state import MigrationMode
-from expertmesh.state import StateStore
-from expertmesh.telemetry.setup import meter, tracer
+from expertmesh.store import StateStore
 
 if TYPE_CHECKING:
     from expertmesh.orchestrator.admin import MigrationRunner
@@ -74,7 +74,11 @@ class DriftRecord:
             "result": self.result.value,
             "hold": d.hold.value if d.hold else "none",
             "detail": self.detail,
-            **({"layer": move.layer, "expert": move.expert, "source": move.source, "target": move.target} if move else {}),
+            **(
+                {"layer": move.layer, "expert": move.expert, "source": move.source, "target": move.target}
+                if move
+                else {}
+            ),
             **({"migration_id": self.migration_id} if self.migration_id else {}),
         }
 
@@ -102,12 +106,19 @@ class DriftController:
         self._on_decision = on_decision
         self._state = DriftState()
         self._lock = threading.Lock()
-        self._decisions = meter().create_counter("expertmesh.drift.decisions", description="drift decisions, by result and reason")
+        self._decisions = meter().create_counter(
+            "expertmesh.drift.decisions", description="drift decisions, by result and reason"
+        )
 
     def update(self, dry_run: bool = False) -> ScanReport:
         """One scan. Observation failures (no routing table, the store unreachable) raise."""
         dry_run = dry_run or self.config.dry_run
-        with self._lock, tracer().start_as_current_span("expertmesh.drift.scan", attributes={"expertmesh.drift.dry_run": dry_run}) as span:
+        with (
+            self._lock,
+            tracer().start_as_current_span(
+                "expertmesh.drift.scan", attributes={"expertmesh.drift.dry_run": dry_run}
+            ) as span,
+        ):
             scan, state = decide(self._observer.observe(), self._state, self.config, self._runner.max_concurrent)
             if not dry_run:
                 self._state = state
@@ -125,7 +136,12 @@ class DriftController:
             return DriftRecord(decision, Result.DRY_RUN)
         try:
             started = self._runner.submit(
-                move.layer, move.expert, move.target, move.source, MigrationMode.MOVE, initiator=f"drift:{decision.trigger}"
+                move.layer,
+                move.expert,
+                move.target,
+                move.source,
+                MigrationMode.MOVE,
+                initiator=f"drift:{decision.trigger}",
             )
         except ExpertMeshError as err:
             return DriftRecord(decision, Result.REFUSED, error=str(err))
@@ -133,7 +149,13 @@ class DriftController:
 
     def _record(self, record: DriftRecord, span) -> None:
         fields = record.fields()
-        log.info("drift %s (%s): %s", record.result.value, record.decision.trigger.value, fields["detail"], extra={"drift": fields})
+        log.info(
+            "drift %s (%s): %s",
+            record.result.value,
+            record.decision.trigger.value,
+            fields["detail"],
+            extra={"drift": fields},
+        )
         span.add_event("expertmesh.drift.decision", {f"expertmesh.drift.{k}": v for k, v in fields.items()})
         self._decisions.add(1, {"result": fields["result"], "reason": fields["trigger"], "hold": fields["hold"]})
         if self._on_decision is not None:

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable
 from functools import reduce
 
-from expertmesh.errors import MigrationRefused
+from expertmesh.contracts.errors import MigrationRefused
+from expertmesh.contracts.load_window import LoadSnapshot
 from expertmesh.orchestrator.drift.state import ExpertLoad, GroupSample, Observation
-from expertmesh.orchestrator.migration.groups import GroupCallFailed, GroupChannels
+from expertmesh.orchestrator.migration.group_calls import GroupCallFailed, GroupChannels
 from expertmesh.orchestrator.migration.state import load_all
-from expertmesh.router.load_window import LoadSnapshot
-from expertmesh.state import StateStore
+from expertmesh.store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,9 @@ class Observer:
                 )
             )
         published = self._store.loads().values()
-        snapshot = reduce(lambda a, b: a + b, (LoadSnapshot.from_bytes(raw) for raw in published)) if published else None
+        snapshot = (
+            reduce(lambda a, b: a + b, (LoadSnapshot.from_bytes(raw) for raw in published)) if published else None
+        )
         return Observation(
             at=self._clock(),
             table=table,

@@ -62,7 +62,13 @@ class _Batch:
     """This scan's moves so far, and what rules a move out: groups and pairs a running migration
     holds, pairs in cooldown, room already promised to targets."""
 
-    def __init__(self, obs: Observation, groups: dict[str, GroupUtilisation], samples: dict[str, GroupSample], config: DriftConfig):
+    def __init__(
+        self,
+        obs: Observation,
+        groups: dict[str, GroupUtilisation],
+        samples: dict[str, GroupSample],
+        config: DriftConfig,
+    ):
         self.obs, self.groups, self.samples, self.config = obs, groups, samples, config
         running = [m for m in obs.migrations if not m.phase.terminal]
         self.running = len(running)
@@ -106,7 +112,9 @@ class _Batch:
         self.promised[move.target] += self.samples[move.source].expert_bytes
 
 
-def _utilisation(obs: Observation, state: DriftState, config: DriftConfig) -> tuple[dict[str, GroupUtilisation], dict[str, BusySample]]:
+def _utilisation(
+    obs: Observation, state: DriftState, config: DriftConfig
+) -> tuple[dict[str, GroupUtilisation], dict[str, BusySample]]:
     groups, busy = {}, {}
     for s in obs.groups:
         busy[s.group] = BusySample(s.busy_seconds, obs.at)
@@ -128,7 +136,9 @@ def _replica_load(obs: Observation, tokens: dict[Pair, float], pair: Pair, group
     return tokens.get(pair, 0.0) * obs.table.shares_of(pair)[replicas.index(group)]
 
 
-def _high_watermark(batch: _Batch, tokens: dict[Pair, float], window: float, scans_above: dict[str, int]) -> list[Decision]:
+def _high_watermark(
+    batch: _Batch, tokens: dict[Pair, float], window: float, scans_above: dict[str, int]
+) -> list[Decision]:
     obs, config = batch.obs, batch.config
     decisions = []
     due = [u for u in batch.groups.values() if u.scans_above >= config.consecutive_scans]
@@ -142,7 +152,10 @@ def _high_watermark(batch: _Batch, tokens: dict[Pair, float], window: float, sca
             hold(Hold.IN_FLIGHT, "waiting for the migration in flight on it")
             continue
         if window < config.min_window_tokens:
-            hold(Hold.LOW_TRAFFIC, f"the load windows hold {window:.0f} tokens, fewer than {config.min_window_tokens:.0f}")
+            hold(
+                Hold.LOW_TRAFFIC,
+                f"the load windows hold {window:.0f} tokens, fewer than {config.min_window_tokens:.0f}",
+            )
             continue
         served = [pair for pair, replicas in obs.table.replicas.items() if u.group in replicas and batch.movable(pair)]
         ranked = sorted(served, key=lambda pair: (_replica_load(obs, tokens, pair, u.group), pair))
@@ -180,7 +193,12 @@ def _high_watermark(batch: _Batch, tokens: dict[Pair, float], window: float, sca
 
 
 def _rebalance(
-    batch: _Batch, layer_loads: LayerLoads, balance: dict[int, float], window: float, scans_below: dict[int, int], max_moves: int
+    batch: _Batch,
+    layer_loads: LayerLoads,
+    balance: dict[int, float],
+    window: float,
+    scans_below: dict[int, int],
+    max_moves: int,
 ) -> list[Decision]:
     obs, config = batch.obs, batch.config
     decisions = []
@@ -196,10 +214,16 @@ def _rebalance(
 
         room = max_moves - batch.running - len(batch.moves)
         if room <= 0:
-            hold(Hold.IN_FLIGHT, f"{batch.running + len(batch.moves)} moves are in flight or decided, the limit of {max_moves}")
+            hold(
+                Hold.IN_FLIGHT,
+                f"{batch.running + len(batch.moves)} moves are in flight or decided, the limit of {max_moves}",
+            )
             continue
         if window < config.min_window_tokens:
-            hold(Hold.LOW_TRAFFIC, f"the load windows hold {window:.0f} tokens, fewer than {config.min_window_tokens:.0f}")
+            hold(
+                Hold.LOW_TRAFFIC,
+                f"the load windows hold {window:.0f} tokens, fewer than {config.min_window_tokens:.0f}",
+            )
             continue
         planned = layer_loads.planned_moves(layer, obs.top_k, config.rebalance_min_gain)
         if not planned:
@@ -211,7 +235,9 @@ def _rebalance(
                 else "the planner would only move experts with several replicas, which drift leaves as they are",
             )
             continue
-        possible = [m for m in planned if batch.movable((m.layer, m.expert)) and (m.layer, m.expert) not in batch.cooling]
+        possible = [
+            m for m in planned if batch.movable((m.layer, m.expert)) and (m.layer, m.expert) not in batch.cooling
+        ]
         ready = []
         for move in possible:
             if len(ready) < room and batch.fits(move.source, move.target):
@@ -229,9 +255,15 @@ def _rebalance(
         if ready:
             scans_below[layer] = 0
         elif possible:
-            hold(Hold.NO_TARGET, f"none of the planner's {len(possible)} movable experts has a target that answers, runs no migration and has room")
+            hold(
+                Hold.NO_TARGET,
+                f"none of the planner's {len(possible)} movable experts has a target that answers, runs no migration and has room",
+            )
         else:
-            hold(Hold.COOLDOWN, f"the planner's {len(planned)} moves are of experts moving or moved within the last {config.cooldown_s:g} s")
+            hold(
+                Hold.COOLDOWN,
+                f"the planner's {len(planned)} moves are of experts moving or moved within the last {config.cooldown_s:g} s",
+            )
     return decisions
 
 
@@ -253,7 +285,8 @@ def decide(obs: Observation, state: DriftState, config: DriftConfig, max_moves: 
     scans_below: dict[int, int] = {}
     if config.rebalance:
         scans_below = {
-            layer: state.scans_below.get(layer, 0) + 1 if b < config.rebalance_below else 0 for layer, b in balance.items()
+            layer: state.scans_below.get(layer, 0) + 1 if b < config.rebalance_below else 0
+            for layer, b in balance.items()
         }
         layers = [LayerBalance(layer, b, scans_below[layer]) for layer, b in balance.items()]
         decisions += _rebalance(batch, layer_loads, balance, window, scans_below, max_moves)

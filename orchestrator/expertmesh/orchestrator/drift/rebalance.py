@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from expertmesh.contracts.gpu_plan import Placement
+from expertmesh.contracts.routing_table import RoutingTable
+from expertmesh.contracts.topology import Gpu, Island, Node, Topology
 from expertmesh.orchestrator.drift.state import ExpertLoad, Move
-from expertmesh.orchestrator.placement.metrics import layer_balancedness
-from expertmesh.orchestrator.placement.plan import Placement
 from expertmesh.orchestrator.placement.planner import PlanOptions, plan
+from expertmesh.orchestrator.placement.quality import layer_balancedness
 from expertmesh.orchestrator.placement.stats import LoadStats
-from expertmesh.orchestrator.topology import Gpu, Island, Node, Topology
-from expertmesh.routing_table import RoutingTable
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,7 +67,9 @@ class LayerLoads:
         island = Island("groups", tuple(Gpu(g, 0.0) for g in range(num_groups)))
         stats = LoadStats(1, num_experts, min(max(top_k, 1), num_experts), self.load[r : r + 1])
         current = Placement(tuple(range(num_groups)), self.shares[r : r + 1])
-        result = plan(stats, Topology((Node("groups", (island,)),)), PlanOptions(redundant=0, min_gain=min_gain), current)
+        result = plan(
+            stats, Topology((Node("groups", (island,)),)), PlanOptions(redundant=0, min_gain=min_gain), current
+        )
         if result.layers_kept:
             return None
         planned = result.placement.shares[0]  # [E, G]

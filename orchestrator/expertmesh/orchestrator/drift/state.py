@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Mapping
 
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.migration.state import Migration
-from expertmesh.routing_table import RoutingTable
 
 Pair = tuple[int, int]
 

@@ -55,7 +55,7 @@ quarantined / probation
     the routing table stops listing it (a table edit, no quality change); as
     the expert's last listed replica it stays listed (a table never leaves an
     expert unhosted) and routers fall back for that expert. Either way the
-    state store's ``quarantine`` hash names it (``expertmesh.state.QuarantinedReplica``).
+    state store's ``quarantine`` hash names it (``expertmesh.store.QuarantinedReplica``).
     Probation follows a repair: reloaded from the checkpoint and verified against
     ``reference`` on the probe, it must pass ``probation_checks`` clean checks
     before it serves again (and is listed again if the monitor had withdrawn it).

@@ -13,7 +13,7 @@ import argparse
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from expertmesh.errors import InvalidRequest
+from expertmesh.contracts.errors import InvalidRequest
 
 
 class HealthConfig(BaseSettings):
@@ -21,28 +21,43 @@ class HealthConfig(BaseSettings):
 
     enabled: bool = Field(False, description="run the health loop in the orchestrator (`--health-monitor`)")
     interval_s: float = Field(600.0, gt=0, description="seconds between the loop's checks")
-    tokens: int = Field(1000, ge=16, le=65536, description="probe hidden states sent to each replica of each expert per check")
-    seed: int = Field(0, ge=0, description="seed of the seeded probe (layer l uses seed + l), used where routers record no hidden states")
+    tokens: int = Field(
+        1000, ge=16, le=65536, description="probe hidden states sent to each replica of each expert per check"
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        description="seed of the seeded probe (layer l uses seed + l), used where routers record no hidden states",
+    )
     probe_refresh_s: float = Field(
-        3600.0, gt=0, description="seconds before the monitor pins a fresh sample of the routers' recorded hidden states as a layer's probe"
+        3600.0,
+        gt=0,
+        description="seconds before the monitor pins a fresh sample of the routers' recorded hidden states as a layer's probe",
     )
     probe_concurrency: int = Field(4, ge=1, le=256, description="expert groups probed at once")
     probe_batch_bytes: int = Field(
-        64 << 20, ge=1, description="hidden-state bytes of one probe Dispatch (a group's experts of a layer share calls up to this)"
+        64 << 20,
+        ge=1,
+        description="hidden-state bytes of one probe Dispatch (a group's experts of a layer share calls up to this)",
     )
     histogram_bins: int = Field(20, ge=2, le=256, description="bins of the output-norm and activation histograms")
     kl_suspect: float = Field(0.05, gt=0, description="KL(baseline || now) above this makes a replica suspect")
     kl_quarantine: float = Field(0.5, gt=0, description="KL(baseline || now) above this quarantines a replica at once")
     mean_shift_suspect: float = Field(
-        0.05, gt=0, description="relative change of the mean output norm against the baseline that makes a replica suspect"
+        0.05,
+        gt=0,
+        description="relative change of the mean output norm against the baseline that makes a replica suspect",
     )
     replica_deviation: float = Field(
-        0.05, gt=0, description="relative distance of a replica's output norms from its replicas' median that makes it suspect"
+        0.05,
+        gt=0,
+        description="relative distance of a replica's output norms from its replicas' median that makes it suspect",
     )
     suspect_checks: int = Field(2, ge=1, description="checks in a row with findings that turn suspect into quarantined")
     probation_checks: int = Field(3, ge=1, description="clean checks after a repair before a replica serves again")
     auto_repair: bool = Field(
-        True, description="repair replicas the monitor quarantined at its next check (operator quarantines wait for release)"
+        True,
+        description="repair replicas the monitor quarantined at its next check (operator quarantines wait for release)",
     )
 
     @model_validator(mode="after")
@@ -72,7 +87,9 @@ def health_config(args: argparse.Namespace) -> HealthConfig:
         return HealthConfig(**({"enabled": True} if args.health_monitor else {}))
     except ValidationError as err:
         problems = (
-            f"EXPERTMESH_HEALTH_{'_'.join(str(part) for part in e['loc']).upper()}: {e['msg']}" if e["loc"] else e["msg"]
+            f"EXPERTMESH_HEALTH_{'_'.join(str(part) for part in e['loc']).upper()}: {e['msg']}"
+            if e["loc"]
+            else e["msg"]
             for e in err.errors()
         )
         raise InvalidRequest("; ".join(p.removeprefix("Value error, ") for p in problems)) from None

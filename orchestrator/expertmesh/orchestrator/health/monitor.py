@@ -35,17 +35,17 @@ from typing import TypeVar
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.errors import QuarantineRefused
+from expertmesh.contracts.errors import QuarantineRefused
+from expertmesh.contracts.routing_table import RoutingTable
+from expertmesh.infra.telemetry.setup import meter, tracer
+from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.orchestrator.health import measure, policy, probes, state
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.reference import Reference
 from expertmesh.orchestrator.health.state import Check, Finding, HealthState, Initiator, Pair, ReplicaId, ReplicaRecord
-from expertmesh.orchestrator.migration.groups import Fingerprint, GroupCallFailed, GroupChannels, GroupView
+from expertmesh.orchestrator.migration.group_calls import Fingerprint, GroupCallFailed, GroupChannels, GroupView
 from expertmesh.orchestrator.migration.plan import canary_difference, check_all_hosted
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import QuarantinedReplica, StateStore
-from expertmesh.telemetry.setup import meter, tracer
+from expertmesh.store import QuarantinedReplica, StateStore
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,9 @@ class HealthMonitor:
             description="1 healthy, 0.75 probation, 0.5 suspect, 0 quarantined (worst replica)",
         )
         m.create_observable_gauge(
-            "expertmesh.expert.kl", [self._kl_gauge], description="KL(baseline || now) of the probe output (largest over replicas)"
+            "expertmesh.expert.kl",
+            [self._kl_gauge],
+            description="KL(baseline || now) of the probe output (largest over replicas)",
         )
 
     # -- one round ----------------------------------------------------------------------------
@@ -138,7 +140,9 @@ class HealthMonitor:
             recorded = sorted(layer for layer, p in inputs.items() if p.source is probes.ProbeSource.RECORDED)
             span.set_attribute("expertmesh.health.recorded_layers", recorded)
             span.set_attribute("expertmesh.routing_table.version", table.version)
-        return HealthRound(now, records, found, table.version, unreachable, {layer: p.source.value for layer, p in inputs.items()})
+        return HealthRound(
+            now, records, found, table.version, unreachable, {layer: p.source.value for layer, p in inputs.items()}
+        )
 
     def _table(self) -> RoutingTable:
         table = self._store.routing_table()
@@ -164,7 +168,8 @@ class HealthMonitor:
     def _observe(self) -> tuple[dict[str, _Observed], tuple[str, ...]]:
         observed, unreachable = {}, []
         answers = self._each_group(
-            lambda group: _Observed(self._groups.describe(group), self._groups.fingerprints(group)), sorted(self._store.endpoints())
+            lambda group: _Observed(self._groups.describe(group), self._groups.fingerprints(group)),
+            sorted(self._store.endpoints()),
         )
         for group, answer in answers.items():
             if isinstance(answer, GroupCallFailed):
@@ -174,7 +179,9 @@ class HealthMonitor:
                 observed[group] = answer
         return observed, tuple(unreachable)
 
-    def _forget_unheld(self, records: dict[ReplicaId, ReplicaRecord], observed: dict[str, _Observed]) -> dict[ReplicaId, ReplicaRecord]:
+    def _forget_unheld(
+        self, records: dict[ReplicaId, ReplicaRecord], observed: dict[str, _Observed]
+    ) -> dict[ReplicaId, ReplicaRecord]:
         """Drop the records of replicas whose group answered without the expert (moved or evicted)."""
         for rid in [rid for rid in records if rid.group in observed and not observed[rid.group].holds(rid.pair)]:
             log.info("health: %s is no longer held; forgetting its record (%s)", rid.describe(), records.pop(rid).state)
@@ -182,11 +189,15 @@ class HealthMonitor:
             self._store.clear_quarantined(rid.layer, rid.expert, rid.group)
         return records
 
-    def _targets(self, table: RoutingTable, records: Mapping[ReplicaId, ReplicaRecord], observed: dict[str, _Observed]) -> list[ReplicaId]:
+    def _targets(
+        self, table: RoutingTable, records: Mapping[ReplicaId, ReplicaRecord], observed: dict[str, _Observed]
+    ) -> list[ReplicaId]:
         """Every replica the table lists or the monitor withdrew, on a group that holds it."""
         listed = {ReplicaId(layer, e, g) for (layer, e), groups in table.replicas.items() for g in groups}
         withdrawn = {rid for rid, r in records.items() if r.withdrawn}
-        return sorted(rid for rid in listed | withdrawn if rid.group in observed and observed[rid.group].holds(rid.pair))
+        return sorted(
+            rid for rid in listed | withdrawn if rid.group in observed and observed[rid.group].holds(rid.pair)
+        )
 
     def _current_probe(self, layer: int, hidden_size: int) -> probes.Probe:
         """The layer's pinned probe, or the seeded one."""
@@ -198,7 +209,10 @@ class HealthMonitor:
             return {}
         hidden_size = next(iter(observed.values())).view.hidden_size
         pinned = probes.load_pinned(self._store, hidden_size)
-        return {layer: pinned.get(layer) or probes.seeded(layer, hidden_size, self.config.tokens, self.config.seed) for layer in layers}
+        return {
+            layer: pinned.get(layer) or probes.seeded(layer, hidden_size, self.config.tokens, self.config.seed)
+            for layer in layers
+        }
 
     def _probe_all(
         self, targets: list[ReplicaId], inputs: Mapping[int, probes.Probe], observed: dict[str, _Observed]
@@ -217,12 +231,25 @@ class HealthMonitor:
                 row_bytes = hidden.shape[1] * hidden.element_size()
                 for chunk in measure.batches(experts, tokens, row_bytes, self.config.probe_batch_bytes):
                     try:
-                        got = self._groups.dispatch(group, layer, measure.probe_batch(hidden, chunk))  # [len(chunk) * T, H]
+                        got = self._groups.dispatch(
+                            group, layer, measure.probe_batch(hidden, chunk)
+                        )  # [len(chunk) * T, H]
                     except GroupCallFailed as err:
-                        log.warning("health: probe of layer %d experts %s on %s failed, they wait for the next round: %s", layer, list(chunk), group, err)
+                        log.warning(
+                            "health: probe of layer %d experts %s on %s failed, they wait for the next round: %s",
+                            layer,
+                            list(chunk),
+                            group,
+                            err,
+                        )
                         continue
                     if tuple(got.shape) != (len(chunk) * tokens, hidden.shape[1]):
-                        log.warning("health: %s answered the probe of layer %d with shape %s; its experts wait for the next round", group, layer, list(got.shape))
+                        log.warning(
+                            "health: %s answered the probe of layer %d with shape %s; its experts wait for the next round",
+                            group,
+                            layer,
+                            list(got.shape),
+                        )
                         continue
                     for i, expert in enumerate(chunk):
                         out[ReplicaId(layer, expert, group)] = measure.summarise(got[i * tokens : (i + 1) * tokens])
@@ -262,7 +289,9 @@ class HealthMonitor:
                 norm_mean=output.norm_mean,
                 kl=measure.divergence(output, base) if base is not None else None,
                 # quantiles cost more than the rest of a check: only a replica without a baseline needs one
-                candidate=measure.baseline(output, fingerprint.loaded, now, self.config.histogram_bins, probe.digest) if base is None else None,
+                candidate=measure.baseline(output, fingerprint.loaded, now, self.config.histogram_bins, probe.digest)
+                if base is None
+                else None,
                 deviation=deviations[rid.pair].get(rid.group),
                 replicas=len(by_pair[rid.pair]),
             )
@@ -288,7 +317,9 @@ class HealthMonitor:
                 continue
             layer_records = [r for rid, r in records.items() if rid.layer == layer]
             if not policy.may_change_probe(layer_records, found, current.digest):
-                log.info("health: layer %d keeps its %s probe until every replica of it is healthy", layer, current.source)
+                log.info(
+                    "health: layer %d keeps its %s probe until every replica of it is healthy", layer, current.source
+                )
                 continue
             layer_targets = [rid for rid in targets if rid.layer == layer]
             outputs = self._probe_all(layer_targets, {layer: fresh}, observed)
@@ -300,7 +331,12 @@ class HealthMonitor:
                 records[rid] = policy.rebaselined(records[rid], baseline, fresh.source.value)
             probes.pin(self._store, fresh)
             inputs[layer] = fresh
-            log.info("health: layer %d probes with %d recorded hidden states from now on (%s)", layer, fresh.hidden.shape[0], fresh.digest)
+            log.info(
+                "health: layer %d probes with %d recorded hidden states from now on (%s)",
+                layer,
+                fresh.hidden.shape[0],
+                fresh.digest,
+            )
 
     def _repair(self, record: ReplicaRecord, view: GroupView, probe: probes.Probe, now: float) -> ReplicaRecord:
         """Reload the replica from the checkpoint on its group and verify it against the reference
@@ -318,14 +354,19 @@ class HealthMonitor:
         difference = canary_difference(reference, out, policy.reference_tolerance(view.dtype))
         if difference is not None:
             return policy.repair_failed(
-                record, f"reloaded on {rid.group}, but its output differs from the checkpoint's by max |Δ| {difference:.3g}"
+                record,
+                f"reloaded on {rid.group}, but its output differs from the checkpoint's by max |Δ| {difference:.3g}",
             )
-        baseline = measure.baseline(measure.summarise(out), fingerprint.loaded, now, self.config.histogram_bins, probe.digest)
+        baseline = measure.baseline(
+            measure.summarise(out), fingerprint.loaded, now, self.config.histogram_bins, probe.digest
+        )
         return policy.repaired(record, baseline, now)
 
     # -- settling -----------------------------------------------------------------------------------
 
-    def _settle(self, records: Mapping[ReplicaId, ReplicaRecord]) -> tuple[dict[ReplicaId, ReplicaRecord], RoutingTable]:
+    def _settle(
+        self, records: Mapping[ReplicaId, ReplicaRecord]
+    ) -> tuple[dict[ReplicaId, ReplicaRecord], RoutingTable]:
         """Publish the table ``records`` ask for, then the records and quarantine entries as that table
         has them; returns both. A table that keeps changing under us is left for the next round."""
         table = self._publish(records)
@@ -335,7 +376,15 @@ class HealthMonitor:
             state.save(self._store, record)
             if record.state.out_of_service:
                 self._store.set_quarantined(
-                    QuarantinedReplica(rid.layer, rid.expert, rid.group, record.state.value, record.reason, record.since, record.withdrawn)
+                    QuarantinedReplica(
+                        rid.layer,
+                        rid.expert,
+                        rid.group,
+                        record.state.value,
+                        record.reason,
+                        record.since,
+                        record.withdrawn,
+                    )
                 )
             else:
                 self._store.clear_quarantined(rid.layer, rid.expert, rid.group)
@@ -368,7 +417,15 @@ class HealthMonitor:
                 "reason": after.reason,
             }
             level = logging.WARNING if after.state is HealthState.QUARANTINED else logging.INFO
-            log.log(level, "health: %s %s -> %s: %s", rid.describe(), before.state, after.state, after.reason, extra={"health": fields})
+            log.log(
+                level,
+                "health: %s %s -> %s: %s",
+                rid.describe(),
+                before.state,
+                after.state,
+                after.reason,
+                extra={"health": fields},
+            )
             span.add_event("expertmesh.health.transition", {f"expertmesh.health.{k}": v for k, v in fields.items()})
         return after
 
@@ -397,9 +454,13 @@ class HealthMonitor:
             if pair not in table.replicas:
                 raise QuarantineRefused(f"layer {layer} expert {expert} is not in routing table v{table.version}")
             records = state.load_all(self._store)
-            known = set(table.replicas[pair]) | {rid.group for rid, r in records.items() if rid.pair == pair and r.withdrawn}
+            known = set(table.replicas[pair]) | {
+                rid.group for rid, r in records.items() if rid.pair == pair and r.withdrawn
+            }
             if group is not None and group not in known:
-                raise QuarantineRefused(f"group {group!r} does not serve layer {layer} expert {expert} (replicas: {sorted(known)})")
+                raise QuarantineRefused(
+                    f"group {group!r} does not serve layer {layer} expert {expert} (replicas: {sorted(known)})"
+                )
             targets = [ReplicaId(layer, expert, g) for g in ([group] if group is not None else table.replicas[pair])]
             for rid in targets:
                 before = records.get(rid) or ReplicaRecord(rid, since=now)
@@ -417,7 +478,9 @@ class HealthMonitor:
             targets = sorted(
                 rid
                 for rid, r in records.items()
-                if rid.pair == (layer, expert) and (group is None or rid.group == group) and r.state is HealthState.QUARANTINED
+                if rid.pair == (layer, expert)
+                and (group is None or rid.group == group)
+                and r.state is HealthState.QUARANTINED
             )
             if not targets:
                 where = f" on {group!r}" if group is not None else ""
@@ -443,7 +506,9 @@ class HealthMonitor:
         worst: dict[Pair, float] = {}
         for rid, r in self._latest.items():
             worst[rid.pair] = min(worst.get(rid.pair, 1.0), policy.SCORE[r.state])
-        return [Observation(score, {"layer": layer, "expert": expert}) for (layer, expert), score in sorted(worst.items())]
+        return [
+            Observation(score, {"layer": layer, "expert": expert}) for (layer, expert), score in sorted(worst.items())
+        ]
 
     def _kl_gauge(self, options: CallbackOptions) -> list[Observation]:
         largest: dict[Pair, float] = {}

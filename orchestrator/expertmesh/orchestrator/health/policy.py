@@ -33,6 +33,7 @@ from dataclasses import replace
 
 import torch
 
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.state import (
     Baseline,
@@ -47,7 +48,6 @@ from expertmesh.orchestrator.health.state import (
     Severity,
 )
 from expertmesh.orchestrator.migration.plan import Tolerance
-from expertmesh.routing_table import RoutingTable
 
 # -- findings ----------------------------------------------------------------------------------
 
@@ -71,16 +71,30 @@ def findings(record: ReplicaRecord, check: Check, config: HealthConfig) -> tuple
         )
     if check.probe_non_finite:
         found.append(
-            Finding(FindingKind.PROBE_NON_FINITE, Severity.QUARANTINE, f"{check.probe_non_finite} probe output rows hold NaN or Inf")
+            Finding(
+                FindingKind.PROBE_NON_FINITE,
+                Severity.QUARANTINE,
+                f"{check.probe_non_finite} probe output rows hold NaN or Inf",
+            )
         )
     base = current_baseline(record, check.fingerprint, check.probe)
     if base is not None and check.kl is not None:
         if check.kl > config.kl_quarantine:
             found.append(
-                Finding(FindingKind.DIVERGENCE, Severity.QUARANTINE, f"KL(baseline || now) {check.kl:.3g} > {config.kl_quarantine:g}")
+                Finding(
+                    FindingKind.DIVERGENCE,
+                    Severity.QUARANTINE,
+                    f"KL(baseline || now) {check.kl:.3g} > {config.kl_quarantine:g}",
+                )
             )
         elif check.kl > config.kl_suspect:
-            found.append(Finding(FindingKind.DIVERGENCE, Severity.SUSPECT, f"KL(baseline || now) {check.kl:.3g} > {config.kl_suspect:g}"))
+            found.append(
+                Finding(
+                    FindingKind.DIVERGENCE,
+                    Severity.SUSPECT,
+                    f"KL(baseline || now) {check.kl:.3g} > {config.kl_suspect:g}",
+                )
+            )
         shift = abs(check.norm_mean - base.norm_mean) / max(abs(base.norm_mean), 1e-12)
         if shift > config.mean_shift_suspect:
             found.append(
@@ -93,7 +107,11 @@ def findings(record: ReplicaRecord, check: Check, config: HealthConfig) -> tuple
     served = new_non_finite(record, check)
     if served:
         found.append(
-            Finding(FindingKind.SERVED_NON_FINITE, Severity.NOTICE, f"{served} served output rows held NaN or Inf since the last check")
+            Finding(
+                FindingKind.SERVED_NON_FINITE,
+                Severity.NOTICE,
+                f"{served} served output rows held NaN or Inf since the last check",
+            )
         )
     if check.replicas >= 3 and check.deviation is not None and check.deviation > config.replica_deviation:
         found.append(
@@ -134,12 +152,17 @@ def judge(record: ReplicaRecord, check: Check, config: HealthConfig) -> tuple[Re
     return _advance(updated, found, config, check.at), found
 
 
-def may_change_probe(records: Iterable[ReplicaRecord], found: Mapping[ReplicaId, tuple[Finding, ...]], probe: str) -> bool:
+def may_change_probe(
+    records: Iterable[ReplicaRecord], found: Mapping[ReplicaId, tuple[Finding, ...]], probe: str
+) -> bool:
     """A layer's probe input may change (``probes``: re-pinned) only in a round that judged every replica of the
     layer healthy against a baseline on the old one (``probe``): a replica that went bad must not get a baseline
     on the new input as it is."""
     return all(
-        r.state is HealthState.HEALTHY and not found.get(r.replica) and r.baseline is not None and r.baseline.probe == probe
+        r.state is HealthState.HEALTHY
+        and not found.get(r.replica)
+        and r.baseline is not None
+        and r.baseline.probe == probe
         for r in records
     )
 

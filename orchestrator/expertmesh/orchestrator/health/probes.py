@@ -28,10 +28,10 @@ from enum import StrEnum
 
 import torch
 
-from expertmesh.errors import InvalidRequest
-from expertmesh.state import StateStore
-from expertmesh.state.samples import decode as decode_sample
-from expertmesh.state.samples import encode as encode_sample
+from expertmesh.contracts.errors import InvalidRequest
+from expertmesh.store import StateStore
+from expertmesh.store.samples import decode as decode_sample
+from expertmesh.store.samples import encode as encode_sample
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,13 @@ class Probe:
     def from_bytes(cls, raw: bytes) -> Probe:
         head, _, body = raw.partition(b"\n")
         d = json.loads(head)
-        return cls(d["layer"], decode_sample(body, f"pinned probe of layer {d['layer']}"), ProbeSource(d["source"]), d["digest"], d["pinned_at"])
+        return cls(
+            d["layer"],
+            decode_sample(body, f"pinned probe of layer {d['layer']}"),
+            ProbeSource(d["source"]),
+            d["digest"],
+            d["pinned_at"],
+        )
 
 
 def digest(hidden: torch.Tensor, source: ProbeSource) -> str:
@@ -109,7 +115,12 @@ def recorded(store: StateStore, layer: int, hidden_size: int, tokens: int, at: f
         if sample.shape[1] != hidden_size or (samples and sample.dtype != samples[0].dtype):
             log.warning(
                 "health: router %s's sample of layer %d is %s %s, not [rows, %d]%s; left out",
-                router, layer, list(sample.shape), sample.dtype, hidden_size, f" {samples[0].dtype}" if samples else "",
+                router,
+                layer,
+                list(sample.shape),
+                sample.dtype,
+                hidden_size,
+                f" {samples[0].dtype}" if samples else "",
             )
             continue
         samples.append(sample)

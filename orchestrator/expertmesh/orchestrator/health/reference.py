@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.expert_group.hosted import HostedExperts
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
 
 
 class Reference:

@@ -5,7 +5,7 @@ Records persist as JSON bytes in the state store's ``health`` hash (the data
 plane's store module does not import the orchestrator, so (de)serialising is
 done here: ``save`` / ``load_all`` / ``remove``). What routers need, the set of
 replicas that must receive no tokens, is published separately in the store's
-``quarantine`` hash (``expertmesh.state.QuarantinedReplica``).
+``quarantine`` hash (``expertmesh.store.QuarantinedReplica``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 
-from expertmesh.state import StateStore, replica_key
+from expertmesh.store import StateStore, replica_key
 
 Pair = tuple[int, int]
 

@@ -41,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 from kubernetes.watch.watch import iter_resp_lines
 
-from expertmesh.errors import ExpertMeshError
+from expertmesh.contracts.errors import ExpertMeshError
 from expertmesh.orchestrator.kube.resource import (
     API_VERSION,
     GROUP,
@@ -106,7 +106,9 @@ def connect(kubeconfig: str | None = None, context: str | None = None) -> KubeCo
             namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
         else:
             kubeconfig = kubeconfig or os.environ.get("KUBECONFIG")  # read now: the client reads it once, at import
-            kubernetes.config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=configuration)
+            kubernetes.config.load_kube_config(
+                config_file=kubeconfig, context=context, client_configuration=configuration
+            )
             contexts, active = kubernetes.config.list_kube_config_contexts(config_file=kubeconfig)
             chosen = next((c for c in contexts if c["name"] == context), active) if context else active
             namespace = (chosen.get("context") or {}).get("namespace") or "default"
@@ -169,7 +171,9 @@ class CustomObjectApi(Generic[T, S]):
         """The object, or None when it does not exist (any more)."""
         with _calling(f"get {self.plural}/{name}"):
             try:
-                return type(self).parse(self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, self.plural, name))
+                return type(self).parse(
+                    self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, self.plural, name)
+                )
             except ApiException as err:
                 if err.status == 404:
                     return None
@@ -177,7 +181,9 @@ class CustomObjectApi(Generic[T, S]):
 
     def create(self, namespace: str, body: dict) -> T:
         with _calling(f"create {self.kind}"):
-            return type(self).parse(self._custom.create_namespaced_custom_object(GROUP, VERSION, namespace, self.plural, body))
+            return type(self).parse(
+                self._custom.create_namespaced_custom_object(GROUP, VERSION, namespace, self.plural, body)
+            )
 
     def write_status(self, obj: T, compute: Callable[[T], S], attempts: int = 5) -> T | None:
         """Write ``compute(obj)`` as the status, guarded by ``obj``'s resourceVersion; on 409 Conflict
@@ -210,7 +216,12 @@ class CustomObjectApi(Generic[T, S]):
     def record_event(self, obj: T, kind: EventType, reason: str, message: str) -> None:
         """A core/v1 Event about ``obj`` (``kubectl describe`` shows it); a failure is logged, not raised:
         events are a courtesy, the status is the record."""
-        involved = {"apiVersion": API_VERSION, "kind": self.kind, "uid": obj.uid, "resourceVersion": obj.resource_version}
+        involved = {
+            "apiVersion": API_VERSION,
+            "kind": self.kind,
+            "uid": obj.uid,
+            "resourceVersion": obj.resource_version,
+        }
         record_event(self._core, obj.namespace, obj.name, involved, kind, reason, message)
 
 
@@ -223,16 +234,24 @@ class ExpertMigrationApi(CustomObjectApi[ExpertMigration, MigrationStatus]):
         items = tuple(ExpertMigration.from_dict(item) for item in doc.get("items") or ())
         return Listing(items, str((doc.get("metadata") or {}).get("resourceVersion", "")))
 
-    def watch(self, namespace: str, resource_version: str, timeout_s: int, name: str | None = None) -> Iterator[WatchEvent]:
+    def watch(
+        self, namespace: str, resource_version: str, timeout_s: int, name: str | None = None
+    ) -> Iterator[WatchEvent]:
         """Changes after ``resource_version`` until the server ends the watch (``timeout_s``).
 
         Raises WatchExpired on 410 Gone. ``name`` watches one object (a field selector)."""
         options = {"field_selector": f"metadata.name={name}"} if name else {}
         with _calling(f"watch {PLURAL}"):
             response = self._custom.list_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL,
-                watch=True, resource_version=resource_version, timeout_seconds=timeout_s,
-                allow_watch_bookmarks=True, _preload_content=False,
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                watch=True,
+                resource_version=resource_version,
+                timeout_seconds=timeout_s,
+                allow_watch_bookmarks=True,
+                _preload_content=False,
                 _request_timeout=(10, timeout_s + 30),  # (connect, read): a silent connection is not waited on forever
                 **options,
             )
@@ -244,7 +263,9 @@ class ExpertMigrationApi(CustomObjectApi[ExpertMigration, MigrationStatus]):
                     if kind == "ERROR":
                         if body.get("code") == _HTTP_GONE:
                             raise WatchExpired(body.get("message", "resource version too old"))
-                        raise KubeApiError(f"watch {PLURAL}: {body.get('code')} {body.get('reason')}: {body.get('message')}")
+                        raise KubeApiError(
+                            f"watch {PLURAL}: {body.get('code')} {body.get('reason')}: {body.get('message')}"
+                        )
                     version = str((body.get("metadata") or {}).get("resourceVersion", resource_version))
                     yield WatchEvent(kind, version, None if kind == "BOOKMARK" else ExpertMigration.from_dict(body))
         finally:
@@ -252,7 +273,13 @@ class ExpertMigrationApi(CustomObjectApi[ExpertMigration, MigrationStatus]):
 
 
 def record_event(
-    core: kubernetes.client.CoreV1Api, namespace: str, name: str, involved: dict, kind: EventType, reason: str, message: str
+    core: kubernetes.client.CoreV1Api,
+    namespace: str,
+    name: str,
+    involved: dict,
+    kind: EventType,
+    reason: str,
+    message: str,
 ) -> None:
     """A core/v1 Event about the object ``name`` (``involved``: its apiVersion, kind, uid, resourceVersion);
     a failure is logged, not raised."""

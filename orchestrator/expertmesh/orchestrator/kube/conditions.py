@@ -86,10 +86,19 @@ def _milestone(m: Migration, kind: ConditionType, phase: Phase, generation: int)
     after = next_phase(m.mode, phase)
     passed = next((h for h in m.history if h.phase is after), None)
     if passed is not None:
-        return Condition(kind, "True", _DONE_REASONS[kind], _done_message(m, kind, passed.table_version), rfc3339(passed.at), generation)
+        return Condition(
+            kind,
+            "True",
+            _DONE_REASONS[kind],
+            _done_message(m, kind, passed.table_version),
+            rfc3339(passed.at),
+            generation,
+        )
     if m.phase.terminal:
         reason = camel(m.failure.value) if m.failure else camel(m.phase.value)
-        return Condition(kind, "False", reason, f"the migration ended {m.phase.value} before this step", _ended(m), generation)
+        return Condition(
+            kind, "False", reason, f"the migration ended {m.phase.value} before this step", _ended(m), generation
+        )
     return Condition(kind, "Unknown", "Waiting", f"the migration is {m.phase.value}", rfc3339(m.started_at), generation)
 
 

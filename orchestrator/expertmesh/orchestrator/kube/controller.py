@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from expertmesh.errors import ExpertMeshError, MigrationNotFound
+from expertmesh.contracts.errors import ExpertMeshError, MigrationNotFound
 from expertmesh.orchestrator.admin import MigrationRunner
 from expertmesh.orchestrator.kube.api import (
     EventType,
@@ -44,7 +44,7 @@ from expertmesh.orchestrator.kube.api import (
 from expertmesh.orchestrator.kube.conditions import REFUSED, refused_status, status_of
 from expertmesh.orchestrator.kube.resource import ExpertMigration, MigrationStatus, camel
 from expertmesh.orchestrator.migration.state import Migration, Phase, PhaseChange, load
-from expertmesh.state import StateStore
+from expertmesh.store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,9 @@ class _Followed:
 
 
 class MigrationController:
-    def __init__(self, api: ExpertMigrationApi, runner: MigrationRunner, store: StateStore, settings: ControllerSettings):
+    def __init__(
+        self, api: ExpertMigrationApi, runner: MigrationRunner, store: StateStore, settings: ControllerSettings
+    ):
         self.api = api
         self.namespace = settings.namespace
         self._runner = runner
@@ -126,10 +128,16 @@ class MigrationController:
             except WatchExpired as err:
                 log.info("watch of ExpertMigrations expired (%s); listing again", err)
             except KubeApiError as err:
-                log.warning("ExpertMigrations in %s: %s; listing again in %g s", self.namespace, err, self._settings.retry_s)
+                log.warning(
+                    "ExpertMigrations in %s: %s; listing again in %g s", self.namespace, err, self._settings.retry_s
+                )
                 self._stop.wait(self._settings.retry_s)
             except Exception:  # a bug must not end the thread: the controller would go quiet for good
-                log.exception("watching ExpertMigrations in %s failed; listing again in %g s", self.namespace, self._settings.retry_s)
+                log.exception(
+                    "watching ExpertMigrations in %s failed; listing again in %g s",
+                    self.namespace,
+                    self._settings.retry_s,
+                )
                 self._stop.wait(self._settings.retry_s)
 
     def _hand(self, obj: ExpertMigration) -> None:
@@ -170,7 +178,9 @@ class MigrationController:
         migration_id = obj.status.migration_id or obj.submitted_as or migration_id_for(obj.uid)
         if self._store.migration(migration_id) is None:
             if obj.status.migration_id or obj.submitted_as:
-                self._refuse(obj, RECORD_LOST, f"the state store has no migration {migration_id}; create a new ExpertMigration")
+                self._refuse(
+                    obj, RECORD_LOST, f"the state store has no migration {migration_id}; create a new ExpertMigration"
+                )
                 return
             if obj.spec is None:
                 self._refuse(obj, REFUSED, obj.spec_problem)
@@ -178,7 +188,11 @@ class MigrationController:
             spec = obj.spec
             try:
                 self._runner.submit(
-                    spec.layer, spec.expert, spec.target, spec.source, spec.mode,
+                    spec.layer,
+                    spec.expert,
+                    spec.target,
+                    spec.source,
+                    spec.mode,
                     initiator=obj.initiator or f"kubernetes:{obj.namespace}/{obj.name}",
                     migration_id=migration_id,
                 )
@@ -192,7 +206,9 @@ class MigrationController:
 
     def _refuse(self, obj: ExpertMigration, reason: str, message: str) -> None:
         log.warning("%s/%s: %s: %s", obj.namespace, obj.name, reason, message)
-        written = self.api.write_status(obj, lambda current: refused_status(reason, message, time.time(), current.generation))
+        written = self.api.write_status(
+            obj, lambda current: refused_status(reason, message, time.time(), current.generation)
+        )
         if written is not None:
             self.api.record_event(written, EventType.WARNING, reason, message)
         self._done.add(obj.uid)

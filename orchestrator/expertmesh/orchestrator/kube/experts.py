@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from expertmesh.routing_table import RoutingTable
+from expertmesh.contracts.routing_table import RoutingTable
 
 #: MoE layer index -> tokens that chose each expert ([E] counts)
 LayerLoad = dict[int, tuple[float, ...]]
@@ -43,7 +43,10 @@ class ExpertRow:
 
 
 def expert_rows(
-    table: RoutingTable, load: LayerLoad, layer: int | None = None, out_of_service: Mapping[tuple[int, int, str], str] | None = None
+    table: RoutingTable,
+    load: LayerLoad,
+    layer: int | None = None,
+    out_of_service: Mapping[tuple[int, int, str], str] | None = None,
 ) -> list[ExpertRow]:
     """``out_of_service``: (layer, expert, group) -> "quarantined" or "probation"."""
     rows, out_of_service = [], out_of_service or {}
@@ -51,7 +54,8 @@ def expert_rows(
         if layer is not None and pair[0] != layer:
             continue
         replicas = tuple(
-            Replica(g, s, out_of_service.get((*pair, g), "")) for g, s in zip(table.replicas[pair], table.shares_of(pair))
+            Replica(g, s, out_of_service.get((*pair, g), ""))
+            for g, s in zip(table.replicas[pair], table.shares_of(pair))
         )
         counts = load.get(pair[0])
         total = sum(counts) if counts else 0.0
@@ -62,13 +66,16 @@ def expert_rows(
 
 def render_table(table: RoutingTable, rows: list[ExpertRow], routers: int) -> str:
     load_from = f"load from {routers} router{'s' if routers != 1 else ''}" if routers else "no load published yet"
-    header = f"routing table v{table.version}: {len(table.layers())} MoE layers, {len(table.groups())} groups; {load_from}"
+    header = (
+        f"routing table v{table.version}: {len(table.layers())} MoE layers, {len(table.groups())} groups; {load_from}"
+    )
     cells = [
         (
             str(r.layer),
             str(r.expert),
             ", ".join(
-                (f"{p.group} ({p.share:.0%})" if len(r.replicas) > 1 else p.group) + (f" [{p.state}]" if p.state else "")
+                (f"{p.group} ({p.share:.0%})" if len(r.replicas) > 1 else p.group)
+                + (f" [{p.state}]" if p.state else "")
                 for p in r.replicas
             ),
             f"{r.load_share:.1%}" if r.load_share is not None else "-",
@@ -81,4 +88,6 @@ def render_table(table: RoutingTable, rows: list[ExpertRow], routers: int) -> st
 
 
 def render_json(table: RoutingTable, rows: list[ExpertRow], routers: int) -> str:
-    return json.dumps({"routing_table_version": table.version, "routers": routers, "experts": [asdict(r) for r in rows]}, indent=2)
+    return json.dumps(
+        {"routing_table_version": table.version, "routers": routers, "experts": [asdict(r) for r in rows]}, indent=2
+    )

@@ -77,7 +77,12 @@ class QuarantineSpec:
         reason = spec.get("reason") or ""
         if not isinstance(reason, str):
             raise ValueError(f"spec.reason must be text, got {reason!r}")
-        return cls(_int(spec.get("layer"), "spec.layer"), _int(spec.get("expert"), "spec.expert"), _optional_str(spec.get("group"), "spec.group"), reason)
+        return cls(
+            _int(spec.get("layer"), "spec.layer"),
+            _int(spec.get("expert"), "spec.expert"),
+            _optional_str(spec.get("group"), "spec.group"),
+            reason,
+        )
 
 
 @dataclass(frozen=True)
@@ -118,13 +123,24 @@ class QuarantineStatus:
         if not isinstance(data, dict):
             return cls()
         replicas = tuple(
-            ReplicaEntry(r.get("group", ""), r.get("state", ""), r.get("reason", ""), r.get("since", ""), bool(r.get("listed")), int(r.get("repairs", 0)))
+            ReplicaEntry(
+                r.get("group", ""),
+                r.get("state", ""),
+                r.get("reason", ""),
+                r.get("since", ""),
+                bool(r.get("listed")),
+                int(r.get("repairs", 0)),
+            )
             for r in data.get("replicas") or ()
             if isinstance(r, dict)
         )
         return cls(
-            str(data.get("state", "")), str(data.get("reason", "")), str(data.get("quarantinedBy", "")),
-            str(data.get("since", "")), int(data.get("observedGeneration", 0)), replicas,
+            str(data.get("state", "")),
+            str(data.get("reason", "")),
+            str(data.get("quarantinedBy", "")),
+            str(data.get("since", "")),
+            int(data.get("observedGeneration", 0)),
+            replicas,
         )
 
 
@@ -182,7 +198,9 @@ def status_of(spec: QuarantineSpec, replicas: Iterable[ReplicaStatus], generatio
     """The status of an object the controller acted on: its covered replicas' health."""
     mine = sorted(covered(spec, replicas), key=lambda s: (_SEVERITY.index(s.record.state), s.record.replica.group))
     if not mine:
-        return QuarantineStatus(State.HEALTHY, "no replica of the expert is held any more", observed_generation=generation)
+        return QuarantineStatus(
+            State.HEALTHY, "no replica of the expert is held any more", observed_generation=generation
+        )
     worst = mine[0].record
     return QuarantineStatus(
         state=camel(worst.state.value),
@@ -192,8 +210,12 @@ def status_of(spec: QuarantineSpec, replicas: Iterable[ReplicaStatus], generatio
         observed_generation=generation,
         replicas=tuple(
             ReplicaEntry(
-                s.record.replica.group, camel(s.record.state.value), s.record.reason,
-                rfc3339(s.record.since) if s.record.since else "", s.listed, s.record.repairs,
+                s.record.replica.group,
+                camel(s.record.state.value),
+                s.record.reason,
+                rfc3339(s.record.since) if s.record.since else "",
+                s.listed,
+                s.record.repairs,
             )
             for s in sorted(mine, key=lambda s: s.record.replica.group)
         ),

@@ -32,7 +32,7 @@ import threading
 
 from kubernetes.client.exceptions import ApiException
 
-from expertmesh.errors import QuarantineRefused
+from expertmesh.contracts.errors import QuarantineRefused
 from expertmesh.orchestrator.health.monitor import HealthMonitor, ReplicaStatus
 from expertmesh.orchestrator.health.state import HealthState, Initiator
 from expertmesh.orchestrator.kube.api import CustomObjectApi, EventType, KubeApiError, KubeConnection, _calling
@@ -124,7 +124,9 @@ class QuarantineController:
             if any(spec.covers(rid.layer, rid.expert, rid.group) for spec in specs):
                 continue
             if record.state is HealthState.QUARANTINED and record.quarantined_by is Initiator.KUBERNETES:
-                self._release(QuarantineSpec(rid.layer, rid.expert, rid.group), "no ExpertQuarantine covers it any more")
+                self._release(
+                    QuarantineSpec(rid.layer, rid.expert, rid.group), "no ExpertQuarantine covers it any more"
+                )
             elif out_of_service(s):
                 mirror = self._mirror(s)
                 objects[mirror.name] = mirror
@@ -141,7 +143,11 @@ class QuarantineController:
         spec = obj.spec
         try:
             self._monitor.quarantine(
-                spec.layer, spec.expert, spec.group, spec.reason or f"ExpertQuarantine {obj.namespace}/{obj.name}", by=Initiator.KUBERNETES
+                spec.layer,
+                spec.expert,
+                spec.group,
+                spec.reason or f"ExpertQuarantine {obj.namespace}/{obj.name}",
+                by=Initiator.KUBERNETES,
             )
         except QuarantineRefused as err:
             return self._refuse(obj, str(err))
@@ -162,12 +168,19 @@ class QuarantineController:
         except QuarantineRefused:
             return  # nothing of it is quarantined any more
         still = [s.record.replica.group for s in statuses if s.record.state is HealthState.QUARANTINED]
-        log.warning("released %s (%s)%s", _describe(spec), why, f"; still quarantined on {still}: its repair failed" if still else "")
+        log.warning(
+            "released %s (%s)%s",
+            _describe(spec),
+            why,
+            f"; still quarantined on {still}: its repair failed" if still else "",
+        )
 
     def _mirror(self, replica: ReplicaStatus) -> ExpertQuarantine:
         rid = replica.record.replica
         spec = QuarantineSpec(rid.layer, rid.expert, rid.group)
-        return self.api.create(self.namespace, manifest(spec, mirror_name(rid.layer, rid.expert, rid.group), mirror=True))
+        return self.api.create(
+            self.namespace, manifest(spec, mirror_name(rid.layer, rid.expert, rid.group), mirror=True)
+        )
 
     def _report(self, obj: ExpertQuarantine, replicas: list[ReplicaStatus]) -> ExpertQuarantine | None:
         """Write the object's status from its replicas, with an Event on a change of state; delete a mirror
@@ -182,12 +195,16 @@ class QuarantineController:
                 return None
             if status.state != obj.status.state:
                 kind = EventType.WARNING if status.state in _WARNING_STATES else EventType.NORMAL
-                self.api.record_event(written, kind, status.state, f"{_describe(obj.spec)}: {status.reason or status.state}")
+                self.api.record_event(
+                    written, kind, status.state, f"{_describe(obj.spec)}: {status.reason or status.state}"
+                )
         if obj.mirror and not any(out_of_service(s) for s in covered(obj.spec, replicas)):
             self.api.delete(written)
             return None
         return written
 
 
-def start_quarantine_controller(connection: KubeConnection, monitor: HealthMonitor, namespace: str | None = None) -> QuarantineController:
+def start_quarantine_controller(
+    connection: KubeConnection, monitor: HealthMonitor, namespace: str | None = None
+) -> QuarantineController:
     return QuarantineController(QuarantineApi(connection), monitor, namespace or connection.namespace).start()

@@ -105,7 +105,9 @@ class MigrationSpec:
         try:
             mode = MigrationMode(spec.get("mode") or MigrationMode.MOVE)
         except ValueError:
-            raise ValueError(f"spec.mode must be one of {[m.value for m in MigrationMode]}, got {spec.get('mode')!r}") from None
+            raise ValueError(
+                f"spec.mode must be one of {[m.value for m in MigrationMode]}, got {spec.get('mode')!r}"
+            ) from None
         return cls(
             layer=_int(spec.get("layer"), "spec.layer"),
             expert=_int(spec.get("expert"), "spec.expert"),

@@ -33,13 +33,23 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from expertmesh.errors import InvalidRequest, MigrationRefused
+from expertmesh.contracts.errors import InvalidRequest, MigrationRefused
+from expertmesh.contracts.routing_table import RoutingTable
+from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.orchestrator.migration import plan
-from expertmesh.orchestrator.migration.groups import GroupCallFailed, GroupChannels
-from expertmesh.orchestrator.migration.state import OPERATOR, Failure, Migration, MigrationMode, Phase, PhaseChange, load, load_all, save
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import StateStore
-from expertmesh.telemetry.setup import meter, tracer
+from expertmesh.orchestrator.migration.group_calls import GroupCallFailed, GroupChannels
+from expertmesh.orchestrator.migration.state import (
+    OPERATOR,
+    Failure,
+    Migration,
+    MigrationMode,
+    Phase,
+    PhaseChange,
+    load,
+    load_all,
+    save,
+)
+from expertmesh.store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +82,9 @@ class MigrationExecutor:
         self._publish_attempts = publish_attempts
         # ``groups``: anything with GroupChannels' methods (the scale simulation's simulated groups)
         self._groups = groups if groups is not None else GroupChannels(store.endpoints)
-        self._ended = meter().create_counter("expertmesh.migrations", description="migrations ended, by result and reason")
+        self._ended = meter().create_counter(
+            "expertmesh.migrations", description="migrations ended, by result and reason"
+        )
         self._work: dict[Phase, Callable[[Migration], Migration]] = {
             Phase.PENDING: self._pending,
             Phase.LOADING: self._loading,
@@ -109,7 +121,9 @@ class MigrationExecutor:
         try:
             mode = MigrationMode(mode)
         except ValueError:
-            raise InvalidRequest(f"unknown migration mode {mode!r}; use {', '.join(m.value for m in MigrationMode)}") from None
+            raise InvalidRequest(
+                f"unknown migration mode {mode!r}; use {', '.join(m.value for m in MigrationMode)}"
+            ) from None
         pair = (layer, expert)
         table = self._store.routing_table()
         if table is None:
@@ -128,7 +142,9 @@ class MigrationExecutor:
                 )
             source = replicas[0]
         if source not in replicas:
-            raise MigrationRefused(f"group {source!r} does not serve layer {layer} expert {expert} (replicas: {list(replicas)})")
+            raise MigrationRefused(
+                f"group {source!r} does not serve layer {layer} expert {expert} (replicas: {list(replicas)})"
+            )
         if mode is MigrationMode.EVICT:
             if target is not None:
                 raise InvalidRequest("an evict removes a replica and takes no target")
@@ -250,7 +266,9 @@ class MigrationExecutor:
         except GroupCallFailed as err:
             if err.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 budget = f" (holds {before.weight_bytes} of {before.budget_bytes} bytes)" if before.budget_bytes else ""
-                raise _Failed(Failure.OVER_BUDGET, f"group {m.target!r} is over its memory budget{budget}: {err.details}")
+                raise _Failed(
+                    Failure.OVER_BUDGET, f"group {m.target!r} is over its memory budget{budget}: {err.details}"
+                )
             raise
         return self._next(m, bytes_loaded=loaded.weight_bytes - before.weight_bytes if loaded.added else 0)
 
@@ -312,7 +330,9 @@ class MigrationExecutor:
                 log.info("published routing table v%d", table.version)
                 return table.version
             log.info("routing table v%d changed under us; re-applying the edit", current.version)
-        raise _Failed(Failure.TABLE_CHANGED, f"the routing table kept changing; gave up after {self._publish_attempts} tries")
+        raise _Failed(
+            Failure.TABLE_CHANGED, f"the routing table kept changing; gave up after {self._publish_attempts} tries"
+        )
 
     def _drain(self, m: Migration, draining: str | None) -> None:
         """Wait until ``m.table_version`` is acknowledged and, with ``draining``, drained from that group."""

@@ -4,15 +4,15 @@ passes. No I/O; the executor calls these with what it observed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import torch
 
-from expertmesh.errors import MigrationRefused
+from expertmesh.contracts.errors import MigrationRefused
+from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.migration.state import MigrationMode, Phase
-from expertmesh.routing_table import RoutingTable
-from expertmesh.state import RouterHeartbeat
+from expertmesh.store import RouterHeartbeat
 
 Pair = tuple[int, int]
 
@@ -42,7 +42,9 @@ def next_phase(mode: MigrationMode, phase: Phase) -> Phase:
     return order[order.index(phase) + 1]
 
 
-def table_touched(mode: MigrationMode, phase: Phase, replicas: tuple[str, ...], source: str, target: str | None) -> bool:
+def table_touched(
+    mode: MigrationMode, phase: Phase, replicas: tuple[str, ...], source: str, target: str | None
+) -> bool:
     """Whether a migration in ``phase`` may have published its first table edit, given the pair's
     ``replicas`` now: past that edit's phase, or in it with the edit visible in the table."""
     order = PHASES[mode]
@@ -77,9 +79,7 @@ def with_replicas(
     new_shares = {p: s for p, s in table.shares.items() if p != pair}
     if shares and len(replicas) > 1:
         new_shares[pair] = shares
-    return replace(
-        table, version=table.version + 1, replicas={**table.replicas, pair: replicas}, shares=new_shares
-    )
+    return replace(table, version=table.version + 1, replicas={**table.replicas, pair: replicas}, shares=new_shares)
 
 
 def add_replica(table: RoutingTable, pair: Pair, group: str) -> RoutingTable | None:
@@ -99,9 +99,13 @@ def remove_replica(table: RoutingTable, pair: Pair, group: str) -> RoutingTable 
 
 def check_all_hosted(before: RoutingTable, after: RoutingTable) -> None:
     """Refuse a table that drops a pair ``before`` served or leaves one with no replica."""
-    lost = sorted({p for p in before.replicas if not after.replicas.get(p)} | {p for p, g in after.replicas.items() if not g})
+    lost = sorted(
+        {p for p in before.replicas if not after.replicas.get(p)} | {p for p, g in after.replicas.items() if not g}
+    )
     if lost:
-        raise MigrationRefused(f"routing table v{after.version} would leave (layer, expert) {lost[:5]} without a replica")
+        raise MigrationRefused(
+            f"routing table v{after.version} would leave (layer, expert) {lost[:5]} without a replica"
+        )
 
 
 def repaired_replicas(

@@ -13,9 +13,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 
-from expertmesh.errors import MigrationNotFound
-from expertmesh.state import StateStore
-
+from expertmesh.contracts.errors import MigrationNotFound
+from expertmesh.store import StateStore
 
 #: ``Migration.initiator`` of a migration a person asked for (``expertmesh migrate``, the admin API)
 OPERATOR = "operator"
@@ -108,9 +107,7 @@ class Migration:
         """This record moved on to ``phase`` at ``at``, with ``changes`` to other fields."""
         updated = replace(self, phase=phase, **changes)
         done = {"completed_at": at} if phase.terminal else {}
-        return replace(
-            updated, history=(*self.history, PhaseChange(phase, at, updated.table_version)), **done
-        )
+        return replace(updated, history=(*self.history, PhaseChange(phase, at, updated.table_version)), **done)
 
     def describe(self) -> str:
         """One line for logs and CLIs."""
@@ -131,9 +128,7 @@ class Migration:
                 "failure": Failure(data["failure"]) if data["failure"] else None,
                 "replicas_before": tuple(data["replicas_before"]),
                 "shares_before": tuple(data["shares_before"]),
-                "history": tuple(
-                    PhaseChange(Phase(h["phase"]), h["at"], h["table_version"]) for h in data["history"]
-                ),
+                "history": tuple(PhaseChange(Phase(h["phase"]), h["at"], h["table_version"]) for h in data["history"]),
             }
         )
 

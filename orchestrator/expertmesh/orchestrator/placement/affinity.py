@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from expertmesh.errors import PlacementError
+from expertmesh.contracts.errors import InputError
 
 # Shares are fractions; a row may miss 1 by this much from rounding in a JSON export.
 _ROW_TOLERANCE = 1e-3
@@ -47,18 +47,18 @@ class DomainAffinity:
 
     def __post_init__(self) -> None:
         if self.share.ndim != 3 or self.share.shape[1] != len(self.domains) or not self.domains:
-            raise PlacementError(
+            raise InputError(
                 f"affinity: share must be [layers, {len(self.domains)} domains, experts], got {list(self.share.shape)}"
             )
         if self.weight.shape != (len(self.domains),):
-            raise PlacementError(f"affinity: weight must hold one number per domain ({len(self.domains)})")
+            raise InputError(f"affinity: weight must hold one number per domain ({len(self.domains)})")
         for name, arr in (("share", self.share), ("weight", self.weight)):
             if not np.all(np.isfinite(arr)) or (arr < 0).any():
-                raise PlacementError(f"affinity: {name} must hold finite, non-negative numbers")
+                raise InputError(f"affinity: {name} must hold finite, non-negative numbers")
         if np.abs(self.share.sum(axis=2) - 1).max() > _ROW_TOLERANCE:
-            raise PlacementError("affinity: each layer's share row of a domain must sum to 1")
+            raise InputError("affinity: each layer's share row of a domain must sum to 1")
         if abs(self.weight.sum() - 1) > _ROW_TOLERANCE:
-            raise PlacementError("affinity: domain weights must sum to 1")
+            raise InputError("affinity: domain weights must sum to 1")
 
     @property
     def num_layers(self) -> int:
@@ -70,7 +70,7 @@ class DomainAffinity:
 
     def check_shape(self, num_layers: int, num_experts: int) -> None:
         if (self.num_layers, self.num_experts) != (num_layers, num_experts):
-            raise PlacementError(
+            raise InputError(
                 f"affinity covers {self.num_layers} layers x {self.num_experts} experts,"
                 f" the stats {num_layers} x {num_experts}"
             )
@@ -80,11 +80,13 @@ def affinity_from_counts(domains: tuple[str, ...], counts: np.ndarray) -> Domain
     """counts [L, D, E] tokens per (layer, domain, expert) -> affinity; domains with no tokens are dropped."""
     counts = np.asarray(counts, dtype=np.float64)
     if counts.ndim != 3 or counts.shape[1] != len(domains):
-        raise PlacementError(f"affinity: counts must be [layers, {len(domains)} domains, experts], got {list(counts.shape)}")
+        raise InputError(
+            f"affinity: counts must be [layers, {len(domains)} domains, experts], got {list(counts.shape)}"
+        )
     per_domain = counts.sum(axis=2)  # [L, D]
     seen = per_domain.min(axis=0) > 0
     if not seen.any():
-        raise PlacementError("affinity: no domain has tokens in every layer")
+        raise InputError("affinity: no domain has tokens in every layer")
     counts, per_domain = counts[:, seen], per_domain[:, seen]
     total = per_domain.sum(axis=0)
     return DomainAffinity(
@@ -94,15 +96,15 @@ def affinity_from_counts(domains: tuple[str, ...], counts: np.ndarray) -> Domain
 
 def affinity_from_dict(doc: Any) -> DomainAffinity:
     if not isinstance(doc, dict) or not all(k in doc for k in ("domains", "weight", "share")):
-        raise PlacementError("affinity file must be a JSON object with domains, weight and share")
+        raise InputError("affinity file must be a JSON object with domains, weight and share")
     domains = doc["domains"]
     if not isinstance(domains, list) or not all(isinstance(d, str) and d for d in domains):
-        raise PlacementError("affinity: domains must be a list of non-empty strings")
+        raise InputError("affinity: domains must be a list of non-empty strings")
     try:
         share = np.asarray(doc["share"], dtype=np.float64)
         weight = np.asarray(doc["weight"], dtype=np.float64)
     except (ValueError, TypeError):
-        raise PlacementError("affinity: share and weight must be rectangular arrays of numbers") from None
+        raise InputError("affinity: share and weight must be rectangular arrays of numbers") from None
     return DomainAffinity(tuple(domains), share, weight)
 
 
@@ -114,7 +116,7 @@ def parse_affinity_json(text: str) -> DomainAffinity:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
-        raise PlacementError(f"affinity file is not valid JSON: {err}") from None
+        raise InputError(f"affinity file is not valid JSON: {err}") from None
     return affinity_from_dict(doc)
 
 
@@ -129,7 +131,13 @@ def groups_per_token(affinity: DomainAffinity, shares: np.ndarray, top_k: int) -
 
 
 def colocate(
-    load: np.ndarray, shares: np.ndarray, affinity: DomainAffinity, top_k: int, slots: int, cap: np.ndarray, max_swaps: int
+    load: np.ndarray,
+    shares: np.ndarray,
+    affinity: DomainAffinity,
+    top_k: int,
+    slots: int,
+    cap: np.ndarray,
+    max_swaps: int,
 ) -> np.ndarray:
     """Exchange replicas between GPUs to lower groups touched per token, keeping every GPU load <= cap [L].
 
@@ -138,8 +146,9 @@ def colocate(
     """
     out = shares.copy()
     for layer in range(load.shape[0]):
-        out[layer] = _colocate_layer(load[layer], shares[layer], affinity.share[layer], affinity.weight, top_k, slots,
-                                     cap[layer], max_swaps)
+        out[layer] = _colocate_layer(
+            load[layer], shares[layer], affinity.share[layer], affinity.weight, top_k, slots, cap[layer], max_swaps
+        )
     return out
 
 
@@ -164,7 +173,9 @@ def _colocate_layer(load, shares, share, weight, top_k, slots, cap, max_swaps) -
         a, b = gpu[:, None], gpu[None, :]  # r sits on a, s on b
         delta = m[None, :, :] - m[:, None, :]  # [R, R, D]: a gains m_s - m_r, b the opposite
         Pa, Pb = P[gpu][:, None, :], P[gpu][None, :, :]
-        change = (_touched(Pa + delta, top_k) - _touched(Pa, top_k) + _touched(Pb - delta, top_k) - _touched(Pb, top_k)) @ weight
+        change = (
+            _touched(Pa + delta, top_k) - _touched(Pa, top_k) + _touched(Pb - delta, top_k) - _touched(Pb, top_k)
+        ) @ weight
         dw = w[None, :] - w[:, None]
         valid = (
             (a != b)

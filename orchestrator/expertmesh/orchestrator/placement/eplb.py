@@ -2,9 +2,9 @@
 
 Written from the published description (github.com/deepseek-ai/EPLB, README):
 
-* hierarchical policy, used when the number of expert groups divides by the
-  number of nodes: pack expert groups onto nodes (greedy heaviest-first balanced
-  packing, equal group count per node), replicate experts inside each node by
+* hierarchical policy, used when the number of gating groups divides by the
+  number of nodes: pack gating groups onto nodes (greedy heaviest-first balanced
+  packing, equal gating-group count per node), replicate experts inside each node by
   repeatedly giving one more replica to the expert with the highest
   load / replica-count, then pack the node's physical replicas onto its GPUs the
   same balanced way;
@@ -16,6 +16,9 @@ GPU holds up to ``ceil(replicas / gpus)`` (EPLB asserts divisibility), and the
 hierarchical policy needs the same GPU count on every node (else global). EPLB
 may put two replicas of one expert on one GPU; as a placement those merge into
 one replica with the summed share (same GPU loads).
+
+*Gating groups* are DeepSeek's groups of experts for group-limited routing (``n_group``), not this
+project's expert groups (the served processes).
 """
 
 from __future__ import annotations
@@ -56,16 +59,18 @@ def _inverse(perm: np.ndarray) -> np.ndarray:
 
 
 def rebalance_hierarchical(
-    weight: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight: np.ndarray, num_physical: int, num_gating_groups: int, num_nodes: int, num_gpus: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """[L, E] loads -> (phy2log [L, num_physical], gpu_of_phy [L, num_physical])."""
     L, E = weight.shape
-    group_size, groups_per_node = E // num_groups, num_groups // num_nodes
+    gating_group_size, gating_groups_per_node = E // num_gating_groups, num_gating_groups // num_nodes
     per_gpu = num_physical // num_gpus
-    # Step 1: expert groups onto nodes.
-    group_tokens = weight.reshape(L, num_groups, group_size).sum(axis=2)
-    group_pack, group_rank = balanced_packing(group_tokens, num_nodes)
-    log2mlog = ((group_pack * groups_per_node + group_rank) * group_size)[:, :, None] + np.arange(group_size)
+    # Step 1: gating groups onto nodes.
+    gating_group_tokens = weight.reshape(L, num_gating_groups, gating_group_size).sum(axis=2)
+    gating_group_pack, gating_group_rank = balanced_packing(gating_group_tokens, num_nodes)
+    log2mlog = ((gating_group_pack * gating_groups_per_node + gating_group_rank) * gating_group_size)[
+        :, :, None
+    ] + np.arange(gating_group_size)
     mlog2log = _inverse(log2mlog.reshape(L, E))  # node-major order of logical experts
     # Step 2: replicas inside each node.
     mlog_tokens = np.take_along_axis(weight, mlog2log, axis=1).reshape(L * num_nodes, E // num_nodes)
@@ -87,21 +92,23 @@ def rebalance_global(weight: np.ndarray, num_physical: int, num_gpus: int) -> tu
     return phy2log, pack
 
 
-def eplb_shares(weight: np.ndarray, num_redundant: int, gpus_per_node: list[int], num_groups: int = 1) -> np.ndarray:
+def eplb_shares(
+    weight: np.ndarray, num_redundant: int, gpus_per_node: list[int], num_gating_groups: int = 1
+) -> np.ndarray:
     """EPLB's placement as shares [L, E, G] (G = sum(gpus_per_node), GPUs node-major)."""
     L, E = weight.shape
     num_gpus, num_nodes = sum(gpus_per_node), len(gpus_per_node)
     num_physical = E + num_redundant
     hierarchical = (
-        num_groups >= 1
-        and E % num_groups == 0
-        and num_groups % num_nodes == 0
+        num_gating_groups >= 1
+        and E % num_gating_groups == 0
+        and num_gating_groups % num_nodes == 0
         and len(set(gpus_per_node)) == 1
         and num_physical % num_gpus == 0
         and num_physical % num_nodes == 0
     )
     if hierarchical:
-        phy2log, gpu = rebalance_hierarchical(weight, num_physical, num_groups, num_nodes, num_gpus)
+        phy2log, gpu = rebalance_hierarchical(weight, num_physical, num_gating_groups, num_nodes, num_gpus)
     else:
         phy2log, gpu = rebalance_global(weight, num_physical, num_gpus)
     return replicas_to_shares(phy2log, gpu, E, num_gpus)

@@ -58,7 +58,9 @@ class ModelSizes:
 
     def kv_bytes(self, seq: int, dtype_bytes: int) -> int:
         """Cache bytes of one sequence of ``seq`` tokens."""
-        return dtype_bytes * sum(n * (seq if w is None else min(seq, w)) for n, w in zip(self.kv_elements, self.kv_window))
+        return dtype_bytes * sum(
+            n * (seq if w is None else min(seq, w)) for n, w in zip(self.kv_elements, self.kv_window)
+        )
 
     @classmethod
     def of(cls, config) -> "ModelSizes":
@@ -66,7 +68,7 @@ class ModelSizes:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from expertmesh.checkpoint import experts_modules
+        from expertmesh.models.checkpoint import experts_modules
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

@@ -49,14 +49,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from expertmesh.errors import PlacementError
+from expertmesh.contracts.errors import PlacementError
+from expertmesh.contracts.gpu_plan import Placement
+from expertmesh.contracts.topology import Topology
 from expertmesh.orchestrator.placement.affinity import DomainAffinity, colocate
 from expertmesh.orchestrator.placement.eplb import eplb_shares
-from expertmesh.orchestrator.placement.metrics import gpu_loads, layer_balancedness, split_pair_weight
 from expertmesh.orchestrator.placement.packing import greedy_pack, replicate_by_load
-from expertmesh.orchestrator.placement.plan import Placement
+from expertmesh.orchestrator.placement.quality import gpu_loads, layer_balancedness, split_pair_weight
 from expertmesh.orchestrator.placement.stats import LoadStats
-from expertmesh.orchestrator.topology import Topology
 
 # Loads are token counts; a relative slack this small only absorbs float rounding.
 _EPS = 1e-9
@@ -70,7 +70,7 @@ class PlanOptions:
     slots_per_gpu: int | None = None  # default ceil((E + redundant) / num_gpus)
     min_gain: float = 0.0  # keep a current layer within this balancedness of the plan's
     balance_tolerance: float = 0.0  # relative max-load slack traded for fewer split pairs and groups per token
-    eplb_groups: int = 1  # expert groups for the EPLB baseline's hierarchical policy
+    eplb_groups: int = 1  # gating groups (DeepSeek's n_group) for the EPLB baseline's hierarchical policy
     refine_swaps: int = 64  # GPU-content exchanges tried per layer for island locality
     affinity_swaps: int = 128  # replica exchanges per layer for domain co-location
 
@@ -305,7 +305,9 @@ def _renumber_within_islands(current: np.ndarray, plan: np.ndarray, island: np.n
     out = plan.copy()
     same_island = (island[:, None] == island[None, :]) & (node[:, None] == node[None, :])
     for layer in range(plan.shape[0]):
-        overlap = ((plan[layer] > 0).T.astype(np.int64) @ (current[layer] > 0).astype(np.int64)).astype(float)  # [new, cur]
+        overlap = ((plan[layer] > 0).T.astype(np.int64) @ (current[layer] > 0).astype(np.int64)).astype(
+            float
+        )  # [new, cur]
         overlap = np.where(same_island, overlap, -np.inf)
         target = np.full(island.size, -1)
         for _ in range(island.size):

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from expertmesh.errors import PlacementError
+from expertmesh.contracts.errors import InputError
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,39 +38,47 @@ class LoadStats:
     def __post_init__(self) -> None:
         L, E = self.num_layers, self.num_experts
         if L < 1 or E < 1:
-            raise PlacementError(f"stats: num_layers and num_experts must be >= 1, got {L} and {E}")
+            raise InputError(f"stats: num_layers and num_experts must be >= 1, got {L} and {E}")
         if not 1 <= self.top_k <= E:
-            raise PlacementError(f"stats: top_k must be between 1 and num_experts ({E}), got {self.top_k}")
+            raise InputError(f"stats: top_k must be between 1 and num_experts ({E}), got {self.top_k}")
         if self.load.shape != (L, E):
-            raise PlacementError(f"stats: load has shape {list(self.load.shape)}, expected [{L}, {E}] (num_layers, num_experts)")
+            raise InputError(
+                f"stats: load has shape {list(self.load.shape)}, expected [{L}, {E}] (num_layers, num_experts)"
+            )
         if not np.all(np.isfinite(self.load)) or (self.load < 0).any():
-            raise PlacementError("stats: load must hold finite, non-negative token counts")
+            raise InputError("stats: load must hold finite, non-negative token counts")
         c = self.coactivation
         if c is not None:
             if c.shape != (L, E, E):
-                raise PlacementError(f"stats: coactivation has shape {list(c.shape)}, expected [{L}, {E}, {E}]")
+                raise InputError(f"stats: coactivation has shape {list(c.shape)}, expected [{L}, {E}, {E}]")
             if not np.all(np.isfinite(c)) or (c < 0).any():
-                raise PlacementError("stats: coactivation must hold finite, non-negative counts")
+                raise InputError("stats: coactivation must hold finite, non-negative counts")
             if not np.allclose(c, c.transpose(0, 2, 1), rtol=1e-9, atol=1e-9):
-                raise PlacementError("stats: coactivation must be symmetric (coactivation[l][e][f] == coactivation[l][f][e])")
+                raise InputError(
+                    "stats: coactivation must be symmetric (coactivation[l][e][f] == coactivation[l][f][e])"
+                )
 
 
 def stats_from_dict(doc: Any) -> LoadStats:
     if not isinstance(doc, dict):
-        raise PlacementError("stats file must be a JSON object with num_layers, num_experts, top_k, load")
+        raise InputError("stats file must be a JSON object with num_layers, num_experts, top_k, load")
     for key in ("num_layers", "num_experts", "top_k", "load"):
         if key not in doc:
-            raise PlacementError(f"stats file has no {key!r}")
+            raise InputError(f"stats file has no {key!r}")
     ints = {}
     for key in ("num_layers", "num_experts", "top_k"):
         v = doc[key]
         if isinstance(v, bool) or not isinstance(v, int):
-            raise PlacementError(f"stats: {key} must be an integer, got {v!r}")
+            raise InputError(f"stats: {key} must be an integer, got {v!r}")
         ints[key] = v
     load = _array(doc["load"], "load")
     coact = doc.get("coactivation")
     return LoadStats(
-        ints["num_layers"], ints["num_experts"], ints["top_k"], load, None if coact is None else _array(coact, "coactivation")
+        ints["num_layers"],
+        ints["num_experts"],
+        ints["top_k"],
+        load,
+        None if coact is None else _array(coact, "coactivation"),
     )
 
 
@@ -90,7 +98,7 @@ def parse_stats_json(text: str) -> LoadStats:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
-        raise PlacementError(f"stats file is not valid JSON: {err}") from None
+        raise InputError(f"stats file is not valid JSON: {err}") from None
     return stats_from_dict(doc)
 
 
@@ -99,5 +107,5 @@ def _array(value: Any, name: str) -> np.ndarray:
         arr = np.asarray(value, dtype=np.float64)
     except (ValueError, TypeError):
         # Ragged rows or strings: numpy cannot make a rectangular float array.
-        raise PlacementError(f"stats: {name} must be a rectangular array of numbers") from None
+        raise InputError(f"stats: {name} must be a rectangular array of numbers") from None
     return arr

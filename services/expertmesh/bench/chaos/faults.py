@@ -1,0 +1,396 @@
+"""The faults, one at a time: each ``run`` injects its fault into the running platform, keeps
+it in place for ``hold_s`` (or watches what it sets off), lifts it where lifting is ours to do,
+waits until the platform is whole again and returns what it saw as a ``measure.Timeline``.
+A fault that is not lifted in time still leaves the platform as it found it where it can
+(a stopped group is always continued)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from expertmesh.bench.chaos.measure import Timeline
+from expertmesh.bench.chaos.platform import ChaosPlatform, wait_until
+from expertmesh.bench.report import BenchError
+from expertmesh.orchestrator.health import state as health_state
+from expertmesh.orchestrator.health.state import HealthState, ReplicaId
+from expertmesh.v1 import admin_pb2 as admin_pb
+from expertmesh.v1 import experts_pb2 as pb
+
+#: how long a fault may take to heal before the scenario is reported as not recovered
+RECOVERY_TIMEOUT_S = 180.0
+
+
+class Fault(Protocol):
+    name: str
+    #: one line for the report
+    description: str
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline: ...
+
+
+def _hold_until(start: float, hold_s: float) -> None:
+    time.sleep(max(0.0, start + hold_s - time.monotonic()))
+
+
+@dataclass(frozen=True)
+class GroupKilled:
+    """SIGKILL of a group's replica process: Ray Serve starts a new one, which loads its experts,
+    listens on the same port and registers again; meanwhile routers fail over to the experts'
+    other replicas."""
+
+    group: str
+    name: str = "group-sigkill"
+
+    @property
+    def description(self) -> str:
+        return f"SIGKILL of expert group {self.group}'s replica (Ray Serve restarts it)"
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        pid = platform.describe(self.group).pid
+        injected = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        recovered = wait_until(lambda: platform.describe(self.group).pid != pid, RECOVERY_TIMEOUT_S)
+        _hold_until(injected, hold_s)
+        return Timeline(injected, injected, recovered)
+
+
+@dataclass(frozen=True)
+class GroupStopped:
+    """SIGSTOP of a group's replica for ``hold_s``, then SIGCONT: a hung group, which accepts
+    connections and never answers. Its calls end at the router's group-call deadline; the
+    circuit breaker then keeps it out of the plan while the other replicas serve."""
+
+    group: str
+    name: str = "group-sigstop"
+
+    @property
+    def description(self) -> str:
+        return f"SIGSTOP of expert group {self.group}'s replica for the hold, then SIGCONT"
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        pid = platform.describe(self.group).pid
+        injected = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(hold_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        lifted = time.monotonic()
+        return Timeline(injected, lifted, wait_until(lambda: platform.group_answers(self.group), RECOVERY_TIMEOUT_S))
+
+
+@dataclass(frozen=True)
+class ExpertCorrupted:
+    """One replica's weights scaled in place by ``factor`` (``InjectFault``): it keeps answering,
+    finite and plausible, and wrong. The health monitor finds it (its weight fingerprint no
+    longer matches) and quarantines it: with another replica, the table stops listing it (no
+    quality change); as the expert's only replica (``evict``: the other one is evicted first by
+    a live migration, and replicated back at the end) it stays listed and routers fall back
+    around the expert (degraded). Either way the monitor repairs it from the checkpoint at its
+    next round, and after its probation it serves again."""
+
+    layer: int
+    expert: int
+    group: str
+    #: share of the tokens that chose this expert in the load so far
+    share: float
+    factor: float = 2.0
+    #: the expert's other replica, evicted for the fault (the degraded case); None: keep it
+    evict: str | None = None
+
+    @property
+    def name(self) -> str:
+        return "expert-corrupted" if self.evict is None else "expert-corrupted-sole"
+
+    @property
+    def description(self) -> str:
+        other = (
+            "its other replica is healthy"
+            if self.evict is None
+            else f"its other replica (on {self.evict}) evicted first"
+        )
+        return (
+            f"weights of layer {self.layer} expert {self.expert} (chosen by {self.share:.1%} of tokens) scaled by "
+            f"{self.factor:g} in place on group {self.group}; {other}"
+        )
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        pair = (self.layer, self.expert)
+        if self.evict is not None:
+            platform.migrate(self.layer, self.expert, admin_pb.MIGRATION_MODE_EVICT, source=self.evict)
+        watch = _ReplicaWatch(platform, ReplicaId(self.layer, self.expert, self.group), sole=self.evict is not None)
+        injected = time.monotonic()
+        platform.channels.inject_fault(self.group, pair, pb.FAULT_KIND_SCALE, self.factor)
+        recovered = wait_until(watch.whole_again, RECOVERY_TIMEOUT_S, poll_s=0.05)
+        _hold_until(injected, hold_s)
+        if self.evict is not None:
+            platform.migrate(
+                self.layer, self.expert, admin_pb.MIGRATION_MODE_REPLICATE, target=self.evict, source=self.group
+            )
+            if recovered is not None:
+                recovered = time.monotonic()  # whole again: both replicas again
+        seen = watch.seen
+        return Timeline(
+            injected,
+            injected,
+            recovered,
+            detected=seen.get("detected"),
+            quarantined=seen.get("quarantined"),
+            fallback_until=seen.get("fallback_until"),
+            repaired=seen.get("repaired"),
+            note="" if "detected" in seen else "the health monitor never found it",
+        )
+
+
+class _ReplicaWatch:
+    """Polled: when one replica's health record, the routing table, the quarantine entries and
+    the router's reports show it found, out of service, repaired and serving again.
+
+    Out of service, for the router: with another replica, once its heartbeat reports a table
+    version that no longer lists it (it switches tables at step boundaries, then reports); as
+    the only replica, once two heartbeats followed the quarantine entry (each heartbeat round
+    re-reads the entries and then beats; the first one after may have read them just before).
+    The fallback ends likewise, two heartbeats after the entry went."""
+
+    def __init__(self, platform: ChaosPlatform, replica: ReplicaId, sole: bool):
+        self._platform = platform
+        self._replica = replica
+        self._sole = sole
+        #: what happened, when (time.monotonic())
+        self.seen: dict[str, float] = {}
+        self._withdrawn_in = 0  # the table version that stopped listing it
+        #: time.time() when the quarantine entry appeared / went, and the heartbeats since
+        self._entry_changed: dict[str, float] = {}
+        self._beats: dict[str, set[float]] = {}
+
+    def _two_beats_after(self, change: str, beat: float) -> bool:
+        if change not in self._entry_changed:
+            return False
+        if beat > self._entry_changed[change]:
+            self._beats.setdefault(change, set()).add(beat)
+        return len(self._beats.get(change, ())) >= 2
+
+    def whole_again(self) -> bool:
+        """Note what shows now; True once it is healthy and served as before the fault."""
+        store, rid, now = self._platform.store, self._replica, time.monotonic()
+        record = health_state.load_all(store).get(rid)
+        table = store.routing_table()
+        listed = rid.group in table.replicas.get(rid.pair, ())
+        entry = (rid.layer, rid.expert, rid.group) in store.quarantined()
+        beats = store.router_heartbeats().values()
+        served = max((b.table_version for b in beats), default=0)
+        beat = max((b.at for b in beats), default=0.0)
+        if (record is not None and record.state is not HealthState.HEALTHY) or entry or not listed:
+            self.seen.setdefault("detected", now)
+        if record is not None and record.state is HealthState.PROBATION:
+            self.seen.setdefault("repaired", now)
+        if not listed and not self._withdrawn_in:
+            self._withdrawn_in = table.version
+        if self._withdrawn_in and served >= self._withdrawn_in:
+            self.seen.setdefault("quarantined", now)
+        if self._sole:
+            if entry:
+                self._entry_changed.setdefault("appeared", time.time())
+            elif "appeared" in self._entry_changed:
+                self._entry_changed.setdefault("went", time.time())
+            if self._two_beats_after("appeared", beat):
+                self.seen.setdefault("quarantined", now)
+            if self._two_beats_after("went", beat):
+                self.seen.setdefault("fallback_until", now)
+            if "fallback_until" not in self.seen:
+                return False
+        healthy = record is not None and record.state is HealthState.HEALTHY
+        return "quarantined" in self.seen and healthy and listed and not entry and served >= table.version
+
+
+def _lifted_until_the_router_reports(platform: ChaosPlatform) -> tuple[float, float | None]:
+    """(now, when the router has reported to the store since now): a store fault lifted, and healed."""
+    lifted, wall = time.monotonic(), time.time()
+    recovered = wait_until(
+        lambda: any(b.at > wall for b in platform.store.router_heartbeats().values()), RECOVERY_TIMEOUT_S
+    )
+    return lifted, recovered
+
+
+@dataclass(frozen=True)
+class RedisStopped:
+    """The state store down for ``down_s`` (SHUTDOWN SAVE, then started again with its data):
+    routers serve on their cached table, groups and orchestrator retry."""
+
+    down_s: float = 10.0
+    name: str = "redis-stopped"
+
+    @property
+    def description(self) -> str:
+        return f"redis-server shut down for {self.down_s:g} s, then started again with its data"
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        injected = time.monotonic()
+        platform.redis.stop()
+        time.sleep(self.down_s)
+        platform.redis.start()
+        return Timeline(injected, *_lifted_until_the_router_reports(platform))
+
+
+@dataclass(frozen=True)
+class RedisFlushed:
+    """FLUSHALL: the table, endpoints, health records and heartbeats gone at once. Routers keep
+    their cached table; groups register again; the orchestrator publishes the table again at a
+    version after the last one it saw."""
+
+    name: str = "redis-flushed"
+    description: str = "FLUSHALL on the state store (table, endpoints, health records: all gone)"
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        store = platform.store
+        before = store.routing_table_version()
+        injected = time.monotonic()
+        platform.redis.flush()
+
+        def whole() -> bool:
+            return (
+                store.routing_table_version() > before
+                and set(store.endpoints()) == set(platform.groups)
+                and platform.router_version() > before
+            )
+
+        recovered = wait_until(whole, RECOVERY_TIMEOUT_S)
+        _hold_until(injected, hold_s)
+        return Timeline(injected, injected, recovered)
+
+
+@dataclass(frozen=True)
+class OrchestratorKilled:
+    """SIGKILL of the orchestrator process for ``hold_s`` (no health rounds, no moves), then
+    started again, as its Deployment would: the data plane does not need it to serve."""
+
+    name: str = "orchestrator-killed"
+    description: str = "SIGKILL of the orchestrator process; started again after the hold"
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        injected = time.monotonic()
+        platform.orchestrator.kill()
+        time.sleep(hold_s)
+        platform.orchestrator.start()
+        lifted = time.monotonic()
+        try:
+            platform.wait_for_orchestrator(RECOVERY_TIMEOUT_S)
+        except BenchError as err:
+            return Timeline(injected, lifted, None, note=str(err).splitlines()[0])
+        return Timeline(injected, lifted, time.monotonic())
+
+
+@dataclass(frozen=True)
+class RedisFrozen:
+    """SIGSTOP of redis-server for ``down_s``, then SIGCONT: a store that accepts connections and answers
+    nothing (a hung host, a long fork), the case a refused connection does not test. Steps must not wait on
+    it: routers keep their table in a watcher thread."""
+
+    down_s: float = 10.0
+    name: str = "redis-frozen"
+
+    @property
+    def description(self) -> str:
+        return f"redis-server frozen (SIGSTOP) for {self.down_s:g} s, then SIGCONT"
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        injected = time.monotonic()
+        platform.redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(self.down_s)
+        finally:
+            platform.redis.proc.send_signal(signal.SIGCONT)
+        return Timeline(injected, *_lifted_until_the_router_reports(platform))
+
+
+@dataclass(frozen=True)
+class TableMismatch:
+    """A routing table for another model published over the good one (a misconfigured orchestrator of a
+    second deployment writing these keys, say): 2 experts per layer for this model's 4+. Routers refuse it
+    and serve on; lifted by publishing the good table again at the next version."""
+
+    name: str = "table-mismatch"
+    description: str = (
+        "a routing table of another model (fewer experts, another fingerprint) published over the good one"
+    )
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        from dataclasses import replace
+
+        from expertmesh.contracts.routing_table import ModelIdentity
+
+        store = platform.store
+        good = store.routing_table()
+        foreign = ModelIdentity("f" * 16, good.model.moe_layers if good.model else (), 2)
+        bad = replace(
+            good,
+            version=good.version + 1,
+            num_experts=2,
+            replicas={pair: groups for pair, groups in good.replicas.items() if pair[1] < 2},
+            shares={},
+            model=foreign,
+        )
+        injected = time.monotonic()
+        _write_table(store, bad)
+        _hold_until(injected, hold_s)
+        fixed = replace(good, version=bad.version + 1)
+        _write_table(store, fixed)
+        lifted = time.monotonic()
+        recovered = wait_until(lambda: platform.router_version() >= fixed.version, RECOVERY_TIMEOUT_S)
+        note = "" if platform.router_version() != bad.version else "a router served the foreign table"
+        return Timeline(injected, lifted, recovered, note=note)
+
+
+def _write_table(store, table) -> None:
+    """Write ``table`` as the next version whatever model it names, as a foreign writer would (the store's own
+    publish refuses another model's table over this one's)."""
+    current = store.routing_table_version()
+    store._kv.compare_and_set_many(
+        store._key("routing_table:version"),
+        str(current).encode() if current else None,
+        {
+            store._key("routing_table"): table.to_json().encode(),
+            store._key("routing_table:version"): str(table.version).encode(),
+        },
+    )
+
+
+@dataclass(frozen=True)
+class FlushedAfterMove:
+    """A live move of one expert, then FLUSHALL: the orchestrator must rebuild the table from what the groups
+    hold (the moved expert on its new group; the old one unloaded it), at a version above the routers', not
+    re-apply the placement file."""
+
+    layer: int
+    expert: int
+    source: str
+    target: str
+    name: str = "flush-after-move"
+
+    @property
+    def description(self) -> str:
+        return f"layer {self.layer} expert {self.expert} moved live {self.source} -> {self.target}, then FLUSHALL"
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        store = platform.store
+        injected = time.monotonic()
+        platform.migrate(self.layer, self.expert, admin_pb.MIGRATION_MODE_MOVE, target=self.target, source=self.source)
+        before = max(store.routing_table_version(), platform.router_version())
+        platform.redis.flush()
+
+        def whole() -> bool:
+            table = store.routing_table()
+            if table is None or table.version <= before or platform.router_version() < table.version:
+                return False
+            if set(store.endpoints()) != set(platform.groups):
+                return False
+            held = {g: platform.describe(g).pairs for g in table.groups()}
+            return all(pair in held[g] for pair, groups in table.replicas.items() for g in groups)
+
+        recovered = wait_until(whole, RECOVERY_TIMEOUT_S)
+        _hold_until(injected, hold_s)
+        return Timeline(injected, injected, recovered)

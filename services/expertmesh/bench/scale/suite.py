@@ -1,0 +1,176 @@
+"""``expertmesh bench scale``: the control plane simulated at DeepSeek-V3 scale (``orchestrator.scale``).
+
+One case per (GPUs, routers): a simulated day of drifting Zipf load with the real planner, drift
+policy, migration executor and health policy. Prints one row per case and writes every figure
+(hourly series included) as JSON; ``--plots DIR`` draws balancedness and moves over the day when
+matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from expertmesh.bench.report import BenchError, format_table, machine, parse_int_list, write_json
+from expertmesh.bench.scale.model import DEEPSEEK_V3, QUICK_MODEL, Costs
+from expertmesh.infra.console import progress
+
+if TYPE_CHECKING:  # the simulation imports numpy and the router's modules: not at `expertmesh --help`
+    from expertmesh.bench.scale.run import Case
+
+#: the quick shape's groups give experts room for 64 of its experts (memory then reads ~0.3, as at full scale)
+QUICK_BUDGET_EXPERTS = 64
+
+
+def add_command(bench_commands) -> None:
+    p = bench_commands.add_parser("scale", help="the control plane simulated at DeepSeek-V3 scale over a simulated day")
+    p.add_argument("--gpus", default=None, help="GPU counts, one case each (default 64,256; --quick 4,8)")
+    p.add_argument("--routers", default=None, help="router counts, one case each (default 16,128; --quick 2,4)")
+    p.add_argument("--hours", type=float, default=24.0, help="simulated hours (default 24)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the drifting Zipf load (default 0)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a small model ({QUICK_MODEL.moe_layers} layers x {QUICK_MODEL.num_experts} experts): seconds, for CI",
+    )
+    p.add_argument("--out", default="bench-scale.json", help="JSON results (default bench-scale.json)")
+    p.add_argument("--plots", type=Path, help="directory for balancedness.png and moves.png (needs matplotlib)")
+    p.set_defaults(run=_main)
+
+
+def cases(gpus: list[int], routers: list[int], hours: float, quick: bool, seed: int) -> list["Case"]:
+    from expertmesh.bench.scale.run import Case
+
+    model = QUICK_MODEL if quick else DEEPSEEK_V3
+    costs = Costs(budget_bytes=QUICK_BUDGET_EXPERTS * model.expert_bytes) if quick else Costs()
+    for g in gpus:
+        if g % min(8, g):
+            raise BenchError(f"--gpus: {g} GPUs do not fill nodes of 8")
+        if g * costs.budget_bytes < model.pairs * model.expert_bytes:
+            raise BenchError(
+                f"--gpus: {g} GPUs cannot hold {model.name}'s {model.pairs} experts in {costs.budget_bytes / 1e9:g} GB each"
+            )
+    return [Case(model, g, r, hours, seed=seed, costs=costs) for g in gpus for r in routers]
+
+
+def _main(args: argparse.Namespace) -> int:
+    from expertmesh.bench.scale.run import run_case
+
+    if not args.hours > 0:
+        raise BenchError(f"--hours must be > 0, got {args.hours}")
+    gpus = parse_int_list(args.gpus or ("4,8" if args.quick else "64,256"), "--gpus")
+    routers = parse_int_list(args.routers or ("2,4" if args.quick else "16,128"), "--routers")
+    results = []
+    for case in cases(gpus, routers, args.hours, args.quick, args.seed):
+        progress(f"bench scale: {case.name}, {case.hours:g} simulated hours")
+        results.append(run_case(case, progress=progress))
+    out = {"benchmark": "scale", "machine": machine(), "loadavg": _loadavg(), "results": results}
+    print(table(results))
+    write_json(args.out, out)
+    if args.plots is not None:
+        print(plots(results, args.plots))
+    return 0
+
+
+def _loadavg() -> str | None:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return None
+
+
+def table(results: list[dict]) -> str:
+    """One row per case. (sim) figures are simulated time, (wall) measured on this machine."""
+    rows = []
+    for r in results:
+        store, health = r["store"], r["health"]
+        rows.append(
+            [
+                f"{r['case']['gpus']} GPUs {r['case']['routers']} routers",
+                r["planner"]["first_plan_wall_s"],
+                r["planner"]["replan_wall_s"],
+                r["drift"]["moves_per_hour"],
+                r["drift"]["bytes_moved_per_hour"] / 1e9,
+                _mean(r["hours"], "balancedness_static"),
+                _mean(r["hours"], "balancedness_drift"),
+                r["memory"]["peak_utilisation"],
+                r["table"]["all_routers_serve_s_max"],
+                store["ops_s"],
+                store["ops_s_per_router"],
+                store["router_bytes_in_s"] / 1e6,
+                health["probe_bytes"] / 1e9,
+                health["probe_sim_s"],
+                health["summarise_wall_s"] + health["judge_wall_s"],
+            ]
+        )
+    return format_table(
+        [
+            "case",
+            "plan s (wall)",
+            "re-plan s (wall)",
+            "moves/h",
+            "GB moved/h",
+            "bal. static",
+            "bal. drift",
+            "peak mem",
+            "all routers s (sim)",
+            "store ops/s",
+            "ops/s/router",
+            "store MB/s in",
+            "probe GB",
+            "probe s (sim)",
+            "health CPU s (wall)",
+        ],
+        rows,
+        ["", ".2f", ".2f", ".1f", ".2f", ".3f", ".3f", ".2f", ".3f", ".0f", ".2f", ".1f", ".1f", ".1f", ".1f"],
+    )
+
+
+def _mean(hours: list[dict], key: str) -> float | None:
+    return sum(h[key] for h in hours) / len(hours) if hours else None
+
+
+def plots(results: list[dict], directory: Path) -> str:
+    """balancedness.png and moves.png in ``directory``; a message saying what was written or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "bench scale: matplotlib is not installed; the hourly series are in the JSON, no plots drawn"
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        raise BenchError(f"--plots: cannot create {str(directory)!r}: {err.strerror}") from None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        label = f"{r['case']['gpus']} GPUs {r['case']['routers']} routers"
+        x = [h["hour"] for h in r["hours"]]
+        line = ax.plot(x, [h["balancedness_drift"] for h in r["hours"]], label=f"{label}, drift")[0]
+        ax.plot(
+            x, [h["balancedness_static"] for h in r["hours"]], "--", color=line.get_color(), label=f"{label}, no drift"
+        )
+    ax.set(xlabel="simulated hour", ylabel="balancedness (mean / max group load)", title="Balancedness over the day")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(directory / "balancedness.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / max(1, len(results))
+    for i, r in enumerate(results):
+        x = [h["hour"] - 1 + i * width for h in r["hours"]]
+        ax.bar(
+            x,
+            [h["moves"] for h in r["hours"]],
+            width=width,
+            label=f"{r['case']['gpus']} GPUs {r['case']['routers']} routers",
+        )
+    ax.set(xlabel="simulated hour", ylabel="moves completed", title="Drift moves per hour")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(directory / "moves.png", dpi=120)
+    plt.close(fig)
+    return f"bench scale: wrote {directory / 'balancedness.png'} and {directory / 'moves.png'}"

@@ -1,0 +1,150 @@
+"""``expertmesh up``: the whole platform in one command.
+
+With no arguments it serves the embedded tiny model: local Ray, 2 expert
+groups, the in-process state store, and the Inference API on 127.0.0.1:50051
+(with ``--http-port``, the OpenAI-compatible HTTP API beside it).
+It runs until Ctrl-C or SIGTERM, then drains in-flight requests and shuts every
+process down. Settings: ``expertmesh.config.settings`` (flags > ``EXPERTMESH_*`` > ``--config`` file > defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from expertmesh.config.settings import add_data_plane_arguments, add_serving_arguments
+from expertmesh.contracts.errors import InputError
+
+
+def add_command(commands) -> None:
+    parser = commands.add_parser("up", help="run the platform: expert groups, router and the Inference gRPC API")
+    add_data_plane_arguments(parser)
+    add_serving_arguments(parser)
+    parser.add_argument(
+        "--router-only",
+        action="store_true",
+        help="serve only the router: groups and routing table come from --state-url (as in Kubernetes) (default: off)",
+    )
+    parser.add_argument(
+        "--wait-for-table",
+        type=float,
+        default=300.0,
+        help="--router-only: seconds to wait for a routing table (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--orchestrator",
+        action="store_true",
+        help="also run the orchestrator's admin API in this process (live migrations: `expertmesh migrate`) (default: off)",
+    )
+    parser.add_argument(
+        "--admin-port",
+        type=int,
+        default=50052,
+        help="--orchestrator: admin gRPC port, 0 picks one (default: %(default)s)",
+    )
+    try:
+        from expertmesh.orchestrator.drift.config import add_drift_argument
+        from expertmesh.orchestrator.health.config import add_health_argument
+    except ImportError:  # a data-plane-only install has no orchestrator
+        pass
+    else:
+        add_drift_argument(parser)
+        add_health_argument(parser)
+    parser.set_defaults(run=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from expertmesh.config.settings import ServingConfig, settings_from_args
+    from expertmesh.models.resolve import data_plane_config
+
+    serving_config = settings_from_args(ServingConfig, args)  # settings first: a bad one fails before anything starts
+    if serving_config.profiles is not None:
+        from expertmesh.router.policy.profiles import read_profiles_file
+
+        read_profiles_file(serving_config.profiles)  # likewise a bad profiles file (its fit to the model: at start)
+    data_config = data_plane_config(args)
+    if args.orchestrator:
+        from expertmesh.orchestrator.drift.config import drift_config
+        from expertmesh.orchestrator.health.config import health_config
+
+        drift = drift_config(args)  # a bad EXPERTMESH_DRIFT_* setting fails here, before anything starts
+        health_settings = health_config(args)  # likewise EXPERTMESH_HEALTH_*
+    elif getattr(args, "drift", None):
+        raise InputError("--drift runs in the orchestrator: add --orchestrator")
+    elif getattr(args, "health_monitor", None):
+        raise InputError("--health-monitor runs in the orchestrator: add --orchestrator")
+
+    from expertmesh.infra.telemetry import setup as setup_telemetry
+    from expertmesh.platform.data_plane import DataPlane, progress
+    from expertmesh.platform.router_apis import start_apis
+
+    telemetry = setup_telemetry(
+        "expertmesh-router",
+        prometheus_port=serving_config.metrics_port,
+        prometheus=serving_config.http_port is not None,
+    )
+    if telemetry.prometheus_port is not None:
+        progress(f"Prometheus metrics on :{telemetry.prometheus_port}/metrics")
+    if args.router_only:
+        if data_config.state_url.startswith("memory://"):
+            raise InputError("--router-only needs a shared --state-url (redis://host:port/db) with a routing table")
+        plane = DataPlane.attach(data_config, wait_s=args.wait_for_table)
+    else:
+        plane = DataPlane.start(data_config)
+    # After Ray's start: its core worker installs a SIGTERM handler of its own that would exit without draining.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    orchestrator = None
+    try:
+        if args.orchestrator:
+            from expertmesh.orchestrator.admin import start_orchestrator
+            from expertmesh.orchestrator.health.monitor import HealthMonitor
+
+            monitor = HealthMonitor(plane.store, plane.checkpoint, health_settings)
+            orchestrator = start_orchestrator(
+                plane.store,
+                serving_config.host,
+                args.admin_port,
+                drift=drift,
+                health=monitor,
+                managers=_table_keeper(plane),
+            )
+            progress(f"orchestrator admin gRPC on {serving_config.host}:{orchestrator.server.port}")
+        apis = start_apis(plane, serving_config)
+        if apis.http is not None:
+            progress(f"OpenAI-compatible HTTP API on {apis.http.url}/v1 (also /health, /metrics)")
+        target = f"{serving_config.host}:{apis.grpc.port}"
+        print(
+            f"expertmesh is serving {plane.config.model_name or plane.checkpoint.path.name} on {target} — try: "
+            f"expertmesh generate 'Hello' --target {target}   (Ctrl-C to stop)",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            pass
+        progress("draining in-flight requests")
+        drained = apis.drain_and_stop()
+        progress("drained" if drained else "drain timeout: remaining requests were cut off")
+    finally:
+        if orchestrator is not None:
+            orchestrator.stop()
+        progress("stopping expert groups and Ray")
+        plane.close()
+        telemetry.shutdown()
+    return 0
+
+
+def _table_keeper(plane) -> list:
+    """With a shared store, the embedded orchestrator keeps the routing table there: a flushed store gets it
+    back, rebuilt from what the groups hold (they register again themselves), at a version above the router's.
+    An in-process store cannot be flushed from outside: nothing to keep."""
+    if not plane.store_is_shared:
+        return []
+    from expertmesh.orchestrator.control_loop import Manager
+    from expertmesh.orchestrator.reconcile import Reconciler, what_runs
+
+    observe, _ = what_runs(plane.store)
+    reconciler = Reconciler(plane.store, plane.checkpoint.spec, plane.placement, observe=observe)
+    return [Manager("routing-table", 5.0, reconciler.reconcile_once)]

@@ -1,0 +1,485 @@
+"""Typed configuration of the data plane and of a router's public APIs, and where each setting
+comes from.
+
+One order of precedence for every command that takes these settings (``up``, ``verify``, ``group
+serve``, ``orchestrator``, the benchmarks that start a data plane):
+
+    defaults (the fields below) < config file (``--config FILE.yaml``)
+        < ``EXPERTMESH_<FIELD>`` environment variables < flags given on the command line
+
+Flags default to unset, so they override only what was given. A config file's keys are the field
+names (``groups: 4``, ``state_url: redis://redis:6379/0``) or, where a setting is also a Helm
+value, its key in the chart's values (``model: {path, dtype}``, ``router: {port, healthPort,
+http: {enabled, port}}``, ``expertGroups: {numCpus}``, ``redis: {external: {url}}``), so the same
+words mean the same thing everywhere. A bad key or value is one line that names it where it was
+written: ``--groups``, ``EXPERTMESH_GROUPS`` or ``FILE: groups``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, TypeVar
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticUndefined
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
+
+from expertmesh.contracts.errors import ExpertMeshError
+
+
+class ConfigError(ExpertMeshError):
+    """A setting has an unknown key or a bad value, in a flag, the environment or a config file."""
+
+
+#: How a router reaches expert groups (``expertmesh.router.transport.base``).
+TransportName = Literal["auto", "grpc", "grpc-unary"]
+#: what ``router_device`` (and ``bench dispatch --device``) may say
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+DEVICE_NAMES = "a device is auto, cpu, cuda or cuda:N"
+
+
+class DataPlaneConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EXPERTMESH_", extra="forbid")
+
+    model: Path = Field(
+        description="checkpoint: a local directory (config.json + safetensors), a Hub id ORG/NAME (from the local "
+        "Hub cache, else downloaded), or domain-moe (the small MoE trained on the multi-domain corpus, cached)"
+    )
+    revision: str | None = Field(None, description="with a Hub id: branch, tag or commit of the model (unset: main)")
+    model_name: str | None = Field(
+        None,
+        description="name the APIs serve the model under (unset: the Hub id, else the checkpoint directory's name)",
+    )
+    groups: int = Field(2, ge=1, description="expert groups for the default contiguous split")
+    placement: Path | None = Field(None, description="placement YAML (groups -> layer/expert pairs); overrides groups")
+    gpu_placement: Path | None = Field(
+        None, description="placement JSON of `expertmesh plan` (replicas on GPUs, shares)"
+    )
+    topology: Path | None = Field(None, description="topology YAML the GPU placement refers to")
+    group_per: Literal["gpu", "island"] = Field(
+        "gpu", description="with gpu_placement: one expert group per GPU or per NVLink island"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the router and groups compute in"
+    )
+    router_device: str = Field(
+        "auto",
+        description="device of the router's model (attention, gates, LM head): auto (the first CUDA GPU when there is "
+        "one, else cpu), cpu, cuda or cuda:N",
+    )
+    state_url: str = Field("memory://", description="memory:// (embedded) or redis://host:port/db")
+    deployment: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+        description="name of this deployment in the state store: its keys are under expertmesh:<deployment>:, so "
+        "deployments sharing one Redis database never read or overwrite each other's tables",
+    )
+    table_poll_s: float = Field(
+        0.25, gt=0, le=60, description="how often a router's table watcher asks the state store for a new routing table"
+    )
+    ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
+    group_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per expert group")
+    group_host: str = Field("127.0.0.1", description="address group gRPC servers bind; 0.0.0.0 in a cluster")
+    group_budget_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="bytes of expert weights one group may hold; LoadExperts past it is refused (unset: unlimited)",
+    )
+    dispatch_timeout_s: float = Field(30.0, gt=0, description="deadline of one expert-group call")
+    transport: TransportName = Field(
+        "auto",
+        description="how the router reaches expert groups: auto (shared memory for groups on this host, else a gRPC "
+        "stream), grpc (gRPC streams only), grpc-unary (one unary call per layer per group)",
+    )
+    load_window_s: float = Field(600.0, gt=0, description="sliding window of the router's expert-load statistics")
+    load_publish_s: float = Field(10.0, gt=0, description="how often a router writes its load window to a shared store")
+    heartbeat_s: float = Field(1.0, gt=0, description="how often a router reports the routing-table version it serves")
+    hidden_sample_tokens: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="real hidden states a router keeps per MoE layer (a reservoir, published every load_publish_s) for "
+        "the health monitor to probe experts with; 0: none (the monitor probes with seeded inputs)",
+    )
+    quarantine_fallback: Literal["next_best", "renormalise"] = Field(
+        "next_best",
+        description="an expert whose every replica is quarantined: the gate picks the next-best expert in its slot, "
+        "or its slot is dropped and the token's other experts renormalised",
+    )
+
+    @field_validator("router_device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not DEVICE_NAME.fullmatch(value):
+            raise ValueError(DEVICE_NAMES)
+        return value
+
+
+class ServingConfig(BaseSettings):
+    """The public APIs of a router (``expertmesh up``): gRPC, and OpenAI-compatible HTTP with ``http_port``."""
+
+    model_config = SettingsConfigDict(env_prefix="EXPERTMESH_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address the Inference gRPC server binds")
+    port: int = Field(50051, ge=0, le=65535, description="its port (0 picks a free one)")
+    max_active_sequences: int = Field(32, ge=1, description="sequences decoded together in one step")
+    max_queued_requests: int = Field(128, ge=0, description="requests waiting for a slot; beyond: RESOURCE_EXHAUSTED")
+    kv_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="bytes of the KV-cache pool (unset or 0: a quarter of the host's available memory on CPU, within "
+        "the container's memory limit, half the device's free memory on a GPU, at most what max_active_sequences "
+        "full contexts need)",
+    )
+    kv_block_size: int = Field(16, ge=1, description="token positions per KV-cache block")
+    prefix_caching: bool = Field(True, description="share the KV blocks of equal prompt prefixes between requests")
+    default_max_new_tokens: int = Field(64, ge=1, description="when a request does not say")
+    max_new_tokens_cap: int = Field(1024, ge=1, description="requests asking for more are refused")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time in-flight requests get to finish")
+    health_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="also serve grpc.health.v1 alone, in plaintext, on this port (kubelet gRPC probes cannot speak TLS)",
+    )
+    http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="also serve the OpenAI-compatible HTTP API, /health and /metrics on this port, on host (0 picks one; unset: off)",
+    )
+    http_max_body_bytes: int = Field(
+        4 << 20, ge=1024, description="HTTP request bodies larger than this are refused with 413"
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="also serve Prometheus metrics alone on this port (OTLP follows the OTEL_* environment)",
+    )
+    routing_policy: str = Field(
+        "exact",
+        description="routing policy of requests that name none (exact, prefer, restrict, delta_gap, dynamic_k, or a+b)",
+    )
+    policy_kl_bound: float = Field(
+        0.1,
+        ge=0,
+        description="refuse a policy whose recorded KL(exact || policy) (`expertmesh policy eval`) is above this, unless forced",
+    )
+    profiles: Path | None = Field(
+        None,
+        description="capability profiles file (`expertmesh profile build --out`) loaded into the state store at start, "
+        "for the prefer and restrict policies (unset: those in the store)",
+    )
+
+
+class TlsConfig(BaseSettings):
+    """TLS of every gRPC server and client of one process (``EXPERTMESH_TLS_*``).
+
+    Environment only, no flags: a router passes these variables on to the expert
+    groups it starts, so one setting covers every process of a deployment.
+    Servers turn TLS on when ``cert_file`` and ``key_file`` are set; clients when
+    ``ca_file`` or ``cert_file`` is, sending ``cert_file`` as their client
+    certificate. Expert groups always require a client certificate signed by
+    ``ca_file`` (mutual TLS: only routers and the orchestrator call them); the
+    router's Inference API and the orchestrator's admin API only with
+    ``require_client_cert``. Nothing set: plaintext (the embedded default).
+    One certificate may serve both ends when it carries both the serverAuth and
+    clientAuth key usages.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="EXPERTMESH_TLS_", extra="forbid")
+
+    cert_file: Path | None = Field(
+        None, description="PEM certificate chain this process presents, as server and as client"
+    )
+    key_file: Path | None = Field(None, description="PEM private key of cert_file")
+    ca_file: Path | None = Field(
+        None, description="PEM CA bundle peers' certificates must chain to (unset: clients trust the system roots)"
+    )
+    require_client_cert: bool = Field(
+        False, description="also require client certificates on the Inference and admin APIs (expert groups always do)"
+    )
+    group_server_name: str | None = Field(
+        None,
+        description="name expert-group certificates are issued for; group channels verify it instead of the IP they dial",
+    )
+
+    @model_validator(mode="after")
+    def _complete(self) -> "TlsConfig":
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("EXPERTMESH_TLS_CERT_FILE and EXPERTMESH_TLS_KEY_FILE go together: set both or neither")
+        if self.require_client_cert and self.ca_file is None:
+            raise ValueError(
+                "EXPERTMESH_TLS_REQUIRE_CLIENT_CERT needs EXPERTMESH_TLS_CA_FILE, the CA client certificates chain to"
+            )
+        return self
+
+    @property
+    def serves_tls(self) -> bool:
+        return self.cert_file is not None
+
+    @property
+    def dials_tls(self) -> bool:
+        return self.ca_file is not None or self.cert_file is not None
+
+
+class AdminAuthConfig(BaseSettings):
+    """Who may call admin RPCs (``EXPERTMESH_ADMIN_*``): LoadExperts/UnloadExperts on expert
+    groups and the orchestrator's ``expertmesh.v1.Admin`` service.
+
+    An identity is a bearer token equal to ``token`` (or the contents of
+    ``token_file``), or, over mutual TLS, a client certificate whose subject CN is
+    in ``allowed_cns``. With neither configured (the embedded default) admin calls
+    are accepted from loopback peers only. Clients send ``token`` when it is set.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="EXPERTMESH_ADMIN_", extra="forbid")
+
+    token: str | None = Field(None, description="bearer token of admin calls; prefer token_file on a cluster")
+    token_file: Path | None = Field(
+        None, description="file holding the token (read at start; surrounding whitespace ignored)"
+    )
+    allowed_cns: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="client-certificate subject CNs accepted as admins (comma-separated in the environment)"
+    )
+
+    @field_validator("allowed_cns", mode="before")
+    @classmethod
+    def _split(cls, value):
+        return tuple(n.strip() for n in value.split(",") if n.strip()) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> "AdminAuthConfig":
+        if self.token and self.token_file:
+            raise ValueError("set EXPERTMESH_ADMIN_TOKEN or EXPERTMESH_ADMIN_TOKEN_FILE, not both")
+        return self
+
+
+class FaultInjectionConfig(BaseSettings):
+    """The expert groups' test-only fault hook (``InjectFault``: overwrite an expert's weights in
+    place), which the chaos benchmark and tests use to check that the health monitor finds what
+    memory faults do. Off unless ``EXPERTMESH_ENABLE_FAULT_INJECTION=1`` is set in the group's
+    environment (a router passes it on to the groups it starts, like the TLS settings), so a
+    production deployment refuses it even from an admin."""
+
+    model_config = SettingsConfigDict(env_prefix="EXPERTMESH_", extra="forbid")
+
+    enable_fault_injection: bool = Field(False, description="accept InjectFault (test and chaos runs only)")
+
+
+# --- where settings come from ------------------------------------------------------------------
+
+S = TypeVar("S", bound=BaseSettings)
+
+#: The settings a config file may hold: every field of these classes (one file serves every command).
+FILE_SETTINGS: tuple[type[BaseSettings], ...] = (DataPlaneConfig, ServingConfig)
+
+#: Helm values keys that are also settings, and the field each one sets.
+HELM_KEYS: dict[tuple[str, ...], str] = {
+    ("model", "path"): "model",
+    ("model", "dtype"): "dtype",
+    ("router", "port"): "port",
+    ("router", "healthPort"): "health_port",
+    ("router", "http", "port"): "http_port",
+    ("expertGroups", "numCpus"): "group_num_cpus",
+    ("redis", "external", "url"): "state_url",
+}
+#: Helm switches: when false, the setting under them stays unset (``router.http.enabled: false``).
+HELM_SWITCHES: dict[tuple[str, ...], str] = {("router", "http", "enabled"): "http_port"}
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """The settings one ``--config`` file gives: ``values`` by field name, ``keys`` as written there."""
+
+    path: Path | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+
+
+def read_config_file(path: Path | None) -> ConfigFile:
+    """Parse a config file into field values; an unreadable file or an unknown key is a ConfigError."""
+    if path is None:
+        return ConfigFile()
+    try:
+        document = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not YAML: {str(err).splitlines()[0]}") from None
+    if document is None:
+        return ConfigFile(path)
+    if not isinstance(document, dict):
+        raise ConfigError(f"config file {path} must be a mapping of settings, not {type(document).__name__}")
+    known = {name for settings in FILE_SETTINGS for name in settings.model_fields}
+    values: dict[str, Any] = {}
+    keys: dict[str, str] = {}
+    switched_off: set[str] = set()
+
+    def walk(mapping: dict, prefix: tuple[str, ...]) -> None:
+        for key, value in mapping.items():
+            at = (*prefix, str(key))
+            if at in HELM_SWITCHES:
+                if not value:
+                    switched_off.add(HELM_SWITCHES[at])
+            elif at in HELM_KEYS:
+                values[HELM_KEYS[at]], keys[HELM_KEYS[at]] = value, ".".join(at)
+            elif isinstance(value, dict) and any(helm[: len(at)] == at for helm in (*HELM_KEYS, *HELM_SWITCHES)):
+                walk(value, at)
+            elif not prefix and key in known:
+                values[key], keys[key] = value, key
+            else:
+                raise ConfigError(f"config file {path}: unknown key {'.'.join(at)!r}")
+
+    walk(document, ())
+    for name in switched_off:
+        values.pop(name, None)
+        keys.pop(name, None)
+    return ConfigFile(path, values, keys)
+
+
+def load_settings(
+    settings: type[S],
+    file: ConfigFile,
+    flags: Mapping[str, Any],
+    flag_names: Mapping[str, str],
+    fallback: Mapping[str, Any] | None = None,
+) -> S:
+    """``settings`` from its defaults < ``file`` < the environment < ``flags`` (field -> value given);
+    ``fallback`` fills fields no source sets (a default only the command line knows, such as the
+    embedded model). A bad value is one ConfigError line naming the flag, variable or file key."""
+    try:
+        env = EnvSettingsSource(settings)()
+    except SettingsError as err:
+        raise ConfigError(str(err)) from None
+    from_file = {k: v for k, v in file.values.items() if k in settings.model_fields and k not in env}
+    given = {**from_file, **flags}
+    unset = {k: v for k, v in (fallback or {}).items() if k not in given and k not in env}
+    try:
+        # init arguments outrank the environment in pydantic-settings, so the file's values go
+        # in only where the environment is silent
+        return settings(**unset, **given)
+    except ValidationError as err:
+        prefix = settings.model_config.get("env_prefix", "")
+
+        def source(name: str) -> str:
+            if name in flags:
+                return flag_names.get(name, name)
+            if name in env:
+                return f"{prefix}{name.upper()}"
+            if name in from_file:
+                return f"{file.path}: {file.keys[name]}"
+            return name
+
+        problems = []
+        for e in err.errors():
+            message = e["msg"].removeprefix("Value error, ")
+            if e["type"] == "missing":
+                name = str(e["loc"][0])
+                message = f"{flag_names.get(name, name)} is required (or {prefix}{name.upper()}, or {name} in --config)"
+            elif e["loc"]:
+                shown = e["input"] if isinstance(e["input"], (str, int, float, bool)) else None
+                message = f"{source(str(e['loc'][0]))}: {message}" + (f" (got {shown!r})" if shown is not None else "")
+            problems.append(message)
+        raise ConfigError("; ".join(problems)) from None
+
+
+def _flag_kind(annotation: Any) -> dict[str, Any]:
+    """argparse ``type`` or ``choices`` of a field's annotation (``X | None`` counts as X)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is Literal:
+        return {"choices": list(typing.get_args(annotation))}
+    if annotation is bool:  # the field's validator reads the word
+        return {"choices": ["true", "false"]}
+    return {"type": annotation}
+
+
+def add_setting_flag(
+    parser: argparse.ArgumentParser,
+    settings: type[BaseSettings],
+    name: str,
+    flag: str | None = None,
+    default_note: str | None = None,
+) -> None:
+    """A flag for one field: unset by default (the other sources then decide), help text from the
+    field's description, its default and its environment variable."""
+    info = settings.model_fields[name]
+    flag = flag or f"--{name.replace('_', '-')}"
+    default = default_note or ("unset" if info.default in (None, PydanticUndefined) else str(info.default))
+    env = f"{settings.model_config.get('env_prefix', '')}{name.upper()}"
+    kind = _flag_kind(info.annotation)
+    parser.add_argument(
+        flag,
+        dest=name,
+        default=None,
+        metavar=None if "choices" in kind else name.upper(),
+        help=f"{info.description} (default: {default}; env {env})",
+        **kind,
+    )
+    # error messages name the flag as the user typed it
+    parser.set_defaults(setting_flags={**(parser.get_default("setting_flags") or {}), name: flag})
+
+
+def settings_from_args(settings: type[S], args: argparse.Namespace, fallback: Mapping[str, Any] | None = None) -> S:
+    """``settings`` from ``args``' flags (those given), its ``--config`` file and the environment."""
+    given = {name: value for name in settings.model_fields if (value := getattr(args, name, None)) is not None}
+    file = read_config_file(getattr(args, "config", None))
+    return load_settings(settings, file, given, getattr(args, "setting_flags", None) or {}, fallback)
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE.yaml",
+        help="settings file (field names, or their Helm values keys); the environment and flags override it "
+        "(default: none)",
+    )
+
+
+def add_data_plane_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every command that starts a data plane shares (``up``, ``verify``, benchmarks)."""
+    add_config_argument(parser)
+    add_setting_flag(parser, DataPlaneConfig, "model", default_note="the embedded tiny model")
+    for name in (
+        "revision",
+        "groups",
+        "placement",
+        "gpu_placement",
+        "topology",
+        "group_per",
+        "dtype",
+        "router_device",
+        "ray_address",
+        "state_url",
+        "deployment",
+    ):
+        add_setting_flag(parser, DataPlaneConfig, name)
+
+
+def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """``up``'s flags of the router's public APIs (``ServingConfig``)."""
+    add_setting_flag(parser, ServingConfig, "host")
+    add_setting_flag(parser, ServingConfig, "port")
+    add_setting_flag(parser, ServingConfig, "max_active_sequences", "--max-active")
+    add_setting_flag(parser, ServingConfig, "max_queued_requests", "--max-queued")
+    add_setting_flag(parser, ServingConfig, "kv_cache_bytes")
+    add_setting_flag(parser, ServingConfig, "kv_block_size")
+    add_setting_flag(parser, ServingConfig, "prefix_caching")
+    add_setting_flag(parser, ServingConfig, "default_max_new_tokens")
+    add_setting_flag(parser, ServingConfig, "max_new_tokens_cap")
+    add_setting_flag(parser, ServingConfig, "drain_timeout_s", "--drain-timeout")
+    add_setting_flag(parser, ServingConfig, "health_port")
+    add_setting_flag(parser, ServingConfig, "http_port")
+    add_setting_flag(parser, ServingConfig, "http_max_body_bytes")
+    add_setting_flag(parser, ServingConfig, "metrics_port")
+    add_setting_flag(parser, ServingConfig, "routing_policy")
+    add_setting_flag(parser, ServingConfig, "profiles")

@@ -1,0 +1,236 @@
+"""Expert load as the router sees it: tokens per expert and co-activation per
+MoE layer over a sliding window, the placement planner's input.
+
+Glossary
+- *row*: the ordinal of an MoE layer among the model's MoE layers (DeepSeek-V3's
+  dense first layers have none), the layer index of stats and placement files.
+- *load[row, e]*: tokens that chose expert ``e``.
+- *coactivation[row, e, f]*: tokens that chose both ``e`` and ``f`` (symmetric,
+  zero diagonal).
+- *position_load[row, p, e]*: of those, tokens at sequence positions in
+  position bin ``p`` (``max_context / position_bins`` positions a bin), when the
+  caller knows positions (the serving engine does), for heatmaps.
+- *bucket*: ``window_s / buckets`` seconds of counts; the window is the last
+  ``buckets`` of them, so old traffic ages out a bucket at a time.
+- *domain_load[d][row, e]*: tokens of requests of query domain ``d`` (given by
+  the client or classified) that chose expert ``e``, since the router started
+  (not windowed: capability profiles are built from differences of it, which
+  must not lose counts to ageing).
+
+Stored (per router, in the state store) as an ``.npz`` without pickles, so
+routers, the orchestrator and ``expertmesh stats export`` read the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+
+#: domains counted apart at most: the published window's size must not grow with what clients send
+MAX_DOMAINS = 256
+#: bytes of JSON one GetLoadStats answer holds at most (gRPC's default message limit is 4 MiB)
+STATS_PAGE_BYTES = 3 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class LoadSnapshot:
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    load: np.ndarray  # [L, E] float64
+    coactivation: np.ndarray  # [L, E, E] float64
+    position_load: np.ndarray  # [L, P, E] float64
+    max_context: int
+    domain_load: Mapping[str, np.ndarray] = field(default_factory=dict)  # domain -> [L, E] float64, since start
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        np.savez_compressed(
+            buf,
+            moe_layers=np.array(self.moe_layers, dtype=np.int64),
+            shape=np.array([self.num_experts, self.top_k, self.max_context], dtype=np.int64),
+            load=self.load,
+            coactivation=self.coactivation,
+            position_load=self.position_load,
+            domains=np.array(sorted(self.domain_load), dtype=str),
+            domain_load=np.stack([self.domain_load[d] for d in sorted(self.domain_load)])
+            if self.domain_load
+            else np.zeros((0, *self.load.shape)),
+        )
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "LoadSnapshot":
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            num_experts, top_k, max_context = (int(v) for v in z["shape"])
+            return cls(
+                tuple(int(v) for v in z["moe_layers"]),
+                num_experts,
+                top_k,
+                z["load"],
+                z["coactivation"],
+                z["position_load"],
+                max_context,
+                # routers from before domains were counted publish no such arrays
+                dict(zip((str(d) for d in z["domains"]), z["domain_load"])) if "domains" in z else {},
+            )
+
+    def __add__(self, other: "LoadSnapshot") -> "LoadSnapshot":
+        if (self.moe_layers, self.num_experts) != (other.moe_layers, other.num_experts):
+            raise ValueError("load snapshots of different models cannot be added")
+        return LoadSnapshot(
+            self.moe_layers,
+            self.num_experts,
+            self.top_k,
+            self.load + other.load,
+            self.coactivation + other.coactivation,
+            self.position_load + other.position_load,
+            self.max_context,
+            {
+                d: self.domain_load.get(d, 0) + other.domain_load.get(d, 0)
+                for d in sorted({*self.domain_load, *other.domain_load})
+            },
+        )
+
+    def to_stats_dict(self, rows: slice = slice(None)) -> dict:
+        """The stats file format of ``expertmesh plan`` (rows = MoE layers in order), of ``rows`` of them."""
+        layers = list(self.moe_layers)[rows]
+        return {
+            "num_layers": len(layers),
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "moe_layers": layers,
+            "load": self.load[rows].tolist(),
+            "coactivation": self.coactivation[rows].tolist(),
+            "max_context": self.max_context,
+            "position_load": self.position_load[rows].tolist(),
+            "domain_load": {d: load[rows].tolist() for d, load in sorted(self.domain_load.items())},
+        }
+
+    def stats_page(self, first_row: int, max_rows: int = 0, max_bytes: int = STATS_PAGE_BYTES) -> tuple[str, int]:
+        """(JSON of rows ``first_row``.. as ``to_stats_dict``, plus "first_row"; the next page's first row,
+        0 after the last). The page holds as many rows as fit ``max_bytes`` (at least one), ``max_rows`` at most."""
+        total = len(self.moe_layers)
+        if not 0 <= first_row < max(total, 1):
+            raise ValueError(f"first_row {first_row} is past the {total} MoE layers")
+        end = min(total, first_row + max_rows) if max_rows else total
+        per_row = max(len(json.dumps(self.to_stats_dict(slice(first_row, first_row + 1)))), 1)
+        end = max(first_row + 1, min(end, first_row + max_bytes // per_row))
+        page = {**self.to_stats_dict(slice(first_row, end)), "first_row": first_row}
+        return json.dumps(page), end if end < total else 0
+
+
+class LoadWindow:
+    def __init__(
+        self,
+        moe_layers: tuple[int, ...],
+        num_experts: int,
+        top_k: int,
+        window_s: float = 600.0,
+        buckets: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+        max_context: int = 4096,
+        position_bins: int = 16,
+    ):
+        self.moe_layers = tuple(moe_layers)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self._row = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self._bucket_s = window_s / buckets
+        self._clock = clock
+        L, E = len(self.moe_layers), num_experts
+        # float32 keeps DeepSeek-V3 scale (58 x 256 x 256 per bucket) at 15 MiB a bucket
+        self._load = np.zeros((buckets, L, E), dtype=np.float32)
+        self._coact = np.zeros((buckets, L, E, E), dtype=np.float32)
+        self.max_context = max_context
+        self._bins = position_bins
+        self._position = np.zeros((buckets, L, position_bins, E), dtype=np.float32)
+        self._epoch = np.full(buckets, -1, dtype=np.int64)  # which time slot each bucket holds
+        self._since_start = np.zeros((L, E), dtype=np.float64)  # never ages out: monotonic metrics read it
+        self._domains: dict[str, np.ndarray] = {}  # domain -> [L, E] float64 since start
+        self._lock = threading.Lock()
+
+    def _bucket(self) -> int:
+        slot = int(self._clock() // self._bucket_s)
+        b = slot % len(self._epoch)
+        if self._epoch[b] != slot:  # reused: its counts are a window old
+            self._load[b] = 0
+            self._coact[b] = 0
+            self._position[b] = 0
+            self._epoch[b] = slot
+        return b
+
+    def record(
+        self,
+        layer: int,
+        top_k_index: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        domains: tuple[torch.Tensor, tuple[str, ...]] | None = None,
+    ) -> None:
+        """top_k_index [T, K] global expert ids; ids >= num_experts (expert-parallel sentinels) are skipped.
+        positions [T] (optional): sequence position of each token.
+        domains (optional): (domain_ids [T] int64, -1 for none; the domain names they index)."""
+        # In numpy: on the serving step's path once per MoE layer, where each torch op costs microseconds.
+        E = self.num_experts
+        ids = top_k_index.detach().to("cpu", torch.long).numpy()  # [T, K]
+        tokens = np.arange(ids.shape[0])[:, None]  # [T, 1]
+        onehot = np.zeros((ids.shape[0], E + 1), dtype=np.float32)  # [T, E+1]; the last column collects sentinels
+        onehot[tokens, np.minimum(ids, E)] = 1.0
+        onehot = onehot[:, :E]
+        counts = onehot.sum(axis=0)  # [E]
+        coact = onehot.T @ onehot  # [E, E]
+        np.fill_diagonal(coact, 0)
+        by_bin = None
+        if positions is not None:
+            # positions are never negative; np.clip would cost more than the rest of the bins together
+            bins = np.minimum(
+                positions.to("cpu", torch.long).numpy() * self._bins // self.max_context, self._bins - 1
+            )  # [T]
+            in_bin = np.zeros((ids.shape[0], self._bins), dtype=np.float32)  # [T, P]
+            in_bin[tokens[:, 0], bins] = 1.0
+            by_bin = in_bin.T @ onehot  # [P, E]
+        by_domain = {}
+        if domains is not None:
+            domain_ids, names = domains
+            domain_ids = domain_ids.to("cpu", torch.long).numpy()  # [T]
+            for d, name in enumerate(names):
+                by_domain[name] = onehot[domain_ids == d].sum(axis=0, dtype=np.float64)  # [E]
+        row = self._row[layer]
+        with self._lock:
+            b = self._bucket()
+            self._load[b, row] += counts
+            self._since_start[row] += counts
+            self._coact[b, row] += coact
+            if by_bin is not None:
+                self._position[b, row] += by_bin
+            for name, counts_d in by_domain.items():
+                if name not in self._domains and len(self._domains) >= MAX_DOMAINS:
+                    name = name.split("/")[0]  # past the cap, a sub-domain counts under its top-level domain
+                self._domains.setdefault(name, np.zeros(self._since_start.shape))[row] += counts_d
+
+    def since_start(self) -> np.ndarray:
+        """[L, E] tokens per expert since the router started."""
+        with self._lock:
+            return self._since_start.copy()
+
+    def snapshot(self) -> LoadSnapshot:
+        with self._lock:
+            current = int(self._clock() // self._bucket_s)
+            live = (self._epoch >= 0) & (self._epoch > current - len(self._epoch))
+            return LoadSnapshot(
+                self.moe_layers,
+                self.num_experts,
+                self.top_k,
+                self._load[live].sum(axis=0, dtype=np.float64),
+                self._coact[live].sum(axis=0, dtype=np.float64),
+                self._position[live].sum(axis=0, dtype=np.float64),
+                self.max_context,
+                {d: load.copy() for d, load in self._domains.items()},
+            )

@@ -1,0 +1,304 @@
+"""The data plane in one object: expert groups on Ray Serve, their endpoints and
+routing table in the state store, and the router's model dispatching to them.
+
+``DataPlane.start(config)`` checks everything it can before starting anything
+(checkpoint, placement), so a bad input is refused at start-up, not at the
+first token. ``close()`` undeploys the groups and stops Ray if it started it.
+
+``DataPlane.attach(config)`` is the router alone (``expertmesh up
+--router-only``, as in Kubernetes): the groups run elsewhere (a RayService)
+and the routing table and endpoints come from the shared state store.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from expertmesh.config.settings import DataPlaneConfig
+from expertmesh.contracts import group_map as placement_mod
+from expertmesh.contracts.errors import GroupUnavailable, InputError
+from expertmesh.contracts.group_map import GroupPlacement
+from expertmesh.contracts.load_window import LoadWindow
+from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
+from expertmesh.infra import security, telemetry
+from expertmesh.infra.console import progress  # progress: commands import it from here too
+from expertmesh.infra.devices import router_device
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.store import StateStore, open_store
+
+if TYPE_CHECKING:
+    from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+    from expertmesh.router.dispatch.heartbeat import Heartbeat
+    from expertmesh.router.dispatch.table_watcher import TableWatcher
+    from expertmesh.router.reporting.hidden_sample import SamplePublisher
+    from expertmesh.router.reporting.load_publisher import LoadPublisher
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds, not minutes, when a Ray address has nobody listening (ray.init retries for long)."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():
+        return  # "auto", ray:// client addresses: let Ray resolve them
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as err:
+        raise GroupUnavailable(f"cannot reach the Ray cluster at {address}: {err}") from None
+
+
+def _gpu_layout(config: DataPlaneConfig, spec):
+    """Expert groups from a GPU placement of `expertmesh plan` and its topology."""
+    from expertmesh.contracts.gpu_plan import parse_placement_json
+    from expertmesh.orchestrator import topology_discovery
+    from expertmesh.orchestrator.placement.to_groups import groups_from_placement
+
+    if config.topology is None:
+        raise InputError("a GPU placement needs the topology it was planned for (--topology)")
+    topology = topology_discovery.load_topology_file(config.topology)
+    gpu_ids = tuple(site.gpu.id for site in topology.sites())
+    text = topology_discovery.read_text(config.gpu_placement, "GPU placement")
+    gpu_placement = parse_placement_json(text, gpu_ids, len(spec.moe_layers), spec.num_experts)
+    return groups_from_placement(gpu_placement, topology, spec.moe_layers, config.group_per)
+
+
+def _router(
+    checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, device: torch.device, resolve_endpoints=None
+):
+    from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+    from expertmesh.router.dispatch.heartbeat import Heartbeat
+    from expertmesh.router.dispatch.table_watcher import TableWatcher
+    from expertmesh.router.model import build_router_model
+    from expertmesh.router.reporting.load_publisher import router_id
+    from expertmesh.router.transport.base import build as build_transport
+
+    progress(f"building the router on {device} (no routed-expert weights)")
+    spec = checkpoint.spec
+    window = LoadWindow(
+        spec.moe_layers,
+        spec.num_experts,
+        spec.top_k,
+        window_s=config.load_window_s,
+        max_context=spec.max_context or 4096,
+    )
+    heartbeat = Heartbeat(store, router_id(), config.heartbeat_s)
+    dispatcher = ExpertDispatcher(
+        store,
+        spec.moe_layers,
+        timeout_s=config.dispatch_timeout_s,
+        load_window=window,
+        resolve_endpoints=resolve_endpoints,
+        on_switch=heartbeat.beat,
+        fallback=config.quarantine_fallback,
+        transport=build_transport(config.transport),
+        model=ModelIdentity.of(spec),
+    )
+    heartbeat.start(dispatcher)
+    watcher = TableWatcher(dispatcher, config.table_poll_s).start()
+    return (
+        dispatcher,
+        heartbeat,
+        watcher,
+        build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype), device),
+    )
+
+
+@dataclass
+class DataPlane:
+    config: DataPlaneConfig
+    checkpoint: Checkpoint
+    placement: GroupPlacement
+    store: StateStore
+    model: nn.Module
+    dispatcher: "ExpertDispatcher"
+    heartbeat: "Heartbeat"
+    watcher: "TableWatcher"
+    addresses: dict[str, str]
+    _started_ray: bool
+    _owns_groups: bool = True
+    _publisher: "LoadPublisher" = field(init=False)
+    #: publishes the router's hidden-state sample (None: sampling off)
+    _samples: "SamplePublisher | None" = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The in-process store too: an orchestrator embedded in this process (`up --orchestrator`) reads it.
+        from expertmesh.router.reporting.load_publisher import LoadPublisher
+
+        self._publisher = LoadPublisher(self.store, self.dispatcher.load_window, self.config.load_publish_s).start()
+        self._samples = None
+        if self.config.hidden_sample_tokens:
+            from expertmesh.router.reporting.hidden_sample import HiddenSampler, SamplePublisher
+            from expertmesh.router.reporting.load_publisher import router_id
+
+            sampler = HiddenSampler(self.checkpoint.spec.moe_layers, self.config.hidden_sample_tokens)
+            self.dispatcher.hidden_sampler = sampler
+            self._samples = SamplePublisher(self.store, sampler, router_id(), self.config.load_publish_s).start()
+
+    @classmethod
+    def start(cls, config: DataPlaneConfig) -> "DataPlane":
+        import ray
+
+        from expertmesh.expert_group import deployment
+
+        t0 = time.monotonic()
+        device = router_device(config.router_device)  # a GPU that is not there fails before anything starts
+        checkpoint = Checkpoint(config.model)
+        spec = checkpoint.spec
+        layout = _gpu_layout(config, spec) if config.gpu_placement is not None else None
+        if layout is not None:
+            placement = layout.placement
+        elif config.placement is not None:
+            placement = placement_mod.load(config.placement, spec)
+        else:
+            placement = placement_mod.contiguous(spec, config.groups)
+        placement_mod.validate(placement, spec)
+        store = open_store(config.state_url, config.deployment)
+
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        started_ray = False
+        if not ray.is_initialized():
+            progress(f"starting Ray ({config.ray_address or 'local'})")
+            if config.ray_address:
+                _check_reachable(config.ray_address)
+            try:
+                # "local": a Ray of our own, never a cluster some earlier `ray start` left registered on the machine.
+                ray.init(
+                    address=config.ray_address or "local",
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    logging_level="WARNING",
+                )
+            except ConnectionError as err:
+                raise GroupUnavailable(f"cannot join the Ray cluster at {config.ray_address}: {err}") from None
+            started_ray = config.ray_address is None
+        has_gpus = deployment.cluster_has_gpus()
+        gpus = 1 if has_gpus else 0
+        specs = [
+            deployment.GroupSpec(
+                name=name,
+                model_path=str(checkpoint.path.resolve()),
+                pairs=pairs,
+                dtype=config.dtype,
+                host=config.group_host,
+                num_cpus=config.group_num_cpus,
+                num_gpus=gpus,
+                inherited_env={**telemetry.propagation_env(), **security.propagation_env()},
+                # unset: a group placed on GPUs holds what their memory does, less the memory model's overhead
+                budget_bytes=config.group_budget_bytes
+                or (layout.hardware[name].expert_budget_bytes if layout else None),
+                # a shared store: the groups register themselves too, so a flushed store lists them again
+                state_url=None if config.state_url.startswith("memory://") else config.state_url,
+                deployment=config.deployment,
+                **(deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {}),
+            )
+            for name, pairs in placement.groups.items()
+        ]
+        progress(
+            f"starting {len(specs)} expert groups on Ray Serve for {spec.model_type} "
+            f"({len(spec.moe_layers)} MoE layers x {spec.num_experts} experts, {'GPU' if gpus else 'CPU'})"
+        )
+        with deployment.groups_loading(len(specs)):  # a bar on a terminal
+            addresses = deployment.deploy(specs)
+        for group, address in addresses.items():
+            store.set_endpoint(group, address)
+        table = RoutingTable.from_placement(
+            placement,
+            spec.num_experts,
+            version=store.routing_table_version() + 1,
+            shares=layout.shares if layout else None,
+            model=ModelIdentity.of(spec),
+        )
+        if not store.publish_routing_table(table):
+            raise RuntimeError("another writer changed the routing table while the groups started; retry")
+
+        def resolve_endpoints() -> dict[str, str]:
+            """A restarted replica listens on a new port: ask Serve's directory and record the answer."""
+            fresh = deployment.current_addresses()
+            for group, address in fresh.items():
+                store.set_endpoint(group, address)
+            return fresh
+
+        dispatcher, heartbeat, watcher, model = _router(checkpoint, store, config, device, resolve_endpoints)
+        progress(
+            f"data plane ready in {time.monotonic() - t0:.1f}s: " + ", ".join(f"{g}@{a}" for g, a in addresses.items())
+        )
+        return cls(config, checkpoint, placement, store, model, dispatcher, heartbeat, watcher, addresses, started_ray)
+
+    @classmethod
+    def attach(cls, config: DataPlaneConfig, wait_s: float = 300.0, store: StateStore | None = None) -> "DataPlane":
+        """The router alone, over groups and a routing table that others publish in the shared store
+        (``store``, which the plane then owns; default: ``config.state_url``'s)."""
+        device = router_device(config.router_device)
+        checkpoint = Checkpoint(config.model)
+        store = store if store is not None else open_store(config.state_url, config.deployment)
+        deadline = time.monotonic() + wait_s
+        table = store.routing_table()
+        if table is None:
+            progress(f"waiting up to {wait_s:.0f}s for a routing table in {config.state_url}")
+        while table is None:
+            if time.monotonic() >= deadline:
+                raise GroupUnavailable(
+                    f"no routing table in {config.state_url} after {wait_s:.0f}s; is the orchestrator running?"
+                )
+            time.sleep(1.0)
+            table = store.routing_table()
+        placement = table.placement()
+        try:
+            placement_mod.validate(placement, checkpoint.spec)
+        except InputError as err:
+            raise InputError(f"the published routing table does not fit {checkpoint.path}: {err}") from None
+        dispatcher, heartbeat, watcher, model = _router(checkpoint, store, config, device)
+        progress(f"router attached to routing table version {table.version} ({len(placement.groups)} groups)")
+        return cls(
+            config,
+            checkpoint,
+            placement,
+            store,
+            model,
+            dispatcher,
+            heartbeat,
+            watcher,
+            store.endpoints(),
+            False,
+            _owns_groups=False,
+        )
+
+    @property
+    def store_is_shared(self) -> bool:
+        """Whether other processes read and write this plane's store (Redis), as opposed to its own in-process one."""
+        return not self.config.state_url.startswith("memory://")
+
+    def close(self) -> None:
+        self._publisher.stop()
+        if self._samples is not None:
+            self._samples.stop()
+        self.watcher.stop()
+        self.heartbeat.stop()
+        self.dispatcher.close()
+        if not self._owns_groups:  # attached: neither Ray nor the groups are ours (nor, maybe, installed)
+            self.store.close()
+            return
+        import ray
+
+        from expertmesh.expert_group import deployment
+
+        for group in self.addresses:
+            self.store.remove_endpoint(group)
+        self.store.close()
+        if self._started_ray:
+            # Ray's shutdown ends Serve's actors with it; shutting Serve down first only
+            # makes the driver's long-poll clients print retry warnings.
+            ray.shutdown()
+        else:
+            deployment.undeploy()
+
+    def __enter__(self) -> "DataPlane":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,160 @@
+"""A router's public APIs over a running data plane: the gRPC Inference API and, with
+``ServingConfig.http_port``, the OpenAI-compatible HTTP API beside it, both over one engine.
+``expertmesh up`` (``serving.up_cli``) starts them; benchmarks and tests call ``serve_plane``."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from expertmesh.config.settings import ServingConfig
+from expertmesh.platform.data_plane import DataPlane, progress
+from expertmesh.router.policy.profiles import ProfileFileError, fit_problem, read_profiles_file, save_profiles
+from expertmesh.router.reporting.metrics import register_router_metrics
+from expertmesh.serving.engine import Engine, EngineLimits
+from expertmesh.serving.kv_metrics import register_kv_metrics
+from expertmesh.serving.readiness import Readiness
+from expertmesh.serving.request_routing import RequestRouter
+from expertmesh.serving.service import InferenceServer, InferenceServicer
+from expertmesh.v1 import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from expertmesh.serving.http_server import HttpServer
+
+
+def model_info(plane: DataPlane) -> pb.ModelInfo:
+    spec = plane.checkpoint.spec
+    text = plane.checkpoint.config.get_text_config()
+    return pb.ModelInfo(
+        name=plane.config.model_name or plane.checkpoint.path.name,
+        architecture=spec.model_type,
+        num_layers=spec.num_layers,
+        moe_layers=list(spec.moe_layers),
+        num_experts=spec.num_experts,
+        top_k=spec.top_k,
+        hidden_size=spec.hidden_size,
+        vocab_size=text.vocab_size,
+        max_context=spec.max_context or 0,
+        groups=sorted(plane.placement.groups),
+        dtype=plane.config.dtype,
+        total_parameters=plane.checkpoint.total_parameters,
+        dense_parameters=plane.checkpoint.total_parameters
+        - plane.checkpoint.parameters_per_expert * spec.num_experts * len(spec.moe_layers),
+        parameters_per_expert=plane.checkpoint.parameters_per_expert,
+    )
+
+
+@functools.cache
+def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer, or None: then prompts must come as token ids.
+    Loaded once per path: a router's gRPC and HTTP APIs share it."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        progress(f"{path} has no tokenizer: prompts must be sent as token ids")
+        return None
+
+
+def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
+    """Start the Inference API over a running data plane (first loading ``config.profiles`` into its store)."""
+    plane.dispatcher.refresh()  # load the routing table now: a missing one fails at start, not at the first request
+    info = model_info(plane)
+    if config.profiles is not None:
+        _load_profiles_file(plane, config.profiles, tuple(info.moe_layers), info.num_experts)
+    register_router_metrics(plane.dispatcher, info.dense_parameters, info.parameters_per_expert)
+    tokenizer = load_tokenizer(plane.checkpoint.path)
+    engine = Engine(
+        plane.model,
+        tokenizer,
+        plane.dispatcher,
+        EngineLimits(
+            config.max_active_sequences,
+            config.max_queued_requests,
+            kv_cache_bytes=config.kv_cache_bytes or None,
+            kv_block_size=config.kv_block_size,
+            prefix_caching=config.prefix_caching,
+        ),
+        max_context=info.max_context,
+    )
+    register_kv_metrics(engine.kv_usage)
+    info.batching = pb.BATCHING_PACKED if engine.batching.packed else pb.BATCHING_PER_SEQUENCE
+    info.batching_note = engine.batching.note
+    servicer = InferenceServicer(
+        engine,
+        tokenizer,
+        info,
+        config,
+        lambda: plane.dispatcher.table.version if plane.dispatcher.table else 0,
+        plane.dispatcher.load_window,
+        plane.dispatcher.transports,
+        RequestRouter(
+            info.top_k,
+            info.num_experts,
+            tuple(info.moe_layers),
+            config.routing_policy,
+            plane.store,
+            config.policy_kl_bound,
+        ),
+    )
+    return InferenceServer(servicer, engine, config).start()
+
+
+def _load_profiles_file(plane: DataPlane, path: Path, moe_layers: tuple[int, ...], num_experts: int) -> None:
+    """Put the capability profiles of ``path`` (``expertmesh profile build --out``) into the plane's store,
+    where the router's prefer / restrict policies read them: the way to profiles on an in-process store."""
+    profiles = read_profiles_file(path)
+    problem = fit_problem(profiles, moe_layers, num_experts)
+    if problem:
+        raise ProfileFileError(f"profiles file {path}: {problem}; rebuild it with `expertmesh profile build --out`")
+    save_profiles(plane.store, profiles)
+    progress(f"loaded {len(profiles)} capability profiles from {path} ({', '.join(sorted(profiles))})")
+
+
+@dataclass
+class RouterApis:
+    """A router's public APIs over its one engine: gRPC always, the OpenAI-compatible HTTP API with
+    ``ServingConfig.http_port``."""
+
+    grpc: InferenceServer
+    http: HttpServer | None = None
+    readiness: Readiness | None = None
+
+    def drain_and_stop(self) -> bool:
+        """Both APIs refuse new requests (and /health turns 503) while in-flight ones, gRPC and HTTP
+        streams alike, finish; then both stop. True if all finished within the drain timeout."""
+        if self.readiness is not None:
+            self.readiness.draining = True
+        drained = self.grpc.drain_and_stop()
+        if self.http is not None:
+            self.http.stop()
+        if self.readiness is not None:
+            self.readiness.close()
+        return drained
+
+
+def start_apis(plane: DataPlane, config: ServingConfig) -> RouterApis:
+    """Start the gRPC Inference API and, when ``config.http_port`` is set, the HTTP API beside it."""
+    server = serve_plane(plane, config)
+    if config.http_port is None:
+        return RouterApis(server)
+    # Only a router that serves HTTP loads its packages (starlette, uvicorn): the GPU machine's
+    # benchmark runs the gRPC API without them.
+    from expertmesh.serving.http_api import HttpApi
+    from expertmesh.serving.http_server import HttpServer
+    from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
+
+    info = model_info(plane)
+    readiness = Readiness(plane.store, plane.dispatcher, server.engine)
+    model = ServedModel(info.name, info.vocab_size, info.max_context)
+    adapter = OpenAIAdapter(server.engine, load_tokenizer(plane.checkpoint.path), model, config, server.routing)
+    try:
+        http = HttpServer(HttpApi(adapter, readiness, config).app, config.host, config.http_port).start()
+    except BaseException:
+        server.drain_and_stop()
+        readiness.close()
+        raise
+    return RouterApis(server, http, readiness)

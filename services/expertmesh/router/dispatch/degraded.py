@@ -1,0 +1,128 @@
+r"""Which tokens the quarantine fallback served, and whose they were: the degraded
+mark on a request's trace.
+
+A token is degraded in a layer when the stock gate chose an expert whose every
+replica is quarantined (``RoutingView.fallback``), so the fallback served it
+instead: the next-best expert in the slot, or the token's other experts
+renormalised. Under ``renormalise`` the gate is stock and its top-k says so
+directly. Under ``next_best`` the gate never picks a masked expert, so
+``StockChoice`` recomputes, for layers with a mask only, what the unmasked gate
+would have chosen: the gate's own linear on the same hidden states, scored as the
+gate scores (softmax, or sigmoid plus its correction bias) and its top-k. That is
+exact for softmax top-k gates; group-limited gates (DeepSeek-V3) also restrict
+the choice to their best groups, which this ignores (it may count a token whose
+stock choice the group limit would have excluded).
+
+``collecting`` gathers, around one forward of the serving engine, which
+sequence each degraded token belongs to (the step packs many requests; the
+dispatch of each layer ``record``\ s into the collector of its thread, like the
+OpenTelemetry context, so no dispatcher interface changes), and
+``DegradedTokens.mark`` puts it on that sequence's spans: attribute
+``expertmesh.degraded`` = true and an ``expertmesh.degraded`` event with the
+layers, the experts (``"layer/expert"``) and the tokens served by the fallback
+(counted once per layer and expert).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from opentelemetry.trace import Span
+
+from expertmesh.router.policy.gate_hook import GateBias
+from expertmesh.router.policy.routing_policy import gate_scores
+
+
+class StockChoice:
+    """Forward hooks on every gate: where ``gate_bias`` masks experts of the layer (a [E] bias with -inf),
+    the stock top-k [T, K] for the layer's next dispatch on this thread (``take``)."""
+
+    def __init__(self, gate_bias: GateBias):
+        self._gate_bias = gate_bias
+        self._local = threading.local()
+        for layer, gate in gate_bias.gates.items():
+            gate.register_forward_hook(lambda _m, args, _out, layer=layer: self._note(layer, args[0]))
+
+    def _note(self, layer: int, hidden: torch.Tensor) -> None:
+        mask = self._gate_bias.biases().get(layer)
+        choices = self._choices()
+        choices.pop(layer, None)
+        if mask is None or mask.dim() != 1:
+            return
+        gate = self._gate_bias.gates[layer]
+        rows = hidden.detach().reshape(-1, gate.weight.shape[1]).float()  # [T, H]
+        bias = getattr(gate, "bias", None)
+        logits = F.linear(rows, gate.weight.float(), bias.float() if isinstance(bias, torch.Tensor) else None)  # [T, E]
+        correction = getattr(gate, "e_score_correction_bias", None)
+        scores = gate_scores(logits, sigmoid=correction is not None)
+        if correction is not None:
+            scores = scores + correction.float()
+        choices[layer] = scores.topk(gate.top_k, dim=-1).indices.cpu()  # [T, K]
+
+    def _choices(self) -> dict[int, torch.Tensor]:
+        if not hasattr(self._local, "choices"):
+            self._local.choices = {}
+        return self._local.choices
+
+    def take(self, layer: int) -> torch.Tensor | None:
+        """The stock top-k [T, K] of ``layer``'s last gate forward on this thread, if it had a mask."""
+        return self._choices().pop(layer, None)
+
+
+class DegradedTokens:
+    """One forward's degraded tokens, by the sequence they belong to (the forward packs
+    ``tokens_per_sequence`` tokens of each, in order)."""
+
+    def __init__(self, tokens_per_sequence: Sequence[int]):
+        counts = torch.tensor(list(tokens_per_sequence), dtype=torch.long)
+        self._owner = torch.repeat_interleave(torch.arange(len(counts)), counts)  # [T]
+        #: sequence -> (layer, expert) -> tokens
+        self._found: dict[int, dict[tuple[int, int], int]] = {}
+
+    def record(self, layer: int, chosen: torch.Tensor, fell: torch.Tensor) -> None:
+        """chosen [T, K]: the stock gate's experts; fell [T, K]: which of them the fallback served."""
+        rows, slots = fell.nonzero(as_tuple=True)
+        for seq, expert in zip(self._owner[rows].tolist(), chosen[rows, slots].tolist()):
+            pairs = self._found.setdefault(seq, {})
+            pairs[(layer, expert)] = pairs.get((layer, expert), 0) + 1
+
+    @property
+    def sequences(self) -> dict[int, dict[tuple[int, int], int]]:
+        return self._found
+
+    def mark(self, spans: Sequence[Iterable[Span | None]]) -> None:
+        """``spans[i]``: the spans of sequence i to mark (its step's, its request's; None skipped)."""
+        for seq, pairs in sorted(self._found.items()):
+            event = {
+                "expertmesh.degraded.layers": sorted({layer for layer, _ in pairs}),
+                "expertmesh.degraded.experts": [f"{layer}/{expert}" for layer, expert in sorted(pairs)],
+                "expertmesh.degraded.tokens": sum(pairs.values()),
+            }
+            for span in spans[seq]:
+                if span is not None:
+                    span.set_attribute("expertmesh.degraded", True)
+                    span.add_event("expertmesh.degraded", event)
+
+
+_collecting = threading.local()
+
+
+@contextmanager
+def collecting(tokens_per_sequence: Sequence[int]) -> Iterator[DegradedTokens]:
+    """Within this block, this thread's dispatches record their degraded tokens into the collector yielded."""
+    _collecting.marks = marks = DegradedTokens(tokens_per_sequence)
+    try:
+        yield marks
+    finally:
+        _collecting.marks = None
+
+
+def record(layer: int, chosen: torch.Tensor, fell: torch.Tensor) -> None:
+    """Into this thread's collector, if a forward is collecting (``DegradedTokens.record``)."""
+    marks = getattr(_collecting, "marks", None)
+    if marks is not None:
+        marks.record(layer, chosen, fell)

@@ -1,0 +1,616 @@
+"""Remote experts: transformers' ExpertsInterface implementation ``"expertmesh"``.
+
+Every MoE block of the router's model keeps its stock gate (and shared
+experts); only the routed-experts call lands here. Dispatch has three parts:
+
+1. ``routing_view.RoutingView``: the current routing-table version as tensors,
+   validated (no expert left unhosted) and swapped in with one assignment;
+2. ``dispatch_plan.plan_layer``: pure, which tokens with which masked expert ids
+   and weights go to which group (replicated experts split by share);
+3. ``transport.Transport``: carries one request to one group (shared memory for
+   a group on this host, a gRPC stream otherwise; see ``router.transport``).
+
+Above the transport sit replica choice, retries and checks: every response is
+checked (shape, dtype, finite values) before it is summed; a group that fails or
+answers wrongly has its tokens re-planned onto other replicas within the same
+step, and only when none exists does the step fail, with UNAVAILABLE (the group
+failed) or INTERNAL (it answered wrongly), naming the group.
+
+The routing table is read off the step's critical path: in a router, a
+``router.table_watcher.TableWatcher`` thread polls the store and swaps a new
+view in, so a step never waits on a slow or frozen store; a bare dispatcher
+(tests, ``verify``) reads the store at each step boundary (``begin_step``, from a
+forward pre-hook on the whole model or from the serving engine). A step uses
+one view for all its layers. A store that cannot be reached, a flushed one, or
+a table that must not be served (``RoutingTableRefused``: experts left unhosted,
+made for another model, unreadable) keeps the last good view in use.
+
+The serving engine runs each step as one packed forward of all its sequences,
+inside ``serving_step``: each MoE layer is then one dispatch of every token of
+the step, carrying their positions (load statistics) and trace links to the
+step's other requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Literal, Sequence
+
+import grpc
+import torch
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext, Status, StatusCode
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface
+
+from expertmesh.contracts.errors import (
+    BadGroupResponse,
+    DeadlineExceeded,
+    ExpertMeshError,
+    GroupUnavailable,
+    RoutingTableRefused,
+)
+from expertmesh.contracts.load_window import LoadWindow
+from expertmesh.contracts.routing_table import MalformedTable, ModelIdentity, RoutingTable
+from expertmesh.infra.finite import all_finite
+from expertmesh.infra.telemetry.setup import meter, tracer
+from expertmesh.router.dispatch import degraded
+from expertmesh.router.dispatch.circuit import CircuitBreakers
+from expertmesh.router.dispatch.degraded import StockChoice
+from expertmesh.router.dispatch.layer_plan import GroupCall, NoHealthyReplica, plan_layer, restrict_to
+from expertmesh.router.dispatch.routing_view import RoutingView
+from expertmesh.router.policy.gate_hook import GateBias, masked
+from expertmesh.router.policy.routing_policy import StepRouting
+from expertmesh.router.reporting.hidden_sample import HiddenSampler
+from expertmesh.router.reporting.wire_counters import TrafficCounters
+from expertmesh.router.transport.base import GroupReply, GroupRequest, PendingCall, Transport, TransportError
+from expertmesh.router.transport.base import build as build_transport
+from expertmesh.store import StateStore
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATION = "expertmesh"
+
+#: Serving an expert whose every replica is quarantined: ``next_best`` makes the gate pick the next-best
+#: expert in its slot; ``renormalise`` drops the slot and scales the token's other experts up.
+Fallback = Literal["next_best", "renormalise"]
+
+
+@dataclass
+class _InFlight:
+    """One group call of a layer on its way."""
+
+    call: GroupCall
+    group: str
+    request: GroupRequest
+    pending: PendingCall | None  # None: the transport refused to start it
+    error: TransportError | None
+    span: trace.Span
+    sent_at: float
+    timeout_s: float
+    received: int = 0  # response bytes
+
+
+class _GroupFailed(Exception):
+    """One group call of a layer failed; ``error`` is what the step raises if no replica takes over."""
+
+    def __init__(self, flight: _InFlight, error: ExpertMeshError, retryable: bool):
+        super().__init__(str(error))
+        self.flight = flight
+        self.error = error
+        self.retryable = retryable  # the group may be back at a new address (a restarted replica)
+
+
+class ExpertDispatcher:
+    def __init__(
+        self,
+        store: StateStore,
+        moe_layers: Sequence[int],
+        timeout_s: float = 30.0,
+        load_window: LoadWindow | None = None,
+        resolve_endpoints: Callable[[], dict[str, str]] | None = None,
+        transport: Transport | None = None,
+        on_switch: Callable[[int], None] | None = None,
+        breakers: CircuitBreakers | None = None,
+        fallback: Fallback = "next_best",
+        model: ModelIdentity | None = None,
+    ):
+        """``model``: the router's model; tables made for another are refused (None: checked against
+        ``moe_layers`` and the table's own expert count only)."""
+        self._store = store
+        self._moe_layers = tuple(moe_layers)
+        self.model = model
+        #: fresh group -> address map when a group stops answering; default: what the store lists
+        self._resolve_endpoints = resolve_endpoints or store.endpoints
+        self.load_window = load_window
+        #: keeps a sample of each layer's hidden states for the health monitor (None: off)
+        self.hidden_sampler: HiddenSampler | None = None
+        self._timeout = timeout_s
+        self._transport = transport or build_transport("auto")
+        self.breakers = breakers or CircuitBreakers()
+        #: how tokens of an expert whose every replica is quarantined are served (see ``Fallback``)
+        self.fallback = fallback
+        #: biases the gates' scores; set by the router's model builder (None: a bare dispatcher)
+        self.gate_bias: GateBias | None = None
+        #: what the unmasked gates would have chosen, to tell next-best fallback tokens (set with gate_bias)
+        self.stock_choice: StockChoice | None = None
+        self._quarantined: frozenset[tuple[int, int, str]] = frozenset()
+        self._degraded = meter().create_counter(
+            "expertmesh.tokens.degraded",
+            description="tokens that chose an expert whose every replica is quarantined (served by the fallback)",
+        )
+        #: called with the new version after every table switch (the router's heartbeat)
+        self._on_switch = on_switch
+        self._refresh_lock = threading.Lock()  # one refresh at a time (held over store reads)
+        #: guards ``view``, ``_pending`` and ``_steps_in_flight``; never held over I/O, so a step never waits on the store
+        self._view_lock = threading.Lock()
+        self.view: RoutingView | None = None
+        #: a view built while a serving step ran: swapped in at the next step boundary (``begin_step``)
+        self._pending: RoutingView | None = None
+        self._steps_in_flight = 0
+        self._rejected_version = 0
+        self._store_errors = 0
+        #: a TableWatcher keeps the view current (set by it): steps then never read the store themselves
+        self.watched = False
+        #: time.monotonic() after which no request of the current step wants its tokens (None: no deadline);
+        #: the serving engine sets it at every step boundary
+        self.step_deadline: float | None = None
+        self._in_flight: Counter[str] = Counter()
+        self._call_seconds = meter().create_histogram(
+            "expertmesh.group.call.duration", unit="s", description="expert-group Dispatch round trip, by group"
+        )
+        self._local = threading.local()
+        self.traffic = TrafficCounters()
+
+    @property
+    def table(self) -> RoutingTable | None:
+        view = self.view
+        return view.table if view is not None else None
+
+    @contextmanager
+    def serving_step(
+        self, positions: torch.Tensor, links: Sequence[SpanContext] = (), routing: StepRouting | None = None
+    ) -> Iterator[None]:
+        """Within this block, this thread's forward is one step of the serving engine, which has
+        refreshed the routing table for it. Each MoE layer's dispatch carries ``positions`` [T] (the
+        sequence position of each of the forward's T tokens, for the load statistics) and ``links``
+        (the trace contexts of the step's other requests). ``routing``: the tokens' routing policies
+        and domains (None: every token is routed by the stock gate and counted under no domain)."""
+        self._local.step = (positions, tuple(links), routing)
+        with self._view_lock:
+            # Every layer of the step dispatches on this one table version, and no newer version is reported
+            # (heartbeat) before the step ends: a migration unloads an old replica only once every router
+            # reports the version without it, so no step in flight may still be routing to it.
+            self._steps_in_flight += 1
+            self._local.view = self.view
+        try:
+            if routing is not None and self.gate_bias is not None:
+                with self.gate_bias.routing(routing):
+                    yield
+            else:
+                yield
+        finally:
+            self._local.step = None
+            self._local.view = None
+            with self._view_lock:
+                self._steps_in_flight -= 1
+
+    def on_forward(self) -> None:
+        """Forward pre-hook: a new step, unless the serving engine already began this one."""
+        if getattr(self._local, "step", None) is None:
+            self.begin_step()
+
+    def begin_step(self) -> None:
+        """At a step boundary: make sure there is a view to serve. Watched, the watcher keeps it current and
+        the step does no store I/O (it swaps in a view the watcher built during the last step); unwatched,
+        the store is read now (``refresh``)."""
+        if not self.watched or self.view is None:
+            self.refresh()
+            return
+        with self._view_lock:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._swap(pending)
+        if pending is not None:
+            self._switched(pending)
+
+    # -- the routing view ----------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Switch to the newest routing table, if it changed and may be served. Cheap when it did not.
+
+        With a view in use, an unreachable store, a flushed one (version 0: the orchestrator and the groups
+        publish again) or a refused table is logged and the last good view stays; without one, they raise
+        (ConnectionError / GroupUnavailable / RoutingTableRefused).
+        """
+        with self._refresh_lock:
+            current = self._pending or self.view  # the newest view this router has built
+            try:
+                version = self._store.routing_table_version()
+                if current is not None and version in (0, current.version, self._rejected_version):
+                    self._store_errors = 0
+                    if version == 0:  # flushed: whatever is published next is a new table, even at a refused version
+                        self._rejected_version = 0
+                    return
+                table = self._store.routing_table()
+                endpoints = self._store.endpoints()
+            except ConnectionError as err:
+                if current is None:
+                    raise
+                self._store_errors += 1
+                if self._store_errors == 1:  # once per outage, not once per step
+                    log.warning(
+                        "state store unreachable; serving on routing table version %d: %s", current.version, err
+                    )
+                return
+            except MalformedTable as err:
+                return self._refuse(version, current, RoutingTableRefused(f"routing table version {version}: {err}"))
+            self._store_errors = 0
+            if table is None:
+                if current is not None:  # the version key outlived the table (a store being flushed): serve on
+                    return
+                raise GroupUnavailable("no routing table in the state store; start the expert groups first")
+            if current is not None and table.version < current.version:
+                log.warning(
+                    "routing table version went back from %d to %d: the state store was reset",
+                    current.version,
+                    table.version,
+                )
+            try:
+                view = RoutingView.build(table, self._moe_layers, self._quarantined, self.model)
+            except RoutingTableRefused as err:
+                return self._refuse(table.version, current, err)
+            self._rejected_version = 0
+            # A group not (yet again) listed in the store keeps the address we know: a flushed store heals
+            # as groups re-register, and its calls go on meanwhile.
+            known = {g: self._transport.address(g) for g in view.groups}
+            self._transport.update({g: a for g in view.groups if (a := endpoints.get(g) or known[g])})
+            swapped = self._use(view)
+        if swapped:
+            self._switched(view)
+
+    def _switched(self, view: RoutingView) -> None:
+        log.info("routing table version %d: %d groups", view.version, len(view.groups))
+        if self._on_switch is not None:
+            self._on_switch(view.version)
+
+    def _refuse(self, version: int, current: RoutingView | None, err: RoutingTableRefused) -> None:
+        """Table ``version`` must not be served: raise without a view, else keep serving ``current``."""
+        self._rejected_version = version
+        if current is None:
+            raise err
+        log.error("refused %s; still serving version %d", err, current.version)
+
+    def refresh_quarantine(self) -> None:
+        """Take the health monitor's quarantined replicas into the view when they changed (the
+        heartbeat calls this every interval: a quarantine need not wait for a new table version)."""
+        quarantined = frozenset(self._store.quarantined())
+        with self._refresh_lock:
+            if quarantined == self._quarantined:
+                return
+            self._quarantined = quarantined
+            base = self._pending or self.view  # the newest table this router has, whether or not it serves it yet
+            if base is None:
+                return
+            view = RoutingView.build(base.table, self._moe_layers, quarantined, self.model)
+            self._use(view)
+        log.warning(
+            "quarantined replicas now %s; experts served by the %s fallback: %s",
+            sorted(quarantined) or "none",
+            self.fallback,
+            {layer: sorted(e) for layer, e in view.fallback.items()} or "none",
+        )
+
+    def _use(self, view: RoutingView) -> bool:
+        """Swap ``view`` in now, or, while a serving step runs, at the next step boundary. True: swapped now."""
+        with self._view_lock:
+            if self._steps_in_flight:
+                self._pending = view
+                return False
+            self._pending = None
+            self._swap(view)
+            return True
+
+    def _swap(self, view: RoutingView) -> None:
+        """(Under ``_view_lock``) ``view`` in use; the gates stop choosing its fallback experts (next-best fallback)."""
+        if self.gate_bias is not None and self.fallback == "next_best":
+            self.gate_bias.set({layer: masked(view.num_experts, experts) for layer, experts in view.fallback.items()})
+        self.view = view
+
+    # -- one layer -------------------------------------------------------------------------
+
+    def experts(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts call of one MoE layer, with the serving step's positions and links when in one."""
+        with tracer().start_as_current_span("expertmesh.moe_layer", attributes={"expertmesh.layer": layer}):
+            positions, links, routing = getattr(self._local, "step", None) or (None, (), None)
+            return self.dispatch(layer, hidden, top_k_index, top_k_weights, positions, links, routing)
+
+    def dispatch(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        links: Sequence[SpanContext] = (),
+        routing: StepRouting | None = None,
+    ) -> torch.Tensor:
+        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> weighted expert sum [T, H].
+
+        positions [T] (optional): each token's position in its sequence, for the load statistics.
+        links: trace contexts of the other sequences whose tokens ride in this dispatch.
+        routing (optional): the tokens' domains, for the load statistics by domain. K may exceed the
+        model's top-k by one (a dynamic-k policy); slots a policy left empty hold the skip sentinel.
+        """
+        started = time.perf_counter()
+        view = getattr(self._local, "view", None) or self.view  # the step's view, whatever refresh does meanwhile
+        if view is None:
+            self.refresh()
+            view = self.view
+        if layer not in view.primary:
+            raise GroupUnavailable(f"the routing table has no groups for MoE layer {layer}")
+        index = top_k_index.to("cpu", torch.long)  # [T, K]
+        if self.load_window is not None:
+            domains = (routing.domain_ids, routing.domains) if routing is not None and routing.domains else None
+            self.load_window.record(layer, index, positions, domains)
+        weights_cpu = top_k_weights.detach().to("cpu")  # [T, K]
+        # [T, H] where the model computes: each transport takes its rows from there (CUDA IPC on the
+        # router's GPU, a copy to host memory for the others)
+        source = hidden.detach()
+        links = [Link(c) for c in links if c.is_valid]
+        if layer in view.fallback:
+            weights_cpu = self._route_around(view, layer, index, weights_cpu)
+
+        calls = self._plan(view, layer, index, weights_cpu)
+        timeout = self._call_timeout(layer)
+        flights = [self._send(view, layer, source, call, links, timeout) for call in calls]
+        if self.hidden_sampler is not None:  # while the groups compute: off the step's critical path
+            self.hidden_sampler.offer(layer, source.to("cpu"))
+        out = torch.zeros_like(source)  # [T, H]
+        failed: list[_GroupFailed] = []
+        for flight in flights:
+            try:
+                _add_rows(out, flight.call.tokens, self._collect(layer, source, flight))
+            except _GroupFailed as failure:
+                failed.append(failure)
+        if failed:
+            flights += self._fail_over(view, layer, source, index.shape[0], failed, links, out, timeout)
+        self.traffic.record(
+            layer,
+            calls=1,
+            tokens=index.shape[0],
+            group_calls=len(flights),
+            token_group_pairs=sum(f.call.tokens.numel() for f in flights),
+            bytes_sent=sum(f.request.nbytes for f in flights),
+            bytes_received=sum(f.received for f in flights),
+            seconds=time.perf_counter() - started,
+        )
+        group_tokens: Counter[str] = Counter()
+        for f in flights:
+            group_tokens[f.group] += f.call.tokens.numel()
+        self.traffic.record_groups(layer, group_tokens)
+        return out
+
+    def _route_around(self, view: RoutingView, layer: int, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weights [T, K] for a layer with fallback experts, whose slots the plan drops.
+
+        next_best: the gate already chose another expert in their place; a slot left on one (a
+        sigmoid gate's weight-0 pick) adds nothing. renormalise: the token's other experts are scaled
+        up to the weight it gave all its experts. Either way the tokens whose stock choice fell back are
+        counted (``expertmesh.tokens.degraded``) and, in a serving step, marked on their sequences'
+        spans (``router.degraded``).
+        """
+        fallback = torch.tensor(sorted(view.fallback[layer]))
+        fell = torch.isin(index, fallback)  # [T, K]
+        stock = (
+            self.stock_choice.take(layer) if self.stock_choice is not None and self.fallback == "next_best" else None
+        )
+        if (
+            stock is not None and stock.shape[0] == index.shape[0]
+        ):  # the gate chose around them: who would have chosen one
+            chosen, hit = stock, torch.isin(stock, fallback)  # [T, K]
+        else:
+            chosen, hit = index, fell & (weights != 0)
+        tokens = int(hit.any(dim=1).sum())
+        if tokens:
+            self._degraded.add(tokens, {"layer": layer, "fallback": self.fallback})
+            trace.get_current_span().set_attribute("expertmesh.degraded_tokens", tokens)
+            degraded.record(layer, chosen, hit)
+        if self.fallback != "renormalise":
+            return weights
+        kept = torch.where(fell, 0, weights)
+        total, left = weights.sum(dim=1, keepdim=True), kept.sum(dim=1, keepdim=True)  # [T, 1]
+        return torch.where(left != 0, kept * (total / left), kept)
+
+    def _plan(self, view: RoutingView, layer: int, index: torch.Tensor, weights: torch.Tensor) -> list[GroupCall]:
+        """The layer's calls, around groups whose breaker is open when their experts have other replicas."""
+        in_flight = self._in_flight_by_index(view)
+        avoided = self.breakers.avoided(view.groups)
+        if avoided:
+            try:
+                return plan_layer(view, layer, index, weights, in_flight, frozenset(map(view.groups.index, avoided)))
+            except NoHealthyReplica:
+                pass  # a broken group is still better than none: try it
+        return plan_layer(view, layer, index, weights, in_flight)
+
+    def _call_timeout(self, layer: int) -> float:
+        """The group calls' deadline: the configured one, or less when the step's requests expire sooner."""
+        if self.step_deadline is None:
+            return self._timeout
+        left = self.step_deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"every request of this step passed its deadline before MoE layer {layer}")
+        return min(self._timeout, left)
+
+    def _in_flight_by_index(self, view: RoutingView) -> list[int]:
+        return [self._in_flight[g] for g in view.groups]
+
+    def _send(
+        self, view: RoutingView, layer: int, hidden: torch.Tensor, call: GroupCall, links: list[Link], timeout_s: float
+    ) -> _InFlight:
+        group = view.groups[call.group]
+        # hidden [T, H]: the transport gathers the group's rows itself (into shared memory, where it can)
+        request = GroupRequest(layer, view.version, hidden, call.tokens, call.expert_ids, call.weights)
+        span = tracer().start_span(
+            "expertmesh.group_call",
+            links=links,
+            attributes={
+                "expertmesh.layer": layer,
+                "expertmesh.group": group,
+                "expertmesh.tokens": call.tokens.numel(),
+                "expertmesh.bytes_sent": request.nbytes,
+            },
+        )
+        if span.is_recording():
+            span.set_attribute("expertmesh.experts_hit", torch.unique(call.expert_ids[call.expert_ids >= 0]).tolist())
+        pending, error = None, None
+        with trace.use_span(span, end_on_exit=False):  # the gRPC client span nests under it
+            try:
+                pending = self._transport.send(group, request, timeout_s)
+            except TransportError as err:
+                error = err
+        self._in_flight[group] += 1
+        return _InFlight(call, group, request, pending, error, span, time.perf_counter(), timeout_s)
+
+    def _collect(self, layer: int, hidden: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        """The checked [Tg, H] partial sums of one call; raises _GroupFailed."""
+        group, span = flight.group, flight.span
+        try:
+            if flight.error is not None:
+                raise flight.error
+            reply = flight.pending.result()
+            flight.received = reply.nbytes
+            span.set_attribute("expertmesh.bytes_received", flight.received)
+            partial = self._checked(layer, group, reply, flight.call.tokens.numel(), hidden)
+            self.breakers.success(group)
+            return partial
+        except TransportError as err:
+            self.breakers.failure(group)
+            span.set_status(Status(StatusCode.ERROR, err.code.name))
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and flight.timeout_s < self._timeout:
+                error: ExpertMeshError = DeadlineExceeded(
+                    f"expert group {group} did not answer layer {layer} before the step's requests expired"
+                )
+            else:
+                error = GroupUnavailable(
+                    f"expert group {group} at {self._transport.address(group)} failed layer {layer}: {err}"
+                )
+            raise _GroupFailed(flight, error, retryable=err.code == grpc.StatusCode.UNAVAILABLE) from None
+        except BadGroupResponse as err:
+            self.breakers.failure(group)
+            span.set_status(Status(StatusCode.ERROR, "bad response"))
+            raise _GroupFailed(flight, err, retryable=False) from None
+        finally:
+            self._in_flight[group] -= 1
+            span.end()
+            transport = flight.pending.transport if flight.pending is not None else self._transport.kind(group)
+            self._call_seconds.record(time.perf_counter() - flight.sent_at, {"group": group, "transport": transport})
+
+    @staticmethod
+    def _checked(layer: int, group: str, reply: GroupReply, rows: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Partial sums the router may add: [rows, H], the hidden states' dtype, finite. Else BadGroupResponse."""
+        what = f"expert group {group} answered layer {layer} with"
+        if reply.partial is None:
+            raise BadGroupResponse(f"{what} an undecodable tensor: {reply.problem}")
+        partial = reply.partial
+        expected = (rows, hidden.shape[1])
+        if tuple(partial.shape) != expected:
+            raise BadGroupResponse(f"{what} partial sums of shape {list(partial.shape)}, expected {list(expected)}")
+        if partial.dtype != hidden.dtype:
+            raise BadGroupResponse(f"{what} {partial.dtype} partial sums, expected {hidden.dtype}")
+        if not all_finite(partial):
+            raise BadGroupResponse(f"{what} NaN/Inf in its partial sums; its experts may be corrupt")
+        return partial
+
+    def _fail_over(
+        self,
+        view: RoutingView,
+        layer: int,
+        hidden: torch.Tensor,
+        num_tokens: int,
+        failed: list[_GroupFailed],
+        links: list[Link],
+        out: torch.Tensor,
+        timeout_s: float,
+    ) -> list[_InFlight]:
+        """Re-plan the failed calls' slots onto other replicas, within this step; adds into ``out``.
+
+        A call whose experts have no other replica is resent to the same group if it may be back at a
+        new address (UNAVAILABLE), else its error fails the step.
+        """
+        avoid = frozenset(view.groups.index(f.flight.group) for f in failed)
+        flights = []
+        for failure in failed:
+            log.warning("%s; failing over", failure.error)
+            index, weights = restrict_to(failure.flight.call, num_tokens, view.num_experts)
+            try:
+                calls = plan_layer(view, layer, index, weights, self._in_flight_by_index(view), avoid)
+            except NoHealthyReplica:
+                if not failure.retryable:
+                    raise failure.error from None
+                _add_rows(out, failure.flight.call.tokens, self._resend(layer, hidden, failure))
+                continue
+            retries = [self._send(view, layer, hidden, call, links, timeout_s) for call in calls]
+            for flight in retries:
+                try:
+                    _add_rows(out, flight.call.tokens, self._collect(layer, hidden, flight))
+                except _GroupFailed as second:
+                    raise second.error from None
+            flights += retries
+        return flights
+
+    def _resend(self, layer: int, hidden: torch.Tensor, failure: _GroupFailed) -> torch.Tensor:
+        """A group that went away (a replica restarting, say): look its address up again and resend
+        until the call's deadline. Dispatch computes a pure function of the request, so resending is safe."""
+        flight, group = failure.flight, failure.flight.group
+        delay = 0.1
+        while True:
+            self._transport.update(self._resolve_endpoints())
+            left = flight.timeout_s - (time.perf_counter() - flight.sent_at)
+            try:
+                reply = self._transport.send(group, flight.request, max(left, 0.001)).result()
+                return self._checked(layer, group, reply, flight.call.tokens.numel(), hidden)
+            except TransportError as err:
+                if err.code != grpc.StatusCode.UNAVAILABLE or left <= delay:
+                    raise GroupUnavailable(
+                        f"expert group {group} at {self._transport.address(group)} failed layer {layer}: {err}"
+                    ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def transports(self) -> dict[str, str]:
+        """What carries this router's calls to each group now ("" before its first call)."""
+        view = self.view
+        return {group: self._transport.kind(group) for group in (view.groups if view else ())}
+
+    def queue_depths(self) -> dict[str, int]:
+        """Dispatch calls in flight from this router, by group."""
+        view = self.view
+        return {group: self._in_flight[group] for group in (view.groups if view else ())}
+
+    def close(self) -> None:
+        self._transport.close()
+
+
+def _add_rows(out: torch.Tensor, tokens: torch.Tensor, partial: torch.Tensor) -> None:
+    """out[tokens] += partial. out [T, H] on the router's device; tokens [Tg] on the host; partial [Tg, H]
+    where its transport left it (host memory, or the router's GPU over CUDA IPC)."""
+    if tokens.device != out.device:
+        tokens, partial = tokens.to(out.device), partial.to(out.device)
+    out.index_add_(0, tokens, partial)
+
+
+def _remote_experts_forward(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    return module._expertmesh_dispatcher.experts(module._expertmesh_layer, hidden_states, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register(IMPLEMENTATION, _remote_experts_forward)

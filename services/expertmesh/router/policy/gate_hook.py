@@ -1,0 +1,195 @@
+"""Biasing the stock gate's scores before its own top-k, for every architecture.
+
+Each MoE block's gate (``MixtralTopKRouter``, ``DeepseekV3TopkRouter``,
+``GptOssTopKRouter``, ...) computes its logits with one ``F.linear`` and then
+applies the architecture's own selection (softmax or sigmoid, group-limited
+top-k, renormalisation, scaling). Adding a bias to that linear's output steers
+selection while every later step stays the architecture's: a bias of ``-inf`` on
+an expert makes the gate choose the next-best expert in its slot (how a
+quarantined expert with no healthy replica is routed around), and a finite bias
+per token is what a routing policy needs.
+
+The bias is added by a ``TorchFunctionMode`` entered only around the forward of
+a gate whose layer has a bias set (none set: no mode, the stock forward runs
+untouched). Torch function modes are thread-local, so the serving engine's
+per-sequence threads each see only their own.
+
+Two sources of bias add up: ``set`` (the whole router's, per layer: quarantined
+experts) and ``routing`` (one forward's per-token routing policies,
+``routing_policy.StepRouting``). A step with k rules (``delta_gap``,
+``dynamic_k``) also has the gate's top-k transformed after its forward: every
+gate class keeps ``top_k`` and returns ``(logits, weights, index)``, so the
+tokens that widen are gated once more with ``top_k + 1``, by the
+architecture's own selection.
+
+Sigmoid gates (DeepSeek-V3) select on ``sigmoid(logit) + correction bias``: an
+expert at ``-inf`` has score 0 and may still be among the top-k when its
+correction bias is large, with routing weight 0; the dispatch plan drops such
+slots, so the output is the same as if it had not been chosen.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from expertmesh.models.checkpoint import experts_modules
+from expertmesh.router.policy.routing_policy import StepRouting, apply_k_rules, gate_scores, top2_gap, widen_rows
+
+
+class _BiasFirstLinear(TorchFunctionMode):
+    """Adds ``bias`` ([E] or [T, E]) to the output of the first ``F.linear`` it sees: the gate's logits."""
+
+    def __init__(self, bias: torch.Tensor):
+        super().__init__()
+        self._bias = bias
+        self._done = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is F.linear and not self._done:
+            self._done = True
+            bias = self._bias.to(out.device, out.dtype)
+            if out.shape[-1] == bias.shape[-1] + 1:  # a skip class after the experts (Zaya): left as it is
+                bias = F.pad(bias, (0, 1))
+            out = out + bias
+        return out
+
+
+def _gate_in(child: nn.Module, num_experts: int) -> nn.Module | None:
+    """The module to hook for the logits in ``child`` (None: ``child`` is no gate): ``child`` itself
+    when its first linear gives them (a linear, HunYuan's ``gate.wg``, AFMoE's ``router.gate``), else
+    the linear that does (Zaya's router runs an MLP first). Logits are [E] or [E + 1] (a skip class)."""
+    linears = [
+        m for m in child.modules() if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+    ]
+    logits = [m for m in linears if m.weight.shape[0] in (num_experts, num_experts + 1)]
+    if not logits:
+        return None
+    return child if linears[0] is logits[0] else logits[0]
+
+
+def find_gates(model: nn.Module) -> dict[int, nn.Module]:
+    """layer -> the gate of its MoE block: the first of the block's children (the experts aside) that
+    holds a [num_experts, hidden] linear; see ``_gate_in`` for which module of it is hooked."""
+    gates = {}
+    for layer, (name, experts) in experts_modules(model).items():
+        block = model.get_submodule(name.rsplit(".", 1)[0])
+        for child in block.children():
+            gate = None if child is experts else _gate_in(child, experts.num_experts)
+            if gate is not None:
+                gates[layer] = gate
+                break
+        else:
+            raise ValueError(f"layer {layer}: no gate with a [{experts.num_experts}, hidden] weight in {name}'s block")
+    return gates
+
+
+def widest_k(gate: nn.Module, num_experts: int) -> int:
+    """The most experts ``gate`` can choose per token: group-limited gates (DeepSeek-V3) choose only
+    within their ``topk_group`` best groups."""
+    groups = getattr(gate, "n_group", None)
+    if groups:
+        return num_experts // groups * gate.topk_group
+    return num_experts
+
+
+class GateBias:
+    """Per MoE layer, a bias on the gate's logits; ``set`` swaps the whole map in one assignment."""
+
+    def __init__(self, model: nn.Module):
+        self._biases: Mapping[int, torch.Tensor] = {}
+        self._local = threading.local()
+        self.gates = find_gates(model)
+        experts = experts_modules(model)
+        self.num_experts = {layer: experts[layer][1].num_experts for layer in self.gates}
+        for layer, gate in self.gates.items():
+            gate.register_forward_pre_hook(lambda _m, _a, layer=layer: self._enter(layer))
+            gate.register_forward_hook(lambda *_: self._exit(), always_call=True)
+            gate.register_forward_hook(lambda _m, args, out, layer=layer: self._k_rules(layer, args, out))
+
+    @contextmanager
+    def routing(self, step: StepRouting | None) -> Iterator[None]:
+        """Within this block, this thread's forwards apply ``step``'s per-token policies (None: none)."""
+        self._local.step = step
+        try:
+            yield
+        finally:
+            self._local.step = None
+
+    def set(self, biases: Mapping[int, torch.Tensor]) -> None:
+        """layer -> bias [num_experts] (or [tokens, num_experts]) from the next gate forward on."""
+        self._biases = dict(biases)
+
+    def biases(self) -> Mapping[int, torch.Tensor]:
+        return self._biases
+
+    def _bias(self, layer: int) -> torch.Tensor | None:
+        """The bias [E] or [T, E] of ``layer``'s gate in this thread's forward, or None."""
+        bias = self._biases.get(layer)
+        step = getattr(self._local, "step", None)
+        extra = step.biases.get(layer) if step is not None else None
+        if extra is None:
+            return bias
+        return extra if bias is None else extra + bias
+
+    def _enter(self, layer: int) -> None:
+        bias = self._bias(layer)
+        mode = _BiasFirstLinear(bias) if bias is not None else None
+        if mode is not None:
+            mode.__enter__()
+        self._local.mode = mode
+
+    def _exit(self) -> None:
+        mode = getattr(self._local, "mode", None)
+        if mode is not None:
+            self._local.mode = None
+            mode.__exit__(None, None, None)
+
+    def _k_rules(self, layer: int, args: tuple, out: tuple) -> tuple | None:
+        """The gate's (logits [T, E], weights, index [T, K]) after the step's k rules; None: unchanged."""
+        step = getattr(self._local, "step", None)
+        if step is None or step.k_rules is None or not (isinstance(out, tuple) and len(out) == 3):
+            return None  # a gate of another shape (verified families all return the triple) keeps its top-k
+        gate, rules, num_experts = self.gates[layer], step.k_rules, self.num_experts[layer]
+        logits, weights, index = out
+        gap = top2_gap(gate_scores(logits, sigmoid=hasattr(gate, "e_score_correction_bias")))  # [T]
+        widen = widen_rows(gap, rules)
+        wide = None
+        if bool(widen.any()) and hasattr(gate, "top_k") and gate.top_k < widest_k(gate, num_experts):
+            rows = widen.nonzero().squeeze(1)  # [W]
+            hidden = args[0].reshape(logits.shape[0], -1)[rows]  # [W, H]
+            bias = self._bias(layer)
+            if bias is not None and bias.dim() == 2:
+                bias = bias[rows]
+            wide_weights, wide_index = self._gate_wider(gate, hidden, bias)
+            wide = (rows, wide_index, wide_weights)
+        index, weights = apply_k_rules(index, weights, gap, rules, num_experts, wide)
+        return logits, weights, index
+
+    @staticmethod
+    def _gate_wider(gate: nn.Module, hidden: torch.Tensor, bias: torch.Tensor | None):
+        """The gate's own (weights [W, K+1], index [W, K+1]) for ``hidden`` [W, H], with ``bias``."""
+        gate.top_k += 1
+        try:
+            if bias is None:
+                _, weights, index = gate.forward(hidden)
+            else:
+                with _BiasFirstLinear(bias):
+                    _, weights, index = gate.forward(hidden)
+        finally:
+            gate.top_k -= 1
+        return weights, index
+
+
+def masked(num_experts: int, experts: frozenset[int]) -> torch.Tensor:
+    """A bias [num_experts] that keeps ``experts`` from being chosen: -inf on them, 0 elsewhere."""
+    bias = torch.zeros(num_experts)
+    bias[sorted(experts)] = float("-inf")
+    return bias

@@ -1,0 +1,1 @@
+"""How one group's share of a MoE layer reaches it: the interface (``base``), unary gRPC (``unary``), one stream per group (``stream``), shared memory on one host (``local``) and the default that picks the fastest that works (``auto``); ``build`` makes one by name."""

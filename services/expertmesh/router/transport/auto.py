@@ -1,0 +1,249 @@
+"""The default transport: per group, the fastest path that works, falling back on any error.
+
+For each group address the router asks the group once (the Transports RPC, over
+the group's gRPC channel and so under TLS when TLS is on) how else it can be
+reached. The group's answer carries the boot id of its kernel; only when that is
+this router's (same host) and the group's socket files exist here are the
+same-host paths tried. A group's calls then go, in order of preference:
+
+1. through shared memory (``transport_local``; CUDA IPC for tensors on the
+   group's GPU), unless ``shared_memory`` is off (the ``grpc`` transport);
+2. on a gRPC stream over the group's unix socket (same host);
+3. on a gRPC stream over TCP: the portable path between hosts;
+4. as unary Dispatch calls, which every group serves.
+
+A path that fails as a path (``PathBroken``: a socket, a refused stream, a
+buffer) is skipped for ``RETRY_PATH_S`` and the call goes down the list at
+once; the next call asks the group again, and when the answer differs (a
+replica restarted at the same address: new socket files, a new token) the
+group's paths are made afresh, so a dead socket path is never kept. What the
+group answers is passed up unchanged: replica choice and failover stay the
+dispatcher's. Every wait of a call (the handshake, dialling, the answer, a
+fallback path) ends at the call's deadline: a stopped group costs a step no
+more than its requests' deadline. A group that cannot be asked
+now gets unary calls and is asked again on its next call; one that predates
+these paths (no Transports RPC, no stream service) ends up on unary.
+
+Why ask the group rather than read a host id from the state store: the answer is
+always that of the process at the address being dialled (a store entry can
+outlive a restart), it needs no store (groups handed over by address, as in the
+GPU benchmark), and it carries the shared-memory token, which must not sit in
+the store; ``StateStore.endpoints()`` and its readers stay as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from typing import Callable, Protocol
+
+import grpc
+
+from expertmesh.contracts import shared_buffer
+from expertmesh.infra.group_channels import GroupClients, group_channel
+from expertmesh.router.transport.base import GroupReply, GroupRequest, GrpcTransport, PathBroken, PendingCall, time_left
+from expertmesh.router.transport.local import LocalPath
+from expertmesh.router.transport.stream import StreamPath
+from expertmesh.v1 import experts_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+#: how long a path that failed is left before it is tried again
+RETRY_PATH_S = 30.0
+HANDSHAKE_TIMEOUT_S = 2.0
+#: after a path broke and the group could not be asked again, how long until the next try
+ASK_AGAIN_S = 1.0
+
+
+class _Path(Protocol):
+    name: str
+
+    def send(self, request: GroupRequest, timeout_s: float) -> PendingCall: ...
+
+    def close(self) -> None: ...
+
+
+class _UnaryPath:
+    """The last path: unary Dispatch, which every group serves (never PathBroken)."""
+
+    name = "grpc-unary"
+
+    def __init__(self, unary: GrpcTransport, group: str):
+        self._unary, self._group = unary, group
+
+    def send(self, request: GroupRequest, timeout_s: float) -> PendingCall:
+        return self._unary.send(self._group, request, timeout_s)
+
+    def close(self) -> None:
+        pass
+
+
+class _Route:
+    """One group address's paths, fastest first, until when each failed one is left alone, and the
+    group's answer they were made from (``info``)."""
+
+    def __init__(self, group: str, address: str, info: pb.TransportsResponse, paths: list[_Path]):
+        self.group, self.address, self.info, self.paths = group, address, info, paths
+        self._down_until = [0.0] * len(paths)
+        #: when to ask the group again how to reach it (None: no need): a path broke, and a replica
+        #: restarted at the same address has new socket files and a new token
+        self.ask_again_at: float | None = None
+
+    def usable(self, i: int) -> bool:
+        return time.monotonic() >= self._down_until[i]
+
+    def broke(self, i: int, err: Exception) -> None:
+        if self.usable(i):
+            nxt = next((p.name for j, p in enumerate(self.paths) if j > i and self.usable(j)), "none")
+            log.warning(
+                "expert group %s: the %s path failed (%s); its calls go by %s for %.0fs",
+                self.group,
+                self.paths[i].name,
+                err,
+                nxt,
+                RETRY_PATH_S,
+            )
+        self._down_until[i] = time.monotonic() + RETRY_PATH_S
+        if self.ask_again_at is None:
+            self.ask_again_at = time.monotonic()
+
+    def current(self) -> str:
+        return next(p.name for i, p in enumerate(self.paths) if self.usable(i) or i == len(self.paths) - 1)
+
+    def close(self) -> None:
+        for path in self.paths:
+            path.close()
+
+
+class _FallingBack:
+    """A call in flight on one path; if that path breaks before the answer, the call goes down the list."""
+
+    def __init__(self, pending: PendingCall, fallback: Callable[[PathBroken], PendingCall]):
+        self._pending, self._fallback = pending, fallback
+        self.transport = pending.transport
+
+    def result(self) -> GroupReply:
+        try:
+            return self._pending.result()
+        except PathBroken as err:
+            pending = self._fallback(err)
+            self.transport = pending.transport
+            return pending.result()
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+class AutoTransport:
+    def __init__(self, shared_memory: bool = True, clients: GroupClients | None = None):
+        self.name = "auto" if shared_memory else "grpc"
+        self._shared_memory = shared_memory
+        self._clients = clients or GroupClients()
+        self._unary = GrpcTransport(self._clients)
+        self._lock = threading.Lock()
+        self._routes: dict[str, _Route] = {}
+
+    def update(self, endpoints: dict[str, str]) -> None:
+        self._clients.update(endpoints)
+        with self._lock:
+            moved = [g for g, route in self._routes.items() if endpoints.get(g) != route.address]
+            routes = [self._routes.pop(g) for g in moved]
+        for route in routes:
+            route.close()
+
+    def address(self, group: str) -> str | None:
+        return self._clients.address(group)
+
+    def kind(self, group: str) -> str:
+        route = self._routes.get(group)
+        return route.current() if route is not None else ""
+
+    def send(self, group: str, request: GroupRequest, timeout_s: float) -> PendingCall:
+        deadline = time.monotonic() + timeout_s
+        route = self._route(group, deadline)
+        if route is None:
+            return self._unary.send(group, request, time_left(deadline, "the group was reached"))
+        return self._send_on(route, 0, request, deadline)
+
+    def _send_on(self, route: _Route, start: int, request: GroupRequest, deadline: float) -> PendingCall:
+        for i in range(start, len(route.paths)):
+            if not route.usable(i) and i < len(route.paths) - 1:
+                continue
+            try:
+                pending = route.paths[i].send(request, time_left(deadline, f"the call went by {route.paths[i].name}"))
+            except PathBroken as err:
+                route.broke(i, err)
+                continue
+            return _FallingBack(pending, lambda err, i=i: self._after(route, i, err, request, deadline))
+        raise AssertionError("the unary path never breaks")
+
+    def _after(self, route: _Route, i: int, err: PathBroken, request: GroupRequest, deadline: float) -> PendingCall:
+        route.broke(i, err)
+        return self._send_on(route, i + 1, request, deadline)
+
+    def _route(self, group: str, deadline: float) -> _Route | None:
+        with self._lock:
+            route = self._routes.get(group)
+        if route is not None and (route.ask_again_at is None or time.monotonic() < route.ask_again_at):
+            return route
+        address, stub = self._clients.address(group), self._clients.stub(group)
+        if address is None or stub is None:
+            return None
+        info = self._ask(stub, deadline)
+        if route is not None and route.address == address:
+            if info is None:  # not reachable now: keep what we have, ask again a little later
+                route.ask_again_at = time.monotonic() + ASK_AGAIN_S
+                return route
+            if info == route.info:  # the same process: its broken paths stay down for RETRY_PATH_S
+                route.ask_again_at = None
+                return route
+        if info is None:
+            return route  # None before a first answer: this call goes unary, the next one asks again
+        fresh = _Route(group, address, info, self._paths(group, info))
+        with self._lock:
+            current = self._routes.get(group)
+            installed = current is route and self._clients.address(group) == address
+            if installed:
+                self._routes[group] = fresh
+        if not installed:
+            fresh.close()  # another thread got there first, or the group moved meanwhile
+            return current
+        if route is not None:
+            route.close()  # a replica restarted at this address: its new paths replace the dead ones
+        return fresh
+
+    def _ask(self, stub, deadline: float) -> pb.TransportsResponse | None:
+        """The group's Transports answer; None when it cannot be asked now (within the deadline)."""
+        try:
+            timeout = min(HANDSHAKE_TIMEOUT_S, time_left(deadline, "the group was asked how to reach it"))
+            return stub.Transports(pb.TransportsRequest(), timeout=timeout)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            return pb.TransportsResponse()  # a group from before the Transports RPC
+
+    def _paths(self, group: str, info: pb.TransportsResponse) -> list[_Path]:
+        paths: list[_Path] = []
+        if info.host_id == shared_buffer.host_id():
+            if self._shared_memory and _is_socket(info.shm_socket):
+                paths.append(LocalPath(info.shm_socket, info.shm_token, info.gpu_uuid))
+            if _is_socket(info.grpc_unix_address.removeprefix("unix:")):
+                channel = group_channel(info.grpc_unix_address, self._clients.tls)
+                paths.append(StreamPath(channel, same_host=True, owns_channel=True))
+        paths.append(StreamPath(self._clients.channel(group)))
+        paths.append(_UnaryPath(self._unary, group))
+        return paths
+
+    def close(self) -> None:
+        with self._lock:
+            routes, self._routes = list(self._routes.values()), {}
+        for route in routes:
+            route.close()
+        self._clients.close()

@@ -1,0 +1,195 @@
+"""How one group's share of a MoE layer reaches it: the transport interface.
+
+The dispatcher chooses replicas, retries, fails over and checks every answer; a
+transport only carries one ``GroupRequest`` to one named group and brings back a
+``GroupReply`` (the partial sums as the group sent them, unchecked) or raises
+``TransportError`` with a gRPC status code. Paths, fastest first:
+
+- ``transport_local.LocalPath``: the group is on this host; tensors in a shared
+  buffer (a memfd, or CUDA IPC for a router whose tensors are on the group's GPU),
+  a small frame on a unix socket;
+- ``transport_stream.StreamPath``: one long-lived gRPC stream per group with
+  raw-bytes frames, over the group's unix socket when it is on this host: the
+  portable path between hosts;
+- ``GrpcTransport``: unary Dispatch calls (what any group speaks).
+
+``build`` makes a transport by name (``TRANSPORTS``): ``auto`` (the default)
+picks per group the fastest path that works and falls back on any error of a
+path (``transport_auto``); ``grpc`` the same without shared memory; ``grpc-unary``
+unary calls only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol, get_args
+
+import grpc
+import torch
+
+from expertmesh.config.settings import TransportName
+from expertmesh.contracts import wire
+from expertmesh.contracts.errors import InvalidRequest
+from expertmesh.infra.group_channels import GroupClients
+from expertmesh.v1 import experts_pb2 as pb
+
+TRANSPORTS: tuple[str, ...] = get_args(TransportName)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class TransportError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class PathBroken(Exception):
+    """A path itself failed (a socket, a stream, a buffer), not the group's answer: the call may go another way."""
+
+
+def time_left(deadline: float, what: str) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``); DEADLINE_EXCEEDED, naming ``what`` was due, once
+    it has passed. Every wait of a call (connect, handshake, answer, a fallback) is bounded by this."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the call's deadline passed before {what}")
+    return left
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The gRPC status code an answer frame carries as a number."""
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One group's share of one MoE layer. The transport gathers the rows itself (``rows``), so a
+    shared-memory path writes them once, straight into its buffer."""
+
+    layer: int
+    table_version: int
+    hidden: torch.Tensor  # [T, H]: the layer's hidden states, every token
+    tokens: torch.Tensor  # [Tg] int64: the rows this group needs
+    expert_ids: torch.Tensor  # [Tg, K] int32: global ids to apply, -1 elsewhere
+    weights: torch.Tensor  # [Tg, K]
+
+    def rows(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[Tg, H] hidden states of the group's tokens, into ``out`` when given (same device)."""
+        return torch.index_select(self.hidden, 0, self.tokens.to(self.hidden.device), out=out)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of ``rows()``, and of the partial sums that answer them."""
+        return self.tokens.numel() * self.hidden.shape[1] * self.hidden.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes the call carries to the group."""
+        return self.row_bytes + sum(t.numel() * t.element_size() for t in (self.expert_ids, self.weights))
+
+
+@dataclass(frozen=True)
+class GroupReply:
+    #: [Tg, H] as the group sent it (the dispatcher checks it); None when it did not decode
+    partial: torch.Tensor | None
+    #: bytes received
+    nbytes: int
+    #: why it did not decode
+    problem: str = ""
+
+
+class PendingCall(Protocol):
+    #: what carries it: "grpc-unary", "grpc-stream", "shm", "cuda-ipc"
+    transport: str
+
+    def result(self) -> GroupReply:
+        """Block until the group answers; raises TransportError."""
+        ...
+
+
+class Transport(Protocol):
+    name: str
+
+    def update(self, endpoints: dict[str, str]) -> None:
+        """Follow the groups' current addresses (group name -> address)."""
+        ...
+
+    def address(self, group: str) -> str | None: ...
+
+    def kind(self, group: str) -> str:
+        """What carries this group's calls now ("" before the first)."""
+        ...
+
+    def send(self, group: str, request: GroupRequest, timeout_s: float) -> PendingCall:
+        """Start one call; raises TransportError(UNAVAILABLE) when the group has no address."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def decode_reply(tensor: pb.Tensor, nbytes: int) -> GroupReply:
+    try:
+        return GroupReply(wire.decode(tensor, "partial sums"), nbytes)
+    except InvalidRequest as err:
+        return GroupReply(None, nbytes, str(err))
+
+
+class _UnaryPending:
+    transport = "grpc-unary"
+
+    def __init__(self, future: grpc.Future):
+        self._future = future
+
+    def result(self) -> GroupReply:
+        try:
+            response = self._future.result()
+        except grpc.RpcError as err:
+            raise TransportError(err.code(), err.details() or "") from None
+        return decode_reply(response.partial_sums, response.ByteSize())
+
+
+class GrpcTransport:
+    """Unary Dispatch calls over one channel per group."""
+
+    name = "grpc-unary"
+
+    def __init__(self, clients: GroupClients | None = None) -> None:
+        self._clients = clients or GroupClients()
+
+    def update(self, endpoints: dict[str, str]) -> None:
+        self._clients.update(endpoints)
+
+    def address(self, group: str) -> str | None:
+        return self._clients.address(group)
+
+    def kind(self, group: str) -> str:
+        return self.name
+
+    def send(self, group: str, request: GroupRequest, timeout_s: float) -> PendingCall:
+        stub = self._clients.stub(group)
+        if stub is None:
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"expert group {group} has no registered endpoint")
+        message = pb.DispatchRequest(
+            layer=request.layer,
+            hidden_states=wire.encode(request.rows()),  # [Tg, H]
+            expert_ids=wire.encode(request.expert_ids),  # [Tg, K]
+            routing_weights=wire.encode(request.weights),  # [Tg, K]
+            routing_table_version=request.table_version,
+        )
+        return _UnaryPending(stub.Dispatch.future(message, timeout=timeout_s))
+
+    def close(self) -> None:
+        self._clients.close()
+
+
+def build(name: TransportName) -> Transport:
+    """The transport called ``name`` (one of TRANSPORTS)."""
+    from expertmesh.router.transport.auto import AutoTransport
+
+    if name == "grpc-unary":
+        return GrpcTransport()
+    if name in ("auto", "grpc"):
+        return AutoTransport(shared_memory=name == "auto")
+    raise ValueError(f"unknown transport {name!r}; use one of {', '.join(TRANSPORTS)}")

@@ -1,0 +1,321 @@
+"""The state store: routing table, group endpoints (and later load windows and
+health), shared by routers, expert groups and the orchestrator.
+
+``open_store(url)`` picks a backend: ``memory://`` (in-process, the embedded
+default) or ``redis://host:port/db`` (a cluster). ``StateStore`` is the typed
+face every component uses; backends only implement a handful of key-value
+primitives (``KeyValueBackend``), so both behave the same by construction.
+
+Keys (all under the ``expertmesh:<deployment>:`` prefix, one namespace per deployment: ``--deployment``
+or ``EXPERTMESH_DEPLOYMENT``, default ``default``; a routing table also names its model, and a store
+refuses to publish one model's table over another's, ``StoreCollision``):
+- ``routing_table``         JSON of the current RoutingTable
+- ``routing_table:version`` its version alone, so routers poll cheaply
+- ``placement``             hash: ``digest`` -> the placement file last applied to the table
+- ``endpoints``             hash: group name -> "host:port" of its gRPC server
+- ``load``                  hash: router id -> its load window (``router.load_window`` .npz bytes)
+- ``routers``               hash: router id -> JSON ``RouterHeartbeat`` (the routing-table version
+  it serves and when it last said so); migrations drain on it
+- ``migrations``            hash: migration id -> the orchestrator's JSON migration record
+  (``expertmesh.orchestrator.migration.state``; opaque here)
+- ``quarantine``            hash: ``"<layer>/<expert>/<group>"`` -> JSON ``QuarantinedReplica``: the
+  replicas that must not receive tokens (the health monitor quarantined them, or
+  has them on probation after a repair); routers read it
+- ``profiles``              hash: domain -> JSON capability profile (``expertmesh.router.policy.profiles``)
+- ``policy_quality``        hash: routing policy -> JSON of its last ``expertmesh policy eval``
+- ``health``                hash: ``"<layer>/<expert>/<group>"`` -> the health monitor's JSON record of
+  that replica (``expertmesh.orchestrator.health.state``; opaque here)
+- ``hidden_samples:<layer>`` hash: router id -> a sample of the real hidden states that reached the MoE
+  layer (``state.samples`` bytes [rows, H], ``router.hidden_sample``); the health monitor probes with it
+- ``health_probes``         hash: layer -> the probe input the health monitor pinned for it
+  (``expertmesh.orchestrator.health.probes``; opaque here)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Protocol
+
+from expertmesh.contracts.errors import StoreCollision
+from expertmesh.contracts.routing_table import MalformedTable, RoutingTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterHeartbeat:
+    """What one router last reported: the routing-table version its steps use now."""
+
+    router_id: str
+    table_version: int
+    #: wall-clock seconds (time.time()) of the report; a router silent for long is presumed gone
+    at: float
+
+
+@dataclass(frozen=True)
+class QuarantinedReplica:
+    """One replica of a (layer, expert) that must receive no tokens.
+
+    Routers serve a token that chose (layer, expert) from the table's replicas of it
+    minus the groups quarantined for it. ``withdrawn`` says which case this is: True,
+    the routing table no longer lists the group for the expert and healthy replicas
+    serve it (no quality change); False, the table still lists it because no healthy
+    replica is left (a table never leaves an expert unhosted), so when every listed
+    replica is quarantined the router falls back for that expert (next-best expert
+    in the slot, or renormalise over the rest of the top-k) and marks the request degraded.
+    """
+
+    layer: int
+    expert: int
+    group: str
+    #: "quarantined", or "probation" (repaired, being re-checked before it serves again)
+    state: str
+    #: one line: why it was quarantined
+    reason: str
+    #: wall-clock seconds it entered ``state``
+    since: float
+    withdrawn: bool
+
+    @property
+    def key(self) -> str:
+        return replica_key(self.layer, self.expert, self.group)
+
+
+def _record(cls, raw: bytes, key: str, field_name: str):
+    """``cls`` from its stored JSON, ignoring fields this version does not know (a newer writer's); None,
+    logged, for a record that cannot be read (one bad record must not hide the others)."""
+    try:
+        data = json.loads(raw)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+    except (ValueError, TypeError, AttributeError) as err:
+        log.warning("skipping unreadable %s record %r: %s", key, field_name[:64], err)
+        return None
+
+
+def replica_key(layer: int, expert: int, group: str) -> str:
+    """The hash field of one replica in ``quarantine`` and ``health``."""
+    return f"{layer}/{expert}/{group}"
+
+
+class KeyValueBackend(Protocol):
+    def get(self, key: str) -> bytes | None: ...
+
+    def compare_and_set_many(self, guard_key: str, expected: bytes | None, items: dict[str, bytes]) -> bool:
+        """Write ``items`` atomically if ``guard_key`` still holds ``expected``."""
+        ...
+
+    def hset(self, key: str, field: str, value: bytes) -> None: ...
+
+    def hdel(self, key: str, field: str) -> None: ...
+
+    def hgetall(self, key: str) -> dict[str, bytes]: ...
+
+    def close(self) -> None: ...
+
+
+class StateStore:
+    def __init__(self, backend: KeyValueBackend, namespace: str = "expertmesh"):
+        self._kv = backend
+        self._ns = namespace
+
+    def _key(self, name: str) -> str:
+        return f"{self._ns}:{name}"
+
+    # -- routing table -------------------------------------------------------------
+
+    def routing_table_version(self) -> int:
+        raw = self._kv.get(self._key("routing_table:version"))
+        return int(raw) if raw is not None else 0
+
+    def routing_table(self) -> RoutingTable | None:
+        raw = self._kv.get(self._key("routing_table"))
+        return RoutingTable.from_json(raw) if raw is not None else None
+
+    def publish_routing_table(self, table: RoutingTable) -> bool:
+        """Store ``table`` if it is the next version after the stored one, or, in an empty store (new or
+        flushed), any version: a writer that remembers a later version restores it, so versions routers
+        have seen never come back.
+
+        Returns False, writing nothing, when another writer got there first: the
+        caller re-reads and re-plans, as a Kubernetes controller does on conflict.
+        """
+        current = self.routing_table_version()
+        if table.version != current + 1 and not (current == 0 and table.version > 0):
+            return False
+        self._check_same_model(table)
+        expected = str(current).encode() if current else None
+        return self._kv.compare_and_set_many(
+            self._key("routing_table:version"),
+            expected,
+            {
+                self._key("routing_table"): table.to_json().encode(),
+                self._key("routing_table:version"): str(table.version).encode(),
+            },
+        )
+
+    def _check_same_model(self, table: RoutingTable) -> None:
+        """Raise StoreCollision when the stored table is another model's: a second deployment writing into
+        this one's keys. A table without a model identity (or an unreadable one) is anybody's to replace."""
+        try:
+            stored = self.routing_table()
+        except MalformedTable:
+            return
+        if stored is None or stored.model is None or table.model is None:
+            return
+        differences = stored.model.differences(table.model)
+        if differences:
+            raise StoreCollision(
+                f"the state store's routing table under {self._ns}: is another model's ({'; '.join(differences)}): "
+                "another deployment uses these keys; give each deployment its own --deployment (EXPERTMESH_DEPLOYMENT)"
+            )
+
+    def placement_digest(self) -> str | None:
+        """Digest of the placement file the orchestrator last applied (it re-applies only a changed file)."""
+        raw = self._kv.hgetall(self._key("placement")).get("digest")
+        return raw.decode() if raw is not None else None
+
+    def set_placement_digest(self, digest: str) -> None:
+        self._kv.hset(self._key("placement"), "digest", digest.encode())
+
+    # -- endpoints -----------------------------------------------------------------
+
+    def set_endpoint(self, group: str, address: str) -> None:
+        self._kv.hset(self._key("endpoints"), group, address.encode())
+
+    def remove_endpoint(self, group: str) -> None:
+        self._kv.hdel(self._key("endpoints"), group)
+
+    def endpoints(self) -> dict[str, str]:
+        return {g: a.decode() for g, a in self._kv.hgetall(self._key("endpoints")).items()}
+
+    # -- load windows ----------------------------------------------------------------
+
+    def publish_load(self, router_id: str, data: bytes) -> None:
+        self._kv.hset(self._key("load"), router_id, data)
+
+    def loads(self) -> dict[str, bytes]:
+        return self._kv.hgetall(self._key("load"))
+
+    # -- router heartbeats ------------------------------------------------------------
+
+    def publish_router_heartbeat(self, beat: RouterHeartbeat) -> None:
+        self._kv.hset(self._key("routers"), beat.router_id, json.dumps(asdict(beat)).encode())
+
+    def remove_router_heartbeat(self, router_id: str) -> None:
+        self._kv.hdel(self._key("routers"), router_id)
+
+    def router_heartbeats(self) -> dict[str, RouterHeartbeat]:
+        records = (
+            (rid, _record(RouterHeartbeat, raw, "routers", rid))
+            for rid, raw in self._kv.hgetall(self._key("routers")).items()
+        )
+        return {rid: beat for rid, beat in records if beat is not None}
+
+    # -- migrations -------------------------------------------------------------------
+    # Records are opaque bytes: the orchestrator owns their format, and the data plane
+    # does not import the orchestrator.
+
+    def save_migration(self, migration_id: str, record: bytes) -> None:
+        self._kv.hset(self._key("migrations"), migration_id, record)
+
+    def migration(self, migration_id: str) -> bytes | None:
+        return self._kv.hgetall(self._key("migrations")).get(migration_id)
+
+    def migrations(self) -> dict[str, bytes]:
+        """migration id -> record, every migration this deployment has run or is running."""
+        return self._kv.hgetall(self._key("migrations"))
+
+    # -- quarantine ------------------------------------------------------------------
+    # Written by the orchestrator's health monitor, read by routers.
+
+    def set_quarantined(self, replica: QuarantinedReplica) -> None:
+        self._kv.hset(self._key("quarantine"), replica.key, json.dumps(asdict(replica)).encode())
+
+    def clear_quarantined(self, layer: int, expert: int, group: str) -> None:
+        self._kv.hdel(self._key("quarantine"), replica_key(layer, expert, group))
+
+    def quarantined(self) -> dict[tuple[int, int, str], QuarantinedReplica]:
+        """(layer, expert, group) -> its entry, for every replica that must receive no tokens."""
+        raw = self._kv.hgetall(self._key("quarantine"))
+        entries = (_record(QuarantinedReplica, value, "quarantine", key) for key, value in raw.items())
+        return {(q.layer, q.expert, q.group): q for q in entries if q is not None}
+
+    # -- health records -----------------------------------------------------------------
+    # Opaque bytes, like migrations: the orchestrator owns their format.
+
+    def save_health_record(self, key: str, record: bytes) -> None:
+        self._kv.hset(self._key("health"), key, record)
+
+    def remove_health_record(self, key: str) -> None:
+        self._kv.hdel(self._key("health"), key)
+
+    def health_records(self) -> dict[str, bytes]:
+        return self._kv.hgetall(self._key("health"))
+
+    # -- hidden-state samples ------------------------------------------------------------
+    # Written by routers (when sampling is on), read by the health monitor.
+
+    def publish_hidden_sample(self, layer: int, router_id: str, sample: bytes) -> None:
+        self._kv.hset(self._key(f"hidden_samples:{layer}"), router_id, sample)
+
+    def hidden_samples(self, layer: int) -> dict[str, bytes]:
+        """router id -> its latest sample of ``layer``'s hidden states."""
+        return self._kv.hgetall(self._key(f"hidden_samples:{layer}"))
+
+    def remove_hidden_samples(self, router_id: str, layers) -> None:
+        for layer in layers:
+            self._kv.hdel(self._key(f"hidden_samples:{layer}"), router_id)
+
+    def save_health_probe(self, layer: int, probe: bytes) -> None:
+        self._kv.hset(self._key("health_probes"), str(layer), probe)
+
+    def health_probes(self) -> dict[str, bytes]:
+        return self._kv.hgetall(self._key("health_probes"))
+
+    # -- routing-policy data ---------------------------------------------------------------
+    # Written by `expertmesh profile build` and `expertmesh policy eval`, read by routers.
+
+    def save_profile(self, domain: str, record: bytes) -> None:
+        self._kv.hset(self._key("profiles"), domain, record)
+
+    def profiles(self) -> dict[str, bytes]:
+        """domain -> its capability profile (``expertmesh.router.policy.profiles``; opaque here)."""
+        return self._kv.hgetall(self._key("profiles"))
+
+    def save_policy_quality(self, policy: str, record: bytes) -> None:
+        self._kv.hset(self._key("policy_quality"), policy, record)
+
+    def policy_quality(self) -> dict[str, bytes]:
+        """policy (name and parameters) -> its recorded evaluation (``expertmesh.router.policy_eval``)."""
+        return self._kv.hgetall(self._key("policy_quality"))
+
+    def close(self) -> None:
+        self._kv.close()
+
+
+#: what a deployment name may be (``DataPlaneConfig.deployment``)
+DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def open_store(url: str = "memory://", deployment: str | None = None) -> StateStore:
+    """The store at ``url``, under ``deployment``'s keys (None: ``EXPERTMESH_DEPLOYMENT``, else "default")."""
+    deployment = deployment or os.environ.get("EXPERTMESH_DEPLOYMENT") or "default"
+    if not DEPLOYMENT_NAME.fullmatch(deployment):
+        raise ValueError(
+            f"deployment name {deployment[:64]!r}: up to 63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    namespace = f"expertmesh:{deployment}"
+    if url.startswith("memory://"):
+        from expertmesh.store._memory import MemoryBackend
+
+        return StateStore(MemoryBackend(), namespace)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from expertmesh.store._redis import RedisBackend
+
+        return StateStore(RedisBackend(url), namespace)
+    raise ValueError(f"unknown state store URL {url!r}; use memory:// or redis://host:port/db")

@@ -218,7 +218,7 @@ def test_config_error_is_an_input_error():
 
 
 def test_the_readme_example_config_file_means_what_it_says(tmp_path):
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
     example = readme.split("# expertmesh up --config expertmesh.yaml\n", 1)[1].split("```", 1)[0]
     args = _up("--config", _file(tmp_path, example))
     plane = settings_from_args(DataPlaneConfig, args)

@@ -20,7 +20,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 
 from expertmesh.models.checkpoint import experts_modules
 from expertmesh.models.tiny import MOE_ARCHITECTURES
-from expertmesh.router.dispatch.dispatcher import IMPLEMENTATION, ExpertDispatcher
+from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+from expertmesh.router.dispatch.experts_impl import IMPLEMENTATION
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, ScoreEvent, TokenEvent
 from expertmesh.serving.forward import FULL, SLIDING, Chunk, MaskSpec, Rows, pack
 from expertmesh.serving.kv_cache import KVPool

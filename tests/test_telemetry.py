@@ -140,7 +140,7 @@ def test_metrics_match_the_routing(run):
     assert sum(p.count for p in duration) == len(PROMPTS)
     itl = _latest(r, "expertmesh.inter_token_latency").histogram.data_points
     assert sum(p.count for p in itl) == len(PROMPTS) * (NEW_TOKENS - 1)
-    errors = _latest(r, "expertmesh.contracts.errors").sum.data_points
+    errors = _latest(r, "expertmesh.errors").sum.data_points
     assert [(p.attributes[0].value.string_value, p.as_int) for p in errors] == [("INVALID_ARGUMENT", 1)]
     calls = _latest(r, "expertmesh.group.call.duration").histogram.data_points
     labels = [{a.key: a.value.string_value for a in p.attributes} for p in calls]

@@ -1,8 +1,8 @@
 """``expertmesh verify --sweep``: every MoE family of the installed transformers, tiny and random,
 served by real expert groups on Ray Serve and compared with stock transformers.
 
-The pure parts (family discovery, config shrinking, parsing, the README table) are unit-tested;
-a fast subset, one family per distinct experts layout or gate kind, runs on one Ray cluster for
+The pure parts (family discovery, config shrinking, parsing, the table of docs/verified-architectures.md)
+are unit-tested; a fast subset, one family per distinct experts layout or gate kind, runs on one Ray cluster for
 the module; the full sweep is marked ``sweep`` and is deselected by default."""
 
 import json
@@ -232,7 +232,7 @@ def test_bad_families_exit_2_with_one_line_naming_the_choices(names):
 
 # -- served by expert groups on Ray Serve --------------------------------------------------------
 
-#: One family per distinct experts layout or gate kind (see the README's table), less the four that
+#: One family per distinct experts layout or gate kind (see docs/verified-architectures.md), less the four that
 #: tests/test_fidelity.py already serves the same way (``verify.compare`` through Serve groups, float32,
 #: three groups): mixtral (per-expert w1/w2/w3 on disk, softmax top-k), qwen2_moe (gated shared expert),
 #: deepseek_v3 (sigmoid, score-correction bias, group-limited top-k, dense first layer) and gpt_oss

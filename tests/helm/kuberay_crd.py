@@ -217,6 +217,7 @@ def check_rayservice(obj: dict) -> list[str]:
                 assert isinstance(parsed, dict) and all(isinstance(v, (int, float)) for v in parsed.values())
             except Exception:
                 errors.append(
-                    f"{where}.rayStartParams.resources: {res!r} is not the quoted JSON object `ray start --resources` takes"
+                    f"{where}.rayStartParams.resources: {res!r} is not the quoted JSON object "
+                    "`ray start --resources` takes"
                 )
     return errors

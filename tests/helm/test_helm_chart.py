@@ -10,6 +10,7 @@ pod templates as core/v1 PodTemplates; then what the issue asks of the objects.
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import re
 
@@ -293,6 +294,11 @@ def test_serve_config_one_deployment_per_group(render, name):
     assert errors == []
     assert app["name"] == "expertmesh-groups"
     assert app["import_path"] == "expertmesh.expert_group.deployment:build_app"
+    # what Ray Serve does with it (ray.serve's import_attr): the module imports and names the builder
+    module, attribute = app["import_path"].split(":")
+    from expertmesh.expert_group.deployment import build_app
+
+    assert getattr(importlib.import_module(module), attribute) is build_app
     args = app["args"]
     assert args["host"] == "0.0.0.0" and args["port_base"] == values["expertGroups"]["portBase"]
     assert args["model"] == values["model"]["path"] and args["dtype"] == values["model"]["dtype"]

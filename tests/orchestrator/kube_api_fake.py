@@ -203,7 +203,8 @@ class FakeKube(kmock.KubernetesEmulator):
             raise _status(
                 415,
                 "UnsupportedMediaType",
-                f"the body of the request was in an unknown format - accepted media types include: {', '.join(sorted(allowed))}",
+                "the body of the request was in an unknown format - accepted media types include: "
+                f"{', '.join(sorted(allowed))}",
             )
         key = (resource, request.namespace, request.name)
         if key not in self._objects or self._objects[key].deleted:

@@ -9,7 +9,7 @@ from expertmesh.contracts.errors import PlacementError
 from expertmesh.contracts.gpu_plan import Placement
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.contracts.topology import topology_from_dict
-from expertmesh.expert_group.deployment import parse_cpulist, pin_to_numa_node
+from expertmesh.expert_group.runtime import parse_cpulist, pin_to_numa_node
 from expertmesh.orchestrator.placement.to_groups import groups_from_placement
 from expertmesh.router.dispatch.replica_split import split_by_share
 

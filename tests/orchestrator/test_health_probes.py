@@ -3,7 +3,8 @@ hidden states (``router.hidden_sample``) pinned as each layer's probe, the seede
 fallback (said in the verdict), re-pinning only over healthy layers, and one
 Dispatch per group per layer for all of its experts.
 
-Real parts: the expert groups are real gRPC servers on loopback (``health_mesh``), the router is the real router model whose dispatcher
+Real parts: the expert groups are real gRPC servers on loopback (``health_mesh``), the router is the real
+router model whose dispatcher
 records what its MoE layers send, the store is the in-process one. Corrupted
 weights are the fault ``health_mesh.corrupt`` injects in-process.
 """

@@ -1,12 +1,15 @@
 """The migration protocol's pure parts: phase order, table edits that never leave
 an expert unhosted, repair after a failure, the drain rule and the canary rule."""
 
+import re
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertmesh.contracts.errors import MigrationRefused
+from expertmesh.contracts.errors import InvalidRequest, MigrationRefused
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.migration import plan
 from expertmesh.orchestrator.migration.plan import InFlightCalls, Tolerance
@@ -279,3 +282,56 @@ def test_canary_difference():
     poisoned[0, 0] = float("nan")
     assert plan.canary_difference(poisoned, poisoned.clone(), exact) is not None, "NaN never passes"
     assert plan.canary_difference(poisoned, poisoned.clone(), loose) is not None
+
+
+# -- requests (``checked_request``: the executor's submit checks, as a pure function) --------------------------
+
+
+def _request(**kw):
+    table = RoutingTable(3, 2, {(0, 0): ("g0",), (0, 1): ("g0", "g1")})
+    args = dict(
+        layer=0,
+        expert=0,
+        target="g1",
+        source=None,
+        mode="move",
+        table=table,
+        endpoints={"g0", "g1", "g2"},
+        quarantined=frozenset(),
+        busy=(),
+    )
+    return plan.checked_request(**{**args, **kw})
+
+
+def test_a_request_gets_its_mode_and_source():
+    assert _request() == (MigrationMode.MOVE, "g0")
+    assert _request(expert=1, mode="replicate", target="g2") == (MigrationMode.REPLICATE, "g0")
+    assert _request(expert=1, mode="evict", target=None, source="g1") == (MigrationMode.EVICT, "g1")
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(mode="teleport"), InvalidRequest, "unknown migration mode 'teleport'"),
+        (dict(table=None), MigrationRefused, "no routing table in the state store yet"),
+        (dict(expert=5), MigrationRefused, "layer 0 expert 5 is not in routing table v3"),
+        (dict(target="g9"), InvalidRequest, "unknown group 'g9'"),
+        (dict(expert=1, target="g2"), InvalidRequest, "has 2 replicas ['g0', 'g1']; name the source"),
+        (dict(source="g1"), MigrationRefused, "group 'g1' does not serve layer 0 expert 0"),
+        (dict(mode="evict"), InvalidRequest, "an evict removes a replica and takes no target"),
+        (dict(mode="evict", target=None), MigrationRefused, "holds the only replica of layer 0 expert 0"),
+        (dict(target=None), InvalidRequest, "a move needs a target group"),
+        (dict(expert=1, source="g0", target="g1"), MigrationRefused, "group 'g1' already serves layer 0 expert 1"),
+        (dict(quarantined=frozenset({(0, 0, "g1")})), MigrationRefused, "holds a quarantined copy"),
+        (dict(id_taken=True, migration_id="m1"), MigrationRefused, "migration m1 exists already"),
+    ],
+)
+def test_a_wrong_request_is_refused_with_what_to_do(change, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        _request(**change)
+
+
+def test_one_migration_per_expert_at_a_time():
+    running = SimpleNamespace(describe=lambda: "move of layer 0 expert 0", phase=Phase.LOADING)
+    with pytest.raises(MigrationRefused, match="is still loading; one migration per expert at a time"):
+        _request(busy=[running])

@@ -293,7 +293,8 @@ def validate(options: Options):
     decode_len = DECODE_PROMPT_TOKENS + WARMUP_STEPS + options.decode_steps
     if context and decode_len > context:
         raise BenchError(
-            f"--decode-steps {options.decode_steps} needs {decode_len} positions, above the model's context of {context}"
+            f"--decode-steps {options.decode_steps} needs {decode_len} positions, "
+            f"above the model's context of {context}"
         )
     return checkpoint
 
@@ -483,7 +484,8 @@ def _run_phases(
             prompt = tokens(batch, DECODE_PROMPT_TOKENS)  # [B, prompt]
             steps = tokens(batch, WARMUP_STEPS + options.decode_steps)  # [B, steps]
             progress(
-                f"bench dispatch: decode at batch {batch}, {options.decode_steps} steps x {options.repeats} repeats per side"
+                f"bench dispatch: decode at batch {batch}, "
+                f"{options.decode_steps} steps x {options.repeats} repeats per side"
             )
             meter = _WireMeter(plane.dispatcher.traffic)
             mono_s, plat_s = _measure(
@@ -506,7 +508,8 @@ def _agreement_line(agreement: dict) -> str:
     verdict = "PASS" if agreement["passed"] else "FAIL"
     return (
         f"same answers: {verdict}: prefill logits max |diff| {agreement['max_abs_logit_diff']:.3g} (tolerance "
-        f"{agreement['tolerance']:g}), argmax differs at {agreement['argmax_differs_at']} of {agreement['positions']} positions"
+        f"{agreement['tolerance']:g}), argmax differs at {agreement['argmax_differs_at']} "
+        f"of {agreement['positions']} positions"
     )
 
 

@@ -199,7 +199,8 @@ def run(options: Options) -> dict:
             if final.phase is not Phase.SUCCEEDED:
                 raise BenchError(f"move {n + 1} ended {final.phase}: {final.reason}")
             progress(
-                f"bench migration: move {n + 1}/{options.moves} layer {layer} expert {expert} {source} -> {target_group}"
+                f"bench migration: move {n + 1}/{options.moves} "
+                f"layer {layer} expert {expert} {source} -> {target_group}"
             )
         time.sleep(options.quiet_seconds)
         traffic.join()

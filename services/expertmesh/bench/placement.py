@@ -281,6 +281,7 @@ def affinity_table(results: list[AffinityResult]) -> str:
     for r in results:
         for label, s in (("off", r.without), ("on", r.with_affinity)):
             lines.append(
-                f"{r.case.name:<36} {label:>8} {s.groups_per_token:>13.3f} {s.balancedness:>9.4f} {s.max_gpu_load:>12.0f}"
+                f"{r.case.name:<36} {label:>8} {s.groups_per_token:>13.3f} "
+                f"{s.balancedness:>9.4f} {s.max_gpu_load:>12.0f}"
             )
     return "\n".join(lines)

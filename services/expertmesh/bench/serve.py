@@ -150,7 +150,8 @@ def add_command(bench_commands) -> None:
     )
     p.add_argument(
         "--sweep",
-        help="comma-separated client counts (e.g. 1,8,16,32): the benchmark at each, one table row per point (default: off)",
+        help="comma-separated client counts (e.g. 1,8,16,32): the benchmark at each, one table row per point "
+        "(default: off)",
     )
     add_platform_arguments(p)
     p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
@@ -659,8 +660,14 @@ def same_tokens(platform: dict, reference: dict) -> dict:
 def _agreement_line(agreement: dict) -> str:
     n, differ = agreement["requests"], agreement["differ"]
     if agreement["passed"]:
-        return f"same answers: PASS: each of the {n} requests streamed the tokens transformers generate gives its prompt alone"
-    return f"same answers: FAIL: {len(differ)} of {n} requests streamed other tokens than generate alone (prompts {differ[:10]})"
+        return (
+            f"same answers: PASS: each of the {n} requests streamed the tokens transformers generate "
+            "gives its prompt alone"
+        )
+    return (
+        f"same answers: FAIL: {len(differ)} of {n} requests streamed other tokens than generate alone "
+        f"(prompts {differ[:10]})"
+    )
 
 
 def table(result: dict) -> str:
@@ -718,7 +725,8 @@ def table(result: dict) -> str:
         alone, vs_exact, calls = c["added_ttft_ms"], c["added_ttft_ms_vs_exact"], c["classify_ms"]
         text += (
             f"\nquery classifier's added TTFT (prefer alpha=0, classified - domain given): p50 {alone['p50']:+.1f} ms, "
-            f"p99 {alone['p99']:+.1f} ms; classified - exact: p50 {vs_exact['p50']:+.1f} ms, p99 {vs_exact['p99']:+.1f} ms; "
+            f"p99 {alone['p99']:+.1f} ms; classified - exact: p50 {vs_exact['p50']:+.1f} ms, "
+            f"p99 {vs_exact['p99']:+.1f} ms; "
             f"one classify call here: p50 {calls['p50']:.2f} ms, p99 {calls['p99']:.2f} ms"
         )
     return text

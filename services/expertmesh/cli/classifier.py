@@ -1,7 +1,7 @@
 """``expertmesh classifier train|eval|predict``: the query classifier from the command line.
 
-``--data`` defaults to the shipped data (train split and terms for ``train``, eval split for ``eval``) and ``--model`` to the
-default classifier, trained and cached on first use.
+``--data`` defaults to the shipped data (train split and terms for ``train``, eval split for ``eval``) and
+``--model`` to the default classifier, trained and cached on first use.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def format_report(report, path: Path) -> str:
         f" in {report.seconds:.0f} s; next-byte loss {report.first_loss:.3f} -> {report.last_loss:.3f} nats",
         "routing on held-out queries: mutual information of domain and expert choice (bits; share of H(domain)),"
         " max lift",
-        f"{'layer':>5} {'trained MI':>11} {'norm':>6} {'max lift':>9}   {'untrained MI':>12} {'norm':>6} {'max lift':>9}",
+        f"{'layer':>5} {'trained MI':>11} {'norm':>6} {'max lift':>9}   "
+        f"{'untrained MI':>12} {'norm':>6} {'max lift':>9}",
     ]
     for t, u in zip(report.trained, report.untrained):
         lines.append(

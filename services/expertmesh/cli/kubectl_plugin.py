@@ -105,7 +105,8 @@ def run_migrate(args) -> int:
         print(f"{PROG} migrate: {final.name} failed ({failed.reason}): {failed.message}", file=sys.stderr)
     else:
         print(
-            f"{PROG} migrate: {final.name} did not end within {args.timeout:g} s; it goes on (kubectl get expertmigration {final.name})",
+            f"{PROG} migrate: {final.name} did not end within {args.timeout:g} s; it goes on "
+            f"(kubectl get expertmigration {final.name})",
             file=sys.stderr,
         )
     return 1

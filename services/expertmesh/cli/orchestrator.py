@@ -196,8 +196,8 @@ def run_plan(args: argparse.Namespace) -> int:
             groups_per_token(affinity, r.shares, stats.top_k).mean() for r in (result.placement, result.baseline)
         ]
         print(
-            f"domain affinity from {len(affinity.domains)} profiles ({', '.join(affinity.domains)}): expected GPUs touched"
-            f" per token {touched[0]:.3f} (eplb {touched[1]:.3f})"
+            f"domain affinity from {len(affinity.domains)} profiles ({', '.join(affinity.domains)}): expected GPUs"
+            f" touched per token {touched[0]:.3f} (eplb {touched[1]:.3f})"
         )
     print(f"wrote {args.out}")
     return 0
@@ -314,7 +314,8 @@ def run_plan_memory(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{sizes.model_type}: {sizes.total_params / 1e9:.1f}B parameters, {sizes.shared_params / 1e9:.2f}B shared, "
-        f"{sizes.moe_layers} MoE layers x {sizes.num_experts} experts of {sizes.params_per_expert / 1e6:.1f}M; {args.dtype}; "
+        f"{sizes.moe_layers} MoE layers x {sizes.num_experts} experts of {sizes.params_per_expert / 1e6:.1f}M; "
+        f"{args.dtype}; "
         f"KV cache {per_sequence / 2**20:.1f} MiB per sequence of {args.seq} tokens, {args.batch} sequences"
     )
     print(

@@ -155,7 +155,8 @@ def _build(args) -> int:
     for domain, profile in profiles.items():
         print(f"{domain:>14}: {profile.choices[0]:,.0f} expert choices per layer", file=sys.stderr)
     print(
-        f"stored {len(profiles)} profiles ({len(examples)} queries, {len(moe_layers)} MoE layers) in {' and '.join(where)}",
+        f"stored {len(profiles)} profiles ({len(examples)} queries, {len(moe_layers)} MoE layers) "
+        f"in {' and '.join(where)}",
         file=sys.stderr,
     )
     return 0

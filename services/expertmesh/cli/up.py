@@ -33,7 +33,8 @@ def add_command(commands) -> None:
     parser.add_argument(
         "--orchestrator",
         action="store_true",
-        help="also run the orchestrator's admin API in this process (live migrations: `expertmesh migrate`) (default: off)",
+        help="also run the orchestrator's admin API in this process (live migrations: `expertmesh migrate`) "
+        "(default: off)",
     )
     parser.add_argument(
         "--admin-port",
@@ -76,8 +77,9 @@ def _main(args: argparse.Namespace) -> int:
     elif getattr(args, "health_monitor", None):
         raise InputError("--health-monitor runs in the orchestrator: add --orchestrator")
 
+    from expertmesh.infra.console import progress
     from expertmesh.infra.telemetry import setup as setup_telemetry
-    from expertmesh.platform.data_plane import DataPlane, progress
+    from expertmesh.platform.data_plane import DataPlane
     from expertmesh.platform.router_apis import start_apis
 
     telemetry = setup_telemetry(

@@ -146,13 +146,15 @@ class ServingConfig(BaseSettings):
         None,
         ge=0,
         le=65535,
-        description="also serve grpc.health.v1 alone, in plaintext, on this port (kubelet gRPC probes cannot speak TLS)",
+        description="also serve grpc.health.v1 alone, in plaintext, on this port "
+        "(kubelet gRPC probes cannot speak TLS)",
     )
     http_port: int | None = Field(
         None,
         ge=0,
         le=65535,
-        description="also serve the OpenAI-compatible HTTP API, /health and /metrics on this port, on host (0 picks one; unset: off)",
+        description="also serve the OpenAI-compatible HTTP API, /health and /metrics on this port, on host "
+        "(0 picks one; unset: off)",
     )
     http_max_body_bytes: int = Field(
         4 << 20, ge=1024, description="HTTP request bodies larger than this are refused with 413"
@@ -170,7 +172,8 @@ class ServingConfig(BaseSettings):
     policy_kl_bound: float = Field(
         0.1,
         ge=0,
-        description="refuse a policy whose recorded KL(exact || policy) (`expertmesh policy eval`) is above this, unless forced",
+        description="refuse a policy whose recorded KL(exact || policy) (`expertmesh policy eval`) is above this, "
+        "unless forced",
     )
     profiles: Path | None = Field(
         None,
@@ -208,7 +211,8 @@ class TlsConfig(BaseSettings):
     )
     group_server_name: str | None = Field(
         None,
-        description="name expert-group certificates are issued for; group channels verify it instead of the IP they dial",
+        description="name expert-group certificates are issued for; group channels verify it instead of the IP "
+        "they dial",
     )
 
     @model_validator(mode="after")

@@ -36,8 +36,6 @@ from ray.serve.schema import ApplicationStatus
 from expertmesh.expert_group.runtime import GroupSpec, RunningGroup
 
 # At home in runtime (which needs no Ray); still importable from here.
-from expertmesh.expert_group.runtime import parse_cpulist as parse_cpulist
-from expertmesh.expert_group.runtime import pin_to_numa_node as pin_to_numa_node
 from expertmesh.infra.console import bar
 
 log = logging.getLogger(__name__)

@@ -265,7 +265,8 @@ class LocalServer:
         try:
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
                 raise InvalidRequest(
-                    f"a frame over {wire_frames.MAX_HEADER_BYTES} bytes, or with more than one descriptor, is not a dispatch frame"
+                    f"a frame over {wire_frames.MAX_HEADER_BYTES} bytes, or with more than one descriptor, "
+                    "is not a dispatch frame"
                 )
             frame = wire_frames.parse_header(data)
         except InvalidRequest as err:

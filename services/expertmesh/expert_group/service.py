@@ -303,8 +303,9 @@ class GroupServer(GrpcServer):
         admin: AdminAuthConfig | None = None,
         same_host: bool = True,
     ):
+        from expertmesh.contracts.frames import STREAM_SERVICE_NAME
         from expertmesh.expert_group.local_server import LocalServer, remove_files, remove_stale_sockets, runtime_dir
-        from expertmesh.expert_group.stream_service import STREAM_SERVICE_NAME, add_stream_service
+        from expertmesh.expert_group.stream_service import add_stream_service
 
         super().__init__(
             "expert-group",

@@ -22,7 +22,7 @@ import grpc
 
 from expertmesh.contracts import frames as wire_frames
 from expertmesh.contracts.errors import InvalidRequest
-from expertmesh.contracts.frames import STREAM_METHOD, STREAM_SERVICE_NAME  # noqa: F401  (STREAM_METHOD: its clients)
+from expertmesh.contracts.frames import STREAM_SERVICE_NAME
 from expertmesh.v1 import experts_pb2 as pb
 
 if TYPE_CHECKING:

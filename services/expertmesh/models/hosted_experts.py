@@ -289,7 +289,8 @@ class HostedExperts:
             raise InvalidRequest(f"hidden_states must be [tokens, {self.spec.hidden_size}], got {list(hidden.shape)}")
         if expert_ids.dim() != 2 or expert_ids.shape[0] != hidden.shape[0]:
             raise InvalidRequest(
-                f"expert_ids must be [{hidden.shape[0]}, K] to match {hidden.shape[0]} tokens, got {list(expert_ids.shape)}"
+                f"expert_ids must be [{hidden.shape[0]}, K] to match {hidden.shape[0]} tokens, "
+                f"got {list(expert_ids.shape)}"
             )
         if weights.shape != expert_ids.shape:
             raise InvalidRequest(

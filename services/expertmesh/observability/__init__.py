@@ -7,7 +7,8 @@
   frequency per MoE layer to a PNG (matplotlib, no display needed).
 - ``remote``: the I/O both commands share: ``ListModels``, ``GetLoadStats``
   snapshots and the probe's own traffic over the Inference API.
-- ``probe_cli`` / ``heatmap_cli``: ``expertmesh probe`` and ``expertmesh heatmap``.
+- the commands, ``expertmesh probe`` and ``expertmesh heatmap``, are ``expertmesh.cli.probe`` and
+  ``expertmesh.cli.heatmap``.
 
 Traces and Prometheus metrics live in ``expertmesh.infra.telemetry``; the Grafana
 dashboard over those metrics is ``deploy/grafana/expertmesh-dashboard.json``.

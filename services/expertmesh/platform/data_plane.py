@@ -28,7 +28,7 @@ from expertmesh.contracts.group_map import GroupPlacement
 from expertmesh.contracts.load_window import LoadWindow
 from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
 from expertmesh.infra import security, telemetry
-from expertmesh.infra.console import progress  # progress: commands import it from here too
+from expertmesh.infra.console import progress
 from expertmesh.infra.devices import router_device
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.store import StateStore, open_store
@@ -141,89 +141,17 @@ class DataPlane:
 
     @classmethod
     def start(cls, config: DataPlaneConfig) -> "DataPlane":
-        import ray
-
-        from expertmesh.expert_group import deployment
-
+        """Everything on this machine (or a Ray cluster it joins): the group map, Ray, the groups on Ray Serve,
+        their endpoints and the first routing table in the store, then the router."""
         t0 = time.monotonic()
         device = router_device(config.router_device)  # a GPU that is not there fails before anything starts
         checkpoint = Checkpoint(config.model)
-        spec = checkpoint.spec
-        layout = _gpu_layout(config, spec) if config.gpu_placement is not None else None
-        if layout is not None:
-            placement = layout.placement
-        elif config.placement is not None:
-            placement = placement_mod.load(config.placement, spec)
-        else:
-            placement = placement_mod.contiguous(spec, config.groups)
-        placement_mod.validate(placement, spec)
+        placement, layout = _group_map(config, checkpoint.spec)
         store = open_store(config.state_url, config.deployment)
-
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)
-        started_ray = False
-        if not ray.is_initialized():
-            progress(f"starting Ray ({config.ray_address or 'local'})")
-            if config.ray_address:
-                _check_reachable(config.ray_address)
-            try:
-                # "local": a Ray of our own, never a cluster some earlier `ray start` left registered on the machine.
-                ray.init(
-                    address=config.ray_address or "local",
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    logging_level="WARNING",
-                )
-            except ConnectionError as err:
-                raise GroupUnavailable(f"cannot join the Ray cluster at {config.ray_address}: {err}") from None
-            started_ray = config.ray_address is None
-        has_gpus = deployment.cluster_has_gpus()
-        gpus = 1 if has_gpus else 0
-        specs = [
-            deployment.GroupSpec(
-                name=name,
-                model_path=str(checkpoint.path.resolve()),
-                pairs=pairs,
-                dtype=config.dtype,
-                host=config.group_host,
-                num_cpus=config.group_num_cpus,
-                num_gpus=gpus,
-                inherited_env={**telemetry.propagation_env(), **security.propagation_env()},
-                # unset: a group placed on GPUs holds what their memory does, less the memory model's overhead
-                budget_bytes=config.group_budget_bytes
-                or (layout.hardware[name].expert_budget_bytes if layout else None),
-                # a shared store: the groups register themselves too, so a flushed store lists them again
-                state_url=None if config.state_url.startswith("memory://") else config.state_url,
-                deployment=config.deployment,
-                **(deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {}),
-            )
-            for name, pairs in placement.groups.items()
-        ]
-        progress(
-            f"starting {len(specs)} expert groups on Ray Serve for {spec.model_type} "
-            f"({len(spec.moe_layers)} MoE layers x {spec.num_experts} experts, {'GPU' if gpus else 'CPU'})"
-        )
-        with deployment.groups_loading(len(specs)):  # a bar on a terminal
-            addresses = deployment.deploy(specs)
-        for group, address in addresses.items():
-            store.set_endpoint(group, address)
-        table = RoutingTable.from_placement(
-            placement,
-            spec.num_experts,
-            version=store.routing_table_version() + 1,
-            shares=layout.shares if layout else None,
-            model=ModelIdentity.of(spec),
-        )
-        if not store.publish_routing_table(table):
-            raise RuntimeError("another writer changed the routing table while the groups started; retry")
-
-        def resolve_endpoints() -> dict[str, str]:
-            """A restarted replica listens on a new port: ask Serve's directory and record the answer."""
-            fresh = deployment.current_addresses()
-            for group, address in fresh.items():
-                store.set_endpoint(group, address)
-            return fresh
-
-        dispatcher, heartbeat, watcher, model = _router(checkpoint, store, config, device, resolve_endpoints)
+        started_ray = _start_ray(config)
+        addresses = _deploy_groups(config, checkpoint, placement, layout, store)
+        _publish_first_table(store, placement, checkpoint.spec, layout)
+        dispatcher, heartbeat, watcher, model = _router(checkpoint, store, config, device, _serve_directory(store))
         progress(
             f"data plane ready in {time.monotonic() - t0:.1f}s: " + ", ".join(f"{g}@{a}" for g, a in addresses.items())
         )
@@ -302,3 +230,111 @@ class DataPlane:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# -- the steps of DataPlane.start ---------------------------------------------------------------------------
+
+
+def _group_map(config: DataPlaneConfig, spec) -> tuple[GroupPlacement, object | None]:
+    """Which group hosts which experts: from the GPU plan (with its hardware layout), a group map file, or
+    ``config.groups`` contiguous groups; validated against the model."""
+    layout = _gpu_layout(config, spec) if config.gpu_placement is not None else None
+    if layout is not None:
+        placement = layout.placement
+    elif config.placement is not None:
+        placement = placement_mod.load(config.placement, spec)
+    else:
+        placement = placement_mod.contiguous(spec, config.groups)
+    placement_mod.validate(placement, spec)
+    return placement, layout
+
+
+def _start_ray(config: DataPlaneConfig) -> bool:
+    """Ray for the groups, unless this process runs in one already. True: a local Ray this plane started
+    (and stops on close)."""
+    import ray
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    if ray.is_initialized():
+        return False
+    progress(f"starting Ray ({config.ray_address or 'local'})")
+    if config.ray_address:
+        _check_reachable(config.ray_address)
+    try:
+        # "local": a Ray of our own, never a cluster some earlier `ray start` left registered on the machine.
+        ray.init(
+            address=config.ray_address or "local",
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="WARNING",
+        )
+    except ConnectionError as err:
+        raise GroupUnavailable(f"cannot join the Ray cluster at {config.ray_address}: {err}") from None
+    return config.ray_address is None
+
+
+def _deploy_groups(
+    config: DataPlaneConfig, checkpoint: Checkpoint, placement: GroupPlacement, layout, store: StateStore
+) -> dict[str, str]:
+    """One Ray Serve deployment per group of ``placement``, loaded; their addresses, also in the store."""
+    from expertmesh.expert_group import deployment
+
+    spec = checkpoint.spec
+    has_gpus = deployment.cluster_has_gpus()
+    gpus = 1 if has_gpus else 0
+    specs = [
+        deployment.GroupSpec(
+            name=name,
+            model_path=str(checkpoint.path.resolve()),
+            pairs=pairs,
+            dtype=config.dtype,
+            host=config.group_host,
+            num_cpus=config.group_num_cpus,
+            num_gpus=gpus,
+            inherited_env={**telemetry.propagation_env(), **security.propagation_env()},
+            # unset: a group placed on GPUs holds what their memory does, less the memory model's overhead
+            budget_bytes=config.group_budget_bytes or (layout.hardware[name].expert_budget_bytes if layout else None),
+            # a shared store: the groups register themselves too, so a flushed store lists them again
+            state_url=None if config.state_url.startswith("memory://") else config.state_url,
+            deployment=config.deployment,
+            **(deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {}),
+        )
+        for name, pairs in placement.groups.items()
+    ]
+    progress(
+        f"starting {len(specs)} expert groups on Ray Serve for {spec.model_type} "
+        f"({len(spec.moe_layers)} MoE layers x {spec.num_experts} experts, {'GPU' if gpus else 'CPU'})"
+    )
+    with deployment.groups_loading(len(specs)):  # a bar on a terminal
+        addresses = deployment.deploy(specs)
+    for group, address in addresses.items():
+        store.set_endpoint(group, address)
+    return addresses
+
+
+def _publish_first_table(store: StateStore, placement: GroupPlacement, spec, layout) -> None:
+    """The routing table of ``placement`` (the GPU plan's shares, if any), one version above the store's."""
+    table = RoutingTable.from_placement(
+        placement,
+        spec.num_experts,
+        version=store.routing_table_version() + 1,
+        shares=layout.shares if layout else None,
+        model=ModelIdentity.of(spec),
+    )
+    if not store.publish_routing_table(table):
+        raise RuntimeError("another writer changed the routing table while the groups started; retry")
+
+
+def _serve_directory(store: StateStore):
+    """Fresh group -> address map for the router when a group stops answering: a restarted replica listens
+    on a new port, so ask Serve's directory and record the answer in the store."""
+
+    def resolve_endpoints() -> dict[str, str]:
+        from expertmesh.expert_group import deployment
+
+        fresh = deployment.current_addresses()
+        for group, address in fresh.items():
+            store.set_endpoint(group, address)
+        return fresh
+
+    return resolve_endpoints

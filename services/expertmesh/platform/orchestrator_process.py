@@ -91,6 +91,7 @@ def kube_connection(args):
 
 
 def run(args) -> int:
+    from expertmesh.infra.console import progress
     from expertmesh.models.checkpoint import Checkpoint
     from expertmesh.orchestrator.admin import start_orchestrator
     from expertmesh.orchestrator.control_loop import Manager
@@ -100,7 +101,6 @@ def run(args) -> int:
     from expertmesh.orchestrator.kube.drift_objects import DriftObjects
     from expertmesh.orchestrator.kube.quarantine_controller import start_quarantine_controller
     from expertmesh.orchestrator.reconcile import Reconciler, what_runs
-    from expertmesh.platform.data_plane import progress
     from expertmesh.store import open_store
 
     config = data_plane_config(args, embedded_default=False)

@@ -1,6 +1,6 @@
 """A router's public APIs over a running data plane: the gRPC Inference API and, with
 ``ServingConfig.http_port``, the OpenAI-compatible HTTP API beside it, both over one engine.
-``expertmesh up`` (``serving.up_cli``) starts them; benchmarks and tests call ``serve_plane``."""
+``expertmesh up`` (``cli.up``) starts them; benchmarks and tests call ``serve_plane``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from expertmesh.config.settings import ServingConfig
-from expertmesh.platform.data_plane import DataPlane, progress
+from expertmesh.infra.console import progress
+from expertmesh.platform.data_plane import DataPlane
 from expertmesh.router.policy.profiles import ProfileFileError, fit_problem, read_profiles_file, save_profiles
 from expertmesh.router.reporting.metrics import register_router_metrics
 from expertmesh.serving.engine import Engine, EngineLimits

@@ -14,7 +14,8 @@ from torch import nn
 from expertmesh.contracts.errors import CheckpointError
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.router.dispatch.degraded import StockChoice
-from expertmesh.router.dispatch.dispatcher import IMPLEMENTATION, ExpertDispatcher
+from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+from expertmesh.router.dispatch.experts_impl import IMPLEMENTATION
 from expertmesh.router.policy.gate_hook import GateBias
 
 

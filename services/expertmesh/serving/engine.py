@@ -278,7 +278,8 @@ class Engine:
             )
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_bytes {limits.kv_cache_bytes} holds no KV block: one block of {size} tokens takes {block_bytes} bytes"
+                f"kv_cache_bytes {limits.kv_cache_bytes} holds no KV block: "
+                f"one block of {size} tokens takes {block_bytes} bytes"
             )
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, size, num_blocks * block_bytes / 2**20)
         return BlockPool(num_blocks), KVPool(num_blocks, size, model.device)

@@ -16,7 +16,7 @@ T tokens. Logits are computed only for the rows that need them.
 layers that keep state other than keys and values (linear attention, Mamba),
 or an attention implementation that takes no 4D mask (flash, flex, paged).
 
-Why not transformers' ``ContinuousBatchingManager`` (see the README, Serving):
+Why not transformers' ``ContinuousBatchingManager`` (see docs/how-it-works.md, The serving step):
 its background loop samples for us (no per-request seed, no prompt logits for
 Score), dies on a forward error, and its paged cache cannot hold DeepSeek-V3's
 compressed latents; this step keeps all of that in the engine's hands.
@@ -95,7 +95,10 @@ class MaskSpec:
     def unsupported(self) -> str | None:
         """Why the packed step cannot run this model, or None when it can."""
         if self.implementation not in PACKED_ATTENTION:
-            return f"attention implementation {self.implementation!r} is not one the step runs per sequence (sdpa and eager are)"
+            return (
+                f"attention implementation {self.implementation!r} is not one the step runs per sequence "
+                "(sdpa and eager are)"
+            )
         other = sorted(set(self.kinds) - {FULL, SLIDING})
         if other:
             return f"layers of type {', '.join(other)} keep state outside the KV cache"

@@ -54,7 +54,8 @@ AttentionKernel = Literal["per-sequence", "flash-varlen"]
 
 class PastReader(Protocol):
     def past(self, layer: int, sequence: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence ``sequence``'s two cached tensors of ``layer`` from position ``first`` to its end, [1, h, L, d] each."""
+        """Sequence ``sequence``'s two cached tensors of ``layer`` from position ``first`` to its end, [1, h, L, d]
+        each."""
 
     def pasts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every step sequence's past of ``layer`` from its first held block, one after another, [1, h, ΣL, d]

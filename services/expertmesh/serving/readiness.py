@@ -174,7 +174,8 @@ def _unservable(
             for i in replicas:
                 stranded[names[i]] = stranded.get(names[i], 0) + 1
     return [
-        f"expert group {group} is {states[group].replace('_', ' ')} and {n} of its experts have no other serving replica"
+        f"expert group {group} is {states[group].replace('_', ' ')} and {n} of its experts "
+        "have no other serving replica"
         for group, n in sorted(stranded.items())
     ]
 

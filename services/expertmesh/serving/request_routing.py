@@ -149,13 +149,15 @@ class RequestRouter:
         parts = domain.split("/")
         if len(parts) > 2 or parts[0] not in known or not all(DOMAIN_PART.fullmatch(p) for p in parts):
             raise InvalidRequest(
-                f"domain: unknown domain {shown}; known: {', '.join(known)} (or a/b below one, b of letters, digits, '_', '-', '.')"
+                f"domain: unknown domain {shown}; known: {', '.join(known)} "
+                "(or a/b below one, b of letters, digits, '_', '-', '.')"
             )
 
     def _classify(self, policy: RoutingPolicy, text: str | None) -> str:
         if not text:
             raise InvalidRequest(
-                f"domain: policy {policy.name} needs the query's domain; set domain (a token-id prompt cannot be classified)"
+                f"domain: policy {policy.name} needs the query's domain; "
+                "set domain (a token-id prompt cannot be classified)"
             )
         with tracer().start_as_current_span("classify") as span:
             result = self._classifier().classify(text)
@@ -178,7 +180,8 @@ class RequestRouter:
             )
         if profile.moe_layers != self.moe_layers or profile.share.shape[1] != self.num_experts:
             raise InvalidRequest(
-                f"domain: the profile of {domain!r} was built on another model; rebuild it with `expertmesh profile build`"
+                f"domain: the profile of {domain!r} was built on another model; "
+                "rebuild it with `expertmesh profile build`"
             )
         biases = {}
         for layer in self.moe_layers:

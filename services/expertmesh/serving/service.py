@@ -78,7 +78,7 @@ class InferenceServicer:
             "expertmesh.inter_token_latency", unit="s", description="between streamed tokens"
         )
         self._errors = m.create_counter(
-            "expertmesh.contracts.errors", description="requests answered with an error, by gRPC status"
+            "expertmesh.errors", description="requests answered with an error, by gRPC status"
         )
         self._engine = engine
         self._tokenizer = tokenizer

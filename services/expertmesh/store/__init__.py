@@ -307,7 +307,8 @@ def open_store(url: str = "memory://", deployment: str | None = None) -> StateSt
     deployment = deployment or os.environ.get("EXPERTMESH_DEPLOYMENT") or "default"
     if not DEPLOYMENT_NAME.fullmatch(deployment):
         raise ValueError(
-            f"deployment name {deployment[:64]!r}: up to 63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            f"deployment name {deployment[:64]!r}: up to 63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
         )
     namespace = f"expertmesh:{deployment}"
     if url.startswith("memory://"):

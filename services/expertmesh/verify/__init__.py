@@ -1,1 +1,2 @@
-"""``expertmesh verify``: the platform against stock transformers, on one checkpoint (``check``) or every MoE family (``sweep``)."""
+"""``expertmesh verify``: the platform against stock transformers, on one checkpoint (``check``) or every MoE
+family (``sweep``)."""

@@ -81,7 +81,7 @@ def _outcome(r: dict) -> tuple[str, str]:
 
 
 def render_markdown(sweeps: list[list[dict]], command: str) -> str:
-    """The README's architecture table from one or more sweeps' JSON objects (e.g. float32 and
+    """The architecture table of docs/verified-architectures.md from one or more sweeps' JSON objects (e.g. float32 and
     bfloat16): the family's columns from the first, then a result and max |Δ| per sweep."""
     dtypes = [next((r.get("dtype", "float32") for r in sweep), "float32") for sweep in sweeps]
     header = ["family", "runs", "experts layout", "gate", "shared expert"]
@@ -259,7 +259,8 @@ def _bar(done: int, total: int, result: FamilyResult, seconds: float) -> None:
     filled = width * done // total
     diff = "" if result.max_abs_diff is None else f" {result.max_abs_diff:.2g}"
     print(
-        f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {result.family}: {result.result}{diff} ({seconds:.0f}s)",
+        f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+        f"{result.family}: {result.result}{diff} ({seconds:.0f}s)",
         file=sys.stderr,
         flush=True,
     )

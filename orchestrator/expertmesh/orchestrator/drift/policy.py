@@ -176,7 +176,8 @@ def _high_watermark(
                 Decision(
                     Trigger.HIGH_WATERMARK,
                     f"{why}; moving its least-used expert layer {pair[0]} expert {pair[1]} ({load:.0f} tokens)"
-                    f" to {batch.groups[target].describe()}, the group below the low watermark {config.low_watermark:.0%} with the most room",
+                    f" to {batch.groups[target].describe()}, the group below the low watermark"
+                    f" {config.low_watermark:.0%} with the most room",
                     move=move,
                 )
             )
@@ -187,7 +188,8 @@ def _high_watermark(
         else:
             hold(
                 Hold.NO_TARGET,
-                f"no group below the low watermark {config.low_watermark:.0%} with room lacks any of its {len(candidates)} movable experts",
+                f"no group below the low watermark {config.low_watermark:.0%} with room lacks any of its"
+                f" {len(candidates)} movable experts",
             )
     return decisions
 
@@ -257,12 +259,14 @@ def _rebalance(
         elif possible:
             hold(
                 Hold.NO_TARGET,
-                f"none of the planner's {len(possible)} movable experts has a target that answers, runs no migration and has room",
+                f"none of the planner's {len(possible)} movable experts has a target that answers, runs no migration"
+                " and has room",
             )
         else:
             hold(
                 Hold.COOLDOWN,
-                f"the planner's {len(planned)} moves are of experts moving or moved within the last {config.cooldown_s:g} s",
+                f"the planner's {len(planned)} moves are of experts moving or moved within the last"
+                f" {config.cooldown_s:g} s",
             )
     return decisions
 

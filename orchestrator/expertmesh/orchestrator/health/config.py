@@ -32,7 +32,8 @@ class HealthConfig(BaseSettings):
     probe_refresh_s: float = Field(
         3600.0,
         gt=0,
-        description="seconds before the monitor pins a fresh sample of the routers' recorded hidden states as a layer's probe",
+        description="seconds before the monitor pins a fresh sample of the routers' recorded hidden states as a "
+        "layer's probe",
     )
     probe_concurrency: int = Field(4, ge=1, le=256, description="expert groups probed at once")
     probe_batch_bytes: int = Field(
@@ -76,7 +77,8 @@ def add_health_argument(parser: argparse.ArgumentParser) -> None:
         dest="health_monitor",
         action="store_true",
         default=None,
-        help="run the expert health monitor: probe every replica, quarantine and repair bad ones (settings: EXPERTMESH_HEALTH_*)",
+        help="run the expert health monitor: probe every replica, quarantine and repair bad ones "
+        "(settings: EXPERTMESH_HEALTH_*)",
     )
 
 

@@ -1,6 +1,7 @@
 """The health monitor: one guarded round (``update``) = observe every group, probe
 every replica, judge (``policy``), pin a fresh probe input where one is due
-(``probes``), repair what the monitor quarantined before, and settle: publish the routing table ``policy.plan_table`` asks for, the
+(``probes``), repair what the monitor quarantined before, and settle: publish the
+routing table ``policy.plan_table`` asks for, the
 records, and the ``quarantine`` entries routers read. ``quarantine`` and
 ``release`` are the operator's commands; ``start`` runs a round every
 ``interval_s`` in a thread.
@@ -245,7 +246,8 @@ class HealthMonitor:
                         continue
                     if tuple(got.shape) != (len(chunk) * tokens, hidden.shape[1]):
                         log.warning(
-                            "health: %s answered the probe of layer %d with shape %s; its experts wait for the next round",
+                            "health: %s answered the probe of layer %d with shape %s; "
+                            "its experts wait for the next round",
                             group,
                             layer,
                             list(got.shape),

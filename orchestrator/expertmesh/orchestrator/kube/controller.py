@@ -11,7 +11,8 @@ The *follow* thread does everything else, every ``poll_s``:
   its creator submitted itself, e.g. the drift controller) or, for a new object,
   ``migration_id_for(uid)``; when the store holds that record (a restart, a lost
   status write, a record submitted first) the object just follows it, otherwise
-  the spec is submitted to the ``MigrationRunner`` under that id. A spec the executor refuses ends the object at once: ``Failed`` with
+  the spec is submitted to the ``MigrationRunner`` under that id. A spec the
+  executor refuses ends the object at once: ``Failed`` with
   reason ``Refused`` and the executor's message, and a Warning Event.
 - follows every admitted record: when it changed, writes the object's status
   (``conditions.status_of``; a resourceVersion conflict is re-read and retried),

@@ -4,7 +4,7 @@
 Split like vLLM's EPLB and ``orchestrator.placement``: ``state`` (the
 migration record and its lifecycle, persisted in the state store), ``plan``
 (the pure protocol: phase order, routing-table edits, drain and canary rules;
-no I/O), ``groups`` (gRPC calls to expert groups, typed) and ``executor`` (the
+no I/O), ``group_calls`` (gRPC calls to expert groups, typed) and ``executor`` (the
 I/O that drives a record through its phases).
 
 Glossary

@@ -33,7 +33,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from expertmesh.contracts.errors import InvalidRequest, MigrationRefused
+from expertmesh.contracts.errors import MigrationRefused
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.orchestrator.migration import plan
@@ -118,54 +118,22 @@ class MigrationExecutor:
         random id); a caller that must find its record again after a crash (the Kubernetes
         controller) derives it from its own request.
         """
-        try:
-            mode = MigrationMode(mode)
-        except ValueError:
-            raise InvalidRequest(
-                f"unknown migration mode {mode!r}; use {', '.join(m.value for m in MigrationMode)}"
-            ) from None
         pair = (layer, expert)
         table = self._store.routing_table()
-        if table is None:
-            raise MigrationRefused("no routing table in the state store yet; start the expert groups first")
-        if pair not in table.replicas:
-            raise MigrationRefused(f"layer {layer} expert {expert} is not in routing table v{table.version}")
+        mode, source = plan.checked_request(
+            layer,
+            expert,
+            target,
+            source,
+            mode,
+            table,
+            endpoints=self._store.endpoints(),
+            quarantined=self._store.quarantined(),
+            busy=[m for m in load_all(self._store) if m.pair == pair and not m.phase.terminal],
+            id_taken=migration_id is not None and self._store.migration(migration_id) is not None,
+            migration_id=migration_id,
+        )
         replicas = table.replicas[pair]
-        known = self._store.endpoints()
-        for group in (source, target):
-            if group is not None and group not in known:
-                raise InvalidRequest(f"unknown group {group!r}; the state store lists {sorted(known)}")
-        if source is None:
-            if len(replicas) > 1 and mode is not MigrationMode.REPLICATE:
-                raise InvalidRequest(
-                    f"layer {layer} expert {expert} has {len(replicas)} replicas {list(replicas)}; name the source"
-                )
-            source = replicas[0]
-        if source not in replicas:
-            raise MigrationRefused(
-                f"group {source!r} does not serve layer {layer} expert {expert} (replicas: {list(replicas)})"
-            )
-        if mode is MigrationMode.EVICT:
-            if target is not None:
-                raise InvalidRequest("an evict removes a replica and takes no target")
-            if len(replicas) == 1:
-                raise MigrationRefused(
-                    f"{source!r} holds the only replica of layer {layer} expert {expert}; every expert needs one (move it instead)"
-                )
-        else:
-            if target is None:
-                raise InvalidRequest(f"a {mode} needs a target group")
-            if target in replicas:
-                raise MigrationRefused(f"group {target!r} already serves layer {layer} expert {expert}")
-            if (layer, expert, target) in self._store.quarantined():
-                raise MigrationRefused(
-                    f"group {target!r} holds a quarantined copy of layer {layer} expert {expert}; `expertmesh release` it first"
-                )
-        if migration_id is not None and self._store.migration(migration_id) is not None:
-            raise MigrationRefused(f"migration {migration_id} exists already")
-        busy = [m for m in load_all(self._store) if m.pair == pair and not m.phase.terminal]
-        if busy:
-            raise MigrationRefused(f"{busy[0].describe()} is still {busy[0].phase}; one migration per expert at a time")
 
         now = self._clock()
         migration = Migration(
@@ -277,7 +245,8 @@ class MigrationExecutor:
         if source.hidden_size != target.hidden_size:
             raise _Failed(
                 Failure.CANARY_MISMATCH,
-                f"groups {m.source!r} and {m.target!r} serve different models (hidden size {source.hidden_size} vs {target.hidden_size})",
+                f"groups {m.source!r} and {m.target!r} serve different models "
+                f"(hidden size {source.hidden_size} vs {target.hidden_size})",
             )
         probe = plan.canary(target.hidden_size, target.dtype, m.expert)
         reference = self._groups.dispatch(m.source, m.layer, probe)  # [16, H]
@@ -288,7 +257,8 @@ class MigrationExecutor:
             allowed = "bit-equal" if tolerance.exact else f"atol {tolerance.atol:g} rtol {tolerance.rtol:g}"
             raise _Failed(
                 Failure.CANARY_MISMATCH,
-                f"canary mismatch: {m.target!r} differs from {m.source!r} by max |Δ| {difference:.3g} ({allowed} required)",
+                f"canary mismatch: {m.target!r} differs from {m.source!r} by max |Δ| {difference:.3g} "
+                f"({allowed} required)",
             )
         return self._next(m)
 
@@ -362,7 +332,8 @@ class MigrationExecutor:
         if not any(self._holds(g, m.pair) for g in others):
             raise _Failed(
                 Failure.GROUP_FAILED,
-                f"no other replica of layer {m.layer} expert {m.expert} ({others}) answers holding it; {m.source!r} keeps serving",
+                f"no other replica of layer {m.layer} expert {m.expert} ({others}) answers holding it; "
+                f"{m.source!r} keeps serving",
             )
 
     def _holds(self, group: str, pair: plan.Pair) -> bool:

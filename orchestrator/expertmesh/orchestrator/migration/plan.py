@@ -4,17 +4,88 @@ passes. No I/O; the executor calls these with what it observed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from expertmesh.contracts.errors import MigrationRefused
+from expertmesh.contracts.errors import InvalidRequest, MigrationRefused
 from expertmesh.contracts.routing_table import RoutingTable
-from expertmesh.orchestrator.migration.state import MigrationMode, Phase
+from expertmesh.orchestrator.migration.state import Migration, MigrationMode, Phase
 from expertmesh.store import RouterHeartbeat
 
 Pair = tuple[int, int]
+
+# -- requests ----------------------------------------------------------------------------
+
+
+def checked_request(
+    layer: int,
+    expert: int,
+    target: str | None,
+    source: str | None,
+    mode: MigrationMode | str,
+    table: RoutingTable | None,
+    endpoints: Collection[str],
+    quarantined: Collection[tuple[int, int, str]],
+    busy: Sequence[Migration],
+    id_taken: bool = False,
+    migration_id: str | None = None,
+) -> tuple[MigrationMode, str]:
+    """A migration request checked against what the store holds: the routing table, the groups' endpoints,
+    the quarantined replicas (layer, expert, group), the pair's unfinished migrations (``busy``) and whether
+    the record's id is taken. Returns its mode and source (without ``source``: the pair's only replica, or
+    its first for a replicate). Raises InvalidRequest (the request is wrong) or MigrationRefused (it is
+    right, but cannot run now)."""
+    try:
+        mode = MigrationMode(mode)
+    except ValueError:
+        raise InvalidRequest(
+            f"unknown migration mode {mode!r}; use {', '.join(m.value for m in MigrationMode)}"
+        ) from None
+    pair = (layer, expert)
+    if table is None:
+        raise MigrationRefused("no routing table in the state store yet; start the expert groups first")
+    if pair not in table.replicas:
+        raise MigrationRefused(f"layer {layer} expert {expert} is not in routing table v{table.version}")
+    replicas = table.replicas[pair]
+    for group in (source, target):
+        if group is not None and group not in endpoints:
+            raise InvalidRequest(f"unknown group {group!r}; the state store lists {sorted(endpoints)}")
+    if source is None:
+        if len(replicas) > 1 and mode is not MigrationMode.REPLICATE:
+            raise InvalidRequest(
+                f"layer {layer} expert {expert} has {len(replicas)} replicas {list(replicas)}; name the source"
+            )
+        source = replicas[0]
+    if source not in replicas:
+        raise MigrationRefused(
+            f"group {source!r} does not serve layer {layer} expert {expert} (replicas: {list(replicas)})"
+        )
+    if mode is MigrationMode.EVICT:
+        if target is not None:
+            raise InvalidRequest("an evict removes a replica and takes no target")
+        if len(replicas) == 1:
+            raise MigrationRefused(
+                f"{source!r} holds the only replica of layer {layer} expert {expert}; every expert needs one "
+                "(move it instead)"
+            )
+    else:
+        if target is None:
+            raise InvalidRequest(f"a {mode} needs a target group")
+        if target in replicas:
+            raise MigrationRefused(f"group {target!r} already serves layer {layer} expert {expert}")
+        if (layer, expert, target) in quarantined:
+            raise MigrationRefused(
+                f"group {target!r} holds a quarantined copy of layer {layer} expert {expert}; "
+                "`expertmesh release` it first"
+            )
+    if id_taken:
+        raise MigrationRefused(f"migration {migration_id} exists already")
+    if busy:
+        raise MigrationRefused(f"{busy[0].describe()} is still {busy[0].phase}; one migration per expert at a time")
+    return mode, source
+
 
 # -- phases ------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The chaos benchmark's parts (``expertmesh bench chaos``, in ``orchestrator.bench_chaos``):
+"""The chaos benchmark's parts (``expertmesh bench chaos``, in ``suite``):
 ``platform`` (the processes of a cluster-shaped deployment on this machine, each one a fault
 can reach), ``traffic`` (streaming clients and what each request got), ``faults`` (inject one
 fault, watch the platform react, lift it, wait until it is whole again) and ``measure`` (pure:

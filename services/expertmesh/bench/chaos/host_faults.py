@@ -48,7 +48,7 @@ class _GroupBack:
     """Polled: the group answers, is registered, and routers stream calls to it again over TCP (its
     "grpc-stream" calls grew since the first answer after the fault was lifted; a restarted group
     starts from 0). Streams, not unary calls: the health monitor's probes are unary, and a router
-    whose stream path broke keeps off it for a while (``transport_auto.RETRY_PATH_S``)."""
+    whose stream path broke keeps off it for a while (``router.transport.auto.RETRY_PATH_S``)."""
 
     def __init__(self, platform: HostsPlatform, group: str):
         self._platform, self._group = platform, group
@@ -85,8 +85,8 @@ class HostLinkDown:
             )
         layer, expert = self.sole
         return (
-            f"group host {self.group}'s link down for the hold, then up; its layer {layer} expert {expert} has no other "
-            f"replica (the one on {self.other} evicted first)"
+            f"group host {self.group}'s link down for the hold, then up; its layer {layer} expert {expert} has no "
+            f"other replica (the one on {self.other} evicted first)"
         )
 
     def run(self, platform: HostsPlatform, hold_s: float) -> Timeline:
@@ -142,8 +142,8 @@ class OrchestratorCutOffMidMigration:
     @property
     def description(self) -> str:
         return (
-            f"layer {self.layer} expert {self.expert} moved live {self.source} -> {self.target}; the orchestrator host's "
-            "link down as soon as the move started, up after the hold"
+            f"layer {self.layer} expert {self.expert} moved live {self.source} -> {self.target}; the orchestrator "
+            "host's link down as soon as the move started, up after the hold"
         )
 
     def run(self, platform: HostsPlatform, hold_s: float) -> Timeline:

@@ -34,9 +34,9 @@ from pathlib import Path
 import yaml
 
 from expertmesh.bench.report import BenchError
+from expertmesh.infra.console import progress
 from expertmesh.models.checkpoint import Checkpoint, MoESpec
 from expertmesh.orchestrator.migration.group_calls import GroupCallFailed, GroupChannels, GroupView
-from expertmesh.platform.data_plane import progress
 from expertmesh.store import StateStore, open_store
 
 
@@ -299,7 +299,8 @@ class ChaosPlatform:
         placement_file = self._workdir / "placement.yaml"
         placement_file.write_text(yaml.safe_dump(self.placement))
         progress(
-            f"bench chaos: redis-server on {self.redis.host}:{self.redis.port}; starting {len(self.groups)} expert groups"
+            f"bench chaos: redis-server on {self.redis.host}:{self.redis.port}; "
+            f"starting {len(self.groups)} expert groups"
         )
         self._start_groups()
         self.orchestrator = Child(

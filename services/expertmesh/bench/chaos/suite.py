@@ -133,7 +133,8 @@ def add_command(bench_commands) -> None:
     )
     p.add_argument(
         "--scenarios",
-        help=f"comma-separated subset of: {', '.join(SCENARIOS)}; with --hosts of: {', '.join(HOST_SCENARIOS)} (default: all)",
+        help=f"comma-separated subset of: {', '.join(SCENARIOS)}; "
+        f"with --hosts of: {', '.join(HOST_SCENARIOS)} (default: all)",
     )
     p.add_argument(
         "--hosts",
@@ -189,7 +190,8 @@ def _main(args: argparse.Namespace) -> int:
     )
     if "orchestrator-cut-off-mid-migration" in options.scenarios and options.groups < 3:
         raise BenchError(
-            "orchestrator-cut-off-mid-migration needs --groups 3 or more: it moves an expert to a group that does not hold it"
+            "orchestrator-cut-off-mid-migration needs --groups 3 or more: "
+            "it moves an expert to a group that does not hold it"
         )
     if args.hosts and args.in_bed is None:
         return _run_in_bed(options)

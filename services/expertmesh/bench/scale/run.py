@@ -171,7 +171,8 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
     table = _table_from_shares(first.placement.shares, gpu_ids)
     initial_shares = table_shares(table, groups, model.moe_layers, model.num_experts)
     progress(
-        f"{case.name}: first plan {plan_wall_s:.2f} s wall, {len(table.replicas)} pairs, {sum(map(len, table.replicas.values()))} replicas"
+        f"{case.name}: first plan {plan_wall_s:.2f} s wall, {len(table.replicas)} pairs, "
+        f"{sum(map(len, table.replicas.values()))} replicas"
     )
 
     # -- the store, the groups, the routers, the executor ------------------------------------------

@@ -1,4 +1,4 @@
-"""``expertmesh bench scale``: the control plane simulated at DeepSeek-V3 scale (``orchestrator.scale``).
+"""``expertmesh bench scale``: the control plane simulated at DeepSeek-V3 scale (``bench.scale``).
 
 One case per (GPUs, routers): a simulated day of drifting Zipf load with the real planner, drift
 policy, migration executor and health policy. Prints one row per case and writes every figure
@@ -50,7 +50,8 @@ def cases(gpus: list[int], routers: list[int], hours: float, quick: bool, seed: 
             raise BenchError(f"--gpus: {g} GPUs do not fill nodes of 8")
         if g * costs.budget_bytes < model.pairs * model.expert_bytes:
             raise BenchError(
-                f"--gpus: {g} GPUs cannot hold {model.name}'s {model.pairs} experts in {costs.budget_bytes / 1e9:g} GB each"
+                f"--gpus: {g} GPUs cannot hold {model.name}'s {model.pairs} experts "
+                f"in {costs.budget_bytes / 1e9:g} GB each"
             )
     return [Case(model, g, r, hours, seed=seed, costs=costs) for g in gpus for r in routers]
 

@@ -123,7 +123,8 @@ def authorize(
         return Refusal(
             grpc.StatusCode.PERMISSION_DENIED,
             f"{method} is an admin call and this server accepts admin calls from loopback only, because it has no "
-            "admin identity configured; set EXPERTMESH_ADMIN_TOKEN (or _TOKEN_FILE) or EXPERTMESH_ADMIN_ALLOWED_CNS on it",
+            "admin identity configured; set EXPERTMESH_ADMIN_TOKEN (or _TOKEN_FILE) or "
+            "EXPERTMESH_ADMIN_ALLOWED_CNS on it",
         )
     presented = [v for k, v in metadata if k == "authorization"]
     token = None

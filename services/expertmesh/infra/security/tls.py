@@ -30,7 +30,8 @@ def server_credentials(tls: TlsConfig, require_client_cert: bool) -> grpc.Server
         raise SecurityMisconfigured("a TLS server needs EXPERTMESH_TLS_CERT_FILE and EXPERTMESH_TLS_KEY_FILE")
     if require_client_cert and tls.ca_file is None:
         raise SecurityMisconfigured(
-            "this server requires client certificates (mutual TLS): set EXPERTMESH_TLS_CA_FILE to the CA that signs them"
+            "this server requires client certificates (mutual TLS): "
+            "set EXPERTMESH_TLS_CA_FILE to the CA that signs them"
         )
     return grpc.ssl_server_credentials(
         [(_read(tls.key_file, "private key"), _read(tls.cert_file, "certificate"))],

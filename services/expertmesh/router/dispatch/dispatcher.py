@@ -1,11 +1,12 @@
-"""Remote experts: transformers' ExpertsInterface implementation ``"expertmesh"``.
+"""Remote experts: each MoE layer's routed-experts call, sent to the expert groups that hold its experts
+(``experts_impl`` registers the call with transformers).
 
 Every MoE block of the router's model keeps its stock gate (and shared
 experts); only the routed-experts call lands here. Dispatch has three parts:
 
 1. ``routing_view.RoutingView``: the current routing-table version as tensors,
    validated (no expert left unhosted) and swapped in with one assignment;
-2. ``dispatch_plan.plan_layer``: pure, which tokens with which masked expert ids
+2. ``layer_plan.plan_layer``: pure, which tokens with which masked expert ids
    and weights go to which group (replicated experts split by share);
 3. ``transport.Transport``: carries one request to one group (shared memory for
    a group on this host, a gRPC stream otherwise; see ``router.transport``).
@@ -45,8 +46,6 @@ import grpc
 import torch
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
-from torch import nn
-from transformers.integrations.moe import ExpertsInterface
 
 from expertmesh.contracts.errors import (
     BadGroupResponse,
@@ -73,8 +72,6 @@ from expertmesh.router.transport.base import build as build_transport
 from expertmesh.store import StateStore
 
 log = logging.getLogger(__name__)
-
-IMPLEMENTATION = "expertmesh"
 
 #: Serving an expert whose every replica is quarantined: ``next_best`` makes the gate pick the next-best
 #: expert in its slot; ``renormalise`` drops the slot and scales the token's other experts up.
@@ -147,7 +144,8 @@ class ExpertDispatcher:
         #: called with the new version after every table switch (the router's heartbeat)
         self._on_switch = on_switch
         self._refresh_lock = threading.Lock()  # one refresh at a time (held over store reads)
-        #: guards ``view``, ``_pending`` and ``_steps_in_flight``; never held over I/O, so a step never waits on the store
+        #: guards ``view``, ``_pending`` and ``_steps_in_flight``; never held over I/O, so a step never waits on
+        #: the store
         self._view_lock = threading.Lock()
         self.view: RoutingView | None = None
         #: a view built while a serving step ran: swapped in at the next step boundary (``begin_step``)
@@ -605,12 +603,3 @@ def _add_rows(out: torch.Tensor, tokens: torch.Tensor, partial: torch.Tensor) ->
     if tokens.device != out.device:
         tokens, partial = tokens.to(out.device), partial.to(out.device)
     out.index_add_(0, tokens, partial)
-
-
-def _remote_experts_forward(
-    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    return module._expertmesh_dispatcher.experts(module._expertmesh_layer, hidden_states, top_k_index, top_k_weights)
-
-
-ExpertsInterface.register(IMPLEMENTATION, _remote_experts_forward)

@@ -145,8 +145,8 @@ def read_profiles_file(path: str | Path) -> dict[str, DomainProfile]:
         document = list(document.values())
     if not isinstance(document, list) or not document:
         raise ProfileFileError(
-            f"profiles file {path}: expected a non-empty JSON list of profile records (as `expertmesh profile build --out` "
-            "writes)"
+            f"profiles file {path}: expected a non-empty JSON list of profile records "
+            "(as `expertmesh profile build --out` writes)"
         )
     profiles: dict[str, DomainProfile] = {}
     for number, record in enumerate(document, 1):
@@ -163,7 +163,8 @@ def read_profiles_file(path: str | Path) -> dict[str, DomainProfile]:
     for other in rest:
         if other.moe_layers != first.moe_layers or other.share.shape != first.share.shape:
             raise ProfileFileError(
-                f"profiles file {path}: the profiles of {first.domain!r} and {other.domain!r} were built on different models"
+                f"profiles file {path}: the profiles of {first.domain!r} and {other.domain!r} "
+                "were built on different models"
             )
     return profiles
 

@@ -1,1 +1,3 @@
-"""How one group's share of a MoE layer reaches it: the interface (``base``), unary gRPC (``unary``), one stream per group (``stream``), shared memory on one host (``local``) and the default that picks the fastest that works (``auto``); ``build`` makes one by name."""
+"""How one group's share of a MoE layer reaches it: the interface and unary gRPC (``base``), one stream
+per group (``stream``), shared memory on one host (``local``) and the default that picks the fastest that works
+(``auto``); ``base.build`` makes one by name."""

@@ -6,7 +6,7 @@ reached. The group's answer carries the boot id of its kernel; only when that is
 this router's (same host) and the group's socket files exist here are the
 same-host paths tried. A group's calls then go, in order of preference:
 
-1. through shared memory (``transport_local``; CUDA IPC for tensors on the
+1. through shared memory (``local``; CUDA IPC for tensors on the
    group's GPU), unless ``shared_memory`` is off (the ``grpc`` transport);
 2. on a gRPC stream over the group's unix socket (same host);
 3. on a gRPC stream over TCP: the portable path between hosts;

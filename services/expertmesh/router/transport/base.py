@@ -5,17 +5,17 @@ transport only carries one ``GroupRequest`` to one named group and brings back a
 ``GroupReply`` (the partial sums as the group sent them, unchecked) or raises
 ``TransportError`` with a gRPC status code. Paths, fastest first:
 
-- ``transport_local.LocalPath``: the group is on this host; tensors in a shared
+- ``local.LocalPath``: the group is on this host; tensors in a shared
   buffer (a memfd, or CUDA IPC for a router whose tensors are on the group's GPU),
   a small frame on a unix socket;
-- ``transport_stream.StreamPath``: one long-lived gRPC stream per group with
+- ``stream.StreamPath``: one long-lived gRPC stream per group with
   raw-bytes frames, over the group's unix socket when it is on this host: the
   portable path between hosts;
 - ``GrpcTransport``: unary Dispatch calls (what any group speaks).
 
 ``build`` makes a transport by name (``TRANSPORTS``): ``auto`` (the default)
 picks per group the fastest path that works and falls back on any error of a
-path (``transport_auto``); ``grpc`` the same without shared memory; ``grpc-unary``
+path (``auto``); ``grpc`` the same without shared memory; ``grpc-unary``
 unary calls only.
 """
 

@@ -2,7 +2,7 @@
 
 A unary call sets up an RPC per layer per group and copies every tensor into
 and out of protobuf; here each call is one frame on a stream opened once
-(``wire_frames``: a small header, then the tensors' raw bytes), and a reader
+(``contracts.frames``: a small header, then the tensors' raw bytes), and a reader
 thread hands each answer to the call with its id. Calls to one group may overlap;
 the group answers them in order. The stream is opened on the channel without
 tracing interceptors (a span as long as the stream would mean nothing): each

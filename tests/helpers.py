@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 
 def free_port() -> int:
@@ -214,3 +215,17 @@ def environment_without_gpu_machine_absentees(tmp_path) -> dict[str, str]:
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(_ABSENT)
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+
+
+class StepDispatcher:
+    """What the serving engine needs of the dispatcher when the model computes its experts itself (a stock
+    experts implementation): a step boundary and a step context."""
+
+    step_deadline = None
+
+    def begin_step(self):
+        pass
+
+    @contextmanager
+    def serving_step(self, positions, links=(), routing=None):
+        yield

@@ -11,7 +11,6 @@ stand in for the router's model, so no expert group is needed."""
 import dataclasses
 import threading
 import types
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, Generat
 from expertmesh.serving.forward import FULL, SLIDING, Chunk, MaskSpec, Rows, pack
 from expertmesh.serving.kv_cache import KVPool
 from expertmesh.serving.sampling import SamplingParams
-from helpers import stock_greedy
+from helpers import StepDispatcher, stock_greedy
 
 RECORDING = "expertmesh_test_recording"
 CALLS: list[tuple[int, int]] = []  # (thread id, tokens) of every experts call
@@ -38,19 +37,6 @@ def _recording_experts(module, hidden, top_k_index, top_k_weights):  # hidden [T
 
 
 ExpertsInterface.register(RECORDING, _recording_experts)
-
-
-class StepDispatcher:
-    """What the engine needs of the dispatcher when the experts are local: a refresh and a step context."""
-
-    step_deadline = None
-
-    def begin_step(self):
-        pass
-
-    @contextmanager
-    def serving_step(self, positions, links=(), routing=None):
-        yield
 
 
 @pytest.fixture(scope="module")

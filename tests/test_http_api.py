@@ -25,11 +25,12 @@ import grpc
 import httpx2
 import openai
 import pytest
+import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from expertmesh.client import Client
 from expertmesh.config.settings import ServingConfig, TlsConfig
@@ -312,12 +313,20 @@ def _long(n):
 COMPLETION_ERRORS = [
     ({"n": 2}, "n", "unsupported_parameter"),
     ({"best_of": 3}, "best_of", "unsupported_parameter"),
-    ({"echo": True}, "echo", "unsupported_parameter"),
     ({"suffix": "end"}, "suffix", "unsupported_parameter"),
-    ({"logprobs": 1}, "logprobs", "unsupported_parameter"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
-    ({"presence_penalty": -1}, "presence_penalty", "unsupported_parameter"),
-    ({"logit_bias": {"5": 10}}, "logit_bias", "unsupported_parameter"),
+    ({"logprobs": 21}, "logprobs", "invalid_value"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),
+    ({"presence_penalty": -3}, "presence_penalty", "invalid_value"),
+    ({"logit_bias": {"five": 10}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {str(VOCAB): 1}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "invalid_value"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ({"min_tokens": -1}, "min_tokens", "invalid_value"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", "invalid_value"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "invalid_value"),
+    ({"stop_token_ids": [VOCAB]}, "stop_token_ids", "invalid_value"),
+    ({"stop_token_ids": [1] * 65}, "stop_token_ids", "invalid_value"),
     ({"temperature": "hot"}, "temperature", "invalid_type"),
     ({"temperature": 2.5}, "temperature", "invalid_value"),
     ({"temperature": 0.001}, "temperature", "invalid_value"),
@@ -352,8 +361,8 @@ CHAT_ERRORS = [
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
-    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
-    ({"top_logprobs": 2}, "top_logprobs", "unsupported_parameter"),
+    ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ({"max_completion_tokens": CAP + 1}, "max_completion_tokens", "invalid_value"),
     ({"n": 3}, "n", "unsupported_parameter"),
     ({}, "messages", "chat_template_missing"),  # a valid request: the byte tokenizer has no chat template
@@ -608,7 +617,7 @@ def served(tmp_path_factory, shared_ray_address):
     up = Up("--model", str(path), "--http-port", "0", "--ray-address", shared_ray_address)
     try:
         url = up.wait_for_stderr(r"OpenAI-compatible HTTP API on (\S+)/v1").group(1)
-        yield SimpleNamespace(up=up, url=url, model=path.name, tokenizer=tokenizer)
+        yield SimpleNamespace(up=up, url=url, model=path.name, tokenizer=tokenizer, path=path)
     finally:
         if up.proc.poll() is None:
             up.stop()
@@ -645,6 +654,127 @@ def test_greedy_completions_equal_the_grpc_apis(served, prompt):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == _REASON[done.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == done.completion_tokens
+
+
+@pytest.mark.slow
+def test_logits_controls_equal_the_grpc_apis(served):
+    """OpenAI's logit_bias and penalties, and vLLM's extras, through the official client: the gRPC API's
+    tokens for the same controls (which tests/test_serving.py holds to transformers' processors)."""
+    prompt = [5, 17, 99, 3, 250, 42]
+    text, done = _grpc(
+        served,
+        prompt,
+        max_new_tokens=12,
+        stop_at_eos=False,
+        logit_bias={17: 3.0, 99: -5.0},
+        frequency_penalty=0.8,
+        presence_penalty=0.4,
+        repetition_penalty=1.2,
+        min_tokens=6,
+    )
+    client = _openai(served.url)
+    whole = client.completions.create(
+        model=served.model,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        logit_bias={"17": 3.0, "99": -5.0},
+        frequency_penalty=0.8,
+        presence_penalty=0.4,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "min_tokens": 6},
+    )
+    assert whole.choices[0].text == text and whole.usage.completion_tokens == done.completion_tokens == 12
+    plain, _ = _grpc(served, prompt, max_new_tokens=12, stop_at_eos=False)
+    assert text != plain, "the controls changed the completion"
+    a = served.tokenizer.convert_tokens_to_ids("A")
+    forced = client.completions.create(
+        model=served.model, prompt=prompt, max_tokens=5, temperature=0, logit_bias={str(a): 100}
+    )
+    assert forced.choices[0].text == "A" * 5  # +100 outweighs any logit of the random model
+
+
+@pytest.mark.slow
+def test_logprobs_equal_the_grpc_apis_and_stock_transformers(served):
+    """Completions (``logprobs``: N) and chat (``logprobs``, ``top_logprobs``), whole and streamed, through the
+    official client: the gRPC API's log-probabilities, which are stock transformers' log-softmax."""
+    prompt = [5, 17, 99, 3, 250, 42]
+    with Client(served.up.target, timeout=120) as grpc_client:
+        chunks = list(grpc_client.generate(prompt, max_new_tokens=6, stop_at_eos=False, logprobs=3))
+    tokens = [t for c in chunks for t in c.token_ids]
+    entries = [e for c in chunks for e in c.logprobs]
+    assert [e.token_id for e in entries] == tokens and all(len(e.top) == 3 for e in entries)
+    stock = AutoModelForCausalLM.from_pretrained(served.path, experts_implementation="eager").eval()
+    with torch.no_grad():
+        expected = stock(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    for i, e in enumerate(entries):
+        assert abs(e.logprob - float(expected[i, e.token_id])) < 1e-4
+        assert [t.token_id for t in e.top] == expected[i].topk(3).indices.tolist()
+        assert tokens[i] == e.top[0].token_id  # greedy: the chosen token is the most likely one
+    client = _openai(served.url)
+    whole = client.completions.create(
+        model=served.model, prompt=prompt, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == [served.tokenizer.decode([t]) for t in tokens]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in entries], abs=1e-6)
+    assert [list(top.values()) for top in lp.top_logprobs] == [
+        pytest.approx([t.logprob for t in e.top], abs=1e-6) for e in entries
+    ]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(tokens))]
+    streamed = client.completions.create(
+        model=served.model,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.token_logprobs] == lp.token_logprobs
+    assert [o for p in pieces for o in p.text_offset] == lp.text_offset
+    chat = client.chat.completions.create(
+        model=served.model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.bytes == list(c.token.encode()) and c.logprob <= 0 for c in content)
+    plain = client.completions.create(model=served.model, prompt=prompt, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.slow
+def test_echo_returns_the_prompt_with_its_logprobs_as_the_score_api_gives_them(served):
+    """lm-eval's loglikelihood request (``echo``, ``logprobs``, one new token): the prompt's tokens carry the
+    gRPC Score API's log-probabilities (the first none), then the completion's own."""
+    prompt = [5, 17, 99, 3, 250, 42]
+    client = _openai(served.url)
+    with Client(served.up.target, timeout=120) as grpc_client:
+        scores = list(grpc_client.score(prompt).token_scores)
+    plain = client.completions.create(model=served.model, prompt=prompt, max_tokens=3, temperature=0, logprobs=1)
+    echoed = client.completions.create(
+        model=served.model, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True
+    )
+    choice, generated = echoed.choices[0], plain.choices[0]
+    assert choice.text == served.tokenizer.decode(prompt) + generated.text
+    lp = choice.logprobs
+    assert lp.tokens[: len(prompt)] == [served.tokenizer.decode([t]) for t in prompt]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(scores[1:], abs=1e-5)
+    assert lp.token_logprobs[len(prompt) :] == pytest.approx(generated.logprobs.token_logprobs, abs=1e-6)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    text = client.completions.create(model=served.model, prompt="Hello", max_tokens=2, temperature=0, echo=True)
+    assert text.choices[0].text.startswith("Hello") and text.choices[0].logprobs is None
+    stream = client.completions.create(
+        model=served.model, prompt="Hello", max_tokens=2, temperature=0, echo=True, stream=True
+    )
+    pieces = [c.choices[0].text for c in stream if c.choices]
+    assert pieces[0] == "Hello" and "".join(pieces) == text.choices[0].text
 
 
 @pytest.mark.slow
@@ -729,8 +859,7 @@ def test_bad_requests_through_the_openai_client(served):
     client = _openai(served.url)
     cases = [
         ({"n": 2}, openai.BadRequestError, "n"),
-        ({"logprobs": 2}, openai.BadRequestError, "logprobs"),
-        ({"echo": True}, openai.BadRequestError, "echo"),
+        ({"logprobs": 30}, openai.BadRequestError, "logprobs"),
         ({"best_of": 2}, openai.BadRequestError, "best_of"),
         ({"suffix": "!"}, openai.BadRequestError, "suffix"),
         ({"temperature": -1}, openai.BadRequestError, "temperature"),

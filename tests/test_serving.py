@@ -69,6 +69,40 @@ def test_greedy_matches_stock_transformers(client, checkpoint):
     assert _tokens(client, prompt, 12) == ids[len(prompt) :]
 
 
+def test_logits_controls_over_grpc_match_transformers_processors(client, checkpoint):
+    """A repetition penalty, and a logit bias, through the platform's groups give the tokens transformers'
+    own processors give (each alone: both at once, in vLLM's order, is tests/test_logits_controls.py's); a
+    stop token id ends the completion before it."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    prompt = [5, 17, 99, 3, 250, 42]
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, experts_implementation="eager").eval()
+    options = dict(max_new_tokens=10, stop_at_eos=False)
+    cases = {
+        "penalty": ({"repetition_penalty": 1.5}, RepetitionPenaltyLogitsProcessor(1.5)),
+        "bias": ({"logit_bias": {17: 1.0, 3: -2.0}}, SequenceBiasLogitsProcessor([[[17], 1.0], [[3], -2.0]])),
+    }
+    for name, (controls, processor) in cases.items():
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(10):
+                scores = LogitsProcessorList([processor])(torch.tensor([ids]), stock(torch.tensor([ids])).logits[:, -1])
+                ids.append(int(scores[0].argmax()))
+        assert _tokens_with(client, prompt, **controls, **options) == ids[len(prompt) :], name
+    plain = _tokens(client, prompt, 10)
+    stopped = list(client.generate(prompt, stop_token_ids=[plain[5]], **options))
+    assert stopped[-1].finish_reason == "stop"
+    assert [t for c in stopped for t in c.token_ids] == plain[: plain.index(plain[5])]
+
+
+def _tokens_with(client, prompt, **options):
+    return [t for c in client.generate(prompt, **options) for t in c.token_ids]
+
+
 def test_concurrent_requests_share_steps_and_match_running_alone(client, server):
     requests = [([(7 * i + j) % 250 + 3 for j in range(3 + 4 * i)], 6 + 3 * i) for i in range(10)]
     alone = [_tokens(client, prompt, n) for prompt, n in requests]
@@ -170,6 +204,12 @@ def _bad_generate_requests():
         "top_p zero": (r(top_p=0.0), "top_p must be in (0, 1]"),
         "top_p above one": (r(top_p=1.5), "top_p must be in (0, 1]"),
         "token outside vocab": (r(prompt=[1, 300, 7]), "token ids [300] are outside the vocabulary (0-299)"),
+        "bias outside vocab": (r(logit_bias={300: 1.0}), "logit_bias token ids [300] are outside the vocabulary"),
+        "bias too large": (r(logit_bias={5: 150.0}), "logit_bias values must be in [-100, 100], got 150.0"),
+        "stop id outside vocab": (r(stop_token_ids=[301]), "stop_token_ids [301] are outside the vocabulary (0-299)"),
+        "min_tokens above max": (r(min_tokens=5), "min_tokens 5 is more than max_new_tokens 4"),
+        "repetition penalty 0": (r(repetition_penalty=0.0), "repetition_penalty must be > 0 and finite, got 0.0"),
+        "frequency penalty 3": (r(frequency_penalty=3.0), "frequency_penalty must be in [-2, 2], got 3.0"),
     }
 
 

@@ -17,8 +17,8 @@ be reached, ...).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Sequence, TypedDict, Unpack
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Mapping, Sequence, TypedDict, Unpack
 
 from expertmesh.config.settings import TlsConfig
 from expertmesh.infra.security.tls import secure_or_insecure_channel
@@ -34,6 +34,9 @@ class Chunk:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: one per token of ``token_ids`` when the request asked (``logprobs``): its log-probability and the
+    #: most likely tokens' ``TopLogprob``s
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
 
 
 _REASONS = {
@@ -55,6 +58,14 @@ class GenerateOptions(TypedDict, total=False):
     seed: int | None
     stop: Sequence[str]  # stop sequences
     stop_at_eos: bool  # default True
+    stop_token_ids: Sequence[int]  # token ids that end the completion as EOS does
+    #: token id -> bias in [-100, 100], added to its logit (OpenAI's logit_bias)
+    logit_bias: Mapping[int, float]
+    min_tokens: int  # new tokens before EOS or a stop token id may end the completion
+    repetition_penalty: float | None  # > 0; unset: 1 (none)
+    frequency_penalty: float  # in [-2, 2], over the tokens generated (OpenAI's)
+    presence_penalty: float  # in [-2, 2], over the tokens generated (OpenAI's)
+    logprobs: int | None  # each new token's log-probability and this many most likely tokens' (0-20)
     request_id: str
     #: a policy name (its default parameters) or a ``RoutingPolicy`` message; unset: the server's default
     routing_policy: str | pb.RoutingPolicy | None
@@ -80,12 +91,29 @@ def generate_request(
     seed: int | None = None,
     stop: Sequence[str] = (),
     stop_at_eos: bool = True,
+    stop_token_ids: Sequence[int] = (),
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logprobs: int | None = None,
     request_id: str = "",
     routing_policy: str | pb.RoutingPolicy | None = None,
     domain: str | None = None,
 ) -> pb.GenerateRequest:
     """The ``GenerateRequest`` of ``GenerateOptions``."""
-    request = pb.GenerateRequest(stop=list(stop), stop_at_eos=stop_at_eos, request_id=request_id)
+    request = pb.GenerateRequest(
+        stop=list(stop), stop_at_eos=stop_at_eos, stop_token_ids=list(stop_token_ids), request_id=request_id
+    )
+    request.sampling.logit_bias.update(logit_bias or {})
+    request.sampling.min_tokens = min_tokens
+    request.sampling.frequency_penalty = frequency_penalty
+    request.sampling.presence_penalty = presence_penalty
+    if repetition_penalty is not None:
+        request.sampling.repetition_penalty = repetition_penalty
+    if logprobs is not None:
+        request.logprobs = logprobs
     _set_routing(request, routing_policy, domain)
     if isinstance(prompt, str):
         request.text = prompt
@@ -135,7 +163,7 @@ def _chunk(response: pb.GenerateResponse) -> Chunk:
     if response.WhichOneof("event") == "finished":
         f = response.finished
         return Chunk([], "", _REASONS.get(f.reason), f.usage.prompt_tokens, f.usage.completion_tokens)
-    return Chunk(list(response.delta.token_ids), response.delta.text)
+    return Chunk(list(response.delta.token_ids), response.delta.text, logprobs=list(response.delta.logprobs))
 
 
 class Client:

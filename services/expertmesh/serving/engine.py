@@ -69,7 +69,15 @@ from expertmesh.router.policy.routing_policy import RequestRouting, step_routing
 from expertmesh.serving.forward import SLIDING, Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
 from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, blocks_for, prefix_hashes
 from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, token_bytes
-from expertmesh.serving.sampling import SamplingParams, greedy_tokens, make_generator, next_token, require_finite
+from expertmesh.serving.sampling import (
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    controlled,
+    greedy_tokens,
+    make_generator,
+    next_token,
+    require_finite,
+)
 from expertmesh.serving.schedule import step_tokens
 from expertmesh.serving.text_stream import TextStream
 
@@ -84,18 +92,35 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     stop_at_eos: bool = True
+    #: token ids that end the sequence as its EOS does (not returned; vLLM's ``stop_token_ids``)
+    stop_token_ids: tuple[int, ...] = ()
     #: time.monotonic() after which the request fails with DEADLINE_EXCEEDED
     deadline: float | None = None
     #: run the prompt only and report its logits (the Score API)
     score_only: bool = False
     #: its routing policy and domain (None: the stock gate, no domain)
     routing: RequestRouting | None = None
+    #: report each new token's log-probability and the ``logprobs`` most likely tokens' (None: none)
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (its logits' log-softmax, before any control or
+    temperature: vLLM's default), and the most likely tokens', most likely first. None: a prompt's first
+    token, which nothing predicts."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     token_ids: list[int]
     text: str
+    #: one per token of ``token_ids`` when the request asked for them
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -251,6 +276,7 @@ class Engine:
         self._kv_counts = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0, "peak": 0}
         eos = model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._vocab_size = model.config.get_text_config().vocab_size
         self._cond = threading.Condition()
         self._queued: deque[Sequence] = deque()
         self._active: list[Sequence] = []
@@ -317,6 +343,7 @@ class Engine:
     # -- requests --------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> Sequence:
+        self._check_tokens(request)
         self._check_fits(request)
         seq = Sequence(request, TextStream(self._tokenizer, request.stop), trace_context=otel_context.get_current())
         with self._cond:
@@ -330,6 +357,28 @@ class Engine:
             self._queued.append(seq)
             self._cond.notify_all()
         return seq
+
+    def _check_tokens(self, request: GenerationRequest) -> None:
+        """Token ids the request names beside its prompt (biased, stopping) must be the model's."""
+        problems = request.sampling.problems(self._vocab_size)
+        bad = [t for t in request.stop_token_ids if not 0 <= t < self._vocab_size]
+        if bad:
+            problems.append(f"stop_token_ids {bad[:5]} are outside the vocabulary (0-{self._vocab_size - 1})")
+        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            problems.append(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(request.stop_token_ids)}")
+        if problems:
+            raise InvalidRequest("; ".join(problems))
+
+    def _end_ids(self, request: GenerationRequest) -> set[int]:
+        """The token ids that end ``request``'s sequence."""
+        return {*request.stop_token_ids, *(self._eos if request.stop_at_eos else ())}
+
+    def _controlled(self, seq: Sequence, row: torch.Tensor) -> torch.Tensor:
+        """The next-token logits [V] of ``seq`` with its request's controls (``sampling.controlled``)."""
+        request = seq.request
+        if not request.sampling.controls:
+            return row
+        return controlled(row, request.sampling, request.prompt_ids, seq.generated, self._end_ids(request))
 
     def _check_fits(self, request: GenerationRequest) -> None:
         """A request the whole KV pool could not hold would wait for ever: refuse it now."""
@@ -627,7 +676,10 @@ class Engine:
         greedy = [
             i
             for i, ((seq, _), rows) in enumerate(zip(work, logits))
-            if rows is not None and not seq.request.score_only and seq.request.sampling.temperature == 0
+            if rows is not None
+            and not seq.request.score_only
+            and seq.request.sampling.temperature == 0
+            and not seq.request.sampling.controls  # chosen one by one, from their controlled logits
         ]
         picks: list[int | None] = [None] * len(work)
         for i, token in zip(greedy, greedy_tokens([logits[i][-1] for i in greedy]) or ()):
@@ -653,14 +705,17 @@ class Engine:
             seq.done = True
             return
         if token is None:
-            token = next_token(logits[-1], request.sampling, seq.generator)
+            token = next_token(self._controlled(seq, logits[-1]), request.sampling, seq.generator)
         seq.generated.append(token)
         reason = None
         if request.stop_at_eos and token in self._eos:
             reason = "eos"
             delta = TokenEvent([], "")
+        elif token in request.stop_token_ids:
+            reason = "stop"
+            delta = TokenEvent([], "")
         else:
-            delta = TokenEvent([token], seq.stream.push(token))
+            delta = TokenEvent([token], seq.stream.push(token), _logprobs(logits[-1], token, request.logprobs))
             if seq.stream.stopped:
                 reason = "stop"
             elif len(seq.generated) >= request.max_new_tokens:
@@ -668,7 +723,7 @@ class Engine:
             elif len(request.prompt_ids) + len(seq.generated) >= self.max_context:
                 reason = "context"
         if reason is not None:
-            delta = TokenEvent(delta.token_ids, delta.text + seq.stream.flush())
+            delta = TokenEvent(delta.token_ids, delta.text + seq.stream.flush(), delta.logprobs)
         if delta.token_ids or delta.text:
             seq.events.put(delta)
         if reason is not None:
@@ -686,3 +741,27 @@ class Engine:
     def _fail(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
         seq.events.put(ErrorEvent(code, message))
         seq.done = seq.failed = True
+
+
+def _logprobs(row: torch.Tensor, token: int, top: int | None) -> tuple[TokenLogprob, ...]:
+    """``token``'s log-probability under the model's logits ``row`` [V], with the ``top`` most likely (none
+    when ``top`` is None)."""
+    if top is None:
+        return ()
+    logprobs = row.float().log_softmax(-1)  # [V]
+    best = torch.topk(logprobs, min(top, logprobs.numel())) if top else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return (TokenLogprob(token, float(logprobs[token]), pairs),)
+
+
+def prompt_logprobs(prompt_ids: tuple[int, ...] | list[int], logits: torch.Tensor, top: int) -> list[TokenLogprob]:
+    """Each prompt token's log-probability given the tokens before it, from the Score logits [P, V] (row i
+    predicts token i + 1), with the ``top`` most likely; the first token's is None."""
+    logprobs = logits.float().log_softmax(-1)  # [P, V]
+    out = [TokenLogprob(prompt_ids[0], None)]
+    for i in range(1, len(prompt_ids)):
+        row = logprobs[i - 1]
+        best = torch.topk(row, min(top, row.numel())) if top else None
+        pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+        out.append(TokenLogprob(prompt_ids[i], float(row[prompt_ids[i]]), pairs))
+    return out

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from opentelemetry import propagate, trace
@@ -42,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from expertmesh.config.settings import ServingConfig
 from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.serving.async_events import sequence_events
-from expertmesh.serving.engine import ErrorEvent, Event, FinishEvent, TokenEvent
+from expertmesh.serving.engine import ErrorEvent, Event, FinishEvent, TokenEvent, TokenLogprob, prompt_logprobs
 from expertmesh.serving.openai_adapter import (
     ChatShapes,
     CompletionShapes,
@@ -105,13 +106,17 @@ class HttpApi:
         body = await self._parse(request, CompletionRequest)
         self._adapter.check_model(body.model)
         ids = await run_in_threadpool(self._adapter.completion_prompt, body.prompt)
-        return await self._generate(request, body, ids, CompletionShapes(request_id("cmpl"), body.model))
+        return await self._generate(
+            request, body, ids, CompletionShapes(request_id("cmpl"), body.model, self._adapter.token_text)
+        )
 
     async def _chat(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         self._adapter.check_model(body.model)
         ids = await run_in_threadpool(self._adapter.chat_prompt, body.messages)
-        return await self._generate(request, body, ids, ChatShapes(request_id("chatcmpl"), body.model))
+        return await self._generate(
+            request, body, ids, ChatShapes(request_id("chatcmpl"), body.model, self._adapter.token_text)
+        )
 
     async def _generate(self, request: Request, body: GenerationFields, ids: list[int], shapes: Shapes) -> Response:
         started = time.monotonic()
@@ -130,13 +135,17 @@ class HttpApi:
         streaming = False
         try:
             with trace.use_span(span, end_on_exit=False):
-                seq = self._adapter.submit(self._adapter.generation_request(body, ids, shapes.id))
+                generation = self._adapter.generation_request(body, ids, shapes.id)
+                echo = await _unless_disconnected(request, self._echo(body, ids, shapes.id)) if body.echoes else None
+                seq = self._adapter.submit(generation)
             events = sequence_events(seq)
             try:
                 if not body.streaming:
-                    text, final = await _unless_disconnected(request, _collect(events))
+                    text, logprobs, final = await _unless_disconnected(request, _collect(events))
                     self._log_finished(shapes.id, final, started)
-                    return _json(shapes.whole(text, finish_reason(final.reason), usage(final)))
+                    if echo is not None:
+                        text, logprobs = echo.text + text, [*echo.logprobs, *logprobs]
+                    return _json(shapes.whole(text, finish_reason(final.reason), usage(final), logprobs))
                 first = await _unless_disconnected(request, anext(events))
             except ClientGone:
                 log.info("request %s cancelled: the client went away", shapes.id)
@@ -145,7 +154,7 @@ class HttpApi:
                 raise ApiError.from_grpc(first.code, first.message)
             streaming = True
             return StreamingResponse(
-                self._stream(first, events, shapes, body.include_usage, started, span),
+                self._stream(first, events, shapes, body.include_usage, started, span, echo),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # no proxy may hold tokens back
             )
@@ -164,14 +173,17 @@ class HttpApi:
         include_usage: bool,
         started: float,
         span: Span,
+        echo: Echo | None = None,
     ) -> AsyncIterator[bytes]:
         event = first
         try:
             for chunk in shapes.opening():
                 yield _sse(chunk)
+            if echo is not None:
+                yield _sse(shapes.delta(echo.text, echo.logprobs))
             while isinstance(event, TokenEvent):
-                if event.text:
-                    yield _sse(shapes.delta(event.text))
+                if event.text or event.logprobs:
+                    yield _sse(shapes.delta(event.text, event.logprobs))
                 event = await anext(events)
             if isinstance(event, FinishEvent):
                 yield _sse(shapes.closing(finish_reason(event.reason)))
@@ -188,6 +200,20 @@ class HttpApi:
                 span.set_status(Status(StatusCode.ERROR, event.message))
             span.end()
             await events.aclose()  # cancels the sequence unless it ended
+
+    async def _echo(self, body: GenerationFields, ids: list[int], rid: str) -> Echo:
+        """The prompt an echoing completion starts with, and its tokens' log-probabilities when asked for (the
+        prompt scored alone, as the gRPC Score does it, before the completion is generated)."""
+        text = self._adapter.echo_text(body, ids)
+        if body.logprob_count is None:
+            return Echo(text, [])
+        seq = self._adapter.submit(self._adapter.score_request(body, ids, rid))
+        event = None
+        async for event in sequence_events(seq):  # ends with the final event
+            pass
+        if isinstance(event, ErrorEvent):
+            raise ApiError.from_grpc(event.code, event.message)
+        return Echo(text, prompt_logprobs(ids, event.logits, body.logprob_count))
 
     @staticmethod
     def _log_finished(rid: str, event: FinishEvent, started: float) -> None:
@@ -294,15 +320,25 @@ class ResponseCounter:
             self._responses.add(1, {"route": route, "status": status})
 
 
-async def _collect(events: AsyncIterator[Event]) -> tuple[str, FinishEvent]:
-    """The whole text and the finish event; an error event raises its ApiError."""
-    texts = []
+@dataclass(frozen=True)
+class Echo:
+    """What an echoing completion starts with: the prompt's text, and its tokens' log-probabilities when asked."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+async def _collect(events: AsyncIterator[Event]) -> tuple[str, list[TokenLogprob], FinishEvent]:
+    """The whole text, its tokens' log-probabilities (when asked for) and the finish event; an error event
+    raises its ApiError."""
+    texts, logprobs = [], []
     async for event in events:  # ends with the final event
         if isinstance(event, TokenEvent):
             texts.append(event.text)
+            logprobs += event.logprobs
     if isinstance(event, ErrorEvent):
         raise ApiError.from_grpc(event.code, event.message)
-    return "".join(texts), event
+    return "".join(texts), logprobs, event
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

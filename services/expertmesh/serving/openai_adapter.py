@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from expertmesh.config.settings import ServingConfig
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.router.policy.routing_policy import RequestRouting
 from expertmesh.serving.chat import chat_prompt_ids
-from expertmesh.serving.engine import Engine, FinishEvent, GenerationRequest
+from expertmesh.serving.engine import Engine, FinishEvent, GenerationRequest, TokenLogprob
 from expertmesh.serving.engine import Sequence as EngineSequence
 from expertmesh.serving.openai_errors import ApiError
 from expertmesh.serving.openai_schema import (
@@ -29,9 +29,13 @@ from expertmesh.serving.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatLogprobs,
     ChatMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     DetokenizeRequest,
     DetokenizeResponse,
     FinishReason,
@@ -130,6 +134,12 @@ class OpenAIAdapter:
         strs = self._tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.model.max_context, tokens=ids, token_strs=strs)
 
+    def token_text(self, token_id: int) -> str:
+        """A token as the log-probabilities name it: its text, or ``token_id:N`` without a tokenizer."""
+        if self._tokenizer is None:
+            return _token_id_text(token_id)
+        return self._tokenizer.decode([token_id])
+
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         """vLLM's ``/detokenize``: the text of these token ids."""
         if body.model is not None:
@@ -167,23 +177,40 @@ class OpenAIAdapter:
                 param=param,
                 code="context_length_exceeded",
             )
+        for name, ids in (("logit_bias", [t for t, _ in body.token_biases]), ("stop_token_ids", body.stop_token_ids)):
+            bad = [i for i in ids or () if i >= model.vocab_size]
+            if bad:
+                raise ApiError.bad_request(
+                    f"{name}: token ids {bad[:5]} are outside the vocabulary (0-{model.vocab_size - 1})", param=name
+                )
+        max_new = self._config.default_max_new_tokens if body.max_new_tokens is None else body.max_new_tokens
+        if (body.min_tokens or 0) > max_new:
+            raise ApiError.bad_request(
+                f"min_tokens {body.min_tokens} is more than max_tokens {max_new}", param="min_tokens"
+            )
         if body.stop and self._tokenizer is None:
             raise ApiError.bad_request(
                 "stop sequences need the model's tokenizer, and this model has none", param="stop"
             )
-        max_new = body.max_new_tokens
         routing = self._request_routing(body, prompt_ids)
         return GenerationRequest(
             request_id=request_id,
             prompt_ids=tuple(prompt_ids),
-            max_new_tokens=self._config.default_max_new_tokens if max_new is None else max_new,
+            max_new_tokens=max_new,
             sampling=SamplingParams(
                 temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
                 top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
                 top_k=body.top_k or 0,
                 seed=body.seed,
+                logit_bias=body.token_biases,
+                min_tokens=body.min_tokens or 0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                presence_penalty=body.presence_penalty or 0.0,
             ),
             stop=tuple(body.stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            logprobs=body.logprob_count,
             stop_at_eos=not body.ignore_eos,
             routing=routing,
         )
@@ -205,6 +232,22 @@ class OpenAIAdapter:
         except InvalidRequest as err:
             raise ApiError.bad_request(str(err), param=str(err).split(":", 1)[0]) from None
 
+    def echo_text(self, body: GenerationFields, prompt_ids: list[int]) -> str:
+        """The prompt as an echoing completion returns it: the text sent, or its token ids decoded."""
+        prompt = getattr(body, "prompt", None)
+        if prompt is not None and prompt.text is not None:
+            return prompt.text
+        return self._tokenizer.decode(prompt_ids) if self._tokenizer is not None else ""
+
+    def score_request(self, body: GenerationFields, prompt_ids: list[int], request_id: str) -> GenerationRequest:
+        """The prompt alone, for its tokens' log-probabilities (an echo with ``logprobs``): as the gRPC Score."""
+        return GenerationRequest(
+            request_id=f"{request_id}-prompt",
+            prompt_ids=tuple(prompt_ids),
+            score_only=True,
+            routing=self._request_routing(body, prompt_ids),
+        )
+
     def submit(self, request: GenerationRequest) -> EngineSequence:
         """The engine's sequence; a full or draining engine is a 429 or 503."""
         try:
@@ -220,25 +263,50 @@ def request_id(prefix: str) -> str:
 # -- response shapes ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"  # vLLM's name of a token when there is no tokenizer to read it
+
+
+@dataclass
 class CompletionShapes:
-    """``/v1/completions``: one ``text_completion`` object, whole or per chunk."""
+    """``/v1/completions``: one ``text_completion`` object, whole or per chunk. ``token_text`` names a token in
+    the log-probabilities."""
 
     id: str
     model: str
+    token_text: Callable[[int], str] = _token_id_text
     created: int = field(default_factory=lambda: int(time.time()))
+    #: characters of the completion before the next token, for ``text_offset``
+    _offset: int = 0
 
     def _of(self, choices: list[CompletionChoice], used: Usage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=used)
 
-    def whole(self, text: str, reason: FinishReason, used: Usage) -> Completion:
-        return self._of([CompletionChoice(text=text, finish_reason=reason)], used)
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> CompletionLogprobs | None:
+        if not logprobs:
+            return None
+        tokens = [self.token_text(t.token_id) for t in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offset)
+            self._offset += len(token)
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[t.logprob for t in logprobs],
+            top_logprobs=[
+                {self.token_text(i): lp for i, lp in t.top} if t.logprob is not None else None for t in logprobs
+            ],
+            text_offset=offsets,
+        )
+
+    def whole(self, text: str, reason: FinishReason, used: Usage, logprobs: Sequence[TokenLogprob] = ()) -> Completion:
+        return self._of([CompletionChoice(text=text, logprobs=self._logprobs(logprobs), finish_reason=reason)], used)
 
     def opening(self) -> list[Completion]:
         return []
 
-    def delta(self, text: str) -> Completion:
-        return self._of([CompletionChoice(text=text)])
+    def delta(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> Completion:
+        return self._of([CompletionChoice(text=text, logprobs=self._logprobs(logprobs))])
 
     def closing(self, reason: FinishReason) -> Completion:
         return self._of([CompletionChoice(text="", finish_reason=reason)])
@@ -247,26 +315,44 @@ class CompletionShapes:
         return self._of([], used)
 
 
-@dataclass(frozen=True)
+@dataclass
 class ChatShapes:
     """``/v1/chat/completions``: a ``chat.completion``, or ``chat.completion.chunk``s that open with the role."""
 
     id: str
     model: str
+    token_text: Callable[[int], str] = _token_id_text
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _chunk(self, choices: list[ChatChunkChoice], used: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=used)
 
-    def whole(self, text: str, reason: FinishReason, used: Usage) -> ChatCompletion:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)
+    def _top(self, token_id: int, logprob: float) -> ChatTopLogprob:
+        token = self.token_text(token_id)
+        return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs | None:
+        if not logprobs:
+            return None
+        content = []
+        for t in logprobs:
+            top = self._top(t.token_id, t.logprob)
+            content.append(ChatTokenLogprob(**top.model_dump(), top_logprobs=[self._top(i, lp) for i, lp in t.top]))
+        return ChatLogprobs(content=content)
+
+    def whole(
+        self, text: str, reason: FinishReason, used: Usage, logprobs: Sequence[TokenLogprob] = ()
+    ) -> ChatCompletion:
+        choice = ChatChoice(
+            message=AssistantMessage(content=text), logprobs=self._logprobs(logprobs), finish_reason=reason
+        )
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=used)
 
     def opening(self) -> list[ChatCompletionChunk]:
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
 
-    def delta(self, text: str) -> ChatCompletionChunk:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+    def delta(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> ChatCompletionChunk:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text), logprobs=self._logprobs(logprobs))])
 
     def closing(self, reason: FinishReason) -> ChatCompletionChunk:
         return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)])

@@ -4,24 +4,35 @@
 Requests follow OpenAI's rules: unknown fields are ignored (clients and SDKs
 send extras freely), types are strict (``"0.5"`` is not a temperature), and
 ``null`` means "the default". Fields OpenAI defines that this server cannot
-honour (``n`` > 1, ``logprobs``, ``best_of``, ``suffix``, ``echo``, penalties,
-``logit_bias``, tools, JSON modes) are refused with an error naming the field
-rather than dropped: a caller who asks for five samples must not get one.
-``top_k`` and ``ignore_eos`` (generate past the end-of-sequence token, for
-benchmarks) are extensions, as in vLLM.
+honour (``n`` > 1, ``best_of``, ``suffix``, tools, JSON
+modes) are refused with an error naming the field rather than dropped: a caller
+who asks for five samples must not get one. ``logit_bias`` and the frequency and
+presence penalties are OpenAI's; ``top_k``, ``ignore_eos`` (generate past the
+end-of-sequence token, for benchmarks), ``repetition_penalty``, ``min_tokens``
+and ``stop_token_ids`` are extensions, as in vLLM (``sampling`` says what each
+does to the logits).
 
 Shapes are left as OpenAI has them, with ``null`` where a field does not apply
-(``logprobs``, ``system_fingerprint``): SDKs parse them with their own models.
+(``logprobs`` unless asked for, ``system_fingerprint``): SDKs parse them with their own models. Log-probabilities
+are the model's (the log-softmax of its logits, before any control or temperature), as vLLM reports them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from expertmesh.serving.sampling import SamplingParams
+from expertmesh.serving.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
 from expertmesh.serving.text_stream import stop_problems
 
 #: validation context key: the server's cap on tokens generated per request
@@ -106,9 +117,15 @@ class GenerationFields(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    #: token id (a decimal string, as OpenAI's JSON has it) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
+    #: vLLM's extras: the repetition penalty (> 0, 1 is none), new tokens before EOS may end the
+    #: completion, and token ids that end it as EOS does
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     #: expertmesh extras: the request's routing policy and its query domain (see the gRPC GenerateRequest)
     #: a plain string names the policy (``{"name": ...}``), so errors name the object's fields
     routing_policy: Annotated[RoutingPolicyBody, BeforeValidator(_policy_object)] | None = None
@@ -132,23 +149,52 @@ class GenerationFields(BaseModel):
             raise _unsupported(f"n={n} (one choice per request)")
         return n
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value not in (None, 0):
-            raise _unsupported(f"a non-zero {info.field_name}")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias:
-            raise _unsupported("logit_bias")
+    def _token_biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if not bias:
+            return bias
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise PydanticCustomError(
+                "invalid_value", "at most {n} token ids, got {got}", {"n": MAX_LOGIT_BIAS_TOKENS, "got": len(bias)}
+            )
+        for token, value in bias.items():
+            if not (token.isascii() and token.isdigit()) or len(token) > 10:
+                raise PydanticCustomError(
+                    "invalid_value", "keys must be token ids (decimal integers), got {token!r}", {"token": token[:32]}
+                )
+            if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+                raise PydanticCustomError(
+                    "invalid_value",
+                    "values must be in [-100, 100], got {value} for token {token}",
+                    {"value": value, "token": token},
+                )
         return bias
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and any(i < 0 for i in ids):
+            raise PydanticCustomError("invalid_value", "token ids must be integers >= 0")
+        return ids
+
+    @property
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(token), value) for token, value in (self.logit_bias or {}).items()))
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Most likely tokens to report beside each new token's log-probability (None: no log-probabilities)."""
+        return None
+
+    @property
+    def echoes(self) -> bool:
+        """Whether the answer starts with the prompt (the legacy completions' ``echo``)."""
+        return False
 
     @property
     def streaming(self) -> bool:
@@ -189,8 +235,17 @@ class CompletionRequest(GenerationFields):
     prompt: Annotated[Prompt, BeforeValidator(_one_prompt)]
     best_of: int | None = None
     echo: bool | None = None
-    logprobs: int | None = None
+    #: each new token's log-probability and this many most likely tokens' (OpenAI's legacy API allows 5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def echoes(self) -> bool:
+        return bool(self.echo)
 
     @field_validator("best_of")
     @classmethod
@@ -198,20 +253,6 @@ class CompletionRequest(GenerationFields):
         if best_of not in (None, 1):
             raise _unsupported(f"best_of={best_of}")
         return best_of
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool | None) -> bool | None:
-        if echo:
-            raise _unsupported("echo")
-        return echo
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise _unsupported("logprobs")
-        return logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -251,26 +292,23 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     _check_completion_cap = field_validator("max_completion_tokens")(_within_cap)
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        if logprobs:
-            raise _unsupported("logprobs")
-        return logprobs
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, top: int | None) -> int | None:
-        if top is not None:
-            raise _unsupported("top_logprobs")
+    def _with_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs set to true")
         return top
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools", "functions")
     @classmethod
@@ -301,10 +339,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions API's log-probabilities: one entry per token of the choice's text."""
+
+    tokens: list[str]
+    #: None for an echoed prompt's first token, which nothing predicts
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -325,10 +373,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -350,7 +413,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

@@ -37,7 +37,7 @@ from expertmesh.serving.engine import (
     TokenEvent,
 )
 from expertmesh.serving.request_routing import RequestRouter
-from expertmesh.serving.sampling import SamplingParams
+from expertmesh.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from expertmesh.serving.text_stream import stop_problems
 from expertmesh.v1 import inference_pb2 as pb
 
@@ -144,7 +144,17 @@ class InferenceServicer:
             top_p=s.top_p if s.HasField("top_p") else 1.0,
             top_k=s.top_k,
             seed=s.seed if s.HasField("seed") else None,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            min_tokens=s.min_tokens,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
         )
+        logprobs = request.logprobs if request.HasField("logprobs") else None
+        if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs takes 0 to {MAX_TOP_LOGPROBS} most likely tokens, got {logprobs}")
+        if sampling.min_tokens > max_new:
+            raise InvalidRequest(f"min_tokens {sampling.min_tokens} is more than max_new_tokens {max_new}")
         problems = sampling.problems() + stop_problems(request.stop)
         if problems:
             raise InvalidRequest("; ".join(problems))
@@ -159,6 +169,8 @@ class InferenceServicer:
             sampling=sampling,
             stop=tuple(request.stop),
             stop_at_eos=request.stop_at_eos if request.HasField("stop_at_eos") else True,
+            stop_token_ids=tuple(request.stop_token_ids),
+            logprobs=logprobs,
             deadline=None if remaining is None else time.monotonic() + remaining,
             routing=routing,
         )
@@ -201,9 +213,7 @@ class InferenceServicer:
                     else:
                         self._itl.record(now - last)
                     last = now
-                    yield pb.GenerateResponse(
-                        request_id=request.request_id, delta=pb.TokenDelta(token_ids=event.token_ids, text=event.text)
-                    )
+                    yield pb.GenerateResponse(request_id=request.request_id, delta=_delta(event))
                 elif isinstance(event, FinishEvent):
                     self._duration.record(now - started)
                     span.set_attributes(
@@ -373,3 +383,18 @@ class InferenceServer:
         self._grpc.stop()
         self.engine.stop()
         return drained
+
+
+def _delta(event: TokenEvent) -> pb.TokenDelta:
+    return pb.TokenDelta(
+        token_ids=event.token_ids,
+        text=event.text,
+        logprobs=[
+            pb.TokenLogprob(
+                token_id=t.token_id,
+                logprob=t.logprob,
+                top=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in t.top],
+            )
+            for t in event.logprobs
+        ],
+    )

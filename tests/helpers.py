@@ -229,3 +229,17 @@ class StepDispatcher:
     @contextmanager
     def serving_step(self, positions, links=(), routing=None):
         yield
+
+
+def bare_dispatcher(store, moe_layers, transport="auto", *, on_switch=None, model=None, **kwargs):
+    """A router's layer dispatcher without a model, over a table watcher of its own that is not started (each
+    step boundary reads the store; ``dispatcher.watcher.start()`` for the thread). ``on_switch``: called with
+    each version switched to, where a router's heartbeat is; ``model``: the ModelIdentity tables must match."""
+    from types import SimpleNamespace
+
+    from expertmesh.router.assembly import assemble_router
+    from expertmesh.router.transport.base import build
+
+    heartbeat = SimpleNamespace(beat=on_switch) if on_switch is not None else None
+    transport = build(transport) if isinstance(transport, str) else transport
+    return assemble_router(store, moe_layers, transport, heartbeat=heartbeat, identity=model, **kwargs).dispatcher

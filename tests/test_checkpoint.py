@@ -10,9 +10,7 @@ from transformers import AutoModelForCausalLM
 from expertmesh.contracts.errors import CheckpointError
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.models.tiny import MOE_ARCHITECTURES
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
 from expertmesh.router.model import build_router_model
-from expertmesh.store import open_store
 
 
 def _stock_experts(path, layer):
@@ -51,7 +49,7 @@ def test_spec_of_deepseek_skips_dense_layers(tiny_checkpoints):
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 def test_router_model_holds_no_routed_expert_weights(tiny_checkpoints, arch):
     ckpt = Checkpoint(tiny_checkpoints(arch))
-    model = build_router_model(ckpt, ExpertDispatcher(open_store(), ckpt.spec.moe_layers), torch.float32)
+    model = build_router_model(ckpt, torch.float32)
     names = [n for n, _ in model.named_parameters()]
     assert not [n for n in names if ".experts." in n]
     for _, module in experts_modules(model).values():
@@ -64,7 +62,7 @@ def test_router_model_holds_no_routed_expert_weights(tiny_checkpoints, arch):
 
 def test_bfloat16_router_keeps_fp32_gates_like_from_pretrained(tiny_checkpoints):
     ckpt = Checkpoint(tiny_checkpoints("deepseek_v3"))
-    model = build_router_model(ckpt, ExpertDispatcher(open_store(), ckpt.spec.moe_layers), torch.bfloat16)
+    model = build_router_model(ckpt, torch.bfloat16)
     stock = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.bfloat16)
     stock_dtypes = {n: p.dtype for n, p in stock.named_parameters() if ".experts." not in n}
     assert {n: p.dtype for n, p in model.named_parameters()} == stock_dtypes

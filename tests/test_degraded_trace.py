@@ -29,9 +29,9 @@ from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.expert_group.service import start_server
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.hosted_experts import HostedExperts
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
-from expertmesh.router.model import build_router_model
+from expertmesh.router.assembly import assemble_router
 from expertmesh.router.policy.gate_hook import find_gates
+from expertmesh.router.transport.base import build as build_transport
 from expertmesh.serving import engine as engine_module
 from expertmesh.serving.engine import Engine, EngineLimits, GenerationRequest
 from expertmesh.store import QuarantinedReplica, open_store
@@ -73,11 +73,13 @@ def test_only_the_request_whose_tokens_fell_back_is_marked_degraded(checkpoint, 
         RoutingTable.from_placement(placement, num_experts=checkpoint.spec.num_experts, version=1)
     )
     store.set_quarantined(QuarantinedReplica(LAYER, EXPERT, "g0", "quarantined", "test", time.time(), withdrawn=False))
-    dispatcher = ExpertDispatcher(store, checkpoint.spec.moe_layers, fallback=fallback)
-    model = build_router_model(checkpoint, dispatcher, torch.float32)
-    dispatcher.refresh()
-    dispatcher.refresh_quarantine()
-    assert dispatcher.view.fallback == {LAYER: frozenset({EXPERT})}
+    router = assemble_router(
+        store, checkpoint.spec.moe_layers, build_transport("auto"), checkpoint=checkpoint, fallback=fallback
+    )
+    dispatcher, model = router.dispatcher, router.model
+    router.watcher.refresh()
+    router.watcher.refresh_quarantine()
+    assert router.watcher.view.fallback == {LAYER: frozenset({EXPERT})}
 
     candidates = [(t, t + 7, t + 3) for t in range(3, 60)]
     picks = {p: stock_picks(checkpoint, p) for p in candidates[:12]}

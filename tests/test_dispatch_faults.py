@@ -39,11 +39,11 @@ from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.router.dispatch.circuit import CircuitBreakers
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
 from expertmesh.router.dispatch.heartbeat import Heartbeat
 from expertmesh.router.dispatch.table_watcher import TableWatcher
 from expertmesh.router.transport import base as transports
 from expertmesh.store import QuarantinedReplica, open_store
+from helpers import bare_dispatcher
 
 LAYERS = (0, 1)
 
@@ -105,7 +105,7 @@ def transport(request):
 
 
 def _dispatcher(store, transport, **kwargs):
-    return ExpertDispatcher(store, LAYERS, transport=transports.build(transport), **kwargs)
+    return bare_dispatcher(store, LAYERS, transport, **kwargs)
 
 
 def _start(name, checkpoint, pairs, servicer_cls=ExpertGroupServicer):
@@ -245,12 +245,12 @@ def test_a_vanished_group_fails_over_or_fails_unavailable(cluster, tiny_checkpoi
     store = _store(cluster, replicas_of_high=("g3", "g2"))
     store.set_endpoint("g3", f"127.0.0.1:{server.port}")
     dispatcher = _dispatcher(store, transport, timeout_s=1.0)
-    dispatcher.refresh()
+    dispatcher.watcher.refresh()
     server.stop(0)
     _check_exact(dispatcher, cluster[1])
 
     _publish(store, ("g3",))
-    dispatcher.refresh()
+    dispatcher.watcher.refresh()
     with pytest.raises(GroupUnavailable, match="expert group g3 at 127.0.0.1:.* failed layer 1: UNAVAILABLE"):
         dispatcher.dispatch(1, *_inputs())
     assert set(dispatcher.queue_depths().values()) == {0}
@@ -260,20 +260,20 @@ def test_a_vanished_group_fails_over_or_fails_unavailable(cluster, tiny_checkpoi
 def test_a_table_leaving_an_expert_unhosted_is_refused_and_the_last_good_one_stays(cluster, transport):
     store = _store(cluster)
     dispatcher = _dispatcher(store, transport)
-    dispatcher.refresh()
-    good = dispatcher.table.version
+    dispatcher.watcher.refresh()
+    good = dispatcher.watcher.table.version
     _publish(store, ("g1", "g2"), drop=[(1, 3)])
-    dispatcher.refresh()
-    assert dispatcher.table.version == good
+    dispatcher.watcher.refresh()
+    assert dispatcher.watcher.table.version == good
     _check_exact(dispatcher, cluster[1])
     _publish(store, ("g2",))
-    dispatcher.refresh()
-    assert dispatcher.table.version == good + 2
+    dispatcher.watcher.refresh()
+    assert dispatcher.watcher.table.version == good + 2
 
     fresh_store = open_store("memory://")
     _publish(fresh_store, ("g2",), drop=[(0, 2)])
     with pytest.raises(UnhostedExperts, match="0/2"):
-        _dispatcher(fresh_store, transport).refresh()
+        _dispatcher(fresh_store, transport).watcher.refresh()
     dispatcher.close()
 
 
@@ -298,28 +298,28 @@ def test_a_table_for_another_model_is_refused_and_the_last_good_one_stays(cluste
     status OK, and one listing expert 7 failed every step with an IndexError (INTERNAL)."""
     store = _store(cluster)
     dispatcher = _dispatcher(store, transport, model=MODEL)
-    dispatcher.refresh()
-    good = dispatcher.table.version
+    dispatcher.watcher.refresh()
+    good = dispatcher.watcher.table.version
     low = {(layer, e): ("g0",) for layer in LAYERS for e in (0, 1)}
     bad_tables = {
         "2 experts per layer, not 4": RoutingTable(good + 1, 2, low),
         "pairs this model does not have": RoutingTable(
-            good + 2, 4, {**dispatcher.table.replicas, (1, 7): ("g0",)}, model=MODEL
+            good + 2, 4, {**dispatcher.watcher.table.replicas, (1, 7): ("g0",)}, model=MODEL
         ),
         "checkpoint fingerprint ffffffffffffffff": RoutingTable(
-            good + 3, 4, dispatcher.table.replicas, model=ModelIdentity("ffffffffffffffff", LAYERS, 4)
+            good + 3, 4, dispatcher.watcher.table.replicas, model=ModelIdentity("ffffffffffffffff", LAYERS, 4)
         ),
         "MoE layers 0-2, not 0,1": RoutingTable(
-            good + 4, 4, dispatcher.table.replicas, model=ModelIdentity("", (0, 1, 2), 4)
+            good + 4, 4, dispatcher.watcher.table.replicas, model=ModelIdentity("", (0, 1, 2), 4)
         ),
     }
     for reason, table in bad_tables.items():
         _publish_raw(store, table)
-        dispatcher.refresh()
-        assert dispatcher.table.version == good, reason
+        dispatcher.watcher.refresh()
+        assert dispatcher.watcher.table.version == good, reason
         _check_exact(dispatcher, cluster[1])
         with pytest.raises(RoutingTableMismatch, match=reason) as err:
-            _dispatcher(store, transport, model=MODEL).refresh()  # a router with no table to keep: told why
+            _dispatcher(store, transport, model=MODEL).watcher.refresh()  # a router with no table to keep: told why
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     # unreadable text in the table's key: refused the same way
     store._kv.compare_and_set_many(
@@ -327,11 +327,11 @@ def test_a_table_for_another_model_is_refused_and_the_last_good_one_stays(cluste
         str(good + 4).encode(),
         {store._key("routing_table"): b'{"version": 9, "replicas": 3}', store._key("routing_table:version"): b"9"},
     )
-    dispatcher.refresh()
-    assert dispatcher.table.version == good
+    dispatcher.watcher.refresh()
+    assert dispatcher.watcher.table.version == good
     _publish(store, ("g2",))  # a good table for this model again: taken
-    dispatcher.refresh()
-    assert dispatcher.table.version == 10
+    dispatcher.watcher.refresh()
+    assert dispatcher.watcher.table.version == 10
     dispatcher.close()
 
 
@@ -340,17 +340,17 @@ def test_a_flush_after_a_refused_table_keeps_the_last_good_one_serving(cluster, 
     every step failed UNAVAILABLE."""
     store = _store(cluster)
     dispatcher = _dispatcher(store, transport, model=MODEL)
-    dispatcher.refresh()
+    dispatcher.watcher.refresh()
     _publish_raw(store, RoutingTable(2, 2, {(layer, e): ("g0",) for layer in LAYERS for e in (0, 1)}))
-    dispatcher.refresh()
+    dispatcher.watcher.refresh()
     store._kv._values.clear(), store._kv._hashes.clear()  # FLUSHDB of the in-process store
     dispatcher.begin_step()
-    assert dispatcher.table.version == 1
+    assert dispatcher.watcher.table.version == 1
     _check_exact(dispatcher, cluster[1])
     _publish(store, ("g1", "g2"))  # republished after the flush, at the refused version's number: taken
     _publish(store, ("g1", "g2"))
-    dispatcher.refresh()
-    assert dispatcher.table.version == 2
+    dispatcher.watcher.refresh()
+    assert dispatcher.watcher.table.version == 2
     dispatcher.close()
 
 
@@ -399,9 +399,9 @@ def test_a_watched_router_steps_without_reading_the_store_and_serves_through_a_f
         redis_store.set_endpoint(name, f"127.0.0.1:{server.port}")
     _publish(redis_store, ("g1", "g2"))
     store = _CountingStore(redis_store)
-    dispatcher = _dispatcher(store, transport, model=MODEL)
-    dispatcher.refresh()
-    watcher = TableWatcher(dispatcher, poll_s=0.05, max_backoff_s=0.2).start()
+    dispatcher = _dispatcher(store, transport, model=MODEL, poll_s=0.05, max_backoff_s=0.2)
+    dispatcher.watcher.refresh()
+    watcher = dispatcher.watcher.start()
     try:
         step_thread = threading.current_thread().name
         before = store.calls[step_thread]
@@ -421,14 +421,14 @@ def test_a_watched_router_steps_without_reading_the_store_and_serves_through_a_f
         _publish(redis_store, ("g2",))
         # the new table is swapped in during a round and the failure count cleared at its end: wait for both
         deadline = time.monotonic() + 30
-        while dispatcher.table.version != 2 or watcher.failures:
+        while dispatcher.watcher.table.version != 2 or watcher.failures:
             assert time.monotonic() < deadline, "the watcher never took the new table after the store came back"
             time.sleep(0.05)
         assert watcher.next_wait() == 0.05  # back to its interval
     finally:
         watcher.stop()
         dispatcher.close()
-    assert not dispatcher.watched
+    assert not dispatcher.watcher.watched
 
 
 @pytest.fixture
@@ -475,30 +475,31 @@ def test_an_unreachable_store_keeps_the_cached_table_serving(cluster, own_redis,
         store.set_endpoint(name, f"127.0.0.1:{server.port}")
     _publish(store, ("g1", "g2"))
     dispatcher = _dispatcher(store, transport)
-    dispatcher.refresh()
+    dispatcher.watcher.refresh()
     proc.kill()
     proc.wait()
-    dispatcher.refresh()  # logged, not raised
+    dispatcher.watcher.refresh()  # logged, not raised
     _check_exact(dispatcher, stock)
     with pytest.raises(ConnectionError):
-        _dispatcher(store, transport).refresh()  # nothing cached: the caller must know
+        _dispatcher(store, transport).watcher.refresh()  # nothing cached: the caller must know
     dispatcher.close()
 
 
 def test_heartbeat_reports_the_served_version_and_the_watcher_refreshes_an_idle_router(cluster, transport):
     store = _store(cluster)
     heartbeat = Heartbeat(store, "router-a", interval_s=0.05)
-    dispatcher = _dispatcher(store, transport, on_switch=heartbeat.beat)
-    dispatcher.refresh()
+    dispatcher = _dispatcher(store, transport, on_switch=heartbeat.beat, poll_s=0.05)
+    dispatcher.watcher.refresh()
     assert store.router_heartbeats()["router-a"].table_version == 1  # before start: reported at once
-    heartbeat.start(dispatcher)  # from now on by its thread, woken by each switch
-    watcher = TableWatcher(dispatcher, poll_s=0.05).start()
+    watcher = dispatcher.watcher
+    heartbeat.start(lambda: watcher.version)  # from now on by its thread, woken by each switch
+    watcher.start()
     _publish(store, ("g2",))
     deadline = time.monotonic() + 10
     while store.router_heartbeats()["router-a"].table_version != 2:
         assert time.monotonic() < deadline, "an idle router never switched to the new table"
         time.sleep(0.02)
-    assert dispatcher.table.version == 2
+    assert dispatcher.watcher.table.version == 2
     watcher.stop()
     heartbeat.stop()
     assert "router-a" not in store.router_heartbeats()
@@ -530,16 +531,16 @@ def test_a_flushed_store_keeps_routers_serving_and_heals_as_groups_register_agai
     servers, stock = cluster
     store = _store(cluster)
     dispatcher = _dispatcher(store, transport)
-    dispatcher.refresh()
+    dispatcher.watcher.refresh()
     store._kv._values.clear(), store._kv._hashes.clear()  # FLUSHDB of the in-process backend
-    dispatcher.refresh()
-    assert dispatcher.table.version == 1
+    dispatcher.watcher.refresh()
+    assert dispatcher.watcher.table.version == 1
     _check_exact(dispatcher, stock)
     # The orchestrator restores the table at a later version before any group has re-registered.
     replicas = {(layer, e): ("g0",) if e < 2 else ("g1", "g2") for layer in LAYERS for e in range(4)}
     assert store.publish_routing_table(RoutingTable(version=5, num_experts=4, replicas=replicas))
-    dispatcher.refresh()
-    assert dispatcher.table.version == 5
+    dispatcher.watcher.refresh()
+    assert dispatcher.watcher.table.version == 5
     _check_exact(dispatcher, stock, seed=1)
     dispatcher.close()
 
@@ -551,9 +552,9 @@ def _quarantine(store, layer, expert, group, withdrawn=False):
 def test_a_quarantined_replica_gets_no_tokens_when_another_one_is_healthy(cluster, faulty, transport):
     store = _store(cluster)
     dispatcher = _dispatcher(store, transport)
-    dispatcher.refresh()
+    dispatcher.watcher.refresh()
     _quarantine(store, 1, 3, "g1")
-    dispatcher.refresh_quarantine()
+    dispatcher.watcher.refresh_quarantine()
     before = faulty.calls
     hidden, _, weights = _inputs()
     index = torch.full((12, 2), 3)
@@ -564,18 +565,18 @@ def test_a_quarantined_replica_gets_no_tokens_when_another_one_is_healthy(cluste
     _check_exact(dispatcher, cluster[1], layer=0)  # expert 3 of layer 0 still uses both
     assert faulty.calls > before
     store.clear_quarantined(1, 3, "g1")
-    dispatcher.refresh_quarantine()
-    assert dispatcher.view.fallback == {} and dispatcher.view.quarantined == frozenset()
+    dispatcher.watcher.refresh_quarantine()
+    assert dispatcher.watcher.view.fallback == {} and dispatcher.watcher.view.quarantined == frozenset()
     dispatcher.close()
 
 
 def test_an_expert_with_every_replica_quarantined_is_renormalised_around_and_counted(cluster, faulty, transport):
     store = _store(cluster, replicas_of_high=("g1",))
     dispatcher = _dispatcher(store, transport, fallback="renormalise")
-    dispatcher.refresh()
+    dispatcher.watcher.refresh()
     _quarantine(store, 1, 3, "g1")
-    dispatcher.refresh_quarantine()
-    assert dispatcher.view.fallback == {1: frozenset({3})}
+    dispatcher.watcher.refresh_quarantine()
+    assert dispatcher.watcher.view.fallback == {1: frozenset({3})}
     hidden, index, weights = _inputs(seed=4)
     before = faulty.calls
     got = dispatcher.dispatch(1, hidden, index, weights)
@@ -593,13 +594,13 @@ def test_next_best_fallback_equals_the_stock_model_whose_gate_never_picks_the_ex
     cluster, tiny_checkpoints, transport
 ):
     """The router's whole model over real groups, against stock transformers with the same gate mask."""
-    from expertmesh.router.model import build_router_model
+    from expertmesh.router.assembly import assemble_router
     from expertmesh.router.policy.gate_hook import GateBias, masked
 
     path = tiny_checkpoints("mixtral")
     store = _store(cluster, replicas_of_high=("g1",))
-    dispatcher = _dispatcher(store, transport)
-    router = build_router_model(Checkpoint(path), dispatcher, torch.float32)
+    assembled = assemble_router(store, LAYERS, transports.build(transport), checkpoint=Checkpoint(path))
+    dispatcher, router = assembled.dispatcher, assembled.model
     stock = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
     ids = torch.randint(3, 100, (1, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -608,18 +609,18 @@ def test_next_best_fallback_equals_the_stock_model_whose_gate_never_picks_the_ex
         expected = stock(input_ids=ids).logits
         torch.testing.assert_close(router(input_ids=ids).logits, plain, rtol=0, atol=1e-5)
         _quarantine(store, 1, 3, "g1")
-        dispatcher.refresh_quarantine()
+        dispatcher.watcher.refresh_quarantine()
         got = router(input_ids=ids).logits
     assert not torch.allclose(expected, plain), "the mask changed nothing: a test that cannot fail"
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     dispatcher.close()
 
 
-def test_the_watcher_backs_off_while_the_store_fails_and_says_a_problem_once(caplog):
-    """Pure timing logic and logging of TableWatcher, with a dispatcher stand-in (no store, no groups)."""
+def test_the_watcher_backs_off_while_the_store_fails_and_says_a_problem_once(caplog, monkeypatch):
+    """Pure timing logic and logging of TableWatcher's rounds, its store reads stood in for (no store, no groups)."""
 
     class Dispatcher:
-        watched, fail, refused = False, ConnectionError("refused"), None
+        fail, refused = ConnectionError("refused"), None
 
         def refresh_quarantine(self):
             if self.fail:
@@ -630,7 +631,9 @@ def test_the_watcher_backs_off_while_the_store_fails_and_says_a_problem_once(cap
                 raise self.refused
 
     dispatcher = Dispatcher()
-    watcher = TableWatcher(dispatcher, poll_s=0.25, max_backoff_s=5.0)
+    watcher = TableWatcher(open_store("memory://"), LAYERS, transports.build("grpc-unary"), max_backoff_s=5.0)
+    monkeypatch.setattr(watcher, "refresh_quarantine", dispatcher.refresh_quarantine)
+    monkeypatch.setattr(watcher, "refresh", dispatcher.refresh)
     waits = []
     for _ in range(7):
         assert watcher.poll_once() is False
@@ -650,18 +653,20 @@ def test_a_new_table_waits_for_the_step_in_flight_before_it_is_served_or_reporte
     that step: NOT_FOUND (found by test_migration_live)."""
     store = open_store("memory://")
     switches = []
-    dispatcher = ExpertDispatcher(store, LAYERS, on_switch=switches.append, model=MODEL)
+    # a watcher whose thread is started but never polls here (an hour apart): the test makes its rounds
+    dispatcher = _dispatcher(store, "grpc-unary", on_switch=switches.append, model=MODEL, poll_s=3600)
     replicas = {(layer, e): ("g0",) for layer in LAYERS for e in range(4)}
     store.publish_routing_table(RoutingTable(1, 4, replicas, model=MODEL))
-    dispatcher.refresh()
-    dispatcher.watched = True  # as a TableWatcher sets it
+    dispatcher.watcher.refresh()
+    dispatcher.watcher.start()
     with dispatcher.serving_step(torch.zeros(1, dtype=torch.long)):
         store.publish_routing_table(RoutingTable(2, 4, {**replicas, (1, 3): ("g1",)}, model=MODEL))
-        dispatcher.refresh()  # the watcher's round, during the step
-        assert dispatcher.view.version == 1 and dispatcher._local.view.version == 1 and switches == [1]
-    assert dispatcher.view.version == 1  # not before the next step boundary either
+        dispatcher.watcher.refresh()  # the watcher's round, during the step
+        assert dispatcher.watcher.view.version == 1 and dispatcher._local.view.version == 1 and switches == [1]
+    assert dispatcher.watcher.view.version == 1  # not before the next step boundary either
     dispatcher.begin_step()
-    assert dispatcher.view.version == 2 and switches == [1, 2]
-    dispatcher.refresh()  # nothing new: no second switch
+    assert dispatcher.watcher.view.version == 2 and switches == [1, 2]
+    dispatcher.watcher.refresh()  # nothing new: no second switch
     assert switches == [1, 2]
+    dispatcher.watcher.stop()
     dispatcher.close()

@@ -19,13 +19,12 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 
 from expertmesh.models.checkpoint import experts_modules
 from expertmesh.models.tiny import MOE_ARCHITECTURES
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
 from expertmesh.router.dispatch.experts_impl import IMPLEMENTATION
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, ScoreEvent, TokenEvent
 from expertmesh.serving.forward import FULL, SLIDING, Chunk, MaskSpec, Rows, pack
 from expertmesh.serving.kv_cache import KVPool
 from expertmesh.serving.sampling import SamplingParams
-from helpers import StepDispatcher, stock_greedy
+from helpers import StepDispatcher, bare_dispatcher, stock_greedy
 
 RECORDING = "expertmesh_test_recording"
 CALLS: list[tuple[int, int]] = []  # (thread id, tokens) of every experts call
@@ -175,12 +174,12 @@ def test_models_the_packed_step_cannot_take_are_named(models):
 
 
 def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline(tiny_checkpoints):
-    """The router's own ExpertDispatcher.experts path (its remote dispatch replaced by a local one)."""
+    """The router's own LayerDispatcher.experts path (its remote dispatch replaced by a local one)."""
     model = AutoModelForCausalLM.from_pretrained(
         tiny_checkpoints("mixtral"), experts_implementation=IMPLEMENTATION
     ).eval()
-    dispatcher = ExpertDispatcher(types.SimpleNamespace(endpoints=dict), moe_layers=(0, 1))
-    dispatcher.refresh = lambda: None
+    dispatcher = bare_dispatcher(types.SimpleNamespace(endpoints=dict), (0, 1))
+    dispatcher.watcher.refresh = lambda: None
     seen = []
 
     def local_dispatch(layer, hidden, top_k_index, top_k_weights, positions=None, links=(), routing=None):

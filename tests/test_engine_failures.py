@@ -29,7 +29,7 @@ from expertmesh.store._redis import RedisBackend
 
 
 class FlakyStoreDispatcher:
-    """Begins steps like an unwatched ExpertDispatcher, but the store is down for the first ``down`` steps;
+    """Begins steps like an unwatched LayerDispatcher, but the store is down for the first ``down`` steps;
     the step numbers in ``failing_steps`` fail in their dispatch, as a group that went away would."""
 
     def __init__(self, down: int, failing_steps=()):

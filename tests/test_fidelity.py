@@ -76,7 +76,7 @@ def test_placement_file_with_hot_replica_and_live_load(tiny_checkpoints, tmp_pat
             moved[(0, e)] = ("hot",)
         assert plane.store.publish_routing_table(RoutingTable(table.version + 1, table.num_experts, moved))
         report = verify.compare(plane, tokens=16)
-        assert plane.dispatcher.table.version == table.version + 1
+        assert plane.watcher.table.version == table.version + 1
         assert report.passed, report.summary()
         clients.close()
     assert deployment.app_status().app_status.status == ApplicationStatus.NOT_STARTED  # close waited for it to go

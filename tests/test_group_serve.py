@@ -25,8 +25,8 @@ from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.expert_group.local_server import runtime_dir
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.platform.group_processes import start_groups
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
 from expertmesh.store import open_store
+from helpers import bare_dispatcher
 
 DATABASE = 13
 
@@ -48,7 +48,7 @@ def test_plain_process_groups_register_and_serve_a_router_exactly(tiny_checkpoin
         assert store.endpoints() == {name: group.address for name, group in groups.items()}
         placement = placement_mod.contiguous(spec, 2)
         assert store.publish_routing_table(RoutingTable.from_placement(placement, spec.num_experts, version=1))
-        dispatcher = ExpertDispatcher(store, spec.moe_layers)
+        dispatcher = bare_dispatcher(store, spec.moe_layers)
         stock = experts_modules(AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager"))
         g = torch.Generator().manual_seed(0)
         for layer in spec.moe_layers:

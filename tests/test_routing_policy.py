@@ -230,7 +230,7 @@ def test_every_policy_on_every_architecture(arch):
 
 class _LocalDispatcher:
     """What the engine needs of the dispatcher with local experts: refresh, and a step context that
-    hands the step's routing to the gates (as ExpertDispatcher.serving_step does)."""
+    hands the step's routing to the gates (as LayerDispatcher.serving_step does)."""
 
     step_deadline = None
 

@@ -21,9 +21,9 @@ from expertmesh.orchestrator.health import probes
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.monitor import HealthMonitor
 from expertmesh.orchestrator.health.state import FindingKind, HealthState
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
-from expertmesh.router.model import build_router_model
+from expertmesh.router.assembly import assemble_router
 from expertmesh.router.reporting.hidden_sample import HiddenSampler, SamplePublisher
+from expertmesh.router.transport.base import build as build_transport
 from expertmesh.store import samples
 
 LAYERS = (0, 1)
@@ -60,9 +60,14 @@ def monitor(mesh, clock):
 @pytest.fixture
 def router(mesh):
     """The router model over the mesh's groups, its dispatcher sampling 48 rows per layer."""
-    dispatcher = ExpertDispatcher(mesh.store, LAYERS)
-    dispatcher.hidden_sampler = HiddenSampler(LAYERS, 48)
-    model = build_router_model(mesh.checkpoint, dispatcher, torch.float32)
+    router = assemble_router(
+        mesh.store,
+        LAYERS,
+        build_transport("auto"),
+        checkpoint=mesh.checkpoint,
+        hidden_sampler=HiddenSampler(LAYERS, 48),
+    )
+    model, dispatcher = router.model, router.dispatcher
     yield model, dispatcher
     dispatcher.close()
 

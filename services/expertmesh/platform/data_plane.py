@@ -34,7 +34,7 @@ from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.store import StateStore, open_store
 
 if TYPE_CHECKING:
-    from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+    from expertmesh.router.dispatch.dispatcher import LayerDispatcher
     from expertmesh.router.dispatch.heartbeat import Heartbeat
     from expertmesh.router.dispatch.table_watcher import TableWatcher
     from expertmesh.router.reporting.hidden_sample import SamplePublisher
@@ -70,42 +70,45 @@ def _gpu_layout(config: DataPlaneConfig, spec):
 def _router(
     checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, device: torch.device, resolve_endpoints=None
 ):
-    from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+    """The router over ``store``'s tables: its model, the table watcher keeping its view (started, with the
+    heartbeat) and the layer dispatcher its experts calls go to."""
+    from expertmesh.router.assembly import assemble_router
     from expertmesh.router.dispatch.heartbeat import Heartbeat
-    from expertmesh.router.dispatch.table_watcher import TableWatcher
-    from expertmesh.router.model import build_router_model
+    from expertmesh.router.reporting.hidden_sample import HiddenSampler
     from expertmesh.router.reporting.load_publisher import router_id
     from expertmesh.router.transport.base import build as build_transport
 
     progress(f"building the router on {device} (no routed-expert weights)")
     spec = checkpoint.spec
-    window = LoadWindow(
-        spec.moe_layers,
-        spec.num_experts,
-        spec.top_k,
-        window_s=config.load_window_s,
-        max_context=spec.max_context or 4096,
-    )
     heartbeat = Heartbeat(store, router_id(), config.heartbeat_s)
-    dispatcher = ExpertDispatcher(
+    router = assemble_router(
         store,
         spec.moe_layers,
-        timeout_s=config.dispatch_timeout_s,
-        load_window=window,
-        resolve_endpoints=resolve_endpoints,
-        on_switch=heartbeat.beat,
+        build_transport(config.transport),
+        checkpoint=checkpoint,
+        dtype=getattr(torch, config.dtype),
+        device=device,
+        identity=ModelIdentity.of(spec),
         fallback=config.quarantine_fallback,
-        transport=build_transport(config.transport),
-        model=ModelIdentity.of(spec),
+        heartbeat=heartbeat,
+        poll_s=config.table_poll_s,
+        timeout_s=config.dispatch_timeout_s,
+        load_window=LoadWindow(
+            spec.moe_layers,
+            spec.num_experts,
+            spec.top_k,
+            window_s=config.load_window_s,
+            max_context=spec.max_context or 4096,
+        ),
+        resolve_endpoints=resolve_endpoints,
+        hidden_sampler=(
+            HiddenSampler(spec.moe_layers, config.hidden_sample_tokens) if config.hidden_sample_tokens else None
+        ),
     )
-    heartbeat.start(dispatcher)
-    watcher = TableWatcher(dispatcher, config.table_poll_s).start()
-    return (
-        dispatcher,
-        heartbeat,
-        watcher,
-        build_router_model(checkpoint, dispatcher, getattr(torch, config.dtype), device),
-    )
+    watcher = router.watcher
+    heartbeat.start(lambda: watcher.version)
+    watcher.start()
+    return router.dispatcher, heartbeat, watcher, router.model
 
 
 @dataclass
@@ -115,7 +118,7 @@ class DataPlane:
     placement: GroupPlacement
     store: StateStore
     model: nn.Module
-    dispatcher: "ExpertDispatcher"
+    dispatcher: "LayerDispatcher"
     heartbeat: "Heartbeat"
     watcher: "TableWatcher"
     addresses: dict[str, str]
@@ -131,12 +134,11 @@ class DataPlane:
 
         self._publisher = LoadPublisher(self.store, self.dispatcher.load_window, self.config.load_publish_s).start()
         self._samples = None
-        if self.config.hidden_sample_tokens:
-            from expertmesh.router.reporting.hidden_sample import HiddenSampler, SamplePublisher
+        sampler = self.dispatcher.hidden_sampler
+        if sampler is not None:
+            from expertmesh.router.reporting.hidden_sample import SamplePublisher
             from expertmesh.router.reporting.load_publisher import router_id
 
-            sampler = HiddenSampler(self.checkpoint.spec.moe_layers, self.config.hidden_sample_tokens)
-            self.dispatcher.hidden_sampler = sampler
             self._samples = SamplePublisher(self.store, sampler, router_id(), self.config.load_publish_s).start()
 
     @classmethod

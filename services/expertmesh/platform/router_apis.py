@@ -62,7 +62,7 @@ def load_tokenizer(path: Path):
 
 def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
     """Start the Inference API over a running data plane (first loading ``config.profiles`` into its store)."""
-    plane.dispatcher.refresh()  # load the routing table now: a missing one fails at start, not at the first request
+    plane.watcher.refresh()  # load the routing table now: a missing one fails at start, not at the first request
     info = model_info(plane)
     if config.profiles is not None:
         _load_profiles_file(plane, config.profiles, tuple(info.moe_layers), info.num_experts)
@@ -89,7 +89,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         tokenizer,
         info,
         config,
-        lambda: plane.dispatcher.table.version if plane.dispatcher.table else 0,
+        lambda: plane.watcher.version or 0,
         plane.dispatcher.load_window,
         plane.dispatcher.transports,
         RequestRouter(
@@ -149,7 +149,7 @@ def start_apis(plane: DataPlane, config: ServingConfig) -> RouterApis:
     from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
 
     info = model_info(plane)
-    readiness = Readiness(plane.store, plane.dispatcher, server.engine)
+    readiness = Readiness(plane.store, plane.watcher, server.engine)
     model = ServedModel(info.name, info.vocab_size, info.max_context)
     adapter = OpenAIAdapter(server.engine, load_tokenizer(plane.checkpoint.path), model, config, server.routing)
     try:

@@ -2,8 +2,10 @@
 the routed experts, which are never materialised here.
 
 Built on the meta device; each experts module loses its stacked expert
-parameters and is bound to the dispatcher; then the non-expert weights are
-read from the checkpoint, keeping transformers' fp32 rules for gates in bf16.
+parameters; then the non-expert weights are read from the checkpoint, keeping
+transformers' fp32 rules for gates in bf16 (``build_router_model``). The model's
+experts calls reach the expert groups once it is bound to a dispatcher
+(``bind_dispatcher``), which is built after it (it takes the model's gate bias).
 """
 
 from __future__ import annotations
@@ -13,21 +15,18 @@ from torch import nn
 
 from expertmesh.contracts.errors import CheckpointError
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
-from expertmesh.router.dispatch.degraded import StockChoice
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+from expertmesh.router.dispatch.dispatcher import LayerDispatcher
 from expertmesh.router.dispatch.experts_impl import IMPLEMENTATION
-from expertmesh.router.policy.gate_hook import GateBias
 
 
 def build_router_model(
-    checkpoint: Checkpoint, dispatcher: ExpertDispatcher, dtype: torch.dtype, device: torch.device = torch.device("cpu")
+    checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device = torch.device("cpu")
 ) -> nn.Module:
     model = checkpoint.skeleton(IMPLEMENTATION, dtype)
     for layer, (_, module) in experts_modules(model).items():
         for name in checkpoint.spec.expert_params:
             module._parameters[name] = None
         module._expertmesh_layer = layer
-        module._expertmesh_dispatcher = dispatcher
     model.to_empty(device="cpu")
     # Non-persistent buffers (rotary inv_freq, Gemma 4's embed_scale) are not in the checkpoint and
     # to_empty leaves them garbage; transformers' own init recomputes them. Before the load: the
@@ -51,7 +50,13 @@ def build_router_model(
     model.to(device)  # read on the host first: safetensors and the fp32 rules above work there
     model.requires_grad_(False)
     model.eval()
+    return model
+
+
+def bind_dispatcher(model: nn.Module, dispatcher: LayerDispatcher) -> nn.Module:
+    """``model``'s experts calls go to ``dispatcher``, and each forward is a step boundary of its own unless
+    the serving engine's step holds it."""
+    for _, module in experts_modules(model).values():
+        module._expertmesh_dispatcher = dispatcher
     model.register_forward_pre_hook(lambda *_: dispatcher.on_forward())
-    dispatcher.gate_bias = GateBias(model)
-    dispatcher.stock_choice = StockChoice(dispatcher.gate_bias)
     return model

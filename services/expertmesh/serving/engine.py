@@ -64,7 +64,7 @@ from transformers import DynamicCache
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest, Overloaded, ShuttingDown
 from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.router.dispatch import degraded
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+from expertmesh.router.dispatch.dispatcher import LayerDispatcher
 from expertmesh.router.policy.routing_policy import RequestRouting, step_routing
 from expertmesh.serving.forward import SLIDING, Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
 from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, blocks_for, prefix_hashes
@@ -254,7 +254,7 @@ class Engine:
         self,
         model,
         tokenizer,
-        dispatcher: ExpertDispatcher,
+        dispatcher: LayerDispatcher,
         limits: EngineLimits,
         max_context: int,
         packed: bool = True,

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from expertmesh.config.settings import TlsConfig
 from expertmesh.infra.group_channels import group_channel
 from expertmesh.infra.security import from_env
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+from expertmesh.router.dispatch.table_watcher import TableWatcher
 from expertmesh.serving.engine import Engine
 from expertmesh.store import StateStore
 from expertmesh.v1 import experts_pb2, experts_pb2_grpc
@@ -107,13 +107,13 @@ class Readiness:
     def __init__(
         self,
         store: StateStore,
-        dispatcher: ExpertDispatcher,
+        watcher: TableWatcher,
         engine: Engine,
         probe: GroupProbe | None = None,
         cache_s: float = 1.0,
     ):
         self._store = store
-        self._dispatcher = dispatcher
+        self._watcher = watcher
         self._engine = engine
         self._probe = probe or GroupProbe()
         self._cache_s = cache_s
@@ -133,7 +133,7 @@ class Readiness:
     def _check(self) -> HealthReport:
         active, queued = self._engine.load()
         kv = self._engine.kv_usage()
-        view = self._dispatcher.view
+        view = self._watcher.view
         reasons: list[str] = []
         groups: dict[str, GroupState] = {}
         try:

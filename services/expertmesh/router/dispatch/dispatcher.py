@@ -17,14 +17,10 @@ answers wrongly has its tokens re-planned onto other replicas within the same
 step, and only when none exists does the step fail, with UNAVAILABLE (the group
 failed) or INTERNAL (it answered wrongly), naming the group.
 
-The routing table is read off the step's critical path: in a router, a
-``router.table_watcher.TableWatcher`` thread polls the store and swaps a new
-view in, so a step never waits on a slow or frozen store; a bare dispatcher
-(tests, ``verify``) reads the store at each step boundary (``begin_step``, from a
-forward pre-hook on the whole model or from the serving engine). A step uses
-one view for all its layers. A store that cannot be reached, a flushed one, or
-a table that must not be served (``RoutingTableRefused``: experts left unhosted,
-made for another model, unreadable) keeps the last good view in use.
+The view comes from the dispatcher's ``table_watcher.TableWatcher``, which keeps
+it current from the store off the step's critical path; a step takes it at its
+boundary (``begin_step``, from a forward pre-hook on the whole model or from the
+serving engine) and uses it for all its layers.
 
 The serving engine runs each step as one packed forward of all its sequences,
 inside ``serving_step``: each MoE layer is then one dispatch of every token of
@@ -52,10 +48,8 @@ from expertmesh.contracts.errors import (
     DeadlineExceeded,
     ExpertMeshError,
     GroupUnavailable,
-    RoutingTableRefused,
 )
 from expertmesh.contracts.load_window import LoadWindow
-from expertmesh.contracts.routing_table import MalformedTable, ModelIdentity, RoutingTable
 from expertmesh.infra.finite import all_finite
 from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.router.dispatch import degraded
@@ -63,13 +57,12 @@ from expertmesh.router.dispatch.circuit import CircuitBreakers
 from expertmesh.router.dispatch.degraded import StockChoice
 from expertmesh.router.dispatch.layer_plan import GroupCall, NoHealthyReplica, plan_layer, restrict_to
 from expertmesh.router.dispatch.routing_view import RoutingView
-from expertmesh.router.policy.gate_hook import GateBias, masked
+from expertmesh.router.dispatch.table_watcher import TableWatcher
+from expertmesh.router.policy.gate_hook import GateBias
 from expertmesh.router.policy.routing_policy import StepRouting
 from expertmesh.router.reporting.hidden_sample import HiddenSampler
 from expertmesh.router.reporting.wire_counters import TrafficCounters
 from expertmesh.router.transport.base import GroupReply, GroupRequest, PendingCall, Transport, TransportError
-from expertmesh.router.transport.base import build as build_transport
-from expertmesh.store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -103,58 +96,44 @@ class _GroupFailed(Exception):
         self.retryable = retryable  # the group may be back at a new address (a restarted replica)
 
 
-class ExpertDispatcher:
+class LayerDispatcher:
+    """Each MoE layer's tokens sent to the groups its ``TableWatcher``'s view names, and their partial sums
+    added. Given at construction everything it uses: the view (``watcher``), the transport, the gate's bias
+    and stock choice (quarantine fallback), the load window and the hidden-state sampler."""
+
     def __init__(
         self,
-        store: StateStore,
-        moe_layers: Sequence[int],
+        watcher: TableWatcher,
+        transport: Transport,
+        *,
         timeout_s: float = 30.0,
         load_window: LoadWindow | None = None,
         resolve_endpoints: Callable[[], dict[str, str]] | None = None,
-        transport: Transport | None = None,
-        on_switch: Callable[[int], None] | None = None,
         breakers: CircuitBreakers | None = None,
         fallback: Fallback = "next_best",
-        model: ModelIdentity | None = None,
+        gate_bias: GateBias | None = None,
+        stock_choice: StockChoice | None = None,
+        hidden_sampler: HiddenSampler | None = None,
     ):
-        """``model``: the router's model; tables made for another are refused (None: checked against
-        ``moe_layers`` and the table's own expert count only)."""
-        self._store = store
-        self._moe_layers = tuple(moe_layers)
-        self.model = model
-        #: fresh group -> address map when a group stops answering; default: what the store lists
-        self._resolve_endpoints = resolve_endpoints or store.endpoints
+        """``resolve_endpoints``: a fresh group -> address map when a group stops answering (None: what the
+        watcher's store lists). ``fallback``: how tokens of an expert whose every replica is
+        quarantined are served (``Fallback``); ``gate_bias`` and ``stock_choice`` are the router model's
+        (None: a bare dispatcher, tokens routed as given)."""
+        self._watcher = watcher
+        self._resolve_endpoints = resolve_endpoints or watcher.endpoints
         self.load_window = load_window
         #: keeps a sample of each layer's hidden states for the health monitor (None: off)
-        self.hidden_sampler: HiddenSampler | None = None
+        self.hidden_sampler = hidden_sampler
         self._timeout = timeout_s
-        self._transport = transport or build_transport("auto")
+        self._transport = transport
         self.breakers = breakers or CircuitBreakers()
-        #: how tokens of an expert whose every replica is quarantined are served (see ``Fallback``)
         self.fallback = fallback
-        #: biases the gates' scores; set by the router's model builder (None: a bare dispatcher)
-        self.gate_bias: GateBias | None = None
-        #: what the unmasked gates would have chosen, to tell next-best fallback tokens (set with gate_bias)
-        self.stock_choice: StockChoice | None = None
-        self._quarantined: frozenset[tuple[int, int, str]] = frozenset()
+        self._gate_bias = gate_bias
+        self._stock_choice = stock_choice
         self._degraded = meter().create_counter(
             "expertmesh.tokens.degraded",
             description="tokens that chose an expert whose every replica is quarantined (served by the fallback)",
         )
-        #: called with the new version after every table switch (the router's heartbeat)
-        self._on_switch = on_switch
-        self._refresh_lock = threading.Lock()  # one refresh at a time (held over store reads)
-        #: guards ``view``, ``_pending`` and ``_steps_in_flight``; never held over I/O, so a step never waits on
-        #: the store
-        self._view_lock = threading.Lock()
-        self.view: RoutingView | None = None
-        #: a view built while a serving step ran: swapped in at the next step boundary (``begin_step``)
-        self._pending: RoutingView | None = None
-        self._steps_in_flight = 0
-        self._rejected_version = 0
-        self._store_errors = 0
-        #: a TableWatcher keeps the view current (set by it): steps then never read the store themselves
-        self.watched = False
         #: time.monotonic() after which no request of the current step wants its tokens (None: no deadline);
         #: the serving engine sets it at every step boundary
         self.step_deadline: float | None = None
@@ -166,9 +145,9 @@ class ExpertDispatcher:
         self.traffic = TrafficCounters()
 
     @property
-    def table(self) -> RoutingTable | None:
-        view = self.view
-        return view.table if view is not None else None
+    def watcher(self) -> TableWatcher:
+        """The routing view's keeper this dispatcher was given."""
+        return self._watcher
 
     @contextmanager
     def serving_step(
@@ -180,23 +159,18 @@ class ExpertDispatcher:
         (the trace contexts of the step's other requests). ``routing``: the tokens' routing policies
         and domains (None: every token is routed by the stock gate and counted under no domain)."""
         self._local.step = (positions, tuple(links), routing)
-        with self._view_lock:
-            # Every layer of the step dispatches on this one table version, and no newer version is reported
-            # (heartbeat) before the step ends: a migration unloads an old replica only once every router
-            # reports the version without it, so no step in flight may still be routing to it.
-            self._steps_in_flight += 1
-            self._local.view = self.view
-        try:
-            if routing is not None and self.gate_bias is not None:
-                with self.gate_bias.routing(routing):
+        # Every layer of the step dispatches on this one table version (``TableWatcher.step``)
+        with self._watcher.step() as view:
+            self._local.view = view
+            try:
+                if routing is not None and self._gate_bias is not None:
+                    with self._gate_bias.routing(routing):
+                        yield
+                else:
                     yield
-            else:
-                yield
-        finally:
-            self._local.step = None
-            self._local.view = None
-            with self._view_lock:
-                self._steps_in_flight -= 1
+            finally:
+                self._local.step = None
+                self._local.view = None
 
     def on_forward(self) -> None:
         """Forward pre-hook: a new step, unless the serving engine already began this one."""
@@ -204,121 +178,8 @@ class ExpertDispatcher:
             self.begin_step()
 
     def begin_step(self) -> None:
-        """At a step boundary: make sure there is a view to serve. Watched, the watcher keeps it current and
-        the step does no store I/O (it swaps in a view the watcher built during the last step); unwatched,
-        the store is read now (``refresh``)."""
-        if not self.watched or self.view is None:
-            self.refresh()
-            return
-        with self._view_lock:
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                self._swap(pending)
-        if pending is not None:
-            self._switched(pending)
-
-    # -- the routing view ----------------------------------------------------------------
-
-    def refresh(self) -> None:
-        """Switch to the newest routing table, if it changed and may be served. Cheap when it did not.
-
-        With a view in use, an unreachable store, a flushed one (version 0: the orchestrator and the groups
-        publish again) or a refused table is logged and the last good view stays; without one, they raise
-        (ConnectionError / GroupUnavailable / RoutingTableRefused).
-        """
-        with self._refresh_lock:
-            current = self._pending or self.view  # the newest view this router has built
-            try:
-                version = self._store.routing_table_version()
-                if current is not None and version in (0, current.version, self._rejected_version):
-                    self._store_errors = 0
-                    if version == 0:  # flushed: whatever is published next is a new table, even at a refused version
-                        self._rejected_version = 0
-                    return
-                table = self._store.routing_table()
-                endpoints = self._store.endpoints()
-            except ConnectionError as err:
-                if current is None:
-                    raise
-                self._store_errors += 1
-                if self._store_errors == 1:  # once per outage, not once per step
-                    log.warning(
-                        "state store unreachable; serving on routing table version %d: %s", current.version, err
-                    )
-                return
-            except MalformedTable as err:
-                return self._refuse(version, current, RoutingTableRefused(f"routing table version {version}: {err}"))
-            self._store_errors = 0
-            if table is None:
-                if current is not None:  # the version key outlived the table (a store being flushed): serve on
-                    return
-                raise GroupUnavailable("no routing table in the state store; start the expert groups first")
-            if current is not None and table.version < current.version:
-                log.warning(
-                    "routing table version went back from %d to %d: the state store was reset",
-                    current.version,
-                    table.version,
-                )
-            try:
-                view = RoutingView.build(table, self._moe_layers, self._quarantined, self.model)
-            except RoutingTableRefused as err:
-                return self._refuse(table.version, current, err)
-            self._rejected_version = 0
-            # A group not (yet again) listed in the store keeps the address we know: a flushed store heals
-            # as groups re-register, and its calls go on meanwhile.
-            known = {g: self._transport.address(g) for g in view.groups}
-            self._transport.update({g: a for g in view.groups if (a := endpoints.get(g) or known[g])})
-            swapped = self._use(view)
-        if swapped:
-            self._switched(view)
-
-    def _switched(self, view: RoutingView) -> None:
-        log.info("routing table version %d: %d groups", view.version, len(view.groups))
-        if self._on_switch is not None:
-            self._on_switch(view.version)
-
-    def _refuse(self, version: int, current: RoutingView | None, err: RoutingTableRefused) -> None:
-        """Table ``version`` must not be served: raise without a view, else keep serving ``current``."""
-        self._rejected_version = version
-        if current is None:
-            raise err
-        log.error("refused %s; still serving version %d", err, current.version)
-
-    def refresh_quarantine(self) -> None:
-        """Take the health monitor's quarantined replicas into the view when they changed (the
-        heartbeat calls this every interval: a quarantine need not wait for a new table version)."""
-        quarantined = frozenset(self._store.quarantined())
-        with self._refresh_lock:
-            if quarantined == self._quarantined:
-                return
-            self._quarantined = quarantined
-            base = self._pending or self.view  # the newest table this router has, whether or not it serves it yet
-            if base is None:
-                return
-            view = RoutingView.build(base.table, self._moe_layers, quarantined, self.model)
-            self._use(view)
-        log.warning(
-            "quarantined replicas now %s; experts served by the %s fallback: %s",
-            sorted(quarantined) or "none",
-            self.fallback,
-            {layer: sorted(e) for layer, e in view.fallback.items()} or "none",
-        )
-
-    def _use(self, view: RoutingView) -> bool:
-        """Swap ``view`` in now, or, while a serving step runs, at the next step boundary. True: swapped now."""
-        with self._view_lock:
-            if self._steps_in_flight:
-                self._pending = view
-                return False
-            self._pending = None
-            self._swap(view)
-            return True
-
-    def _swap(self, view: RoutingView) -> None:
-        """(Under ``_view_lock``) ``view`` in use; the gates stop choosing its fallback experts (next-best fallback)."""
-        if self.gate_bias is not None and self.fallback == "next_best":
-            self.gate_bias.set({layer: masked(view.num_experts, experts) for layer, experts in view.fallback.items()})
-        self.view = view
+        """At a step boundary (the serving engine's): the watcher's view is made current for it."""
+        self._watcher.begin_step()
 
     # -- one layer -------------------------------------------------------------------------
 
@@ -348,10 +209,10 @@ class ExpertDispatcher:
         model's top-k by one (a dynamic-k policy); slots a policy left empty hold the skip sentinel.
         """
         started = time.perf_counter()
-        view = getattr(self._local, "view", None) or self.view  # the step's view, whatever refresh does meanwhile
+        view = getattr(self._local, "view", None) or self._watcher.view  # the step's, whatever refresh does meanwhile
         if view is None:
-            self.refresh()
-            view = self.view
+            self._watcher.refresh()
+            view = self._watcher.view
         if layer not in view.primary:
             raise GroupUnavailable(f"the routing table has no groups for MoE layer {layer}")
         index = top_k_index.to("cpu", torch.long)  # [T, K]
@@ -408,7 +269,7 @@ class ExpertDispatcher:
         fallback = torch.tensor(sorted(view.fallback[layer]))
         fell = torch.isin(index, fallback)  # [T, K]
         stock = (
-            self.stock_choice.take(layer) if self.stock_choice is not None and self.fallback == "next_best" else None
+            self._stock_choice.take(layer) if self._stock_choice is not None and self.fallback == "next_best" else None
         )
         if (
             stock is not None and stock.shape[0] == index.shape[0]
@@ -585,12 +446,12 @@ class ExpertDispatcher:
 
     def transports(self) -> dict[str, str]:
         """What carries this router's calls to each group now ("" before its first call)."""
-        view = self.view
+        view = self._watcher.view
         return {group: self._transport.kind(group) for group in (view.groups if view else ())}
 
     def queue_depths(self) -> dict[str, int]:
         """Dispatch calls in flight from this router, by group."""
-        view = self.view
+        view = self._watcher.view
         return {group: self._in_flight[group] for group in (view.groups if view else ())}
 
     def close(self) -> None:

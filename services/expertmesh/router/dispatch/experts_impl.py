@@ -1,6 +1,6 @@
 """transformers' experts implementation ``"expertmesh"``, kept alone as transformers'
 ``integrations/moe.py`` keeps its registry: a MoE block's routed-experts call goes to the layer's
-``ExpertDispatcher``. ``router.model`` builds the model with this implementation and sets, on each experts
+``LayerDispatcher``. ``router.model`` builds the model with this implementation and sets, on each experts
 module, its dispatcher (``_expertmesh_dispatcher``) and MoE layer index (``_expertmesh_layer``).
 Registered when imported."""
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
 from expertmesh.store import RouterHeartbeat, StateStore
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,8 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def beat(self, version: int) -> None:
-        """Report ``version`` as soon as this heartbeat's thread can (the dispatcher calls this on a switch, from
-        the serving step's thread, which must not wait on the store); before ``start``, report it now."""
+        """Report ``version`` as soon as this heartbeat's thread can (the table watcher calls this on a switch,
+        maybe from the serving step's thread, which must not wait on the store); before ``start``, report it now."""
         if self._thread is None:
             self.publish(version)
         else:
@@ -45,20 +45,24 @@ class Heartbeat:
         except ConnectionError as err:
             log.debug("heartbeat not published: %s", err)
 
-    def start(self, dispatcher: ExpertDispatcher) -> "Heartbeat":
-        self._thread = threading.Thread(target=self._run, args=(dispatcher,), name="expertmesh-heartbeat", daemon=True)
+    def start(self, serving_version: Callable[[], int | None]) -> "Heartbeat":
+        """Beat every interval with ``serving_version()`` (the table watcher's; None: nothing to report yet)."""
+        self._thread = threading.Thread(
+            target=self._run, args=(serving_version,), name="expertmesh-heartbeat", daemon=True
+        )
         self._thread.start()
         return self
 
-    def _run(self, dispatcher: ExpertDispatcher) -> None:
+    def _run(self, serving_version: Callable[[], int | None]) -> None:
         while not self._stop.is_set():
             self._wake.wait(self._interval)  # every interval, or at once after a switch
             self._wake.clear()
             if self._stop.is_set():
                 return
             try:
-                if dispatcher.view is not None:
-                    self.publish(dispatcher.view.version)
+                version = serving_version()
+                if version is not None:
+                    self.publish(version)
             except Exception:  # the heartbeat must outlive any one failure; the next round retries
                 log.warning("heartbeat round failed", exc_info=True)
 

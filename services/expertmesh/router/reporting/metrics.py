@@ -23,10 +23,10 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from expertmesh.infra.telemetry.setup import meter
 from expertmesh.observability.sparsity import balancedness, entropy_bits
 from expertmesh.router.dispatch.circuit import BreakerState
-from expertmesh.router.dispatch.dispatcher import ExpertDispatcher
+from expertmesh.router.dispatch.dispatcher import LayerDispatcher
 
 
-def register_router_metrics(dispatcher: ExpertDispatcher, dense_parameters: int, parameters_per_expert: int) -> None:
+def register_router_metrics(dispatcher: LayerDispatcher, dense_parameters: int, parameters_per_expert: int) -> None:
     window = dispatcher.load_window
     layers = window.moe_layers
 

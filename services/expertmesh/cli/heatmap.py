@@ -72,7 +72,7 @@ def _by_domain(args) -> int:
             "--requests: --by domain renders the router's counts by domain as they are; send labelled "
             "traffic with `expertmesh profile build` instead"
         )
-    from expertmesh.cli.profile import domain_load
+    from expertmesh.observability.remote import domain_load
 
     with remote.Router(args.target, timeout=args.timeout) as router:
         info = router.model()

@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         stats as stats_cli,
     )
     from expertmesh.cli import up as up_cli
+    from expertmesh.cli.orchestrator import add_commands as add_orchestrator_commands
     from expertmesh.verify import check as verify
 
     parser = Parser(
@@ -113,12 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     policy_cli.add_command(commands)
     classifier_cli.add_command(commands)
     add_bench_commands(bench_commands)
-    try:
-        from expertmesh.cli.orchestrator import add_commands as add_orchestrator_commands
-    except ImportError:  # the control plane is optional for a data-plane-only install
-        pass
-    else:
-        add_orchestrator_commands(commands, bench_commands)
+    add_orchestrator_commands(commands, bench_commands)
     completion = commands.add_parser(
         "completion", help="print the shell completion script (eval it in your shell's rc)"
     )

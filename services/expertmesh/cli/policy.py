@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
+from expertmesh.contracts.errors import InvalidRequest
 
 _PARAMETERS = ("alpha", "top_n", "delta", "weight_boost", "threshold")
 
@@ -43,90 +43,16 @@ def add_command(commands) -> None:
 
 
 def _eval(args) -> int:
-    import grpc
-
     from expertmesh.classifier.corpus import load_examples
-    from expertmesh.cli.profile import domain_load
     from expertmesh.client import Client
-    from expertmesh.contracts import wire
-    from expertmesh.router.policy.quality import PolicyQuality, Tally, kl_and_top1, same_positions
-    from expertmesh.router.policy.routing_policy import PolicyError, parse_policy
-    from expertmesh.v1 import inference_pb2 as pb
+    from expertmesh.verify.policy import evaluate
 
     if args.max_tokens < 1:
         raise InvalidRequest("--max-tokens must be at least 1")
     examples = load_examples(args.queries)
     given = {name: getattr(args, name) for name in _PARAMETERS if getattr(args, name) is not None}
     with Client(args.target, timeout=args.timeout) as client:
-        try:
-            info = client.models()[0]
-        except grpc.RpcError as err:
-            raise ExpertMeshError(
-                f"cannot reach the router at {args.target}: {err.code().name}: {err.details()}"
-            ) from None
-        try:
-            policy = parse_policy(args.policy, given, info.top_k, info.num_experts)
-        except PolicyError as err:
-            flag = "--policy" if err.field.endswith(".name") else "--" + err.field.rsplit(".", 1)[1].replace("_", "-")
-            raise InvalidRequest(f"{flag}: {str(err).split(': ', 1)[1]}") from None
-        wanted = pb.RoutingPolicy(name=policy.name, force=True, **{k: v for k, v in policy.active().items()})
-        exact = pb.RoutingPolicy(name="exact")
-
-        def call(what, *a, **kw):
-            try:
-                return what(*a, **kw)
-            except grpc.RpcError as err:
-                raise ExpertMeshError(f"{args.target}: {err.code().name}: {err.details()}") from None
-
-        def score_all(routing):
-            """Each query's next-token log-probs [P, V] under ``routing``, and each domain's expert choices."""
-            before = domain_load(client)
-            out = [
-                wire.decode(
-                    call(
-                        client.score, e.text, full_distribution=True, routing_policy=routing, domain=e.domain
-                    ).distribution
-                )
-                for e in examples
-            ]
-            after = domain_load(client)
-            return out, {d: float((load - before.get(d, 0)).sum()) for d, load in after.items()}
-
-        def greedy(example, routing) -> list[int]:
-            chunks = call(
-                lambda: list(
-                    client.generate(
-                        example.text,
-                        max_new_tokens=args.max_tokens,
-                        stop_at_eos=False,
-                        routing_policy=routing,
-                        domain=example.domain,
-                    )
-                )
-            )
-            return [t for c in chunks for t in c.token_ids]
-
-        exact_logp, exact_choices = score_all(exact)
-        policy_logp, policy_choices = score_all(wanted)
-        tallies: dict[str, Tally] = {}
-        for example, le, lp in zip(examples, exact_logp, policy_logp):
-            tally = tallies.setdefault(example.domain, Tally())
-            kl, top1 = kl_and_top1(le, lp)
-            a, b = greedy(example, exact), greedy(example, wanted)
-            tally.kl += kl
-            tally.top1 += top1
-            tally.positions += le.shape[0]
-            tally.tokens += le.shape[0]
-            tally.greedy_same += same_positions(a, b)
-            tally.greedy_positions += min(len(a), len(b))
-    overall = Tally()
-    for domain, tally in tallies.items():
-        tally.choices_exact = exact_choices.get(domain, 0.0)
-        tally.choices_policy = policy_choices.get(domain, 0.0)
-        for name in vars(overall):
-            setattr(overall, name, getattr(overall, name) + getattr(tally, name))
-    ppe = info.parameters_per_expert
-    result = PolicyQuality(policy.key, overall.figures(ppe), {d: t.figures(ppe) for d, t in sorted(tallies.items())})
+        result = evaluate(client, args.target, args.policy, given, examples, args.max_tokens)
     recorded = _record(args, result)
     if args.json:
         print(json.dumps({**json.loads(result.to_json()), "recorded": recorded}))

@@ -79,25 +79,12 @@ def _shared_store_url(args, file_flag: str, file_given: bool) -> str | None:
     )
 
 
-def domain_load(client) -> dict:
-    """domain -> [L, E] expert choices of its tokens since the router behind ``client`` started."""
-    import grpc
-    import numpy as np
-
-    from expertmesh.contracts.errors import GroupUnavailable
-
-    try:
-        stats = json.loads(client.load_stats())
-    except grpc.RpcError as err:
-        raise GroupUnavailable(f"cannot read load stats: {err.code().name}: {err.details()}") from None
-    return {d: np.asarray(v, dtype=np.float64) for d, v in stats.get("domain_load", {}).items()}
-
-
 def _build(args) -> int:
     import grpc
 
     from expertmesh.classifier.corpus import load_examples
     from expertmesh.client import Client
+    from expertmesh.observability.remote import domain_load
     from expertmesh.router.policy.profiles import build_profiles, save_profiles, write_profiles_file
     from expertmesh.store import open_store
 

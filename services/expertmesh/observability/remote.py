@@ -240,3 +240,12 @@ def expert_groups(info: pb.ModelInfo, placement_file: Path | None) -> tuple[dict
 def check_not_empty(stats: LoadStats, target: str, source: str) -> None:
     if stats.load.sum() <= 0:
         raise InvalidRequest(f"no routed tokens in {source} of {target}: send traffic first or pass --requests N")
+
+
+def domain_load(client) -> dict:
+    """domain -> [L, E] expert choices of its tokens since the router behind ``client`` started."""
+    try:
+        stats = json.loads(client.load_stats())
+    except grpc.RpcError as err:
+        raise GroupUnavailable(f"cannot read load stats: {err.code().name}: {err.details()}") from None
+    return {d: np.asarray(v, dtype=np.float64) for d, v in stats.get("domain_load", {}).items()}

@@ -238,7 +238,7 @@ def bare_dispatcher(store, moe_layers, transport="auto", *, on_switch=None, mode
     from types import SimpleNamespace
 
     from expertmesh.router.assembly import assemble_router
-    from expertmesh.router.transport.base import build
+    from expertmesh.router.transport import build
 
     heartbeat = SimpleNamespace(beat=on_switch) if on_switch is not None else None
     transport = build(transport) if isinstance(transport, str) else transport

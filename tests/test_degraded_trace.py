@@ -31,7 +31,7 @@ from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.router.assembly import assemble_router
 from expertmesh.router.policy.gate_hook import find_gates
-from expertmesh.router.transport.base import build as build_transport
+from expertmesh.router.transport import build as build_transport
 from expertmesh.serving import engine as engine_module
 from expertmesh.serving.engine import Engine, EngineLimits, GenerationRequest
 from expertmesh.store import QuarantinedReplica, open_store

@@ -38,10 +38,10 @@ from expertmesh.expert_group import local_server, stream_service
 from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.models.hosted_experts import HostedExperts
+from expertmesh.router import transport as transports
 from expertmesh.router.dispatch.circuit import CircuitBreakers
 from expertmesh.router.dispatch.heartbeat import Heartbeat
 from expertmesh.router.dispatch.table_watcher import TableWatcher
-from expertmesh.router.transport import base as transports
 from expertmesh.store import QuarantinedReplica, open_store
 from helpers import bare_dispatcher
 

@@ -37,7 +37,8 @@ from expertmesh.infra.grpc_server import GrpcServer
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.platform.group_processes import start_groups
-from expertmesh.router.transport.base import GroupRequest, TransportError, build
+from expertmesh.router.transport import build
+from expertmesh.router.transport.base import GroupRequest, TransportError
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 

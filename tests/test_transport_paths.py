@@ -22,9 +22,10 @@ from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
 from expertmesh.infra.group_channels import GroupClients, group_channel
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.hosted_experts import HostedExperts
+from expertmesh.router.transport import build
 from expertmesh.router.transport import local as transport_local
 from expertmesh.router.transport.auto import AutoTransport
-from expertmesh.router.transport.base import TRANSPORTS, GroupRequest, TransportError, build
+from expertmesh.router.transport.base import TRANSPORTS, GroupRequest, TransportError
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 from test_security import pki  # noqa: F401  (that module's certificate fixture, reused)

@@ -23,7 +23,7 @@ from expertmesh.orchestrator.health.monitor import HealthMonitor
 from expertmesh.orchestrator.health.state import FindingKind, HealthState
 from expertmesh.router.assembly import assemble_router
 from expertmesh.router.reporting.hidden_sample import HiddenSampler, SamplePublisher
-from expertmesh.router.transport.base import build as build_transport
+from expertmesh.router.transport import build as build_transport
 from expertmesh.store import samples
 
 LAYERS = (0, 1)

@@ -76,7 +76,7 @@ def _router(
     from expertmesh.router.dispatch.heartbeat import Heartbeat
     from expertmesh.router.reporting.hidden_sample import HiddenSampler
     from expertmesh.router.reporting.load_publisher import router_id
-    from expertmesh.router.transport.base import build as build_transport
+    from expertmesh.router.transport import build as build_transport
 
     progress(f"building the router on {device} (no routed-expert weights)")
     spec = checkpoint.spec

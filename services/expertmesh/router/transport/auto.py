@@ -44,9 +44,10 @@ import grpc
 
 from expertmesh.contracts import shared_buffer
 from expertmesh.infra.group_channels import GroupClients, group_channel
-from expertmesh.router.transport.base import GroupReply, GroupRequest, GrpcTransport, PathBroken, PendingCall, time_left
+from expertmesh.router.transport.base import GroupReply, GroupRequest, PathBroken, PendingCall, time_left
 from expertmesh.router.transport.local import LocalPath
 from expertmesh.router.transport.stream import StreamPath
+from expertmesh.router.transport.unary import GrpcTransport
 from expertmesh.v1 import experts_pb2 as pb
 
 log = logging.getLogger(__name__)

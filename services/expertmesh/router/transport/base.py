@@ -11,12 +11,12 @@ transport only carries one ``GroupRequest`` to one named group and brings back a
 - ``stream.StreamPath``: one long-lived gRPC stream per group with
   raw-bytes frames, over the group's unix socket when it is on this host: the
   portable path between hosts;
-- ``GrpcTransport``: unary Dispatch calls (what any group speaks).
+- ``unary.GrpcTransport``: unary Dispatch calls (what any group speaks).
 
-``build`` makes a transport by name (``TRANSPORTS``): ``auto`` (the default)
-picks per group the fastest path that works and falls back on any error of a
-path (``auto``); ``grpc`` the same without shared memory; ``grpc-unary``
-unary calls only.
+``router.transport.build`` makes a transport by name (``TRANSPORTS``): ``auto``
+(the default) picks per group the fastest path that works and falls back on any
+error of a path (``auto``); ``grpc`` the same without shared memory;
+``grpc-unary`` unary calls only.
 """
 
 from __future__ import annotations
@@ -29,10 +29,6 @@ import grpc
 import torch
 
 from expertmesh.config.settings import TransportName
-from expertmesh.contracts import wire
-from expertmesh.contracts.errors import InvalidRequest
-from expertmesh.infra.group_channels import GroupClients
-from expertmesh.v1 import experts_pb2 as pb
 
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -127,69 +123,3 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def decode_reply(tensor: pb.Tensor, nbytes: int) -> GroupReply:
-    try:
-        return GroupReply(wire.decode(tensor, "partial sums"), nbytes)
-    except InvalidRequest as err:
-        return GroupReply(None, nbytes, str(err))
-
-
-class _UnaryPending:
-    transport = "grpc-unary"
-
-    def __init__(self, future: grpc.Future):
-        self._future = future
-
-    def result(self) -> GroupReply:
-        try:
-            response = self._future.result()
-        except grpc.RpcError as err:
-            raise TransportError(err.code(), err.details() or "") from None
-        return decode_reply(response.partial_sums, response.ByteSize())
-
-
-class GrpcTransport:
-    """Unary Dispatch calls over one channel per group."""
-
-    name = "grpc-unary"
-
-    def __init__(self, clients: GroupClients | None = None) -> None:
-        self._clients = clients or GroupClients()
-
-    def update(self, endpoints: dict[str, str]) -> None:
-        self._clients.update(endpoints)
-
-    def address(self, group: str) -> str | None:
-        return self._clients.address(group)
-
-    def kind(self, group: str) -> str:
-        return self.name
-
-    def send(self, group: str, request: GroupRequest, timeout_s: float) -> PendingCall:
-        stub = self._clients.stub(group)
-        if stub is None:
-            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"expert group {group} has no registered endpoint")
-        message = pb.DispatchRequest(
-            layer=request.layer,
-            hidden_states=wire.encode(request.rows()),  # [Tg, H]
-            expert_ids=wire.encode(request.expert_ids),  # [Tg, K]
-            routing_weights=wire.encode(request.weights),  # [Tg, K]
-            routing_table_version=request.table_version,
-        )
-        return _UnaryPending(stub.Dispatch.future(message, timeout=timeout_s))
-
-    def close(self) -> None:
-        self._clients.close()
-
-
-def build(name: TransportName) -> Transport:
-    """The transport called ``name`` (one of TRANSPORTS)."""
-    from expertmesh.router.transport.auto import AutoTransport
-
-    if name == "grpc-unary":
-        return GrpcTransport()
-    if name in ("auto", "grpc"):
-        return AutoTransport(shared_memory=name == "auto")
-    raise ValueError(f"unknown transport {name!r}; use one of {', '.join(TRANSPORTS)}")

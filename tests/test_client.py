@@ -80,6 +80,12 @@ def test_both_clients_give_the_same_answers(target):
     assert chunks == a_chunks and chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 6
     assert text == a_text == "".join(c.text for c in chunks)  # seeded sampling: the same tokens both times
     assert score == a_score and raw == a_raw and score != raw
+    # the KV pool's use is live (a finished sequence's blocks come back at the next step boundary): compare
+    # the pool's size, and the rest of the model info whole
+    pools = [(m.kv_pool.blocks_total, m.kv_pool.block_size) for m in (*models, *a_models)]
+    assert len(set(pools)) == 1 and pools[0][0] > 0
+    for m in (*models, *a_models):
+        m.ClearField("kv_pool")
     assert models == a_models and models[0].architecture == "qwen2_moe"
     assert '"num_experts"' in stats and '"num_experts"' in a_stats
 

@@ -33,15 +33,13 @@ test-tools:
 		command -v promtool >/dev/null || missing="$$missing prometheus"; \
 		if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; fi
 
-# ruff (lint, import order, format) and the import-linter contracts of pyproject.toml. import-linter reads
-# one folder per root package, and `expertmesh` spans two (services/, orchestrator/): it reads a merged copy.
-LINT_TREE := build/lint
+# ruff (lint, import order, format) and the import-linter contracts of pyproject.toml. import-linter walks
+# the one folder the package `expertmesh` imports from; services/expertmesh/orchestrator links the control
+# plane's folder into it (see README, Layout), so a plain `lint-imports` from the repository root sees both.
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	@rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE) && cp -r services/expertmesh $(LINT_TREE)/ \
-		&& cp -r orchestrator/expertmesh/orchestrator $(LINT_TREE)/expertmesh/
-	cd $(LINT_TREE) && PYTHONPATH=. $(abspath $(VENV))/bin/lint-imports --config $(abspath pyproject.toml) --no-cache
+	$(VENV)/bin/lint-imports --no-cache
 
 redis-start:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)

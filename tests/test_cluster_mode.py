@@ -25,9 +25,10 @@ from transformers import AutoModelForCausalLM
 
 from expertmesh.client import Client
 from expertmesh.expert_group.deployment import APP_NAME, build_app
+from expertmesh.infra.ports import free_port_range
 from expertmesh.models.tiny import make_tiny_checkpoint
 from expertmesh.store import open_store
-from helpers import first_line, free_port_range, serving_address, wait_for
+from helpers import first_line, serving_address, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 

@@ -22,7 +22,6 @@ from collections import Counter
 import grpc
 import pytest
 import torch
-from tests.helpers import free_port
 from transformers import AutoModelForCausalLM
 
 from expertmesh.contracts.errors import (
@@ -36,6 +35,7 @@ from expertmesh.contracts.errors import (
 from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
 from expertmesh.expert_group import local_server, stream_service
 from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
+from expertmesh.infra.ports import free_port
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.router import transport as transports

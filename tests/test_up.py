@@ -12,8 +12,9 @@ import grpc
 import pytest
 
 from expertmesh.client import Client
+from expertmesh.infra.ports import free_port
 from expertmesh.models.tiny import make_tiny_checkpoint
-from helpers import RayHead, Up, free_port
+from helpers import RayHead, Up
 
 pytestmark = pytest.mark.slow
 BIN = os.path.dirname(sys.executable)

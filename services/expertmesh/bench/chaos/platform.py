@@ -35,6 +35,7 @@ import yaml
 
 from expertmesh.bench.report import BenchError
 from expertmesh.infra.console import progress
+from expertmesh.infra.ports import free_port, free_port_range
 from expertmesh.models.checkpoint import Checkpoint, MoESpec
 from expertmesh.orchestrator.migration.group_calls import GroupCallFailed, GroupChannels, GroupView
 from expertmesh.store import StateStore, open_store
@@ -68,33 +69,12 @@ def ring_placement(spec: MoESpec, groups: list[str]) -> dict:
     return {"groups": placement}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _free_ports(n: int) -> int:
     """The first of ``n`` consecutive free loopback ports (the groups' fixed port base)."""
-    import socket
-
-    for _ in range(50):
-        base = _free_port()
-        sockets = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise BenchError(f"found no {n} consecutive free loopback ports for the expert groups")
+    try:
+        return free_port_range(n)
+    except OSError as err:
+        raise BenchError(f"{err} for the expert groups") from None
 
 
 def wait_until(predicate, timeout_s: float, poll_s: float = 0.1) -> float | None:
@@ -131,7 +111,7 @@ class RedisServer:
             raise BenchError("bench chaos needs redis-server on PATH (e.g. apt-get install redis-server)")
         self._dir = workdir
         self.host = host
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"redis://{host}:{self.port}/0"
         self._wrap = wrap
         self.proc: subprocess.Popen | None = None

@@ -222,21 +222,29 @@ class UnhostedWatch:
         return self
 
     def stop(self) -> "UnhostedWatch":
+        """Stop watching. A watch whose every read met the fault (a read that waits out the store's socket
+        timeout can outlast a short hold) reads once more now, the scenario recovered: so each scenario's
+        table is read at least once while the store answers."""
         self._stop.set()
         self._thread.join()
+        if self.reads == 0:
+            self._read()
         return self
 
     def _poll(self) -> None:
-        spec = self._platform.spec
         while not self._stop.wait(WATCH_POLL_S):
-            try:
-                table = self._platform.store.routing_table()
-            except ConnectionError:
-                self.unread += 1
-                continue
-            self.reads += 1
-            if table is None:
-                # A store without a table (flushed) leaves every expert unlisted.
-                self.unhosted.update(unhosted({}, spec.moe_layers, spec.num_experts))
-            else:
-                self.unhosted.update(unhosted(table.replicas, spec.moe_layers, spec.num_experts))
+            self._read()
+
+    def _read(self) -> None:
+        spec = self._platform.spec
+        try:
+            table = self._platform.store.routing_table()
+        except ConnectionError:
+            self.unread += 1
+            return
+        self.reads += 1
+        if table is None:
+            # A store without a table (flushed) leaves every expert unlisted.
+            self.unhosted.update(unhosted({}, spec.moe_layers, spec.num_experts))
+        else:
+            self.unhosted.update(unhosted(table.replicas, spec.moe_layers, spec.num_experts))

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import grpc
 import httpx2
+import jsonschema
 import openai
 import pytest
 import torch
@@ -38,6 +39,7 @@ from expertmesh.contracts.errors import Overloaded, ShuttingDown
 from expertmesh.models.tiny import make_tiny_checkpoint
 from expertmesh.models.tokenizer import save_byte_tokenizer
 from expertmesh.serving.engine import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from expertmesh.serving.grammar import Grammars
 from expertmesh.serving.http_api import HttpApi
 from expertmesh.serving.http_server import HttpServer
 from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
@@ -157,6 +159,7 @@ def byte_tokenizer(tmp_path_factory):
 def layer(byte_tokenizer):
     """(base URL, engine, store, probe, readiness) of a served HttpApi over a ScriptedEngine."""
     engine = ScriptedEngine()
+    engine.grammars = Grammars(byte_tokenizer, VOCAB)  # the real compiler: what it refuses is what a server refuses
     store, probe = FakeStore(), FakeProbe()
     # Expert 0 of layer 1 only in g0, expert 1 in g0 and g1.
     view = SimpleNamespace(groups=("g0", "g1"), holders={(1, 0): (0,), (1, 1): (0, 1)}, version=7)
@@ -258,6 +261,158 @@ def test_openai_client_streams(scripted):
     assert "".join(c.choices[0].text for c in chunks) == "Hello" and chunks[-1].choices[0].finish_reason == "length"
 
 
+def _says(*texts: str, reason: str = "eos"):
+    """A script: these texts, a token each, then the finish ``reason``."""
+
+    def script(request, seq):
+        for text in texts:
+            seq.events.put(TokenEvent([72], text))
+        seq.events.put(_finish(request, len(texts), reason))
+
+    return script
+
+
+def test_n_choices_each_with_its_seed_and_usage_counting_the_prompt_once(scripted):
+    completion = _openai(scripted.url).completions.create(model=MODEL, prompt="Hi", n=3, seed=7, max_tokens=4)
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    assert all(c.text == "Hello" and c.finish_reason == "length" for c in completion.choices)
+    requests = [s.request for s in scripted.engine.submitted]
+    assert [r.sampling.seed for r in requests] == [7, 8, 9]
+    assert len({r.request_id for r in requests}) == 3 and len({r.prompt_ids for r in requests}) == 1
+    assert completion.usage.prompt_tokens == 2 and completion.usage.completion_tokens == 6
+
+    chunks = list(_openai(scripted.url).completions.create(model=MODEL, prompt="Hi", n=2, stream=True))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.text for c in mine) == "Hello" and mine[-1].finish_reason == "length"
+    assert [s.request.sampling.seed for s in scripted.engine.submitted[3:]] == [None, None]
+
+
+def test_a_failing_choice_fails_the_request_and_cancels_the_others(scripted):
+    calls = []
+
+    def script(request, seq):
+        calls.append(request)
+        if len(calls) == 2:
+            seq.events.put(ErrorEvent(grpc.StatusCode.INTERNAL, "the logits held NaN"))
+        else:
+            ScriptedEngine.endless(request, seq)
+
+    scripted.engine.script = script
+    response = _post(scripted.url, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 3})
+    _assert_error_shape(response, 500, "internal")
+    assert all(s.cancelled.wait(5) for s in scripted.engine.submitted if s.request is not calls[1])
+
+
+@pytest.fixture
+def chat_template(scripted):
+    tokenizer = scripted.adapter._tokenizer
+    tokenizer.chat_template = CHAT_TEMPLATE
+    yield scripted
+    tokenizer.chat_template = None
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "choice,said,calls",
+    [
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            ['{"city":', '"Oslo"}'],
+            [("get_weather", {"city": "Oslo"})],
+        ),
+        ("required", ['[{"name":"get_weather","parameters":{"city":"Lima"}}]'], [("get_weather", {"city": "Lima"})]),
+        (
+            "auto",
+            ["<tool_call>", '{"name": "get_weather", "arguments": {"city": "Rome"}}', "</tool_call>"],
+            [("get_weather", {"city": "Rome"})],
+        ),
+        ("auto", ["It is", " sunny."], None),
+    ],
+    ids=["named", "required", "auto-call", "auto-text"],
+)
+def test_tool_calls_in_openais_shapes(chat_template, choice, said, calls, stream):
+    """The answer's text (scripted: the grammar that shapes it is the engine's, tested with the model below) read
+    back as tool calls, whole and streamed, through the official client."""
+    chat_template.engine.script = _says(*said)
+    client = _openai(chat_template.url)
+    kwargs = dict(
+        model=MODEL, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER_TOOL], tool_choice=choice
+    )
+    request = None
+    if not stream:
+        answer = client.chat.completions.create(**kwargs)
+        message, reason = answer.choices[0].message, answer.choices[0].finish_reason
+        got_calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or ()]
+        ids = [c.id for c in message.tool_calls or ()]
+        content = message.content
+    else:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        deltas = [c.choices[0] for c in chunks if c.choices]
+        content = "".join(d.delta.content or "" for d in deltas) or None
+        tool_deltas = [t for d in deltas for t in d.delta.tool_calls or ()]
+        got_calls = [(t.function.name, json.loads(t.function.arguments)) for t in tool_deltas]
+        ids = [t.id for t in tool_deltas]
+        reason = deltas[-1].finish_reason
+    request = chat_template.engine.submitted[-1].request
+    if calls is None:
+        assert content == "It is sunny." and not got_calls and reason == "stop"
+        assert request.grammar is None  # "auto" lets the model write what it likes
+        return
+    assert got_calls == calls and reason == "tool_calls" and not content
+    assert all(i.startswith("call_") for i in ids)
+    assert (request.grammar is None) == (choice == "auto")
+    prompt = chat_template.adapter._tokenizer.decode(request.prompt_ids)
+    assert prompt.startswith("<|user|>weather?")  # this template has no tools section: transformers leaves them out
+
+
+def test_a_forced_call_cut_short_is_content_with_its_finish_reason(chat_template):
+    chat_template.engine.script = _says('{"city": "Os', reason="length")
+    answer = _openai(chat_template.url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[WEATHER_TOOL], tool_choice="required"
+    )
+    assert answer.choices[0].finish_reason == "length" and answer.choices[0].message.content == '{"city": "Os'
+    assert answer.choices[0].message.tool_calls is None
+
+
+def test_a_tool_conversation_is_accepted(chat_template):
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    answer = _openai(chat_template.url).chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
+    assert answer.choices[0].message.content == "Hello"
+    prompt = chat_template.adapter._tokenizer.decode(chat_template.engine.submitted[-1].request.prompt_ids)
+    assert "<|tool|>sunny" in prompt
+
+
+def test_response_format_and_a_forced_call_do_not_combine(chat_template):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "response_format": {"type": "json_object"},
+    }
+    _assert_error_shape(_post(chat_template.url, "/v1/chat/completions", body), 400, "invalid_value", "response_format")
+
+
 @pytest.mark.parametrize(
     "failure,status,code",
     [
@@ -311,7 +466,15 @@ def _long(n):
 
 
 COMPLETION_ERRORS = [
-    ({"n": 2}, "n", "unsupported_parameter"),
+    ({"n": 0}, "n", "invalid_value"),
+    ({"n": 17}, "n", "invalid_value"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "invalid_value"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}}},
+        "response_format.json_schema.schema",
+        "invalid_value",
+    ),
     ({"best_of": 3}, "best_of", "unsupported_parameter"),
     ({"suffix": "end"}, "suffix", "unsupported_parameter"),
     ({"logprobs": 21}, "logprobs", "invalid_value"),
@@ -350,21 +513,35 @@ COMPLETION_ERRORS = [
     ({"model": 5}, "model", "invalid_type"),
 ]
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
 CHAT_ERRORS = [
     ({"messages": []}, "messages", "invalid_value"),
-    ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "robot", "content": "42"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id", "missing_required_parameter"),
+    (
+        {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+        "messages[0].tool_call_id",
+        "invalid_value",
+    ),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         "messages[0].content",
         "unsupported_value",
     ),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name", "invalid_value"),
+    ({"tools": [_TOOL] * 129}, "tools", "invalid_value"),
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value"),  # no tools to choose from
+    (
+        {"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        "tool_choice",
+        "invalid_value",
+    ),
+    ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
     ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),  # without logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ({"max_completion_tokens": CAP + 1}, "max_completion_tokens", "invalid_value"),
-    ({"n": 3}, "n", "unsupported_parameter"),
     ({}, "messages", "chat_template_missing"),  # a valid request: the byte tokenizer has no chat template
 ]
 
@@ -777,6 +954,134 @@ def test_echo_returns_the_prompt_with_its_logprobs_as_the_score_api_gives_them(s
     assert pieces[0] == "Hello" and "".join(pieces) == text.choices[0].text
 
 
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["city", "days", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.slow
+def test_structured_output_validates_on_the_model_and_equals_the_grpc_apis(served):
+    """Random weights, so only the mask makes the answer JSON: every seed's answer validates against the
+    schema, over HTTP (completions, chat, streamed) and gRPC alike."""
+    client = _openai(served.url)
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": BOUNDED_SCHEMA, "strict": True}}
+    for seed in range(3):
+        common = dict(model=served.model, max_tokens=96, temperature=1.0, seed=seed)
+        answer = client.completions.create(prompt="Plan a trip:", extra_body={"response_format": fmt}, **common)
+        assert answer.choices[0].finish_reason == "stop", answer.choices[0].text
+        jsonschema.validate(json.loads(answer.choices[0].text), BOUNDED_SCHEMA)
+        text, done = _grpc(
+            served, "Plan a trip:", max_new_tokens=96, temperature=1.0, seed=seed, json_schema=BOUNDED_SCHEMA
+        )
+        assert text == answer.choices[0].text and done.finish_reason == "stop"
+        chat = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Plan a trip"}], response_format=fmt, **common
+        )
+        jsonschema.validate(json.loads(chat.choices[0].message.content), BOUNDED_SCHEMA)
+        streamed = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Plan a trip"}], stream=True, response_format=fmt, **common
+        )
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
+        )
+    anything = client.completions.create(
+        model=served.model,
+        prompt="x",
+        max_tokens=48,
+        seed=1,
+        temperature=1.0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    text = anything.choices[0].text
+    assert text.startswith("{") and (
+        anything.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)
+    )
+    with Client(served.up.target, timeout=60) as grpc_client, pytest.raises(grpc.RpcError) as err:
+        list(grpc_client.generate("x", json_schema={"type": "frob"}))
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_output.json_schema" in err.value.details()
+    )
+
+
+@pytest.mark.slow
+def test_forced_tool_calls_on_the_model_follow_the_tools_schemas(served):
+    client = _openai(served.url)
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": BOUNDED_SCHEMA}},
+        {
+            "type": "function",
+            "function": {
+                "name": "ping",
+                "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+            },
+        },
+    ]
+    messages = [{"role": "user", "content": "weather?"}]
+    named = client.chat.completions.create(
+        model=served.model,
+        messages=messages,
+        tools=tools,
+        max_tokens=96,
+        seed=3,
+        temperature=1.0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and named.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), BOUNDED_SCHEMA)
+    for seed in range(3):
+        required = client.chat.completions.create(
+            model=served.model,
+            messages=messages,
+            tools=tools,
+            max_tokens=200,
+            seed=seed,
+            temperature=1.0,
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+        choice = required.choices[0]
+        if choice.finish_reason == "length":  # a random model may pick a long enum path; cut short is content
+            assert choice.message.tool_calls is None
+            continue
+        (call,) = choice.message.tool_calls
+        schema = {t["function"]["name"]: t["function"]["parameters"] for t in tools}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.slow
+def test_n_choices_share_the_prompts_kv_blocks_and_equal_single_requests(served):
+    """Greedy choices are the single request's answer, each of them; seeded ones are single requests with seed
+    + i. The later choices find the first's prompt blocks in the prefix cache."""
+    client = _openai(served.url)
+    prompt = "A long prompt that fills more than one KV block of sixteen tokens, twice over at least: " * 2
+
+    def hits():
+        with Client(served.up.target, timeout=60) as c:
+            return c.models()[0].kv_pool.prefix_cache_hits
+
+    one = client.completions.create(model=served.model, prompt=prompt + "0", max_tokens=8, temperature=0)
+    before = hits()
+    three = client.completions.create(model=served.model, prompt=prompt + "1", max_tokens=8, temperature=0, n=3)
+    assert hits() - before >= 2 * 16, "choices 1 and 2 found the first's full blocks"
+    single = client.completions.create(model=served.model, prompt=prompt + "1", max_tokens=8, temperature=0)
+    assert [c.text for c in three.choices] == [single.choices[0].text] * 3
+    assert three.usage.prompt_tokens == single.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * single.usage.completion_tokens
+    del one
+    seeded = client.completions.create(model=served.model, prompt="Hi", max_tokens=8, temperature=1.0, seed=40, n=3)
+    for i, choice in enumerate(seeded.choices):
+        alone = client.completions.create(model=served.model, prompt="Hi", max_tokens=8, temperature=1.0, seed=40 + i)
+        assert choice.text == alone.choices[0].text
+
+
 @pytest.mark.slow
 def test_stop_ignore_eos_and_seeded_sampling_equal_the_grpc_apis(served):
     client = _openai(served.url)
@@ -858,7 +1163,7 @@ def test_chat_applies_the_checkpoints_template(served):
 def test_bad_requests_through_the_openai_client(served):
     client = _openai(served.url)
     cases = [
-        ({"n": 2}, openai.BadRequestError, "n"),
+        ({"n": 17}, openai.BadRequestError, "n"),
         ({"logprobs": 30}, openai.BadRequestError, "logprobs"),
         ({"best_of": 2}, openai.BadRequestError, "best_of"),
         ({"suffix": "!"}, openai.BadRequestError, "suffix"),
@@ -875,9 +1180,10 @@ def test_bad_requests_through_the_openai_client(served):
         client.chat.completions.create(
             model=served.model,
             messages=[{"role": "user", "content": "x"}],
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+            tool_choice="required",
         )
-    assert err.value.body["code"] == "unsupported_parameter"
+    assert err.value.body["param"] == "tools" and "frob" in err.value.body["message"]
     raw = httpx2.post(f"{served.url}/v1/completions", content=b'{"model": ', timeout=30)
     _assert_error_shape(raw, 400, "invalid_json")
     huge = httpx2.post(

@@ -66,6 +66,9 @@ class GenerateOptions(TypedDict, total=False):
     frequency_penalty: float  # in [-2, 2], over the tokens generated (OpenAI's)
     presence_penalty: float  # in [-2, 2], over the tokens generated (OpenAI's)
     logprobs: int | None  # each new token's log-probability and this many most likely tokens' (0-20)
+    #: the output must be JSON that validates against this schema (a dict, or its JSON text); ``{}``: any JSON object
+    json_schema: Mapping | str | None
+    regex: str | None  # the whole output must match this regular expression
     request_id: str
     #: a policy name (its default parameters) or a ``RoutingPolicy`` message; unset: the server's default
     routing_policy: str | pb.RoutingPolicy | None
@@ -98,6 +101,8 @@ def generate_request(
     frequency_penalty: float = 0.0,
     presence_penalty: float = 0.0,
     logprobs: int | None = None,
+    json_schema: Mapping | str | None = None,
+    regex: str | None = None,
     request_id: str = "",
     routing_policy: str | pb.RoutingPolicy | None = None,
     domain: str | None = None,
@@ -114,6 +119,15 @@ def generate_request(
         request.sampling.repetition_penalty = repetition_penalty
     if logprobs is not None:
         request.logprobs = logprobs
+    if json_schema is not None and regex is not None:
+        raise ValueError("json_schema and regex both constrain the output: choose one")
+    if isinstance(json_schema, Mapping) and not json_schema:
+        request.structured_output.json_object = True
+    elif json_schema is not None:
+        schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        request.structured_output.json_schema = schema
+    elif regex is not None:
+        request.structured_output.regex = regex
     _set_routing(request, routing_policy, domain)
     if isinstance(prompt, str):
         request.text = prompt

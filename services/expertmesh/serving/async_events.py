@@ -42,3 +42,39 @@ async def sequence_events(seq: Sequence) -> AsyncIterator[Event]:
     finally:
         if not finished:
             seq.cancel()
+
+
+class ChoiceEvents:
+    """The events of one request's choices (an engine sequence each, in the order ``add``ed), merged onto one
+    async iterator of (choice index, event). It ends after every choice's final event; ``aclose`` cancels
+    the sequences that have not ended."""
+
+    def __init__(self) -> None:
+        self._arrived: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self._forwarders: list[asyncio.Task] = []
+        self._open = 0
+
+    def add(self, seq: Sequence) -> None:
+        index = len(self._forwarders)
+        self._forwarders.append(asyncio.ensure_future(self._forward(index, seq)))
+        self._open += 1
+
+    async def _forward(self, index: int, seq: Sequence) -> None:
+        async for event in sequence_events(seq):  # cancelling this task cancels ``seq`` unless it ended
+            self._arrived.put_nowait((index, event))
+
+    def __aiter__(self) -> ChoiceEvents:
+        return self
+
+    async def __anext__(self) -> tuple[int, Event]:
+        if self._open == 0:
+            raise StopAsyncIteration
+        index, event = await self._arrived.get()
+        if isinstance(event, _FINAL):
+            self._open -= 1
+        return index, event
+
+    async def aclose(self) -> None:
+        for task in self._forwarders:
+            task.cancel()
+        await asyncio.gather(*self._forwarders, return_exceptions=True)

@@ -9,7 +9,9 @@ a 400 that says so and points at ``/v1/completions``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -18,10 +20,16 @@ from expertmesh.serving.openai_schema import ChatMessage
 
 
 def chat_prompt_ids(
-    tokenizer, messages: Sequence[ChatMessage], model: str, add_generation_prompt: bool = True
+    tokenizer,
+    messages: Sequence[ChatMessage],
+    model: str,
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The token ids of ``messages`` rendered by the model's chat template, ending where the assistant's turn starts
-    (``add_generation_prompt``; else after the last message)."""
+    (``add_generation_prompt``; else after the last message). ``tools`` (OpenAI's tool objects) go to the
+    template as transformers passes them (``tools=``): a template that knows tools writes them in its own
+    format, one that does not ignores them."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ApiError.bad_request(
             f"the model {model} has no chat template (tokenizer.chat_template), so chat messages cannot be "
@@ -29,10 +37,11 @@ def chat_prompt_ids(
             param="messages",
             code="chat_template_missing",
         )
-    conversation = [message.model_dump(exclude_none=True) for message in messages]
+    conversation = [_template_message(message) for message in messages]
+    extra = {"tools": list(tools)} if tools else {}
     try:
         encoded = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True, **extra
         )
     except (
         TemplateError
@@ -41,3 +50,15 @@ def chat_prompt_ids(
             f"the model's chat template refused these messages: {err}", param="messages"
         ) from None
     return list(encoded["input_ids"])
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: OpenAI sends a call's arguments as JSON text, templates (Hermes,
+    Qwen, Llama 3) iterate them as a mapping, as vLLM hands them over."""
+    turn = message.model_dump(exclude_none=True)
+    for call in turn.get("tool_calls", ()):
+        try:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        except json.JSONDecodeError:
+            pass  # not JSON: the template gets the text as sent
+    return turn

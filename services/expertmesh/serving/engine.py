@@ -67,6 +67,7 @@ from expertmesh.router.dispatch import degraded
 from expertmesh.router.dispatch.dispatcher import LayerDispatcher
 from expertmesh.router.policy.routing_policy import RequestRouting, step_routing
 from expertmesh.serving.forward import SLIDING, Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
+from expertmesh.serving.grammar import CompiledGrammar, Grammars, TokenMatcher
 from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, blocks_for, prefix_hashes
 from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, token_bytes
 from expertmesh.serving.sampling import (
@@ -102,6 +103,8 @@ class GenerationRequest:
     routing: RequestRouting | None = None
     #: report each new token's log-probability and the ``logprobs`` most likely tokens' (None: none)
     logprobs: int | None = None
+    #: the grammar its output must follow (``Engine.grammars.compile``; None: free text)
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,8 @@ class Sequence:
     #: Score: the prompt's logits so far, one [rows, V] tensor per chunk
     score_logits: list[torch.Tensor] = field(default_factory=list)
     generator: torch.Generator | None = None
+    #: its place in its request's grammar (None: free text)
+    matcher: TokenMatcher | None = None
     done: bool = False
     #: it ended with an error (its blocks may hold what a broken step computed: never cached)
     failed: bool = False
@@ -277,6 +282,8 @@ class Engine:
         eos = model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self._vocab_size = model.config.get_text_config().vocab_size
+        #: structured output's compiler and cache, for the APIs to compile a request's grammar with
+        self.grammars = Grammars(tokenizer, self._vocab_size, self._eos)
         self._cond = threading.Condition()
         self._queued: deque[Sequence] = deque()
         self._active: list[Sequence] = []
@@ -346,6 +353,8 @@ class Engine:
         self._check_tokens(request)
         self._check_fits(request)
         seq = Sequence(request, TextStream(self._tokenizer, request.stop), trace_context=otel_context.get_current())
+        if request.grammar is not None:
+            seq.matcher = request.grammar.matcher()
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the server is draining and takes no new requests")
@@ -373,12 +382,18 @@ class Engine:
         """The token ids that end ``request``'s sequence."""
         return {*request.stop_token_ids, *(self._eos if request.stop_at_eos else ())}
 
-    def _controlled(self, seq: Sequence, row: torch.Tensor) -> torch.Tensor:
-        """The next-token logits [V] of ``seq`` with its request's controls (``sampling.controlled``)."""
+    def _choose(self, seq: Sequence, row: torch.Tensor) -> int:
+        """The next token of ``seq`` from its logits ``row`` [V]: its request's controls
+        (``sampling.controlled``), then its grammar's mask, then its sampler."""
         request = seq.request
+        scores = row
+        if request.sampling.controls:  # checks the model's logits are finite
+            scores = controlled(row, request.sampling, request.prompt_ids, seq.generated, self._end_ids(request))
+        if seq.matcher is None:
+            return next_token(scores, request.sampling, seq.generator)
         if not request.sampling.controls:
-            return row
-        return controlled(row, request.sampling, request.prompt_ids, seq.generated, self._end_ids(request))
+            require_finite(scores)  # before the mask's -inf, which are on purpose
+        return next_token(seq.matcher.mask(scores), request.sampling, seq.generator, masked=True)
 
     def _check_fits(self, request: GenerationRequest) -> None:
         """A request the whole KV pool could not hold would wait for ever: refuse it now."""
@@ -680,6 +695,7 @@ class Engine:
             and not seq.request.score_only
             and seq.request.sampling.temperature == 0
             and not seq.request.sampling.controls  # chosen one by one, from their controlled logits
+            and seq.matcher is None  # and from their grammar's mask
         ]
         picks: list[int | None] = [None] * len(work)
         for i, token in zip(greedy, greedy_tokens([logits[i][-1] for i in greedy]) or ()):
@@ -705,8 +721,10 @@ class Engine:
             seq.done = True
             return
         if token is None:
-            token = next_token(self._controlled(seq, logits[-1]), request.sampling, seq.generator)
+            token = self._choose(seq, logits[-1])
         seq.generated.append(token)
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
         reason = None
         if request.stop_at_eos and token in self._eos:
             reason = "eos"
@@ -716,7 +734,7 @@ class Engine:
             delta = TokenEvent([], "")
         else:
             delta = TokenEvent([token], seq.stream.push(token), _logprobs(logits[-1], token, request.logprobs))
-            if seq.stream.stopped:
+            if seq.stream.stopped or (seq.matcher is not None and seq.matcher.finished):
                 reason = "stop"
             elif len(seq.generated) >= request.max_new_tokens:
                 reason = "length"

@@ -42,14 +42,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from expertmesh.config.settings import ServingConfig
 from expertmesh.infra.telemetry.setup import meter, tracer
-from expertmesh.serving.async_events import sequence_events
+from expertmesh.serving.async_events import ChoiceEvents, sequence_events
 from expertmesh.serving.engine import ErrorEvent, Event, FinishEvent, TokenEvent, TokenLogprob, prompt_logprobs
 from expertmesh.serving.openai_adapter import (
     ChatShapes,
+    ChoiceResult,
     CompletionShapes,
     OpenAIAdapter,
     Shapes,
-    finish_reason,
+    ToolReading,
     request_id,
     usage,
 )
@@ -113,10 +114,9 @@ class HttpApi:
     async def _chat(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         self._adapter.check_model(body.model)
-        ids = await run_in_threadpool(self._adapter.chat_prompt, body.messages)
-        return await self._generate(
-            request, body, ids, ChatShapes(request_id("chatcmpl"), body.model, self._adapter.token_text)
-        )
+        ids = await run_in_threadpool(self._adapter.chat_prompt, body)
+        shapes = ChatShapes(request_id("chatcmpl"), body.model, self._adapter.token_text, ToolReading.of(body))
+        return await self._generate(request, body, ids, shapes)
 
     async def _generate(self, request: Request, body: GenerationFields, ids: list[int], shapes: Shapes) -> Response:
         started = time.monotonic()
@@ -130,31 +130,39 @@ class HttpApi:
                 "expertmesh.request_id": shapes.id,
                 "http.route": request.url.path,
                 "expertmesh.prompt_tokens": len(ids),
+                "expertmesh.choices": body.choices,
             },
         )
+        choices = ChoiceEvents()
         streaming = False
         try:
             with trace.use_span(span, end_on_exit=False):
-                generation = self._adapter.generation_request(body, ids, shapes.id)
+                generations = [self._adapter.generation_request(body, ids, shapes.id, i) for i in range(body.choices)]
                 echo = await _unless_disconnected(request, self._echo(body, ids, shapes.id)) if body.echoes else None
-                seq = self._adapter.submit(generation)
-            events = sequence_events(seq)
+                choices.add(self._adapter.submit(generations[0]))
             try:
+                first = await _unless_disconnected(request, anext(choices))
+                if isinstance(first[1], ErrorEvent):  # nothing sent yet: the error keeps its HTTP status
+                    raise ApiError.from_grpc(first[1].code, first[1].message)
+                # The other choices join now: the first's prompt went through its step, whose end offers the
+                # prompt's KV blocks to the prefix cache before the next step admits anyone, so they share them.
+                with trace.use_span(span, end_on_exit=False):
+                    for generation in generations[1:]:
+                        choices.add(self._adapter.submit(generation))
                 if not body.streaming:
-                    text, logprobs, final = await _unless_disconnected(request, _collect(events))
-                    self._log_finished(shapes.id, final, started)
+                    results, finals = await _unless_disconnected(request, _collect(first, choices, len(generations)))
+                    self._log_finished(shapes.id, finals, started)
                     if echo is not None:
-                        text, logprobs = echo.text + text, [*echo.logprobs, *logprobs]
-                    return _json(shapes.whole(text, finish_reason(final.reason), usage(final), logprobs))
-                first = await _unless_disconnected(request, anext(events))
+                        results = [
+                            ChoiceResult(echo.text + r.text, r.reason, [*echo.logprobs, *r.logprobs]) for r in results
+                        ]
+                    return _json(shapes.whole(results, usage(finals)))
             except ClientGone:
                 log.info("request %s cancelled: the client went away", shapes.id)
                 return Response(status_code=CLIENT_CLOSED)
-            if isinstance(first, ErrorEvent):  # nothing sent yet: the error keeps its HTTP status
-                raise ApiError.from_grpc(first.code, first.message)
             streaming = True
             return StreamingResponse(
-                self._stream(first, events, shapes, body.include_usage, started, span, echo),
+                self._stream(first, choices, len(generations), shapes, body.include_usage, started, span, echo),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # no proxy may hold tokens back
             )
@@ -163,43 +171,56 @@ class HttpApi:
             raise
         finally:
             if not streaming:
+                await choices.aclose()  # cancels the sequences that did not end
                 span.end()
 
     async def _stream(
         self,
-        first: Event,
-        events: AsyncIterator[Event],
+        first: tuple[int, Event],
+        choices: ChoiceEvents,
+        count: int,
         shapes: Shapes,
         include_usage: bool,
         started: float,
         span: Span,
         echo: Echo | None = None,
     ) -> AsyncIterator[bytes]:
-        event = first
+        """Server-sent events of ``count`` choices, each chunk naming its choice (``index``), in the order the
+        engine's steps produce them."""
+        (index, event), finals = first, {}
         try:
-            for chunk in shapes.opening():
+            for chunk in shapes.opening(count):
                 yield _sse(chunk)
             if echo is not None:
-                yield _sse(shapes.delta(echo.text, echo.logprobs))
-            while isinstance(event, TokenEvent):
-                if event.text or event.logprobs:
-                    yield _sse(shapes.delta(event.text, event.logprobs))
-                event = await anext(events)
-            if isinstance(event, FinishEvent):
-                yield _sse(shapes.closing(finish_reason(event.reason)))
+                for i in range(count):
+                    for chunk in shapes.delta(i, echo.text, echo.logprobs):
+                        yield _sse(chunk)
+            while True:
+                if isinstance(event, TokenEvent) and (event.text or event.logprobs):
+                    for chunk in shapes.delta(index, event.text, event.logprobs):
+                        yield _sse(chunk)
+                elif isinstance(event, FinishEvent):
+                    finals[index] = event
+                    for chunk in shapes.closing(index, event.reason):
+                        yield _sse(chunk)
+                elif isinstance(event, ErrorEvent):
+                    yield _sse(ApiError.from_grpc(event.code, event.message).body())
+                    break
+                if len(finals) == count:
+                    break
+                index, event = await anext(choices)
+            if len(finals) == count:
                 if include_usage:
-                    yield _sse(shapes.usage_only(usage(event)))
-                self._log_finished(shapes.id, event, started)
-            elif isinstance(event, ErrorEvent):
-                yield _sse(ApiError.from_grpc(event.code, event.message).body())
+                    yield _sse(shapes.usage_only(usage([finals[i] for i in range(count)])))
+                self._log_finished(shapes.id, [finals[i] for i in range(count)], started)
             yield b"data: [DONE]\n\n"
         finally:
-            if isinstance(event, TokenEvent):
-                log.info("request %s cancelled: the client went away mid-stream", shapes.id)
-            elif isinstance(event, ErrorEvent):
+            if isinstance(event, ErrorEvent):
                 span.set_status(Status(StatusCode.ERROR, event.message))
+            elif len(finals) < count:
+                log.info("request %s cancelled: the client went away mid-stream", shapes.id)
             span.end()
-            await events.aclose()  # cancels the sequence unless it ended
+            await choices.aclose()  # cancels the sequences that did not end
 
     async def _echo(self, body: GenerationFields, ids: list[int], rid: str) -> Echo:
         """The prompt an echoing completion starts with, and its tokens' log-probabilities when asked for (the
@@ -216,8 +237,11 @@ class HttpApi:
         return Echo(text, prompt_logprobs(ids, event.logits, body.logprob_count))
 
     @staticmethod
-    def _log_finished(rid: str, event: FinishEvent, started: float) -> None:
+    def _log_finished(rid: str, events: list[FinishEvent], started: float) -> None:
         elapsed = time.monotonic() - started
+        event = FinishEvent(
+            ",".join(e.reason for e in events), events[0].prompt_tokens, sum(e.completion_tokens for e in events)
+        )
         log.info(
             "request %s finished (%s): %d prompt + %d completion tokens in %.3fs",
             rid,
@@ -328,17 +352,28 @@ class Echo:
     logprobs: list[TokenLogprob]
 
 
-async def _collect(events: AsyncIterator[Event]) -> tuple[str, list[TokenLogprob], FinishEvent]:
-    """The whole text, its tokens' log-probabilities (when asked for) and the finish event; an error event
-    raises its ApiError."""
-    texts, logprobs = [], []
-    async for event in events:  # ends with the final event
+async def _collect(
+    first: tuple[int, Event], choices: ChoiceEvents, count: int
+) -> tuple[list[ChoiceResult], list[FinishEvent]]:
+    """Each of ``count`` choices' whole text, log-probabilities (when asked for) and finish event, from the
+    first event on; an error event raises its ApiError."""
+    texts: list[list[str]] = [[] for _ in range(count)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
+    finals: dict[int, FinishEvent] = {}
+    index, event = first
+    while True:
         if isinstance(event, TokenEvent):
-            texts.append(event.text)
-            logprobs += event.logprobs
-    if isinstance(event, ErrorEvent):
-        raise ApiError.from_grpc(event.code, event.message)
-    return "".join(texts), logprobs, event
+            texts[index].append(event.text)
+            logprobs[index] += event.logprobs
+        elif isinstance(event, ErrorEvent):
+            raise ApiError.from_grpc(event.code, event.message)
+        elif isinstance(event, FinishEvent):
+            finals[index] = event
+        if len(finals) == count:
+            break
+        index, event = await anext(choices)
+    ordered = [finals[i] for i in range(count)]
+    return [ChoiceResult("".join(texts[i]), ordered[i].reason, logprobs[i]) for i in range(count)], ordered
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from expertmesh.config.settings import ServingConfig
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
@@ -21,6 +22,7 @@ from expertmesh.router.policy.routing_policy import RequestRouting
 from expertmesh.serving.chat import chat_prompt_ids
 from expertmesh.serving.engine import Engine, FinishEvent, GenerationRequest, TokenLogprob
 from expertmesh.serving.engine import Sequence as EngineSequence
+from expertmesh.serving.grammar import GrammarError
 from expertmesh.serving.openai_errors import ApiError
 from expertmesh.serving.openai_schema import (
     AssistantMessage,
@@ -28,14 +30,15 @@ from expertmesh.serving.openai_schema import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     FinishReason,
@@ -45,10 +48,13 @@ from expertmesh.serving.openai_schema import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    ToolCall,
+    ToolCallFunction,
     Usage,
 )
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.sampling import SamplingParams
+from expertmesh.serving.tool_calls import auto_calls, may_be_a_call, named_calls, required_calls
 from expertmesh.v1 import inference_pb2 as pb
 
 _FINISH: dict[str, FinishReason] = {"length": "length", "context": "length", "stop": "stop", "eos": "stop"}
@@ -62,12 +68,12 @@ def finish_reason(engine_reason: str) -> FinishReason:
     return _FINISH[engine_reason]
 
 
-def usage(event: FinishEvent) -> Usage:
-    return Usage(
-        prompt_tokens=event.prompt_tokens,
-        completion_tokens=event.completion_tokens,
-        total_tokens=event.prompt_tokens + event.completion_tokens,
-    )
+def usage(events: Sequence[FinishEvent]) -> Usage:
+    """A request's usage from its choices' finish events: the prompt once (the choices share it), every
+    choice's completion tokens."""
+    prompt = events[0].prompt_tokens
+    completion = sum(e.completion_tokens for e in events)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 @dataclass(frozen=True)
@@ -116,8 +122,10 @@ class OpenAIAdapter:
             return list(self._tokenizer(prompt.text)["input_ids"])
         return list(prompt.token_ids or [])
 
-    def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-        return chat_prompt_ids(self._tokenizer, messages, self.model.name)
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The chat template's ids for the messages, and the tools unless ``tool_choice`` is "none"."""
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_mode != "none" else None
+        return chat_prompt_ids(self._tokenizer, body.messages, self.model.name, tools=tools)
 
     # -- the tokenizer routes ------------------------------------------------------------
 
@@ -159,8 +167,11 @@ class OpenAIAdapter:
 
     # -- generation ----------------------------------------------------------------------
 
-    def generation_request(self, body: GenerationFields, prompt_ids: list[int], request_id: str) -> GenerationRequest:
-        """Field ranges and the token cap are the schema's; what needs the model is checked here."""
+    def generation_request(
+        self, body: GenerationFields, prompt_ids: list[int], request_id: str, choice: int = 0
+    ) -> GenerationRequest:
+        """Field ranges and the token cap are the schema's; what needs the model is checked here. ``choice``:
+        which of the body's ``n`` choices (each has its own sampler: a seeded request's choice i takes seed + i)."""
         model = self.model
         param = body.PROMPT_FIELD
         if not prompt_ids:
@@ -193,15 +204,20 @@ class OpenAIAdapter:
                 "stop sequences need the model's tokenizer, and this model has none", param="stop"
             )
         routing = self._request_routing(body, prompt_ids)
+        try:
+            spec = body.grammar_spec()
+            grammar = self._engine.grammars.compile(spec) if spec is not None else None
+        except GrammarError as err:
+            raise ApiError.bad_request(str(err), param=err.field) from None
         return GenerationRequest(
-            request_id=request_id,
+            request_id=request_id if body.choices == 1 else f"{request_id}-{choice}",
             prompt_ids=tuple(prompt_ids),
             max_new_tokens=max_new,
             sampling=SamplingParams(
                 temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
                 top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
                 top_k=body.top_k or 0,
-                seed=body.seed,
+                seed=choice_seed(body.seed, choice),
                 logit_bias=body.token_biases,
                 min_tokens=body.min_tokens or 0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -213,6 +229,7 @@ class OpenAIAdapter:
             logprobs=body.logprob_count,
             stop_at_eos=not body.ignore_eos,
             routing=routing,
+            grammar=grammar,
         )
 
     def _request_routing(self, body: GenerationFields, prompt_ids: list[int]) -> RequestRouting | None:
@@ -256,6 +273,14 @@ class OpenAIAdapter:
             raise ApiError.from_grpc(err.code, str(err)) from None
 
 
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of a request's choice ``choice``: seed + choice, kept in the seed's 64-bit range."""
+    if seed is None:
+        return None
+    seeded = seed + choice
+    return seeded - 2**64 if seeded > 2**64 - 1 else seeded
+
+
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -267,6 +292,15 @@ def _token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"  # vLLM's name of a token when there is no tokenizer to read it
 
 
+@dataclass(frozen=True)
+class ChoiceResult:
+    """One choice's whole answer: its text, the engine's finish reason, its tokens' log-probabilities."""
+
+    text: str
+    reason: str
+    logprobs: Sequence[TokenLogprob] = ()
+
+
 @dataclass
 class CompletionShapes:
     """``/v1/completions``: one ``text_completion`` object, whole or per chunk. ``token_text`` names a token in
@@ -276,20 +310,20 @@ class CompletionShapes:
     model: str
     token_text: Callable[[int], str] = _token_id_text
     created: int = field(default_factory=lambda: int(time.time()))
-    #: characters of the completion before the next token, for ``text_offset``
-    _offset: int = 0
+    #: per choice: characters of its text before its next token, for ``text_offset``
+    _offsets: dict[int, int] = field(default_factory=dict)
 
     def _of(self, choices: list[CompletionChoice], used: Usage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=used)
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> CompletionLogprobs | None:
+    def _logprobs(self, index: int, logprobs: Sequence[TokenLogprob]) -> CompletionLogprobs | None:
         if not logprobs:
             return None
         tokens = [self.token_text(t.token_id) for t in logprobs]
         offsets = []
         for token in tokens:
-            offsets.append(self._offset)
-            self._offset += len(token)
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(token)
         return CompletionLogprobs(
             tokens=tokens,
             token_logprobs=[t.logprob for t in logprobs],
@@ -299,30 +333,84 @@ class CompletionShapes:
             text_offset=offsets,
         )
 
-    def whole(self, text: str, reason: FinishReason, used: Usage, logprobs: Sequence[TokenLogprob] = ()) -> Completion:
-        return self._of([CompletionChoice(text=text, logprobs=self._logprobs(logprobs), finish_reason=reason)], used)
+    def whole(self, results: Sequence[ChoiceResult], used: Usage) -> Completion:
+        return self._of(
+            [
+                CompletionChoice(
+                    index=i, text=r.text, logprobs=self._logprobs(i, r.logprobs), finish_reason=finish_reason(r.reason)
+                )
+                for i, r in enumerate(results)
+            ],
+            used,
+        )
 
-    def opening(self) -> list[Completion]:
+    def opening(self, choices: int) -> list[Completion]:
         return []
 
-    def delta(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> Completion:
-        return self._of([CompletionChoice(text=text, logprobs=self._logprobs(logprobs))])
+    def delta(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[Completion]:
+        return [self._of([CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, logprobs))])]
 
-    def closing(self, reason: FinishReason) -> Completion:
-        return self._of([CompletionChoice(text="", finish_reason=reason)])
+    def closing(self, index: int, reason: str) -> list[Completion]:
+        return [self._of([CompletionChoice(index=index, text="", finish_reason=finish_reason(reason))])]
 
     def usage_only(self, used: Usage) -> Completion:
         return self._of([], used)
 
 
+@dataclass(frozen=True)
+class ToolReading:
+    """How a chat answer's text becomes tool calls, by the request's ``tool_mode`` (``serving.tool_calls``)."""
+
+    mode: Literal["auto", "required", "named"]
+    names: tuple[str, ...]
+    named: str | None = None
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest) -> ToolReading | None:
+        """None: the answer is content only."""
+        mode = body.tool_mode
+        if mode == "none":
+            return None
+        named = body.tool_choice.function.name if mode == "named" else None
+        return cls(mode, tuple(t.function.name for t in body.tools or ()), named)
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]] | None:
+        """(content beside them, the calls) of an answer, or None when it calls nothing."""
+        if self.mode == "named":
+            found = named_calls(text, self.named)
+            read = (None, found) if found else None
+        elif self.mode == "required":
+            found = required_calls(text)
+            read = (None, found) if found else None
+        else:
+            read = auto_calls(text, self.names)
+        if read is None:
+            return None
+        content, calls = read
+        return content or None, [
+            ToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments)) for c in calls
+        ]
+
+    def holds(self, text: str) -> bool:
+        """Whether a streamed answer's text so far is held back: a forced call always is (it is streamed whole, as
+        one tool_calls delta, at its end); under "auto", while it may still be a call."""
+        return self.mode != "auto" or may_be_a_call(text)
+
+
 @dataclass
 class ChatShapes:
-    """``/v1/chat/completions``: a ``chat.completion``, or ``chat.completion.chunk``s that open with the role."""
+    """``/v1/chat/completions``: a ``chat.completion``, or ``chat.completion.chunk``s that open with the role.
+    ``tools``: how answers become tool calls (None: content only)."""
 
     id: str
     model: str
     token_text: Callable[[int], str] = _token_id_text
+    tools: ToolReading | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    #: per choice whose stream may still be tool calls: its text and log-probabilities held back so far
+    _held: dict[int, tuple[str, list[TokenLogprob]]] = field(default_factory=dict)
+    #: the choices whose stream is known to be content
+    _content: set[int] = field(default_factory=set)
 
     def _chunk(self, choices: list[ChatChunkChoice], used: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=used)
@@ -340,22 +428,51 @@ class ChatShapes:
             content.append(ChatTokenLogprob(**top.model_dump(), top_logprobs=[self._top(i, lp) for i, lp in t.top]))
         return ChatLogprobs(content=content)
 
-    def whole(
-        self, text: str, reason: FinishReason, used: Usage, logprobs: Sequence[TokenLogprob] = ()
-    ) -> ChatCompletion:
-        choice = ChatChoice(
-            message=AssistantMessage(content=text), logprobs=self._logprobs(logprobs), finish_reason=reason
-        )
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=used)
+    def _message(self, text: str, reason: str) -> tuple[AssistantMessage, FinishReason]:
+        read = self.tools.calls(text) if self.tools is not None else None
+        if read is None:
+            return AssistantMessage(content=text), finish_reason(reason)
+        content, calls = read
+        return AssistantMessage(content=content, tool_calls=calls), "tool_calls"
 
-    def opening(self) -> list[ChatCompletionChunk]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+    def whole(self, results: Sequence[ChoiceResult], used: Usage) -> ChatCompletion:
+        choices = []
+        for i, r in enumerate(results):
+            message, reason = self._message(r.text, r.reason)
+            choices.append(
+                ChatChoice(index=i, message=message, logprobs=self._logprobs(r.logprobs), finish_reason=reason)
+            )
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=used)
 
-    def delta(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> ChatCompletionChunk:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text), logprobs=self._logprobs(logprobs))])
+    def opening(self, choices: int) -> list[ChatCompletionChunk]:
+        return [
+            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            for i in range(choices)
+        ]
 
-    def closing(self, reason: FinishReason) -> ChatCompletionChunk:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)])
+    def delta(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[ChatCompletionChunk]:
+        if self.tools is not None and index not in self._content:
+            held_text, held_logprobs = self._held.pop(index, ("", []))
+            text, logprobs = held_text + text, [*held_logprobs, *logprobs]
+            if self.tools.holds(text):
+                self._held[index] = (text, logprobs)
+                return []
+            self._content.add(index)
+        return [
+            self._chunk(
+                [ChatChunkChoice(index=index, delta=ChatDelta(content=text), logprobs=self._logprobs(logprobs))]
+            )
+        ]
+
+    def closing(self, index: int, reason: str) -> list[ChatCompletionChunk]:
+        out, finish = [], finish_reason(reason)
+        if index in self._held:  # the whole answer was held: now it is known what it is
+            text, logprobs = self._held.pop(index)
+            message, finish = self._message(text, reason)
+            calls = [DeltaToolCall(index=j, **call.model_dump()) for j, call in enumerate(message.tool_calls or ())]
+            delta = ChatDelta(content=message.content, tool_calls=calls or None)
+            out.append(self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(logprobs))]))
+        return [*out, self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish)])]
 
     def usage_only(self, used: Usage) -> ChatCompletionChunk:
         return self._chunk([], used)

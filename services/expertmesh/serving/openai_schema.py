@@ -4,9 +4,12 @@
 Requests follow OpenAI's rules: unknown fields are ignored (clients and SDKs
 send extras freely), types are strict (``"0.5"`` is not a temperature), and
 ``null`` means "the default". Fields OpenAI defines that this server cannot
-honour (``n`` > 1, ``best_of``, ``suffix``, tools, JSON
-modes) are refused with an error naming the field rather than dropped: a caller
-who asks for five samples must not get one. ``logit_bias`` and the frequency and
+honour (``best_of``, ``suffix``, the deprecated ``functions``) are refused with an
+error naming the field rather than dropped: a caller who asks for something must
+not silently get something else. ``response_format`` (JSON, or JSON that
+validates against a schema) and ``tools`` with ``tool_choice`` are honoured
+through a grammar mask on each choice's tokens (``serving.grammar``,
+``serving.tool_calls``); ``n`` choices share their prompt's prefill. ``logit_bias`` and the frequency and
 presence penalties are OpenAI's; ``top_k``, ``ignore_eos`` (generate past the
 end-of-sequence token, for benchmarks), ``repetition_penalty``, ``min_tokens``
 and ``stop_token_ids`` are extensions, as in vLLM (``sampling`` says what each
@@ -25,6 +28,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from expertmesh.serving.grammar import GrammarError, GrammarSpec
 from expertmesh.serving.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -34,12 +38,18 @@ from expertmesh.serving.sampling import (
     SamplingParams,
 )
 from expertmesh.serving.text_stream import stop_problems
+from expertmesh.serving.tool_calls import call_schema
 
 #: validation context key: the server's cap on tokens generated per request
 MAX_TOKENS_CAP = "max_tokens_cap"
 
-#: why a generation ended, in OpenAI's words (end-of-sequence and stop strings are both "stop")
-FinishReason = Literal["stop", "length"]
+#: why a generation ended, in OpenAI's words (end-of-sequence and stop strings are both "stop"; an answer
+#: that is tool calls is "tool_calls")
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+#: choices one request may ask for (``n``), and tools it may offer (OpenAI's limit)
+MAX_CHOICES = 16
+MAX_TOOLS = 128
 
 
 def _unsupported(what: str) -> PydanticCustomError:
@@ -98,6 +108,44 @@ def _policy_object(value: Any) -> Any:
     return {"name": value} if isinstance(value, str) else value
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the answer must validate against. The mask holds every
+    answer to it, ``strict`` or not (as vLLM does)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON that validates against a schema."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _with_its_type(cls, value: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
+        if value is not None and info.data.get("type") != "json_schema":
+            raise PydanticCustomError("invalid_value", "json_schema goes with type 'json_schema'")
+        return value
+
+    def spec(self) -> GrammarSpec | None:
+        """The grammar this format asks for (None: free text)."""
+        if self.type == "json_object":
+            return GrammarSpec.json_object()
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise GrammarError("response_format.json_schema", "type 'json_schema' needs a json_schema object")
+            return GrammarSpec.json_schema(self.json_schema.schema_)
+        return None
+
+
 class GenerationFields(BaseModel):
     """What completions and chat completions share; ``None`` takes the server's default.
     Validate with ``context={MAX_TOKENS_CAP: n}`` to hold ``max_tokens`` to the server's cap."""
@@ -116,7 +164,9 @@ class GenerationFields(BaseModel):
     stop: Stop = []
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    #: choices to generate for the prompt, each with its own sampler (seed + i when seeded)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    response_format: ResponseFormat | None = None
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     #: token id (a decimal string, as OpenAI's JSON has it) -> bias in [-100, 100]
@@ -141,13 +191,6 @@ class GenerationFields(BaseModel):
         if problems:
             raise PydanticCustomError("invalid_value", problems[0])
         return temperature
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise _unsupported(f"n={n} (one choice per request)")
-        return n
 
     @field_validator("logit_bias")
     @classmethod
@@ -185,6 +228,14 @@ class GenerationFields(BaseModel):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The grammar the answer must follow (None: free text); GrammarError names a field it cannot take."""
+        return self.response_format.spec() if self.response_format is not None else None
 
     @property
     def logprob_count(self) -> int | None:
@@ -277,13 +328,96 @@ def _text_content(value: Any) -> Any:
     return "".join(texts)
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(max_length=64)
+    #: the call's arguments as JSON text (OpenAI's shape: a string, not an object)
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made: in an answer's ``message.tool_calls``, and in an earlier assistant turn."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    # Tool and function messages would need tool calling, which this server does not do.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, BeforeValidator(_text_content)]
+    # Validated in this order: each field's check reads the ones before it.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    #: an assistant turn's tool calls, and a tool turn's answer to which call
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=256, validate_default=True)
     name: str | None = None
+    #: may be null (or absent) only in an assistant turn that made tool calls
+    content: Annotated[str, BeforeValidator(_text_content)] | None = Field(None, validate_default=True)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, calls: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if calls and info.data.get("role") != "assistant":
+            raise PydanticCustomError("invalid_value", "tool_calls belong to a message of role 'assistant'")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_answers(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if value is not None and role != "tool":
+            raise PydanticCustomError("invalid_value", "tool_call_id belongs to a message of role 'tool'")
+        if value is None and role == "tool":
+            raise PydanticCustomError("missing", "a message of role 'tool' needs the tool_call_id it answers")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_calls(cls, content: str | None, info: ValidationInfo) -> str | None:
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise PydanticCustomError(
+                "missing", "content is required (only an assistant turn with tool_calls may omit it)"
+            )
+        return content
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: FunctionName
+    description: str | None = None
+    #: a JSON schema of the arguments (absent: any JSON object)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the one function the answer must call."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -293,9 +427,12 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    #: "none", "auto" (the default with tools: the model decides), "required" (at least one call) or a named function
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    #: whether "required" may make several calls (OpenAI's default: true)
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     _check_completion_cap = field_validator("max_completion_tokens")(_within_cap)
 
@@ -310,19 +447,49 @@ class ChatCompletionRequest(GenerationFields):
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, tools: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
-        if tools:
-            raise _unsupported(f"{info.field_name} (tool calling)")
-        return tools
+    def _no_functions(cls, functions: list[Any] | None) -> list[Any] | None:
+        if functions:
+            raise _unsupported("functions (deprecated by OpenAI: send tools)")
+        return functions
 
-    @field_validator("response_format")
+    @field_validator("tool_choice")
     @classmethod
-    def _text_only(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
-        if fmt is not None and fmt.get("type") != "text":
-            raise _unsupported(f"response_format {fmt.get('type')!r} (only 'text')")
-        return fmt
+    def _a_known_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if choice not in (None, "none") and not tools:
+            raise PydanticCustomError("invalid_value", "tool_choice needs tools to choose from")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise PydanticCustomError(
+                "invalid_value", "names {name!r}, which is not one of the tools", {"name": choice.function.name}
+            )
+        return choice
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How the answer may call tools: not at all, as the model decides, at least once, or the one named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """A required or named tool call is JSON the tools' schemas shape (``tool_calls.call_schema``); else
+        the response format's."""
+        mode = self.tool_mode
+        if mode in ("required", "named"):
+            if self.response_format is not None and self.response_format.type != "text":
+                raise GrammarError("response_format", f"does not combine with tool_choice {mode!r}: choose one")
+            name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+            schema = call_schema(
+                [(t.function.name, t.function.parameters) for t in self.tools or ()],
+                name,
+                self.parallel_tool_calls is not False,
+            )
+            return GrammarSpec.json_schema(schema, "tools")
+        return super().grammar_spec()
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -370,7 +537,8 @@ class Completion(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatTopLogprob(BaseModel):
@@ -405,9 +573,16 @@ class ChatCompletion(BaseModel):
     system_fingerprint: None = None
 
 
+class DeltaToolCall(ToolCall):
+    """A tool call in a streamed chunk: ``index`` places it among the choice's calls."""
+
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -146,11 +146,14 @@ def greedy_tokens(rows: list[torch.Tensor]) -> list[int] | None:
     return scores.cpu().numpy().argmax(axis=-1).tolist()
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [V] -> token id."""
+def next_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, masked: bool = False
+) -> int:
+    """logits [V] -> token id. ``masked``: ``logits`` hold -inf on purpose (a grammar's mask), and the
+    caller checked the model's logits were finite before."""
     greedy = params.temperature == 0
     scores = logits.float() if greedy else logits.float() / params.temperature  # [V]
-    if params.controls:  # ``controlled`` checked the model's logits; its -inf (min_tokens) are on purpose
+    if params.controls or masked:  # ``controlled`` checked the model's logits; its -inf (min_tokens) are on purpose
         require_choosable(scores)
     else:
         require_finite(scores)  # after the division, which can overflow

@@ -36,6 +36,7 @@ from expertmesh.serving.engine import (
     ScoreEvent,
     TokenEvent,
 )
+from expertmesh.serving.grammar import CompiledGrammar, GrammarSpec
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from expertmesh.serving.text_stream import stop_problems
@@ -161,6 +162,7 @@ class InferenceServicer:
         if request.stop and self._tokenizer is None:
             raise InvalidRequest("stop sequences need the model's tokenizer, and this model has none")
         routing = self.routing.resolve(request, lambda: self._prompt_text(request, ids))
+        grammar = self._grammar(request.structured_output) if request.HasField("structured_output") else None
         remaining = context.time_remaining()
         return GenerationRequest(
             request_id=request.request_id or uuid.uuid4().hex[:16],
@@ -173,7 +175,22 @@ class InferenceServicer:
             logprobs=logprobs,
             deadline=None if remaining is None else time.monotonic() + remaining,
             routing=routing,
+            grammar=grammar,
         )
+
+    def _grammar(self, output: pb.StructuredOutput) -> CompiledGrammar | None:
+        """The request's grammar, compiled (cached per server); GrammarError is INVALID_ARGUMENT naming it."""
+        kind = output.WhichOneof("kind")
+        field = f"structured_output.{kind}"
+        if kind == "json_object":
+            spec = GrammarSpec.json_object(field) if output.json_object else None
+        elif kind == "json_schema":
+            spec = GrammarSpec.json_schema(output.json_schema, field)
+        elif kind == "regex":
+            spec = GrammarSpec.regex(output.regex, field)
+        else:
+            spec = None
+        return self._engine.grammars.compile(spec) if spec is not None else None
 
     def _prompt_text(self, request: pb.GenerateRequest | pb.ScoreRequest, ids: list[int]) -> str | None:
         """The prompt as text, for the query classifier (None: token ids and no tokenizer to read them)."""

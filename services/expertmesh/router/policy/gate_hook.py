@@ -188,8 +188,9 @@ class GateBias:
             rules = step.k_rules
             gap = top2_gap(scores)  # [T]
             top_k = getattr(gate, "top_k", index.shape[1])
-            widest = widest_k(gate, num_experts) if hasattr(gate, "top_k") else top_k
-            k = token_k(gap, rules, top_k, widest)  # [T]
+            k = token_k(gap, rules, top_k, widest_k(gate, num_experts))  # [T]
+            if not hasattr(gate, "top_k"):  # a gate that cannot be asked for another k keeps its own
+                k = torch.full_like(k, top_k)
             regated = []
             for some_k in sorted(set(k.tolist()) - {top_k}):
                 rows = (k == some_k).nonzero().squeeze(1)  # [W]

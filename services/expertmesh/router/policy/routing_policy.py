@@ -18,7 +18,7 @@ A policy is ``exact`` (the stock gate, untouched: the default) or a ``+``-joined
 - *gate modifiers*, with any of the above: ``gate_temperature`` divides the gate's logits by ``tau`` before
   the architecture's score function (then any bias is added); ``capacity`` lets an expert take at most
   ``ceil(capacity_factor * slots / E)`` of one step's slots at a layer (slots: the valid choices of the
-  step's tokens that have the rule; each request's factor on its own), moving overflow to the token's
+  step's tokens that have the rule; tokens of one factor share a cap), moving overflow to the token's
   next-best expert with room (tokens in order, then each token's choices by gate score).
 
 Bias and temperature act on logits before the architecture's own selection (``gate_hook``); k rules

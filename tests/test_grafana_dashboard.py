@@ -135,6 +135,8 @@ def test_required_panels_are_there(dashboard):
         "inter-token latency",
         "errors",
         "active parameters",
+        "top-1 gate probability",
+        "top-1 / top-2 margin",
         "expert health",
         "kl divergence",
         "not healthy",

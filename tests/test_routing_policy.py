@@ -16,19 +16,25 @@ from expertmesh.models.checkpoint import experts_modules
 from expertmesh.models.tiny import CONFIG_BUILDERS, MOE_ARCHITECTURES
 from expertmesh.router.policy.gate_hook import GateBias
 from expertmesh.router.policy.routing_policy import (
+    PARAMETER_NAMES,
     KRules,
     PolicyError,
     RequestRouting,
     apply_k_rules,
+    capacity_route,
+    decayed_k,
     parse_policy,
     policy_names,
     prefer_bias,
     restrict_bias,
     step_routing,
+    temper,
+    token_k,
     top2_gap,
     widen_rows,
 )
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, TokenEvent
+from expertmesh.v1 import inference_pb2 as pb
 from helpers import stock_greedy
 
 LOCAL = "expertmesh_test_policy_local"
@@ -62,13 +68,43 @@ def test_parse_fills_defaults_and_names_the_bad_field():
         ("restrict", {"top_n": 1}, "routing_policy.top_n"),  # below k
         ("restrict", {"top_n": 9}, "routing_policy.top_n"),  # above E
         ("delta_gap", {"alpha": 1.0}, "routing_policy.alpha"),  # not a parameter of its rules
+        ("decay_k+dynamic_k", {}, "routing_policy.name"),  # two rules that each decide k
+        ("decay_k", {"k_start": 0}, "routing_policy.k_start"),
+        ("decay_k", {"k_start": 9}, "routing_policy.k_start"),  # above E
+        ("decay_k", {"k_start": 2.5}, "routing_policy.k_start"),
+        ("decay_k", {"decay": 0.0}, "routing_policy.decay"),
+        ("decay_k", {"decay": 1.01}, "routing_policy.decay"),
+        ("decay_k", {"k_start": 2, "k_min": 3}, "routing_policy.k_min"),
+        ("gate_temperature", {"tau": 0.01}, "routing_policy.tau"),
+        ("gate_temperature", {"tau": math.inf}, "routing_policy.tau"),
+        ("capacity", {"capacity_factor": 0.5}, "routing_policy.capacity_factor"),
+        ("capacity", {"tau": 1.0}, "routing_policy.tau"),
     ]
     for name, given, field in cases:
         with pytest.raises(PolicyError) as err:
             parse_policy(name, given, top_k=2, num_experts=8)
         assert err.value.field == field, (name, given, str(err.value))
+        assert len(str(err.value)) < 300, str(err.value)
     for name in policy_names():
         assert parse_policy(name, {}, 2, 8).name == name
+    assert "restrict+decay_k+gate_temperature+capacity" in policy_names()
+    assert "dynamic_k+decay_k" not in policy_names()
+    decay = parse_policy("capacity+decay_k", {"k_start": 3, "decay": 0.5}, 2, 8)
+    assert (
+        decay.name == "decay_k+capacity"
+        and decay.key == "decay_k+capacity(k_start=3,decay=0.5,k_min=1,capacity_factor=1.25)"
+    )
+    assert parse_policy("decay_k", {}, 2, 3).k_start == 3  # default 4, clamped to E
+    assert parse_policy("gate_temperature", {}, 2, 8).tau == 0.85
+
+
+def test_every_parameter_reaches_the_server_by_grpc_http_and_the_cli():
+    from expertmesh.cli.policy import _PARAMETERS
+    from expertmesh.serving.openai_schema import RoutingPolicyBody
+
+    assert _PARAMETERS == PARAMETER_NAMES
+    assert set(PARAMETER_NAMES) <= set(pb.RoutingPolicy.DESCRIPTOR.fields_by_name)
+    assert set(PARAMETER_NAMES) <= set(RoutingPolicyBody.model_fields)
 
 
 def test_bias_rules_are_bounded_and_keep_the_top_n():
@@ -94,7 +130,7 @@ def test_k_rules_narrow_widen_and_leave_other_tokens_bit_identical():
     widen = widen_rows(gap, rules)
     assert widen.tolist() == [False, True, False]
     wide = (torch.tensor([1]), torch.tensor([[0, 1, 2]]), torch.tensor([[0.44, 0.39, 0.17]]))
-    new_index, new_weights = apply_k_rules(index.clone(), weights.clone(), gap, rules, E, wide)
+    new_index, new_weights = apply_k_rules(index.clone(), weights.clone(), gap, rules, E, [wide])
     assert new_index.tolist() == [[0, E, E], [0, 1, 2], [0, 1, E]]
     assert torch.allclose(new_weights[0], torch.tensor([0.875 * 1.2, 0, 0]))
     assert torch.equal(new_weights[1], wide[2][0])
@@ -103,6 +139,102 @@ def test_k_rules_narrow_widen_and_leave_other_tokens_bit_identical():
     none = KRules(rules.delta, rules.weight_boost, torch.zeros(3))
     narrow_index, _ = apply_k_rules(index.clone(), weights.clone(), gap, none, E)
     assert narrow_index.tolist() == [[0, E], [0, 1], [0, 1]]
+
+
+def test_decay_k_counts_down_to_k_min_and_clamps_to_what_the_gate_can_choose():
+    t = torch.arange(20)
+    k = decayed_k(t, torch.full((20,), 4.0), torch.full((20,), 0.92), torch.ones(20))
+    expected = [max(1, math.floor(max(1.0, 4 * 0.92**i) + 0.5)) for i in range(20)]
+    assert k.tolist() == expected and k[0] == 4 and k[9] == 2 and k[-1] == 1
+    assert k.tolist()[:4] == [4, 4, 3, 3]
+    # halves round up; k_min is a floor
+    half = decayed_k(torch.tensor([0, 1, 2]), torch.full((3,), 4.0), torch.full((3,), 0.625), torch.full((3,), 2.0))
+    assert half.tolist() == [4, 3, 2]  # 4, 2.5 -> 3, 1.5625 -> k_min 2
+    still = decayed_k(torch.tensor([0, 50]), torch.full((2,), 3.0), torch.ones(2), torch.ones(2))
+    assert still.tolist() == [3, 3]  # decay 1: k stays
+    # token_k: decay_k's k where set, else top_k; widening adds one; everything within 1..widest
+    gap = torch.tensor([0.5, 0.5, 0.01, 0.5])
+    rules = KRules(
+        delta=torch.full((4,), math.inf),
+        weight_boost=torch.ones(4),
+        threshold=torch.tensor([0.0, 0.0, 0.15, 0.0]),
+        k=torch.tensor([6, 1, 0, 0]),
+    )
+    assert token_k(gap, rules, top_k=2, widest=4).tolist() == [4, 1, 3, 2]
+
+
+def test_regated_tokens_take_their_own_width_and_pad_with_the_sentinel():
+    E = 4
+    index = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    gap = torch.tensor([0.2, 0.4, 0.0])
+    rules = KRules(torch.full((3,), 0.1), torch.full((3,), 1.5), torch.zeros(3))  # delta_gap for all
+    regated = [
+        (torch.tensor([1]), torch.tensor([[2]]), torch.tensor([[1.0]])),  # k' = 1
+        (torch.tensor([0]), torch.tensor([[0, 1, 3]]), torch.tensor([[0.5, 0.3, 0.2]])),  # k' = 3
+    ]
+    new_index, new_weights = apply_k_rules(index.clone(), weights.clone(), gap, rules, E, regated)
+    assert new_index.tolist() == [[0, 1, 3], [2, E, E], [1, 0, E]]  # regated rows are not narrowed
+    assert new_weights[1].tolist() == [1.0, 0, 0] and torch.equal(new_weights[2, :2], weights[2])
+
+
+def test_gate_temperature_divides_only_its_rows():
+    logits = torch.tensor([[1.0, -2.0, 0.5], [0.3, 0.1, -0.7]])
+    out = temper(logits, torch.tensor([1.0, 0.5]))
+    assert torch.equal(out[0], logits[0]) and torch.allclose(out[1], logits[1] * 2)
+    sharper = temper(logits, torch.tensor([0.25, 0.25])).softmax(-1).max(-1).values
+    assert (sharper > logits.softmax(-1).max(-1).values).all()
+    ninf = temper(torch.tensor([[float("-inf"), 1.0]]), torch.tensor([2.0]))
+    assert ninf[0, 0] == float("-inf")  # a masked expert stays masked
+
+
+def _capacity_case(choices, ranks, factor, normalised=True):
+    """choices [T][K], ranks [T][E] (scores too) -> capacity_route's (index, weights) as lists."""
+    scores = torch.tensor(ranks, dtype=torch.float32)
+    index = torch.tensor(choices)
+    weights = torch.gather(scores, 1, index.clamp(max=scores.shape[1] - 1)).masked_fill(index >= scores.shape[1], 0)
+    weights = weights / weights.sum(dim=1, keepdim=True)
+    out_index, out_weights = capacity_route(index, weights, scores, scores, torch.tensor(factor), normalised)
+    return out_index.tolist(), out_weights, weights
+
+
+def test_capacity_moves_overflow_to_the_next_best_expert_with_room():
+    # E 4, three capped tokens choosing {0, 1}: 6 slots, cap ceil(1.0 * 6 / 4) = 2.
+    ranks = [[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.1, 0.2], [0.4, 0.3, 0.2, 0.1]]
+    index, weights, before = _capacity_case([[0, 1], [0, 1], [0, 1]], ranks, [1.0, 1.0, 1.0])
+    assert index == [[0, 1], [0, 1], [2, 3]]  # the first two fill 0 and 1; the third gets its next-best two
+    assert torch.allclose(weights[2], torch.tensor([2 / 3, 1 / 3]))  # renormalised: 0.2 / 0.3, 0.1 / 0.3
+    assert torch.equal(weights[:2], before[:2])
+    # The chain: token 1's move fills expert 2, so token 2's overflow goes on to expert 3.
+    ranks = [[0.5, 0.2, 0.2, 0.1], [0.5, 0.1, 0.3, 0.1], [0.5, 0.05, 0.3, 0.15]]
+    index, _, _ = _capacity_case([[0], [0], [0]], ranks, [1.0, 1.0, 1.0])  # cap ceil(3 / 4) = 1
+    assert index == [[0], [2], [3]]
+    # cap = ceil(factor * fair share): 1.25 * 8 / 4 = 2.5 -> 3 per expert
+    index, _, _ = _capacity_case([[0, 1]] * 4, [[0.4, 0.3, 0.2, 0.1]] * 4, [1.25] * 4)
+    assert index == [[0, 1], [0, 1], [0, 1], [2, 3]]
+    # Ties go to the lower id; a token without the rule is neither capped nor counted.
+    ranks = [[0.5, 0.25, 0.25, 0.0], [0.5, 0.25, 0.25, 0.0], [0.5, 0.25, 0.25, 0.0]]
+    index, weights, before = _capacity_case([[0], [0], [0]], ranks, [0.0, 1.0, 1.0])
+    assert index == [[0], [0], [1]]  # 2 slots: cap 1; token 2's 0 is full, 1 and 2 tie: 1
+    assert torch.equal(weights[0], before[0])
+    # Not normalised: the moved slot's weight is scaled by the score ratio, nothing else changes.
+    index, weights, before = _capacity_case([[0], [0]], [[0.6, 0.3, 0.1, 0.0]] * 2, [1.0, 1.0], normalised=False)
+    assert index == [[0], [1]] and torch.allclose(weights[1], before[1] * 0.5)
+
+
+def test_capacity_never_moves_onto_an_expert_the_token_may_not_take():
+    inf = float("-inf")
+    scores = torch.tensor([[0.6, 0.4, 0.0, 0.0], [0.6, 0.4, 0.0, 0.0]])
+    rank = torch.tensor([[0.6, 0.4, inf, inf], [0.6, 0.4, inf, inf]])  # experts 2, 3 restricted away
+    index = torch.tensor([[0, 1], [0, 1]])  # 4 slots: cap 1; nowhere to go, so the slots stay
+    weights = torch.tensor([[0.6, 0.4], [0.6, 0.4]])
+    out_index, out_weights = capacity_route(index, weights, scores, rank, torch.ones(2), True)
+    assert torch.equal(out_index, index) and torch.equal(out_weights, weights)
+    # Skipped slots (the sentinel) are not slots: one valid slot each, cap ceil(2 / 4) = 1.
+    index = torch.tensor([[0, 4], [0, 4]])
+    weights = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    out_index, out_weights = capacity_route(index, weights, scores, scores, torch.ones(2), True)
+    assert out_index.tolist() == [[0, 4], [1, 4]] and out_weights.tolist() == [[1.0, 0.0], [1.0, 0.0]]
 
 
 def test_a_step_of_plain_requests_has_no_routing_and_others_get_per_token_rows():
@@ -115,6 +247,15 @@ def test_a_step_of_plain_requests_has_no_routing_and_others_get_per_token_rows()
     assert step.k_rules.delta.tolist()[:3] == [math.inf, math.inf, pytest.approx(0.18)]
     assert step.k_rules.threshold.abs().sum() == 0 and not step.k_rules.any_widen
     assert step.domains == ("code", "legal") and step.domain_ids.tolist() == [-1, -1, 0, 0, 0, 1]
+    assert step.temperature is None and step.capacity is None and step.k_rules.k is None
+    # decay_k reads each token's answer index: a prompt chunk of 3 (its last predicts t 0) and a decode token
+    decay = RequestRouting(parse_policy("decay_k+gate_temperature", {"k_start": 4, "decay": 0.5}, 2, 8))
+    capped = RequestRouting(parse_policy("capacity", {"capacity_factor": 2.0}, 2, 8))
+    step = step_routing([(decay, 3), (None, 1), (decay, 1), (capped, 2)], first_t=[-2, 0, 2, 5])
+    assert step.k_rules.k.tolist() == [4, 4, 4, 0, 1, 0, 0]  # t 0, 0, 0 -> 4; t 2 -> round(1.0) = 1
+    assert step.temperature.tolist() == [pytest.approx(0.85)] * 3 + [1.0, pytest.approx(0.85), 1.0, 1.0]
+    assert step.capacity.tolist() == [0.0] * 5 + [2.0, 2.0]
+    assert step.k_rules.delta.isinf().all() and not step.k_rules.any_widen
 
 
 # -- every policy on every architecture ----------------------------------------------------------
@@ -157,6 +298,12 @@ POLICIES = [
     ("restrict", {}),
     ("prefer+dynamic_k", {"threshold": 1.0}),
     ("restrict+delta_gap", {"delta": 0.0}),
+    ("decay_k", {"k_start": 3}),  # t 0 for every token here: 3 experts each
+    ("decay_k", {"k_start": 1}),
+    ("gate_temperature", {"tau": 0.05}),
+    ("capacity", {"capacity_factor": 1.5}),  # slack enough that an overflowing slot always finds room
+    ("restrict+capacity", {}),
+    ("prefer+decay_k+gate_temperature+capacity", {"k_start": 3, "tau": 2.0}),
 ]
 
 
@@ -184,9 +331,10 @@ def test_every_policy_on_every_architecture(arch):
         for layer, (index, weights) in routed.items():
             stock_index, stock_weights = stock[layer]
             gate = gate_bias.gates[layer]
-            where = f"{arch} {name} layer {layer}"
-            widened = "dynamic_k" in policy.rules
-            assert index.shape == (24, K + 1 if widened else K), where
+            where = f"{arch} {name} {given} layer {layer}"
+            widened = "dynamic_k" in policy.rules or ("decay_k" in policy.rules and policy.k_start > K)
+            width = policy.k_start if "decay_k" in policy.rules else K + 1 if "dynamic_k" in policy.rules else K
+            assert index.shape == (24, max(K, width)), where
             if layer == min(routed):
                 # the exact request's tokens keep the stock gate's choice and weights, bit for bit (at later
                 # layers their inputs may move by a rounding step: the experts loop ran on other row sets)
@@ -203,8 +351,8 @@ def test_every_policy_on_every_architecture(arch):
                 top = weights[mine][valid]
                 if name == "delta_gap" and layer == min(routed):  # later layers' inputs differ from stock's
                     assert torch.allclose(top, stock_weights[mine].max(dim=1).values * 1.2), where
-            elif widened and policy.threshold >= 1.0:
-                assert (counts == K + 1).all(), where
+            elif "dynamic_k" in policy.rules and policy.threshold >= 1.0 or "decay_k" in policy.rules:
+                assert (counts == width).all(), where
                 if total is not None:
                     assert torch.allclose(weights[mine].sum(dim=1), torch.full((14,), total), atol=1e-5), where
             elif total is not None and name != "delta_gap+dynamic_k":
@@ -215,6 +363,12 @@ def test_every_policy_on_every_architecture(arch):
                 allowed = set(torch.argsort(share, descending=True, stable=True)[:K].tolist())
                 chosen = {int(e) for e, w in zip(index[mine].flatten(), weights[mine].flatten()) if w != 0}
                 assert chosen <= allowed, where
+            if name == "capacity":
+                cap = math.ceil(policy.capacity_factor * int(valid.sum()) / E)
+                load = torch.bincount(index[mine][valid], minlength=E)
+                assert load.max() <= cap, (where, load.tolist(), cap)
+                if layer == min(routed) and torch.bincount(stock_index[mine].flatten(), minlength=E).max() > cap:
+                    assert not torch.equal(index[mine], stock_index[mine]), f"{where}: nothing moved"
             if "prefer" in policy.rules:
 
                 def strong(idx, w):
@@ -222,7 +376,17 @@ def test_every_policy_on_every_architecture(arch):
 
                 if layer == min(routed):
                     assert strong(index[mine], weights[mine]) > strong(stock_index[mine], stock_weights[mine]), where
-            assert not torch.equal(index[mine, :K], stock_index[mine]) or widened, f"{where}: routing did not change"
+            if name == "gate_temperature":
+                if layer == min(routed):
+                    assert not torch.allclose(weights[mine], stock_weights[mine]), f"{where}: weights did not change"
+            elif name not in ("capacity", "restrict+capacity"):  # capacity moves only what overflows
+                changed = not torch.equal(index[mine, :K], stock_index[mine])
+                assert changed or widened, f"{where}: routing did not change"
+    # decay_k reads each token's answer index: 13 prompt positions (t 0) and one answer token (t 1)
+    policy = parse_policy("decay_k", {"k_start": 3, "decay": 0.5}, K, E)
+    step = step_routing([(None, 10), (RequestRouting(policy), 14)], first_t=[0, -12])
+    for layer, (index, _) in _route(model, ids, gate_bias, step)[0].items():
+        assert (index[mine] < E).sum(dim=1).tolist() == [3] * 13 + [2], f"{arch} layer {layer}"
 
 
 # -- in the engine's packed step ------------------------------------------------------------------
@@ -267,7 +431,21 @@ def test_exact_requests_stay_token_identical_beside_policy_requests(arch):
         stop_at_eos=False,
         routing=RequestRouting(parse_policy("delta_gap", {"delta": 0.0}, K, E)),
     )
-    seqs = [engine.submit(r) for r in (exact, widened, narrowed)]
+    decaying = GenerationRequest(
+        "decay",
+        (14, 15, 16),
+        max_new_tokens=8,
+        stop_at_eos=False,
+        routing=RequestRouting(parse_policy("decay_k+gate_temperature", {"k_start": E, "decay": 0.7}, K, E)),
+    )
+    capped = GenerationRequest(
+        "capped",
+        (17, 18, 19, 20),
+        max_new_tokens=8,
+        stop_at_eos=False,
+        routing=RequestRouting(parse_policy("capacity", {"capacity_factor": 1.0}, K, E)),
+    )
+    seqs = [engine.submit(r) for r in (exact, widened, narrowed, decaying, capped)]
     engine.start()
     try:
         events = [list(s) for s in seqs]

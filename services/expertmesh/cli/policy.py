@@ -18,7 +18,19 @@ from pathlib import Path
 
 from expertmesh.contracts.errors import InvalidRequest
 
-_PARAMETERS = ("alpha", "top_n", "delta", "weight_boost", "threshold")
+#: routing_policy.PARAMETER_NAMES (not imported: that module needs torch, the parser must not)
+_PARAMETERS = (
+    "alpha",
+    "top_n",
+    "delta",
+    "weight_boost",
+    "threshold",
+    "k_start",
+    "decay",
+    "k_min",
+    "tau",
+    "capacity_factor",
+)
 
 
 def add_command(commands) -> None:

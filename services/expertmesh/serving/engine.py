@@ -617,7 +617,10 @@ class Engine:
             batch = pack([chunk for _, chunk in work], self._mask_spec, self._pool)
             # The forward's spans nest under the first request's step; the other requests' steps are linked.
             links = [span.get_span_context() for span in spans[1:]]
-            routing = step_routing([(seq.request.routing, len(chunk.token_ids)) for seq, chunk in work])
+            routing = step_routing(
+                [(seq.request.routing, len(chunk.token_ids)) for seq, chunk in work],
+                [_first_t(seq, chunk) for seq, chunk in work],
+            )
             with (
                 trace.use_span(spans[0]),
                 self._dispatcher.serving_step(batch.positions, links, routing),
@@ -650,7 +653,8 @@ class Engine:
         with (
             trace.use_span(span, end_on_exit=True),
             self._dispatcher.serving_step(
-                chunk.positions(), routing=step_routing([(seq.request.routing, len(chunk.token_ids))])
+                chunk.positions(),
+                routing=step_routing([(seq.request.routing, len(chunk.token_ids))], [_first_t(seq, chunk)]),
             ),
             degraded.collecting([len(chunk.token_ids)]) as marks,
             torch.no_grad(),
@@ -770,6 +774,12 @@ def _logprobs(row: torch.Tensor, token: int, top: int | None) -> tuple[TokenLogp
     best = torch.topk(logprobs, min(top, logprobs.numel())) if top else None
     pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
     return (TokenLogprob(token, float(logprobs[token]), pairs),)
+
+
+def _first_t(seq: Sequence, chunk: Chunk) -> int:
+    """The answer index of ``chunk``'s first token (the answer token it predicts; at most 0 in the
+    prompt): what decay_k counts from. A preempted sequence computed again keeps its count."""
+    return chunk.start + 1 - len(seq.request.prompt_ids)
 
 
 def prompt_logprobs(prompt_ids: tuple[int, ...] | list[int], logits: torch.Tensor, top: int) -> list[TokenLogprob]:

@@ -101,6 +101,11 @@ class RoutingPolicyBody(BaseModel):
     delta: float | None = None
     weight_boost: float | None = None
     threshold: float | None = None
+    k_start: int | None = Field(None, ge=0, le=2**32 - 1)
+    decay: float | None = None
+    k_min: int | None = Field(None, ge=0, le=2**32 - 1)
+    tau: float | None = None
+    capacity_factor: float | None = None
     force: bool = False
 
 

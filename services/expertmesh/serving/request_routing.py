@@ -23,7 +23,9 @@ from expertmesh.infra.telemetry.setup import tracer
 from expertmesh.router.policy.profiles import DomainProfile, load_profiles, lookup
 from expertmesh.router.policy.quality import PolicyQuality, guard_problem
 from expertmesh.router.policy.routing_policy import (
+    BIAS_RULES,
     DESCRIPTIONS,
+    PARAMETER_NAMES,
     PolicyError,
     RequestRouting,
     RoutingPolicy,
@@ -38,7 +40,6 @@ from expertmesh.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-PARAMETER_FIELDS = ("alpha", "top_n", "delta", "weight_boost", "threshold")
 #: longest ``domain`` a request may name
 MAX_DOMAIN_CHARS = 64
 DOMAIN_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -84,7 +85,7 @@ class RequestRouter:
                 pb.RoutingPolicyInfo(
                     name=name,
                     description="; ".join(DESCRIPTIONS[r] for r in rules) or DESCRIPTIONS["exact"],
-                    needs_domain=any(r in ("prefer", "restrict") for r in rules),
+                    needs_domain=any(r in BIAS_RULES for r in rules),
                     parameters=[
                         pb.RoutingParameter(
                             name=p.name,
@@ -126,7 +127,7 @@ class RequestRouter:
         if not request.HasField("routing_policy"):
             return self.default
         message = request.routing_policy
-        given = {p: float(getattr(message, p)) for p in PARAMETER_FIELDS if message.HasField(p)}
+        given = {p: float(getattr(message, p)) for p in PARAMETER_NAMES if message.HasField(p)}
         try:
             return parse_policy(message.name or self.default.name, given, self.top_k, self.num_experts)
         except PolicyError as err:

@@ -54,6 +54,8 @@ PROMETHEUS_METRICS = frozenset(
         "expertmesh_kv_preemptions_total",
         "expertmesh_kv_prefix_cache_queries_total",
         "expertmesh_kv_prefix_cache_hits_total",
+        "expertmesh_gate_top1_probability_bucket",
+        "expertmesh_gate_top2_margin_bucket",
     }
 )
 

@@ -149,6 +149,11 @@ class LayerDispatcher:
         """The routing view's keeper this dispatcher was given."""
         return self._watcher
 
+    @property
+    def gate_bias(self) -> GateBias | None:
+        """The router model's gate hooks (None: a bare dispatcher without the model)."""
+        return self._gate_bias
+
     @contextmanager
     def serving_step(
         self, positions: torch.Tensor, links: Sequence[SpanContext] = (), routing: StepRouting | None = None

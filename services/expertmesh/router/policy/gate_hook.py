@@ -16,11 +16,13 @@ per-sequence threads each see only their own.
 
 Two sources of bias add up: ``set`` (the whole router's, per layer: quarantined
 experts) and ``routing`` (one forward's per-token routing policies,
-``routing_policy.StepRouting``). A step with k rules (``delta_gap``,
-``dynamic_k``) also has the gate's top-k transformed after its forward: every
+``routing_policy.StepRouting``); a step's ``gate_temperature`` divides the same
+logits first. A step with k rules (``delta_gap``, ``dynamic_k``, ``decay_k``) or
+``capacity`` also has the gate's top-k transformed after its forward: every
 gate class keeps ``top_k`` and returns ``(logits, weights, index)``, so the
-tokens that widen are gated once more with ``top_k + 1``, by the
-architecture's own selection.
+tokens that need another k are gated once more with that ``top_k``, by the
+architecture's own selection (and the same logits transform), and capacity
+then moves the overflow.
 
 Sigmoid gates (DeepSeek-V3) select on ``sigmoid(logit) + correction bias``: an
 expert at ``-inf`` has score 0 and may still be among the top-k when its
@@ -40,25 +42,38 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from expertmesh.models.checkpoint import experts_modules
-from expertmesh.router.policy.routing_policy import StepRouting, apply_k_rules, gate_scores, top2_gap, widen_rows
+from expertmesh.router.policy.routing_policy import (
+    StepRouting,
+    apply_k_rules,
+    capacity_route,
+    gate_scores,
+    temper,
+    token_k,
+    top2_gap,
+)
 
 
 class _BiasFirstLinear(TorchFunctionMode):
-    """Adds ``bias`` ([E] or [T, E]) to the output of the first ``F.linear`` it sees: the gate's logits."""
+    """Transforms the output of the first ``F.linear`` it sees, the gate's logits: divided by
+    ``temperature`` ([T]; 1: untouched) first, then plus ``bias`` ([E] or [T, E])."""
 
-    def __init__(self, bias: torch.Tensor):
+    def __init__(self, bias: torch.Tensor | None, temperature: torch.Tensor | None = None):
         super().__init__()
         self._bias = bias
+        self._temperature = temperature
         self._done = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is F.linear and not self._done:
             self._done = True
-            bias = self._bias.to(out.device, out.dtype)
-            if out.shape[-1] == bias.shape[-1] + 1:  # a skip class after the experts (Zaya): left as it is
-                bias = F.pad(bias, (0, 1))
-            out = out + bias
+            if self._temperature is not None:
+                out = temper(out, self._temperature)
+            if self._bias is not None:
+                bias = self._bias.to(out.device, out.dtype)
+                if out.shape[-1] == bias.shape[-1] + 1:  # a skip class after the experts (Zaya): left as it is
+                    bias = F.pad(bias, (0, 1))
+                out = out + bias
         return out
 
 
@@ -139,9 +154,14 @@ class GateBias:
             return bias
         return extra if bias is None else extra + bias
 
+    def _temperature(self) -> torch.Tensor | None:
+        """The per-token tau [T] of this thread's forward, or None."""
+        step = getattr(self._local, "step", None)
+        return step.temperature if step is not None else None
+
     def _enter(self, layer: int) -> None:
-        bias = self._bias(layer)
-        mode = _BiasFirstLinear(bias) if bias is not None else None
+        bias, temperature = self._bias(layer), self._temperature()
+        mode = _BiasFirstLinear(bias, temperature) if bias is not None or temperature is not None else None
         if mode is not None:
             mode.__enter__()
         self._local.mode = mode
@@ -153,39 +173,59 @@ class GateBias:
             mode.__exit__(None, None, None)
 
     def _k_rules(self, layer: int, args: tuple, out: tuple) -> tuple | None:
-        """The gate's (logits [T, E], weights, index [T, K]) after the step's k rules; None: unchanged."""
+        """The gate's (logits [T, E], weights, index [T, K]) after the step's k rules and capacity; None:
+        unchanged."""
         step = getattr(self._local, "step", None)
-        if step is None or step.k_rules is None or not (isinstance(out, tuple) and len(out) == 3):
+        if step is None or (step.k_rules is None and step.capacity is None):
+            return None
+        if not (isinstance(out, tuple) and len(out) == 3):
             return None  # a gate of another shape (verified families all return the triple) keeps its top-k
-        gate, rules, num_experts = self.gates[layer], step.k_rules, self.num_experts[layer]
+        gate, num_experts = self.gates[layer], self.num_experts[layer]
         logits, weights, index = out
-        gap = top2_gap(gate_scores(logits, sigmoid=hasattr(gate, "e_score_correction_bias")))  # [T]
-        widen = widen_rows(gap, rules)
-        wide = None
-        if bool(widen.any()) and hasattr(gate, "top_k") and gate.top_k < widest_k(gate, num_experts):
-            rows = widen.nonzero().squeeze(1)  # [W]
-            hidden = args[0].reshape(logits.shape[0], -1)[rows]  # [W, H]
-            bias = self._bias(layer)
-            if bias is not None and bias.dim() == 2:
-                bias = bias[rows]
-            wide_weights, wide_index = self._gate_wider(gate, hidden, bias)
-            wide = (rows, wide_index, wide_weights)
-        index, weights = apply_k_rules(index, weights, gap, rules, num_experts, wide)
+        sigmoid = hasattr(gate, "e_score_correction_bias")
+        scores = gate_scores(logits, sigmoid=sigmoid)  # [T, E] (E + 1 with a skip class)
+        if step.k_rules is not None:
+            rules = step.k_rules
+            gap = top2_gap(scores)  # [T]
+            top_k = getattr(gate, "top_k", index.shape[1])
+            k = token_k(gap, rules, top_k, widest_k(gate, num_experts))  # [T]
+            if not hasattr(gate, "top_k"):  # a gate that cannot be asked for another k keeps its own
+                k = torch.full_like(k, top_k)
+            regated = []
+            for some_k in sorted(set(k.tolist()) - {top_k}):
+                rows = (k == some_k).nonzero().squeeze(1)  # [W]
+                regated.append((rows, *self._gate_again(gate, layer, args[0], logits.shape[0], rows, some_k)))
+            index, weights = apply_k_rules(index, weights, gap, rules, num_experts, regated)
+        if step.capacity is not None:
+            rank = scores[:, :num_experts]
+            correction = getattr(gate, "e_score_correction_bias", None)
+            if correction is not None:  # DeepSeek-V3 selects on the score plus its correction bias
+                rank = rank + correction.float().to(rank.device)
+            rank = rank.masked_fill(~torch.isfinite(logits[:, :num_experts].float()), float("-inf"))
+            normalised = bool(getattr(gate, "norm_topk_prob", True))
+            index, weights = capacity_route(index, weights, scores[:, :num_experts], rank, step.capacity, normalised)
         return logits, weights, index
 
-    @staticmethod
-    def _gate_wider(gate: nn.Module, hidden: torch.Tensor, bias: torch.Tensor | None):
-        """The gate's own (weights [W, K+1], index [W, K+1]) for ``hidden`` [W, H], with ``bias``."""
-        gate.top_k += 1
+    def _gate_again(self, gate: nn.Module, layer: int, hidden: torch.Tensor, tokens: int, rows: torch.Tensor, k: int):
+        """The gate's own (index [W, k], weights [W, k]) for the tokens ``rows`` [W] of its input ``hidden``,
+        with this thread's bias and temperature on those rows."""
+        hidden = hidden.reshape(tokens, -1)[rows]  # [W, H]
+        bias, temperature = self._bias(layer), self._temperature()
+        if bias is not None and bias.dim() == 2:
+            bias = bias[rows]
+        if temperature is not None:
+            temperature = temperature[rows]
+        old_k = gate.top_k
+        gate.top_k = k
         try:
-            if bias is None:
+            if bias is None and temperature is None:
                 _, weights, index = gate.forward(hidden)
             else:
-                with _BiasFirstLinear(bias):
+                with _BiasFirstLinear(bias, temperature):
                     _, weights, index = gate.forward(hidden)
         finally:
-            gate.top_k -= 1
-        return weights, index
+            gate.top_k = old_k
+        return index, weights
 
 
 def masked(num_experts: int, experts: frozenset[int]) -> torch.Tensor:

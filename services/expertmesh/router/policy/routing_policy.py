@@ -10,14 +10,24 @@ A policy is ``exact`` (the stock gate, untouched: the default) or a ``+``-joined
   ``delta_gap`` keeps only the top-1 expert, its weight times ``weight_boost``, when the top-1 score leads
   the top-2 by more than ``delta``; ``dynamic_k`` chooses ``k + 1`` experts when the top-2 scores are
   within ``threshold``. Both together are the confidence rules of the field report (narrow when sure,
-  widen when torn); a token that widens is never narrowed.
+  widen when torn); a token that widens is never narrowed. ``decay_k`` instead sets each token's k from
+  its place in the answer: ``round(max(k_min, k_start * decay**t))`` (halves round up), t the index of the
+  answer token the position predicts (0 for every prompt position, so a prompt is read with ``k_start``).
+  A k rule that asks for more experts than the architecture's top-k gets the architecture's own top-(k),
+  its normalisation included; fewer (decay_k) likewise, at most the experts the gate can choose.
+- *gate modifiers*, with any of the above: ``gate_temperature`` divides the gate's logits by ``tau`` before
+  the architecture's score function (then any bias is added); ``capacity`` lets an expert take at most
+  ``ceil(capacity_factor * slots / E)`` of one step's slots at a layer (slots: the valid choices of the
+  step's tokens that have the rule; tokens of one factor share a cap), moving overflow to the token's
+  next-best expert with room (tokens in order, then each token's choices by gate score).
 
-Bias rules are logits added before the architecture's own selection (``gate_hook``); k rules transform its
-top-k afterwards, so a token's choice may have 1..k+1 valid slots: the rest carry the skip sentinel
-``num_experts`` with weight 0, which the dispatch plan and the load window skip.
+Bias and temperature act on logits before the architecture's own selection (``gate_hook``); k rules
+transform its top-k afterwards, so a token's choice may have a varying number of valid slots: the rest
+carry the skip sentinel ``num_experts`` with weight 0, which the dispatch plan and the load window skip.
 
 In a serving step every token carries its own request's rules (``StepRouting``); tokens of ``exact``
-requests get a zero bias and no k rule, so their routing is bit-identical to the stock gate's.
+requests get a zero bias, temperature 1 and no k or capacity rule, so their routing is bit-identical to
+the stock gate's.
 """
 
 from __future__ import annotations
@@ -30,8 +40,11 @@ import torch
 
 EXACT = "exact"
 BIAS_RULES = ("prefer", "restrict")
-K_RULES = ("delta_gap", "dynamic_k")
-RULES = BIAS_RULES + K_RULES
+#: confidence rules (combine with each other) and decay_k, which combines with neither
+K_RULES = ("delta_gap", "dynamic_k", "decay_k")
+CONFIDENCE_RULES = ("delta_gap", "dynamic_k")
+MODIFIERS = ("gate_temperature", "capacity")
+RULES = BIAS_RULES + K_RULES + MODIFIERS
 
 
 class PolicyError(ValueError):
@@ -73,7 +86,24 @@ def parameters(top_k: int, num_experts: int) -> tuple[Parameter, ...]:
         Parameter("delta", "delta_gap", 0.18, 0.0, 1.0, "top-1 minus top-2 score above which only the top-1 is used"),
         Parameter("weight_boost", "delta_gap", 1.2, 1.0, 2.0, "factor on the lone top-1 expert's weight"),
         Parameter("threshold", "dynamic_k", 0.15, 0.0, 1.0, "top-1 minus top-2 score below which k+1 experts are used"),
+        Parameter(
+            "k_start",
+            "decay_k",
+            float(min(4, num_experts)),
+            1.0,
+            float(num_experts),
+            "experts per token at t = 0",
+            integer=True,
+        ),
+        Parameter("decay", "decay_k", 0.92, 0.01, 1.0, "factor on k per answer token"),
+        Parameter("k_min", "decay_k", 1.0, 1.0, float(num_experts), "fewest experts per token", integer=True),
+        Parameter("tau", "gate_temperature", 0.85, 0.05, 4.0, "divides the gate's logits (below 1: sharper)"),
+        Parameter("capacity_factor", "capacity", 1.25, 1.0, 8.0, "an expert's most slots per step, in fair shares"),
     )
+
+
+#: every parameter's name, as the gRPC RoutingPolicy message and the HTTP body spell it
+PARAMETER_NAMES = tuple(p.name for p in parameters(2, 8))
 
 
 DESCRIPTIONS = {
@@ -82,6 +112,9 @@ DESCRIPTIONS = {
     "restrict": "choose only among the domain's top-N experts of each layer",
     "delta_gap": "top-1 when the gate is sure (top-1/top-2 gap above delta)",
     "dynamic_k": "top-(k+1) when the top-2 scores are within threshold",
+    "decay_k": "k_start experts per token, times decay per answer token, at least k_min",
+    "gate_temperature": "the gate's logits divided by tau before its own selection",
+    "capacity": "an expert takes at most capacity_factor fair shares of a step; overflow to the next best",
 }
 
 
@@ -95,6 +128,11 @@ class RoutingPolicy:
     delta: float = 0.18
     weight_boost: float = 1.2
     threshold: float = 0.15
+    k_start: int = 4
+    decay: float = 0.92
+    k_min: int = 1
+    tau: float = 0.85
+    capacity_factor: float = 1.25
 
     @property
     def name(self) -> str:
@@ -110,11 +148,7 @@ class RoutingPolicy:
 
     def active(self) -> dict[str, float]:
         """The parameters its rules use: name -> value."""
-        return {
-            p: getattr(self, p)
-            for p in ("alpha", "top_n", "delta", "weight_boost", "threshold")
-            if _RULE_OF[p] in self.rules
-        }
+        return {p: getattr(self, p) for p in PARAMETER_NAMES if _RULE_OF[p] in self.rules}
 
     @property
     def key(self) -> str:
@@ -124,21 +158,17 @@ class RoutingPolicy:
         return f"{self.name}({params})" if params else self.name
 
 
-_RULE_OF = {
-    "alpha": "prefer",
-    "top_n": "restrict",
-    "delta": "delta_gap",
-    "weight_boost": "delta_gap",
-    "threshold": "dynamic_k",
-}
+_RULE_OF = {p.name: p.rule for p in parameters(2, 8)}
 
 
 def policy_names() -> tuple[str, ...]:
-    """Every accepted name: exact, each rule, and the sensible combinations (one bias rule, any k rules)."""
-    k_sets = [(), ("delta_gap",), ("dynamic_k",), K_RULES]
+    """Every accepted name: exact, then each combination of at most one bias rule, the confidence rules
+    (either or both) or decay_k, and any of the gate modifiers; rules in ``RULES`` order."""
+    k_sets = [(), ("delta_gap",), ("dynamic_k",), CONFIDENCE_RULES, ("decay_k",)]
+    modifier_sets = [(), ("gate_temperature",), ("capacity",), MODIFIERS]
     names = [EXACT]
     for bias in ((), *((b,) for b in BIAS_RULES)):
-        names += ["+".join(bias + ks) for ks in k_sets if bias or ks]
+        names += ["+".join(bias + ks + ms) for ks in k_sets for ms in modifier_sets if bias or ks or ms]
     return tuple(names)
 
 
@@ -150,9 +180,14 @@ def parse_policy(
     name = name.strip() or EXACT
     rules = [] if name == EXACT else name.split("+")
     if any(r not in RULES for r in rules) or len(set(rules)) != len(rules):
-        raise PolicyError(f"{field_prefix}.name", f"unknown policy {name!r}; known: {', '.join(policy_names())}")
+        shown = repr(name[:64]) + ("..." if len(name) > 64 else "")
+        raise PolicyError(
+            f"{field_prefix}.name", f"unknown policy {shown}; exact, or rules joined with '+': {', '.join(RULES)}"
+        )
     if len(set(rules) & set(BIAS_RULES)) > 1:
         raise PolicyError(f"{field_prefix}.name", "prefer and restrict do not combine: choose one bias rule")
+    if "decay_k" in rules and set(rules) & set(CONFIDENCE_RULES):
+        raise PolicyError(f"{field_prefix}.name", "decay_k does not combine with delta_gap or dynamic_k")
     values = {}
     for p in parameters(top_k, num_experts):
         if p.name not in given:
@@ -166,6 +201,9 @@ def parse_policy(
             kind = "an integer" if p.integer else "a number"
             raise PolicyError(where, f"must be {kind} in [{p.low:g}, {p.high:g}], got {value:g}")
         values[p.name] = int(value) if p.integer else float(value)
+    if values["k_min"] > values["k_start"]:
+        where = f"{field_prefix}.{'k_min' if 'k_min' in given else 'k_start'}"
+        raise PolicyError(where, f"k_min ({values['k_min']}) must not exceed k_start ({values['k_start']})")
     return RoutingPolicy(rules=frozenset(rules), **values)
 
 
@@ -195,11 +233,12 @@ def restrict_bias(share: torch.Tensor, top_n: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KRules:
-    """Per token of a forward: which k rules apply. Off is delta = inf, threshold = 0."""
+    """Per token of a forward: which k rules apply. Off is delta = inf, threshold = 0, k = 0."""
 
     delta: torch.Tensor  # [T] float32
     weight_boost: torch.Tensor  # [T] float32
     threshold: torch.Tensor  # [T] float32
+    k: torch.Tensor | None = None  # [T] int64: decay_k's experts per token (unclamped); 0: the gate's top-k
 
     @property
     def any_widen(self) -> bool:
@@ -223,32 +262,54 @@ def widen_rows(gap: torch.Tensor, rules: KRules) -> torch.Tensor:
     return gap < rules.threshold
 
 
+def decayed_k(t: torch.Tensor, k_start: torch.Tensor, decay: torch.Tensor, k_min: torch.Tensor) -> torch.Tensor:
+    """decay_k: t [T] int64 (answer index, >= 0), k_start, decay, k_min [T] -> experts per token [T] int64,
+    ``round(max(k_min, k_start * decay**t))`` with halves rounded up (float64, so it is the same anywhere).
+
+    Example: k_start 4, decay 0.92, k_min 1 -> t = 0..3: 4, 4, 3, 3; t = 9: 2 (1.74); t = 17: 1 (0.97 -> k_min)."""
+    k = torch.maximum(k_min.double(), k_start.double() * decay.double().pow(t.double()))  # [T]
+    return torch.floor(k + 0.5).long()
+
+
+def token_k(gap: torch.Tensor, rules: KRules, top_k: int, widest: int) -> torch.Tensor:
+    """Experts each token chooses [T] int64, in 1..widest: decay_k's k (else the gate's top_k), plus one for
+    the tokens ``widen_rows`` picks, at most ``widest`` (the most the gate can choose, ``gate_hook.widest_k``)."""
+    k = torch.full(gap.shape, top_k, dtype=torch.long)
+    if rules.k is not None:
+        k = torch.where(rules.k > 0, rules.k, k)
+    k = k + widen_rows(gap, rules).long()
+    return k.clamp(1, max(widest, 1))
+
+
 def apply_k_rules(
     index: torch.Tensor,
     weights: torch.Tensor,
     gap: torch.Tensor,
     rules: KRules,
     num_experts: int,
-    wide: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    regated: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate's top-k after the k rules.
 
     index [T, K] int64, weights [T, K]: the architecture's choice; gap [T] from ``top2_gap``.
-    wide: (rows [W] int64, index [W, K+1], weights [W, K+1]): the architecture's top-(k+1) of the tokens
-    ``widen_rows`` picked, or None when none did.
-    Returns index and weights [T, K] ([T, K+1] when any token widened); unused slots hold ``num_experts``
-    with weight 0. Tokens no rule touches keep their slots bit for bit.
+    regated: per k' != K that ``token_k`` gave some tokens, (rows [W] int64, index [W, k'], weights [W, k']):
+    the architecture's own top-(k') of those tokens. They are never narrowed.
+    Returns index and weights [T, max(K, k'...)]; unused slots hold ``num_experts`` with weight 0. Tokens no
+    rule touches keep their slots bit for bit.
     """
-    T = index.shape[0]
-    if wide is not None:
-        index = torch.cat([index, torch.full((T, 1), num_experts, dtype=index.dtype)], dim=1)  # [T, K+1]
-        weights = torch.cat([weights, weights.new_zeros(T, 1)], dim=1)
-        rows, wide_index, wide_weights = wide
-        index[rows] = wide_index.to(index.dtype)
-        weights[rows] = wide_weights.to(weights.dtype)
+    T, K = index.shape
+    width = max([K, *(i.shape[1] for _, i, _ in regated)])
+    if width > K:
+        index = torch.cat([index, torch.full((T, width - K), num_experts, dtype=index.dtype)], dim=1)  # [T, width]
+        weights = torch.cat([weights, weights.new_zeros(T, width - K)], dim=1)
     narrow = gap > rules.delta  # [T]
-    if wide is not None:
-        narrow[wide[0]] = False
+    for rows, some_index, some_weights in regated:
+        k = some_index.shape[1]
+        index[rows] = num_experts
+        weights[rows] = 0
+        index[rows, :k] = some_index.to(index.dtype)
+        weights[rows, :k] = some_weights.to(weights.dtype)
+        narrow[rows] = False
     if bool(narrow.any()):
         top = weights[narrow].argmax(dim=1)  # [N] the slot of each narrowed token's strongest expert
         kept_index = index[narrow].gather(1, top[:, None])  # [N, 1]
@@ -258,6 +319,73 @@ def apply_k_rules(
         index[narrow, :1] = kept_index
         weights[narrow, :1] = kept_weight
     return index, weights
+
+
+# -- gate modifiers --------------------------------------------------------------------------
+
+
+def temper(logits: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """gate_temperature: logits [T, E'] / tau [T] (per row); rows with tau 1 are returned bit for bit."""
+    tau = tau.to(logits.device, logits.dtype).reshape(*logits.shape[:-1], 1)  # [T, 1]
+    return torch.where(tau != 1, logits / tau, logits)
+
+
+def capacity_route(
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    scores: torch.Tensor,
+    rank: torch.Tensor,
+    factor: torch.Tensor,
+    normalised: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """capacity at one layer of one step.
+
+    index, weights [T, K']: the choice after the k rules (slots >= E unused); scores [T, E]: the gate's
+    scores its weights are proportional to; rank [T, E]: what it selects by (-inf: an expert the token may
+    not take, e.g. masked or restricted); factor [T]: capacity_factor, 0 for tokens without the rule.
+    The tokens of one factor share ``cap = ceil(factor * slots / E)`` per expert (slots: their valid ones).
+    Tokens in order, each token's slots by rank: a slot whose expert is full moves to the token's best-ranked
+    expert that has room and that it has not chosen (ties: the lower id), with weight times the ratio of
+    the two experts' scores; where ``normalised``, a token with a moved slot has its weights scaled back to
+    their sum. A slot with nowhere to go stays. Returns index and weights [T, K']; other tokens untouched.
+
+    Example: E 4, two tokens of factor 1 choosing {0, 1} each: cap 1, the second token moves to its
+    next-best two of {2, 3}.
+    """
+    E = scores.shape[1]
+    out_index, out_weights = index.clone(), weights.clone()
+    for f in sorted({float(x) for x in factor[factor > 0].tolist()}):
+        rows = (factor == f).nonzero().squeeze(1).tolist()
+        valid = index[rows] < E  # [R, K']
+        cap = math.ceil(round(f * int(valid.sum()) / E, 9))
+        load = [0] * E
+        order = torch.argsort(rank[rows].double(), dim=1, descending=True, stable=True).tolist()  # [R, E]
+        ranks = rank[rows].double().tolist()  # [R, E]
+        for i, row in enumerate(rows):
+            chosen = index[row].tolist()
+            mine = {e for e in chosen if e < E}
+            row_weights = weights[row].double()
+            moved = False
+            for slot in sorted((s for s, e in enumerate(chosen) if e < E), key=lambda s: -ranks[i][chosen[s]]):
+                e = chosen[slot]
+                j = e
+                if load[e] >= cap:
+                    free = (j for j in order[i] if j not in mine and load[j] < cap and ranks[i][j] > -math.inf)
+                    j = next(free, e)
+                load[j] += 1
+                if j == e:
+                    continue
+                mine.add(j)
+                out_index[row, slot] = j
+                old = float(scores[row, e])
+                if old > 0:
+                    row_weights[slot] = row_weights[slot] * float(scores[row, j]) / old
+                moved = True
+            if moved:
+                if normalised and float(row_weights.sum()) > 0:
+                    row_weights = row_weights * (float(weights[row].double().sum()) / float(row_weights.sum()))
+                out_weights[row] = row_weights.to(weights.dtype)
+    return out_index, out_weights
 
 
 # -- one serving step ------------------------------------------------------------------------
@@ -279,21 +407,36 @@ class RequestRouting:
 
 @dataclass(frozen=True)
 class StepRouting:
-    """Per token of one forward: the bias each gate adds, the k rules, and the domain it counts under."""
+    """Per token of one forward: the bias each gate adds, the temperature, the k and capacity rules, and
+    the domain it counts under."""
 
     biases: Mapping[int, torch.Tensor]  # layer -> [T, E]; a layer no token biases is absent
     k_rules: KRules | None  # None: no token has one
     domain_ids: torch.Tensor  # [T] int64 into ``domains``; -1: none
     domains: tuple[str, ...]
+    temperature: torch.Tensor | None = None  # [T] float32 tau, 1: none; None: no token has one
+    capacity: torch.Tensor | None = None  # [T] float32 capacity_factor, 0: none; None: no token has one
 
 
-def step_routing(parts: Sequence[tuple[RequestRouting | None, int]]) -> StepRouting | None:
+def step_routing(
+    parts: Sequence[tuple[RequestRouting | None, int]], first_t: Sequence[int] | None = None
+) -> StepRouting | None:
     """(routing, tokens) of each sequence in the step, in packing order -> the step's StepRouting, or
-    None when every sequence is plain (then the forward is the stock one)."""
+    None when every sequence is plain (then the forward is the stock one). ``first_t``: per sequence, the
+    answer index of its first token here (its position + 1 - its prompt's length; at most 0 in the prompt,
+    the tokens generated so far when decoding), which decay_k reads; None: each sequence's tokens are a
+    whole prompt (all at t 0)."""
     routings = [r or RequestRouting() for r, _ in parts]
     if all(r.is_plain for r in routings):
         return None
     counts = torch.tensor([n for _, n in parts])
+
+    def per_token(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.repeat_interleave(torch.tensor(values, dtype=dtype), counts)  # [T]
+
+    def uses(rule: str) -> list[bool]:
+        return [rule in r.policy.rules for r in routings]
+
     biases = {}
     for layer in sorted({layer for r in routings for layer in r.biases}):
         zero = torch.zeros_like(next(r.biases[layer] for r in routings if layer in r.biases))
@@ -301,15 +444,31 @@ def step_routing(parts: Sequence[tuple[RequestRouting | None, int]]) -> StepRout
         biases[layer] = torch.repeat_interleave(torch.stack(rows), counts, dim=0)  # [T, E]
     k_rules = None
     if any(r.policy.rules & set(K_RULES) for r in routings):
-
-        def per_token(values: list[float]) -> torch.Tensor:
-            return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), counts)  # [T]
-
+        k = None
+        if any(uses("decay_k")):
+            starts = torch.repeat_interleave(torch.tensor(list(first_t or [1 - n for _, n in parts])), counts)  # [T]
+            offsets = torch.arange(len(starts)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+            t = (starts + offsets).clamp(min=0)  # [T] each token's answer index
+            k = decayed_k(
+                t,
+                per_token([r.policy.k_start for r in routings], torch.float64),
+                per_token([r.policy.decay for r in routings], torch.float64),
+                per_token([r.policy.k_min for r in routings], torch.float64),
+            )
+            k = torch.where(per_token([float(u) for u in uses("decay_k")]) > 0, k, 0)
         k_rules = KRules(
-            delta=per_token([r.policy.delta if "delta_gap" in r.policy.rules else math.inf for r in routings]),
+            delta=per_token([r.policy.delta if u else math.inf for r, u in zip(routings, uses("delta_gap"))]),
             weight_boost=per_token([r.policy.weight_boost for r in routings]),
-            threshold=per_token([r.policy.threshold if "dynamic_k" in r.policy.rules else 0.0 for r in routings]),
+            threshold=per_token([r.policy.threshold if u else 0.0 for r, u in zip(routings, uses("dynamic_k"))]),
+            k=k,
         )
+    temperature = capacity = None
+    if any(uses("gate_temperature")):
+        temperature = per_token([r.policy.tau if u else 1.0 for r, u in zip(routings, uses("gate_temperature"))])
+    if any(uses("capacity")):
+        capacity = per_token([r.policy.capacity_factor if u else 0.0 for r, u in zip(routings, uses("capacity"))])
     domains = tuple(sorted({r.domain for r in routings if r.domain is not None}))
     ids = [domains.index(r.domain) if r.domain is not None else -1 for r in routings]
-    return StepRouting(biases, k_rules, torch.repeat_interleave(torch.tensor(ids), counts), domains)
+    return StepRouting(
+        biases, k_rules, torch.repeat_interleave(torch.tensor(ids), counts), domains, temperature, capacity
+    )

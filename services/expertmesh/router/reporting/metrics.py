@@ -13,6 +13,8 @@ reads the load window's since-start counts and the traffic counters.
   experts each token actually used, summed over MoE layers
 - ``expertmesh.group.circuit_open`` {group}: 1 while the router's circuit breaker keeps the group out of
   its plans (open or half-open), else 0
+- ``expertmesh.gate.top1_probability``, ``expertmesh.gate.top2_margin`` {layer}: histograms recorded on the
+  data path, by the gates' hooks (``gate_confidence``)
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from expertmesh.infra.telemetry.setup import meter
 from expertmesh.observability.sparsity import balancedness, entropy_bits
 from expertmesh.router.dispatch.circuit import BreakerState
 from expertmesh.router.dispatch.dispatcher import LayerDispatcher
+from expertmesh.router.reporting.gate_confidence import record_gate_confidence
 
 
 def register_router_metrics(dispatcher: LayerDispatcher, dense_parameters: int, parameters_per_expert: int) -> None:
     window = dispatcher.load_window
     layers = window.moe_layers
+    if dispatcher.gate_bias is not None:
+        record_gate_confidence(dispatcher.gate_bias)
 
     def expert_tokens(options: CallbackOptions):
         load = window.since_start()  # [L, E]

@@ -1,0 +1,79 @@
+"""How sure each MoE layer's gate is: per-token histograms of the top-1 gate score and the top-1/top-2 margin.
+
+Read from the scores the gate computed anyway (its logits, bias and temperature included, as the token was
+routed), in a forward hook on every gate; labelled by layer only.
+
+- ``expertmesh.gate.top1_probability`` {layer}: the top-1 score: a softmax probability, or the sigmoid
+  score of sigmoid gates (DeepSeek-V3), in [0, 1]
+- ``expertmesh.gate.top2_margin`` {layer}: top-1 minus top-2 score, in [0, 1]
+
+A forward of more than ``MAX_TOKENS_RECORDED`` tokens (a long prefill) records an evenly spaced
+``MAX_TOKENS_RECORDED`` of them, so a step costs a bounded number of observations per layer.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from expertmesh.infra.telemetry.setup import meter
+from expertmesh.router.policy.gate_hook import GateBias
+from expertmesh.router.policy.routing_policy import gate_scores
+
+__all__ = ["BOUNDARIES", "MAX_TOKENS_RECORDED", "confidence", "record_gate_confidence"]
+
+#: histogram bucket boundaries of both metrics (scores and margins lie in [0, 1])
+BOUNDARIES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
+MAX_TOKENS_RECORDED = 64
+
+_recording: weakref.WeakSet = weakref.WeakSet()  # the GateBias objects whose gates are hooked already
+
+
+def confidence(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [T, E] (``routing_policy.gate_scores``) -> (top-1 score [T], top-1 minus top-2 score [T]).
+
+    Example: [[0.7, 0.2, 0.1]] -> ([0.7], [0.5])."""
+    top = scores.float().topk(2, dim=-1).values  # [T, 2]
+    return top[:, 0], top[:, 0] - top[:, 1]
+
+
+def _evenly(values: torch.Tensor, most: int) -> torch.Tensor:
+    """values [T] -> at most ``most`` of them, evenly spaced, first and last included."""
+    if values.shape[0] <= most:
+        return values
+    return values[torch.linspace(0, values.shape[0] - 1, most).round().long()]
+
+
+def record_gate_confidence(gate_bias: GateBias, metrics_meter=None) -> None:
+    """Hooks every gate of ``gate_bias``'s model to record both histograms (once per model)."""
+    if gate_bias in _recording:
+        return
+    _recording.add(gate_bias)
+    m = metrics_meter or meter()
+    top1 = m.create_histogram(
+        "expertmesh.gate.top1_probability",
+        description="top-1 gate score of each routed token",
+        explicit_bucket_boundaries_advisory=BOUNDARIES,
+    )
+    margin = m.create_histogram(
+        "expertmesh.gate.top2_margin",
+        description="top-1 minus top-2 gate score of each routed token",
+        explicit_bucket_boundaries_advisory=BOUNDARIES,
+    )
+
+    def observe(gate: nn.Module, layer: int, out) -> None:
+        logits = out[0] if isinstance(out, tuple) else out
+        if not isinstance(logits, torch.Tensor) or logits.shape[-1] < 2:
+            return
+        scores = gate_scores(logits.detach().reshape(-1, logits.shape[-1]), hasattr(gate, "e_score_correction_bias"))
+        first, gap = confidence(scores)
+        attributes = {"layer": layer}
+        for value in _evenly(first, MAX_TOKENS_RECORDED).tolist():
+            top1.record(value, attributes)
+        for value in _evenly(gap, MAX_TOKENS_RECORDED).tolist():
+            margin.record(value, attributes)
+
+    for layer, gate in gate_bias.gates.items():
+        gate.register_forward_hook(lambda module, _args, out, layer=layer: observe(module, layer, out))

@@ -1,0 +1,74 @@
+"""Gate-confidence histograms (router/reporting/gate_confidence.py): the values from known scores, and the
+metric families with the right counts and sums after a forward through a tiny model's stock gates."""
+
+import pytest
+import torch
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from transformers import AutoModelForCausalLM
+
+from expertmesh.models.tiny import CONFIG_BUILDERS
+from expertmesh.router.policy.gate_hook import GateBias
+from expertmesh.router.policy.routing_policy import gate_scores
+from expertmesh.router.reporting.gate_confidence import (
+    BOUNDARIES,
+    MAX_TOKENS_RECORDED,
+    confidence,
+    record_gate_confidence,
+)
+
+
+def test_confidence_is_the_top1_score_and_its_lead_over_the_top2():
+    scores = torch.tensor([[0.7, 0.2, 0.1], [0.34, 0.33, 0.33], [0.0, 1.0, 0.0], [0.5, 0.1, 0.5]])
+    top1, margin = confidence(scores)
+    assert torch.allclose(top1, torch.tensor([0.7, 0.34, 1.0, 0.5]))
+    assert torch.allclose(margin, torch.tensor([0.5, 0.01, 1.0, 0.0]))  # a tie has margin 0
+    sigmoid = confidence(gate_scores(torch.tensor([[0.0, 2.0, -1.0]]), sigmoid=True))
+    assert torch.allclose(sigmoid[0], torch.sigmoid(torch.tensor([2.0])))
+    assert torch.allclose(sigmoid[1], torch.sigmoid(torch.tensor([2.0])) - 0.5)
+
+
+def _points(reader):
+    out = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for point in metric.data.data_points:
+                    out[(metric.name, point.attributes["layer"])] = point
+    return out
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])  # a softmax gate and a sigmoid one
+def test_a_forward_records_each_layers_histograms(arch):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIG_BUILDERS[arch]()).eval()
+    gate_bias = GateBias(model)
+    reader = InMemoryMetricReader()
+    record_gate_confidence(gate_bias, MeterProvider(metric_readers=[reader]).get_meter("test"))
+    record_gate_confidence(gate_bias, MeterProvider(metric_readers=[InMemoryMetricReader()]).get_meter("x"))  # no-op
+    seen = {}
+    for layer, gate in gate_bias.gates.items():
+        gate.register_forward_hook(lambda _m, _a, out, layer=layer: seen.__setitem__(layer, out[0].detach()))
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 15)[None])  # 12 tokens
+    points = _points(reader)
+    assert {name for name, _ in points} == {"expertmesh.gate.top1_probability", "expertmesh.gate.top2_margin"}
+    assert {layer for _, layer in points} == set(gate_bias.gates)
+    for layer, logits in seen.items():
+        top1, margin = confidence(gate_scores(logits, sigmoid=arch == "deepseek_v3"))
+        for name, values in (("expertmesh.gate.top1_probability", top1), ("expertmesh.gate.top2_margin", margin)):
+            point = points[(name, layer)]
+            assert point.count == 12 and point.sum == pytest.approx(float(values.sum()), rel=1e-5)
+            assert tuple(point.explicit_bounds) == BOUNDARIES
+            assert point.max == pytest.approx(float(values.max())) and point.min == pytest.approx(float(values.min()))
+
+
+def test_a_long_prefill_records_a_bounded_sample():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIG_BUILDERS["mixtral"]()).eval()
+    gate_bias = GateBias(model)
+    reader = InMemoryMetricReader()
+    record_gate_confidence(gate_bias, MeterProvider(metric_readers=[reader]).get_meter("test"))
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 100, (1, 200)))
+    assert all(p.count == MAX_TOKENS_RECORDED for p in _points(reader).values())

@@ -1080,6 +1080,16 @@ def test_n_choices_share_the_prompts_kv_blocks_and_equal_single_requests(served)
     for i, choice in enumerate(seeded.choices):
         alone = client.completions.create(model=served.model, prompt="Hi", max_tokens=8, temperature=1.0, seed=40 + i)
         assert choice.text == alone.choices[0].text
+    # The gRPC API's choices: every chunk names its choice, each choice ends with its own finish.
+    with Client(served.up.target, timeout=120) as grpc_client:
+        chunks = list(grpc_client.generate("Hi", max_new_tokens=8, temperature=1.0, seed=40, n=3))
+        with pytest.raises(grpc.RpcError) as err:
+            list(grpc_client.generate("Hi", n=17))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n takes 1 to 16" in err.value.details()
+    for i, choice in enumerate(seeded.choices):
+        mine = [c for c in chunks if c.index == i]
+        assert "".join(c.text for c in mine) == choice.text
+        assert [c for c in mine if c.finish_reason] == [mine[-1]], "one finish per choice, its last chunk"
 
 
 @pytest.mark.slow

@@ -37,6 +37,8 @@ class Chunk:
     #: one per token of ``token_ids`` when the request asked (``logprobs``): its log-probability and the
     #: most likely tokens' ``TopLogprob``s
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    #: the choice it belongs to (0 unless the request asked for ``n`` > 1)
+    index: int = 0
 
 
 _REASONS = {
@@ -69,6 +71,7 @@ class GenerateOptions(TypedDict, total=False):
     #: the output must be JSON that validates against this schema (a dict, or its JSON text); ``{}``: any JSON object
     json_schema: Mapping | str | None
     regex: str | None  # the whole output must match this regular expression
+    n: int | None  # choices (1-16): chunks name theirs (``Chunk.index``), each ends with its finish reason
     request_id: str
     #: a policy name (its default parameters) or a ``RoutingPolicy`` message; unset: the server's default
     routing_policy: str | pb.RoutingPolicy | None
@@ -103,6 +106,7 @@ def generate_request(
     logprobs: int | None = None,
     json_schema: Mapping | str | None = None,
     regex: str | None = None,
+    n: int | None = None,
     request_id: str = "",
     routing_policy: str | pb.RoutingPolicy | None = None,
     domain: str | None = None,
@@ -128,6 +132,8 @@ def generate_request(
         request.structured_output.json_schema = schema
     elif regex is not None:
         request.structured_output.regex = regex
+    if n is not None:
+        request.n = n
     _set_routing(request, routing_policy, domain)
     if isinstance(prompt, str):
         request.text = prompt
@@ -176,8 +182,15 @@ def score_request(
 def _chunk(response: pb.GenerateResponse) -> Chunk:
     if response.WhichOneof("event") == "finished":
         f = response.finished
-        return Chunk([], "", _REASONS.get(f.reason), f.usage.prompt_tokens, f.usage.completion_tokens)
-    return Chunk(list(response.delta.token_ids), response.delta.text, logprobs=list(response.delta.logprobs))
+        return Chunk(
+            [], "", _REASONS.get(f.reason), f.usage.prompt_tokens, f.usage.completion_tokens, index=response.index
+        )
+    return Chunk(
+        list(response.delta.token_ids),
+        response.delta.text,
+        logprobs=list(response.delta.logprobs),
+        index=response.index,
+    )
 
 
 class Client:

@@ -53,7 +53,7 @@ from expertmesh.serving.openai_schema import (
     Usage,
 )
 from expertmesh.serving.request_routing import RequestRouter
-from expertmesh.serving.sampling import SamplingParams
+from expertmesh.serving.sampling import SamplingParams, choice_seed
 from expertmesh.serving.tool_calls import auto_calls, may_be_a_call, named_calls, required_calls
 from expertmesh.v1 import inference_pb2 as pb
 
@@ -271,14 +271,6 @@ class OpenAIAdapter:
             return self._engine.submit(request)
         except ExpertMeshError as err:
             raise ApiError.from_grpc(err.code, str(err)) from None
-
-
-def choice_seed(seed: int | None, choice: int) -> int | None:
-    """The seed of a request's choice ``choice``: seed + choice, kept in the seed's 64-bit range."""
-    if seed is None:
-        return None
-    seeded = seed + choice
-    return seeded - 2**64 if seeded > 2**64 - 1 else seeded
 
 
 def request_id(prefix: str) -> str:

@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from expertmesh.serving.grammar import GrammarError, GrammarSpec
 from expertmesh.serving.sampling import (
+    MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PENALTY,
@@ -47,8 +48,7 @@ MAX_TOKENS_CAP = "max_tokens_cap"
 #: that is tool calls is "tool_calls")
 FinishReason = Literal["stop", "length", "tool_calls"]
 
-#: choices one request may ask for (``n``), and tools it may offer (OpenAI's limit)
-MAX_CHOICES = 16
+#: tools one request may offer (OpenAI's limit)
 MAX_TOOLS = 128
 
 

@@ -38,6 +38,8 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_STOP_TOKEN_IDS = 64
 #: most likely tokens a request may ask the log-probability of, per new token (OpenAI's chat limit)
 MAX_TOP_LOGPROBS = 20
+#: choices one request may ask for (``n``)
+MAX_CHOICES = 16
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,14 @@ class SamplingParams:
             if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
                 out.append(f"{name} must be in [-2, 2], got {value}")
         return out
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of a request's choice ``choice`` (of ``n``): seed + choice, kept in the seed's 64-bit range."""
+    if seed is None:
+        return None
+    seeded = seed + choice
+    return seeded - 2**64 if seeded > 2**64 - 1 else seeded
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

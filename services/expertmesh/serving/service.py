@@ -12,9 +12,12 @@ an INVALID_ARGUMENT too rather than gRPC's generic deserialisation failure.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 import uuid
-from typing import Callable
+from dataclasses import replace
+from typing import Callable, Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -31,6 +34,7 @@ from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.serving.engine import (
     Engine,
     ErrorEvent,
+    Event,
     FinishEvent,
     GenerationRequest,
     ScoreEvent,
@@ -38,11 +42,13 @@ from expertmesh.serving.engine import (
 )
 from expertmesh.serving.grammar import CompiledGrammar, GrammarSpec
 from expertmesh.serving.request_routing import RequestRouter
-from expertmesh.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from expertmesh.serving.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS, SamplingParams, choice_seed
 from expertmesh.serving.text_stream import stop_problems
 from expertmesh.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+_FINAL_EVENTS = (FinishEvent, ScoreEvent, ErrorEvent)
 
 SERVICE_NAME = "expertmesh.v1.Inference"
 _FINISH = {
@@ -121,6 +127,23 @@ class InferenceServicer:
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary (0-{vocab - 1})")
         return ids
+
+    def _generation_requests(self, request: pb.GenerateRequest, context) -> list[GenerationRequest]:
+        """One GenerationRequest per choice (``n``): the same but for each one's id and seed."""
+        n = request.n if request.HasField("n") else 1
+        if not 1 <= n <= MAX_CHOICES:
+            raise InvalidRequest(f"n takes 1 to {MAX_CHOICES} choices, got {n}")
+        base = self._generation_request(request, context)
+        if n == 1:
+            return [base]
+        return [
+            replace(
+                base,
+                request_id=f"{base.request_id}-{i}",
+                sampling=replace(base.sampling, seed=choice_seed(base.sampling.seed, i)),
+            )
+            for i in range(n)
+        ]
 
     def _generation_request(self, request: pb.GenerateRequest, context) -> GenerationRequest:
         ids = self._prompt_ids(request)
@@ -204,33 +227,37 @@ class InferenceServicer:
         started = time.monotonic()
         # Not made current across yields (each resumes the generator anew); made current where children start.
         span = tracer().start_span("expertmesh.request")
+        seqs: list = []
         try:
             with trace.use_span(span):
                 try:
-                    request = self._generation_request(self._parse(pb.GenerateRequest, raw), context)
-                    seq = self._engine.submit(request)  # captures this span as the parent of its steps
+                    requests = self._generation_requests(self._parse(pb.GenerateRequest, raw), context)
+                    seqs.append(self._engine.submit(requests[0]))  # captures this span as the parent of its steps
                 except ExpertMeshError as err:
                     self._fail(span, context, err.code, str(err))
+            request = requests[0]
             span.set_attributes(
                 {
                     "expertmesh.request_id": request.request_id,
                     "expertmesh.prompt_tokens": len(request.prompt_ids),
                     "expertmesh.max_new_tokens": request.max_new_tokens,
+                    "expertmesh.choices": len(requests),
                     "expertmesh.routing_policy": request.routing.policy.name if request.routing else "exact",
                     "expertmesh.domain": (request.routing.domain if request.routing else None) or "",
                 }
             )
-            context.add_callback(seq.cancel)
-            last = None
-            for event in seq:
+            context.add_callback(lambda: [seq.cancel() for seq in seqs])
+            rid = request.request_id.removesuffix("-0")  # the caller's id: the choices' ids add -i
+            last: dict[int, float] = {}
+            for index, event in self._choice_events(seqs, requests[1:], span, context):
                 now = time.monotonic()
                 if isinstance(event, TokenEvent):
-                    if last is None:
+                    if index not in last:
                         self._ttft.record(now - started)
                     else:
-                        self._itl.record(now - last)
-                    last = now
-                    yield pb.GenerateResponse(request_id=request.request_id, delta=_delta(event))
+                        self._itl.record(now - last[index])
+                    last[index] = now
+                    yield pb.GenerateResponse(request_id=rid, index=index, delta=_delta(event))
                 elif isinstance(event, FinishEvent):
                     self._duration.record(now - started)
                     span.set_attributes(
@@ -242,13 +269,13 @@ class InferenceServicer:
                     with trace.use_span(span):
                         log.info(
                             "request %s finished (%s): %d prompt + %d completion tokens in %.3fs",
-                            request.request_id,
+                            requests[index].request_id,
                             event.reason,
                             event.prompt_tokens,
                             event.completion_tokens,
                             now - started,
                             extra={
-                                "request_id": request.request_id,
+                                "request_id": requests[index].request_id,
                                 "finish_reason": event.reason,
                                 "prompt_tokens": event.prompt_tokens,
                                 "completion_tokens": event.completion_tokens,
@@ -256,7 +283,8 @@ class InferenceServicer:
                             },
                         )
                     yield pb.GenerateResponse(
-                        request_id=request.request_id,
+                        request_id=rid,
+                        index=index,
                         finished=pb.Finished(
                             reason=_FINISH[event.reason],
                             usage=pb.Usage(
@@ -267,7 +295,40 @@ class InferenceServicer:
                 elif isinstance(event, ErrorEvent):
                     self._fail(span, context, event.code, event.message)
         finally:
+            for seq in seqs:
+                seq.cancel()  # a no-op for the ones that ended; frees the others (an error in one fails all)
             span.end()
+
+    def _choice_events(self, seqs: list, later: list[GenerationRequest], span, context) -> Iterator[tuple[int, Event]]:
+        """(choice, event) of a request's choices until each one's final event. ``seqs`` holds the first
+        choice's sequence; the ``later`` choices are submitted (and appended to ``seqs``) after its first
+        event: its prompt then went through its step, whose end offers the prompt's KV blocks to the prefix
+        cache before the next step admits anyone, so they share them."""
+        first = iter(seqs[0])
+        event = next(first)
+        yield 0, event
+        if isinstance(event, _FINAL_EVENTS) or not later:
+            for event in first:
+                yield 0, event
+            return
+        with trace.use_span(span):
+            try:
+                seqs.extend(self._engine.submit(request) for request in later)
+            except ExpertMeshError as err:
+                self._fail(span, context, err.code, str(err))
+        merged: queue.Queue[tuple[int, Event]] = queue.Queue()
+
+        def forward(index: int, events: Iterator[Event]) -> None:
+            for event in events:
+                merged.put((index, event))
+
+        for index, events in enumerate([first, *(iter(seq) for seq in seqs[1:])]):
+            threading.Thread(target=forward, args=(index, events), name="expertmesh-choice", daemon=True).start()
+        open_choices = len(seqs)
+        while open_choices:
+            index, event = merged.get()
+            open_choices -= isinstance(event, _FINAL_EVENTS)
+            yield index, event
 
     def _fail(self, span, context, code: grpc.StatusCode, message: str):
         """Count the error, mark the span, and abort the RPC with ``code``."""

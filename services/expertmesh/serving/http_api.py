@@ -186,6 +186,8 @@ class HttpApi:
                     yield _sse(shapes.delta(event.text, event.logprobs))
                 event = await anext(events)
             if isinstance(event, FinishEvent):
+                if event.final_logprobs:
+                    yield _sse(shapes.delta("", event.final_logprobs))
                 yield _sse(shapes.closing(finish_reason(event.reason)))
                 if include_usage:
                     yield _sse(shapes.usage_only(usage(event)))
@@ -338,7 +340,7 @@ async def _collect(events: AsyncIterator[Event]) -> tuple[str, list[TokenLogprob
             logprobs += event.logprobs
     if isinstance(event, ErrorEvent):
         raise ApiError.from_grpc(event.code, event.message)
-    return "".join(texts), logprobs, event
+    return "".join(texts), [*logprobs, *event.final_logprobs], event
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

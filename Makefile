@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 REDIS_PORT ?= 6399
 RUN_DIR := .run
 
-.PHONY: install proto run test lint test-tools redis-start redis-stop clean gpu-wheels
+.PHONY: install proto run test lint test-tools clients-venv redis-start redis-stop clean gpu-wheels
 
 # A pinned CPU torch first: an unpinned one pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -41,6 +41,25 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 
+# The third-party clients tests/test_real_clients.py runs against `expertmesh up` (lm-evaluation-harness with
+# its API extra, guidellm), in a venv of their own: lm-eval's typepy[datetime] needs python-dateutil<3, the
+# main venv's kubernetes >=3, and guidellm pins click~=8.4. A pinned CPU torch first, as above. The stamp's
+# name hashes the pins, so changing one rebuilds the venv; `make test` builds it before pytest.
+CLIENTS_VENV := build/clients-venv
+CLIENTS_PINS := torch==$(TORCH_VERSION) lm-eval[api]==0.4.13 guidellm==0.8.1
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed-$(shell echo '$(CLIENTS_PINS)' | sha1sum | cut -c1-12)
+
+$(CLIENTS_STAMP):
+	rm -rf $(CLIENTS_VENV)
+	python3 -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CLIENTS_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(CLIENTS_VENV)/bin/python -m pip install -q $(foreach pin,$(filter-out torch==%,$(CLIENTS_PINS)),'$(pin)')
+	$(CLIENTS_VENV)/bin/python -m pip check
+	touch $@
+
+clients-venv: $(CLIENTS_STAMP)
+
 redis-start:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@mkdir -p $(RUN_DIR)
@@ -51,7 +70,7 @@ redis-start:
 redis-stop:
 	@test -f $(RUN_DIR)/redis.pid && kill $$(cat $(RUN_DIR)/redis.pid) 2>/dev/null; rm -f $(RUN_DIR)/redis.pid; true
 
-test: install lint
+test: install lint clients-venv
 	$(MAKE) test-tools redis-start
 	EXPERTMESH_TEST_REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0 HF_HUB_OFFLINE=1 \
 		$(PY) -m pytest -q $(PYTEST_ARGS); status=$$?; $(MAKE) redis-stop; exit $$status
@@ -78,4 +97,4 @@ gpu-wheels: $(VENV)/.installed
 	@ls -s --block-size=K $(GPU_WHEELS_DIR) && du -sh $(GPU_WHEELS_DIR)
 
 clean:
-	rm -rf $(VENV) $(RUN_DIR) services/expertmesh/v1 .pytest_cache
+	rm -rf $(VENV) $(CLIENTS_VENV) $(RUN_DIR) services/expertmesh/v1 .pytest_cache

@@ -1093,6 +1093,31 @@ def test_n_choices_share_the_prompts_kv_blocks_and_equal_single_requests(served)
 
 
 @pytest.mark.slow
+def test_a_new_token_that_is_eos_keeps_its_logprob(served):
+    """lm-eval's loglikelihood request (``echo``, ``logprobs``, ``max_tokens`` 1) reads the continuation as
+    every entry but the last, the new token's: when that token is EOS it must be listed too, as OpenAI and
+    vLLM list it (one entry per completion token), else the continuation's last token is dropped. Whole and
+    streamed, completions and chat; EOS forced with ``logit_bias``, its log-probability the model's."""
+    prompt = [5, 17, 99, 3, 250, 42]
+    eos = served.tokenizer.eos_token_id
+    with Client(served.up.target, timeout=120) as grpc_client:
+        scores = list(grpc_client.score([*prompt, eos]).token_scores)
+    client = _openai(served.url)
+    forced = dict(model=served.model, max_tokens=1, temperature=0, logit_bias={str(eos): 100})
+    echoed = client.completions.create(prompt=prompt, echo=True, logprobs=1, **forced)
+    choice, lp = echoed.choices[0], echoed.choices[0].logprobs
+    assert choice.finish_reason == "stop" and echoed.usage.completion_tokens == 1
+    assert len(lp.token_logprobs) == len(prompt) + 1 and lp.tokens[-1] == served.tokenizer.eos_token
+    assert lp.token_logprobs[1:] == pytest.approx(scores[1:], abs=1e-5)
+    streamed = client.completions.create(prompt=prompt, logprobs=1, stream=True, **forced)
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.token_logprobs] == pytest.approx(lp.token_logprobs[-1:], abs=1e-6)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], logprobs=True, **forced)
+    content = chat.choices[0].logprobs.content
+    assert chat.usage.completion_tokens == len(content) == 1 and content[0].token == served.tokenizer.eos_token
+
+
+@pytest.mark.slow
 def test_stop_ignore_eos_and_seeded_sampling_equal_the_grpc_apis(served):
     client = _openai(served.url)
     text, done = _grpc(served, "Hello", max_new_tokens=40, stop_at_eos=False)

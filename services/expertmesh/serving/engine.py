@@ -131,6 +131,9 @@ class FinishEvent:
     reason: str  # "length" | "stop" | "eos" | "context"
     prompt_tokens: int
     completion_tokens: int
+    #: the log-probability of the token that ended the sequence when no TokenEvent carries it (EOS, a stop
+    #: token id) and the request asked for them; counted in ``completion_tokens``, listed by OpenAI's logprobs
+    final_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -729,12 +732,12 @@ class Engine:
         seq.generated.append(token)
         if seq.matcher is not None:
             seq.matcher.accept(token)
-        reason = None
+        reason, unlisted = None, ()
         if request.stop_at_eos and token in self._eos:
-            reason = "eos"
+            reason, unlisted = "eos", _logprobs(logits[-1], token, request.logprobs)
             delta = TokenEvent([], "")
         elif token in request.stop_token_ids:
-            reason = "stop"
+            reason, unlisted = "stop", _logprobs(logits[-1], token, request.logprobs)
             delta = TokenEvent([], "")
         else:
             delta = TokenEvent([token], seq.stream.push(token), _logprobs(logits[-1], token, request.logprobs))
@@ -749,7 +752,7 @@ class Engine:
         if delta.token_ids or delta.text:
             seq.events.put(delta)
         if reason is not None:
-            seq.events.put(FinishEvent(reason, len(request.prompt_ids), len(seq.generated)))
+            seq.events.put(FinishEvent(reason, len(request.prompt_ids), len(seq.generated), unlisted))
             seq.done = True
 
     def _fail_with(self, seq: Sequence, err: Exception) -> None:

@@ -201,6 +201,8 @@ class HttpApi:
                         yield _sse(chunk)
                 elif isinstance(event, FinishEvent):
                     finals[index] = event
+                    for chunk in shapes.delta(index, "", event.final_logprobs) if event.final_logprobs else ():
+                        yield _sse(chunk)
                     for chunk in shapes.closing(index, event.reason):
                         yield _sse(chunk)
                 elif isinstance(event, ErrorEvent):
@@ -368,6 +370,7 @@ async def _collect(
         elif isinstance(event, ErrorEvent):
             raise ApiError.from_grpc(event.code, event.message)
         elif isinstance(event, FinishEvent):
+            logprobs[index] += event.final_logprobs  # an ending token's (EOS, a stop token id): OpenAI lists it
             finals[index] = event
         if len(finals) == count:
             break

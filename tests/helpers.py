@@ -135,6 +135,21 @@ class RayHead:
         self.proc.wait(timeout=10)
 
 
+@contextmanager
+def serving_http(path, ray_address: str, tokenizer=None):
+    """`expertmesh up --http-port 0` over the checkpoint at ``path`` joined to the Ray at ``ray_address``:
+    (up, url, model, tokenizer, path), stopped at the end."""
+    from types import SimpleNamespace
+
+    up = Up("--model", str(path), "--http-port", "0", "--ray-address", ray_address)
+    try:
+        url = up.wait_for_stderr(r"OpenAI-compatible HTTP API on (\S+)/v1").group(1)
+        yield SimpleNamespace(up=up, url=url, model=path.name, tokenizer=tokenizer, path=path)
+    finally:
+        if up.proc.poll() is None:
+            up.stop()
+
+
 def _session_members(sid: int) -> set[int]:
     """The live pids of session ``sid`` (from /proc/PID/stat: its state and session fields; zombies left out)."""
     members = set()

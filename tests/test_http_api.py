@@ -45,7 +45,7 @@ from expertmesh.serving.http_server import HttpServer
 from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
 from expertmesh.serving.openai_schema import Prompt
 from expertmesh.serving.readiness import Readiness
-from helpers import Up
+from helpers import serving_http
 
 MODEL = "tiny"
 VOCAB = 300
@@ -791,13 +791,8 @@ def served(tmp_path_factory, shared_ray_address):
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
-    up = Up("--model", str(path), "--http-port", "0", "--ray-address", shared_ray_address)
-    try:
-        url = up.wait_for_stderr(r"OpenAI-compatible HTTP API on (\S+)/v1").group(1)
-        yield SimpleNamespace(up=up, url=url, model=path.name, tokenizer=tokenizer, path=path)
-    finally:
-        if up.proc.poll() is None:
-            up.stop()
+    with serving_http(path, shared_ray_address, tokenizer) as served:
+        yield served
 
 
 def _grpc(served, prompt, **kwargs):

@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from expertmesh.client import Client
 from expertmesh.models.tiny import make_tiny_checkpoint
-from helpers import Up
+from helpers import serving_http
 
 pytestmark = pytest.mark.slow
 
@@ -127,13 +126,8 @@ def served(tmp_path_factory, shared_ray_address):
     for config in (AutoConfig.from_pretrained(path), GenerationConfig.from_pretrained(path)):
         config.eos_token_id = ends
         config.save_pretrained(path)
-    up = Up("--model", str(path), "--http-port", "0", "--ray-address", shared_ray_address)
-    try:
-        url = up.wait_for_stderr(r"OpenAI-compatible HTTP API on (\S+)/v1").group(1)
-        yield SimpleNamespace(up=up, url=url, model=path.name, tokenizer=tokenizer, path=path)
-    finally:
-        if up.proc.poll() is None:
-            up.stop()
+    with serving_http(path, shared_ray_address, tokenizer) as served:
+        yield served
 
 
 def _lm_eval(served, tmp: Path) -> dict[str, list[dict]]:

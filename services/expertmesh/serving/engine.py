@@ -103,6 +103,9 @@ class GenerationRequest:
     routing: RequestRouting | None = None
     #: report each new token's log-probability and the ``logprobs`` most likely tokens' (None: none)
     logprobs: int | None = None
+    #: also report each prompt token's log-probability and this many most likely tokens' (None: none), from
+    #: the same prefill (vLLM's ``prompt_logprobs``; an echo with logprobs)
+    prompt_logprobs: int | None = None
     #: the grammar its output must follow (``Engine.grammars.compile``; None: free text)
     grammar: CompiledGrammar | None = None
 
@@ -142,12 +145,19 @@ class ScoreEvent:
 
 
 @dataclass(frozen=True)
+class PromptLogprobsEvent:
+    """The prompt's tokens' log-probabilities (``GenerationRequest.prompt_logprobs``), before its first token."""
+
+    logprobs: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
 class ErrorEvent:
     code: grpc.StatusCode
     message: str
 
 
-Event = Union[TokenEvent, FinishEvent, ScoreEvent, ErrorEvent]
+Event = Union[TokenEvent, FinishEvent, ScoreEvent, PromptLogprobsEvent, ErrorEvent]
 _FINAL = (FinishEvent, ScoreEvent, ErrorEvent)
 
 
@@ -168,8 +178,11 @@ class Sequence:
     published: int = 0
     #: tokens of prompt + generated already in the cache (the position of the next one to feed)
     fed: int = 0
-    #: Score: the prompt's logits so far, one [rows, V] tensor per chunk
+    #: Score (and prompt_logprobs): the prompt's logits so far, one [rows, V] tensor per chunk
     score_logits: list[torch.Tensor] = field(default_factory=list)
+    #: its prompt's log-probabilities went out (prompt_logprobs): a preempted sequence computed again
+    #: does not score it twice
+    prompt_scored: bool = False
     generator: torch.Generator | None = None
     #: its place in its request's grammar (None: free text)
     matcher: TokenMatcher | None = None
@@ -207,6 +220,12 @@ class Sequence:
 
     def tokens(self) -> tuple[int, ...]:
         return (*self.request.prompt_ids, *self.generated)
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """It needs every prompt position's logits (Score, or prompt_logprobs not yet reported)."""
+        request = self.request
+        return request.score_only or (request.prompt_logprobs is not None and not self.prompt_scored)
 
 
 def _request_span(seq: Sequence) -> trace.Span | None:
@@ -466,7 +485,7 @@ class Engine:
         if self.limits.prefix_caching and stock_routed and not seq.prefix:
             seq.prefix = prefix_hashes(seq.request.prompt_ids, size)
         # Score wants every prompt position's logits, and at least one token must go through the model
-        reusable = [] if seq.request.score_only else seq.prefix[: (tokens - 1) // size]
+        reusable = [] if seq.scoring_prompt else seq.prefix[: (tokens - 1) // size]
         shared = self._blocks.match(reusable)
         try:
             own = self._blocks.allocate(blocks_for(tokens, size) - len(shared))
@@ -610,7 +629,7 @@ class Engine:
         """Sequence ``seq``'s next ``n`` tokens, and which of their logits it needs."""
         tokens = seq.tokens()
         end = seq.fed + n
-        rows = Rows.ALL if seq.request.score_only else Rows.LAST if end == len(tokens) else Rows.NONE
+        rows = Rows.ALL if seq.scoring_prompt else Rows.LAST if end == len(tokens) else Rows.NONE
         return Chunk(seq.blocks if self._blocks is not None else seq.cache, tokens[seq.fed : end], seq.fed, rows)
 
     def _packed_step(self, work: list[tuple[Sequence, Chunk]]) -> None:
@@ -699,7 +718,7 @@ class Engine:
             i
             for i, ((seq, _), rows) in enumerate(zip(work, logits))
             if rows is not None
-            and not seq.request.score_only
+            and not seq.scoring_prompt
             and seq.request.sampling.temperature == 0
             and not seq.request.sampling.controls  # chosen one by one, from their controlled logits
             and seq.matcher is None  # and from their grammar's mask
@@ -727,6 +746,16 @@ class Engine:
             seq.events.put(ScoreEvent(scores))
             seq.done = True
             return
+        if seq.scoring_prompt:  # prompt_logprobs: the prompt's rows first, then its first token as usual
+            seq.score_logits.append(logits)
+            if seq.fed < len(request.prompt_ids):
+                return
+            scores = torch.cat(seq.score_logits)  # [prompt_tokens, V]
+            require_finite(scores)
+            seq.events.put(
+                PromptLogprobsEvent(tuple(prompt_logprobs(request.prompt_ids, scores, request.prompt_logprobs)))
+            )
+            seq.score_logits, seq.prompt_scored = [], True
         if token is None:
             token = self._choose(seq, logits[-1])
         seq.generated.append(token)
@@ -773,10 +802,14 @@ def _logprobs(row: torch.Tensor, token: int, top: int | None) -> tuple[TokenLogp
     when ``top`` is None)."""
     if top is None:
         return ()
-    logprobs = row.float().log_softmax(-1)  # [V]
+    return (_token_logprob(row.float().log_softmax(-1), token, top),)
+
+
+def _token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s entry from the log-probabilities ``logprobs`` [V], with the ``top`` most likely (0: none)."""
     best = torch.topk(logprobs, min(top, logprobs.numel())) if top else None
     pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
-    return (TokenLogprob(token, float(logprobs[token]), pairs),)
+    return TokenLogprob(token, float(logprobs[token]), pairs)
 
 
 def _first_t(seq: Sequence, chunk: Chunk) -> int:
@@ -789,10 +822,6 @@ def prompt_logprobs(prompt_ids: tuple[int, ...] | list[int], logits: torch.Tenso
     """Each prompt token's log-probability given the tokens before it, from the Score logits [P, V] (row i
     predicts token i + 1), with the ``top`` most likely; the first token's is None."""
     logprobs = logits.float().log_softmax(-1)  # [P, V]
-    out = [TokenLogprob(prompt_ids[0], None)]
-    for i in range(1, len(prompt_ids)):
-        row = logprobs[i - 1]
-        best = torch.topk(row, min(top, row.numel())) if top else None
-        pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
-        out.append(TokenLogprob(prompt_ids[i], float(row[prompt_ids[i]]), pairs))
-    return out
+    return [TokenLogprob(prompt_ids[0], None)] + [
+        _token_logprob(logprobs[i - 1], prompt_ids[i], top) for i in range(1, len(prompt_ids))
+    ]

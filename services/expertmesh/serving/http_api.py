@@ -42,8 +42,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from expertmesh.config.settings import ServingConfig
 from expertmesh.infra.telemetry.setup import meter, tracer
-from expertmesh.serving.async_events import ChoiceEvents, sequence_events
-from expertmesh.serving.engine import ErrorEvent, Event, FinishEvent, TokenEvent, TokenLogprob, prompt_logprobs
+from expertmesh.serving.async_events import ChoiceEvents
+from expertmesh.serving.engine import ErrorEvent, Event, FinishEvent, PromptLogprobsEvent, TokenEvent, TokenLogprob
 from expertmesh.serving.openai_adapter import (
     ChatShapes,
     ChoiceResult,
@@ -138,10 +138,13 @@ class HttpApi:
         try:
             with trace.use_span(span, end_on_exit=False):
                 generations = [self._adapter.generation_request(body, ids, shapes.id, i) for i in range(body.choices)]
-                echo = await _unless_disconnected(request, self._echo(body, ids, shapes.id)) if body.echoes else None
+                echo = Echo(self._adapter.echo_text(body, ids), []) if body.echoes else None
                 choices.add(self._adapter.submit(generations[0]))
             try:
                 first = await _unless_disconnected(request, anext(choices))
+                if isinstance(first[1], PromptLogprobsEvent):  # an echo's log-probabilities come first
+                    echo = Echo(echo.text, list(first[1].logprobs))
+                    first = await _unless_disconnected(request, anext(choices))
                 if isinstance(first[1], ErrorEvent):  # nothing sent yet: the error keeps its HTTP status
                     raise ApiError.from_grpc(first[1].code, first[1].message)
                 # The other choices join now: the first's prompt went through its step, whose end offers the
@@ -223,20 +226,6 @@ class HttpApi:
                 log.info("request %s cancelled: the client went away mid-stream", shapes.id)
             span.end()
             await choices.aclose()  # cancels the sequences that did not end
-
-    async def _echo(self, body: GenerationFields, ids: list[int], rid: str) -> Echo:
-        """The prompt an echoing completion starts with, and its tokens' log-probabilities when asked for (the
-        prompt scored alone, as the gRPC Score does it, before the completion is generated)."""
-        text = self._adapter.echo_text(body, ids)
-        if body.logprob_count is None:
-            return Echo(text, [])
-        seq = self._adapter.submit(self._adapter.score_request(body, ids, rid))
-        event = None
-        async for event in sequence_events(seq):  # ends with the final event
-            pass
-        if isinstance(event, ErrorEvent):
-            raise ApiError.from_grpc(event.code, event.message)
-        return Echo(text, prompt_logprobs(ids, event.logits, body.logprob_count))
 
     @staticmethod
     def _log_finished(rid: str, events: list[FinishEvent], started: float) -> None:

@@ -227,6 +227,8 @@ class OpenAIAdapter:
             stop=tuple(body.stop),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             logprobs=body.logprob_count,
+            # an echo with logprobs: the prompt's from the same prefill (the first choice's; the others share it)
+            prompt_logprobs=body.logprob_count if body.echoes and choice == 0 else None,
             stop_at_eos=not body.ignore_eos,
             routing=routing,
             grammar=grammar,
@@ -255,15 +257,6 @@ class OpenAIAdapter:
         if prompt is not None and prompt.text is not None:
             return prompt.text
         return self._tokenizer.decode(prompt_ids) if self._tokenizer is not None else ""
-
-    def score_request(self, body: GenerationFields, prompt_ids: list[int], request_id: str) -> GenerationRequest:
-        """The prompt alone, for its tokens' log-probabilities (an echo with ``logprobs``): as the gRPC Score."""
-        return GenerationRequest(
-            request_id=f"{request_id}-prompt",
-            prompt_ids=tuple(prompt_ids),
-            score_only=True,
-            routing=self._request_routing(body, prompt_ids),
-        )
 
     def submit(self, request: GenerationRequest) -> EngineSequence:
         """The engine's sequence; a full or draining engine is a 429 or 503."""

@@ -405,3 +405,33 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
         )
         assert p["ratio_to_batched"] == pytest.approx(p["platform_tokens_per_s"] / p["generate_batched_tokens_per_s"])
         assert p["same_answers"] and p["preemptions"] == 0 and 0 < p["kv_usage_peak"] <= 1
+
+
+def test_serve_shared_prefix_reports_cache_on_and_off_with_the_same_answers(capsys, checkpoint, ray_session, tmp_path):
+    out_file = tmp_path / "prefix.json"
+    code, out, _ = _run(
+        capsys,
+        "serve",
+        "--model",
+        checkpoint,
+        "--shared-prefix",
+        32,
+        "--prompt-tokens",
+        40,
+        "--clients",
+        3,
+        "--max-new-tokens",
+        3,
+        "--out",
+        out_file,
+    )
+    assert code == 0, out
+    result = json.loads(out_file.read_text())
+    on, off = result["runs"]
+    assert (on["name"], off["name"]) == ("prefix caching on", "prefix caching off")
+    assert result["same_answers"] and "same answers with and without the cache" in out
+    # Both later requests find the first's two full 16-token blocks of the shared prefix; without the cache, none.
+    assert on["prefix_cache_hits"] == 2 * 32 and off["prefix_cache_hits"] == 0
+    assert len(on["later_ttft_ms"]) == 2 and on["later_over_first"] > 0
+    code, out, err = _run(capsys, "serve", "--model", checkpoint, "--shared-prefix", 40, "--prompt-tokens", 40)
+    assert code == 2 and "must be below --prompt-tokens 40" in err

@@ -50,6 +50,8 @@ of those client counts, with the other options as given (issue 22's sweep:
 ``--prompt-tokens 480 --max-new-tokens 96 --requests-per-client 1``), and prints one
 row per point: platform and batched ``generate`` tokens/s, their ratio, ITL p50 of
 each (about the step time per decode token), the KV pool's peak and preemptions.
+
+``--shared-prefix P`` runs the prefix cache's benchmark instead (``bench.shared_prefix``).
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from expertmesh.bench.platform import add_platform_arguments, device_summary, started
 from expertmesh.bench.report import (
@@ -97,6 +100,7 @@ class Options:
     groups_as: str = "ray"  # "ray": Ray Serve deployments; "process": `expertmesh group serve` processes
     device: str = "auto"  # of the router's model and the baseline: auto, cpu, cuda, cuda:N
     sweep: tuple[int, ...] = ()  # client counts: the whole benchmark at each (see the module's docstring)
+    shared_prefix: int = 0  # tokens of a prompt prefix all requests share: the prefix-cache run instead
 
 
 _RUNNERS = {"ray": "groups on Ray Serve", "process": "groups as plain processes"}
@@ -153,6 +157,13 @@ def add_command(bench_commands) -> None:
         help="comma-separated client counts (e.g. 1,8,16,32): the benchmark at each, one table row per point "
         "(default: off)",
     )
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="instead: the prefix-cache run, requests whose prompts share this many leading tokens, the first alone, "
+        "the other --clients - 1 after it, with prefix caching on and off (default: off)",
+    )
     add_platform_arguments(p)
     p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
     p.set_defaults(run=_main)
@@ -178,7 +189,16 @@ def _main(args: argparse.Namespace) -> int:
         groups_as=args.groups_as,
         device=args.device,
         sweep=tuple(parse_int_list(args.sweep, "--sweep")) if args.sweep else (),
+        shared_prefix=args.shared_prefix and check_positive(args.shared_prefix, "--shared-prefix"),
     )
+    if options.shared_prefix:
+        from expertmesh.bench.shared_prefix import prefix_table, run_shared_prefix
+
+        result = run_shared_prefix(options)
+        print(prefix_table(result))
+        write_json(args.out, result)
+        print(f"wrote {args.out}")
+        return 0
     if options.sweep:
         result = run_sweep(options)
         print(sweep_table(result))
@@ -258,35 +278,11 @@ def run(options: Options) -> dict:
             classified = _classifier_runs(options.target, options, queries)
             platform, baselines = _interleaved(options.target, checkpoint.path, options, work, text, device)
         else:
-            from expertmesh.config.settings import DataPlaneConfig, ServingConfig
-            from expertmesh.platform.router_apis import serve_plane
-
-            config = DataPlaneConfig(
-                model=checkpoint.path,
-                groups=options.groups,
-                dtype=options.dtype,
-                ray_address=options.ray_address,
-                router_device=str(device),
-            )
-            with started(config, options.groups_as, "serve") as plane:
-                if options.classifier:
-                    _neutral_profiles(plane)
-                server = serve_plane(
-                    plane,
-                    ServingConfig(
-                        port=0,
-                        max_active_sequences=max(32, options.clients),
-                        max_queued_requests=max(128, options.clients),
-                        max_new_tokens_cap=max(1024, options.max_new_tokens),
-                    ),
-                )
-                try:
-                    target = f"127.0.0.1:{server.port}"
-                    classified = _classifier_runs(target, options, queries)
-                    platform, baselines = _interleaved(target, checkpoint.path, options, work, text, device)
-                    kv = server.engine.kv_usage()
-                finally:
-                    server.drain_and_stop()
+            with served_here(options, checkpoint, device) as server:
+                target = f"127.0.0.1:{server.port}"
+                classified = _classifier_runs(target, options, queries)
+                platform, baselines = _interleaved(target, checkpoint.path, options, work, text, device)
+                kv = server.engine.kv_usage()
 
     runs = [platform, *baselines]
     result = {
@@ -310,6 +306,39 @@ def run(options: Options) -> dict:
     if kv is not None:
         result["kv"] = _kv_summary(kv)
     return result
+
+
+@contextmanager
+def served_here(options: Options, checkpoint, device, **serving) -> Iterator:
+    """``expertmesh up`` in this process over a fresh data plane for ``options``: its gRPC server (``serving``:
+    ServingConfig fields beside the benchmark's limits), drained and stopped at the end."""
+    from expertmesh.config.settings import DataPlaneConfig, ServingConfig
+    from expertmesh.platform.router_apis import serve_plane
+
+    config = DataPlaneConfig(
+        model=checkpoint.path,
+        groups=options.groups,
+        dtype=options.dtype,
+        ray_address=options.ray_address,
+        router_device=str(device),
+    )
+    with started(config, options.groups_as, "serve") as plane:
+        if options.classifier:
+            _neutral_profiles(plane)
+        server = serve_plane(
+            plane,
+            ServingConfig(
+                port=0,
+                max_active_sequences=max(32, options.clients),
+                max_queued_requests=max(128, options.clients),
+                max_new_tokens_cap=max(1024, options.max_new_tokens),
+                **serving,
+            ),
+        )
+        try:
+            yield server
+        finally:
+            server.drain_and_stop()
 
 
 def _kv_summary(kv) -> dict:

@@ -9,6 +9,7 @@ import grpc
 import httpx2
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from expertmesh.cli.main import main
 from expertmesh.client import Client
@@ -244,6 +245,14 @@ def test_policy_eval_reports_per_domain_and_records_for_the_guard(served, tmp_pa
 
     assert main(["policy", "eval", "--policy", "delta_gap", "--alpha", "1", *common]) == 2  # not a delta_gap parameter
 
+    # The consistency guard beside it: threshold 0 never rolls back, so the guarded answers are the plain ones.
+    assert main(["policy", "eval", "--policy", "delta_gap", "--delta", "0", *common, "--guard", "self",
+                 "--guard-threshold", "0"]) == 0  # fmt: skip
+    guard = json.loads(capsys.readouterr().out)["consistency_guard"]
+    assert guard["scorer"] == "self" and guard["threshold"] == 0 and guard["positions"] == 4 * len(QUERIES)
+    assert guard["bad_rate_guarded"] == guard["bad_rate"] == pytest.approx(1 - narrow["overall"]["greedy_agreement"])
+    assert guard["ms_per_token"] > 0 and guard["ms_per_token_guarded"] > 0
+
 
 def test_the_http_api_takes_the_same_extras(served):
     plane, apis, _, _ = served
@@ -266,3 +275,37 @@ def test_the_http_api_takes_the_same_extras(served):
     ):
         bad = httpx2.post(url, json={**body, **extra}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
+def test_the_consistency_guard_over_both_apis_rolls_back_and_refuses_what_it_cannot_take(served):
+    """A guard that fails every check (threshold 1) computes its first two tokens again, over gRPC and HTTP alike
+    (the same tokens); exact routing is never guarded; a bad guard is refused naming its field."""
+    plane, apis, target, _ = served
+    guard = pb.ConsistencyGuard(scorer="self", threshold=1.0, max_regenerations=2)
+    with Client(target, timeout=120) as client:
+        exact = _tokens(client, "Hello there")
+        assert _tokens(client, "Hello there", consistency_guard=guard) == exact, "exact is never guarded"
+        guarded = _tokens(client, "Hello there", routing_policy="delta_gap", consistency_guard=guard)
+        assert "consistency_guard.scorer: unknown scorer 'cosine'" in _refused(
+            client, "x", routing_policy="delta_gap", consistency_guard="cosine"
+        )
+    url = f"{apis.http.url}/v1/completions"
+    body = {"model": plane.checkpoint.path.name, "prompt": "Hello there", "max_tokens": 6, "temperature": 0}
+    answer = httpx2.post(
+        url,
+        json={
+            **body,
+            "ignore_eos": True,
+            "routing_policy": "delta_gap",
+            "consistency_guard": {"scorer": "self", "threshold": 1.0, "max_regenerations": 2},
+        },
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(plane.checkpoint.path).decode(guarded)
+    bad = httpx2.post(
+        url,
+        json={**body, "routing_policy": "delta_gap", "consistency_guard": {"scorer": "self", "threshold": 3}},
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "consistency_guard.threshold", bad.text

@@ -72,6 +72,8 @@ class GenerateOptions(TypedDict, total=False):
     json_schema: Mapping | str | None
     regex: str | None  # the whole output must match this regular expression
     n: int | None  # choices (1-16): chunks name theirs (``Chunk.index``), each ends with its finish reason
+    #: the consistency guard's scorer ("self", "embedding"; "" turns the server's default off), or a message
+    consistency_guard: str | pb.ConsistencyGuard | None
     request_id: str
     #: a policy name (its default parameters) or a ``RoutingPolicy`` message; unset: the server's default
     routing_policy: str | pb.RoutingPolicy | None
@@ -107,6 +109,7 @@ def generate_request(
     json_schema: Mapping | str | None = None,
     regex: str | None = None,
     n: int | None = None,
+    consistency_guard: str | pb.ConsistencyGuard | None = None,
     request_id: str = "",
     routing_policy: str | pb.RoutingPolicy | None = None,
     domain: str | None = None,
@@ -134,6 +137,11 @@ def generate_request(
         request.structured_output.regex = regex
     if n is not None:
         request.n = n
+    if isinstance(consistency_guard, str):
+        request.consistency_guard.scorer = consistency_guard
+        request.consistency_guard.SetInParent()
+    elif consistency_guard is not None:
+        request.consistency_guard.CopyFrom(consistency_guard)
     _set_routing(request, routing_policy, domain)
     if isinstance(prompt, str):
         request.text = prompt

@@ -50,6 +50,13 @@ def add_command(commands) -> None:
     )
     ev.add_argument("--max-tokens", type=int, default=16, help="greedy tokens compared per query (default 16)")
     ev.add_argument("--timeout", type=float, default=120.0, help="deadline of each call, seconds (default 120)")
+    ev.add_argument(
+        "--guard",
+        choices=["self", "embedding"],
+        help="also the consistency guard with this scorer: the policy's greedy tokens that differ from exact's "
+        "(the bad-case rate) without and with it, and the time per token it adds",
+    )
+    ev.add_argument("--guard-threshold", type=float, help="the guard's threshold, 0-1 (default: 0.65)")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ev.set_defaults(run=_eval)
 
@@ -57,7 +64,7 @@ def add_command(commands) -> None:
 def _eval(args) -> int:
     from expertmesh.classifier.corpus import load_examples
     from expertmesh.client import Client
-    from expertmesh.verify.policy import evaluate
+    from expertmesh.verify.policy import evaluate, evaluate_guard
 
     if args.max_tokens < 1:
         raise InvalidRequest("--max-tokens must be at least 1")
@@ -65,9 +72,15 @@ def _eval(args) -> int:
     given = {name: getattr(args, name) for name in _PARAMETERS if getattr(args, name) is not None}
     with Client(args.target, timeout=args.timeout) as client:
         result = evaluate(client, args.target, args.policy, given, examples, args.max_tokens)
+        guard = None
+        if args.guard:
+            guard = evaluate_guard(
+                client, args.target, args.policy, given, examples, args.max_tokens, args.guard, args.guard_threshold
+            )
     recorded = _record(args, result)
     if args.json:
-        print(json.dumps({**json.loads(result.to_json()), "recorded": recorded}))
+        extra = {"consistency_guard": guard.to_dict()} if guard else {}
+        print(json.dumps({**json.loads(result.to_json()), "recorded": recorded, **extra}))
         return 0
     print(f"policy {result.policy} on {len(examples)} queries ({args.target})")
     print(f"{'domain':>14} {'KL nats':>9} {'top-1':>7} {'greedy':>7} {'params saved/token':>19} {'positions':>9}")
@@ -75,6 +88,13 @@ def _eval(args) -> int:
         print(
             f"{domain:>14} {f.kl:>9.4f} {f.top1_agreement:>7.1%} {f.greedy_agreement:>7.1%} "
             f"{f.saved_params_per_token:>19,.0f} {f.positions:>9}"
+        )
+    if guard is not None:
+        print(
+            f"consistency guard {guard.scorer} (threshold {guard.threshold:g}): bad-case rate "
+            f"{guard.bad_rate:.1%} -> {guard.bad_rate_guarded:.1%} of {guard.positions} greedy tokens; "
+            f"{guard.ms_per_token:.1f} -> {guard.ms_per_token_guarded:.1f} ms per token "
+            f"({guard.added_ms_per_token:+.1f})"
         )
     print(
         f"recorded in {recorded}"

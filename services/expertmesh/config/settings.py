@@ -180,6 +180,16 @@ class ServingConfig(BaseSettings):
         description="capability profiles file (`expertmesh profile build --out`) loaded into the state store at start, "
         "for the prefer and restrict policies (unset: those in the store)",
     )
+    consistency_guard: str = Field(
+        "",
+        description="consistency guard of non-exact requests that ask for none: a scorer (self, embedding); empty: off",
+    )
+    consistency_threshold: float = Field(
+        0.65, ge=0, le=1, description="consistency guard: a new token scored below this is computed again, widened"
+    )
+    consistency_max_regenerations: int = Field(
+        8, ge=0, le=64, description="consistency guard: most tokens computed again per request"
+    )
 
 
 class TlsConfig(BaseSettings):
@@ -487,3 +497,6 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_flag(parser, ServingConfig, "metrics_port")
     add_setting_flag(parser, ServingConfig, "routing_policy")
     add_setting_flag(parser, ServingConfig, "profiles")
+    add_setting_flag(parser, ServingConfig, "consistency_guard")
+    add_setting_flag(parser, ServingConfig, "consistency_threshold")
+    add_setting_flag(parser, ServingConfig, "consistency_max_regenerations")

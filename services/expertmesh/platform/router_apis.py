@@ -18,7 +18,7 @@ from expertmesh.serving.engine import Engine, EngineLimits
 from expertmesh.serving.kv_metrics import register_kv_metrics
 from expertmesh.serving.readiness import Readiness
 from expertmesh.serving.request_routing import RequestRouter
-from expertmesh.serving.service import InferenceServer, InferenceServicer
+from expertmesh.serving.service import InferenceServer, InferenceServicer, guard_default
 from expertmesh.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
             config.routing_policy,
             plane.store,
             config.policy_kl_bound,
+            guard_default=guard_default(config, info.top_k),
         ),
     )
     return InferenceServer(servicer, engine, config).start()

@@ -66,6 +66,7 @@ from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.router.dispatch import degraded
 from expertmesh.router.dispatch.dispatcher import LayerDispatcher
 from expertmesh.router.policy.routing_policy import RequestRouting, step_routing
+from expertmesh.serving.consistency_guard import Check, GuardSpec, Scorers
 from expertmesh.serving.forward import SLIDING, Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
 from expertmesh.serving.grammar import CompiledGrammar, Grammars, TokenMatcher
 from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, blocks_for, prefix_hashes
@@ -108,6 +109,8 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
     #: the grammar its output must follow (``Engine.grammars.compile``; None: free text)
     grammar: CompiledGrammar | None = None
+    #: its consistency guard (``serving.consistency_guard``; None: unchecked)
+    consistency_guard: GuardSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,11 @@ class Sequence:
     generator: torch.Generator | None = None
     #: its place in its request's grammar (None: free text)
     matcher: TokenMatcher | None = None
+    #: the consistency guard: experts its next step's tokens choose (0: its rules decide), the tokens it
+    #: computed again so far, and the answer's text so far (for scorers that read text)
+    widen: int = 0
+    rollbacks: int = 0
+    answer_text: str = ""
     done: bool = False
     #: it ended with an error (its blocks may hold what a broken step computed: never cached)
     failed: bool = False
@@ -320,6 +328,17 @@ class Engine:
         )
         self._kv_usage: KVUsage | None = None
         self._note_kv()  # the empty pool, reported before the first step
+        self._scorers = Scorers()
+        self._guard_checks = meter().create_counter(
+            "expertmesh.consistency.checks", description="new tokens the consistency guard scored, by scorer"
+        )
+        self._guard_rollbacks = meter().create_counter(
+            "expertmesh.consistency.rollbacks",
+            description="new tokens the consistency guard discarded and computed again widened, by scorer",
+        )
+        self._guard_time = meter().create_histogram(
+            "expertmesh.consistency.scorer_time", unit="ms", description="time of one consistency check, by scorer"
+        )
 
     @staticmethod
     def _kv_pool(model, limits: EngineLimits, max_context: int) -> tuple[BlockPool, KVPool]:
@@ -540,6 +559,7 @@ class Engine:
         )
         self._release(seq)
         seq.fed, seq.score_logits = 0, []
+        seq.widen = 0  # its whole past is computed again, with its own rules: the new token is checked anew
         self._active.remove(seq)
         self._queued.appendleft(seq)
         self._kv_counts["preemptions"] += 1
@@ -642,6 +662,7 @@ class Engine:
             routing = step_routing(
                 [(seq.request.routing, len(chunk.token_ids)) for seq, chunk in work],
                 [_first_t(seq, chunk) for seq, chunk in work],
+                [seq.widen for seq, _ in work],
             )
             with (
                 trace.use_span(spans[0]),
@@ -676,7 +697,9 @@ class Engine:
             trace.use_span(span, end_on_exit=True),
             self._dispatcher.serving_step(
                 chunk.positions(),
-                routing=step_routing([(seq.request.routing, len(chunk.token_ids))], [_first_t(seq, chunk)]),
+                routing=step_routing(
+                    [(seq.request.routing, len(chunk.token_ids))], [_first_t(seq, chunk)], [seq.widen]
+                ),
             ),
             degraded.collecting([len(chunk.token_ids)]) as marks,
             torch.no_grad(),
@@ -758,6 +781,10 @@ class Engine:
             seq.score_logits, seq.prompt_scored = [], True
         if token is None:
             token = self._choose(seq, logits[-1])
+        if seq.widen:  # computed again after a rollback: kept as it is
+            seq.widen = 0
+        elif request.consistency_guard is not None and self._rolls_back(seq, logits[-1], token):
+            return
         seq.generated.append(token)
         if seq.matcher is not None:
             seq.matcher.accept(token)
@@ -779,10 +806,45 @@ class Engine:
         if reason is not None:
             delta = TokenEvent(delta.token_ids, delta.text + seq.stream.flush(), delta.logprobs)
         if delta.token_ids or delta.text:
+            seq.answer_text += delta.text if request.consistency_guard is not None else ""
             seq.events.put(delta)
         if reason is not None:
             seq.events.put(FinishEvent(reason, len(request.prompt_ids), len(seq.generated), unlisted))
             seq.done = True
+
+    def _rolls_back(self, seq: Sequence, row: torch.Tensor, token: int) -> bool:
+        """The consistency guard's check of ``seq``'s new ``token`` (chosen from the model's logits ``row``
+        [V]); True if it was discarded: then the position that predicted it goes through the next step again,
+        its MoE layers widened."""
+        guard = seq.request.consistency_guard
+        if seq.rollbacks >= guard.max_regenerations:
+            return False
+        scorer = self._scorers.get(guard.scorer)
+        started = time.perf_counter()
+        texts = ("", "", "")
+        if scorer.needs_text and self._tokenizer is not None:
+            texts = (self._tokenizer.decode(seq.request.prompt_ids), seq.answer_text, self._tokenizer.decode([token]))
+        score = scorer.score(Check(row, token, *texts))
+        labels = {"scorer": guard.scorer}
+        self._guard_time.record((time.perf_counter() - started) * 1e3, labels)
+        if score is None:
+            return False
+        self._guard_checks.add(1, labels)
+        if score >= guard.threshold:
+            return False
+        self._guard_rollbacks.add(1, labels)
+        seq.rollbacks += 1
+        span = _request_span(seq)
+        if span is not None:
+            span.add_event(
+                "expertmesh.consistency.rollback",
+                {"token": token, "score": score, "position": len(seq.tokens()), "widen_to": guard.widen_to},
+            )
+        seq.fed -= 1  # the last token fed predicted it: computed again (its KV slots are written over)
+        if seq.cache is not None:  # the per-sequence fallback's cache holds it: cut it off
+            seq.cache.crop(seq.fed)
+        seq.widen = guard.widen_to
+        return True
 
     def _fail_with(self, seq: Sequence, err: Exception) -> None:
         """Fail ``seq`` with ``err``'s gRPC code (INTERNAL for anything but our own errors)."""

@@ -20,6 +20,7 @@ from expertmesh.config.settings import ServingConfig
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.router.policy.routing_policy import RequestRouting
 from expertmesh.serving.chat import chat_prompt_ids
+from expertmesh.serving.consistency_guard import GuardSpec
 from expertmesh.serving.engine import Engine, FinishEvent, GenerationRequest, TokenLogprob
 from expertmesh.serving.engine import Sequence as EngineSequence
 from expertmesh.serving.grammar import GrammarError
@@ -204,6 +205,7 @@ class OpenAIAdapter:
                 "stop sequences need the model's tokenizer, and this model has none", param="stop"
             )
         routing = self._request_routing(body, prompt_ids)
+        consistency_guard = self._consistency_guard(body, routing)
         try:
             spec = body.grammar_spec()
             grammar = self._engine.grammars.compile(spec) if spec is not None else None
@@ -232,6 +234,7 @@ class OpenAIAdapter:
             stop_at_eos=not body.ignore_eos,
             routing=routing,
             grammar=grammar,
+            consistency_guard=consistency_guard,
         )
 
     def _request_routing(self, body: GenerationFields, prompt_ids: list[int]) -> RequestRouting | None:
@@ -248,6 +251,20 @@ class OpenAIAdapter:
         text = self._tokenizer.decode(prompt_ids) if self._tokenizer is not None else None
         try:
             return self._routing.resolve(message, lambda: text)
+        except InvalidRequest as err:
+            raise ApiError.bad_request(str(err), param=str(err).split(":", 1)[0]) from None
+
+    def _consistency_guard(self, body: GenerationFields, routing: RequestRouting | None) -> GuardSpec | None:
+        """The body's ``consistency_guard`` resolved as the gRPC API resolves it."""
+        message = None
+        if body.consistency_guard is not None:
+            message = pb.ConsistencyGuard(**body.consistency_guard.model_dump(exclude_none=True))
+        if self._routing is None:
+            if message is not None and message.scorer:
+                raise ApiError.bad_request("this server takes no consistency guard", param="consistency_guard")
+            return None
+        try:
+            return self._routing.consistency_guard(message, routing)
         except InvalidRequest as err:
             raise ApiError.bad_request(str(err), param=str(err).split(":", 1)[0]) from None
 

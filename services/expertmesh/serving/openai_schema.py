@@ -113,6 +113,21 @@ def _policy_object(value: Any) -> Any:
     return {"name": value} if isinstance(value, str) else value
 
 
+class ConsistencyGuardBody(BaseModel):
+    """expertmesh's extra ``consistency_guard`` body field as an object (a plain string names the scorer; ""
+    turns the server's default off); checked by the router, as on gRPC."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    scorer: str = Field(max_length=32)
+    threshold: float | None = None
+    max_regenerations: int | None = Field(None, ge=0, le=2**32 - 1)  # the gRPC field is a uint32
+
+
+def _guard_object(value: Any) -> Any:
+    return {"scorer": value} if isinstance(value, str) else value
+
+
 class JsonSchemaFormat(BaseModel):
     """``response_format.json_schema``: the schema the answer must validate against. The mask holds every
     answer to it, ``strict`` or not (as vLLM does)."""
@@ -185,6 +200,8 @@ class GenerationFields(BaseModel):
     #: a plain string names the policy (``{"name": ...}``), so errors name the object's fields
     routing_policy: Annotated[RoutingPolicyBody, BeforeValidator(_policy_object)] | None = None
     domain: str | None = None
+    #: expertmesh extra: the consistency guard of a non-exact request (see the gRPC GenerateRequest)
+    consistency_guard: Annotated[ConsistencyGuardBody, BeforeValidator(_guard_object)] | None = None
 
     _check_stop = field_validator("stop")(_stop_limits)
     _check_cap = field_validator("max_tokens")(_within_cap)

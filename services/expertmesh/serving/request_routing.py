@@ -35,6 +35,7 @@ from expertmesh.router.policy.routing_policy import (
     prefer_bias,
     restrict_bias,
 )
+from expertmesh.serving.consistency_guard import GuardError, GuardSpec
 from expertmesh.store import StateStore
 from expertmesh.v1 import inference_pb2 as pb
 
@@ -56,8 +57,10 @@ class RequestRouter:
         kl_bound: float,
         classifier: Callable[[], object] | None = None,
         refresh_s: float = 5.0,
+        guard_default: GuardSpec | None = None,
     ):
-        """``classifier``: returns the query classifier (called on first need; default: the trained default)."""
+        """``classifier``: returns the query classifier (called on first need; default: the trained default).
+        ``guard_default``: the consistency guard of non-exact requests that ask for none (None: off)."""
         self.top_k, self.num_experts, self.moe_layers = top_k, num_experts, tuple(moe_layers)
         try:
             self.default = parse_policy(default_policy, {}, top_k, num_experts, "routing_policy")
@@ -67,12 +70,34 @@ class RequestRouter:
             ) from None
         self._store = store
         self._kl_bound = kl_bound
+        self.guard_default = guard_default
         self._classifier_factory = classifier
         self._refresh_s = refresh_s
         self._lock = threading.Lock()
         self._read_at = -float("inf")
         self._profiles: dict[str, DomainProfile] = {}
         self._quality: dict[str, PolicyQuality] = {}
+
+    def consistency_guard(
+        self, message: pb.ConsistencyGuard | None, routing: RequestRouting | None
+    ) -> GuardSpec | None:
+        """The request's consistency guard (``message``: its ``consistency_guard``, None if unset; an empty
+        scorer: off), else the server's default; None for exact routing, which the guard never touches."""
+        if message is not None and message.scorer:
+            try:
+                spec = GuardSpec.parse(
+                    message.scorer,
+                    message.threshold if message.HasField("threshold") else None,
+                    message.max_regenerations if message.HasField("max_regenerations") else None,
+                    self.top_k,
+                )
+            except GuardError as err:
+                raise InvalidRequest(str(err)) from None
+        elif message is not None:
+            return None  # asked for none
+        else:
+            spec = self.guard_default
+        return None if routing is None or routing.policy.is_exact else spec
 
     # -- what ListModels reports ------------------------------------------------------------
 

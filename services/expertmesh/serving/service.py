@@ -31,6 +31,7 @@ from expertmesh.contracts import wire
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.infra.grpc_server import GrpcServer
 from expertmesh.infra.telemetry.setup import meter, tracer
+from expertmesh.serving.consistency_guard import GuardError, GuardSpec
 from expertmesh.serving.engine import (
     Engine,
     ErrorEvent,
@@ -95,7 +96,13 @@ class InferenceServicer:
         #: group -> what carries the router's calls to it (ListModels reports it)
         self._group_transports = group_transports
         self.routing = routing or RequestRouter(
-            info.top_k, info.num_experts, tuple(info.moe_layers), config.routing_policy, None, config.policy_kl_bound
+            info.top_k,
+            info.num_experts,
+            tuple(info.moe_layers),
+            config.routing_policy,
+            None,
+            config.policy_kl_bound,
+            guard_default=guard_default(config, info.top_k),
         )
 
     # -- validation ------------------------------------------------------------------
@@ -186,6 +193,8 @@ class InferenceServicer:
             raise InvalidRequest("stop sequences need the model's tokenizer, and this model has none")
         routing = self.routing.resolve(request, lambda: self._prompt_text(request, ids))
         grammar = self._grammar(request.structured_output) if request.HasField("structured_output") else None
+        guard = request.consistency_guard if request.HasField("consistency_guard") else None
+        consistency_guard = self.routing.consistency_guard(guard, routing)
         remaining = context.time_remaining()
         return GenerationRequest(
             request_id=request.request_id or uuid.uuid4().hex[:16],
@@ -199,6 +208,7 @@ class InferenceServicer:
             deadline=None if remaining is None else time.monotonic() + remaining,
             routing=routing,
             grammar=grammar,
+            consistency_guard=consistency_guard,
         )
 
     def _grammar(self, output: pb.StructuredOutput) -> CompiledGrammar | None:
@@ -461,6 +471,22 @@ class InferenceServer:
         self._grpc.stop()
         self.engine.stop()
         return drained
+
+
+def guard_default(config: ServingConfig, top_k: int) -> GuardSpec | None:
+    """The server's consistency guard for non-exact requests that ask for none (``config.consistency_*``)."""
+    if not config.consistency_guard:
+        return None
+    try:
+        return GuardSpec.parse(
+            config.consistency_guard,
+            config.consistency_threshold,
+            config.consistency_max_regenerations,
+            top_k,
+            "consistency_guard (--consistency-guard, EXPERTMESH_CONSISTENCY_GUARD)",
+        )
+    except GuardError as err:
+        raise ExpertMeshError(f"the server's default {err}") from None
 
 
 def _delta(event: TokenEvent) -> pb.TokenDelta:

@@ -7,7 +7,9 @@ quality guard reads from the store."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 
 import grpc
 
@@ -97,3 +99,88 @@ def evaluate(
             setattr(overall, name, getattr(overall, name) + getattr(tally, name))
     ppe = info.parameters_per_expert
     return PolicyQuality(policy.key, overall.figures(ppe), {d: t.figures(ppe) for d, t in sorted(tallies.items())})
+
+
+@dataclass(frozen=True)
+class GuardFigures:
+    """The consistency guard on a policy's greedy answers: the share of tokens that differ from exact's
+    (by position) without and with it, and the client's time per generated token of each."""
+
+    policy: str
+    scorer: str
+    threshold: float
+    bad_rate: float
+    bad_rate_guarded: float
+    ms_per_token: float
+    ms_per_token_guarded: float
+    positions: int
+
+    @property
+    def added_ms_per_token(self) -> float:
+        return self.ms_per_token_guarded - self.ms_per_token
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "added_ms_per_token": self.added_ms_per_token}
+
+
+def evaluate_guard(
+    client: Client,
+    target: str,
+    policy_name: str,
+    given: Mapping[str, float],
+    examples: Sequence[Example],
+    max_tokens: int,
+    scorer: str,
+    threshold: float | None = None,
+) -> GuardFigures:
+    """``policy_name``'s greedy answers to ``examples`` without and with the consistency guard ``scorer``,
+    each against exact routing's, through ``client`` (the router at ``target``)."""
+    info = client.models()[0]
+    try:
+        policy = parse_policy(policy_name, dict(given), info.top_k, info.num_experts)
+    except PolicyError as err:
+        raise InvalidRequest(str(err)) from None
+    wanted = pb.RoutingPolicy(name=policy.name, force=True, **{k: v for k, v in policy.active().items()})
+    guard = pb.ConsistencyGuard(scorer=scorer)
+    if threshold is not None:
+        guard.threshold = threshold
+    off = pb.ConsistencyGuard(scorer="")  # not the server's default either
+
+    def greedy(example, routing, consistency_guard) -> tuple[list[int], float]:
+        started = time.perf_counter()
+        try:
+            chunks = list(
+                client.generate(
+                    example.text,
+                    max_new_tokens=max_tokens,
+                    stop_at_eos=False,
+                    routing_policy=routing,
+                    domain=example.domain,
+                    consistency_guard=consistency_guard,
+                )
+            )
+        except grpc.RpcError as err:
+            raise ExpertMeshError(f"{target}: {err.code().name}: {err.details()}") from None
+        return [t for c in chunks for t in c.token_ids], time.perf_counter() - started
+
+    same = same_guarded = positions = tokens = tokens_guarded = 0
+    seconds = seconds_guarded = 0.0
+    for example in examples:
+        exact, _ = greedy(example, pb.RoutingPolicy(name="exact"), off)
+        plain, t = greedy(example, wanted, off)
+        guarded, t_guarded = greedy(example, wanted, guard)
+        same += same_positions(exact, plain)
+        same_guarded += same_positions(exact, guarded)
+        positions += min(len(exact), len(plain))
+        tokens, tokens_guarded = tokens + len(plain), tokens_guarded + len(guarded)
+        seconds, seconds_guarded = seconds + t, seconds_guarded + t_guarded
+    return GuardFigures(
+        policy.key,
+        scorer,
+        guard.threshold if guard.HasField("threshold") else 0.65,
+        1 - same / max(positions, 1),
+        1 - same_guarded / max(positions, 1),
+        seconds / max(tokens, 1) * 1e3,
+        seconds_guarded / max(tokens_guarded, 1) * 1e3,
+        positions,
+    )

@@ -419,15 +419,19 @@ class StepRouting:
 
 
 def step_routing(
-    parts: Sequence[tuple[RequestRouting | None, int]], first_t: Sequence[int] | None = None
+    parts: Sequence[tuple[RequestRouting | None, int]],
+    first_t: Sequence[int] | None = None,
+    widen: Sequence[int] | None = None,
 ) -> StepRouting | None:
     """(routing, tokens) of each sequence in the step, in packing order -> the step's StepRouting, or
     None when every sequence is plain (then the forward is the stock one). ``first_t``: per sequence, the
     answer index of its first token here (its position + 1 - its prompt's length; at most 0 in the prompt,
     the tokens generated so far when decoding), which decay_k reads; None: each sequence's tokens are a
-    whole prompt (all at t 0)."""
+    whole prompt (all at t 0). ``widen``: per sequence, the experts its tokens choose whatever its k rules say
+    (0: its rules decide), with no narrowing: the consistency guard's recomputed tokens (``serving.guard``)."""
     routings = [r or RequestRouting() for r, _ in parts]
-    if all(r.is_plain for r in routings):
+    widen = list(widen or [0] * len(parts))
+    if all(r.is_plain for r in routings) and not any(widen):
         return None
     counts = torch.tensor([n for _, n in parts])
 
@@ -443,7 +447,7 @@ def step_routing(
         rows = [r.biases.get(layer, zero) for r in routings]
         biases[layer] = torch.repeat_interleave(torch.stack(rows), counts, dim=0)  # [T, E]
     k_rules = None
-    if any(r.policy.rules & set(K_RULES) for r in routings):
+    if any(r.policy.rules & set(K_RULES) for r in routings) or any(widen):
         k = None
         if any(uses("decay_k")):
             starts = torch.repeat_interleave(torch.tensor(list(first_t or [1 - n for _, n in parts])), counts)  # [T]
@@ -456,10 +460,17 @@ def step_routing(
                 per_token([r.policy.k_min for r in routings], torch.float64),
             )
             k = torch.where(per_token([float(u) for u in uses("decay_k")]) > 0, k, 0)
+        delta = [r.policy.delta if u else math.inf for r, u in zip(routings, uses("delta_gap"))]
+        threshold = [r.policy.threshold if u else 0.0 for r, u in zip(routings, uses("dynamic_k"))]
+        if any(widen):
+            forced = per_token([float(w) for w in widen], torch.float64).long()  # [T]
+            k = forced if k is None else torch.where(forced > 0, forced, k)
+            delta = [math.inf if w else d for d, w in zip(delta, widen)]
+            threshold = [0.0 if w else t for t, w in zip(threshold, widen)]
         k_rules = KRules(
-            delta=per_token([r.policy.delta if u else math.inf for r, u in zip(routings, uses("delta_gap"))]),
+            delta=per_token(delta),
             weight_boost=per_token([r.policy.weight_boost for r in routings]),
-            threshold=per_token([r.policy.threshold if u else 0.0 for r, u in zip(routings, uses("dynamic_k"))]),
+            threshold=per_token(threshold),
             k=k,
         )
     temperature = capacity = None

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.models.tiny import MOE_ARCHITECTURES
 from expertmesh.router.policy.gate_hook import GateBias
-from expertmesh.router.policy.routing_policy import RequestRouting, parse_policy, step_routing
+from expertmesh.router.policy.routing_policy import STOCK, RequestRouting, parse_policy, step_routing
 from expertmesh.serving.consistency_guard import (
     Check,
     EmbeddingScorer,
@@ -67,6 +67,10 @@ def test_a_bad_guard_is_refused_naming_its_field():
         with pytest.raises(GuardError) as err:
             GuardSpec.parse(*args, 2)
         assert err.value.field == field
+    with pytest.raises(GuardError) as err:
+        GuardSpec.parse("self", None, None, 2, recompute="wider")
+    assert err.value.field == "consistency_guard.recompute"
+    assert GuardSpec.parse("self", None, None, 2, recompute="exact").widen_to == STOCK
     router = RequestRouter(2, 8, (0, 1), "exact", None, 0.1, guard_default=GuardSpec("self"))
     delta = RequestRouting(parse_policy("delta_gap", {}, 2, 8))
     assert router.consistency_guard(None, delta) == GuardSpec("self"), "the server's default"
@@ -92,6 +96,11 @@ def test_a_widened_sequence_takes_top_3_beside_untouched_ones(arch):
     assert torch.equal(index[:4, :K], stock[first][0][:4]), "the exact sequence keeps the stock choice"
     assert (chosen[4:8] == min(widened_k(K), E)).all(), f"{arch}: the widened one takes top-{widened_k(K)}"
     assert (chosen[8:] == 1).all(), "the other delta_gap sequence is narrowed as before"
+    # recompute="exact": the sequence's tokens take the stock gate, none of its policy's rules
+    stock_step = step_routing([(None, 4), (delta, 4), (delta, 4)], widen=[0, STOCK, 0])
+    index, weights = _route(model, ids, gate_bias, stock_step)[0][first]
+    assert torch.equal(index[:8, :K], stock[first][0][:8]) and torch.equal(weights[:8, :K], stock[first][1][:8])
+    assert ((index[8:] < E).sum(dim=1) == 1).all()
 
 
 def _guarded(threshold, max_regenerations, top_k=2):

@@ -57,6 +57,12 @@ def add_command(commands) -> None:
         "(the bad-case rate) without and with it, and the time per token it adds",
     )
     ev.add_argument("--guard-threshold", type=float, help="the guard's threshold, 0-1 (default: 0.65)")
+    ev.add_argument(
+        "--guard-recompute",
+        choices=["widened", "exact"],
+        default="widened",
+        help="how the guard computes a token again: widened (top-3, the default) or exact (the stock gate)",
+    )
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ev.set_defaults(run=_eval)
 
@@ -75,7 +81,15 @@ def _eval(args) -> int:
         guard = None
         if args.guard:
             guard = evaluate_guard(
-                client, args.target, args.policy, given, examples, args.max_tokens, args.guard, args.guard_threshold
+                client,
+                args.target,
+                args.policy,
+                given,
+                examples,
+                args.max_tokens,
+                args.guard,
+                args.guard_threshold,
+                args.guard_recompute,
             )
     recorded = _record(args, result)
     if args.json:
@@ -91,7 +105,7 @@ def _eval(args) -> int:
         )
     if guard is not None:
         print(
-            f"consistency guard {guard.scorer} (threshold {guard.threshold:g}): bad-case rate "
+            f"consistency guard {guard.scorer} (threshold {guard.threshold:g}, {guard.recompute}): bad-case rate "
             f"{guard.bad_rate:.1%} -> {guard.bad_rate_guarded:.1%} of {guard.positions} greedy tokens; "
             f"{guard.ms_per_token:.1f} -> {guard.ms_per_token_guarded:.1f} ms per token "
             f"({guard.added_ms_per_token:+.1f})"

@@ -5,7 +5,8 @@ Glossary
   0 (not at all) to 1; a scorer may also pass (``None``: nothing to judge at this token).
 - *rollback*: below the request's threshold the token is discarded, and its position is computed again in the
   sequence's next step with its MoE layers widened (``widened_k``: top-3, or top-(k+1) where the gate's k is
-  3 or more; no narrowing rule applies to it) and the token chosen from those logits is kept unchecked. The
+  3 or more; no narrowing rule applies to it), or with ``recompute="exact"`` the stock gate (none of the
+  policy's rules); the token chosen from those logits is kept unchecked. The
   other sequences of the step are not touched: the widening rides on this sequence's rows of the packed step
   (``routing_policy.step_routing``'s ``widen``). At most ``max_regenerations`` rollbacks per request.
 - *scorers* (``SCORERS``, by name):
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from expertmesh.router.policy.routing_policy import STOCK
 
 #: the report's threshold, and a bound on rollbacks per request
 DEFAULT_THRESHOLD = 0.65
@@ -54,6 +57,7 @@ class GuardSpec:
     scorer: str
     threshold: float = DEFAULT_THRESHOLD
     max_regenerations: int = DEFAULT_MAX_REGENERATIONS
+    #: experts a rolled-back token's position takes when computed again; ``STOCK``: the stock gate
     widen_to: int = 3
 
     @classmethod
@@ -64,6 +68,7 @@ class GuardSpec:
         max_regenerations: int | None,
         top_k: int,
         field_prefix: str = "consistency_guard",
+        recompute: str = "widened",
     ) -> GuardSpec:
         if scorer not in SCORERS:
             raise GuardError(f"{field_prefix}.scorer", f"unknown scorer {scorer!r}; known: {', '.join(SCORERS)}")
@@ -73,7 +78,14 @@ class GuardSpec:
         count = DEFAULT_MAX_REGENERATIONS if max_regenerations is None else max_regenerations
         if not 0 <= count <= MAX_REGENERATIONS:
             raise GuardError(f"{field_prefix}.max_regenerations", f"must be in [0, {MAX_REGENERATIONS}], got {count}")
-        return cls(scorer, float(threshold), int(count), widened_k(top_k))
+        if recompute not in RECOMPUTE:
+            raise GuardError(f"{field_prefix}.recompute", f"must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+        widen_to = widened_k(top_k) if recompute == "widened" else STOCK
+        return cls(scorer, float(threshold), int(count), widen_to)
+
+
+#: how a rolled-back token is computed again: widened (the report's top-3), or with the stock gate (exact routing)
+RECOMPUTE = ("widened", "exact")
 
 
 def widened_k(top_k: int) -> int:

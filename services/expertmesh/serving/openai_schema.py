@@ -122,6 +122,7 @@ class ConsistencyGuardBody(BaseModel):
     scorer: str = Field(max_length=32)
     threshold: float | None = None
     max_regenerations: int | None = Field(None, ge=0, le=2**32 - 1)  # the gRPC field is a uint32
+    recompute: str | None = Field(None, max_length=16)
 
 
 def _guard_object(value: Any) -> Any:

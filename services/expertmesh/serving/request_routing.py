@@ -90,6 +90,7 @@ class RequestRouter:
                     message.threshold if message.HasField("threshold") else None,
                     message.max_regenerations if message.HasField("max_regenerations") else None,
                     self.top_k,
+                    recompute=message.recompute or "widened",
                 )
             except GuardError as err:
                 raise InvalidRequest(str(err)) from None

@@ -109,6 +109,7 @@ class GuardFigures:
     policy: str
     scorer: str
     threshold: float
+    recompute: str
     bad_rate: float
     bad_rate_guarded: float
     ms_per_token: float
@@ -132,6 +133,7 @@ def evaluate_guard(
     max_tokens: int,
     scorer: str,
     threshold: float | None = None,
+    recompute: str = "widened",
 ) -> GuardFigures:
     """``policy_name``'s greedy answers to ``examples`` without and with the consistency guard ``scorer``,
     each against exact routing's, through ``client`` (the router at ``target``)."""
@@ -141,7 +143,7 @@ def evaluate_guard(
     except PolicyError as err:
         raise InvalidRequest(str(err)) from None
     wanted = pb.RoutingPolicy(name=policy.name, force=True, **{k: v for k, v in policy.active().items()})
-    guard = pb.ConsistencyGuard(scorer=scorer)
+    guard = pb.ConsistencyGuard(scorer=scorer, recompute=recompute)
     if threshold is not None:
         guard.threshold = threshold
     off = pb.ConsistencyGuard(scorer="")  # not the server's default either
@@ -178,6 +180,7 @@ def evaluate_guard(
         policy.key,
         scorer,
         guard.threshold if guard.HasField("threshold") else 0.65,
+        recompute,
         1 - same / max(positions, 1),
         1 - same_guarded / max(positions, 1),
         seconds / max(tokens, 1) * 1e3,

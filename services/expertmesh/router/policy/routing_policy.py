@@ -405,6 +405,10 @@ class RequestRouting:
         return self.policy.is_exact and self.domain is None
 
 
+#: ``step_routing``'s ``widen`` for a sequence whose tokens take the stock gate, none of its policy's rules
+STOCK = -1
+
+
 @dataclass(frozen=True)
 class StepRouting:
     """Per token of one forward: the bias each gate adds, the temperature, the k and capacity rules, and
@@ -428,9 +432,14 @@ def step_routing(
     answer index of its first token here (its position + 1 - its prompt's length; at most 0 in the prompt,
     the tokens generated so far when decoding), which decay_k reads; None: each sequence's tokens are a
     whole prompt (all at t 0). ``widen``: per sequence, the experts its tokens choose whatever its k rules say
-    (0: its rules decide), with no narrowing: the consistency guard's recomputed tokens (``serving.guard``)."""
-    routings = [r or RequestRouting() for r, _ in parts]
+    (0: its rules decide; ``STOCK``: the stock gate, none of its rules), with no narrowing: the consistency
+    guard's recomputed tokens (``serving.consistency_guard``)."""
     widen = list(widen or [0] * len(parts))
+    routings = [
+        RequestRouting(domain=r.domain) if r is not None and w == STOCK else r or RequestRouting()
+        for (r, _), w in zip(parts, widen)
+    ]
+    widen = [0 if w == STOCK else w for w in widen]
     if all(r.is_plain for r in routings) and not any(widen):
         return None
     counts = torch.tensor([n for _, n in parts])

@@ -3,6 +3,7 @@ its error paths, and (slow) the probe and the heatmap against a real platform.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import socket
@@ -14,7 +15,14 @@ import yaml
 from expertmesh.cli.main import main
 from expertmesh.cli.probe import format_table
 from expertmesh.observability import remote
-from expertmesh.observability.sparsity import ModelShape, analyse, entropy_bits, group_shares
+from expertmesh.observability.sparsity import (
+    ModelShape,
+    active_spread,
+    analyse,
+    entropy_bits,
+    group_shares,
+    histogram_percentile,
+)
 from expertmesh.v1 import inference_pb2 as pb
 
 
@@ -155,6 +163,45 @@ def test_wide_layers_are_summarised_in_the_table():
     assert "lowest e0 0.00, e1 " in table and "highest e63 " in table
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_histogram_percentiles_are_nearest_rank(seed):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 5, size=12) * (rng.random(12) < 0.6)
+    counts[rng.integers(0, 12)] += 1  # at least one token
+    values = np.repeat(np.arange(12), counts)
+    for q in (5, 50, 95, 100):
+        assert histogram_percentile(counts, q) == int(np.percentile(values, q, method="inverted_cdf"))
+    assert histogram_percentile(np.zeros(4), 50) is None
+    assert histogram_percentile([0, 2, 2], 50) == 1 and histogram_percentile([0, 2, 2], 51) == 2
+
+
+def test_active_parameter_spread_overall_and_by_query_length():
+    model = _model()  # 2 layers, top-2: 4 experts a token under exact routing; dense 1000, 100 per expert
+    per_token = np.zeros((3, 2 * 3 + 1))
+    per_token[0, 4] = 90  # short queries: 90 tokens at exactly L * k experts
+    per_token[0, 2] = 10  # ... and 10 at 2 (delta_gap's top-1)
+    per_token[2, 6] = 50  # long queries: every token one more per layer (dynamic_k)
+    overall, short, middle, long = active_spread(per_token, model, ["1-16", "17-64", "65+"])
+    assert (overall.label, overall.tokens, overall.p5, overall.p50, overall.p95) == ("all", 150, 1200, 1400, 1600)
+    assert (short.label, short.tokens, short.p5, short.p50, short.p95) == ("1-16", 100, 1200, 1400, 1400)
+    assert (middle.tokens, middle.p50) == (0, None)
+    assert (long.p5, long.p95) == (1600, 1600)
+    report = analyse(np.full((2, 4), 50.0), model)
+    report = dataclasses.replace(report, spread=(overall, short, middle, long))
+    data = json.loads(json.dumps(report.to_dict()))["active_parameters_per_token_spread"]
+    assert data["overall"]["p50"] == 1400 and [b["query_length"] for b in data["by_query_length"]] == [
+        "1-16",
+        "17-64",
+        "65+",
+    ]
+    table = format_table(report, "h:1", "t")
+    rows = [line.split() for line in table.splitlines()]
+    assert "by query length" in table and ["1-16", "100", "1,200", "1,400", "1,400"] in rows
+    assert "17-64" not in table  # buckets without tokens are left out of the table
+    with pytest.raises(ValueError, match="buckets"):
+        active_spread(per_token, model, ["one"])
+
+
 # -- the I/O helpers that need no server ----------------------------------------------
 
 
@@ -291,13 +338,22 @@ def test_probe_and_heatmap_against_a_running_platform(platform, capsys, tmp_path
     assert 0 < overall["active_share"] < 1
     assert overall["active_share"] == pytest.approx(expected)
     assert report["placement"].startswith("assumed contiguous split over 2 groups")
+    # every routed token of the (finished) probe requests, each served by L x k experts under exact routing
+    spread = report["active_parameters_per_token_spread"]
+    assert spread["overall"]["tokens"] == pytest.approx(report["layers"][0]["tokens"])
+    active = model["dense_parameters"] + L * k * model["parameters_per_expert"]
+    assert spread["overall"]["p5"] == spread["overall"]["p50"] == spread["overall"]["p95"] == active
+    assert sum(b["tokens"] for b in spread["by_query_length"]) == spread["overall"]["tokens"]
 
     # --requests 0 samples the router's whole window: at least the probe's own tokens
     assert main(["probe", "--target", platform, "--requests", "0"]) == 0
     table = capsys.readouterr().out
     assert "over the router's whole load window" in table and "\n  all " in table
+    assert "active parameters per token of finished sequences, by query length" in table
 
-    out = tmp_path / "heat.png"
-    assert main(["heatmap", "--target", platform, "--out", str(out)]) == 0
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "wrote" in capsys.readouterr().err
+    for positions in ("relative", "absolute"):  # relative: the default
+        out = tmp_path / f"heat-{positions}.png"
+        argv = ["heatmap", "--target", platform, "--out", str(out)]
+        assert main(argv if positions == "relative" else [*argv, "--positions", positions]) == 0
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"by {positions} position" in capsys.readouterr().err

@@ -39,6 +39,10 @@ class Chunk:
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     #: the choice it belongs to (0 unless the request asked for ``n`` > 1)
     index: int = 0
+    #: with ``routing_trace``: one ``TokenRouting`` per token of ``token_ids`` (on the last chunk: the token
+    #: that ended the choice, EOS or a stop token id, if one did), each with its ``LayerRouting`` per MoE
+    #: layer: the experts chosen, their weights and the group that served each
+    routing: list[pb.TokenRouting] = field(default_factory=list)
 
 
 _REASONS = {
@@ -74,6 +78,7 @@ class GenerateOptions(TypedDict, total=False):
     n: int | None  # choices (1-16): chunks name theirs (``Chunk.index``), each ends with its finish reason
     #: the consistency guard's scorer ("self", "embedding"; "" turns the server's default off), or a message
     consistency_guard: str | pb.ConsistencyGuard | None
+    routing_trace: bool  # each new token's routing per MoE layer (``Chunk.routing``); bounded by the server
     request_id: str
     #: a policy name (its default parameters) or a ``RoutingPolicy`` message; unset: the server's default
     routing_policy: str | pb.RoutingPolicy | None
@@ -110,13 +115,18 @@ def generate_request(
     regex: str | None = None,
     n: int | None = None,
     consistency_guard: str | pb.ConsistencyGuard | None = None,
+    routing_trace: bool = False,
     request_id: str = "",
     routing_policy: str | pb.RoutingPolicy | None = None,
     domain: str | None = None,
 ) -> pb.GenerateRequest:
     """The ``GenerateRequest`` of ``GenerateOptions``."""
     request = pb.GenerateRequest(
-        stop=list(stop), stop_at_eos=stop_at_eos, stop_token_ids=list(stop_token_ids), request_id=request_id
+        stop=list(stop),
+        stop_at_eos=stop_at_eos,
+        stop_token_ids=list(stop_token_ids),
+        request_id=request_id,
+        routing_trace=routing_trace,
     )
     request.sampling.logit_bias.update(logit_bias or {})
     request.sampling.min_tokens = min_tokens
@@ -191,13 +201,20 @@ def _chunk(response: pb.GenerateResponse) -> Chunk:
     if response.WhichOneof("event") == "finished":
         f = response.finished
         return Chunk(
-            [], "", _REASONS.get(f.reason), f.usage.prompt_tokens, f.usage.completion_tokens, index=response.index
+            [],
+            "",
+            _REASONS.get(f.reason),
+            f.usage.prompt_tokens,
+            f.usage.completion_tokens,
+            index=response.index,
+            routing=list(f.routing),
         )
     return Chunk(
         list(response.delta.token_ids),
         response.delta.text,
         logprobs=list(response.delta.logprobs),
         index=response.index,
+        routing=list(response.delta.routing),
     )
 
 
@@ -291,11 +308,12 @@ class AsyncClient:
 
 def merge_stats_pages(pages: list[dict]) -> dict:
     """GetLoadStats pages (each the stats format for some rows, from "first_row"), in order -> the whole."""
-    merged = {**pages[0], "moe_layers": [], "load": [], "coactivation": [], "position_load": [], "domain_load": {}}
+    by_row = ("moe_layers", "load", "coactivation", "position_load", "relative_load")
+    merged = {**pages[0], **{key: [] for key in by_row}, "domain_load": {}}
     merged.pop("first_row", None)
     for page in pages:
-        for key in ("moe_layers", "load", "coactivation", "position_load"):
-            merged[key] += page[key]
+        for key in by_row:
+            merged[key] += page.get(key, [])  # (relative_load: not from routers before it was counted)
         for domain, rows in page["domain_load"].items():
             merged["domain_load"].setdefault(domain, []).extend(rows)
     merged["num_layers"] = len(merged["moe_layers"])

@@ -1,8 +1,11 @@
 """``expertmesh heatmap``: expert x token-position activation frequency per MoE layer, as a PNG.
 
-From the router's recorded routing (``GetLoadStats``' ``position_load``): its
-whole load window by default, or only the load added by ``--requests N``
-generations the command sends first. ``--by domain``: expert x query domain
+From the router's recorded routing (``GetLoadStats``): its whole load window by
+default, or only the load added by ``--requests N`` generations the command sends
+first. ``--positions relative`` (the default) places each token at its position /
+its sequence's final length, bins over 0-1 (``relative_load``: finished sequences
+only); ``--positions absolute`` at its position, bins over the model's context
+(``position_load``). ``--by domain``: expert x query domain
 from the router's counts by domain (requests that named or were classified into
 one, since the router started; ``expertmesh profile build`` sends labelled ones).
 """
@@ -20,6 +23,13 @@ def add_command(commands) -> None:
     parser = commands.add_parser("heatmap", help="render expert x token-position activation per layer to a PNG")
     parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
     parser.add_argument("--by", choices=("position", "domain"), default="position", help="x axis (default position)")
+    parser.add_argument(
+        "--positions",
+        choices=("relative", "absolute"),
+        default="relative",
+        help="--by position: a token's position / its sequence's final length, bins over 0-1 (relative, the "
+        "default), or its position, bins over the context (absolute)",
+    )
     add_traffic_arguments(parser, requests_default=0)
     parser.add_argument("--dpi", type=int, default=100, help="resolution of the PNG")
     parser.set_defaults(run=_main)
@@ -40,23 +50,29 @@ def _main(args) -> int:
         info = router.model()
         stats, traffic, source = collect(router, info, args, prompts)
     remote.check_not_empty(stats, args.target, source)
-    if stats.position_load.size == 0 or stats.position_load.sum() <= 0:
-        raise InvalidRequest(
-            f"{source} of {args.target} has no token positions recorded (only the serving engine records them)"
+    counts = stats.relative_load if args.positions == "relative" else stats.position_load
+    if counts.size == 0 or counts.sum() <= 0:
+        what = (
+            "no finished sequences' relative positions recorded (the serving engine records them as sequences "
+            "finish; --positions absolute counts every token)"
+            if args.positions == "relative"
+            else "no token positions recorded (only the serving engine records them)"
         )
+        raise InvalidRequest(f"{source} of {args.target} has {what}")
     png = render_position_heatmap(
-        stats.position_load,
+        counts,
         stats.moe_layers,
         stats.max_context or info.max_context,
         stats.top_k,
         info.name,
         dpi=args.dpi,
+        positions=args.positions,
     )
     args.out.write_bytes(png)
-    tokens = stats.position_load[0].sum() / max(stats.top_k, 1)
+    tokens = counts[0].sum() / max(stats.top_k, 1)
     print(
         f"wrote {args.out} ({len(png) // 1024} KiB): {len(stats.moe_layers)} MoE layers x {stats.num_experts} experts "
-        f"by position, {tokens:,.0f} tokens from {source}",
+        f"by {args.positions} position, {tokens:,.0f} tokens from {source}",
         file=sys.stderr,
     )
     return 0

@@ -4,19 +4,22 @@ Sends ``--requests N`` generations to a router and reports, from the router's
 load counts before and after (so over those requests, plus any other traffic
 meanwhile), per MoE layer and overall: active parameters per token and their
 share of all parameters, the spread of expert load, each expert's utilisation,
-routing entropy against its maximum, experts never or rarely used, and
-balancedness over expert groups. ``--requests 0`` sends nothing and reports the
+routing entropy against its maximum, experts never or rarely used,
+balancedness over expert groups, and the spread (p5 / p50 / p95) of active
+parameters per token of the finished sequences, overall and per query-length
+bucket. ``--requests 0`` sends nothing and reports the
 router's whole load window (sampling the existing traffic). A table by default,
 JSON with ``--json``. Definitions: ``expertmesh.observability.sparsity``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from expertmesh.contracts.errors import InvalidRequest
-from expertmesh.observability.sparsity import DEFAULT_RARE_THRESHOLD, SparsityReport, analyse
+from expertmesh.observability.sparsity import DEFAULT_RARE_THRESHOLD, SparsityReport, active_spread, analyse
 
 #: Up to this many experts per layer the table shows every expert's utilisation.
 FULL_UTILISATION_UP_TO = 32
@@ -85,6 +88,7 @@ def collect(router, info, args, prompts):
 
 
 def _main(args) -> int:
+    from expertmesh.contracts.load_window import query_bucket_labels  # (torch: not while building the parser)
     from expertmesh.observability import remote
 
     prompts = check_traffic_arguments(args)
@@ -95,7 +99,11 @@ def _main(args) -> int:
         groups, placement = remote.expert_groups(info, args.placement)
         stats, traffic, source = collect(router, info, args, prompts)
     remote.check_not_empty(stats, args.target, source)
-    report = analyse(stats.load, remote.model_shape(info), groups, placement, args.rare_threshold)
+    model = remote.model_shape(info)
+    report = analyse(stats.load, model, groups, placement, args.rare_threshold)
+    if stats.experts_per_token.size and stats.query_length_edges:
+        labels = query_bucket_labels(stats.query_length_edges)
+        report = dataclasses.replace(report, spread=active_spread(stats.experts_per_token, model, labels))
     if args.json:
         out = report.to_dict() | {"target": args.target, "source": source}
         out["traffic"] = None if traffic is None else traffic.__dict__
@@ -176,6 +184,7 @@ def format_table(report: SparsityReport, target: str, source: str, traffic=None)
         f"({_count(m.parameters_per_expert)} per expert); 'all' row: sums for experts/tok and params, means for "
         "std/CV/entropy/balancedness, counts for never/rare"
     )
+    lines += _spread_lines(report)
     lines.append("")
     lines.append("utilisation per expert (1.00 = its fair share of the layer's tokens)")
     if m.num_experts <= FULL_UTILISATION_UP_TO:
@@ -205,6 +214,22 @@ def format_table(report: SparsityReport, target: str, source: str, traffic=None)
         )
     lines += _table(("layer", *names), rows)
     return "\n".join(lines)
+
+
+def _spread_lines(report: SparsityReport) -> list[str]:
+    """The spread of active parameters per token, overall and per query-length bucket (buckets with tokens)."""
+    if not report.spread or not report.spread[0].tokens:
+        return ["", "active parameters per token spread: no finished sequences counted yet"]
+    rows = [
+        (s.label, _count(s.tokens), *(_count(v) for v in (s.p5, s.p50, s.p95)))
+        for s in report.spread
+        if s.tokens or s.label == "all"
+    ]
+    return [
+        "",
+        "active parameters per token of finished sequences, by query length (prompt tokens)",
+        *_table(("query length", "tokens", "p5", "p50", "p95"), rows),
+    ]
 
 
 def _ids(experts) -> str:

@@ -141,6 +141,11 @@ class ServingConfig(BaseSettings):
     prefix_caching: bool = Field(True, description="share the KV blocks of equal prompt prefixes between requests")
     default_max_new_tokens: int = Field(64, ge=1, description="when a request does not say")
     max_new_tokens_cap: int = Field(1024, ge=1, description="requests asking for more are refused")
+    max_routing_trace_entries: int = Field(
+        65536,
+        ge=1,
+        description="a request asking for a routing trace of more (new tokens x choices x MoE layers) is refused",
+    )
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time in-flight requests get to finish")
     health_port: int | None = Field(
         None,
@@ -490,6 +495,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_flag(parser, ServingConfig, "prefix_caching")
     add_setting_flag(parser, ServingConfig, "default_max_new_tokens")
     add_setting_flag(parser, ServingConfig, "max_new_tokens_cap")
+    add_setting_flag(parser, ServingConfig, "max_routing_trace_entries")
     add_setting_flag(parser, ServingConfig, "drain_timeout_s", "--drain-timeout")
     add_setting_flag(parser, ServingConfig, "health_port")
     add_setting_flag(parser, ServingConfig, "http_port")

@@ -16,6 +16,16 @@ Glossary
   the client or classified) that chose expert ``e``, since the router started
   (not windowed: capability profiles are built from differences of it, which
   must not lose counts to ageing).
+- *relative_load[row, r, e]*: tokens at relative position bin ``r`` that chose
+  expert ``e``, where a token's relative position is its position / its
+  sequence's final length (prompt + generated), in ``[0, 1)``, ``r =
+  position * relative_bins // final_length``. Counted when a sequence finishes
+  (``record_sequence``: the serving engine keeps each active sequence's choices
+  until then), so only finished sequences are in it.
+- *experts_per_token[q, h]*: tokens of finished sequences whose prompt length
+  falls in query-length bucket ``q`` (``QUERY_LENGTH_EDGES``) that were served by
+  ``h`` experts over all MoE layers together (``h <= L * (top_k + 1)``; active
+  parameters per token = dense + ``h`` x parameters per expert).
 
 Stored (per router, in the state store) as an ``.npz`` without pickles, so
 routers, the orchestrator and ``expertmesh stats export`` read the same bytes.
@@ -23,6 +33,7 @@ routers, the orchestrator and ``expertmesh stats export`` read the same bytes.
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import threading
@@ -37,6 +48,28 @@ import torch
 MAX_DOMAINS = 256
 #: bytes of JSON one GetLoadStats answer holds at most (gRPC's default message limit is 4 MiB)
 STATS_PAGE_BYTES = 3 << 20
+#: upper bounds (inclusive) of the query-length buckets of ``experts_per_token``: prompts of 1-16 tokens,
+#: 17-64, 65-256, 257-1024, 1025-4096 and over 4096
+QUERY_LENGTH_EDGES = (16, 64, 256, 1024, 4096)
+
+
+def query_bucket(length: int, edges: tuple[int, ...] = QUERY_LENGTH_EDGES) -> int:
+    """The bucket of a prompt of ``length`` tokens: the first edge at or above it (len(edges): above all)."""
+    return bisect.bisect_left(edges, length)
+
+
+def query_bucket_labels(edges: tuple[int, ...] = QUERY_LENGTH_EDGES) -> list[str]:
+    """ "1-16", "17-64", ..., "4097+": each bucket's prompt lengths."""
+    lows = [1, *(e + 1 for e in edges)]
+    return [f"{low}-{high}" for low, high in zip(lows, edges)] + [f"{lows[-1]}+"]
+
+
+def relative_bins(positions: np.ndarray, final_length: int, bins: int) -> np.ndarray:
+    """[T] relative position bins of positions [T] in a sequence of ``final_length`` tokens:
+    ``position * bins // final_length``, within ``0 .. bins - 1`` (bin r covers [r / bins, (r + 1) / bins))."""
+    if final_length < 1:
+        raise ValueError(f"a sequence's final length is at least 1, got {final_length}")
+    return np.clip(np.asarray(positions, dtype=np.int64) * bins // final_length, 0, bins - 1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +82,13 @@ class LoadSnapshot:
     position_load: np.ndarray  # [L, P, E] float64
     max_context: int
     domain_load: Mapping[str, np.ndarray] = field(default_factory=dict)  # domain -> [L, E] float64, since start
+    relative_load: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0)))  # [L, R, E] float64
+    experts_per_token: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [Q, H] float64
+    query_length_edges: tuple[int, ...] = QUERY_LENGTH_EDGES
+
+    def __post_init__(self):
+        if self.relative_load.size == 0:  # (none recorded, or a router from before they were): no bins
+            object.__setattr__(self, "relative_load", np.zeros((len(self.moe_layers), 0, self.num_experts)))
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
@@ -63,6 +103,9 @@ class LoadSnapshot:
             domain_load=np.stack([self.domain_load[d] for d in sorted(self.domain_load)])
             if self.domain_load
             else np.zeros((0, *self.load.shape)),
+            relative_load=self.relative_load,
+            experts_per_token=self.experts_per_token,
+            query_length_edges=np.array(self.query_length_edges, dtype=np.int64),
         )
         return buf.getvalue()
 
@@ -78,8 +121,11 @@ class LoadSnapshot:
                 z["coactivation"],
                 z["position_load"],
                 max_context,
-                # routers from before domains were counted publish no such arrays
+                # routers from before domains (or per-sequence statistics) were counted publish no such arrays
                 dict(zip((str(d) for d in z["domains"]), z["domain_load"])) if "domains" in z else {},
+                z["relative_load"] if "relative_load" in z else np.zeros((0, 0, 0)),
+                z["experts_per_token"] if "experts_per_token" in z else np.zeros((0, 0)),
+                tuple(int(v) for v in z["query_length_edges"]) if "query_length_edges" in z else QUERY_LENGTH_EDGES,
             )
 
     def __add__(self, other: "LoadSnapshot") -> "LoadSnapshot":
@@ -97,6 +143,9 @@ class LoadSnapshot:
                 d: self.domain_load.get(d, 0) + other.domain_load.get(d, 0)
                 for d in sorted({*self.domain_load, *other.domain_load})
             },
+            _sum(self.relative_load, other.relative_load),
+            _sum(self.experts_per_token, other.experts_per_token),
+            self.query_length_edges,
         )
 
     def to_stats_dict(self, rows: slice = slice(None)) -> dict:
@@ -112,6 +161,9 @@ class LoadSnapshot:
             "max_context": self.max_context,
             "position_load": self.position_load[rows].tolist(),
             "domain_load": {d: load[rows].tolist() for d, load in sorted(self.domain_load.items())},
+            "relative_load": self.relative_load[rows].tolist(),
+            "experts_per_token": self.experts_per_token.tolist(),
+            "query_length_edges": list(self.query_length_edges),
         }
 
     def stats_page(self, first_row: int, max_rows: int = 0, max_bytes: int = STATS_PAGE_BYTES) -> tuple[str, int]:
@@ -138,6 +190,7 @@ class LoadWindow:
         clock: Callable[[], float] = time.monotonic,
         max_context: int = 4096,
         position_bins: int = 16,
+        relative_bins: int = 16,
     ):
         self.moe_layers = tuple(moe_layers)
         self.num_experts = num_experts
@@ -152,6 +205,11 @@ class LoadWindow:
         self.max_context = max_context
         self._bins = position_bins
         self._position = np.zeros((buckets, L, position_bins, E), dtype=np.float32)
+        self._relative_bins = relative_bins
+        self._relative = np.zeros((buckets, L, relative_bins, E), dtype=np.float32)
+        #: experts one token is served by over all layers: 0 .. L * (top_k + 1) (a dynamic-k policy's extra one)
+        self._per_token_width = L * (top_k + 1) + 1
+        self._per_token = np.zeros((buckets, len(QUERY_LENGTH_EDGES) + 1, self._per_token_width), dtype=np.float32)
         self._epoch = np.full(buckets, -1, dtype=np.int64)  # which time slot each bucket holds
         self._since_start = np.zeros((L, E), dtype=np.float64)  # never ages out: monotonic metrics read it
         self._domains: dict[str, np.ndarray] = {}  # domain -> [L, E] float64 since start
@@ -164,6 +222,8 @@ class LoadWindow:
             self._load[b] = 0
             self._coact[b] = 0
             self._position[b] = 0
+            self._relative[b] = 0
+            self._per_token[b] = 0
             self._epoch[b] = slot
         return b
 
@@ -215,6 +275,36 @@ class LoadWindow:
                     name = name.split("/")[0]  # past the cap, a sub-domain counts under its top-level domain
                 self._domains.setdefault(name, np.zeros(self._since_start.shape))[row] += counts_d
 
+    def record_sequence(
+        self,
+        layers: tuple[int, ...],
+        experts: np.ndarray,
+        first_position: int,
+        final_length: int,
+        query_length: int,
+    ) -> None:
+        """A finished sequence's choices: experts [L', T, K] global ids (>= num_experts: an empty slot) of its
+        tokens at positions ``first_position`` .. + T - 1 in MoE layers ``layers`` (L' of them); its final
+        length (prompt + generated) and its prompt's length (the query length)."""
+        E, R, H = self.num_experts, self._relative_bins, self._per_token_width
+        known = [i for i, layer in enumerate(layers) if layer in self._row]
+        ids = np.minimum(np.asarray(experts, dtype=np.int64)[known], E)  # [L', T, K]; E: empty
+        rows = np.array([self._row[layers[i]] for i in known], dtype=np.int64)  # [L']
+        T = ids.shape[1] if ids.ndim == 3 else 0
+        if T == 0:
+            return
+        bins = relative_bins(first_position + np.arange(T), final_length, R)  # [T]
+        flat = (rows[:, None, None] * R + bins[None, :, None]) * (E + 1) + ids  # [L', T, K]
+        by_bin = np.bincount(flat.ravel(), minlength=len(self.moe_layers) * R * (E + 1))
+        by_bin = by_bin.reshape(len(self.moe_layers), R, E + 1)[:, :, :E]  # [L, R, E]
+        served = (ids < E).sum(axis=(0, 2))  # [T] experts per token over the layers
+        per_token = np.bincount(np.minimum(served, H - 1), minlength=H)  # [H]
+        q = query_bucket(query_length)
+        with self._lock:
+            b = self._bucket()
+            self._relative[b] += by_bin
+            self._per_token[b, q] += per_token
+
     def since_start(self) -> np.ndarray:
         """[L, E] tokens per expert since the router started."""
         with self._lock:
@@ -233,4 +323,15 @@ class LoadWindow:
                 self._position[live].sum(axis=0, dtype=np.float64),
                 self.max_context,
                 {d: load.copy() for d, load in self._domains.items()},
+                self._relative[live].sum(axis=0, dtype=np.float64),
+                self._per_token[live].sum(axis=0, dtype=np.float64),
             )
+
+
+def _sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b, where an array without entries (a snapshot that recorded none) adds nothing."""
+    if a.size == 0:
+        return b
+    if b.size == 0:
+        return a
+    return a + b

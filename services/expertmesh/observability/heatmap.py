@@ -2,7 +2,10 @@
 
 Input is the router's ``position_load[row, p, e]`` [L, P, E]: tokens at
 sequence positions in bin ``p`` that chose expert ``e`` (bin ``p`` covers
-positions ``[p * max_context / P, (p + 1) * max_context / P)``).
+positions ``[p * max_context / P, (p + 1) * max_context / P)``), or with
+``positions="relative"`` its ``relative_load`` [L, R, E]: tokens of finished
+sequences by relative position (a token's position / its sequence's final
+length; bin ``r`` covers ``[r / R, (r + 1) / R)`` of the sequence).
 
 *Activation frequency* of expert ``e`` in bin ``p`` = ``position_load[row, p, e]
 / tokens in bin p``, where tokens = the bin's routed pairs / top_k: the share of
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
@@ -29,6 +32,16 @@ def position_frequency(position_load: np.ndarray, top_k: int) -> np.ndarray:
     tokens = counts.sum(axis=2, keepdims=True) / max(top_k, 1)  # [L, P, 1]
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(tokens > 0, counts / np.where(tokens > 0, tokens, 1.0), np.nan)
+
+
+#: how the x axis places a token: by its position / its sequence's final length, or by its position
+Positions = Literal["relative", "absolute"]
+
+
+def relative_ranges(bins: int) -> list[tuple[float, float]]:
+    """[start, end) share of the sequence each relative bin covers, as the router assigns
+    ``position * bins // final_length``."""
+    return [(r / bins, (r + 1) / bins) for r in range(bins)]
 
 
 def bin_ranges(max_context: int, bins: int) -> list[tuple[int, int]]:
@@ -44,13 +57,18 @@ def render_position_heatmap(
     top_k: int,
     model_name: str = "",
     dpi: int = 100,
+    positions: Positions = "absolute",
 ) -> bytes:
-    """PNG of expert (y) x position bin (x) activation frequency, one panel per MoE layer.
+    """PNG of expert (y) x position bin (x) activation frequency, one panel per MoE layer. ``positions``:
+    what ``position_load`` counts by (``relative``: a ``relative_load``, whose bins all show, 0 to 1;
+    ``absolute``: positions binned over ``max_context``, trailing empty bins cut).
 
     Raises ValueError when the counts have the wrong shape or are all zero.
     """
     from matplotlib.figure import Figure  # imported here: matplotlib is only needed to render
 
+    if positions not in ("relative", "absolute"):
+        raise ValueError(f"positions is 'relative' or 'absolute', got {positions!r}")
     counts = np.asarray(position_load, dtype=np.float64)
     if counts.ndim != 3 or counts.shape[0] != len(moe_layers):
         raise ValueError(
@@ -60,10 +78,15 @@ def render_position_heatmap(
     if counts.sum() <= 0:
         raise ValueError("no routed tokens with known positions in the counts")
     used = np.flatnonzero(counts.sum(axis=(0, 2)) > 0)
-    shown = int(used.max()) + 1  # cut trailing empty bins
+    shown = P if positions == "relative" else int(used.max()) + 1  # absolute: cut trailing empty bins
     freq = position_frequency(counts, top_k)[:, :shown, :]  # [L, shown, E]
     tokens_per_bin = counts[:, :shown, :].sum(axis=2) / max(top_k, 1)  # [L, shown]
-    ranges = bin_ranges(max_context, P)[:shown]
+    if positions == "relative":
+        ranges = [f"{a:.2f}-{b:.2f}" for a, b in relative_ranges(P)]
+        axis = "position / sequence length (tokens in bin)"
+    else:
+        ranges = [f"{a}-{b}" for a, b in bin_ranges(max_context, P)[:shown]]
+        axis = "token positions (tokens in bin)"
     vmax = float(np.nanmax(freq)) or 1.0
 
     rows, cols, size = grid(L, shown, E)
@@ -80,7 +103,7 @@ def render_position_heatmap(
         ax.set_title(f"layer {moe_layers[row]}", fontsize=9)
         ax.set_xticks(range(shown))
         ax.set_xticklabels(
-            [f"{a}-{b}\nn={n:.0f}" for (a, b), n in zip(ranges, tokens_per_bin[row])], fontsize=6, rotation=90
+            [f"{label}\nn={n:.0f}" for label, n in zip(ranges, tokens_per_bin[row])], fontsize=6, rotation=90
         )
         step = max(1, math.ceil(E / 16))
         ax.set_yticks(range(0, E, step))
@@ -88,7 +111,7 @@ def render_position_heatmap(
         if row % cols == 0:
             ax.set_ylabel("expert", fontsize=8)
         if row >= L - cols:
-            ax.set_xlabel("token positions (tokens in bin)", fontsize=8)
+            ax.set_xlabel(axis, fontsize=8)
     if image is not None:
         bar = fig.colorbar(image, ax=list(axes[:L]), shrink=0.85, pad=0.01)
         bar.set_label("share of the bin's tokens routed to the expert", fontsize=8)
@@ -97,7 +120,8 @@ def render_position_heatmap(
     total = counts[0].sum() / max(top_k, 1)
     name = f"{model_name}: " if model_name else ""
     fig.suptitle(
-        f"{name}expert activation by token position, {total:.0f} tokens, top-{top_k} of {E} experts "
+        f"{name}expert activation by {'relative ' if positions == 'relative' else ''}token position, "
+        f"{total:.0f} tokens, top-{top_k} of {E} experts "
         f"(red line on the colour bar: even routing)",
         fontsize=10,
     )

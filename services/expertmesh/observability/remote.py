@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -61,6 +61,11 @@ class LoadStats:
     max_context: int
     load: np.ndarray  # [L, E] tokens per expert over the window
     position_load: np.ndarray  # [L, P, E] of those, by position bin
+    #: [L, R, E] tokens of finished sequences by relative position bin (position / the sequence's final length)
+    relative_load: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0)))
+    #: [Q, H] tokens of finished sequences by query-length bucket and experts served over all MoE layers
+    experts_per_token: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    query_length_edges: tuple[int, ...] = ()
 
     @classmethod
     def from_json(cls, text: str) -> "LoadStats":
@@ -68,6 +73,9 @@ class LoadStats:
         L, E = stats["num_layers"], stats["num_experts"]
         load = np.asarray(stats["load"], dtype=np.float64).reshape(L, E)
         position = np.asarray(stats.get("position_load") or np.zeros((L, 0, E)), dtype=np.float64)
+        # routers from before the per-sequence statistics send none
+        relative = np.asarray(stats.get("relative_load") or np.zeros((L, 0, E)), dtype=np.float64)
+        per_token = np.asarray(stats.get("experts_per_token") or np.zeros((0, 0)), dtype=np.float64)
         return cls(
             tuple(stats["moe_layers"]),
             E,
@@ -75,20 +83,38 @@ class LoadStats:
             int(stats.get("max_context") or 0),
             load,
             position.reshape(L, -1, E),
+            relative.reshape(L, -1, E),
+            per_token.reshape(per_token.shape[0], -1) if per_token.ndim == 2 else np.zeros((0, 0)),
+            tuple(stats.get("query_length_edges") or ()),
         )
 
     def __sub__(self, before: "LoadStats") -> "LoadStats":
         """The counts added since ``before``; raises when the window dropped old counts in between."""
         load = self.load - before.load
         position = self.position_load - before.position_load
-        if (load < -1e-6).any() or (position < -1e-6).any():
+        relative = _minus(self.relative_load, before.relative_load)
+        per_token = _minus(self.experts_per_token, before.experts_per_token)
+        if any((a < -1e-6).any() for a in (load, position, relative, per_token)):
             raise ExpertMeshError(
                 "the router's load window aged out old counts during the probe, so the difference is not this "
                 "probe's traffic; run it again (or use --requests 0 to report the whole window)"
             )
         return LoadStats(
-            self.moe_layers, self.num_experts, self.top_k, self.max_context, load.clip(0), position.clip(0)
+            self.moe_layers,
+            self.num_experts,
+            self.top_k,
+            self.max_context,
+            load.clip(0),
+            position.clip(0),
+            relative.clip(0),
+            per_token.clip(0),
+            self.query_length_edges,
         )
+
+
+def _minus(after: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """after - before, where an array without entries (none recorded before) subtracts nothing."""
+    return after - before if before.size else after
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,13 @@ Glossary (``L`` MoE layers, ``E`` experts per layer, ``k`` = top_k)
 - *balancedness* of a layer: mean group load / max group load over the groups
   that host at least one expert of that layer; 1.0 = every group equally busy,
   ``1/G`` = one group does all the work. ``None`` when the layer saw no load.
+- *spread* of active parameters per token: from the router's ``experts_per_token[q, h]``
+  (tokens of finished sequences whose prompt length is in query-length bucket ``q``
+  that were served by ``h`` experts over all MoE layers), each token's active
+  parameters are ``dense_parameters + h * parameters_per_expert``; p5 / p50 / p95 are
+  nearest-rank percentiles (the smallest value at least that share of tokens reach,
+  numpy's ``inverted_cdf``), overall and per bucket. Constant under the exact policy
+  (every token ``L * k``); policies that vary k (delta_gap, dynamic_k, decay_k) spread it.
 """
 
 from __future__ import annotations
@@ -80,6 +87,50 @@ class LayerSparsity:
 
 
 @dataclass(frozen=True)
+class Spread:
+    """Active parameters per token of some tokens: how many, and their p5 / p50 / p95 (None: no tokens)."""
+
+    label: str  # "all", or the query-length bucket ("17-64")
+    tokens: float
+    p5: float | None
+    p50: float | None
+    p95: float | None
+
+
+PERCENTILES = (5, 50, 95)
+
+
+def histogram_percentile(counts: np.ndarray, q: float) -> int | None:
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of integer values, ``counts[v]`` tokens at value
+    ``v``: the smallest ``v`` whose cumulative count reaches ``q / 100`` of all (numpy's ``inverted_cdf``).
+    None when there are no tokens."""
+    counts = np.asarray(counts, dtype=np.float64)
+    total = counts.sum()
+    if total <= 0:
+        return None
+    if not 0 < q <= 100:
+        raise ValueError(f"a percentile is in (0, 100], got {q}")
+    return int(np.searchsorted(np.cumsum(counts), q / 100 * total - 1e-9 * total))
+
+
+def active_spread(experts_per_token: np.ndarray, model: ModelShape, bucket_labels: Sequence[str]) -> tuple[Spread, ...]:
+    """The spread of active parameters per token: overall ("all") first, then per query-length bucket.
+    ``experts_per_token`` [Q, H] (Q = len(bucket_labels)); raises ValueError when the shapes disagree."""
+    counts = np.asarray(experts_per_token, dtype=np.float64)
+    if counts.ndim != 2 or counts.shape[0] != len(bucket_labels):
+        raise ValueError(f"experts_per_token has shape {counts.shape}, expected ({len(bucket_labels)} buckets, H)")
+
+    def spread(label: str, row: np.ndarray) -> Spread:
+        values = [histogram_percentile(row, q) for q in PERCENTILES]
+        params = [
+            None if v is None else float(model.dense_parameters + v * model.parameters_per_expert) for v in values
+        ]
+        return Spread(label, float(row.sum()), *params)
+
+    return (spread("all", counts.sum(axis=0)), *(spread(b, row) for b, row in zip(bucket_labels, counts)))
+
+
+@dataclass(frozen=True)
 class SparsityReport:
     model: ModelShape
     tokens: float  # tokens through the busiest layer (every token passes every MoE layer)
@@ -89,6 +140,8 @@ class SparsityReport:
     rare_threshold: float
     #: how the expert -> group map was obtained, e.g. "contiguous split over g0, g1 (assumed)"
     placement: str
+    #: active parameters per token of finished sequences: overall, then per query-length bucket (empty: unknown)
+    spread: tuple[Spread, ...] = ()
 
     @property
     def mean_load_std(self) -> float:
@@ -153,8 +206,16 @@ class SparsityReport:
                 "rarely_used": sum(len(layer.rarely_used) for layer in self.layers),
                 "mean_balancedness": self.mean_balancedness,
             },
+            "active_parameters_per_token_spread": {
+                "overall": _spread_dict(self.spread[0]) if self.spread else None,
+                "by_query_length": [{"query_length": s.label, **_spread_dict(s)} for s in self.spread[1:]],
+            },
             "layers": layers,
         }
+
+
+def _spread_dict(spread: Spread) -> dict:
+    return {"tokens": spread.tokens, "p5": spread.p5, "p50": spread.p50, "p95": spread.p95}
 
 
 def group_shares(

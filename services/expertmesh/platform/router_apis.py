@@ -151,7 +151,7 @@ def start_apis(plane: DataPlane, config: ServingConfig) -> RouterApis:
 
     info = model_info(plane)
     readiness = Readiness(plane.store, plane.watcher, server.engine)
-    model = ServedModel(info.name, info.vocab_size, info.max_context)
+    model = ServedModel(info.name, info.vocab_size, info.max_context, len(info.moe_layers))
     adapter = OpenAIAdapter(server.engine, load_tokenizer(plane.checkpoint.path), model, config, server.routing)
     try:
         http = HttpServer(HttpApi(adapter, readiness, config).app, config.host, config.http_port).start()

@@ -28,6 +28,12 @@ Glossary
   forward (``routing_policy.StepRouting``, per token), so one step serves
   requests of different policies; a step of plain requests carries none and
   runs the stock gates untouched.
+- *choices*: each MoE layer's expert choice of a step, sliced per sequence
+  (``router.dispatch.step_choices``): a sequence keeps its own until it finishes,
+  when they go to the load window (relative positions, experts per token by
+  query length); a request that asked for its routing trace also gets, with each
+  new token, the experts, weights and groups of the row that chose it. A step no
+  one needs them for (no load window, no trace) collects nothing.
 
 The step's attention (``serving.paged_attention``) lets each query see only
 its own sequence's past, and every other layer works row by row, so a
@@ -51,11 +57,12 @@ import queue
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
 import grpc
+import numpy as np
 import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -63,7 +70,7 @@ from transformers import DynamicCache
 
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest, Overloaded, ShuttingDown
 from expertmesh.infra.telemetry.setup import meter, tracer
-from expertmesh.router.dispatch import degraded
+from expertmesh.router.dispatch import degraded, step_choices
 from expertmesh.router.dispatch.dispatcher import LayerDispatcher
 from expertmesh.router.policy.routing_policy import RequestRouting, step_routing
 from expertmesh.serving.consistency_guard import Check, GuardSpec, Scorers
@@ -71,6 +78,7 @@ from expertmesh.serving.forward import SLIDING, Chunk, MaskSpec, Rows, forward_a
 from expertmesh.serving.grammar import CompiledGrammar, Grammars, TokenMatcher
 from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, blocks_for, prefix_hashes
 from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, token_bytes
+from expertmesh.serving.routing_trace import TokenRouting
 from expertmesh.serving.sampling import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
@@ -111,6 +119,8 @@ class GenerationRequest:
     grammar: CompiledGrammar | None = None
     #: its consistency guard (``serving.consistency_guard``; None: unchecked)
     consistency_guard: GuardSpec | None = None
+    #: report each new token's routing (``serving.routing_trace``); only such sequences pay for it
+    routing_trace: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,8 @@ class TokenEvent:
     text: str
     #: one per token of ``token_ids`` when the request asked for them
     logprobs: tuple[TokenLogprob, ...] = ()
+    #: one per token of ``token_ids`` when the request asked for its routing trace
+    routing: tuple[TokenRouting, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,8 @@ class FinishEvent:
     #: the log-probability of the token that ended the sequence when no TokenEvent carries it (EOS, a stop
     #: token id) and the request asked for them; counted in ``completion_tokens``, listed by OpenAI's logprobs
     final_logprobs: tuple[TokenLogprob, ...] = ()
+    #: that token's routing, when the request asked for its routing trace
+    final_routing: tuple[TokenRouting, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -202,6 +216,13 @@ class Sequence:
     #: time.monotonic() at submit, and whether it has joined the steps yet (its queue time ends then)
     submitted: float = field(default_factory=time.monotonic)
     joined: bool = False
+    #: its expert choices so far, one [L, n, K] array per step, from position ``routed_from`` on: kept only
+    #: while it is active, for the load window's per-sequence statistics at its end (``LoadWindow.record_sequence``)
+    routed: list[np.ndarray] = field(default_factory=list)
+    routed_from: int = 0
+    routed_layers: tuple[int, ...] = ()
+    #: the routing of the forward that chose its next token (a routing trace's next entry)
+    next_routing: tuple = ()
 
     def cancel(self) -> None:
         """Free this sequence at the next step boundary (the caller went away)."""
@@ -560,6 +581,7 @@ class Engine:
         self._release(seq)
         seq.fed, seq.score_logits = 0, []
         seq.widen = 0  # its whole past is computed again, with its own rules: the new token is checked anew
+        seq.routed, seq.next_routing = [], ()  # computed again from position 0
         self._active.remove(seq)
         self._queued.appendleft(seq)
         self._kv_counts["preemptions"] += 1
@@ -668,10 +690,12 @@ class Engine:
                 trace.use_span(spans[0]),
                 self._dispatcher.serving_step(batch.positions, links, routing),
                 degraded.collecting([len(chunk.token_ids) for _, chunk in work]) as marks,
+                self._collecting(work) as choices,
                 torch.no_grad(),
             ):
                 logits = forward_packed(self._model, batch)  # per sequence: [rows, V] or None
             marks.mark([(span, _request_span(seq)) for span, (seq, _) in zip(spans, work)])
+            self._keep_choices(work, choices)
         except Exception as err:
             log.log(
                 logging.WARNING if isinstance(err, ExpertMeshError) else logging.ERROR,
@@ -702,11 +726,55 @@ class Engine:
                 ),
             ),
             degraded.collecting([len(chunk.token_ids)]) as marks,
+            self._collecting([(seq, chunk)]) as choices,
             torch.no_grad(),
         ):
             logits = forward_alone(self._model, chunk)
             marks.mark([(span, _request_span(seq))])
+            self._keep_choices([(seq, chunk)], choices)
             return logits
+
+    def _load_window(self):
+        """The dispatcher's load window (None: it keeps none, or a stand-in dispatcher)."""
+        return getattr(self._dispatcher, "load_window", None)
+
+    def _collecting(self, work: list[tuple[Sequence, Chunk]]):
+        """The step's expert-choice collector (``step_choices``), or a null context when nobody needs one: a
+        load window keeps every sequence's choices until it ends; a routing trace wants the weights and
+        groups of the rows that choose a token."""
+        detail = [seq.request.routing_trace and chunk.rows is Rows.LAST for seq, chunk in work]
+        if self._load_window() is None and not any(detail):
+            return nullcontext()
+        return step_choices.collecting([len(chunk.token_ids) for _, chunk in work], detail)
+
+    def _keep_choices(self, work: list[tuple[Sequence, Chunk]], choices: step_choices.StepChoices | None) -> None:
+        """Each sequence's share of the step's choices: appended to its own (for the load window at its end),
+        and the detail of the row that chose its next token (for its trace)."""
+        if choices is None:
+            return
+        if self._load_window() is not None:
+            layers = choices.layers
+            for (seq, chunk), experts in zip(work, choices.experts()):
+                if not seq.routed or seq.routed_layers != layers:  # (the same MoE layers every step)
+                    seq.routed, seq.routed_from, seq.routed_layers = [], chunk.start, layers
+                seq.routed.append(experts)
+        for i, (seq, _) in enumerate(work):
+            if choices.detail[i]:
+                seq.next_routing = choices.token_routing(i)
+
+    def _record_sequence(self, seq: Sequence) -> None:
+        """At the end of ``seq``: its choices into the load window (relative positions, experts per token
+        by query length), then let them go."""
+        window = self._load_window()
+        if window is not None and seq.routed:
+            window.record_sequence(
+                seq.routed_layers,
+                step_choices.concat_steps(seq.routed, window.num_experts),  # [L, T, K]
+                seq.routed_from,
+                len(seq.request.prompt_ids) + len(seq.generated),
+                len(seq.request.prompt_ids),
+            )
+        seq.routed = []
 
     def _step_span(self, seq: Sequence, chunk: Chunk, step_size: int) -> trace.Span:
         """This sequence's share of the step, in its request's trace."""
@@ -766,6 +834,7 @@ class Engine:
                 return
             scores = torch.cat(seq.score_logits)  # [prompt_tokens, V]
             require_finite(scores)
+            self._record_sequence(seq)
             seq.events.put(ScoreEvent(scores))
             seq.done = True
             return
@@ -788,15 +857,17 @@ class Engine:
         seq.generated.append(token)
         if seq.matcher is not None:
             seq.matcher.accept(token)
-        reason, unlisted = None, ()
+        routing = (TokenRouting(token, len(seq.generated) - 1, seq.next_routing),) if request.routing_trace else ()
+        seq.next_routing = ()
+        reason, unlisted, unlisted_routing = None, (), ()
         if request.stop_at_eos and token in self._eos:
-            reason, unlisted = "eos", _logprobs(logits[-1], token, request.logprobs)
+            reason, unlisted, unlisted_routing = "eos", _logprobs(logits[-1], token, request.logprobs), routing
             delta = TokenEvent([], "")
         elif token in request.stop_token_ids:
-            reason, unlisted = "stop", _logprobs(logits[-1], token, request.logprobs)
+            reason, unlisted, unlisted_routing = "stop", _logprobs(logits[-1], token, request.logprobs), routing
             delta = TokenEvent([], "")
         else:
-            delta = TokenEvent([token], seq.stream.push(token), _logprobs(logits[-1], token, request.logprobs))
+            delta = TokenEvent([token], seq.stream.push(token), _logprobs(logits[-1], token, request.logprobs), routing)
             if seq.stream.stopped or (seq.matcher is not None and seq.matcher.finished):
                 reason = "stop"
             elif len(seq.generated) >= request.max_new_tokens:
@@ -804,12 +875,13 @@ class Engine:
             elif len(request.prompt_ids) + len(seq.generated) >= self.max_context:
                 reason = "context"
         if reason is not None:
-            delta = TokenEvent(delta.token_ids, delta.text + seq.stream.flush(), delta.logprobs)
+            delta = TokenEvent(delta.token_ids, delta.text + seq.stream.flush(), delta.logprobs, delta.routing)
         if delta.token_ids or delta.text:
             seq.answer_text += delta.text if request.consistency_guard is not None else ""
             seq.events.put(delta)
         if reason is not None:
-            seq.events.put(FinishEvent(reason, len(request.prompt_ids), len(seq.generated), unlisted))
+            self._record_sequence(seq)
+            seq.events.put(FinishEvent(reason, len(request.prompt_ids), len(seq.generated), unlisted, unlisted_routing))
             seq.done = True
 
     def _rolls_back(self, seq: Sequence, row: torch.Tensor, token: int) -> bool:
@@ -841,6 +913,8 @@ class Engine:
                 {"token": token, "score": score, "position": len(seq.tokens()), "widen_to": guard.widen_to},
             )
         seq.fed -= 1  # the last token fed predicted it: computed again (its KV slots are written over)
+        if seq.routed:  # the load window's record of that position: its recomputation replaces it
+            seq.routed[-1] = seq.routed[-1][:, :-1]
         if seq.cache is not None:  # the per-sequence fallback's cache holds it: cut it off
             seq.cache.crop(seq.fed)
         seq.widen = guard.widen_to
@@ -855,6 +929,7 @@ class Engine:
             self._fail(seq, grpc.StatusCode.INTERNAL, f"request {rid}: {type(err).__name__}: {err}")
 
     def _fail(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
+        seq.routed, seq.next_routing = [], ()  # a sequence that did not finish adds nothing to the statistics
         seq.events.put(ErrorEvent(code, message))
         seq.done = seq.failed = True
 

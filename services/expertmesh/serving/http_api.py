@@ -10,6 +10,10 @@ Starlette app over the same engine as the gRPC API.
 | ``GET /health/live`` | 200 while the process answers (liveness) |
 | ``GET /metrics`` | Prometheus text of this process's OpenTelemetry meters |
 
+A generation asks for its routing trace with the body field ``routing_trace: true`` or the header
+``X-Expertmesh-Routing-Trace: 1``: the response then carries ``routing_trace`` beside ``usage`` (each
+choice's tokens, by index), and each streamed chunk the routing of its tokens.
+
 Bodies are read up to a size limit (413 past it) and parsed by the pydantic
 models of ``openai_schema``. A streamed response waits for the engine's first
 event before it commits to 200, so an error before the first token keeps its
@@ -66,6 +70,7 @@ from expertmesh.serving.openai_schema import (
     TokenizeCompletionRequest,
 )
 from expertmesh.serving.readiness import Readiness
+from expertmesh.serving.routing_trace import TokenRouting
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,21 @@ T = TypeVar("T")
 
 #: the status logged for a request whose client hung up first (nginx's "client closed request")
 CLIENT_CLOSED = 499
+#: the header that asks for a routing trace, as the body's ``routing_trace`` does
+TRACE_HEADER = "X-Expertmesh-Routing-Trace"
+
+
+def wants_trace(body: GenerationFields, header: str | None) -> bool:
+    """Whether a generation asks for its routing trace: the body's field, else the header ("1" / "true";
+    "0" / "false" / absent: no). Another header value is a 400 naming the header."""
+    if body.routing_trace is not None:
+        return body.routing_trace
+    value = (header or "").strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("", "0", "false"):
+        return False
+    raise ApiError.bad_request(f"{TRACE_HEADER} takes 1 or 0, got {header[:32]!r}", param=TRACE_HEADER)
 
 
 class ClientGone(Exception):
@@ -137,7 +157,10 @@ class HttpApi:
         streaming = False
         try:
             with trace.use_span(span, end_on_exit=False):
-                generations = [self._adapter.generation_request(body, ids, shapes.id, i) for i in range(body.choices)]
+                traced = wants_trace(body, request.headers.get(TRACE_HEADER))
+                generations = [
+                    self._adapter.generation_request(body, ids, shapes.id, i, traced) for i in range(body.choices)
+                ]
                 echo = Echo(self._adapter.echo_text(body, ids), []) if body.echoes else None
                 choices.add(self._adapter.submit(generations[0]))
             try:
@@ -157,9 +180,10 @@ class HttpApi:
                     self._log_finished(shapes.id, finals, started)
                     if echo is not None:
                         results = [
-                            ChoiceResult(echo.text + r.text, r.reason, [*echo.logprobs, *r.logprobs]) for r in results
+                            ChoiceResult(echo.text + r.text, r.reason, [*echo.logprobs, *r.logprobs], r.routing)
+                            for r in results
                         ]
-                    return _json(shapes.whole(results, usage(finals)))
+                    return _json(shapes.whole(results, usage(finals), traced))
             except ClientGone:
                 log.info("request %s cancelled: the client went away", shapes.id)
                 return Response(status_code=CLIENT_CLOSED)
@@ -199,14 +223,15 @@ class HttpApi:
                     for chunk in shapes.delta(i, echo.text, echo.logprobs):
                         yield _sse(chunk)
             while True:
-                if isinstance(event, TokenEvent) and (event.text or event.logprobs):
-                    for chunk in shapes.delta(index, event.text, event.logprobs):
+                if isinstance(event, TokenEvent) and (event.text or event.logprobs or event.routing):
+                    chunks = shapes.delta(index, event.text, event.logprobs) if event.text or event.logprobs else []
+                    for chunk in shapes.routed(chunks, index, event.routing):
                         yield _sse(chunk)
                 elif isinstance(event, FinishEvent):
                     finals[index] = event
                     for chunk in shapes.delta(index, "", event.final_logprobs) if event.final_logprobs else ():
                         yield _sse(chunk)
-                    for chunk in shapes.closing(index, event.reason):
+                    for chunk in shapes.routed(shapes.closing(index, event.reason), index, event.final_routing):
                         yield _sse(chunk)
                 elif isinstance(event, ErrorEvent):
                     yield _sse(ApiError.from_grpc(event.code, event.message).body())
@@ -350,22 +375,26 @@ async def _collect(
     first event on; an error event raises its ApiError."""
     texts: list[list[str]] = [[] for _ in range(count)]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
+    routing: list[list[TokenRouting]] = [[] for _ in range(count)]
     finals: dict[int, FinishEvent] = {}
     index, event = first
     while True:
         if isinstance(event, TokenEvent):
             texts[index].append(event.text)
             logprobs[index] += event.logprobs
+            routing[index] += event.routing
         elif isinstance(event, ErrorEvent):
             raise ApiError.from_grpc(event.code, event.message)
         elif isinstance(event, FinishEvent):
             logprobs[index] += event.final_logprobs  # an ending token's (EOS, a stop token id): OpenAI lists it
+            routing[index] += event.final_routing
             finals[index] = event
         if len(finals) == count:
             break
         index, event = await anext(choices)
     ordered = [finals[i] for i in range(count)]
-    return [ChoiceResult("".join(texts[i]), ordered[i].reason, logprobs[i]) for i in range(count)], ordered
+    results = [ChoiceResult("".join(texts[i]), ordered[i].reason, logprobs[i], routing[i]) for i in range(count)]
+    return results, ordered
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

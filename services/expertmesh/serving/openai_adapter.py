@@ -36,6 +36,7 @@ from expertmesh.serving.openai_schema import (
     ChatLogprobs,
     ChatTokenLogprob,
     ChatTopLogprob,
+    ChoiceRoutingTrace,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
@@ -44,16 +45,19 @@ from expertmesh.serving.openai_schema import (
     DetokenizeResponse,
     FinishReason,
     GenerationFields,
+    LayerRoutingBody,
     ModelCard,
     Prompt,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    TokenRoutingBody,
     ToolCall,
     ToolCallFunction,
     Usage,
 )
 from expertmesh.serving.request_routing import RequestRouter
+from expertmesh.serving.routing_trace import TokenRouting, trace_problem
 from expertmesh.serving.sampling import SamplingParams, choice_seed
 from expertmesh.serving.tool_calls import auto_calls, may_be_a_call, named_calls, required_calls
 from expertmesh.v1 import inference_pb2 as pb
@@ -84,6 +88,8 @@ class ServedModel:
     name: str
     vocab_size: int
     max_context: int
+    #: MoE layers of the model (what a routing trace's size is counted in)
+    moe_layers: int = 0
     #: unix seconds this server started serving it (OpenAI's ``created`` of a model)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -169,10 +175,16 @@ class OpenAIAdapter:
     # -- generation ----------------------------------------------------------------------
 
     def generation_request(
-        self, body: GenerationFields, prompt_ids: list[int], request_id: str, choice: int = 0
+        self,
+        body: GenerationFields,
+        prompt_ids: list[int],
+        request_id: str,
+        choice: int = 0,
+        routing_trace: bool = False,
     ) -> GenerationRequest:
         """Field ranges and the token cap are the schema's; what needs the model is checked here. ``choice``:
-        which of the body's ``n`` choices (each has its own sampler: a seeded request's choice i takes seed + i)."""
+        which of the body's ``n`` choices (each has its own sampler: a seeded request's choice i takes seed + i).
+        ``routing_trace``: the body's or the header's ask for one, bounded by ``max_routing_trace_entries``."""
         model = self.model
         param = body.PROMPT_FIELD
         if not prompt_ids:
@@ -204,6 +216,10 @@ class OpenAIAdapter:
             raise ApiError.bad_request(
                 "stop sequences need the model's tokenizer, and this model has none", param="stop"
             )
+        if routing_trace:
+            problem = trace_problem(max_new, body.choices, model.moe_layers, self._config.max_routing_trace_entries)
+            if problem:
+                raise ApiError.bad_request(problem, param="routing_trace")
         routing = self._request_routing(body, prompt_ids)
         consistency_guard = self._consistency_guard(body, routing)
         try:
@@ -235,6 +251,7 @@ class OpenAIAdapter:
             routing=routing,
             grammar=grammar,
             consistency_guard=consistency_guard,
+            routing_trace=routing_trace,
         )
 
     def _request_routing(self, body: GenerationFields, prompt_ids: list[int]) -> RequestRouting | None:
@@ -296,11 +313,46 @@ def _token_id_text(token_id: int) -> str:
 
 @dataclass(frozen=True)
 class ChoiceResult:
-    """One choice's whole answer: its text, the engine's finish reason, its tokens' log-probabilities."""
+    """One choice's whole answer: its text, the engine's finish reason, its tokens' log-probabilities and
+    routing (when asked for)."""
 
     text: str
     reason: str
     logprobs: Sequence[TokenLogprob] = ()
+    routing: Sequence[TokenRouting] = ()
+
+
+def routing_body(tokens: Sequence[TokenRouting]) -> list[TokenRoutingBody]:
+    """The engine's routing of some tokens, in the HTTP API's shape."""
+    return [
+        TokenRoutingBody(
+            token_id=t.token_id,
+            index=t.index,
+            layers=[
+                LayerRoutingBody(layer=r.layer, experts=list(r.experts), weights=list(r.weights), groups=list(r.groups))
+                for r in t.layers
+            ],
+        )
+        for t in tokens
+    ]
+
+
+def whole_trace(results: Sequence[ChoiceResult], traced: bool) -> list[ChoiceRoutingTrace] | None:
+    """A whole response's ``routing_trace``: each choice's, by index (None: not asked for)."""
+    if not traced:
+        return None
+    return [ChoiceRoutingTrace(index=i, tokens=routing_body(r.routing)) for i, r in enumerate(results)]
+
+
+def with_routing(chunks: list, index: int, tokens: Sequence[TokenRouting], empty) -> list:
+    """Stream chunks carrying choice ``index``'s routing of ``tokens``: on the first of ``chunks``, or on a chunk
+    of its own (``empty``: a chunk without choices) when none goes out now (text held back for tool calls)."""
+    if not tokens:
+        return chunks
+    trace = [ChoiceRoutingTrace(index=index, tokens=routing_body(tokens))]
+    if not chunks:
+        return [empty.model_copy(update={"routing_trace": trace})]
+    return [chunks[0].model_copy(update={"routing_trace": trace}), *chunks[1:]]
 
 
 @dataclass
@@ -335,8 +387,8 @@ class CompletionShapes:
             text_offset=offsets,
         )
 
-    def whole(self, results: Sequence[ChoiceResult], used: Usage) -> Completion:
-        return self._of(
+    def whole(self, results: Sequence[ChoiceResult], used: Usage, traced: bool = False) -> Completion:
+        completion = self._of(
             [
                 CompletionChoice(
                     index=i, text=r.text, logprobs=self._logprobs(i, r.logprobs), finish_reason=finish_reason(r.reason)
@@ -345,6 +397,12 @@ class CompletionShapes:
             ],
             used,
         )
+        completion.routing_trace = whole_trace(results, traced)
+        return completion
+
+    def routed(self, chunks: list[Completion], index: int, tokens: Sequence[TokenRouting]) -> list[Completion]:
+        """``chunks`` with choice ``index``'s routing of ``tokens`` (``with_routing``)."""
+        return with_routing(chunks, index, tokens, self._of([]))
 
     def opening(self, choices: int) -> list[Completion]:
         return []
@@ -437,14 +495,27 @@ class ChatShapes:
         content, calls = read
         return AssistantMessage(content=content, tool_calls=calls), "tool_calls"
 
-    def whole(self, results: Sequence[ChoiceResult], used: Usage) -> ChatCompletion:
+    def whole(self, results: Sequence[ChoiceResult], used: Usage, traced: bool = False) -> ChatCompletion:
         choices = []
         for i, r in enumerate(results):
             message, reason = self._message(r.text, r.reason)
             choices.append(
                 ChatChoice(index=i, message=message, logprobs=self._logprobs(r.logprobs), finish_reason=reason)
             )
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=used)
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=used,
+            routing_trace=whole_trace(results, traced),
+        )
+
+    def routed(
+        self, chunks: list[ChatCompletionChunk], index: int, tokens: Sequence[TokenRouting]
+    ) -> list[ChatCompletionChunk]:
+        """``chunks`` with choice ``index``'s routing of ``tokens`` (``with_routing``)."""
+        return with_routing(chunks, index, tokens, self._chunk([]))
 
     def opening(self, choices: int) -> list[ChatCompletionChunk]:
         return [

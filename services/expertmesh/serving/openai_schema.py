@@ -13,7 +13,8 @@ through a grammar mask on each choice's tokens (``serving.grammar``,
 presence penalties are OpenAI's; ``top_k``, ``ignore_eos`` (generate past the
 end-of-sequence token, for benchmarks), ``repetition_penalty``, ``min_tokens``
 and ``stop_token_ids`` are extensions, as in vLLM (``sampling`` says what each
-does to the logits).
+does to the logits); ``routing_policy``, ``domain`` and ``routing_trace`` are
+expertmesh's (the last adds a ``routing_trace`` field to the response, only then).
 
 Shapes are left as OpenAI has them, with ``null`` where a field does not apply
 (``logprobs`` unless asked for, ``system_fingerprint``): SDKs parse them with their own models. Log-probabilities
@@ -25,7 +26,16 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 from pydantic_core import PydanticCustomError
 
 from expertmesh.serving.grammar import GrammarError, GrammarSpec
@@ -203,6 +213,9 @@ class GenerationFields(BaseModel):
     domain: str | None = None
     #: expertmesh extra: the consistency guard of a non-exact request (see the gRPC GenerateRequest)
     consistency_guard: Annotated[ConsistencyGuardBody, BeforeValidator(_guard_object)] | None = None
+    #: expertmesh extra: each new token's routing in the response (``routing_trace`` beside ``usage``; the
+    #: header ``X-Expertmesh-Routing-Trace: 1`` asks the same); bounded as on the gRPC API
+    routing_trace: bool | None = None
 
     _check_stop = field_validator("stop")(_stop_limits)
     _check_cap = field_validator("max_tokens")(_within_cap)
@@ -523,6 +536,43 @@ class ChatCompletionRequest(GenerationFields):
 # -- responses ----------------------------------------------------------------------------
 
 
+class LayerRoutingBody(BaseModel):
+    """One token's routing in one MoE layer (the gRPC ``LayerRouting``)."""
+
+    layer: int
+    experts: list[int]
+    weights: list[float]
+    #: the group that served each expert ("" where none did)
+    groups: list[str]
+
+
+class TokenRoutingBody(BaseModel):
+    """One generated token's routing (the gRPC ``TokenRouting``); ``index``: the token's in its choice."""
+
+    token_id: int
+    index: int
+    layers: list[LayerRoutingBody]
+
+
+class ChoiceRoutingTrace(BaseModel):
+    """The routing of a choice's tokens (all of them in a whole response, the chunk's in a streamed one)."""
+
+    index: int
+    tokens: list[TokenRoutingBody]
+
+
+class _RoutingTraceExtra(BaseModel):
+    """A response whose ``routing_trace`` field (expertmesh's extra) is left out unless asked for: a request
+    without a trace gets OpenAI's shape exactly."""
+
+    @model_serializer(mode="wrap")
+    def _without_an_unasked_trace(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if getattr(self, "routing_trace", None) is None:
+            out.pop("routing_trace", None)
+        return out
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -546,7 +596,7 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-class Completion(BaseModel):
+class Completion(_RoutingTraceExtra):
     """A whole completion, and also each chunk of a streamed one (OpenAI uses one shape for both)."""
 
     id: str
@@ -555,6 +605,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    routing_trace: list[ChoiceRoutingTrace] | None = None
     system_fingerprint: None = None
 
 
@@ -586,13 +637,14 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_RoutingTraceExtra):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    routing_trace: list[ChoiceRoutingTrace] | None = None
     system_fingerprint: None = None
 
 
@@ -615,13 +667,14 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_RoutingTraceExtra):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    routing_trace: list[ChoiceRoutingTrace] | None = None
     system_fingerprint: None = None
 
 

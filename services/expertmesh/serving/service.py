@@ -43,6 +43,7 @@ from expertmesh.serving.engine import (
 )
 from expertmesh.serving.grammar import CompiledGrammar, GrammarSpec
 from expertmesh.serving.request_routing import RequestRouter
+from expertmesh.serving.routing_trace import TokenRouting, trace_problem
 from expertmesh.serving.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS, SamplingParams, choice_seed
 from expertmesh.serving.text_stream import stop_problems
 from expertmesh.v1 import inference_pb2 as pb
@@ -141,6 +142,12 @@ class InferenceServicer:
         if not 1 <= n <= MAX_CHOICES:
             raise InvalidRequest(f"n takes 1 to {MAX_CHOICES} choices, got {n}")
         base = self._generation_request(request, context)
+        if base.routing_trace:
+            problem = trace_problem(
+                base.max_new_tokens, n, len(self._info.moe_layers), self._config.max_routing_trace_entries
+            )
+            if problem:
+                raise InvalidRequest(problem)
         if n == 1:
             return [base]
         return [
@@ -209,6 +216,7 @@ class InferenceServicer:
             routing=routing,
             grammar=grammar,
             consistency_guard=consistency_guard,
+            routing_trace=request.routing_trace,
         )
 
     def _grammar(self, output: pb.StructuredOutput) -> CompiledGrammar | None:
@@ -300,6 +308,7 @@ class InferenceServicer:
                             usage=pb.Usage(
                                 prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
                             ),
+                            routing=[routing_message(r) for r in event.final_routing],
                         ),
                     )
                 elif isinstance(event, ErrorEvent):
@@ -500,5 +509,16 @@ def _delta(event: TokenEvent) -> pb.TokenDelta:
                 top=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in t.top],
             )
             for t in event.logprobs
+        ],
+        routing=[routing_message(r) for r in event.routing],
+    )
+
+
+def routing_message(token: TokenRouting) -> pb.TokenRouting:
+    return pb.TokenRouting(
+        token_id=token.token_id,
+        index=token.index,
+        layers=[
+            pb.LayerRouting(layer=r.layer, experts=r.experts, weights=r.weights, groups=r.groups) for r in token.layers
         ],
     )

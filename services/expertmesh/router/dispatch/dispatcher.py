@@ -25,7 +25,9 @@ serving engine) and uses it for all its layers.
 The serving engine runs each step as one packed forward of all its sequences,
 inside ``serving_step``: each MoE layer is then one dispatch of every token of
 the step, carrying their positions (load statistics) and trace links to the
-step's other requests.
+step's other requests. Each dispatch also records its choice into the step's
+``step_choices`` collector, sliced per sequence there (with the weights applied
+and the group that served each slot when a request asked for a routing trace).
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ from expertmesh.contracts.errors import (
 from expertmesh.contracts.load_window import LoadWindow
 from expertmesh.infra.finite import all_finite
 from expertmesh.infra.telemetry.setup import meter, tracer
-from expertmesh.router.dispatch import degraded
+from expertmesh.router.dispatch import degraded, step_choices
 from expertmesh.router.dispatch.circuit import CircuitBreakers
 from expertmesh.router.dispatch.degraded import StockChoice
-from expertmesh.router.dispatch.layer_plan import GroupCall, NoHealthyReplica, plan_layer, restrict_to
+from expertmesh.router.dispatch.layer_plan import GroupCall, NoHealthyReplica, plan_layer, restrict_to, slot_groups
 from expertmesh.router.dispatch.routing_view import RoutingView
 from expertmesh.router.dispatch.table_watcher import TableWatcher
 from expertmesh.router.policy.gate_hook import GateBias
@@ -239,13 +241,20 @@ class LayerDispatcher:
             self.hidden_sampler.offer(layer, source.to("cpu"))
         out = torch.zeros_like(source)  # [T, H]
         failed: list[_GroupFailed] = []
+        served: list[GroupCall] = []  # the calls whose partial sums were added
         for flight in flights:
             try:
                 _add_rows(out, flight.call.tokens, self._collect(layer, source, flight))
+                served.append(flight.call)
             except _GroupFailed as failure:
                 failed.append(failure)
         if failed:
-            flights += self._fail_over(view, layer, source, index.shape[0], failed, links, out, timeout)
+            flights += self._fail_over(view, layer, source, index.shape[0], failed, links, out, timeout, served)
+        if step_choices.wants_detail():  # a sequence of this step asked for its routing trace
+            groups = slot_groups(index.shape[0], index.shape[1], served)
+            step_choices.record(layer, view.num_experts, index, weights_cpu, groups, view.groups)
+        else:
+            step_choices.record(layer, view.num_experts, index)
         self.traffic.record(
             layer,
             calls=1,
@@ -403,8 +412,10 @@ class LayerDispatcher:
         links: list[Link],
         out: torch.Tensor,
         timeout_s: float,
+        served: list[GroupCall],
     ) -> list[_InFlight]:
-        """Re-plan the failed calls' slots onto other replicas, within this step; adds into ``out``.
+        """Re-plan the failed calls' slots onto other replicas, within this step; adds into ``out``, and
+        the calls that answered to ``served``.
 
         A call whose experts have no other replica is resent to the same group if it may be back at a
         new address (UNAVAILABLE), else its error fails the step.
@@ -420,11 +431,13 @@ class LayerDispatcher:
                 if not failure.retryable:
                     raise failure.error from None
                 _add_rows(out, failure.flight.call.tokens, self._resend(layer, hidden, failure))
+                served.append(failure.flight.call)
                 continue
             retries = [self._send(view, layer, hidden, call, links, timeout_s) for call in calls]
             for flight in retries:
                 try:
                     _add_rows(out, flight.call.tokens, self._collect(layer, hidden, flight))
+                    served.append(flight.call)
                 except _GroupFailed as second:
                     raise second.error from None
             flights += retries

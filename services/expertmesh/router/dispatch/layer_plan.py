@@ -129,3 +129,15 @@ def restrict_to(call: GroupCall, num_tokens: int, num_experts: int) -> tuple[tor
     index[call.tokens] = torch.where(call.expert_ids >= 0, call.expert_ids.long(), num_experts)
     weights[call.tokens] = call.weights
     return index, weights
+
+
+def slot_groups(num_tokens: int, k: int, calls: Sequence[GroupCall]) -> torch.Tensor:
+    """[T, K] int64: the group index that served each (token, slot) of a layer, from the calls that
+    answered (-1: no group, an empty slot or one the fallback dropped). A slot two calls claim (never,
+    for a plan of ``plan_layer``) keeps the later call's group."""
+    owner = torch.full((num_tokens, k), -1, dtype=torch.long)
+    for call in calls:
+        mine = call.expert_ids >= 0  # [Tg, K']
+        rows = owner[call.tokens, : mine.shape[1]]  # [Tg, K'] (a copy: written back below)
+        owner[call.tokens, : mine.shape[1]] = torch.where(mine, call.group, rows)
+    return owner

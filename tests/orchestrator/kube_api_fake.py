@@ -430,7 +430,7 @@ class ApiServer:
             self._stop.set()
             await self._main_task
 
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=30)
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=120)  # a loaded machine is slow to stop
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()

@@ -158,6 +158,11 @@ def test_test_hosts_connect_over_tcp_hide_each_others_tmpdir_cut_links_and_leave
             hosts.command("b", [sys.executable, "-c", client_code, a]), capture_output=True, text=True, timeout=30
         )
         assert reached.stdout.split("\n")[:2] == ["[]", "hi"], reached.stderr  # a's file is not in b's TMPDIR
+        # ... but in that of every command on a: one TMPDIR per host (a Ray node's drivers dial its sockets there)
+        listing = "import os; print(os.listdir(os.environ['TMPDIR']))"
+        again = subprocess.run(hosts.command("a", [sys.executable, "-c", listing]), capture_output=True, text=True)
+        assert again.stdout.strip() == "['mine']", again.stderr
+        assert (hosts.tmpdir("a") / "mine").exists() and not any(hosts.tmpdir("b").iterdir())
         server.wait(timeout=10)
         hosts.link("b", up=False)
         cut = subprocess.run(

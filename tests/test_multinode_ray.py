@@ -9,11 +9,20 @@ between hosts (veth pairs on a bridge; each host its own loopback and TMPDIR, so
 socket or shared-memory path is found between them), Redis, Ray Serve, the router and the groups'
 gRPC servers. Faked: GPU counts only (``ray start --num-gpus``, on a machine without GPUs; torch
 sees no CUDA in the replicas, so the groups compute on CPU).
+
+Then, on the same cluster: a live migration of an expert from a group on one node to a group on
+the other under load, and a worker node lost whole (every process of its host killed), each with
+no failed and no wrong request.
+
+Marked ``multinode``, which ``make test`` deselects (``pytest -m multinode`` runs it, as root): three
+Ray nodes, Serve and ``up`` take 60-90 s to start on two cores before the first assertion, the
+module ~150 s in all, past the ~90 s a module may add to ``make test``.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 import time
@@ -39,7 +48,11 @@ def _why_not() -> str:
 
 
 _WHY_NOT = _why_not()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT or "namespaces work here")]
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT or "namespaces work here"),
+]
 
 #: two worker nodes, one NVLink island of one GPU each: group gpu-0 on w1, gpu-1 on w2
 TOPOLOGY = {
@@ -48,17 +61,18 @@ TOPOLOGY = {
         {"name": "w2", "islands": [{"name": "nvl-w2", "gpus": [{"id": 1, "memory_gb": 80}]}]},
     ]
 }
-#: per MoE layer (tiny Mixtral: 2 layers x 4 experts): experts 0-1 on GPU 0, 2-3 on GPU 1, and
-#: expert 1 also on GPU 1 (half its tokens each way)
+#: per MoE layer (tiny Mixtral: 2 layers x 4 experts): every expert on both GPUs (half its tokens
+#: each way), except layer 0's expert 0 on GPU 0 alone (the one that moves, to GPU 1; after that a
+#: lost node leaves every expert a replica on the other)
 GPU_PLACEMENT = {
     "layers": [
         {
             "layer": layer,
             "experts": [
-                {"expert": 0, "replicas": [{"gpu": 0, "share": 1.0}]},
-                {"expert": 1, "replicas": [{"gpu": 0, "share": 0.5}, {"gpu": 1, "share": 0.5}]},
-                {"expert": 2, "replicas": [{"gpu": 1, "share": 1.0}]},
-                {"expert": 3, "replicas": [{"gpu": 1, "share": 1.0}]},
+                {"expert": e, "replicas": [{"gpu": 0, "share": 1.0}]}
+                if (layer, e) == (0, 0)
+                else {"expert": e, "replicas": [{"gpu": 0, "share": 0.5}, {"gpu": 1, "share": 0.5}]}
+                for e in range(4)
             ],
         }
         for layer in range(2)
@@ -66,17 +80,12 @@ GPU_PLACEMENT = {
 }
 GROUP_NODE = {"gpu-0": "w1", "gpu-1": "w2"}
 ROUTER_PORT = 50051
+ADMIN_PORT = 50052
+#: admin calls cross hosts (the client's migrate to the orchestrator, the orchestrator's loads to the groups)
+ADMIN_ENV = {"EXPERTMESH_ADMIN_TOKEN": secrets.token_hex(16)}
 REDIS_PORT = 6379
 PROMPT = [5, 9, 77, 3, 41]
 NEW_TOKENS = 8
-
-
-def test_each_topology_node_declares_its_gpus_and_one_island_token_per_group():
-    islands = [{"name": "a", "gpus": [{"id": 0}, {"id": 1}]}, {"name": "b", "gpus": [{"id": 2}]}]
-    topology = topology_from_dict({"nodes": [{"name": "n", "islands": islands}]})
-    a, b = island_resource("a"), island_resource("b")
-    assert island_nodes(topology) == {"n": NodeSpec(1, 3, {a: 2.0, b: 1.0})}
-    assert island_nodes(topology, group_per="island", num_cpus=2) == {"n": NodeSpec(2, 3, {a: 1.0, b: 1.0})}
 
 
 class Bed:
@@ -87,6 +96,7 @@ class Bed:
         self.up: subprocess.Popen | None = None
         self.up_lines: list[str] = []
         self.target = ""
+        self.model = None
 
     def python(self, host: str, code: str, *args: str, timeout: float = 120) -> str:
         """``python -c code args`` inside ``host`` with the cluster's environment; its stdout."""
@@ -94,7 +104,7 @@ class Bed:
             self.hosts.command(host, [sys.executable, "-c", code, *args]),
             capture_output=True,
             text=True,
-            env=self.ray.environ(),
+            env={**self.ray.environ(), **ADMIN_ENV},
             timeout=timeout,
         )
         assert done.returncode == 0, f"probe on {host} failed:\n{done.stderr[-3000:]}"
@@ -184,13 +194,16 @@ def bed(tmp_path_factory):
                         hosts.address("head"),
                         "--port",
                         str(ROUTER_PORT),
+                        "--orchestrator",
+                        "--admin-port",
+                        str(ADMIN_PORT),
                     ],
                 ),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
                 # groups bind every interface of their node and advertise its address (the node's IP in Ray)
-                env={**ray.environ(), "EXPERTMESH_GROUP_HOST": "0.0.0.0"},
+                env={**ray.environ(), "EXPERTMESH_GROUP_HOST": "0.0.0.0", **ADMIN_ENV},
             )
             for line in state.up.stdout:
                 state.up_lines.append(line)
@@ -248,3 +261,111 @@ def test_the_router_on_the_head_reaches_the_groups_by_grpc_over_tcp_and_generate
         assert ip == bed.hosts.address(node)
         assert f"{ip}:{port}" in head_conns, (group, sorted(head_conns))
         assert seen["transports"][group] in ("grpc-stream", "grpc-unary"), seen["transports"]
+
+
+#: inside the client host: requests from ``clients`` threads until $TMPDIR/stop exists, each checked
+#: against the expected tokens; "started" once the first has come back, then the counts as JSON
+LOAD = """
+import collections, json, os, sys, threading, time
+from expertmesh.client import Client
+target, prompt, n, expected, clients = sys.argv[1], *map(json.loads, sys.argv[2:6])
+stop, lock, first = os.path.join(os.environ["TMPDIR"], "stop"), threading.Lock(), threading.Event()
+counts = {"sent": 0, "failed": 0, "wrong": 0, "failures": collections.Counter()}
+def load():
+    with Client(target, timeout=60) as client:
+        while not os.path.exists(stop):
+            try:
+                tokens = [t for c in client.generate(prompt, max_new_tokens=n, stop_at_eos=False) for t in c.token_ids]
+                failure = None
+            except Exception as err:
+                tokens, failure = None, f"{type(err).__name__}: {str(err)[:200]}"
+            with lock:
+                counts["sent"] += 1
+                counts["failed"] += failure is not None
+                counts["wrong"] += failure is None and tokens != expected
+                if failure:
+                    counts["failures"][failure] += 1
+            first.set()
+threads = [threading.Thread(target=load) for _ in range(clients)]
+for t in threads:
+    t.start()
+first.wait()
+print("started", flush=True)
+for t in threads:
+    t.join()
+print(json.dumps(counts))
+"""
+
+#: inside the client host: the store's replicas of each (layer, expert)
+REPLICAS = """
+import json, sys
+from expertmesh.store import open_store
+table = open_store(sys.argv[1]).routing_table()
+print(json.dumps({f"{l}/{e}": list(groups) for (l, e), groups in table.replicas.items()}))
+"""
+
+
+class Load:
+    """``LOAD`` running in the client host while the test does something to the platform."""
+
+    def __init__(self, bed: Bed, clients: int = 2):
+        from transformers import AutoModelForCausalLM
+
+        stock = AutoModelForCausalLM.from_pretrained(bed.model, experts_implementation="eager").eval()
+        expected = stock_greedy(stock, PROMPT, NEW_TOKENS)
+        self.stop_file = bed.hosts.tmpdir("client") / "stop"
+        self.stop_file.unlink(missing_ok=True)
+        argv = [sys.executable, "-c", LOAD, bed.target, json.dumps(PROMPT), str(NEW_TOKENS), json.dumps(expected)]
+        self.proc = subprocess.Popen(
+            bed.hosts.command("client", [*argv, str(clients)]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=bed.ray.environ(),
+        )
+        assert self.proc.stdout.readline().strip() == "started", self.proc.stderr.read()[-3000:]
+
+    def finish(self, after_s: float) -> dict:
+        """The counts, after ``after_s`` more seconds of load."""
+        time.sleep(after_s)
+        self.stop_file.touch()
+        out, err = self.proc.communicate(timeout=180)
+        assert self.proc.returncode == 0, err[-3000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_live_migration_between_groups_on_two_nodes_under_load_fails_no_request(bed):
+    """Layer 0's expert 0 moves from gpu-0 (node w1) to gpu-1 (node w2) by the orchestrator's
+    make-before-break migration while two clients generate: every request answers, and correctly."""
+    load = Load(bed)
+    migrate = subprocess.run(
+        bed.hosts.command(
+            "client",
+            [sys.executable, "-m", "expertmesh.cli.main", "migrate", "--layer", "0", "--expert", "0"]
+            + ["--from", "gpu-0", "--to", "gpu-1", "--wait", "--admin", f"{bed.hosts.address('head')}:{ADMIN_PORT}"],
+        ),
+        capture_output=True,
+        text=True,
+        env={**bed.ray.environ(), **ADMIN_ENV},
+        timeout=300,
+    )
+    counts = load.finish(after_s=2)
+    print(f"[multinode] during the migration: {counts}", file=sys.stderr)
+    assert migrate.returncode == 0, migrate.stdout + migrate.stderr
+    assert "succeeded" in migrate.stdout, migrate.stdout
+    assert counts["sent"] > 0 and counts["failed"] == 0 and counts["wrong"] == 0, counts
+    replicas = bed.json("client", REPLICAS, bed.redis_url)
+    assert replicas["0/0"] == ["gpu-1"], replicas
+
+
+def test_a_lost_worker_node_fails_no_request_when_its_experts_have_replicas_on_the_other(bed):
+    """Every process of node w1 killed (its raylet, workers and group gpu-0) under load: after the
+    move above every expert has a replica on w2, so the router re-plans gpu-0's tokens onto gpu-1
+    within the step and no request fails or changes."""
+    replicas = bed.json("client", REPLICAS, bed.redis_url)
+    assert all("gpu-1" in groups for groups in replicas.values()), replicas
+    load = Load(bed)
+    assert bed.ray.kill("w1") > 0
+    counts = load.finish(after_s=8)
+    print(f"[multinode] after node w1 was lost: {counts}", file=sys.stderr)
+    assert counts["sent"] > 0 and counts["failed"] == 0 and counts["wrong"] == 0, counts

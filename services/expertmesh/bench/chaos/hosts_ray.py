@@ -16,8 +16,8 @@ cluster token
     cluster of one run never accepts a process of another.
 
 What Ray needs in a network namespace: ``lo`` up (its processes on a node talk over loopback
-too), ``--node-ip-address`` (without a default route Ray cannot guess it), its agents on fixed
-ports (``AGENT_PORTS``), and a temporary
+too), ``--node-ip-address`` (without a default route Ray cannot guess it), a second try when a
+raylet gives up on its agents (``START_ATTEMPTS``), and a temporary
 directory per node (Ray's session, logs and sockets: the host's own ``TMPDIR``, which every
 command on the host sees, so a driver on a node finds its raylet's sockets). No dashboard, a small
 object store, usage stats off. A node is stopped by killing its host's processes (``kill``),
@@ -47,16 +47,11 @@ HEAD_PORT = 6380
 #: each node's object store: the groups pass no objects through it, only Serve's small calls do
 OBJECT_STORE_BYTES = 80 * 2**20
 START_TIMEOUT_S = 300.0
-#: every node's agents on fixed ports (a host is a network namespace of its own: nothing else binds
-#: them). With a port left to the agent, the raylet waits for the agent's port file 15 s at most,
-#: hard-coded, and exits after that (ray-project/ray#65983): on two busy cores the agent, a Python
-#: process importing aiohttp and its modules, takes longer.
-AGENT_PORTS = {
-    "--dashboard-agent-listen-port": 52365,
-    "--dashboard-agent-grpc-port": 52366,
-    "--metrics-export-port": 52367,
-    "--runtime-env-agent-port": 52368,
-}
+#: ``ray start`` of a node tried this often: its raylet exits when the node's dashboard agent (a
+#: Python process importing aiohttp and its modules) has not written its port files within 15 s,
+#: hard-coded (ray-project/ray#65983), which two busy cores sometimes miss; the node is then killed
+#: whole and started again
+START_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -101,7 +96,6 @@ def start_argv(ray: str, spec: NodeSpec, node_ip: str, head: str | None = None, 
         *(["--resources", json.dumps(spec.resources, sort_keys=True)] if spec.resources else []),
         "--object-store-memory",
         str(OBJECT_STORE_BYTES),
-        *(item for flag, port in AGENT_PORTS.items() for item in (flag, str(port))),
         "--disable-usage-stats",
     ]
 
@@ -119,9 +113,6 @@ class HostsRayCluster:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": secrets.token_hex(16),
             "RAY_USAGE_STATS_ENABLED": "0",
-            # how long a starting node waits to see itself registered with the GCS (default 30 s: too
-            # short on a busy CI machine with three nodes starting)
-            "RAY_raylet_start_wait_time_s": "120",
         }
         self._ray = str(Path(sys.executable).with_name("ray"))
         #: host -> its node spec, for the nodes started
@@ -142,16 +133,34 @@ class HostsRayCluster:
             list(pool.map(lambda item: self._start(item[0], item[1], self.address), workers.items()))
 
     def _start(self, host: str, spec: NodeSpec, head: str | None) -> None:
+        """``ray start`` on ``host`` (which runs nothing else yet), again after a failed try."""
         argv = start_argv(self._ray, spec, self.hosts.address(host), head, self.port)
-        try:
-            done = subprocess.run(
-                self.command(host, argv), capture_output=True, text=True, env=self.environ(), timeout=START_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired:
-            raise BenchError(f"`ray start` on host {host} did not finish in {START_TIMEOUT_S:.0f} s") from None
-        if done.returncode != 0:
-            raise BenchError(f"`ray start` on host {host} failed:\n{(done.stdout + done.stderr)[-3000:]}")
-        self.nodes[host] = spec
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                done = subprocess.run(
+                    self.command(host, argv),
+                    capture_output=True,
+                    text=True,
+                    env=self.environ(),
+                    timeout=START_TIMEOUT_S,
+                )
+            except subprocess.TimeoutExpired:
+                raise BenchError(f"`ray start` on host {host} did not finish in {START_TIMEOUT_S:.0f} s") from None
+            if done.returncode == 0:
+                self.nodes[host] = spec
+                return
+            self.hosts.kill(host)  # what the failed try left (agents, log monitor) goes with it
+            if attempt == START_ATTEMPTS:
+                raise BenchError(
+                    f"`ray start` on host {host} failed {attempt} times; the last:\n"
+                    f"{(done.stdout + done.stderr)[-2000:]}\n{self._raylet_fatal(host)}"
+                )
+
+    def _raylet_fatal(self, host: str) -> str:
+        """The raylet's fatal line, if it logged one: what ``ray start`` does not say."""
+        log = self.logs(host) / "raylet.out"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        return next((line for line in lines if "Check failed" in line or " C " in line[:40]), "")
 
     def kill(self, host: str) -> int:
         """SIGKILL of every process on the node's host (its raylet, workers and their groups): the

@@ -17,8 +17,11 @@ import pytest
 from expertmesh.bench.chaos import suite as bench_chaos
 from expertmesh.bench.chaos.hosts import IFNAME_MAX, BedPlan, TestHosts, check_can_create, established, new_run_id, plan
 from expertmesh.bench.chaos.hosts_platform import host_names
+from expertmesh.bench.chaos.hosts_ray import NodeSpec, island_nodes, start_argv
 from expertmesh.bench.chaos.measure import unhosted
 from expertmesh.bench.report import BenchError
+from expertmesh.contracts.topology import topology_from_dict
+from expertmesh.expert_group.deployment import island_resource
 
 
 def _can_make_namespaces() -> str:
@@ -102,6 +105,20 @@ def test_every_host_scenario_has_its_fault_and_no_name_is_shared_with_the_loopba
     assert move.target not in table.replicas[(move.layer, move.expert)]
 
 
+def test_each_topology_node_declares_its_gpus_and_one_island_token_per_group():
+    islands = [{"name": "a", "gpus": [{"id": 0}, {"id": 1}]}, {"name": "b", "gpus": [{"id": 2}]}]
+    topology = topology_from_dict({"nodes": [{"name": "n", "islands": islands}]})
+    a, b = island_resource("a"), island_resource("b")
+    assert island_nodes(topology) == {"n": NodeSpec(1, 3, {a: 2.0, b: 1.0})}
+    assert island_nodes(topology, group_per="island", num_cpus=2) == {"n": NodeSpec(2, 3, {a: 1.0, b: 1.0})}
+    worker = start_argv("ray", island_nodes(topology)["n"], "10.1.2.4", head="10.1.2.3:6380")
+    assert worker[:4] == ["ray", "start", "--address", "10.1.2.3:6380"] and "--head" not in worker
+    assert worker[worker.index("--resources") + 1] == json.dumps({a: 2.0, b: 1.0}, sort_keys=True)
+    assert worker[worker.index("--num-gpus") + 1] == "3" and worker[worker.index("--node-ip-address") + 1] == "10.1.2.4"
+    head = start_argv("ray", NodeSpec(num_cpus=0), "10.1.2.3")
+    assert "--head" in head and "--resources" not in head and head[head.index("--num-cpus") + 1] == "0"
+
+
 def test_the_bed_says_it_needs_root_to_a_user_without_it(monkeypatch):
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     with pytest.raises(BenchError, match="bench chaos --hosts needs root for network namespaces"):
@@ -158,6 +175,11 @@ def test_test_hosts_connect_over_tcp_hide_each_others_tmpdir_cut_links_and_leave
             hosts.command("b", [sys.executable, "-c", client_code, a]), capture_output=True, text=True, timeout=30
         )
         assert reached.stdout.split("\n")[:2] == ["[]", "hi"], reached.stderr  # a's file is not in b's TMPDIR
+        # ... but in that of every command on a: one TMPDIR per host (a Ray node's drivers dial its sockets there)
+        listing = "import os; print(os.listdir(os.environ['TMPDIR']))"
+        again = subprocess.run(hosts.command("a", [sys.executable, "-c", listing]), capture_output=True, text=True)
+        assert again.stdout.strip() == "['mine']", again.stderr
+        assert (hosts.tmpdir("a") / "mine").exists() and not any(hosts.tmpdir("b").iterdir())
         server.wait(timeout=10)
         hosts.link("b", up=False)
         cut = subprocess.run(

@@ -77,3 +77,34 @@ def test_up_on_a_gpu_that_is_not_there_fails_before_anything_starts(monkeypatch,
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("expertmesh up: error: router_device cuda:0: this process sees no CUDA GPU"), err
+
+
+def test_a_gpu_plan_on_a_gpu_cluster_asks_each_group_for_its_gpus_island_and_numa_node(monkeypatch, tmp_path):
+    """The specs ``up --gpu-placement`` deploys on a cluster with GPUs (only Ray's resource query and
+    the deploy itself faked): each group its GPUs and its island's token, not one GPU each."""
+    import json
+
+    import yaml
+
+    from expertmesh.config.settings import DataPlaneConfig
+    from expertmesh.models.checkpoint import Checkpoint
+    from expertmesh.models.tiny import make_tiny_checkpoint
+    from expertmesh.platform import data_plane
+    from expertmesh.store import open_store
+
+    model = make_tiny_checkpoint("mixtral", tmp_path / "m")
+    island = {"name": "a", "numa": 1, "gpus": [{"id": 0, "memory_gb": 80}, {"id": 1, "memory_gb": 80}]}
+    (tmp_path / "topo.yaml").write_text(yaml.safe_dump({"nodes": [{"name": "n0", "islands": [island]}]}))
+    experts = [{"expert": e, "replicas": [{"gpu": e % 2, "share": 1.0}]} for e in range(4)]
+    (tmp_path / "p.json").write_text(json.dumps({"layers": [{"layer": r, "experts": experts} for r in range(2)]}))
+    config = DataPlaneConfig(
+        model=model, gpu_placement=tmp_path / "p.json", topology=tmp_path / "topo.yaml", group_per="island"
+    )
+    checkpoint = Checkpoint(model)
+    placement, layout = data_plane._group_map(config, checkpoint.spec)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 2.0, "expertmesh.io/island-a": 1.0})
+    deployed = []
+    monkeypatch.setattr(deployment, "deploy", lambda specs: deployed.extend(specs) or {s.name: "h:1" for s in specs})
+    data_plane._deploy_groups(config, checkpoint, placement, layout, open_store("memory://"))
+    (spec,) = deployed
+    assert (spec.name, spec.num_gpus, spec.resources, spec.numa) == ("n0-a", 2, {"expertmesh.io/island-a": 1}, 1)

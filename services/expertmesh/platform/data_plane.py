@@ -292,14 +292,14 @@ def _deploy_groups(
             dtype=config.dtype,
             host=config.group_host,
             num_cpus=config.group_num_cpus,
-            num_gpus=gpus,
             inherited_env={**telemetry.propagation_env(), **security.propagation_env()},
             # unset: a group placed on GPUs holds what their memory does, less the memory model's overhead
             budget_bytes=config.group_budget_bytes or (layout.hardware[name].expert_budget_bytes if layout else None),
             # a shared store: the groups register themselves too, so a flushed store lists them again
             state_url=None if config.state_url.startswith("memory://") else config.state_url,
             deployment=config.deployment,
-            **(deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {}),
+            # a GPU plan's group: its GPUs, island and NUMA node; any other: one GPU where the cluster has them
+            **({"num_gpus": gpus} | (deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {})),
         )
         for name, pairs in placement.groups.items()
     ]

@@ -10,10 +10,12 @@ bed
     gets no interface and no address, and nothing outside the bed is ever dialled.
 host
     A namespace with ``lo`` up and one address in the bed's private /24. Commands run in it with
-    ``ip netns exec`` (``TestHosts.command``), and each gets a private tmpfs as its ``TMPDIR``: a
-    host of its own has a filesystem of its own, so the unix sockets an expert group offers to
-    routers on its host are not found by a router on another one, and gRPC over TCP (the
-    cross-host path) is what runs between them, not shared memory.
+    ``ip netns exec`` (``TestHosts.command``), and see the host's own directory as their
+    ``TMPDIR``: a host of its own has a temporary directory of its own, the same for every command
+    on it (a Ray node's session files and sockets, which drivers on that node dial) and hidden from
+    every other host, so the unix sockets an expert group offers to routers on its host are not
+    found by a router on another one, and gRPC over TCP (the cross-host path) is what runs between
+    them, not shared memory.
 link down
     The host's switch port taken down (``ip -n SWITCH link set p<i> down``): a pulled cable. The
     host keeps its address and its processes; packets to and from it are dropped, connections
@@ -148,8 +150,9 @@ class TestHosts:
         self.bed = bed
         self._owner = owner
         self._made: list[str] = []
-        #: each host's private TMPDIR (a tmpfs mounted over it in that host's commands only)
+        #: where every host's TMPDIR is: its own directory (``tmpdir``) is mounted over it in that host's commands only
         self._private = Path(tempfile.gettempdir()) / f"em{bed.run_id}-private"
+        self._tmpdirs = Path(tempfile.gettempdir()) / f"em{bed.run_id}-hosts"
 
     @classmethod
     def adopt(cls, bed: BedPlan) -> "TestHosts":
@@ -166,6 +169,9 @@ class TestHosts:
     def _open(self) -> None:
         bed = self.bed
         self._private.mkdir(mode=0o700, exist_ok=True)
+        self._tmpdirs.mkdir(mode=0o700, exist_ok=True)
+        for h in bed.hosts:
+            (self._tmpdirs / h.name).mkdir(mode=0o700, exist_ok=True)
         for netns in (bed.switch, *(h.netns for h in bed.hosts)):
             _ip("netns", "add", netns)
             self._made.append(netns)
@@ -191,14 +197,20 @@ class TestHosts:
         return self.bed.host(host).address
 
     def command(self, host: str, argv: list[str], private_tmp: bool = True) -> list[str]:
-        """``argv`` run inside ``host``: its network namespace and, with ``private_tmp``, a private
-        tmpfs as TMPDIR (mounted in the mount namespace ``ip netns exec`` makes for the command, so
-        no other host, and not the root namespace, sees what is in it)."""
+        """``argv`` run inside ``host``: its network namespace and, with ``private_tmp``, the host's
+        own directory as TMPDIR, bind-mounted over one path that is the same on every host (in the
+        mount namespace ``ip netns exec`` makes for the command, so no other host, and not the root
+        namespace, sees what is in it there; every command on the host sees the same)."""
         enter = ["ip", "netns", "exec", self.bed.host(host).netns]
         if not private_tmp:
             return [*enter, *argv]
-        mount = 'mount -t tmpfs -o size=64m,mode=0700 emhost "$0" && TMPDIR="$0" exec "$@"'
-        return [*enter, "sh", "-c", mount, str(self._private), *argv]
+        mount = 'mount --bind "$1" "$0" && shift && TMPDIR="$0" exec "$@"'
+        return [*enter, "sh", "-c", mount, str(self._private), str(self.tmpdir(host)), *argv]
+
+    def tmpdir(self, host: str) -> Path:
+        """Where ``host``'s TMPDIR is kept, as the root namespace (this process) sees it: to read what
+        the host's processes left there (a Ray node's logs)."""
+        return self._tmpdirs / self.bed.host(host).name
 
     def link(self, host: str, up: bool) -> None:
         """The host's switch port up or down (a cable plugged in or pulled)."""
@@ -239,6 +251,7 @@ class TestHosts:
             subprocess.run(["ip", "netns", "delete", netns], capture_output=True)
         self._made = []
         shutil.rmtree(self._private, ignore_errors=True)
+        shutil.rmtree(self._tmpdirs, ignore_errors=True)
 
 
 def established(proc_net_tcp: str) -> list[tuple[str, str]]:

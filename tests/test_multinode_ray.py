@@ -1,0 +1,371 @@
+"""A real multi-node Ray cluster on test hosts (network namespaces, ``bench.chaos.hosts``) and
+``expertmesh up --ray-address`` on it with a GPU placement: each expert group runs on the Ray node
+whose NVLink-island resource it names, the router on the head reaches the groups by gRPC across
+the bridge, and what it generates is stock transformers' greedy output.
+
+Real: Ray's processes (``ray start`` of a head and two worker nodes, each its own GCS or raylet,
+object store and workers at its host's address, token authentication on), the network stack
+between hosts (veth pairs on a bridge; each host its own loopback and TMPDIR, so no same-host
+socket or shared-memory path is found between them), Redis, Ray Serve, the router and the groups'
+gRPC servers. Faked: GPU counts only (``ray start --num-gpus``, on a machine without GPUs; torch
+sees no CUDA in the replicas, so the groups compute on CPU).
+
+Then, on the same cluster: a live migration of an expert from a group on one node to a group on
+the other under load, and a worker node lost whole (every process of its host killed), each with
+no failed and no wrong request.
+
+Marked ``multinode``, which ``make test`` deselects (``pytest -m multinode`` runs it, as root): three
+Ray nodes, Serve and ``up`` take 60-90 s to start on two cores before the first assertion, the
+module ~150 s in all, past the ~90 s a module may add to ``make test``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from expertmesh.bench.chaos.hosts import TestHosts, check_can_create, plan
+from expertmesh.bench.chaos.hosts_ray import HostsRayCluster, NodeSpec, island_nodes
+from expertmesh.bench.report import BenchError
+from expertmesh.contracts.topology import topology_from_dict
+from expertmesh.expert_group.deployment import island_resource
+from expertmesh.models.tiny import make_tiny_checkpoint
+from helpers import serving_address, stock_greedy
+
+
+def _why_not() -> str:
+    try:
+        check_can_create()
+    except BenchError as err:
+        return str(err)
+    return ""
+
+
+_WHY_NOT = _why_not()
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT or "namespaces work here"),
+]
+
+#: two worker nodes, one NVLink island of one GPU each: group gpu-0 on w1, gpu-1 on w2
+TOPOLOGY = {
+    "nodes": [
+        {"name": "w1", "islands": [{"name": "nvl-w1", "gpus": [{"id": 0, "memory_gb": 80}]}]},
+        {"name": "w2", "islands": [{"name": "nvl-w2", "gpus": [{"id": 1, "memory_gb": 80}]}]},
+    ]
+}
+#: per MoE layer (tiny Mixtral: 2 layers x 4 experts): every expert on both GPUs (half its tokens
+#: each way), except layer 0's expert 0 on GPU 0 alone (the one that moves, to GPU 1; after that a
+#: lost node leaves every expert a replica on the other)
+GPU_PLACEMENT = {
+    "layers": [
+        {
+            "layer": layer,
+            "experts": [
+                {"expert": e, "replicas": [{"gpu": 0, "share": 1.0}]}
+                if (layer, e) == (0, 0)
+                else {"expert": e, "replicas": [{"gpu": 0, "share": 0.5}, {"gpu": 1, "share": 0.5}]}
+                for e in range(4)
+            ],
+        }
+        for layer in range(2)
+    ]
+}
+GROUP_NODE = {"gpu-0": "w1", "gpu-1": "w2"}
+ROUTER_PORT = 50051
+ADMIN_PORT = 50052
+#: admin calls cross hosts (the client's migrate to the orchestrator, the orchestrator's loads to the groups)
+ADMIN_ENV = {"EXPERTMESH_ADMIN_TOKEN": secrets.token_hex(16)}
+REDIS_PORT = 6379
+PROMPT = [5, 9, 77, 3, 41]
+NEW_TOKENS = 8
+
+
+class Bed:
+    """The hosts, the Ray cluster and ``expertmesh up`` on it, and probes run inside hosts."""
+
+    def __init__(self, hosts: TestHosts, ray: HostsRayCluster, redis_url: str):
+        self.hosts, self.ray, self.redis_url = hosts, ray, redis_url
+        self.up: subprocess.Popen | None = None
+        self.up_lines: list[str] = []
+        self.target = ""
+        self.model = None
+
+    def python(self, host: str, code: str, *args: str, timeout: float = 120) -> str:
+        """``python -c code args`` inside ``host`` with the cluster's environment; its stdout."""
+        done = subprocess.run(
+            self.hosts.command(host, [sys.executable, "-c", code, *args]),
+            capture_output=True,
+            text=True,
+            env={**self.ray.environ(), **ADMIN_ENV},
+            timeout=timeout,
+        )
+        assert done.returncode == 0, f"probe on {host} failed:\n{done.stderr[-3000:]}"
+        return done.stdout
+
+    def json(self, host: str, code: str, *args: str) -> object:
+        return json.loads(self.python(host, code, *args).strip().splitlines()[-1])
+
+
+#: inside the head: every node and every actor as the GCS knows them (ray.nodes(), and the actor table:
+#: the state API's list_actors needs the dashboard, which these nodes do not run)
+RAY_STATE = """
+import json, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+nodes = [{"id": n["NodeID"], "ip": n["NodeManagerAddress"], "alive": n["Alive"], "resources": n["Resources"]}
+         for n in ray.nodes()]
+actors = [{"name": a["Name"], "class": a["ActorClassName"], "node": a["Address"]["NodeID"], "state": a["State"]}
+          for a in ray._private.state.actors().values()]
+print(json.dumps({"nodes": nodes, "actors": actors}))
+"""
+
+#: inside the client host: greedy tokens from the router, what ListModels says of its transports, the store's endpoints
+GENERATE = """
+import json, sys
+from expertmesh.client import Client
+from expertmesh.store import open_store
+with Client(sys.argv[1], timeout=120) as client:
+    chunks = list(client.generate(json.loads(sys.argv[2]), max_new_tokens=int(sys.argv[3]), stop_at_eos=False))
+    (info,) = client.models()
+store = open_store(sys.argv[4])
+print(json.dumps({"tokens": [t for c in chunks for t in c.token_ids],
+                  "transports": dict(info.group_transports), "endpoints": store.endpoints()}))
+"""
+
+
+def _ray_errors(ray: HostsRayCluster, lines: int = 40) -> str:
+    """The last lines of each node's Ray worker and Serve logs that name an error: why a replica failed."""
+    out = []
+    for host in ("head", "w1", "w2"):
+        for log in sorted(ray.logs(host).glob("*")) + sorted(ray.logs(host).glob("serve/*")):
+            if log.is_file() and log.suffix in (".err", ".log", ".out"):
+                text = log.read_text(errors="replace").splitlines()
+                hits = [i for i, line in enumerate(text) if "Error" in line or "Traceback" in line]
+                if hits:
+                    out.append(f"--- {host}: {log.name}\n" + "\n".join(text[hits[0] : hits[0] + lines]))
+    return "\n".join(out)[-8000:]
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory):
+    work = tmp_path_factory.mktemp("multinode")
+    model = make_tiny_checkpoint("mixtral", work / "mixtral", with_tokenizer=True, vocab_size=300)
+    (work / "topology.yaml").write_text(yaml.safe_dump(TOPOLOGY))
+    (work / "placement.json").write_text(json.dumps(GPU_PLACEMENT))
+    started = time.monotonic()
+    with TestHosts(plan(["redis", "head", "w1", "w2", "client"])) as hosts:
+        ray = HostsRayCluster(hosts, head="head")
+        redis_url = f"redis://{hosts.address('redis')}:{REDIS_PORT}/0"
+        state = Bed(hosts, ray, redis_url)
+        redis_argv = ["redis-server", "--bind", hosts.address("redis"), "--port", str(REDIS_PORT)]
+        redis = subprocess.Popen(
+            hosts.command("redis", [*redis_argv, "--save", "", "--appendonly", "no", "--protected-mode", "no"]),
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            ray.start(NodeSpec(num_cpus=0), island_nodes(topology_from_dict(TOPOLOGY)))
+            print(f"[multinode] Ray cluster of 3 nodes up after {time.monotonic() - started:.1f} s", file=sys.stderr)
+            state.up = subprocess.Popen(
+                hosts.command(
+                    "head",
+                    [
+                        sys.executable,
+                        "-m",
+                        "expertmesh.cli.main",
+                        "up",
+                        "--model",
+                        str(model),
+                        "--ray-address",
+                        ray.address,
+                        "--gpu-placement",
+                        str(work / "placement.json"),
+                        "--topology",
+                        str(work / "topology.yaml"),
+                        "--state-url",
+                        redis_url,
+                        "--host",
+                        hosts.address("head"),
+                        "--port",
+                        str(ROUTER_PORT),
+                        "--orchestrator",
+                        "--admin-port",
+                        str(ADMIN_PORT),
+                    ],
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                # groups bind every interface of their node and advertise its address (the node's IP in Ray)
+                env={**ray.environ(), "EXPERTMESH_GROUP_HOST": "0.0.0.0", **ADMIN_ENV},
+            )
+            for line in state.up.stdout:
+                state.up_lines.append(line)
+                if "expertmesh is serving" in line:
+                    state.target = serving_address(line)
+                    break
+            assert state.target, "".join(state.up_lines)[-3000:] + _ray_errors(ray)
+            print(f"[multinode] serving after {time.monotonic() - started:.1f} s", file=sys.stderr)
+            state.model = model
+            yield state
+        finally:
+            if state.up is not None and state.up.poll() is None:
+                state.up.terminate()
+                try:
+                    state.up.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    state.up.kill()
+            redis.kill()
+    # hosts.close() killed every process of every host (Ray's too) and deleted the namespaces
+
+
+def test_the_ray_cluster_has_a_head_and_two_worker_nodes_at_their_hosts_addresses(bed):
+    state = bed.json("head", RAY_STATE, bed.ray.address)
+    alive = {n["ip"]: n["resources"] for n in state["nodes"] if n["alive"]}
+    assert set(alive) == {bed.hosts.address(h) for h in ("head", "w1", "w2")}
+    assert "GPU" not in alive[bed.hosts.address("head")]
+    for node, island in (("w1", "nvl-w1"), ("w2", "nvl-w2")):
+        resources = alive[bed.hosts.address(node)]
+        assert resources["GPU"] == 1 and resources[island_resource(island)] == 1
+
+
+def test_each_expert_group_runs_on_the_node_of_the_island_it_names(bed):
+    state = bed.json("head", RAY_STATE, bed.ray.address)
+    node_ip = {n["id"]: n["ip"] for n in state["nodes"]}
+    replicas = {
+        a["name"].split("#")[1].removeprefix("group-"): node_ip[a["node"]]
+        for a in state["actors"]
+        if a["state"] == "ALIVE" and a["name"].startswith("SERVE_REPLICA::") and "#group-" in a["name"]
+    }
+    assert replicas == {group: bed.hosts.address(node) for group, node in GROUP_NODE.items()}, state["actors"]
+
+
+def test_the_router_on_the_head_reaches_the_groups_by_grpc_over_tcp_and_generates_what_transformers_does(bed):
+    from transformers import AutoModelForCausalLM
+
+    seen = bed.json("client", GENERATE, bed.target, json.dumps(PROMPT), str(NEW_TOKENS), bed.redis_url)
+    stock = AutoModelForCausalLM.from_pretrained(bed.model, experts_implementation="eager").eval()
+    assert seen["tokens"] == stock_greedy(stock, PROMPT, NEW_TOKENS)
+    # Each group serves at its node's address, and the router's connections to it cross the bridge:
+    # the head holds TCP connections to each group's port on its worker's address.
+    assert set(seen["endpoints"]) == set(GROUP_NODE)
+    head_conns = {remote for _, remote in bed.hosts.connections("head")}
+    for group, node in GROUP_NODE.items():
+        ip, port = seen["endpoints"][group].rsplit(":", 1)
+        assert ip == bed.hosts.address(node)
+        assert f"{ip}:{port}" in head_conns, (group, sorted(head_conns))
+        assert seen["transports"][group] in ("grpc-stream", "grpc-unary"), seen["transports"]
+
+
+#: inside the client host: requests from ``clients`` threads until $TMPDIR/stop exists, each checked
+#: against the expected tokens; "started" once the first has come back, then the counts as JSON
+LOAD = """
+import collections, json, os, sys, threading, time
+from expertmesh.client import Client
+target, prompt, n, expected, clients = sys.argv[1], *map(json.loads, sys.argv[2:6])
+stop, lock, first = os.path.join(os.environ["TMPDIR"], "stop"), threading.Lock(), threading.Event()
+counts = {"sent": 0, "failed": 0, "wrong": 0, "failures": collections.Counter()}
+def load():
+    with Client(target, timeout=60) as client:
+        while not os.path.exists(stop):
+            try:
+                tokens = [t for c in client.generate(prompt, max_new_tokens=n, stop_at_eos=False) for t in c.token_ids]
+                failure = None
+            except Exception as err:
+                tokens, failure = None, f"{type(err).__name__}: {str(err)[:200]}"
+            with lock:
+                counts["sent"] += 1
+                counts["failed"] += failure is not None
+                counts["wrong"] += failure is None and tokens != expected
+                if failure:
+                    counts["failures"][failure] += 1
+            first.set()
+threads = [threading.Thread(target=load) for _ in range(clients)]
+for t in threads:
+    t.start()
+first.wait()
+print("started", flush=True)
+for t in threads:
+    t.join()
+print(json.dumps(counts))
+"""
+
+#: inside the client host: the store's replicas of each (layer, expert)
+REPLICAS = """
+import json, sys
+from expertmesh.store import open_store
+table = open_store(sys.argv[1]).routing_table()
+print(json.dumps({f"{l}/{e}": list(groups) for (l, e), groups in table.replicas.items()}))
+"""
+
+
+class Load:
+    """``LOAD`` running in the client host while the test does something to the platform."""
+
+    def __init__(self, bed: Bed, clients: int = 2):
+        from transformers import AutoModelForCausalLM
+
+        stock = AutoModelForCausalLM.from_pretrained(bed.model, experts_implementation="eager").eval()
+        expected = stock_greedy(stock, PROMPT, NEW_TOKENS)
+        self.stop_file = bed.hosts.tmpdir("client") / "stop"
+        self.stop_file.unlink(missing_ok=True)
+        argv = [sys.executable, "-c", LOAD, bed.target, json.dumps(PROMPT), str(NEW_TOKENS), json.dumps(expected)]
+        self.proc = subprocess.Popen(
+            bed.hosts.command("client", [*argv, str(clients)]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=bed.ray.environ(),
+        )
+        assert self.proc.stdout.readline().strip() == "started", self.proc.stderr.read()[-3000:]
+
+    def finish(self, after_s: float) -> dict:
+        """The counts, after ``after_s`` more seconds of load."""
+        time.sleep(after_s)
+        self.stop_file.touch()
+        out, err = self.proc.communicate(timeout=180)
+        assert self.proc.returncode == 0, err[-3000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_live_migration_between_groups_on_two_nodes_under_load_fails_no_request(bed):
+    """Layer 0's expert 0 moves from gpu-0 (node w1) to gpu-1 (node w2) by the orchestrator's
+    make-before-break migration while two clients generate: every request answers, and correctly."""
+    load = Load(bed)
+    migrate = subprocess.run(
+        bed.hosts.command(
+            "client",
+            [sys.executable, "-m", "expertmesh.cli.main", "migrate", "--layer", "0", "--expert", "0"]
+            + ["--from", "gpu-0", "--to", "gpu-1", "--wait", "--admin", f"{bed.hosts.address('head')}:{ADMIN_PORT}"],
+        ),
+        capture_output=True,
+        text=True,
+        env={**bed.ray.environ(), **ADMIN_ENV},
+        timeout=300,
+    )
+    counts = load.finish(after_s=2)
+    print(f"[multinode] during the migration: {counts}", file=sys.stderr)
+    assert migrate.returncode == 0, migrate.stdout + migrate.stderr
+    assert "succeeded" in migrate.stdout, migrate.stdout
+    assert counts["sent"] > 0 and counts["failed"] == 0 and counts["wrong"] == 0, counts
+    replicas = bed.json("client", REPLICAS, bed.redis_url)
+    assert replicas["0/0"] == ["gpu-1"], replicas
+
+
+def test_a_lost_worker_node_fails_no_request_when_its_experts_have_replicas_on_the_other(bed):
+    """Every process of node w1 killed (its raylet, workers and group gpu-0) under load: after the
+    move above every expert has a replica on w2, so the router re-plans gpu-0's tokens onto gpu-1
+    within the step and no request fails or changes."""
+    replicas = bed.json("client", REPLICAS, bed.redis_url)
+    assert all("gpu-1" in groups for groups in replicas.values()), replicas
+    load = Load(bed)
+    assert bed.ray.kill("w1") > 0
+    counts = load.finish(after_s=8)
+    print(f"[multinode] after node w1 was lost: {counts}", file=sys.stderr)
+    assert counts["sent"] > 0 and counts["failed"] == 0 and counts["wrong"] == 0, counts

@@ -354,7 +354,8 @@ def test_queue_time_is_recorded_once_per_request_even_when_preempted(model, monk
     from expertmesh.serving import engine as engine_module
 
     reader = InMemoryMetricReader()
-    monkeypatch.setattr(engine_module, "meter", lambda: MeterProvider(metric_readers=[reader]).get_meter("expertmesh"))
+    provider = MeterProvider(metric_readers=[reader])  # one: a reader belongs to one provider
+    monkeypatch.setattr(engine_module, "meter", lambda: provider.get_meter("expertmesh"))
     _, usage = _run(_engine(model, 14), [*GREEDY, SAMPLED])
     (histogram,) = [
         m.data.data_points[0]

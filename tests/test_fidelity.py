@@ -75,6 +75,9 @@ def test_placement_file_with_hot_replica_and_live_load(tiny_checkpoints, tmp_pat
         for e in range(4):
             moved[(0, e)] = ("hot",)
         assert plane.store.publish_routing_table(RoutingTable(table.version + 1, table.num_experts, moved))
+        # The watcher's thread reads the store every 0.25 s; a compare can be over before its next round, so
+        # the round runs now (as the thread would): the next step swaps the new view in.
+        assert plane.watcher.poll_once()
         report = verify.compare(plane, tokens=16)
         assert plane.watcher.table.version == table.version + 1
         assert report.passed, report.summary()

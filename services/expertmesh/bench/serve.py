@@ -194,19 +194,13 @@ def _main(args: argparse.Namespace) -> int:
     if options.shared_prefix:
         from expertmesh.bench.shared_prefix import prefix_table, run_shared_prefix
 
-        result = run_shared_prefix(options)
-        print(prefix_table(result))
-        write_json(args.out, result)
-        print(f"wrote {args.out}")
-        return 0
-    if options.sweep:
-        result = run_sweep(options)
-        print(sweep_table(result))
-        write_json(args.out, result)
-        print(f"wrote {args.out}")
-        return 0
-    result = run(options)
-    print(table(result))
+        measure, show = run_shared_prefix, prefix_table
+    elif options.sweep:
+        measure, show = run_sweep, sweep_table
+    else:
+        measure, show = run, table
+    result = measure(options)
+    print(show(result))
     write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0

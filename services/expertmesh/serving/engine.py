@@ -208,6 +208,7 @@ class Sequence:
     widen: int = 0
     rollbacks: int = 0
     answer_text: str = ""
+    prompt_text: str | None = None
     done: bool = False
     #: it ended with an error (its blocks may hold what a broken step computed: never cached)
     failed: bool = False
@@ -895,7 +896,9 @@ class Engine:
         started = time.perf_counter()
         texts = ("", "", "")
         if scorer.needs_text and self._tokenizer is not None:
-            texts = (self._tokenizer.decode(seq.request.prompt_ids), seq.answer_text, self._tokenizer.decode([token]))
+            if seq.prompt_text is None:  # decoded once per sequence, not at every check
+                seq.prompt_text = self._tokenizer.decode(seq.request.prompt_ids)
+            texts = (seq.prompt_text, seq.answer_text, self._tokenizer.decode([token]))
         score = scorer.score(Check(row, token, *texts))
         labels = {"scorer": guard.scorer}
         self._guard_time.record((time.perf_counter() - started) * 1e3, labels)

@@ -19,7 +19,7 @@ from expertmesh.contracts import wire
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.observability.remote import domain_load
 from expertmesh.router.policy.quality import PolicyQuality, Tally, kl_and_top1, same_positions
-from expertmesh.router.policy.routing_policy import PolicyError, parse_policy
+from expertmesh.router.policy.routing_policy import PolicyError, RoutingPolicy, parse_policy
 from expertmesh.v1 import inference_pb2 as pb
 
 
@@ -40,17 +40,8 @@ def evaluate(
         except grpc.RpcError as err:
             raise ExpertMeshError(f"{target}: {err.code().name}: {err.details()}") from None
 
-    try:
-        info = client.models()[0]
-    except grpc.RpcError as err:
-        raise ExpertMeshError(f"cannot reach the router at {target}: {err.code().name}: {err.details()}") from None
-    try:
-        policy = parse_policy(policy_name, dict(given), info.top_k, info.num_experts)
-    except PolicyError as err:
-        flag = "--policy" if err.field.endswith(".name") else "--" + err.field.rsplit(".", 1)[1].replace("_", "-")
-        raise InvalidRequest(f"{flag}: {str(err).split(': ', 1)[1]}") from None
-    wanted = pb.RoutingPolicy(name=policy.name, force=True, **{k: v for k, v in policy.active().items()})
-    exact = pb.RoutingPolicy(name="exact")
+    info, policy, wanted = _policy_request(client, target, policy_name, given)
+    exact = _EXACT
 
     def score_all(routing):
         """Each query's next-token log-probs [P, V] under ``routing``, and each domain's expert choices."""
@@ -65,18 +56,7 @@ def evaluate(
         return out, {d: float((load - before.get(d, 0)).sum()) for d, load in after.items()}
 
     def greedy(example, routing) -> list[int]:
-        chunks = call(
-            lambda: list(
-                client.generate(
-                    example.text,
-                    max_new_tokens=max_tokens,
-                    stop_at_eos=False,
-                    routing_policy=routing,
-                    domain=example.domain,
-                )
-            )
-        )
-        return [t for c in chunks for t in c.token_ids]
+        return _greedy(client, target, example, max_tokens, routing)[0]
 
     exact_logp, exact_choices = score_all(exact)
     policy_logp, policy_choices = score_all(wanted)
@@ -137,38 +117,19 @@ def evaluate_guard(
 ) -> GuardFigures:
     """``policy_name``'s greedy answers to ``examples`` without and with the consistency guard ``scorer``,
     each against exact routing's, through ``client`` (the router at ``target``)."""
-    info = client.models()[0]
-    try:
-        policy = parse_policy(policy_name, dict(given), info.top_k, info.num_experts)
-    except PolicyError as err:
-        raise InvalidRequest(str(err)) from None
-    wanted = pb.RoutingPolicy(name=policy.name, force=True, **{k: v for k, v in policy.active().items()})
+    _, policy, wanted = _policy_request(client, target, policy_name, given)
     guard = pb.ConsistencyGuard(scorer=scorer, recompute=recompute)
     if threshold is not None:
         guard.threshold = threshold
     off = pb.ConsistencyGuard(scorer="")  # not the server's default either
 
     def greedy(example, routing, consistency_guard) -> tuple[list[int], float]:
-        started = time.perf_counter()
-        try:
-            chunks = list(
-                client.generate(
-                    example.text,
-                    max_new_tokens=max_tokens,
-                    stop_at_eos=False,
-                    routing_policy=routing,
-                    domain=example.domain,
-                    consistency_guard=consistency_guard,
-                )
-            )
-        except grpc.RpcError as err:
-            raise ExpertMeshError(f"{target}: {err.code().name}: {err.details()}") from None
-        return [t for c in chunks for t in c.token_ids], time.perf_counter() - started
+        return _greedy(client, target, example, max_tokens, routing, consistency_guard)
 
     same = same_guarded = positions = tokens = tokens_guarded = 0
     seconds = seconds_guarded = 0.0
     for example in examples:
-        exact, _ = greedy(example, pb.RoutingPolicy(name="exact"), off)
+        exact, _ = greedy(example, _EXACT, off)
         plain, t = greedy(example, wanted, off)
         guarded, t_guarded = greedy(example, wanted, guard)
         same += same_positions(exact, plain)
@@ -187,3 +148,50 @@ def evaluate_guard(
         seconds_guarded / max(tokens_guarded, 1) * 1e3,
         positions,
     )
+
+
+_EXACT = pb.RoutingPolicy(name="exact")
+
+
+def _policy_request(
+    client: Client, target: str, policy_name: str, given: Mapping[str, float]
+) -> tuple[pb.ModelInfo, RoutingPolicy, pb.RoutingPolicy]:
+    """The router's model, the policy parsed against it (errors name the command's flags), and the policy as
+    requests send it (forced: past the router's quality guard, which this measurement feeds)."""
+    try:
+        info = client.models()[0]
+    except grpc.RpcError as err:
+        raise ExpertMeshError(f"cannot reach the router at {target}: {err.code().name}: {err.details()}") from None
+    try:
+        policy = parse_policy(policy_name, dict(given), info.top_k, info.num_experts)
+    except PolicyError as err:
+        flag = "--policy" if err.field.endswith(".name") else "--" + err.field.rsplit(".", 1)[1].replace("_", "-")
+        raise InvalidRequest(f"{flag}: {str(err).split(': ', 1)[1]}") from None
+    wanted = pb.RoutingPolicy(name=policy.name, force=True, **{k: v for k, v in policy.active().items()})
+    return info, policy, wanted
+
+
+def _greedy(
+    client: Client,
+    target: str,
+    example: Example,
+    max_tokens: int,
+    routing: pb.RoutingPolicy,
+    consistency_guard: pb.ConsistencyGuard | None = None,
+) -> tuple[list[int], float]:
+    """``example``'s greedy tokens under ``routing`` (and the guard, when given), and the seconds they took."""
+    started = time.perf_counter()
+    try:
+        chunks = list(
+            client.generate(
+                example.text,
+                max_new_tokens=max_tokens,
+                stop_at_eos=False,
+                routing_policy=routing,
+                domain=example.domain,
+                consistency_guard=consistency_guard,
+            )
+        )
+    except grpc.RpcError as err:
+        raise ExpertMeshError(f"{target}: {err.code().name}: {err.details()}") from None
+    return [t for c in chunks for t in c.token_ids], time.perf_counter() - started

@@ -70,6 +70,11 @@ def test_percentile_and_int_lists():
             ["serve", "--classifier", "--prompt-tokens", "8"],
             "no query of the classifier's eval split fits --prompt-tokens 8",
         ),
+        (["serve", "--guard", "self", "--sweep", "1,2"], "--sweep and --guard are different runs; choose one"),
+        (["serve", "--guard", "self", "--target", "127.0.0.1:1"], "drop --target"),
+        (["serve", "--guard", "self", "--guard-policies", "delta_gap,exact"], "exact is the reference"),
+        (["serve", "--guard", "self", "--guard-policies", ","], "name at least one routing policy"),
+        (["serve", "--guard", "self", "--guard-threshold", "1.5"], "--guard-threshold must be between 0 and 1"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, checkpoint, tmp_path, argv, message):
@@ -435,3 +440,37 @@ def test_serve_shared_prefix_reports_cache_on_and_off_with_the_same_answers(caps
     assert len(on["later_ttft_ms"]) == 2 and on["later_over_first"] > 0
     code, out, err = _run(capsys, "serve", "--model", checkpoint, "--shared-prefix", 40, "--prompt-tokens", 40)
     assert code == 2 and "must be below --prompt-tokens 40" in err
+
+
+def test_serve_guard_measures_each_policy_without_and_with_the_guard_against_exact(
+    capsys, checkpoint, ray_session, tmp_path, monkeypatch
+):
+    """The consistency guard at load on the tiny model (random weights: the figures mean nothing, their
+    consistency does). Threshold 1 makes every scored token roll back (p / (p + p2) < 1), so the guarded run
+    must report rollbacks; the bad-case rates must be what the runs' own tokens give against exact's."""
+    from expertmesh.bench import guarded_serve
+    from expertmesh.router.policy.quality import same_positions
+
+    monkeypatch.setattr(guarded_serve, "PROFILE_QUERIES_PER_DOMAIN", 2)  # profiles from 18 queries, not 360
+    out_file = tmp_path / "guard.json"
+    code, out, _ = _run(capsys, "serve", "--model", checkpoint, "--guard", "self", "--guard-threshold", 1,
+                        "--guard-policies", "delta_gap", "--clients", 2, "--requests-per-client", 2,
+                        "--max-new-tokens", 3, "--prompt-tokens", 100, "--out", out_file)  # fmt: skip
+    assert code == 0, out
+    result = json.loads(out_file.read_text())
+    exact, plain, guarded = result["runs"]
+    assert [r["name"] for r in result["runs"]] == [
+        "exact: 2 clients",
+        "delta_gap: 2 clients",
+        "delta_gap + guard self: 2 clients",
+    ]
+    assert result["setup"]["guard"] == {"scorer": "self", "threshold": 1, "recompute": "widened"}
+    assert result["setup"]["profiles"]["queries"] == 18
+    (policy,) = result["policies"]
+    assert policy["positions"] == 4 * 3 and all(len(ids) == 3 for ids in guarded["token_ids"])
+    assert policy["rollbacks"] > 0 and policy["checks"] >= policy["rollbacks"]
+    for run, rate in ((plain, policy["bad_rate"]), (guarded, policy["bad_rate_guarded"])):
+        same = sum(same_positions(a, b) for a, b in zip(exact["token_ids"], run["token_ids"]))
+        assert rate == pytest.approx(1 - same / 12)
+    assert policy["added_ms_per_token"] == pytest.approx(policy["itl_mean_ms_guarded"] - policy["itl_mean_ms"])
+    assert "delta_gap" in out and "bad-case rate" in out

@@ -101,6 +101,10 @@ class Options:
     device: str = "auto"  # of the router's model and the baseline: auto, cpu, cuda, cuda:N
     sweep: tuple[int, ...] = ()  # client counts: the whole benchmark at each (see the module's docstring)
     shared_prefix: int = 0  # tokens of a prompt prefix all requests share: the prefix-cache run instead
+    guard: str = ""  # a consistency-guard scorer: the guard's run at load instead (bench.guarded_serve)
+    guard_policies: tuple[str, ...] = ("delta_gap", "restrict")
+    guard_threshold: float | None = None  # None: the guard's default (0.65)
+    guard_recompute: str = "widened"
 
 
 _RUNNERS = {"ray": "groups on Ray Serve", "process": "groups as plain processes"}
@@ -164,16 +168,33 @@ def add_command(bench_commands) -> None:
         help="instead: the prefix-cache run, requests whose prompts share this many leading tokens, the first alone, "
         "the other --clients - 1 after it, with prefix caching on and off (default: off)",
     )
+    p.add_argument(
+        "--guard",
+        choices=["self", "embedding"],
+        help="instead: the consistency guard at load with this scorer, text prompts with their domains, each policy "
+        "of --guard-policies without and with the guard against exact: bad-case rate and added ms per token "
+        "(default model: the trained domain model; default: off)",
+    )
+    p.add_argument(
+        "--guard-policies",
+        default="delta_gap,restrict",
+        help="comma-separated routing policies the guard run measures (default delta_gap,restrict)",
+    )
+    p.add_argument("--guard-threshold", type=float, help="the guard's threshold, 0-1 (default: 0.65)")
+    p.add_argument(
+        "--guard-recompute",
+        choices=["widened", "exact"],
+        default="widened",
+        help="how the guard computes a token again: widened (top-3, the default) or exact (the stock gate)",
+    )
     add_platform_arguments(p)
     p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
     p.set_defaults(run=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    from expertmesh.models.embedded import default_checkpoint
-
     options = Options(
-        model=args.model or default_checkpoint(),
+        model=_model(args),
         target=args.target,
         groups=check_positive(args.groups, "--groups"),
         dtype=args.dtype,
@@ -190,8 +211,17 @@ def _main(args: argparse.Namespace) -> int:
         device=args.device,
         sweep=tuple(parse_int_list(args.sweep, "--sweep")) if args.sweep else (),
         shared_prefix=args.shared_prefix and check_positive(args.shared_prefix, "--shared-prefix"),
+        guard=args.guard or "",
+        guard_policies=tuple(p.strip() for p in args.guard_policies.split(",") if p.strip()),
+        guard_threshold=args.guard_threshold,
+        guard_recompute=args.guard_recompute,
     )
-    if options.shared_prefix:
+    _check_modes(options)
+    if options.guard:
+        from expertmesh.bench.guarded_serve import guarded_table, run_guarded
+
+        measure, show = run_guarded, guarded_table
+    elif options.shared_prefix:
         from expertmesh.bench.shared_prefix import prefix_table, run_shared_prefix
 
         measure, show = run_shared_prefix, prefix_table
@@ -204,6 +234,35 @@ def _main(args: argparse.Namespace) -> int:
     write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
+
+
+def _model(args: argparse.Namespace) -> Path:
+    """--model: a checkpoint folder or ``domain-moe`` (the trained domain model, trained on first use); unset,
+    the embedded tiny model, or with --guard the domain model (its routing means something)."""
+    from expertmesh.models.domain_moe import ALIAS, cached_checkpoint
+    from expertmesh.models.embedded import default_checkpoint
+
+    if str(args.model) == ALIAS or (args.model is None and args.guard):
+        return cached_checkpoint()
+    return args.model or default_checkpoint()
+
+
+def _check_modes(options: Options) -> None:
+    """One kind of run per command, and the guard run's own limits."""
+    modes = [f for f, on in (("--sweep", options.sweep), ("--shared-prefix", options.shared_prefix),
+                             ("--guard", options.guard)) if on]  # fmt: skip
+    if len(modes) > 1:
+        raise BenchError(f"{' and '.join(modes)} are different runs; choose one")
+    if not options.guard:
+        return
+    if options.target:
+        raise BenchError("--guard starts its own platform (its profiles go into that platform's store); drop --target")
+    if not options.guard_policies:
+        raise BenchError("--guard-policies: name at least one routing policy, e.g. delta_gap")
+    if "exact" in options.guard_policies:
+        raise BenchError("--guard-policies: exact is the reference and is never guarded; name other policies")
+    if options.guard_threshold is not None and not 0 <= options.guard_threshold <= 1:
+        raise BenchError(f"--guard-threshold must be between 0 and 1, got {options.guard_threshold:g}")
 
 
 def validate(options: Options):
@@ -303,9 +362,10 @@ def run(options: Options) -> dict:
 
 
 @contextmanager
-def served_here(options: Options, checkpoint, device, **serving) -> Iterator:
+def served_here(options: Options, checkpoint, device, ready: Callable | None = None, **serving) -> Iterator:
     """``expertmesh up`` in this process over a fresh data plane for ``options``: its gRPC server (``serving``:
-    ServingConfig fields beside the benchmark's limits), drained and stopped at the end."""
+    ServingConfig fields beside the benchmark's limits), drained and stopped at the end. ``ready(plane,
+    target)`` runs once it serves, before the server is handed over."""
     from expertmesh.config.settings import DataPlaneConfig, ServingConfig
     from expertmesh.platform.router_apis import serve_plane
 
@@ -330,6 +390,8 @@ def served_here(options: Options, checkpoint, device, **serving) -> Iterator:
             ),
         )
         try:
+            if ready is not None:
+                ready(plane, f"127.0.0.1:{server.port}")
             yield server
         finally:
             server.drain_and_stop()

@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
+from expertmesh.contracts.errors import InvalidRequest
 
 
 def add_command(commands) -> None:
@@ -80,13 +79,11 @@ def _shared_store_url(args, file_flag: str, file_given: bool) -> str | None:
 
 
 def _build(args) -> int:
-    import grpc
-
     from expertmesh.classifier.corpus import load_examples
     from expertmesh.client import Client
-    from expertmesh.observability.remote import domain_load
-    from expertmesh.router.policy.profiles import build_profiles, save_profiles, write_profiles_file
+    from expertmesh.router.policy.profiles import save_profiles, write_profiles_file
     from expertmesh.store import open_store
+    from expertmesh.verify.profiles import measure_profiles
 
     if args.max_tokens < 1 or args.concurrency < 1:
         raise InvalidRequest("--max-tokens and --concurrency must be at least 1")
@@ -95,39 +92,8 @@ def _build(args) -> int:
     examples = load_examples(args.queries)
     url = _shared_store_url(args, "--out FILE.json", args.out is not None)
     with Client(args.target, timeout=args.timeout) as client:
-        try:
-            moe_layers = tuple(client.models()[0].moe_layers)
-        except grpc.RpcError as err:
-            raise ExpertMeshError(
-                f"cannot reach the router at {args.target}: {err.code().name}: {err.details()}"
-            ) from None
-        before = domain_load(client)
-
-        def run(example) -> None:
-            chunks = client.generate(
-                example.text,
-                max_new_tokens=args.max_tokens,
-                stop_at_eos=False,
-                routing_policy="exact",
-                domain=example.domain,
-            )
-            try:
-                for _ in chunks:
-                    pass
-            except grpc.RpcError as err:
-                raise ExpertMeshError(
-                    f"query {example.text[:40]!r} ({example.domain}): {err.code().name}: {err.details()}"
-                ) from None
-
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            list(pool.map(run, examples))
-        after = domain_load(client)
-    added = {d: load - before.get(d, 0) for d, load in after.items()}
-    profiles = build_profiles(added, moe_layers)
-    if not profiles:
-        raise ExpertMeshError(
-            f"the router at {args.target} counted no tokens by domain; is it an expertmesh router of this version?"
-        )
+        profiles = measure_profiles(client, args.target, examples, args.max_tokens, args.concurrency)
+        moe_layers = next(iter(profiles.values())).moe_layers
     where = []
     if args.out is not None:
         write_profiles_file(args.out, profiles)

@@ -361,6 +361,7 @@ class Engine:
         self._guard_time = meter().create_histogram(
             "expertmesh.consistency.scorer_time", unit="ms", description="time of one consistency check, by scorer"
         )
+        self._guard_tally = [0, 0]  # checks, rollbacks: the metrics' totals, for benchmarks in this process
 
     @staticmethod
     def _kv_pool(model, limits: EngineLimits, max_context: int) -> tuple[BlockPool, KVPool]:
@@ -475,6 +476,10 @@ class Engine:
     def kv_usage(self) -> KVUsage | None:
         """The KV pool's use at the latest step boundary (None under the per-sequence fallback, which has no pool)."""
         return self._kv_usage
+
+    def guard_tally(self) -> tuple[int, int]:
+        """(checks, rollbacks) of the consistency guard since the engine started."""
+        return self._guard_tally[0], self._guard_tally[1]
 
     def load(self) -> tuple[int, int]:
         """(active, queued) sequences right now."""
@@ -905,9 +910,11 @@ class Engine:
         if score is None:
             return False
         self._guard_checks.add(1, labels)
+        self._guard_tally[0] += 1
         if score >= guard.threshold:
             return False
         self._guard_rollbacks.add(1, labels)
+        self._guard_tally[1] += 1
         seq.rollbacks += 1
         span = _request_span(seq)
         if span is not None:

@@ -40,8 +40,8 @@ def evaluate(
         except grpc.RpcError as err:
             raise ExpertMeshError(f"{target}: {err.code().name}: {err.details()}") from None
 
-    info, policy, wanted = _policy_request(client, target, policy_name, given)
-    exact = _EXACT
+    info, policy, wanted = policy_request(client, target, policy_name, given)
+    exact = EXACT
 
     def score_all(routing):
         """Each query's next-token log-probs [P, V] under ``routing``, and each domain's expert choices."""
@@ -117,7 +117,7 @@ def evaluate_guard(
 ) -> GuardFigures:
     """``policy_name``'s greedy answers to ``examples`` without and with the consistency guard ``scorer``,
     each against exact routing's, through ``client`` (the router at ``target``)."""
-    _, policy, wanted = _policy_request(client, target, policy_name, given)
+    _, policy, wanted = policy_request(client, target, policy_name, given)
     guard = pb.ConsistencyGuard(scorer=scorer, recompute=recompute)
     if threshold is not None:
         guard.threshold = threshold
@@ -129,7 +129,7 @@ def evaluate_guard(
     same = same_guarded = positions = tokens = tokens_guarded = 0
     seconds = seconds_guarded = 0.0
     for example in examples:
-        exact, _ = greedy(example, _EXACT, off)
+        exact, _ = greedy(example, EXACT, off)
         plain, t = greedy(example, wanted, off)
         guarded, t_guarded = greedy(example, wanted, guard)
         same += same_positions(exact, plain)
@@ -150,10 +150,10 @@ def evaluate_guard(
     )
 
 
-_EXACT = pb.RoutingPolicy(name="exact")
+EXACT = pb.RoutingPolicy(name="exact")
 
 
-def _policy_request(
+def policy_request(
     client: Client, target: str, policy_name: str, given: Mapping[str, float]
 ) -> tuple[pb.ModelInfo, RoutingPolicy, pb.RoutingPolicy]:
     """The router's model, the policy parsed against it (errors name the command's flags), and the policy as

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -22,6 +21,7 @@ from expertmesh.orchestrator.kube.api import create_migration_object
 from expertmesh.orchestrator.kube.resource import MigrationSpec, Origin
 from expertmesh.orchestrator.migration.state import MigrationMode
 from expertmesh.store import open_store
+from helpers import orchestrator_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -39,25 +39,7 @@ def test_the_orchestrator_process_runs_expertmigrations(redis_url, tiny_checkpoi
     placement.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}, "g1": {"*": [2, 3]}}}))
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"} | {"KUBECONFIG": str(kubeconfig)}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "expertmesh.cli.main",
-            "--log-format",
-            "text",
-            "orchestrator",
-            "--state-url",
-            url,
-            "--model",
-            str(path),
-            "--placement",
-            str(placement),
-            "--admin-host",
-            "127.0.0.1",
-            "--admin-port",
-            "0",
-            "--kube",
-        ],
+        orchestrator_argv(url, path, placement, "--kube"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

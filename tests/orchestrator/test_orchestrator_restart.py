@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -26,7 +25,7 @@ from expertmesh.orchestrator.migration.state import Phase, load
 from expertmesh.store import open_store
 from expertmesh.v1 import admin_pb2 as pb
 from expertmesh.v1 import admin_pb2_grpc as pb_grpc
-from helpers import wait_for
+from helpers import orchestrator_argv, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -37,27 +36,7 @@ DATABASE = 6
 class Orchestrator:
     def __init__(self, url: str, model, placement):
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "expertmesh.cli.main",
-                "--log-format",
-                "text",
-                "orchestrator",
-                "--state-url",
-                url,
-                "--model",
-                str(model),
-                "--placement",
-                str(placement),
-                "--admin-host",
-                "127.0.0.1",
-                "--admin-port",
-                "0",
-                "--no-kube",
-                "--interval",
-                "0.5",
-            ],
+            orchestrator_argv(url, model, placement, "--no-kube", "--interval", "0.5"),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

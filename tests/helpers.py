@@ -28,6 +28,30 @@ def wait_for(predicate, what: str, timeout_s: float = 60.0, poll_s: float = 0.1)
     return value
 
 
+def orchestrator_argv(state_url: str, model, placement, *flags: str, admin_port: int = 0) -> list[str]:
+    """The command line of ``expertmesh orchestrator`` (text logs) over ``state_url``, ``model`` and the
+    ``placement`` file, its admin API on 127.0.0.1:``admin_port`` (0: any free port), then ``flags``."""
+    return [
+        sys.executable,
+        "-m",
+        "expertmesh.cli.main",
+        "--log-format",
+        "text",
+        "orchestrator",
+        "--state-url",
+        state_url,
+        "--model",
+        str(model),
+        "--placement",
+        str(placement),
+        "--admin-host",
+        "127.0.0.1",
+        "--admin-port",
+        str(admin_port),
+        *flags,
+    ]
+
+
 def first_line(proc: subprocess.Popen, timeout: float) -> str:
     """The first line of ``proc``'s stdout; "" if it exits first. Kills it past ``timeout``: a process
     that never prints must fail its test, not hang the suite in ``readline``."""

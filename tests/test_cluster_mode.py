@@ -28,7 +28,7 @@ from expertmesh.expert_group.deployment import APP_NAME, build_app
 from expertmesh.infra.ports import free_port_range
 from expertmesh.models.tiny import make_tiny_checkpoint
 from expertmesh.store import open_store
-from helpers import first_line, serving_address, wait_for
+from helpers import first_line, orchestrator_argv, serving_address, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -245,22 +245,7 @@ def test_orchestrator_on_a_taken_admin_port_exits_2(tmp_path, redis_url):
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "expertmesh.cli.main",
-                "orchestrator",
-                "--state-url",
-                redis_url,
-                "--model",
-                str(model),
-                "--placement",
-                str(placement),
-                "--admin-host",
-                "127.0.0.1",
-                "--admin-port",
-                str(port),
-            ],
+            orchestrator_argv(redis_url, model, placement, admin_port=port),
             capture_output=True,
             text=True,
             timeout=120,

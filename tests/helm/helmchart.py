@@ -160,6 +160,29 @@ def values_of(name: str) -> dict:
     return merge(base, yaml.safe_load(path.read_text()))
 
 
+def crd_names(crd: dict) -> tuple:
+    """What a CRD of one version declares about itself: (group, scope, kind, plural, version, served,
+    storage, subresources)."""
+    spec = crd["spec"]
+    (version,) = spec["versions"]
+    return (
+        spec["group"],
+        spec["scope"],
+        spec["names"]["kind"],
+        spec["names"]["plural"],
+        version["name"],
+        version["served"],
+        version["storage"],
+        version["subresources"],
+    )
+
+
+def printer_columns(crd: dict) -> list[tuple[str, str]]:
+    """The columns ``kubectl get`` shows of a CRD of one version (priority 0): (heading, jsonPath)."""
+    (version,) = crd["spec"]["versions"]
+    return [(c["name"].upper(), c["jsonPath"]) for c in version["additionalPrinterColumns"] if not c.get("priority")]
+
+
 def structural_problems(node: dict, where: str = "") -> list[str]:
     """Nodes of a CRD's openAPIV3Schema that name no type (the API server refuses a non-structural schema)."""
     problems = [] if "type" in node else [f"{where}: no type"]

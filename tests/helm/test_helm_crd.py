@@ -19,7 +19,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from helmchart import CHART, K8S_VERSIONS, structural_problems, template_args
+from helmchart import CHART, K8S_VERSIONS, crd_names, printer_columns, structural_problems, template_args
 
 from expertmesh.orchestrator.kube.conditions import refused_status, status_of
 from expertmesh.orchestrator.kube.resource import API_VERSION, GROUP, KIND, PLURAL, VERSION
@@ -59,18 +59,8 @@ def test_the_crd_validates_against_the_kubernetes_openapi_schema(crd, version):
 
 
 def test_the_crd_names_scope_subresource_and_printer_columns(crd):
-    spec = crd["spec"]
-    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (
-        GROUP,
-        "Namespaced",
-        KIND,
-        PLURAL,
-    )
-    (version,) = spec["versions"]
-    assert (version["name"], version["served"], version["storage"]) == (VERSION, True, True)
-    assert version["subresources"] == {"status": {}}
-    columns = [(c["name"].upper(), c["jsonPath"]) for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert columns == [
+    assert crd_names(crd) == (GROUP, "Namespaced", KIND, PLURAL, VERSION, True, True, {"status": {}})
+    assert printer_columns(crd) == [
         ("LAYER", ".spec.layer"),
         ("EXPERT", ".spec.expert"),
         ("FROM", ".status.source"),

@@ -14,7 +14,7 @@ import copy
 import jsonschema
 import kubernetes_validate
 import pytest
-from helmchart import CHART, K8S_VERSIONS, structural_problems
+from helmchart import CHART, K8S_VERSIONS, crd_names, printer_columns, structural_problems
 
 from expertmesh.orchestrator.health.monitor import ReplicaStatus
 from expertmesh.orchestrator.health.state import HealthState, Initiator, ReplicaId, ReplicaRecord
@@ -30,22 +30,8 @@ def test_the_crd_validates_against_the_kubernetes_openapi_schema(crd, version):
 
 
 def test_the_crd_names_scope_subresource_and_printer_columns(crd):
-    spec = crd["spec"]
-    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (
-        GROUP,
-        "Namespaced",
-        KIND,
-        PLURAL,
-    )
-    (version,) = spec["versions"]
-    assert (version["name"], version["served"], version["storage"], version["subresources"]) == (
-        VERSION,
-        True,
-        True,
-        {"status": {}},
-    )
-    columns = [(c["name"].upper(), c["jsonPath"]) for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert columns == [
+    assert crd_names(crd) == (GROUP, "Namespaced", KIND, PLURAL, VERSION, True, True, {"status": {}})
+    assert printer_columns(crd) == [
         ("LAYER", ".spec.layer"),
         ("EXPERT", ".spec.expert"),
         ("GROUP", ".spec.group"),

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Self
 
@@ -22,7 +24,7 @@ from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.expert_group.service import start_server
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.hosted_experts import HostedExperts
-from expertmesh.store import RouterHeartbeat, StateStore
+from expertmesh.store import RouterHeartbeat, StateStore, open_store
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 
@@ -70,6 +72,22 @@ def start_mesh(store: StateStore, path, target_path=None, target_budget: int | N
         store.set_endpoint(name, f"127.0.0.1:{port}")
     assert store.publish_routing_table(RoutingTable.from_placement(PLACEMENT, num_experts=4, version=1))
     return Mesh(store, groups)
+
+
+@contextmanager
+def mesh_in_redis(url: str, path) -> Iterator[Mesh]:
+    """``start_mesh`` of ``path`` registered in the Redis database at ``url`` (emptied first); on exit its
+    group servers stopped and the database emptied again."""
+    store = open_store(url)
+    store._kv._client.flushdb()
+    mesh = start_mesh(store, path)
+    try:
+        yield mesh
+    finally:
+        for group in mesh.groups.values():
+            group.server.stop(0)
+        store._kv._client.flushdb()
+        store.close()
 
 
 class FollowingRouter:

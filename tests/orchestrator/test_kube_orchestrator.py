@@ -9,19 +9,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import yaml
-from migration_mesh import EXPERT, LAYER, PAIR, FollowingRouter, start_mesh
+from migration_mesh import EXPERT, LAYER, PAIR, FollowingRouter, mesh_in_redis
 
 from conftest import NAMESPACE
 from expertmesh.orchestrator.kube.api import create_migration_object
 from expertmesh.orchestrator.kube.resource import MigrationSpec, Origin
 from expertmesh.orchestrator.migration.state import MigrationMode
-from expertmesh.store import open_store
+from helpers import orchestrator_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -31,60 +30,37 @@ DATABASE = 5
 
 def test_the_orchestrator_process_runs_expertmigrations(redis_url, tiny_checkpoints, kubeconfig, kube_api, tmp_path):
     url = redis_url.rsplit("/", 1)[0] + f"/{DATABASE}"
-    store = open_store(url)
-    store._kv._client.flushdb()
     path = tiny_checkpoints("mixtral")
-    mesh = start_mesh(store, path)
     placement = tmp_path / "placement.yaml"
     placement.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}, "g1": {"*": [2, 3]}}}))
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"} | {"KUBECONFIG": str(kubeconfig)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "expertmesh.cli.main",
-            "--log-format",
-            "text",
-            "orchestrator",
-            "--state-url",
-            url,
-            "--model",
-            str(path),
-            "--placement",
-            str(placement),
-            "--admin-host",
-            "127.0.0.1",
-            "--admin-port",
-            "0",
-            "--kube",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    stderr: list[str] = []
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    try:
-        deadline = time.monotonic() + 120
-        while not any(f"running ExpertMigrations of namespace {NAMESPACE}" in line for line in stderr):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
-            time.sleep(0.1)
-        with FollowingRouter(store, "r1"):
-            obj = create_migration_object(
-                kube_api, MigrationSpec(LAYER, EXPERT, MigrationMode.MOVE, None, "g2"), origin=Origin.MANUAL
-            )
-            while not (current := kube_api.get(NAMESPACE, obj.name)).status.finished:
+    with mesh_in_redis(url, path) as mesh:
+        store = mesh.store
+        proc = subprocess.Popen(
+            orchestrator_argv(url, path, placement, "--kube"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        stderr: list[str] = []
+        threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+        try:
+            deadline = time.monotonic() + 120
+            while not any(f"running ExpertMigrations of namespace {NAMESPACE}" in line for line in stderr):
                 assert proc.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
                 time.sleep(0.1)
-        assert current.status.phase == "Succeeded", current.status
-        assert store.routing_table().replicas[PAIR] == ("g2",)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, "".join(stderr)[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for group in mesh.groups.values():
-            group.server.stop(0)
-        store._kv._client.flushdb()
-        store.close()
+            with FollowingRouter(store, "r1"):
+                obj = create_migration_object(
+                    kube_api, MigrationSpec(LAYER, EXPERT, MigrationMode.MOVE, None, "g2"), origin=Origin.MANUAL
+                )
+                while not (current := kube_api.get(NAMESPACE, obj.name)).status.finished:
+                    assert proc.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
+                    time.sleep(0.1)
+            assert current.status.phase == "Succeeded", current.status
+            assert store.routing_table().replicas[PAIR] == ("g2",)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, "".join(stderr)[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()

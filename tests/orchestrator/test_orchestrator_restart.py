@@ -13,20 +13,18 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import grpc
 import pytest
 import yaml
-from migration_mesh import EXPERT, LAYER, PAIR, PLACEMENT, FollowingRouter, start_mesh
+from migration_mesh import EXPERT, LAYER, PAIR, PLACEMENT, FollowingRouter, mesh_in_redis
 
 from expertmesh.orchestrator.migration.state import Phase, load
-from expertmesh.store import open_store
 from expertmesh.v1 import admin_pb2 as pb
 from expertmesh.v1 import admin_pb2_grpc as pb_grpc
-from helpers import wait_for
+from helpers import orchestrator_argv, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -37,27 +35,7 @@ DATABASE = 6
 class Orchestrator:
     def __init__(self, url: str, model, placement):
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "expertmesh.cli.main",
-                "--log-format",
-                "text",
-                "orchestrator",
-                "--state-url",
-                url,
-                "--model",
-                str(model),
-                "--placement",
-                str(placement),
-                "--admin-host",
-                "127.0.0.1",
-                "--admin-port",
-                "0",
-                "--no-kube",
-                "--interval",
-                "0.5",
-            ],
+            orchestrator_argv(url, model, placement, "--no-kube", "--interval", "0.5"),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -77,10 +55,7 @@ def test_a_move_left_draining_by_a_killed_orchestrator_is_finished_by_the_next_o
     redis_url, tiny_checkpoints, tmp_path
 ):
     url = redis_url.rsplit("/", 1)[0] + f"/{DATABASE}"
-    store = open_store(url)
-    store._kv._client.flushdb()
     path = tiny_checkpoints("mixtral")
-    mesh = start_mesh(store, path)
     placement = tmp_path / "placement.yaml"
     placement.write_text(
         yaml.safe_dump(
@@ -92,31 +67,31 @@ def test_a_move_left_draining_by_a_killed_orchestrator_is_finished_by_the_next_o
             }
         )
     )
-    first = second = None
-    try:
-        with FollowingRouter(store, "r1", stop_at=2):  # acknowledges the make (v2), never the break (v3)
-            first = Orchestrator(url, path, placement)
-            with grpc.insecure_channel(first.admin) as channel:
-                started = pb_grpc.AdminStub(channel).Migrate(pb.MigrateRequest(layer=LAYER, expert=EXPERT, target="g2"))
-            wait_for(lambda: load(store, started.id).phase is Phase.DRAINING, "the move to drain")
-            first.proc.send_signal(signal.SIGKILL)
-            first.proc.wait(timeout=30)
-            assert load(store, started.id).phase is Phase.DRAINING
-            assert PAIR in mesh.groups["g0"].hosted.pairs(), "the source must stay loaded while routers may use it"
-            second = Orchestrator(url, path, placement)
-        with FollowingRouter(store, "r1"):  # the router takes v3: the new orchestrator's resumed move drains
-            done = wait_for(lambda: (m := load(store, started.id)).phase.terminal and m, "the resumed move to end")
-        assert done.phase is Phase.SUCCEEDED, done.reason
-        assert store.routing_table().replicas[PAIR] == ("g2",)
-        assert PAIR not in mesh.groups["g0"].hosted.pairs() and PAIR in mesh.groups["g2"].hosted.pairs()
-        assert [h.phase for h in done.history][-2:] == [Phase.UNLOADING, Phase.SUCCEEDED]
-        second.proc.send_signal(signal.SIGTERM)
-        assert second.proc.wait(timeout=60) == 0, "".join(second.stderr)[-3000:]
-    finally:
-        for orchestrator in (first, second):
-            if orchestrator is not None and orchestrator.proc.poll() is None:
-                orchestrator.proc.kill()
-        for group in mesh.groups.values():
-            group.server.stop(0)
-        store._kv._client.flushdb()
-        store.close()
+    with mesh_in_redis(url, path) as mesh:
+        store = mesh.store
+        first = second = None
+        try:
+            with FollowingRouter(store, "r1", stop_at=2):  # acknowledges the make (v2), never the break (v3)
+                first = Orchestrator(url, path, placement)
+                with grpc.insecure_channel(first.admin) as channel:
+                    started = pb_grpc.AdminStub(channel).Migrate(
+                        pb.MigrateRequest(layer=LAYER, expert=EXPERT, target="g2")
+                    )
+                wait_for(lambda: load(store, started.id).phase is Phase.DRAINING, "the move to drain")
+                first.proc.send_signal(signal.SIGKILL)
+                first.proc.wait(timeout=30)
+                assert load(store, started.id).phase is Phase.DRAINING
+                assert PAIR in mesh.groups["g0"].hosted.pairs(), "the source must stay loaded while routers may use it"
+                second = Orchestrator(url, path, placement)
+            with FollowingRouter(store, "r1"):  # the router takes v3: the new orchestrator's resumed move drains
+                done = wait_for(lambda: (m := load(store, started.id)).phase.terminal and m, "the resumed move to end")
+            assert done.phase is Phase.SUCCEEDED, done.reason
+            assert store.routing_table().replicas[PAIR] == ("g2",)
+            assert PAIR not in mesh.groups["g0"].hosted.pairs() and PAIR in mesh.groups["g2"].hosted.pairs()
+            assert [h.phase for h in done.history][-2:] == [Phase.UNLOADING, Phase.SUCCEEDED]
+            second.proc.send_signal(signal.SIGTERM)
+            assert second.proc.wait(timeout=60) == 0, "".join(second.stderr)[-3000:]
+        finally:
+            for orchestrator in (first, second):
+                if orchestrator is not None and orchestrator.proc.poll() is None:
+                    orchestrator.proc.kill()

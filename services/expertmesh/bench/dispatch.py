@@ -68,9 +68,9 @@ from expertmesh.bench.report import (
     model_summary,
     options_summary,
     parse_int_list,
+    print_and_write,
     resident_bytes,
     torch_threads,
-    write_json,
 )
 from expertmesh.config.settings import TransportName
 from expertmesh.infra.console import bar, progress
@@ -149,9 +149,7 @@ def _main(args: argparse.Namespace) -> int:
         device=args.device,
     )
     result = run(options)
-    print(table(result))
-    write_json(args.out, result)
-    print(f"wrote {args.out}")
+    print_and_write(table(result), result, args.out)
     return 0
 
 

@@ -24,13 +24,15 @@ from pathlib import Path
 
 from expertmesh.bench.report import (
     BenchError,
+    add_load_arguments,
     check_positive,
     format_table,
+    load_options,
     machine,
     model_summary,
     options_summary,
     percentile,
-    write_json,
+    print_and_write,
 )
 from expertmesh.infra.console import progress
 
@@ -50,10 +52,7 @@ def add_command(bench_commands) -> None:
     p = bench_commands.add_parser(
         "migration", help="streaming clients' latency during live expert moves vs outside them"
     )
-    p.add_argument("--model", type=Path, help="checkpoint directory (default: the embedded tiny model)")
-    p.add_argument("--groups", type=int, default=2, help="expert groups (default 2)")
-    p.add_argument("--clients", type=int, default=8, help="streaming clients (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default 16)")
+    add_load_arguments(p, groups=2, groups_help="expert groups")
     p.add_argument("--moves", type=int, default=10, help="moves, one after another (default 10)")
     p.add_argument(
         "--quiet-seconds", type=float, default=8.0, help="traffic with no move, before and after (default 8)"
@@ -64,15 +63,10 @@ def add_command(bench_commands) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from expertmesh.models.embedded import default_checkpoint
-
     if not args.quiet_seconds > 0 or not args.heartbeat > 0:
         raise BenchError("--quiet-seconds and --heartbeat must be > 0")
     options = Options(
-        model=args.model or default_checkpoint(),
-        groups=check_positive(args.groups, "--groups"),
-        clients=check_positive(args.clients, "--clients"),
-        max_new_tokens=check_positive(args.max_new_tokens, "--max-new-tokens"),
+        **load_options(args),
         moves=check_positive(args.moves, "--moves"),
         quiet_seconds=args.quiet_seconds,
         heartbeat_s=args.heartbeat,
@@ -80,9 +74,7 @@ def _main(args: argparse.Namespace) -> int:
     if options.groups < 2:
         raise BenchError("--groups must be at least 2: a move needs somewhere to go")
     result = run(options)
-    print(table(result))
-    write_json(args.out, result)
-    print(f"wrote {args.out}")
+    print_and_write(table(result), result, args.out)
     return 0
 
 

@@ -6,6 +6,7 @@ makes the CLI exit 2 with one line.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -52,6 +53,13 @@ def write_json(path: str | Path, data: dict) -> None:
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
     except OSError as err:
         raise BenchError(f"cannot write {str(path)!r}: {err.strerror}") from None
+
+
+def print_and_write(table: str, result: dict, out: str) -> None:
+    """A benchmark's end: its ``table`` on stdout, ``result`` as JSON in ``out``, and where that went."""
+    print(table)
+    write_json(out, result)
+    print(f"wrote {out}")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -106,6 +114,28 @@ def check_positive(value: int, flag: str) -> int:
     if value < 1:
         raise BenchError(f"{flag} must be at least 1, got {value}")
     return value
+
+
+def add_load_arguments(p: argparse.ArgumentParser, *, groups: int, groups_help: str) -> None:
+    """The flags of a benchmark whose clients stream from the platform it starts: ``--model``,
+    ``--groups``, ``--clients``, ``--max-new-tokens`` (read back by ``load_options``)."""
+    p.add_argument("--model", type=Path, help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--groups", type=int, default=groups, help=f"{groups_help} (default {groups})")
+    p.add_argument("--clients", type=int, default=8, help="streaming clients (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default 16)")
+
+
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``add_load_arguments``' flags, checked, as the options' fields ``model``, ``groups``, ``clients``
+    and ``max_new_tokens``; no ``--model``: the embedded tiny model."""
+    from expertmesh.models.embedded import default_checkpoint
+
+    return {
+        "model": args.model or default_checkpoint(),
+        "groups": check_positive(args.groups, "--groups"),
+        "clients": check_positive(args.clients, "--clients"),
+        "max_new_tokens": check_positive(args.max_new_tokens, "--max-new-tokens"),
+    }
 
 
 @contextmanager

@@ -74,8 +74,8 @@ from expertmesh.bench.report import (
     options_summary,
     parse_int_list,
     percentile,
+    print_and_write,
     torch_threads,
-    write_json,
 )
 from expertmesh.infra.console import bar, progress
 
@@ -230,9 +230,7 @@ def _main(args: argparse.Namespace) -> int:
     else:
         measure, show = run, table
     result = measure(options)
-    print(show(result))
-    write_json(args.out, result)
-    print(f"wrote {args.out}")
+    print_and_write(show(result), result, args.out)
     return 0
 
 

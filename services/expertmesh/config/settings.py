@@ -30,7 +30,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
-from expertmesh.contracts.errors import ExpertMeshError
+from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 
 
 class ConfigError(ExpertMeshError):
@@ -452,6 +452,20 @@ def settings_from_args(settings: type[S], args: argparse.Namespace, fallback: Ma
     given = {name: value for name in settings.model_fields if (value := getattr(args, name, None)) is not None}
     file = read_config_file(getattr(args, "config", None))
     return load_settings(settings, file, given, getattr(args, "setting_flags", None) or {}, fallback)
+
+
+def loop_settings(settings: type[S], switched_on: bool) -> S:
+    """A control loop's ``settings`` from the environment alone, ``enabled`` when its flag was given
+    (``switched_on``); a bad setting is one InvalidRequest line naming its variable."""
+    try:
+        return settings(**({"enabled": True} if switched_on else {}))
+    except ValidationError as err:
+        prefix = settings.model_config.get("env_prefix", "")
+        problems = (
+            f"{prefix}{'_'.join(str(part) for part in e['loc']).upper()}: {e['msg']}" if e["loc"] else e["msg"]
+            for e in err.errors()
+        )
+        raise InvalidRequest("; ".join(p.removeprefix("Value error, ") for p in problems)) from None
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:

@@ -7,9 +7,16 @@ import grpc
 
 
 class ExpertMeshError(Exception):
-    """Base class: ``str(err)`` is the one-line message shown to the user."""
+    """Base class: ``str(err)`` is the one-line message shown to the user, ``code`` the gRPC status
+    it maps to: INVALID_ARGUMENT unless a subclass names another (``class X(ExpertMeshError,
+    code=grpc.StatusCode.NOT_FOUND)``) or inherits one."""
 
     code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init_subclass__(cls, code: grpc.StatusCode | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
 
 
 class CheckpointError(ExpertMeshError):
@@ -29,107 +36,75 @@ class InvalidRequest(ExpertMeshError):
     """A request is malformed: wrong shape, dtype, sizes or bytes."""
 
 
-class NotHosted(ExpertMeshError):
+class NotHosted(ExpertMeshError, code=grpc.StatusCode.NOT_FOUND):
     """A request names a layer or expert that this server does not hold."""
 
-    code = grpc.StatusCode.NOT_FOUND
 
-
-class GroupUnavailable(ExpertMeshError):
+class GroupUnavailable(ExpertMeshError, code=grpc.StatusCode.UNAVAILABLE):
     """An expert group could not be reached or failed a call."""
 
-    code = grpc.StatusCode.UNAVAILABLE
 
-
-class Overloaded(ExpertMeshError):
+class Overloaded(ExpertMeshError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
     """The server's concurrency or queue limits are full; retry later."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-
-class OverBudget(ExpertMeshError):
+class OverBudget(ExpertMeshError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
     """Loading these experts would take a group's expert weights past its memory budget."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-
-class ShuttingDown(ExpertMeshError):
+class ShuttingDown(ExpertMeshError, code=grpc.StatusCode.UNAVAILABLE):
     """The server is draining and takes no new requests."""
 
-    code = grpc.StatusCode.UNAVAILABLE
 
-
-class NonFiniteLogits(ExpertMeshError):
+class NonFiniteLogits(ExpertMeshError, code=grpc.StatusCode.INTERNAL):
     """A forward pass produced NaN or Inf logits (a faulty expert, an overflow):
     any token chosen from them would be a wrong answer, so the request fails instead."""
 
-    code = grpc.StatusCode.INTERNAL
 
-
-class RoutingTableRefused(ExpertMeshError):
+class RoutingTableRefused(ExpertMeshError, code=grpc.StatusCode.UNAVAILABLE):
     """A routing table a router must not serve; routers refuse it and keep their last good one."""
-
-    code = grpc.StatusCode.UNAVAILABLE
 
 
 class UnhostedExperts(RoutingTableRefused):
     """A routing table leaves some experts without a group."""
 
 
-class RoutingTableMismatch(RoutingTableRefused):
+class RoutingTableMismatch(RoutingTableRefused, code=grpc.StatusCode.FAILED_PRECONDITION):
     """A routing table was made for another model (fingerprint, MoE layers, experts per layer) or names
     experts its model does not have: served, it would change answers with status OK."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class StoreCollision(ExpertMeshError):
+class StoreCollision(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """The state store's key prefix holds the routing table of another model: two deployments share it."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class BadGroupResponse(ExpertMeshError):
+class BadGroupResponse(ExpertMeshError, code=grpc.StatusCode.INTERNAL):
     """An expert group answered OK with partial sums that cannot be right (shape, dtype, NaN/Inf)."""
 
-    code = grpc.StatusCode.INTERNAL
 
-
-class MigrationRefused(ExpertMeshError):
+class MigrationRefused(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """A migration cannot start or go on as asked: the expert, a group or the routing table does not allow it."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class QuarantineRefused(ExpertMeshError):
+class QuarantineRefused(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """A quarantine or release cannot be done as asked: the expert, the group or its state does not allow it."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class FaultInjectionDisabled(ExpertMeshError):
+class FaultInjectionDisabled(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """InjectFault on a group that was not started with fault injection enabled."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class MigrationNotFound(ExpertMeshError):
+class MigrationNotFound(ExpertMeshError, code=grpc.StatusCode.NOT_FOUND):
     """No migration with that id is in the state store."""
-
-    code = grpc.StatusCode.NOT_FOUND
 
 
 class SecurityMisconfigured(ExpertMeshError):
     """TLS or admin-auth settings are incomplete or unreadable (a certificate without its key, a missing file)."""
 
 
-class DeadlineExceeded(ExpertMeshError):
+class DeadlineExceeded(ExpertMeshError, code=grpc.StatusCode.DEADLINE_EXCEEDED):
     """Every request a step serves has passed its deadline; waiting longer for a group helps nobody."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
-
-class DeviceUnavailable(ExpertMeshError):
+class DeviceUnavailable(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """A setting names a device this process cannot use (a CUDA GPU where torch sees none)."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION

@@ -8,6 +8,7 @@ The tests use them to check every architecture we claim, and the embedded defaul
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,57 +26,46 @@ _COMMON: dict[str, Any] = dict(
 _COMMON_IDS = {k: _COMMON[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
-def _mixtral(**kw: Any):
-    from transformers import MixtralConfig
+def _config(config_class: str, sizes: dict[str, Any], **kw: Any):
+    """transformers' ``config_class`` from ``_COMMON``, then the architecture's ``sizes``, then ``kw``."""
+    import transformers
 
-    return MixtralConfig(**{**_COMMON, "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, **kw})
+    return getattr(transformers, config_class)(**{**_COMMON, **sizes, **kw})
 
 
-def _qwen2_moe(**kw: Any):
-    from transformers import Qwen2MoeConfig
-
-    return Qwen2MoeConfig(
-        **{
-            **_COMMON,
+#: arch -> a builder of its hand-sized config (keyword arguments override any size).
+CONFIG_BUILDERS: dict[str, Callable[..., Any]] = {
+    "mixtral": partial(
+        _config, "MixtralConfig", {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2}
+    ),
+    "qwen2_moe": partial(
+        _config,
+        "Qwen2MoeConfig",
+        {
             "intermediate_size": 64,
             "moe_intermediate_size": 16,
             "shared_expert_intermediate_size": 48,
             "num_experts": 4,
             "num_experts_per_tok": 2,
-            **kw,
-        }
-    )
-
-
-def _qwen3_moe(**kw: Any):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        **{
-            **_COMMON,
+        },
+    ),
+    "qwen3_moe": partial(
+        _config,
+        "Qwen3MoeConfig",
+        {
             "intermediate_size": 64,
             "moe_intermediate_size": 16,
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "head_dim": 8,
             "norm_topk_prob": True,
-            **kw,
-        }
-    )
-
-
-def _olmoe(**kw: Any):
-    from transformers import OlmoeConfig
-
-    return OlmoeConfig(**{**_COMMON, "intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, **kw})
-
-
-def _deepseek_v3(**kw: Any):
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        **{
-            **_COMMON,
+        },
+    ),
+    "olmoe": partial(_config, "OlmoeConfig", {"intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}),
+    "deepseek_v3": partial(
+        _config,
+        "DeepseekV3Config",
+        {
             "num_key_value_heads": 4,
             "intermediate_size": 64,
             "moe_intermediate_size": 16,
@@ -90,42 +80,15 @@ def _deepseek_v3(**kw: Any):
             "qk_rope_head_dim": 8,
             "qk_nope_head_dim": 8,
             "v_head_dim": 8,
-            **kw,
-        }
-    )
-
-
-def _gpt_oss(**kw: Any):
-    from transformers import GptOssConfig
-
-    return GptOssConfig(
-        **{
-            **_COMMON,
-            "intermediate_size": 16,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "head_dim": 8,
-            "sliding_window": 8,
-            **kw,
-        }
-    )
-
-
-def _llama(**kw: Any):
-    """A dense model: no MoE layers, for the error path."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**{**_COMMON, "intermediate_size": 64, **kw})
-
-
-CONFIG_BUILDERS: dict[str, Callable[..., Any]] = {
-    "mixtral": _mixtral,
-    "qwen2_moe": _qwen2_moe,
-    "qwen3_moe": _qwen3_moe,
-    "olmoe": _olmoe,
-    "deepseek_v3": _deepseek_v3,
-    "gpt_oss": _gpt_oss,
-    "llama": _llama,
+        },
+    ),
+    "gpt_oss": partial(
+        _config,
+        "GptOssConfig",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8, "sliding_window": 8},
+    ),
+    # a dense model: no MoE layers, for the error path
+    "llama": partial(_config, "LlamaConfig", {"intermediate_size": 64}),
 }
 
 

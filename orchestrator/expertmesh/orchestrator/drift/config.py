@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from expertmesh.contracts.errors import InvalidRequest
+from expertmesh.config.settings import loop_settings
 
 
 class DriftConfig(BaseSettings):
@@ -64,11 +64,4 @@ def add_drift_argument(parser: argparse.ArgumentParser) -> None:
 def drift_config(args: argparse.Namespace) -> DriftConfig:
     """The environment's settings, with the loop on when ``--drift`` was given; a bad setting is
     one line naming its variable."""
-    try:
-        return DriftConfig(**({"enabled": True} if args.drift else {}))
-    except ValidationError as err:
-        problems = (
-            f"EXPERTMESH_DRIFT_{'_'.join(str(part) for part in e['loc']).upper()}: {e['msg']}" if e["loc"] else e["msg"]
-            for e in err.errors()
-        )
-        raise InvalidRequest("; ".join(p.removeprefix("Value error, ") for p in problems)) from None
+    return loop_settings(DriftConfig, args.drift)

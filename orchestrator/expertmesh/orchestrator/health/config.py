@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from expertmesh.contracts.errors import InvalidRequest
+from expertmesh.config.settings import loop_settings
 
 
 class HealthConfig(BaseSettings):
@@ -85,13 +85,4 @@ def add_health_argument(parser: argparse.ArgumentParser) -> None:
 def health_config(args: argparse.Namespace) -> HealthConfig:
     """The environment's settings, with the loop on when ``--health-monitor`` was given; a bad
     setting is one line naming its variable."""
-    try:
-        return HealthConfig(**({"enabled": True} if args.health_monitor else {}))
-    except ValidationError as err:
-        problems = (
-            f"EXPERTMESH_HEALTH_{'_'.join(str(part) for part in e['loc']).upper()}: {e['msg']}"
-            if e["loc"]
-            else e["msg"]
-            for e in err.errors()
-        )
-        raise InvalidRequest("; ".join(p.removeprefix("Value error, ") for p in problems)) from None
+    return loop_settings(HealthConfig, args.health_monitor)

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from expertmesh.bench.chaos.measure import Timeline
 from expertmesh.bench.chaos.platform import ChaosPlatform, wait_until
@@ -34,6 +34,33 @@ class Fault(Protocol):
 
 def _hold_until(start: float, hold_s: float) -> None:
     time.sleep(max(0.0, start + hold_s - time.monotonic()))
+
+
+def held(inject: Callable[[], object], lift: Callable[[], object], hold_s: float) -> tuple[float, float]:
+    """``inject`` a fault, keep it ``hold_s``, ``lift`` it (also when the hold is cut short):
+    (injected, lifted), time.monotonic() just before the one and just after the other."""
+    injected = time.monotonic()
+    inject()
+    try:
+        time.sleep(hold_s)
+    finally:
+        lift()
+    return injected, time.monotonic()
+
+
+def lifted_until_the_router_reports(platform: ChaosPlatform) -> tuple[float, float | None]:
+    """(now, when the router has reported to the store since now): a store fault lifted, and healed."""
+    lifted, wall = time.monotonic(), time.time()
+    recovered = wait_until(
+        lambda: any(b.at > wall for b in platform.store.router_heartbeats().values()), RECOVERY_TIMEOUT_S
+    )
+    return lifted, recovered
+
+
+def replicas_hold_their_experts(platform: ChaosPlatform, table) -> bool:
+    """Every group ``table`` lists for a (layer, expert) holds it (``Describe``)."""
+    holds = {g: platform.describe(g).pairs for g in table.groups()}
+    return all(pair in holds[g] for pair, groups in table.replicas.items() for g in groups)
 
 
 @dataclass(frozen=True)
@@ -73,13 +100,7 @@ class GroupStopped:
 
     def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
         pid = platform.describe(self.group).pid
-        injected = time.monotonic()
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            time.sleep(hold_s)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        lifted = time.monotonic()
+        injected, lifted = held(lambda: os.kill(pid, signal.SIGSTOP), lambda: os.kill(pid, signal.SIGCONT), hold_s)
         return Timeline(injected, lifted, wait_until(lambda: platform.group_answers(self.group), RECOVERY_TIMEOUT_S))
 
 
@@ -207,15 +228,6 @@ class _ReplicaWatch:
         return "quarantined" in self.seen and healthy and listed and not entry and served >= table.version
 
 
-def _lifted_until_the_router_reports(platform: ChaosPlatform) -> tuple[float, float | None]:
-    """(now, when the router has reported to the store since now): a store fault lifted, and healed."""
-    lifted, wall = time.monotonic(), time.time()
-    recovered = wait_until(
-        lambda: any(b.at > wall for b in platform.store.router_heartbeats().values()), RECOVERY_TIMEOUT_S
-    )
-    return lifted, recovered
-
-
 @dataclass(frozen=True)
 class RedisStopped:
     """The state store down for ``down_s`` (SHUTDOWN SAVE, then started again with its data):
@@ -233,7 +245,7 @@ class RedisStopped:
         platform.redis.stop()
         time.sleep(self.down_s)
         platform.redis.start()
-        return Timeline(injected, *_lifted_until_the_router_reports(platform))
+        return Timeline(injected, *lifted_until_the_router_reports(platform))
 
 
 @dataclass(frozen=True)
@@ -298,13 +310,11 @@ class RedisFrozen:
         return f"redis-server frozen (SIGSTOP) for {self.down_s:g} s, then SIGCONT"
 
     def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
-        injected = time.monotonic()
-        platform.redis.proc.send_signal(signal.SIGSTOP)
-        try:
-            time.sleep(self.down_s)
-        finally:
-            platform.redis.proc.send_signal(signal.SIGCONT)
-        return Timeline(injected, *_lifted_until_the_router_reports(platform))
+        redis = platform.redis.proc
+        injected, _ = held(
+            lambda: redis.send_signal(signal.SIGSTOP), lambda: redis.send_signal(signal.SIGCONT), self.down_s
+        )
+        return Timeline(injected, *lifted_until_the_router_reports(platform))
 
 
 @dataclass(frozen=True)
@@ -386,10 +396,7 @@ class FlushedAfterMove:
             table = store.routing_table()
             if table is None or table.version <= before or platform.router_version() < table.version:
                 return False
-            if set(store.endpoints()) != set(platform.groups):
-                return False
-            held = {g: platform.describe(g).pairs for g in table.groups()}
-            return all(pair in held[g] for pair, groups in table.replicas.items() for g in groups)
+            return set(store.endpoints()) == set(platform.groups) and replicas_hold_their_experts(platform, table)
 
         recovered = wait_until(whole, RECOVERY_TIMEOUT_S)
         _hold_until(injected, hold_s)

@@ -13,10 +13,16 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
-from expertmesh.bench.chaos.faults import RECOVERY_TIMEOUT_S
+from expertmesh.bench.chaos.faults import (
+    RECOVERY_TIMEOUT_S,
+    held,
+    lifted_until_the_router_reports,
+    replicas_hold_their_experts,
+)
 from expertmesh.bench.chaos.hosts_platform import HostsPlatform
 from expertmesh.bench.chaos.measure import Timeline, unhosted
 from expertmesh.bench.chaos.platform import wait_until
@@ -39,9 +45,9 @@ def _reachable(predicate):
     return polled
 
 
-def _router_beat_since(platform: HostsPlatform, wall: float) -> bool:
-    """The router reported to the store after ``wall`` (time.time()): it reaches the store again."""
-    return any(b.at > wall for b in platform.store.router_heartbeats().values())
+def _link(platform: HostsPlatform, host: str, up: bool) -> Callable[[], None]:
+    """Takes ``host``'s link up or down when called."""
+    return lambda: platform.hosts.link(host, up=up)
 
 
 class _GroupBack:
@@ -92,13 +98,7 @@ class HostLinkDown:
     def run(self, platform: HostsPlatform, hold_s: float) -> Timeline:
         if self.sole is not None:
             platform.migrate(*self.sole, admin_pb.MIGRATION_MODE_EVICT, source=self.other)
-        injected = time.monotonic()
-        platform.hosts.link(self.group, up=False)
-        try:
-            time.sleep(hold_s)
-        finally:
-            platform.hosts.link(self.group, up=True)
-        lifted = time.monotonic()
+        injected, lifted = held(_link(platform, self.group, up=False), _link(platform, self.group, up=True), hold_s)
         recovered = wait_until(_GroupBack(platform, self.group), RECOVERY_TIMEOUT_S)
         if self.sole is not None:
             platform.migrate(*self.sole, admin_pb.MIGRATION_MODE_REPLICATE, target=self.other, source=self.group)
@@ -116,14 +116,9 @@ class RedisHostCutOff:
     description: str = "the Redis host's link down for the hold, then up"
 
     def run(self, platform: HostsPlatform, hold_s: float) -> Timeline:
-        injected = time.monotonic()
-        platform.hosts.link(platform.host_of("redis"), up=False)
-        try:
-            time.sleep(hold_s)
-        finally:
-            platform.hosts.link(platform.host_of("redis"), up=True)
-        lifted, wall = time.monotonic(), time.time()
-        return Timeline(injected, lifted, wait_until(lambda: _router_beat_since(platform, wall), RECOVERY_TIMEOUT_S))
+        redis = platform.host_of("redis")
+        injected, _ = held(_link(platform, redis, up=False), _link(platform, redis, up=True), hold_s)
+        return Timeline(injected, *lifted_until_the_router_reports(platform))
 
 
 @dataclass(frozen=True)
@@ -151,14 +146,8 @@ class OrchestratorCutOffMidMigration:
         migration = platform.start_migration(
             self.layer, self.expert, admin_pb.MIGRATION_MODE_MOVE, target=self.target, source=self.source
         )
-        injected = time.monotonic()
-        platform.hosts.link(orch, up=False)
         at_cut = admin_pb.MigrationPhase.Name(migration.phase)
-        try:
-            time.sleep(hold_s)
-        finally:
-            platform.hosts.link(orch, up=True)
-        lifted = time.monotonic()
+        injected, lifted = held(_link(platform, orch, up=False), _link(platform, orch, up=True), hold_s)
         ended: list = []
 
         def whole() -> bool:
@@ -168,10 +157,11 @@ class OrchestratorCutOffMidMigration:
                     return False
                 ended.append(record)
             table = platform.store.routing_table()
-            if table is None or platform.router_version() < table.version:
-                return False
-            held = {g: platform.describe(g).pairs for g in table.groups()}
-            return all(pair in held[g] for pair, groups in table.replicas.items() for g in groups)
+            return (
+                table is not None
+                and platform.router_version() >= table.version
+                and replicas_hold_their_experts(platform, table)
+            )
 
         recovered = wait_until(_reachable(whole), RECOVERY_TIMEOUT_S)
         end = admin_pb.MigrationPhase.Name(ended[0].phase) if ended else "not ended"

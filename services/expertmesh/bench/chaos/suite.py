@@ -47,8 +47,10 @@ from pathlib import Path
 
 from expertmesh.bench.report import (
     BenchError,
+    add_load_arguments,
     check_positive,
     format_table,
+    load_options,
     machine,
     model_summary,
     options_summary,
@@ -104,10 +106,7 @@ def add_command(bench_commands) -> None:
     p = bench_commands.add_parser(
         "chaos", help="faults one at a time under streaming load: failed and wrong requests, detection, recovery"
     )
-    p.add_argument("--model", type=Path, help="checkpoint directory (default: the embedded tiny model)")
-    p.add_argument("--groups", type=int, default=3, help="expert groups; every expert is on two (default 3)")
-    p.add_argument("--clients", type=int, default=8, help="streaming clients (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default 16)")
+    add_load_arguments(p, groups=3, groups_help="expert groups; every expert is on two")
     p.add_argument("--quiet-seconds", type=float, default=5.0, help="undisturbed traffic before each fault (default 5)")
     p.add_argument("--hold-seconds", type=float, default=15.0, help="how long each fault lasts at least (default 15)")
     p.add_argument("--redis-down-seconds", type=float, default=10.0, help="how long Redis stays stopped (default 10)")
@@ -149,8 +148,6 @@ def add_command(bench_commands) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from expertmesh.models.embedded import default_checkpoint
-
     known = HOST_SCENARIOS if args.hosts else SCENARIOS
     scenarios = known if args.scenarios is None else tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
     unknown = sorted(set(scenarios) - set(known))
@@ -172,10 +169,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.corrupt_factor == 1 or not args.corrupt_factor > 0:
         raise BenchError(f"--corrupt-factor must be > 0 and not 1, got {args.corrupt_factor}")
     options = Options(
-        model=args.model or default_checkpoint(),
-        groups=check_positive(args.groups, "--groups"),
-        clients=check_positive(args.clients, "--clients"),
-        max_new_tokens=check_positive(args.max_new_tokens, "--max-new-tokens"),
+        **load_options(args),
         quiet_seconds=args.quiet_seconds,
         hold_seconds=args.hold_seconds,
         redis_down_seconds=args.redis_down_seconds,

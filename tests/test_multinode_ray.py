@@ -19,7 +19,7 @@ and no wrong request in any of them.
 
 Marked ``multinode``, which ``make test`` deselects (``pytest -m multinode`` runs it, as root): three
 Ray nodes, Serve and ``up`` take 25-45 s to start on two cores before the first assertion, the
-module ~100-110 s in all (the node's return ~25 s of it), past the ~90 s a module may add to
+module ~90-110 s in all (the node's return ~25 s of it), past the ~90 s a module may add to
 ``make test``.
 """
 

@@ -43,7 +43,7 @@ from expertmesh.router.dispatch.circuit import CircuitBreakers
 from expertmesh.router.dispatch.heartbeat import Heartbeat
 from expertmesh.router.dispatch.table_watcher import TableWatcher
 from expertmesh.store import QuarantinedReplica, open_store
-from helpers import bare_dispatcher
+from helpers import bare_dispatcher, wait_for
 
 LAYERS = (0, 1)
 
@@ -255,6 +255,37 @@ def test_a_vanished_group_fails_over_or_fails_unavailable(cluster, tiny_checkpoi
         dispatcher.dispatch(1, *_inputs())
     assert set(dispatcher.queue_depths().values()) == {0}
     dispatcher.close()
+
+
+def test_a_vanished_group_back_at_a_new_address_gets_its_tokens_again_with_no_new_table(
+    cluster, tiny_checkpoints, transport
+):
+    """g3 (experts 2-3, replicated on g2) stopped under the router, then started again on another port and
+    registered there, as a Serve replica restarted on a returned node is: g2 serves its tokens meanwhile, the
+    failed call makes the router look the groups' addresses up again, and the step its breaker lets try g3
+    reaches it at its new address, the routing table unchanged."""
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    pairs = [(layer, e) for layer in LAYERS for e in (2, 3)]
+    server, _ = _start("g3", checkpoint, pairs)
+    store = _store(cluster, replicas_of_high=("g3", "g2"))
+    store.set_endpoint("g3", f"127.0.0.1:{server.port}")
+    dispatcher = _dispatcher(store, transport, breakers=CircuitBreakers(threshold=1, cooldown_s=0.2))
+    dispatcher.watcher.refresh()
+    version = dispatcher.watcher.version
+    server.stop(0)
+    _check_exact(dispatcher, cluster[1])  # g3 fails over to g2; the store still lists its old address
+    back, servicer = _start("g3", checkpoint, pairs, FaultyServicer)
+    assert back.port != server.port
+    store.set_endpoint("g3", f"127.0.0.1:{back.port}")
+
+    def g3_served() -> int:
+        _check_exact(dispatcher, cluster[1])
+        return servicer.calls
+
+    wait_for(g3_served, "a call to g3 at its new address", timeout_s=20)
+    assert dispatcher.watcher.version == version
+    dispatcher.close()
+    back.stop(0)
 
 
 def test_a_table_leaving_an_expert_unhosted_is_refused_and_the_last_good_one_stays(cluster, transport):

@@ -61,6 +61,24 @@ def test_a_restarted_reconciler_keeps_live_edits_until_the_file_changes(tmp_path
     assert Reconciler(store, SPEC, path).reconcile_once().version == 3
 
 
+def test_ups_table_keeper_leaves_a_move_made_right_after_the_start_alone():
+    """`expertmesh up --orchestrator` publishes its first table itself, and its keeper (the reconciler that
+    gives a flushed store its table back) takes its first round at once, over that table: a live move
+    published before the keeper's next round stays, not overwritten with the start's placement."""
+    from types import SimpleNamespace
+
+    from expertmesh.cli.up import _table_keeper
+
+    store, model = open_store(), ModelIdentity.of(SPEC)
+    assert store.publish_routing_table(RoutingTable(1, 2, B.hosts(), model=model))
+    plane = SimpleNamespace(store=store, store_is_shared=True, checkpoint=SimpleNamespace(spec=SPEC), placement=B)
+    (keeper,) = _table_keeper(plane)
+    moved = {**store.routing_table().replicas, (0, 1): ("g1", "g0")}  # a move's switch, make before break
+    assert store.publish_routing_table(RoutingTable(2, 2, moved, model=model))
+    keeper.update()
+    assert store.routing_table().version == 2 and store.routing_table().replicas[(0, 1)] == ("g1", "g0")
+
+
 def test_a_flushed_store_gets_the_table_back_at_a_later_version(tmp_path):
     """Routers cached version N; a table restored as version 1 would look older than what they serve."""
     path = tmp_path / "placement.yaml"

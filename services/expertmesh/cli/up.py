@@ -149,4 +149,8 @@ def _table_keeper(plane) -> list:
 
     observe, _ = what_runs(plane.store)
     reconciler = Reconciler(plane.store, plane.checkpoint.spec, plane.placement, observe=observe)
+    # Its first round now, over the table the plane has just published: that records the placement as applied,
+    # and later rounds leave a table in use alone. Left to the loop (5 s on), that round found whatever a first
+    # live move had published by then, and overwrote it with the start's placement.
+    reconciler.reconcile_once()
     return [Manager("routing-table", 5.0, reconciler.reconcile_once)]

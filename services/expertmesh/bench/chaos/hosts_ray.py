@@ -102,7 +102,8 @@ def start_argv(ray: str, spec: NodeSpec, node_ip: str, head: str | None = None, 
 
 class HostsRayCluster:
     """A Ray head on ``head`` and worker nodes on other hosts of ``hosts``; ``start`` brings them up,
-    ``env`` is what every process of the cluster (a driver too) must run with, ``kill`` loses a node."""
+    ``env`` is what every process of the cluster (a driver too) must run with, ``kill`` loses a node
+    and ``rejoin`` brings a lost worker node back."""
 
     def __init__(self, hosts: TestHosts, head: str, port: int = HEAD_PORT):
         self.hosts = hosts
@@ -115,8 +116,10 @@ class HostsRayCluster:
             "RAY_USAGE_STATS_ENABLED": "0",
         }
         self._ray = str(Path(sys.executable).with_name("ray"))
-        #: host -> its node spec, for the nodes started
+        #: host -> its node spec, for the nodes running
         self.nodes: dict[str, NodeSpec] = {}
+        #: host -> its node spec, for every node ever started (a lost one rejoins with it)
+        self.declared: dict[str, NodeSpec] = {}
 
     def command(self, host: str, argv: list[str]) -> list[str]:
         return self.hosts.command(host, argv)
@@ -148,6 +151,7 @@ class HostsRayCluster:
                 raise BenchError(f"`ray start` on host {host} did not finish in {START_TIMEOUT_S:.0f} s") from None
             if done.returncode == 0:
                 self.nodes[host] = spec
+                self.declared[host] = spec
                 return
             self.hosts.kill(host)  # what the failed try left (agents, log monitor) goes with it
             if attempt == START_ATTEMPTS:
@@ -167,6 +171,17 @@ class HostsRayCluster:
         node lost. How many processes there were."""
         self.nodes.pop(host, None)
         return self.hosts.kill(host)
+
+    def rejoin(self, host: str) -> None:
+        """A lost worker node back: ``ray start`` on its host again, joining the head with the spec it
+        had. To Ray it is a new node (another node ID) at the same address with the same resources, so
+        what waits for those resources (a Serve replica of the island's group) is scheduled on it."""
+        if host == self.head or host not in self.declared:
+            workers = sorted(set(self.declared) - {self.head})
+            raise BenchError(f"{host} is not a worker node of this cluster; its workers: {workers}")
+        if host in self.nodes:
+            raise BenchError(f"node {host} is running; kill it first")
+        self._start(host, self.declared[host], self.address)
 
     def logs(self, host: str) -> Path:
         """The node's Ray logs (its latest session), as this process sees them (``session_latest``

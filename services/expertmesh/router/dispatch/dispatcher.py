@@ -15,7 +15,12 @@ Above the transport sit replica choice, retries and checks: every response is
 checked (shape, dtype, finite values) before it is summed; a group that fails or
 answers wrongly has its tokens re-planned onto other replicas within the same
 step, and only when none exists does the step fail, with UNAVAILABLE (the group
-failed) or INTERNAL (it answered wrongly), naming the group.
+failed) or INTERNAL (it answered wrongly), naming the group. A group that went
+away (UNAVAILABLE) may come back at a new address with no new routing table (a
+Serve replica restarted on another port, or on a node that returned): when its
+tokens went to other replicas, the groups' addresses are looked up again off the
+step (``resolve_endpoints``), so the step its circuit breaker next lets try it
+reaches it there.
 
 The view comes from the dispatcher's ``table_watcher.TableWatcher``, which keeps
 it current from the store off the step's critical path; a step takes it at its
@@ -145,6 +150,10 @@ class LayerDispatcher:
         )
         self._local = threading.local()
         self.traffic = TrafficCounters()
+        #: the lookup of the groups' addresses running off the steps (``_look_up_later``), if any
+        self._lookup: threading.Thread | None = None
+        self._lookup_lock = threading.Lock()
+        self._closed = False
 
     @property
     def watcher(self) -> TableWatcher:
@@ -433,6 +442,8 @@ class LayerDispatcher:
                 _add_rows(out, failure.flight.call.tokens, self._resend(layer, hidden, failure))
                 served.append(failure.flight.call)
                 continue
+            if failure.retryable:  # it may come back elsewhere; its replicas serve meanwhile
+                self._look_up_later()
             retries = [self._send(view, layer, hidden, call, links, timeout_s) for call in calls]
             for flight in retries:
                 try:
@@ -449,7 +460,7 @@ class LayerDispatcher:
         flight, group = failure.flight, failure.flight.group
         delay = 0.1
         while True:
-            self._transport.update(self._resolve_endpoints())
+            self._use_endpoints(self._resolve_endpoints())
             left = flight.timeout_s - (time.perf_counter() - flight.sent_at)
             try:
                 reply = self._transport.send(group, flight.request, max(left, 0.001)).result()
@@ -462,6 +473,34 @@ class LayerDispatcher:
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
+    def _look_up_later(self) -> None:
+        """The groups' addresses looked up again in a thread of its own, not the step's: the lookup may wait
+        (Serve's directory answers once a restarting replica serves). One at a time; one that fails, or
+        finds the group still at its old address, is made again at the group's next failed call (the trial
+        its circuit breaker allows every cooldown)."""
+        with self._lookup_lock:
+            if self._closed or (self._lookup is not None and self._lookup.is_alive()):
+                return
+            self._lookup = threading.Thread(target=self._look_up, name="expertmesh-endpoint-lookup", daemon=True)
+            self._lookup.start()
+
+    def _look_up(self) -> None:
+        try:
+            fresh = self._resolve_endpoints()
+        except Exception as err:  # Serve's directory timed out (the group is still away), the store is unreachable
+            log.info("could not look the expert groups' addresses up again (again at the next failure): %s", err)
+            return
+        with self._lookup_lock:
+            if not self._closed:
+                self._use_endpoints(fresh)
+
+    def _use_endpoints(self, fresh: dict[str, str]) -> None:
+        """``fresh`` group addresses for the transport; a group of the view that it does not list keeps the
+        address known (a flushed store lists groups again only as they re-register)."""
+        view = self._watcher.view
+        groups = {*(view.groups if view is not None else ()), *fresh}
+        self._transport.update({g: a for g in groups if (a := fresh.get(g) or self._transport.address(g))})
+
     def transports(self) -> dict[str, str]:
         """What carries this router's calls to each group now ("" before its first call)."""
         view = self._watcher.view
@@ -473,6 +512,8 @@ class LayerDispatcher:
         return {group: self._in_flight[group] for group in (view.groups if view else ())}
 
     def close(self) -> None:
+        with self._lookup_lock:  # a lookup still waiting (on Serve's directory, say) changes nothing after this
+            self._closed = True
         self._transport.close()
 
 

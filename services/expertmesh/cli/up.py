@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import argparse
 
-from expertmesh.config.settings import add_data_plane_arguments, add_serving_arguments
+from expertmesh.config.settings import (
+    DataPlaneConfig,
+    add_data_plane_arguments,
+    add_serving_arguments,
+    add_setting_flag,
+)
 from expertmesh.contracts.errors import InputError
 
 
 def add_command(commands) -> None:
     parser = commands.add_parser("up", help="run the platform: expert groups, router and the Inference gRPC API")
     add_data_plane_arguments(parser)
+    add_setting_flag(parser, DataPlaneConfig, "router_threads")
     add_serving_arguments(parser)
     parser.add_argument(
         "--router-only",
@@ -95,6 +101,7 @@ def _main(args: argparse.Namespace) -> int:
         plane = DataPlane.attach(data_config, wait_s=args.wait_for_table)
     else:
         plane = DataPlane.start(data_config)
+    _set_router_threads(data_config, plane, local_groups=not (args.router_only or data_config.ray_address))
     # After Ray's start: its core worker installs a SIGTERM handler of its own that would exit without draining.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -136,6 +143,23 @@ def _main(args: argparse.Namespace) -> int:
         plane.close()
         telemetry.shutdown()
     return 0
+
+
+def _set_router_threads(config, plane, local_groups: bool) -> None:
+    """The router's torch intra-op threads (``router_threads``; auto: the CPUs its local groups leave)."""
+    import os
+
+    import torch
+
+    from expertmesh.infra.console import progress
+    from expertmesh.infra.cpu_threads import group_threads, router_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    groups = len(plane.placement.groups) if local_groups else 0
+    threads = router_threads(config.router_threads, cpus, groups * group_threads(config.group_num_cpus))
+    torch.set_num_threads(threads)
+    how = "set" if config.router_threads else f"auto: {cpus} CPUs, {groups} expert groups on this host"
+    progress(f"router: {threads} torch intra-op threads ({how})")
 
 
 def _table_keeper(plane) -> list:

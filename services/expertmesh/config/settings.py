@@ -85,6 +85,14 @@ class DataPlaneConfig(BaseSettings):
     )
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     group_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per expert group")
+    router_threads: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="torch intra-op threads of `expertmesh up`'s router; 0: auto, the host's CPUs less those the "
+        "expert groups it starts on this host compute with (at least 1), all of them with --router-only or "
+        "--ray-address",
+    )
     group_host: str = Field("127.0.0.1", description="address group gRPC servers bind; 0.0.0.0 in a cluster")
     group_budget_bytes: int | None = Field(
         None,

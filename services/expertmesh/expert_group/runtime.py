@@ -104,6 +104,7 @@ class RunningGroup:
         import torch
 
         from expertmesh.expert_group.service import start_server
+        from expertmesh.infra.cpu_threads import group_threads
         from expertmesh.infra.telemetry import setup as setup_telemetry
         from expertmesh.models.checkpoint import Checkpoint
         from expertmesh.models.hosted_experts import HostedExperts
@@ -115,7 +116,7 @@ class RunningGroup:
         self._registration = None
         self.server = None
         # Intra-op threads follow the CPU share: oversubscribing a small host costs more than it gains.
-        torch.set_num_threads(max(1, int(spec.num_cpus)))
+        torch.set_num_threads(group_threads(spec.num_cpus))
         self.device = "cuda" if spec.num_gpus and torch.cuda.is_available() else "cpu"
         try:
             self.hosted = HostedExperts(

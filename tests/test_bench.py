@@ -75,6 +75,8 @@ def test_percentile_and_int_lists():
         (["serve", "--guard", "self", "--guard-policies", "delta_gap,exact"], "exact is the reference"),
         (["serve", "--guard", "self", "--guard-policies", ","], "name at least one routing policy"),
         (["serve", "--guard", "self", "--guard-threshold", "1.5"], "--guard-threshold must be between 0 and 1"),
+        (["serve", "--guard", "self", "--threads", "1,2"], "--threads takes one count with --guard"),
+        (["serve", "--threads", "1,0"], "--threads takes positive integers"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, checkpoint, tmp_path, argv, message):
@@ -395,6 +397,8 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
         3,
         "--prompt-tokens",
         16,
+        "--threads",
+        "1,2",
         "--out",
         out_file,
     )
@@ -402,8 +406,14 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
     result = json.loads(out_file.read_text())
     assert result["benchmark"] == "serve-sweep" and [p["clients"] for p in result["points"]] == [1, 2]
     assert "bench serve --sweep" in out and "generate batched tok/s" in out
+    assert "each run at its best of 1, 2 torch threads" in out and "platform threads" in out
     for p in result["points"]:
         runs = p["result"]["runs"]
+        for run in runs:  # each side at its best thread count, every count's figure beside it
+            by_threads = {int(c): v for c, v in run["tokens_per_s_by_threads"].items()}
+            assert set(by_threads) == {1, 2} and run["tokens_per_s"] == max(by_threads.values())
+            assert by_threads[run["threads"]] == run["tokens_per_s"]
+        assert (p["threads"]["platform"], p["threads"]["generate_batched"]) == (runs[0]["threads"], runs[-1]["threads"])
         assert (
             runs[0]["concurrency"] == p["clients"]
             and runs[-1]["name"] == f"transformers generate, batched x{p['clients']}"

@@ -56,7 +56,10 @@ def run_guarded(options) -> dict:
     n = options.clients
     profiles: dict = {}
     ready = lambda plane, target: profiles.update(_measure_profiles(plane, target, options.seed))  # noqa: E731
-    with torch_threads(options.threads) as threads, served_here(options, checkpoint, device, ready) as server:
+    with (
+        torch_threads(options.threads[0] if options.threads else None) as threads,
+        served_here(options, checkpoint, device, ready) as server,
+    ):
         target = f"127.0.0.1:{server.port}"
         requests = _requests(target, options.guard_policies)
         exact = _platform_run(target, options, texts, f"exact: {n} clients", extras(requests["exact"], off))

@@ -92,7 +92,7 @@ class Options:
     requests_per_client: int = 2
     max_new_tokens: int = 32
     prompt_tokens: int = 32
-    threads: int | None = None  # None: torch's current intra-op thread count
+    threads: tuple[int, ...] = ()  # torch intra-op threads; several: each side at its best of them; (): torch's
     seed: int = 0
     ray_address: str | None = None
     classifier: bool = False  # also the classifier's added TTFT (text prompts; see the module's docstring)
@@ -141,7 +141,11 @@ def add_command(bench_commands) -> None:
     p.add_argument(
         "--prompt-tokens", type=int, default=32, help="longest prompt; prompts are half to this (default 32)"
     )
-    p.add_argument("--threads", type=int, help="torch intra-op threads in this process (default: torch's, = cores)")
+    p.add_argument(
+        "--threads",
+        help="torch intra-op threads in this process (the in-process platform's router and the baselines); several, "
+        "comma-separated (e.g. 1,2): every run at each count, each row the best (default: torch's, = cores)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the checkpoint and the prompts")
     p.add_argument("--ray-address", help="join this Ray cluster when starting the platform here")
     p.add_argument(
@@ -202,7 +206,7 @@ def _main(args: argparse.Namespace) -> int:
         requests_per_client=check_positive(args.requests_per_client, "--requests-per-client"),
         max_new_tokens=check_positive(args.max_new_tokens, "--max-new-tokens"),
         prompt_tokens=check_positive(args.prompt_tokens, "--prompt-tokens"),
-        threads=None if args.threads is None else check_positive(args.threads, "--threads"),
+        threads=tuple(parse_int_list(args.threads, "--threads")) if args.threads else (),
         seed=args.seed,
         ray_address=args.ray_address,
         classifier=args.classifier,
@@ -251,6 +255,8 @@ def _check_modes(options: Options) -> None:
                              ("--guard", options.guard)) if on]  # fmt: skip
     if len(modes) > 1:
         raise BenchError(f"{' and '.join(modes)} are different runs; choose one")
+    if len(options.threads) > 1 and (options.shared_prefix or options.guard):
+        raise BenchError(f"--threads takes one count with {modes[0]}")
     if not options.guard:
         return
     if options.target:
@@ -322,17 +328,21 @@ def run(options: Options) -> dict:
     queries = text_prompts(options, checkpoint) if options.classifier else []
 
     kv = None  # the KV pool's use, known of the in-process platform only
-    with torch_threads(options.threads) as threads:
+    with torch_threads(options.threads[0] if options.threads else None) as threads:
         if options.target:
             _check_target(options.target, checkpoint, text)
             # the classifier runs first: a target without capability profiles fails them before the baselines load
             classified = _classifier_runs(options.target, options, queries)
-            platform, baselines = _interleaved(options.target, checkpoint.path, options, work, text, device)
+            platform, baselines = _best_threads(
+                options, lambda: _interleaved(options.target, checkpoint.path, options, work, text, device)
+            )
         else:
             with served_here(options, checkpoint, device) as server:
                 target = f"127.0.0.1:{server.port}"
                 classified = _classifier_runs(target, options, queries)
-                platform, baselines = _interleaved(target, checkpoint.path, options, work, text, device)
+                platform, baselines = _best_threads(
+                    options, lambda: _interleaved(target, checkpoint.path, options, work, text, device)
+                )
                 kv = server.engine.kv_usage()
 
     runs = [platform, *baselines]
@@ -341,7 +351,7 @@ def run(options: Options) -> dict:
         "model": model_summary(checkpoint),
         "setup": {
             **options_summary(options),
-            "threads": threads,
+            "threads": list(options.threads) if len(options.threads) > 1 else threads,
             "platform": options.target
             or f"in-process expertmesh up (local data plane, {_RUNNERS[options.groups_as]}, gRPC on loopback)",
             **device_summary(device),
@@ -424,6 +434,7 @@ def run_sweep(options: Options) -> dict:
                 "generate_batched_tokens_per_s": batched["tokens_per_s"],
                 "ratio_to_batched": platform["tokens_per_s"] / batched["tokens_per_s"],
                 "itl_p50_ms": {"platform": platform["itl_ms"]["p50"], "generate_batched": batched["itl_ms"]["p50"]},
+                "threads": {"platform": platform.get("threads"), "generate_batched": batched.get("threads")},
                 "kv_usage_peak": kv.get("usage_peak"),
                 "preemptions": kv.get("preemptions"),
                 "same_answers": result["agreement"]["passed"],
@@ -434,6 +445,8 @@ def run_sweep(options: Options) -> dict:
 
 
 def sweep_table(result: dict) -> str:
+    setup = result["points"][0]["result"]["setup"]
+    best_of = isinstance(setup["threads"], list)
     rows = [
         [
             p["clients"],
@@ -445,14 +458,14 @@ def sweep_table(result: dict) -> str:
             None if p["kv_usage_peak"] is None else 100 * p["kv_usage_peak"],
             p["preemptions"],
             "PASS" if p["same_answers"] else "FAIL",
+            *((p["threads"]["platform"], p["threads"]["generate_batched"]) if best_of else ()),
         ]
         for p in result["points"]
     ]
-    setup = result["points"][0]["result"]["setup"]
     title = (
         f"bench serve --sweep: {result['model']['model_type']} {Path(result['model']['path']).name}, {setup['dtype']}; "
         f"{setup['max_new_tokens']} new tokens, prompts up to {setup['prompt_tokens']} tokens, "
-        f"{setup['requests_per_client']} request(s) per client; {setup['threads']} torch threads"
+        f"{setup['requests_per_client']} request(s) per client; {_threads_note(setup['threads'])}"
     )
     body = format_table(
         [
@@ -465,11 +478,19 @@ def sweep_table(result: dict) -> str:
             "KV peak %",
             "preemptions",
             "same answers",
+            *(("platform threads", "generate threads") if best_of else ()),
         ],
         rows,
-        ["d", ".1f", ".1f", ".2f", ".1f", ".1f", ".1f", "d", ""],
+        ["d", ".1f", ".1f", ".2f", ".1f", ".1f", ".1f", "d", "", *(("d", "d") if best_of else ())],
     )
     return f"{title}\n{body}"
+
+
+def _threads_note(threads) -> str:
+    """The title's word on torch threads: a count, or the counts each run took its best of."""
+    if isinstance(threads, list):
+        return f"each run at its best of {', '.join(map(str, threads))} torch threads"
+    return f"{threads} torch threads"
 
 
 def _interleaved(target: str, path: Path, options: Options, work: list, text, device) -> tuple[dict, list[dict]]:
@@ -478,6 +499,37 @@ def _interleaved(target: str, path: Path, options: Options, work: list, text, de
     repeats = [(_platform_run(target, options, work), *baseline(work)) for _ in range(options.repeats)]
     platform, *baselines = (_median_run(list(runs)) for runs in zip(*repeats))
     return platform, baselines
+
+
+def _best_threads(options: Options, measure: Callable[[], tuple[dict, list[dict]]]) -> tuple[dict, list[dict]]:
+    """``measure()`` (the platform run and the baselines) at each of ``options.threads`` when several: each run
+    its best count's (most tokens/s), with every count's tokens/s beside it; else once, as it is."""
+    if len(options.threads) <= 1:
+        return measure()
+    import torch
+
+    by_count = {}
+    previous = torch.get_num_threads()
+    try:
+        for count in options.threads:
+            progress(f"bench serve: everything at {count} torch intra-op threads")
+            torch.set_num_threads(count)
+            platform, baselines = measure()
+            by_count[count] = [platform, *baselines]
+    finally:
+        torch.set_num_threads(previous)
+    best = []
+    for same_run in zip(*by_count.values()):  # the platform, then each baseline
+        runs = dict(zip(by_count, same_run))
+        count = max(runs, key=lambda c: runs[c]["tokens_per_s"])
+        best.append(
+            {
+                **runs[count],
+                "threads": count,
+                "tokens_per_s_by_threads": {c: r["tokens_per_s"] for c, r in runs.items()},
+            }
+        )
+    return best[0], best[1:]
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -757,7 +809,7 @@ def table(result: dict) -> str:
     model, setup = result["model"], result["setup"]
     rows = [
         [
-            r["name"],
+            r["name"] + (f" ({r['threads']} threads)" if "threads" in r else ""),
             r["requests"],
             r["concurrency"],
             r["tokens"],
@@ -774,7 +826,7 @@ def table(result: dict) -> str:
         f"{model['model_type']} {Path(model['path']).name}: {model['moe_layers']} MoE layers x {model['num_experts']} "
         f"experts, hidden {model['hidden_size']}, {setup['dtype']}; {setup['max_new_tokens']} new tokens per request, "
         f"prompts {min(setup['prompt_lengths'])}-{max(setup['prompt_lengths'])} tokens; "
-        f"{setup['threads']} torch threads; {setup['machine']['cpus']} CPUs"
+        f"{_threads_note(setup['threads'])}; {setup['machine']['cpus']} CPUs"
         + (f"; on {setup['gpu']}" if "gpu" in setup else "")
         + (f"; median of {setup['repeats']} interleaved repeats" if setup["repeats"] > 1 else "")
     )

@@ -110,7 +110,7 @@ def run_shared_prefix(options) -> dict:
     device = router_device(options.device, "--device")
     text = checkpoint.config.get_text_config()
     work = shared_prompts(options.shared_prefix, options.prompt_tokens, options.clients, text.vocab_size, options.seed)
-    with torch_threads(options.threads) as threads:
+    with torch_threads(options.threads[0] if options.threads else None) as threads:
         cached = _one_run(options, checkpoint, device, work, caching=True)
         uncached = _one_run(options, checkpoint, device, work, caching=False)
     return {

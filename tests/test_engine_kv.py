@@ -106,6 +106,30 @@ def test_a_shared_prefix_is_computed_once_and_changes_no_token(model, prefix_cac
     assert usage.prefix_hits == (2 * 3 * BLOCK if prefix_caching else 0), "the later two reuse all three blocks"
 
 
+def test_a_prefix_cache_reset_makes_the_next_request_prefill_its_whole_prompt(model):
+    """What ``bench serve`` does between its runs: the same prompt again finds nothing cached after a reset,
+    and its tokens stay stock's."""
+    prompt = tuple(range(10, 23))  # three full blocks
+    engine = _engine(model, 32).start()
+    try:
+        answers = []
+        for reset in (False, True):
+            if reset:
+                assert engine.reset_prefix_cache() == 3  # the first request's three full blocks
+            answers.append(
+                _tokens(
+                    list(engine.submit(GenerationRequest(f"r{reset}", prompt, max_new_tokens=4, stop_at_eos=False)))
+                )
+            )
+        assert engine.drain(timeout=30)
+        usage = engine.kv_usage()
+    finally:
+        engine.stop()
+    assert usage.prefix_queries == 2 * 3 * BLOCK and usage.prefix_hits == 0, "the second found nothing cached"
+    assert answers[0] == answers[1] == stock_greedy(model, prompt, 4)
+    assert _engine(model, 8).reset_prefix_cache() == 0  # not started: done at once
+
+
 def test_a_request_the_pool_can_never_hold_is_invalid(model):
     engine = _engine(model, 4)  # 16 tokens
     try:

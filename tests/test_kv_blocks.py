@@ -75,6 +75,19 @@ def test_publish_keeps_the_first_holder_of_a_prefix():
     assert pool.cached() == 1 and pool.match([h]) == [a]
 
 
+def test_a_reset_forgets_every_prefix_and_frees_the_unheld_blocks_only():
+    pool = BlockPool(3)
+    h = prefix_hashes([1, 1, 2, 2], 2)
+    held, let_go = pool.allocate(2)
+    assert pool.publish(held, h[0]) and pool.publish(let_go, h[1])
+    pool.release([let_go])
+    assert pool.available() == 2 and pool.cached() == 2
+    assert pool.reset_prefix_cache() == 2
+    assert pool.cached() == 0 and pool.match(h) == [] and pool.available() == 2 and pool.refs(held) == 1
+    pool.release([held])  # no longer cached: it goes to the free list, not the evictable set
+    assert pool.available() == 3 and pool.cached() == 0 and sorted(pool.allocate(3)) == [0, 1, 2]
+
+
 def test_eviction_reuses_the_least_recently_used_cached_block_first():
     pool = BlockPool(3)
     h = prefix_hashes([1, 1, 2, 2, 3, 3], 2)

@@ -37,7 +37,11 @@ latency (ITL) = time between consecutive streamed tokens of one request
 (a streamed chunk's gap divided by the tokens it carries; for ``generate``, the
 gaps between its streamer's calls, one per step); time to first token (TTFT)
 from sending the request (or calling ``generate``) to its first token. One
-untimed warm-up request precedes each run.
+untimed warm-up request precedes each run; then the in-process platform's prefix
+cache is emptied (``Engine.reset_prefix_cache``), so no timed prompt is found
+cached by the warm-up or by an earlier repeat or thread count. A ``--target``
+keeps its cache: its later repeats find their prompts cached (serve it with
+prefix caching off to compare them).
 
 ``--repeats`` K runs the platform and both ``generate`` baselines K times,
 interleaved (platform, one at a time, batched, platform, ...), so a machine whose
@@ -340,8 +344,9 @@ def run(options: Options) -> dict:
             with served_here(options, checkpoint, device) as server:
                 target = f"127.0.0.1:{server.port}"
                 classified = _classifier_runs(target, options, queries)
+                fresh = server.engine.reset_prefix_cache
                 platform, baselines = _best_threads(
-                    options, lambda: _interleaved(target, checkpoint.path, options, work, text, device)
+                    options, lambda: _interleaved(target, checkpoint.path, options, work, text, device, fresh)
                 )
                 kv = server.engine.kv_usage()
 
@@ -493,10 +498,13 @@ def _threads_note(threads) -> str:
     return f"{threads} torch threads"
 
 
-def _interleaved(target: str, path: Path, options: Options, work: list, text, device) -> tuple[dict, list[dict]]:
-    """The platform run and the baseline runs, ``options.repeats`` times in turn; the median of each."""
+def _interleaved(
+    target: str, path: Path, options: Options, work: list, text, device, fresh: Callable[[], object] | None = None
+) -> tuple[dict, list[dict]]:
+    """The platform run and the baseline runs, ``options.repeats`` times in turn; the median of each. ``fresh``
+    empties the platform's prefix cache before each platform run's timed requests."""
     baseline = _baselines(path, options, text, device)
-    repeats = [(_platform_run(target, options, work), *baseline(work)) for _ in range(options.repeats)]
+    repeats = [(_platform_run(target, options, work, fresh=fresh), *baseline(work)) for _ in range(options.repeats)]
     platform, *baselines = (_median_run(list(runs)) for runs in zip(*repeats))
     return platform, baselines
 
@@ -561,10 +569,16 @@ def _check_target(target: str, checkpoint, text) -> None:
 
 
 def _platform_run(
-    target: str, options: Options, work: list, name: str | None = None, extras: list[dict] | None = None
+    target: str,
+    options: Options,
+    work: list,
+    name: str | None = None,
+    extras: list[dict] | None = None,
+    fresh: Callable[[], object] | None = None,
 ) -> dict:
     """N streaming clients send ``work`` (token ids or text), request i with ``extras[i]`` (routing policy,
-    domain) when given."""
+    domain) when given. ``fresh()``, when given, runs after the warm-up: the platform's prefix cache emptied,
+    so no timed prompt finds itself cached by the warm-up or an earlier run."""
     import grpc
 
     from expertmesh.client import Client
@@ -578,6 +592,8 @@ def _platform_run(
             list(client.generate(work[0], max_new_tokens=2, stop_at_eos=False, **extras[0]))
     except grpc.RpcError as err:
         raise BenchError(f"a request to {target} failed: {err.code().name}: {err.details()}") from None
+    if fresh is not None:
+        fresh()
 
     records: list[list[_Request]] = [[] for _ in range(n)]
     errors: list[str] = []

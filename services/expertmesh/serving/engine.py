@@ -341,6 +341,7 @@ class Engine:
         self._active: list[Sequence] = []
         self._accepting = True
         self._stopping = False
+        self._resets = [0, 0, 0]  # prefix-cache resets asked, done, and the prefixes the latest forgot
         self._thread = threading.Thread(target=self._loop, name="expertmesh-engine", daemon=True)
         self.steps = 0
         self._queue_time = meter().create_histogram(
@@ -481,6 +482,20 @@ class Engine:
         """(checks, rollbacks) of the consistency guard since the engine started."""
         return self._guard_tally[0], self._guard_tally[1]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix (vLLM's ``reset_prefix_cache``): later requests prefill their prompts
+        again. Blocks that running sequences hold stay theirs. Done at the next step boundary; returns the
+        prefixes forgotten (0 under the per-sequence fallback, which caches none)."""
+        with self._cond:
+            if not self._thread.is_alive():  # not started (or stopped): no step runs, nothing to wait for
+                return self._blocks.reset_prefix_cache() if self._blocks is not None else 0
+            self._resets[0] += 1
+            asked = self._resets[0]
+            self._cond.notify_all()
+            while self._resets[1] < asked and not self._stopping:
+                self._cond.wait()
+            return self._resets[2]
+
     def load(self) -> tuple[int, int]:
         """(active, queued) sequences right now."""
         with self._cond:
@@ -491,10 +506,15 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._queued or self._active or self._stopping):
+                while not (self._queued or self._active or self._stopping or self._resets[0] > self._resets[1]):
                     self._cond.wait()
                 if self._stopping:
+                    self._cond.notify_all()  # a reset waiting for this loop waits no more
                     return
+                if self._resets[0] > self._resets[1]:  # at a step boundary, on this thread: no step holds a block
+                    self._resets[2] = self._blocks.reset_prefix_cache() if self._blocks is not None else 0
+                    self._resets[1] = self._resets[0]
+                    self._cond.notify_all()
                 self._retire_finished()
                 while self._queued and len(self._active) < self.limits.max_active and self._admit(self._queued[0]):
                     self._join(self._queued.popleft())

@@ -133,3 +133,13 @@ class BlockPool:
 
     def refs(self, block: int) -> int:
         return self._refs[block]
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix: the unreferenced cached blocks become free, the held ones stay their
+        sequences' and are freed when let go. Returns the prefixes forgotten."""
+        forgotten = len(self._cached)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self._hash_of.clear()
+        return forgotten

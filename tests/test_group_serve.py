@@ -3,7 +3,9 @@
 Real processes on loopback: two groups register in a real Redis (database
 ``DATABASE``, this module's own) as RayService replicas do, a router over that
 store reaches them by shared memory and answers exactly as stock transformers;
-SIGTERM stops a group cleanly; a wrong group name is a one-line error; and
+SIGTERM stops a group cleanly; a group started again after a live move loads what the
+stored routing table lists it with, not what it was first started with; a wrong group name is a one-line
+error; and
 `expertmesh bench dispatch` and `bench serve` with `--groups-as process` run on such
 groups with Ray, redis-py and the OpenTelemetry SDK unimportable (as on the GPU
 machine), reporting transports, memory and that the answers are transformers'."""
@@ -21,8 +23,10 @@ from tests.helpers import environment_without_gpu_machine_absentees
 from transformers import AutoModelForCausalLM
 
 from expertmesh.contracts import group_map as placement_mod
-from expertmesh.contracts.routing_table import RoutingTable
+from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
 from expertmesh.expert_group.local_server import runtime_dir
+from expertmesh.expert_group.runtime import GroupSpec, start_pairs
+from expertmesh.infra.group_channels import group_channel
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.platform.group_processes import start_groups
 from expertmesh.store import open_store
@@ -69,6 +73,75 @@ def test_plain_process_groups_register_and_serve_a_router_exactly(tiny_checkpoin
         for group in groups.values():
             group.stop()
         store.close()
+
+
+def _held(address: str) -> list[tuple[int, int]]:
+    from expertmesh.v1 import experts_pb2 as pb
+    from expertmesh.v1 import experts_pb2_grpc as pb_grpc
+
+    with group_channel(address) as channel:
+        described = pb_grpc.ExpertGroupStub(channel).Describe(pb.DescribeRequest(), timeout=30)
+    return sorted((e.layer, e.expert) for e in described.experts)
+
+
+def test_a_group_started_again_loads_what_the_routing_table_lists_it_with(tiny_checkpoints, store_url):
+    """g0 gains g1's first expert and gives away its own first one in (simulated) live moves: the table says so.
+    Started again with the same arguments, as Kubernetes or Serve restarts a replica, g0 holds what the table
+    lists, and a router dispatching the moved expert to it gets transformers' answer."""
+    path = tiny_checkpoints("mixtral")
+    spec = Checkpoint(path).spec
+    argv = ["--model", str(path), "--groups", "2", "--state-url", store_url]
+    groups = start_groups(["g0", "g1"], argv)
+    store = open_store(store_url)
+    try:
+        placement = placement_mod.contiguous(spec, 2)
+        g0, g1 = list(placement.groups["g0"]), list(placement.groups["g1"])
+        assert _held(groups["g0"].address) == sorted(g0)
+        moved_in, moved_out = g1[0], g0[0]
+        table = RoutingTable.from_placement(placement, spec.num_experts, version=1, model=ModelIdentity.of(spec))
+        replicas = dict(table.replicas)
+        replicas[moved_in] = ("g1", "g0")
+        replicas[moved_out] = ("g1",)  # (its copy on g1 came first, make before break)
+        assert store.publish_routing_table(RoutingTable(2, spec.num_experts, replicas, model=table.model))
+        assert groups.pop("g0").stop() == 0
+        groups.update(start_groups(["g0"], argv))
+        assert _held(groups["g0"].address) == sorted({*g0, moved_in} - {moved_out})
+        assert _held(groups["g1"].address) == sorted(g1), "g1 was not restarted: it still holds what it started with"
+        store.publish_routing_table(
+            RoutingTable(3, spec.num_experts, {**replicas, moved_in: ("g0",)}, model=table.model)
+        )
+        dispatcher = bare_dispatcher(store, spec.moe_layers)
+        stock = experts_modules(AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager"))
+        layer, expert = moved_in
+        hidden = torch.randn(4, spec.hidden_size, generator=torch.Generator().manual_seed(0))  # [T, H]
+        index = torch.full((4, spec.top_k), expert)
+        index[:, 1:] = torch.tensor([e for lay, e in g1 if lay == layer and e != expert][: spec.top_k - 1])  # on g1
+        weights = torch.full((4, spec.top_k), 1 / spec.top_k)
+        with torch.no_grad():
+            expected = stock[layer][1](hidden, index, weights)
+        torch.testing.assert_close(dispatcher.dispatch(layer, hidden, index, weights), expected, rtol=0, atol=1e-6)
+        dispatcher.close()
+    finally:
+        for group in groups.values():
+            group.stop()
+        store.close()
+
+
+def test_a_starting_group_takes_the_tables_pairs_only_from_a_newer_table_of_its_model_that_lists_it():
+    model = ModelIdentity("abc", (0, 1), 4)
+    spec = GroupSpec("g0", "/m", pairs=((0, 0), (1, 0)), table_after=3)
+    moved = {(0, 0): ("g1",), (0, 1): ("g0",), (1, 0): ("g0",)}
+
+    def table(version: int, replicas=moved, of=model) -> RoutingTable:
+        return RoutingTable(version, 4, replicas, model=of)
+
+    assert start_pairs(spec, table(4), model) == ((0, 1), (1, 0)), "a table after the deployer's: it wins"
+    assert start_pairs(spec, table(3), model) == spec.pairs, "the table from before the deployer's first one"
+    assert start_pairs(spec, None, model) == spec.pairs
+    assert start_pairs(spec, table(4, of=ModelIdentity("other", (0, 1), 4)), model) == spec.pairs
+    assert start_pairs(spec, table(4, {(0, 0): ("g1",)}), model) == spec.pairs, "a table that does not list it"
+    assert start_pairs(GroupSpec("g0", "/m", pairs=((0, 0),)), table(1), model) == ((0, 1), (1, 0)), "no bound"
+    assert start_pairs(spec, table(4, {(0, 0): ("g0",), (1, 0): ("g0", "g1")}), model) is spec.pairs, "the same"
 
 
 def test_a_group_the_placement_does_not_have_is_a_one_line_error(tiny_checkpoints):

@@ -411,7 +411,8 @@ while now() < (answer_in if seen["answered_s"] is None else seen["answered_s"] +
         seen["last"] = f"{address}: {err.code().name}"
     else:
         calls = {t.transport: t.calls for t in r.transports}
-        seen.update(address=address, pid=r.pid, calls=calls, last="answered")
+        held = sorted([e.layer, e.expert] for e in r.experts)
+        seen.update(address=address, pid=r.pid, calls=calls, held=held, last="answered")
         if seen["answered_s"] is None:
             seen["answered_s"] = now()
         if calls.get("grpc-stream"):
@@ -431,8 +432,8 @@ REUSE_TIMEOUT_S = 30
 def test_a_lost_worker_node_that_returns_gets_its_group_back_and_the_router_dispatches_to_it_again(bed):
     """Node w1 started again (``ray start`` in its host, the same resources) under load: Serve places
     gpu-0's replica, which has waited for w1's island resource since the node was lost, on the new node;
-    the group registers its new address, the router dispatches to it again, and no request fails or
-    changes meanwhile."""
+    it loads what the routing table lists it with (not 0/0, which moved away), registers its new address,
+    the router dispatches to it again, and no request fails or changes meanwhile."""
     load = Load(bed)
     started = time.monotonic()
     bed.ray.rejoin("w1")
@@ -462,4 +463,12 @@ def test_a_lost_worker_node_that_returns_gets_its_group_back_and_the_router_disp
         if a["state"] == "ALIVE" and a["name"].startswith("SERVE_REPLICA::") and "#group-gpu-0#" in a["name"]
     ]
     assert replicas == alive, state["actors"]
+    # the restarted replica loads what the table lists for gpu-0 (the migration above took 0/0 away), not
+    # what it was first started with
+    listed = sorted(
+        [int(x) for x in key.split("/")]
+        for key, groups in bed.json("client", REPLICAS, bed.redis_url).items()
+        if "gpu-0" in groups
+    )
+    assert seen["held"] == listed and [0, 0] not in listed, seen
     assert counts["sent"] > 0 and counts["failed"] == 0 and counts["wrong"] == 0, f"{counts}\n{bed.up_tail()}"

@@ -37,9 +37,10 @@ PROFILE_TOKENS = 8
 
 
 def run_guarded(options) -> dict:
-    from expertmesh.bench.serve import _platform_run, served_here, text_prompts, validate
+    from expertmesh.bench.serve import _platform_run, served_here, text_prompts, text_prompts_summary, validate
     from expertmesh.infra.devices import router_device
     from expertmesh.v1 import inference_pb2 as pb
+    from expertmesh.verify.policy import guard_threshold
 
     checkpoint = validate(options)
     device = router_device(options.device, "--device")
@@ -66,11 +67,16 @@ def run_guarded(options) -> dict:
         policies = []
         for name in options.guard_policies:
             plain = _platform_run(target, options, texts, f"{name}: {n} clients", extras(requests[name], off))
-            checks, rollbacks = server.engine.guard_tally()
+            tally = []  # the engine's counts after the guarded run's warm-up: the timed requests' alone
             guarded = _platform_run(
-                target, options, texts, f"{name} + guard {options.guard}: {n} clients", extras(requests[name], guard)
+                target,
+                options,
+                texts,
+                f"{name} + guard {options.guard}: {n} clients",
+                extras(requests[name], guard),
+                fresh=lambda: tally.append(server.engine.guard_tally()),
             )
-            after = server.engine.guard_tally()
+            (checks, rollbacks), after = tally[0], server.engine.guard_tally()
             policies.append(_policy_figures(name, exact, plain, guarded, after[0] - checks, after[1] - rollbacks))
     return {
         "benchmark": "serve --guard",
@@ -80,15 +86,11 @@ def run_guarded(options) -> dict:
             "threads": threads,
             "platform": "in-process expertmesh up (local data plane, gRPC on loopback)",
             **device_summary(device),
-            "prompts": {
-                "source": "the classifier's eval split",
-                "domains": [d for _, d, _ in queries],
-                "lengths": [k for _, _, k in queries],
-            },
+            "prompts": text_prompts_summary(queries),
             "profiles": profiles,
             "guard": {
                 "scorer": options.guard,
-                "threshold": guard.threshold if guard.HasField("threshold") else 0.65,
+                "threshold": guard_threshold(guard),
                 "recompute": options.guard_recompute,
             },
             "machine": machine(),

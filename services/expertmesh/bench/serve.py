@@ -81,6 +81,7 @@ from expertmesh.bench.report import (
     print_and_write,
     torch_threads,
 )
+from expertmesh.config.settings import add_guard_arguments
 from expertmesh.infra.console import bar, progress
 
 FIRST_TOKEN_ID = 3  # seeded prompts avoid the tiny models' pad/bos/eos ids (0, 1, 2)
@@ -188,13 +189,7 @@ def add_command(bench_commands) -> None:
         default="delta_gap,restrict",
         help="comma-separated routing policies the guard run measures (default delta_gap,restrict)",
     )
-    p.add_argument("--guard-threshold", type=float, help="the guard's threshold, 0-1 (default: 0.65)")
-    p.add_argument(
-        "--guard-recompute",
-        choices=["widened", "exact"],
-        default="widened",
-        help="how the guard computes a token again: widened (top-3, the default) or exact (the stock gate)",
-    )
+    add_guard_arguments(p)
     add_platform_arguments(p)
     p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
     p.set_defaults(run=_main)
@@ -320,6 +315,15 @@ def text_prompts(options: Options, checkpoint) -> list[tuple[str, str, int]]:
         )
     random.Random(options.seed).shuffle(fit)
     return [fit[i % len(fit)] for i in range(options.clients * options.requests_per_client)]
+
+
+def text_prompts_summary(queries: list[tuple[str, str, int]]) -> dict:
+    """The JSON's account of ``text_prompts``' queries: where they come from, each one's domain and tokens."""
+    return {
+        "source": "the classifier's eval split",
+        "domains": [d for _, d, _ in queries],
+        "lengths": [n for _, _, n in queries],
+    }
 
 
 def run(options: Options) -> dict:
@@ -685,11 +689,7 @@ def _classifier_summary(runs: list[dict], queries: list[tuple[str, str, int]]) -
     calls = [1e3 * classifier.classify(text).seconds for text, _, _ in queries]
     return {
         "policy": "prefer(alpha=0)",
-        "prompts": {
-            "source": "the classifier's eval split",
-            "domains": [d for _, d, _ in queries],
-            "lengths": [n for _, _, n in queries],
-        },
+        "prompts": text_prompts_summary(queries),
         "runs": runs,
         "added_ttft_ms": added(given),  # the classifier alone
         "added_ttft_ms_vs_exact": added(exact),  # and the policy's plumbing

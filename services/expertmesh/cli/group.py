@@ -95,7 +95,7 @@ def _main(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     group = RunningGroup(spec)
     try:
-        print(serving_line(spec.name, len(spec.pairs), group.address), flush=True)
+        print(serving_line(spec.name, len(group.pairs), group.address), flush=True)
         stop.wait()
     finally:
         group.stop()

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from expertmesh.config.settings import add_guard_arguments
 from expertmesh.contracts.errors import InvalidRequest
 
 #: routing_policy.PARAMETER_NAMES (not imported: that module needs torch, the parser must not)
@@ -56,13 +57,7 @@ def add_command(commands) -> None:
         help="also the consistency guard with this scorer: the policy's greedy tokens that differ from exact's "
         "(the bad-case rate) without and with it, and the time per token it adds",
     )
-    ev.add_argument("--guard-threshold", type=float, help="the guard's threshold, 0-1 (default: 0.65)")
-    ev.add_argument(
-        "--guard-recompute",
-        choices=["widened", "exact"],
-        default="widened",
-        help="how the guard computes a token again: widened (top-3, the default) or exact (the stock gate)",
-    )
+    add_guard_arguments(ev)
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ev.set_defaults(run=_eval)
 

@@ -42,6 +42,10 @@ TransportName = Literal["auto", "grpc", "grpc-unary"]
 #: what ``router_device`` (and ``bench dispatch --device``) may say
 DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 DEVICE_NAMES = "a device is auto, cpu, cuda or cuda:N"
+#: the consistency guard's threshold (the field report's) and how it computes a rolled-back token again:
+#: widened (top-3) or with the stock gate (exact routing)
+GUARD_THRESHOLD = 0.65
+GUARD_RECOMPUTE = ("widened", "exact")
 
 
 class DataPlaneConfig(BaseSettings):
@@ -198,7 +202,10 @@ class ServingConfig(BaseSettings):
         description="consistency guard of non-exact requests that ask for none: a scorer (self, embedding); empty: off",
     )
     consistency_threshold: float = Field(
-        0.65, ge=0, le=1, description="consistency guard: a new token scored below this is computed again, widened"
+        GUARD_THRESHOLD,
+        ge=0,
+        le=1,
+        description="consistency guard: a new token scored below this is computed again, widened",
     )
     consistency_max_regenerations: int = Field(
         8, ge=0, le=64, description="consistency guard: most tokens computed again per request"
@@ -474,6 +481,19 @@ def loop_settings(settings: type[S], switched_on: bool) -> S:
             for e in err.errors()
         )
         raise InvalidRequest("; ".join(p.removeprefix("Value error, ") for p in problems)) from None
+
+
+def add_guard_arguments(parser: argparse.ArgumentParser) -> None:
+    """The consistency guard's knobs, as ``policy eval --guard`` and ``bench serve --guard`` both take them."""
+    parser.add_argument(
+        "--guard-threshold", type=float, help=f"the guard's threshold, 0-1 (default: {GUARD_THRESHOLD:g})"
+    )
+    parser.add_argument(
+        "--guard-recompute",
+        choices=list(GUARD_RECOMPUTE),
+        default=GUARD_RECOMPUTE[0],
+        help="how the guard computes a token again: widened (top-3, the default) or exact (the stock gate)",
+    )
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:

@@ -56,6 +56,26 @@ class GroupSpec:
     inherited_env: dict[str, str] = field(default_factory=dict)
     #: most bytes of expert weights the group holds; LoadExperts past it is refused. None: unlimited
     budget_bytes: int | None = None
+    #: a stored routing table of a later version than this says what the group loads when it starts: a replica
+    #: restarted after live moves takes back what they gave it, not ``pairs``. The deployer sets it to the
+    #: store's version before its own first table; None: any stored table of the model that lists the group
+    table_after: int | None = None
+
+
+def start_pairs(spec: GroupSpec, table, model) -> tuple[tuple[int, int], ...]:
+    """What ``spec``'s group loads when it starts, given the stored routing table (None: none) and the
+    checkpoint's ``ModelIdentity``: the pairs the table lists the group serving, when the table is of this
+    model, newer than ``spec.table_after`` and lists the group; else ``spec.pairs``.
+
+    Serve and Kubernetes restart a replica with the arguments it was first started with, so without this a
+    group that gained an expert in a live move comes back without it (and with any it gave away) while the
+    table routers serve still lists it: every token routed there fails over or fails."""
+    if table is None or (spec.table_after is not None and table.version <= spec.table_after):
+        return spec.pairs
+    if table.num_experts != model.num_experts or (table.model is not None and table.model.differences(model)):
+        return spec.pairs
+    listed = tuple(sorted(pair for pair, groups in table.replicas.items() if spec.name in groups))
+    return spec.pairs if not listed or set(listed) == set(spec.pairs) else listed
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -118,24 +138,39 @@ class RunningGroup:
         # Intra-op threads follow the CPU share: oversubscribing a small host costs more than it gains.
         torch.set_num_threads(group_threads(spec.num_cpus))
         self.device = "cuda" if spec.num_gpus and torch.cuda.is_available() else "cpu"
+        store = None
         try:
-            self.hosted = HostedExperts(
-                Checkpoint(spec.model_path), getattr(torch, spec.dtype), self.device, spec.budget_bytes
-            )
-            self.hosted.load(list(spec.pairs))
-            self.server, port = start_server(spec.name, self.hosted, host=spec.host, port=spec.port)
-            self.address = f"{advertise() if spec.host in ('0.0.0.0', '::') else spec.host}:{port}"
+            checkpoint = Checkpoint(spec.model_path)
+            pairs = spec.pairs
             if spec.state_url:
-                from expertmesh.expert_group.registration import EndpointRegistration
+                from expertmesh.contracts.routing_table import ModelIdentity
                 from expertmesh.store import open_store
 
-                self._registration = EndpointRegistration(
-                    open_store(spec.state_url, spec.deployment), spec.name, self.address
-                ).start()
+                store = open_store(spec.state_url, spec.deployment)
+                pairs = start_pairs(spec, store.routing_table(), ModelIdentity.of(checkpoint.spec))
+                if pairs is not spec.pairs:
+                    log.info(
+                        "expert group %s: loading the %d experts the routing table lists it with, not the %d it "
+                        "was first started with",
+                        spec.name,
+                        len(pairs),
+                        len(spec.pairs),
+                    )
+            self.hosted = HostedExperts(checkpoint, getattr(torch, spec.dtype), self.device, spec.budget_bytes)
+            self.hosted.load(list(pairs))
+            self.pairs = pairs
+            self.server, port = start_server(spec.name, self.hosted, host=spec.host, port=spec.port)
+            self.address = f"{advertise() if spec.host in ('0.0.0.0', '::') else spec.host}:{port}"
+            if store is not None:
+                from expertmesh.expert_group.registration import EndpointRegistration
+
+                self._registration = EndpointRegistration(store, spec.name, self.address).start()
         except BaseException:
+            if store is not None and self._registration is None:
+                store.close()
             self.stop()
             raise
-        log.info("expert group %s: %d experts on %s, serving %s", spec.name, len(spec.pairs), self.device, self.address)
+        log.info("expert group %s: %d experts on %s, serving %s", spec.name, len(pairs), self.device, self.address)
 
     def stop(self) -> None:
         if self._registration is not None:

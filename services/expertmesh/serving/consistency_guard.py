@@ -31,10 +31,11 @@ from typing import Protocol
 
 import torch
 
+from expertmesh.config.settings import GUARD_RECOMPUTE, GUARD_THRESHOLD
 from expertmesh.router.policy.routing_policy import STOCK
 
 #: the report's threshold, and a bound on rollbacks per request
-DEFAULT_THRESHOLD = 0.65
+DEFAULT_THRESHOLD = GUARD_THRESHOLD
 DEFAULT_MAX_REGENERATIONS = 8
 MAX_REGENERATIONS = 64
 #: characters of preceding text the embedding scorer compares a span with
@@ -85,7 +86,7 @@ class GuardSpec:
 
 
 #: how a rolled-back token is computed again: widened (the report's top-3), or with the stock gate (exact routing)
-RECOMPUTE = ("widened", "exact")
+RECOMPUTE = GUARD_RECOMPUTE
 
 
 def widened_k(top_k: int) -> int:

@@ -20,7 +20,13 @@ from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.observability.remote import domain_load
 from expertmesh.router.policy.quality import PolicyQuality, Tally, kl_and_top1, same_positions
 from expertmesh.router.policy.routing_policy import PolicyError, RoutingPolicy, parse_policy
+from expertmesh.serving.consistency_guard import DEFAULT_THRESHOLD
 from expertmesh.v1 import inference_pb2 as pb
+
+
+def guard_threshold(guard: pb.ConsistencyGuard) -> float:
+    """The threshold ``guard`` is served with: its own, or the guard's default."""
+    return guard.threshold if guard.HasField("threshold") else DEFAULT_THRESHOLD
 
 
 def evaluate(
@@ -140,7 +146,7 @@ def evaluate_guard(
     return GuardFigures(
         policy.key,
         scorer,
-        guard.threshold if guard.HasField("threshold") else 0.65,
+        guard_threshold(guard),
         recompute,
         1 - same / max(positions, 1),
         1 - same_guarded / max(positions, 1),

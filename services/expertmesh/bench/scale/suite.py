@@ -64,12 +64,14 @@ def _main(args: argparse.Namespace) -> int:
     gpus = parse_int_list(args.gpus or ("4,8" if args.quick else "64,256"), "--gpus")
     routers = parse_int_list(args.routers or ("2,4" if args.quick else "16,128"), "--routers")
     results = []
-    for case in cases(gpus, routers, args.hours, args.quick, args.seed):
-        progress(f"bench scale: {case.name}, {case.hours:g} simulated hours")
+    todo = cases(gpus, routers, args.hours, args.quick, args.seed)
+    out = {"benchmark": "scale", "machine": machine(), "loadavg_start": _loadavg(), "results": results}
+    for i, case in enumerate(todo):
+        progress(f"bench scale: {case.name}, {case.hours:g} simulated hours (case {i + 1} of {len(todo)})")
         results.append(run_case(case, progress=progress))
-    out = {"benchmark": "scale", "machine": machine(), "loadavg": _loadavg(), "results": results}
+        # a day of one case takes a quarter to half an hour here: an interrupted run keeps the cases it finished
+        write_json(args.out, {**out, "loadavg": _loadavg(), "complete": i + 1 == len(todo)})
     print(table(results))
-    write_json(args.out, out)
     if args.plots is not None:
         print(plots(results, args.plots))
     return 0

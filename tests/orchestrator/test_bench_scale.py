@@ -134,6 +134,30 @@ def test_bench_scale_command_writes_json(tmp_path):
     assert doc["results"][0]["case"] == {"model": "quick", "gpus": 4, "routers": 2, "hours": 1.0, "redundant": 4}
 
 
+def test_bench_scale_merges_runs_made_separately_into_one_table_and_json(tmp_path, capsys):
+    """A day of each case is long, so the cases run as separate commands; --merge reports them together."""
+    runs = []
+    for routers in ("2", "4"):
+        runs.append(tmp_path / f"r{routers}.json")
+        argv = ["--quick", "--gpus", "4", "--routers", routers, "--hours", "1", "--out", str(runs[-1])]
+        assert main(["bench", "scale", *argv]) == 0
+        assert json.loads(runs[-1].read_text())["complete"] is True
+    capsys.readouterr()
+    out = tmp_path / "merged.json"
+    assert main(["bench", "scale", "--merge", *map(str, runs), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "4 GPUs 2 routers" in printed and "4 GPUs 4 routers" in printed
+    doc = json.loads(out.read_text())
+    separate = [json.loads(r.read_text())["results"][0] for r in runs]
+    assert doc["results"] == separate and [m["path"] for m in doc["merged_from"]] == list(map(str, runs))
+    (tmp_path / "other.json").write_text(json.dumps({"benchmark": "serve", "results": []}))
+    for bad in (["--merge", str(tmp_path / "other.json")], ["--merge", str(tmp_path / "none.json")]):
+        assert main(["bench", "scale", *bad, "--out", str(out)]) == 2
+    assert main(["bench", "scale", "--merge", str(runs[0]), "--out", str(runs[0])]) == 2
+    assert main(["bench", "scale", "--merge", str(runs[0]), "--gpus", "4", "--out", str(out)]) == 2
+    assert "is not the JSON of a bench scale run" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv",
     [["--hours", "0"], ["--gpus", "x"], ["--routers", "0"], ["--gpus", "12"], ["--gpus", "8"]],

@@ -37,6 +37,13 @@ def add_command(bench_commands) -> None:
     )
     p.add_argument("--out", default="bench-scale.json", help="JSON results (default bench-scale.json)")
     p.add_argument("--plots", type=Path, help="directory for balancedness.png and moves.png (needs matplotlib)")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="instead of running: one table, JSON and plots of the cases these earlier runs wrote (a day of "
+        "each case takes long enough to run them as separate commands, in parallel)",
+    )
     p.set_defaults(run=_main)
 
 
@@ -59,6 +66,12 @@ def cases(gpus: list[int], routers: list[int], hours: float, quick: bool, seed: 
 def _main(args: argparse.Namespace) -> int:
     from expertmesh.bench.scale.run import run_case
 
+    if args.merge:
+        if args.gpus or args.routers or args.quick:
+            raise BenchError("--merge reports earlier runs: it takes no --gpus, --routers or --quick")
+        if any(Path(path).resolve() == Path(args.out).resolve() for path in args.merge):
+            raise BenchError(f"--merge: --out {args.out} is one of the runs merged; name another file")
+        return _report(merged(args.merge), args)
     if not args.hours > 0:
         raise BenchError(f"--hours must be > 0, got {args.hours}")
     gpus = parse_int_list(args.gpus or ("4,8" if args.quick else "64,256"), "--gpus")
@@ -71,10 +84,38 @@ def _main(args: argparse.Namespace) -> int:
         results.append(run_case(case, progress=progress))
         # a day of one case takes a quarter to half an hour here: an interrupted run keeps the cases it finished
         write_json(args.out, {**out, "loadavg": _loadavg(), "complete": i + 1 == len(todo)})
-    print(table(results))
+    return _report(out, args, write=False)
+
+
+def _report(out: dict, args: argparse.Namespace, write: bool = True) -> int:
+    print(table(out["results"]))
+    if write:
+        write_json(args.out, out)
     if args.plots is not None:
-        print(plots(results, args.plots))
+        print(plots(out["results"], args.plots))
     return 0
+
+
+def merged(paths: list[str]) -> dict:
+    """One result of the cases in the ``bench scale`` JSON files ``paths``, in their order."""
+    import json
+
+    results, runs = [], []
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise BenchError(f"--merge: cannot read {path!r}: {getattr(err, 'strerror', None) or err}") from None
+        cases_in = doc.get("results") if isinstance(doc, dict) and doc.get("benchmark") == "scale" else None
+        if not isinstance(cases_in, list) or not all(
+            isinstance(r, dict) and {"case", "hours"} <= r.keys() for r in cases_in
+        ):
+            raise BenchError(f"--merge: {path!r} is not the JSON of a bench scale run")
+        if not doc.get("complete", True):
+            progress(f"bench scale: {path} is of an unfinished run; its {len(doc['results'])} finished cases count")
+        results += doc["results"]
+        runs.append({"path": str(path), **{k: doc.get(k) for k in ("machine", "loadavg_start", "loadavg")}})
+    return {"benchmark": "scale", "merged_from": runs, "results": results}
 
 
 def _loadavg() -> str | None:

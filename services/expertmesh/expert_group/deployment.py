@@ -66,23 +66,8 @@ class GroupDirectory:
     def __init__(self, **groups):
         self._groups = groups
 
-    async def addresses(self, wait_s: float | None = None) -> dict[str, str]:
-        """Every group's address, asked of all at once. ``wait_s``: how long to wait for each; a group that has
-        not answered by then (its replica waiting for a node that is away, say) is left out, and the caller
-        keeps the address it knew. None: wait for every one (``deploy``, whose groups are starting)."""
-        import asyncio
-
-        async def one(handle) -> str:
-            return await handle.address.remote()
-
-        names = list(self._groups)
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(one(self._groups[name]), wait_s) for name in names), return_exceptions=True
-        )
-        for name, answer in zip(names, answers):
-            if isinstance(answer, BaseException) and not isinstance(answer, asyncio.TimeoutError):
-                raise answer
-        return {name: answer for name, answer in zip(names, answers) if isinstance(answer, str)}
+    async def addresses(self) -> dict[str, str]:
+        return {name: await handle.address.remote() for name, handle in self._groups.items()}
 
 
 def actor_options(spec: GroupSpec) -> dict:
@@ -229,17 +214,9 @@ def build_app(args: dict):
     )
 
 
-#: How long a lookup waits for each group's replica to say its address. A replica restarting on a live node
-#: answers within its start; one waiting for a node that is away may not for minutes, and every router's
-#: lookup would wait with it (it waited 120 s), so the lookup lists the groups that answered in time.
-LOOKUP_WAIT_S = 10.0
-
-
 def current_addresses() -> dict[str, str]:
-    """Group -> gRPC address as the running replicas report it, for those that answer within ``LOOKUP_WAIT_S``
-    (a restarting replica that does is waited for)."""
-    handle = serve.get_app_handle(APP_NAME)
-    return handle.addresses.remote(wait_s=LOOKUP_WAIT_S).result(timeout_s=LOOKUP_WAIT_S + 30)
+    """Group -> gRPC address as the running replicas report it (waits for a restarting one)."""
+    return serve.get_app_handle(APP_NAME).addresses.remote().result(timeout_s=120)
 
 
 def undeploy() -> None:

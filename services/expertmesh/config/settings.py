@@ -46,6 +46,9 @@ DEVICE_NAMES = "a device is auto, cpu, cuda or cuda:N"
 #: widened (top-3) or with the stock gate (exact routing)
 GUARD_THRESHOLD = 0.65
 GUARD_RECOMPUTE = ("widened", "exact")
+#: tokens the guard computes again per request: by default, and at most
+GUARD_MAX_REGENERATIONS = 8
+GUARD_REGENERATIONS_LIMIT = 64
 
 
 class DataPlaneConfig(BaseSettings):
@@ -208,7 +211,10 @@ class ServingConfig(BaseSettings):
         description="consistency guard: a new token scored below this is computed again, widened",
     )
     consistency_max_regenerations: int = Field(
-        8, ge=0, le=64, description="consistency guard: most tokens computed again per request"
+        GUARD_MAX_REGENERATIONS,
+        ge=0,
+        le=GUARD_REGENERATIONS_LIMIT,
+        description="consistency guard: most tokens computed again per request",
     )
 
 

@@ -31,13 +31,14 @@ from typing import Protocol
 
 import torch
 
-from expertmesh.config.settings import GUARD_RECOMPUTE, GUARD_THRESHOLD
+from expertmesh.config.settings import (
+    GUARD_MAX_REGENERATIONS,
+    GUARD_RECOMPUTE,
+    GUARD_REGENERATIONS_LIMIT,
+    GUARD_THRESHOLD,
+)
 from expertmesh.router.policy.routing_policy import STOCK
 
-#: the report's threshold, and a bound on rollbacks per request
-DEFAULT_THRESHOLD = GUARD_THRESHOLD
-DEFAULT_MAX_REGENERATIONS = 8
-MAX_REGENERATIONS = 64
 #: characters of preceding text the embedding scorer compares a span with
 CONTEXT_CHARS = 1000
 
@@ -56,8 +57,8 @@ class GuardSpec:
     rolled-back token is computed again with (``widened_k`` of the model's k)."""
 
     scorer: str
-    threshold: float = DEFAULT_THRESHOLD
-    max_regenerations: int = DEFAULT_MAX_REGENERATIONS
+    threshold: float = GUARD_THRESHOLD
+    max_regenerations: int = GUARD_MAX_REGENERATIONS
     #: experts a rolled-back token's position takes when computed again; ``STOCK``: the stock gate
     widen_to: int = 3
 
@@ -73,20 +74,20 @@ class GuardSpec:
     ) -> GuardSpec:
         if scorer not in SCORERS:
             raise GuardError(f"{field_prefix}.scorer", f"unknown scorer {scorer!r}; known: {', '.join(SCORERS)}")
-        threshold = DEFAULT_THRESHOLD if threshold is None else threshold
+        threshold = GUARD_THRESHOLD if threshold is None else threshold
         if not (math.isfinite(threshold) and 0 <= threshold <= 1):
             raise GuardError(f"{field_prefix}.threshold", f"must be in [0, 1], got {threshold}")
-        count = DEFAULT_MAX_REGENERATIONS if max_regenerations is None else max_regenerations
-        if not 0 <= count <= MAX_REGENERATIONS:
-            raise GuardError(f"{field_prefix}.max_regenerations", f"must be in [0, {MAX_REGENERATIONS}], got {count}")
-        if recompute not in RECOMPUTE:
-            raise GuardError(f"{field_prefix}.recompute", f"must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+        count = GUARD_MAX_REGENERATIONS if max_regenerations is None else max_regenerations
+        if not 0 <= count <= GUARD_REGENERATIONS_LIMIT:
+            raise GuardError(
+                f"{field_prefix}.max_regenerations", f"must be in [0, {GUARD_REGENERATIONS_LIMIT}], got {count}"
+            )
+        if recompute not in GUARD_RECOMPUTE:
+            raise GuardError(
+                f"{field_prefix}.recompute", f"must be one of {', '.join(GUARD_RECOMPUTE)}, got {recompute!r}"
+            )
         widen_to = widened_k(top_k) if recompute == "widened" else STOCK
         return cls(scorer, float(threshold), int(count), widen_to)
-
-
-#: how a rolled-back token is computed again: widened (the report's top-3), or with the stock gate (exact routing)
-RECOMPUTE = GUARD_RECOMPUTE
 
 
 def widened_k(top_k: int) -> int:

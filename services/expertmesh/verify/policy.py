@@ -15,18 +15,18 @@ import grpc
 
 from expertmesh.classifier.corpus import Example
 from expertmesh.client import Client
+from expertmesh.config.settings import GUARD_THRESHOLD
 from expertmesh.contracts import wire
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.observability.remote import domain_load
 from expertmesh.router.policy.quality import PolicyQuality, Tally, kl_and_top1, same_positions
 from expertmesh.router.policy.routing_policy import PolicyError, RoutingPolicy, parse_policy
-from expertmesh.serving.consistency_guard import DEFAULT_THRESHOLD
 from expertmesh.v1 import inference_pb2 as pb
 
 
 def guard_threshold(guard: pb.ConsistencyGuard) -> float:
     """The threshold ``guard`` is served with: its own, or the guard's default."""
-    return guard.threshold if guard.HasField("threshold") else DEFAULT_THRESHOLD
+    return guard.threshold if guard.HasField("threshold") else GUARD_THRESHOLD
 
 
 def evaluate(

@@ -74,7 +74,7 @@ def start_pairs(spec: GroupSpec, table, model) -> tuple[tuple[int, int], ...]:
         return spec.pairs
     if table.num_experts != model.num_experts or (table.model is not None and table.model.differences(model)):
         return spec.pairs
-    listed = tuple(sorted(pair for pair, groups in table.replicas.items() if spec.name in groups))
+    listed = table.placement().groups.get(spec.name, ())
     return spec.pairs if not listed or set(listed) == set(spec.pairs) else listed
 
 
@@ -148,7 +148,7 @@ class RunningGroup:
 
                 store = open_store(spec.state_url, spec.deployment)
                 pairs = start_pairs(spec, store.routing_table(), ModelIdentity.of(checkpoint.spec))
-                if pairs is not spec.pairs:
+                if pairs != spec.pairs:
                     log.info(
                         "expert group %s: loading the %d experts the routing table lists it with, not the %d it "
                         "was first started with",

@@ -284,6 +284,8 @@ def _deploy_groups(
     spec = checkpoint.spec
     has_gpus = deployment.cluster_has_gpus()
     gpus = 1 if has_gpus else 0
+    # the table published after these start is the first one they follow when Serve restarts them
+    table_after = store.routing_table_version()
     specs = [
         deployment.GroupSpec(
             name=name,
@@ -298,8 +300,7 @@ def _deploy_groups(
             # a shared store: the groups register themselves too, so a flushed store lists them again
             state_url=None if config.state_url.startswith("memory://") else config.state_url,
             deployment=config.deployment,
-            # the table published after these start is the first one they follow when Serve restarts them
-            table_after=store.routing_table_version(),
+            table_after=table_after,
             # a GPU plan's group: its GPUs, island and NUMA node; any other: one GPU where the cluster has them
             **({"num_gpus": gpus} | (deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {})),
         )

@@ -112,8 +112,8 @@ def merged(paths: list[str]) -> dict:
         ):
             raise BenchError(f"--merge: {path!r} is not the JSON of a bench scale run")
         if not doc.get("complete", True):
-            progress(f"bench scale: {path} is of an unfinished run; its {len(doc['results'])} finished cases count")
-        results += doc["results"]
+            progress(f"bench scale: {path} is of an unfinished run; its {len(cases_in)} finished cases count")
+        results += cases_in
         runs.append({"path": str(path), **{k: doc.get(k) for k in ("machine", "loadavg_start", "loadavg")}})
     return {"benchmark": "scale", "merged_from": runs, "results": results}
 

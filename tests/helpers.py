@@ -255,3 +255,14 @@ def bare_dispatcher(store, moe_layers, transport="auto", *, on_switch=None, mode
     heartbeat = SimpleNamespace(beat=on_switch) if on_switch is not None else None
     transport = build(transport) if isinstance(transport, str) else transport
     return assemble_router(store, moe_layers, transport, heartbeat=heartbeat, identity=model, **kwargs).dispatcher
+
+
+def held_pairs(address: str) -> set[tuple[int, int]]:
+    """The (layer, expert) pairs the expert group at ``address`` says it holds (Describe over gRPC)."""
+    from expertmesh.infra.group_channels import group_channel
+    from expertmesh.v1 import experts_pb2 as pb
+    from expertmesh.v1 import experts_pb2_grpc as pb_grpc
+
+    with group_channel(address) as channel:
+        response = pb_grpc.ExpertGroupStub(channel).Describe(pb.DescribeRequest(), timeout=30)
+    return {(e.layer, e.expert) for e in response.experts}

@@ -26,11 +26,10 @@ from expertmesh.contracts import group_map as placement_mod
 from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
 from expertmesh.expert_group.local_server import runtime_dir
 from expertmesh.expert_group.runtime import GroupSpec, start_pairs
-from expertmesh.infra.group_channels import group_channel
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.platform.group_processes import start_groups
 from expertmesh.store import open_store
-from helpers import bare_dispatcher
+from helpers import bare_dispatcher, held_pairs
 
 DATABASE = 13
 
@@ -75,15 +74,6 @@ def test_plain_process_groups_register_and_serve_a_router_exactly(tiny_checkpoin
         store.close()
 
 
-def _held(address: str) -> list[tuple[int, int]]:
-    from expertmesh.v1 import experts_pb2 as pb
-    from expertmesh.v1 import experts_pb2_grpc as pb_grpc
-
-    with group_channel(address) as channel:
-        described = pb_grpc.ExpertGroupStub(channel).Describe(pb.DescribeRequest(), timeout=30)
-    return sorted((e.layer, e.expert) for e in described.experts)
-
-
 def test_a_group_started_again_loads_what_the_routing_table_lists_it_with(tiny_checkpoints, store_url):
     """g0 gains g1's first expert and gives away its own first one in (simulated) live moves: the table says so.
     Started again with the same arguments, as Kubernetes or Serve restarts a replica, g0 holds what the table
@@ -96,7 +86,7 @@ def test_a_group_started_again_loads_what_the_routing_table_lists_it_with(tiny_c
     try:
         placement = placement_mod.contiguous(spec, 2)
         g0, g1 = list(placement.groups["g0"]), list(placement.groups["g1"])
-        assert _held(groups["g0"].address) == sorted(g0)
+        assert held_pairs(groups["g0"].address) == set(g0)
         moved_in, moved_out = g1[0], g0[0]
         table = RoutingTable.from_placement(placement, spec.num_experts, version=1, model=ModelIdentity.of(spec))
         replicas = dict(table.replicas)
@@ -105,8 +95,8 @@ def test_a_group_started_again_loads_what_the_routing_table_lists_it_with(tiny_c
         assert store.publish_routing_table(RoutingTable(2, spec.num_experts, replicas, model=table.model))
         assert groups.pop("g0").stop() == 0
         groups.update(start_groups(["g0"], argv))
-        assert _held(groups["g0"].address) == sorted({*g0, moved_in} - {moved_out})
-        assert _held(groups["g1"].address) == sorted(g1), "g1 was not restarted: it still holds what it started with"
+        assert held_pairs(groups["g0"].address) == {*g0, moved_in} - {moved_out}
+        assert held_pairs(groups["g1"].address) == set(g1), "g1 was not restarted: it still holds what it started with"
         store.publish_routing_table(
             RoutingTable(3, spec.num_experts, {**replicas, moved_in: ("g0",)}, model=table.model)
         )

@@ -17,16 +17,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Self
 
-import grpc
-
 from expertmesh.contracts.group_map import GroupPlacement
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.expert_group.service import start_server
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.store import RouterHeartbeat, StateStore, open_store
-from expertmesh.v1 import experts_pb2 as pb
-from expertmesh.v1 import experts_pb2_grpc as pb_grpc
+from helpers import held_pairs
 
 LAYER, EXPERT = 1, 1
 PAIR = (LAYER, EXPERT)
@@ -53,9 +50,7 @@ class Mesh:
 
     def held(self, group: str) -> set[tuple[int, int]]:
         """What the group says it holds (Describe over gRPC)."""
-        with grpc.insecure_channel(self.groups[group].address) as channel:
-            response = pb_grpc.ExpertGroupStub(channel).Describe(pb.DescribeRequest(), timeout=10)
-        return {(e.layer, e.expert) for e in response.experts}
+        return held_pairs(self.groups[group].address)
 
     def replicas(self) -> tuple[str, ...]:
         return self.store.routing_table().replicas[PAIR]

@@ -130,6 +130,10 @@ def test_a_starting_group_takes_the_tables_pairs_only_from_a_newer_table_of_its_
     assert start_pairs(spec, None, model) == spec.pairs
     assert start_pairs(spec, table(4, of=ModelIdentity("other", (0, 1), 4)), model) == spec.pairs
     assert start_pairs(spec, table(4, {(0, 0): ("g1",)}), model) == spec.pairs, "a table that does not list it"
+    stray = table(4, {**moved, (0, 9): ("g0",)})  # expert 9 of a 4-expert model: the router refuses this table
+    assert start_pairs(spec, stray, model) == spec.pairs, "a table with a pair the model does not have"
+    uneven = RoutingTable(4, 4, {**moved, (0, 1): ("g0", "g1")}, shares={(0, 1): (1.0,)}, model=model)
+    assert start_pairs(spec, uneven, model) == spec.pairs, "a table whose shares do not match its replicas"
     assert start_pairs(GroupSpec("g0", "/m", pairs=((0, 0),)), table(1), model) == ((0, 1), (1, 0)), "no bound"
     assert start_pairs(spec, table(4, {(0, 0): ("g0",), (1, 0): ("g0", "g1")}), model) is spec.pairs, "the same"
 

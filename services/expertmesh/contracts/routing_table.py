@@ -101,6 +101,37 @@ class RoutingTable:
                 groups.setdefault(name, []).append(pair)
         return GroupPlacement({name: tuple(pairs) for name, pairs in sorted(groups.items())})
 
+    def misfits(self, moe_layers: tuple[int, ...], model: ModelIdentity | None = None) -> list[str]:
+        """Why this table cannot route the tokens of ``model`` (None: a model of ``moe_layers`` whose expert
+        count is the table's own), each a phrase after "routing table version N"; [] when it fits.
+
+        A table of another model, or with pairs the model does not have, would send tokens to the wrong
+        experts with status OK: routers refuse it (``router.dispatch.routing_view``) and a starting group
+        does not load from it (``expert_group.runtime.start_pairs``)."""
+        out = []
+        if model is not None:
+            # what the table claims, with the expert count dispatch uses (a table without an identity: its shape only)
+            claimed = (
+                ModelIdentity(self.model.fingerprint, self.model.moe_layers, self.num_experts)
+                if self.model is not None
+                else ModelIdentity("", model.moe_layers, self.num_experts)
+            )
+            problems = model.differences(claimed)
+            if problems:
+                out.append(f"is for another model: {'; '.join(problems)}")
+        layers = set(moe_layers)
+        stray = [(layer, e) for layer, e in self.replicas if layer not in layers or not 0 <= e < self.num_experts]
+        if stray:
+            shown = ", ".join(f"{layer}/{e}" for layer, e in sorted(stray)[:8])
+            out.append(
+                f"lists {len(stray)} layer/expert pairs this model does not have ({len(layers)} MoE layers, "
+                f"{self.num_experts} experts each): {shown}"
+            )
+        uneven = [pair for pair, shares in self.shares.items() if len(shares) != len(self.replicas.get(pair, ()))]
+        if uneven:
+            out.append(f"gives {len(uneven)} experts a share per replica that does not match their replicas")
+        return out
+
     def groups(self) -> list[str]:
         return sorted({g for names in self.replicas.values() for g in names})
 

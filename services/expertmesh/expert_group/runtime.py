@@ -64,15 +64,16 @@ class GroupSpec:
 
 def start_pairs(spec: GroupSpec, table, model) -> tuple[tuple[int, int], ...]:
     """What ``spec``'s group loads when it starts, given the stored routing table (None: none) and the
-    checkpoint's ``ModelIdentity``: the pairs the table lists the group serving, when the table is of this
-    model, newer than ``spec.table_after`` and lists the group; else ``spec.pairs``.
+    checkpoint's ``ModelIdentity``: the pairs the table lists the group serving, when the table fits this
+    model (``RoutingTable.misfits``), is newer than ``spec.table_after`` and lists the group; else
+    ``spec.pairs``.
 
     Serve and Kubernetes restart a replica with the arguments it was first started with, so without this a
     group that gained an expert in a live move comes back without it (and with any it gave away) while the
     table routers serve still lists it: every token routed there fails over or fails."""
     if table is None or (spec.table_after is not None and table.version <= spec.table_after):
         return spec.pairs
-    if table.num_experts != model.num_experts or (table.model is not None and table.model.differences(model)):
+    if table.misfits(model.moe_layers, model):
         return spec.pairs
     listed = table.placement().groups.get(spec.name, ())
     return spec.pairs if not listed or set(listed) == set(spec.pairs) else listed

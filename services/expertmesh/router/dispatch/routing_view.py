@@ -26,7 +26,7 @@ the token's other experts are renormalised).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -120,27 +120,6 @@ class RoutingView:
 
 def _check_fits(table: RoutingTable, moe_layers: tuple[int, ...], model: ModelIdentity | None) -> None:
     """Raise RoutingTableMismatch unless every entry of ``table`` names a layer and expert of the model."""
-    what = f"routing table version {table.version}"
-    if model is not None:
-        # what the table claims, with the expert count dispatch will use (a table without an identity: its shape only)
-        claimed = (
-            replace(table.model, num_experts=table.num_experts)
-            if table.model is not None
-            else ModelIdentity("", model.moe_layers, table.num_experts)
-        )
-        problems = model.differences(claimed)
-        if problems:
-            raise RoutingTableMismatch(f"{what} is for another model than this router serves: {'; '.join(problems)}")
-    layers = set(moe_layers)
-    stray = [(layer, e) for layer, e in table.replicas if layer not in layers or not 0 <= e < table.num_experts]
-    if stray:
-        shown = ", ".join(f"{layer}/{e}" for layer, e in sorted(stray)[:8])
-        raise RoutingTableMismatch(
-            f"{what} lists {len(stray)} layer/expert pairs this model does not have ({len(layers)} MoE layers, "
-            f"{table.num_experts} experts each): {shown}"
-        )
-    uneven = [pair for pair, shares in table.shares.items() if len(shares) != len(table.replicas.get(pair, ()))]
-    if uneven:
-        raise RoutingTableMismatch(
-            f"{what} gives {len(uneven)} experts a share per replica that does not match their replicas"
-        )
+    misfits = table.misfits(moe_layers, model)
+    if misfits:
+        raise RoutingTableMismatch(f"routing table version {table.version} {'; it '.join(misfits)}")

@@ -166,7 +166,8 @@ def prefix_table(result: dict) -> str:
     ]
     head = (
         f"{setup['clients']} requests, prompts of {setup['prompt_tokens']} tokens sharing the first "
-        f"{setup['shared_prefix']}, {setup['max_new_tokens']} new tokens; the first alone, then the rest together"
+        f"{setup['shared_prefix']}, {setup['max_new_tokens']} new tokens; "
+        "the first alone, then the rest as each row sends them"
     )
     table = format_table(
         ["run", "the rest sent", "first TTFT ms", "later TTFT p50 ms", "later / first", "prefix hits (tokens)"], rows

@@ -20,7 +20,7 @@ Pure data: no I/O. The state store persists it as JSON; ``from_json`` raises
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from expertmesh.contracts.group_map import GroupPlacement
 
@@ -112,7 +112,7 @@ class RoutingTable:
         if model is not None:
             # what the table claims, with the expert count dispatch uses (a table without an identity: its shape only)
             claimed = (
-                ModelIdentity(self.model.fingerprint, self.model.moe_layers, self.num_experts)
+                replace(self.model, num_experts=self.num_experts)
                 if self.model is not None
                 else ModelIdentity("", model.moe_layers, self.num_experts)
             )

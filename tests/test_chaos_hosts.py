@@ -59,9 +59,10 @@ def test_a_bed_plan_gives_each_host_a_unique_name_port_and_address_in_one_privat
 
 
 def test_runs_get_their_own_names_and_usually_their_own_subnet():
-    ids = {new_run_id() for _ in range(50)}
-    assert len(ids) == 50
-    assert len({plan(["a"], run_id=i).subnet for i in ids}) > 40
+    # 1000 ids from one process: a 16-bit random suffix would collide here almost surely (p > 0.99)
+    ids = [new_run_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000 and all(len(i) == 8 for i in ids)
+    assert len({plan(["a"], run_id=i).subnet for i in ids[:50]}) > 40
     assert plan(["a"], run_id="x").subnet == plan(["a"], run_id="x").subnet  # the id decides it
 
 

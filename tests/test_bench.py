@@ -273,6 +273,11 @@ def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
     )
     assert kv["preemptions"] == 0 and kv["prefix_cache_queries"] >= kv["prefix_cache_hits"] >= 0
     assert f"KV pool: peak {kv['blocks_used_peak']} of {kv['blocks_total']} blocks" in out
+    # decode steps: batched generate's 2 batches of 2 make 2 decode steps each; the engine's are its own count
+    batched_decode = result["runs"][2]["decode_steps"]
+    assert (batched_decode["steps"], batched_decode["tokens"]) == (4, 8) and batched_decode["ms_per_token"] > 0
+    assert 0 < platform["decode_steps"]["tokens"] <= 8 and "decode_steps" not in result["runs"][1]
+    assert "decode steps (every sequence feeding its newest token), wall time per token: platform" in out
     # The baseline's tokens are plain argmax decoding (end-of-sequence allowed, as stop_at_eos=False streams it).
     from tests.helpers import stock_greedy
     from transformers import AutoModelForCausalLM
@@ -397,6 +402,7 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
         3,
         "--prompt-tokens",
         16,
+        "--equal-prompts",
         "--threads",
         "1,2",
         "--out",
@@ -405,7 +411,8 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
     assert code == 0
     result = json.loads(out_file.read_text())
     assert result["benchmark"] == "serve-sweep" and [p["clients"] for p in result["points"]] == [1, 2]
-    assert "bench serve --sweep" in out and "generate batched tok/s" in out
+    assert "bench serve --sweep" in out and "generate batched tok/s" in out and "decode ms/token" in out
+    assert "prompts of 16 tokens each" in out
     assert "each run at its best of 1, 2 torch threads" in out and "platform threads" in out
     for p in result["points"]:
         runs = p["result"]["runs"]
@@ -420,6 +427,14 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
         )
         assert p["ratio_to_batched"] == pytest.approx(p["platform_tokens_per_s"] / p["generate_batched_tokens_per_s"])
         assert p["same_answers"] and p["preemptions"] == 0 and 0 < p["kv_usage_peak"] <= 1
+        assert set(p["result"]["setup"]["prompt_lengths"]) == {16}
+        # decode steps: generate's are its streamer's calls after the first token, 2 steps of every sequence;
+        # the engine's, those where every sequence fed its newest token (a later arrival's prefill is not one)
+        generate_decode = runs[-1]["decode_steps"]
+        assert (generate_decode["steps"], generate_decode["tokens"]) == (2, 2 * p["clients"])
+        assert 0 < runs[0]["decode_steps"]["tokens"] <= 2 * p["clients"]
+        assert all(ms > 0 for ms in p["decode_ms_per_token"].values())
+        assert p["decode_ms_per_token"]["platform"] == runs[0]["decode_steps"]["ms_per_token"]
 
 
 def test_serve_shared_prefix_reports_cache_on_and_off_with_the_same_answers(capsys, checkpoint, ray_session, tmp_path):

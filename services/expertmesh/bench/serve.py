@@ -4,7 +4,8 @@ plain transformers ``generate`` on the same checkpoint.
 Workload: ``--clients`` N threads, each with its own ``expertmesh.client.Client``,
 each sending ``--requests-per-client`` R requests one after the other (greedy,
 ``stop_at_eos=False``, exactly ``--max-new-tokens`` M tokens each). Prompts are
-seeded token ids of ``--prompt-tokens``/2 to ``--prompt-tokens`` tokens; request r
+seeded token ids of ``--prompt-tokens``/2 to ``--prompt-tokens`` tokens (all of
+``--prompt-tokens`` with ``--equal-prompts``); request r
 of client c uses prompt ``r * N + c``.
 
 Runs
@@ -53,7 +54,11 @@ JSON (``tokens_per_s_repeats``), and the ratios are of those medians.
 of those client counts, with the other options as given (issue 22's sweep:
 ``--prompt-tokens 480 --max-new-tokens 96 --requests-per-client 1``), and prints one
 row per point: platform and batched ``generate`` tokens/s, their ratio, ITL p50 of
-each (about the step time per decode token), the KV pool's peak and preemptions.
+each, the mean step time per decode token of each (a decode step's wall time over the
+sequences it advanced: the in-process engine's own step totals, ``serving.step_tally``, and
+the batched ``generate`` streamer's calls after the first token), the KV pool's peak and
+preemptions. ``--equal-prompts`` makes every prompt ``--prompt-tokens`` long, so the
+sequences of a point are of equal length (issue 22's flat decode step per sequence).
 
 ``--shared-prefix P`` runs the prefix cache's benchmark instead (``bench.shared_prefix``).
 """
@@ -97,6 +102,7 @@ class Options:
     requests_per_client: int = 2
     max_new_tokens: int = 32
     prompt_tokens: int = 32
+    equal_prompts: bool = False  # every prompt exactly prompt_tokens long (else half to that, seeded)
     threads: tuple[int, ...] = ()  # torch intra-op threads; several: each side at its best of them; (): torch's
     seed: int = 0
     ray_address: str | None = None
@@ -145,6 +151,11 @@ def add_command(bench_commands) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument(
         "--prompt-tokens", type=int, default=32, help="longest prompt; prompts are half to this (default 32)"
+    )
+    p.add_argument(
+        "--equal-prompts",
+        action="store_true",
+        help="every prompt exactly --prompt-tokens long (sequences of equal length, for the decode step per token)",
     )
     p.add_argument(
         "--threads",
@@ -205,6 +216,7 @@ def _main(args: argparse.Namespace) -> int:
         requests_per_client=check_positive(args.requests_per_client, "--requests-per-client"),
         max_new_tokens=check_positive(args.max_new_tokens, "--max-new-tokens"),
         prompt_tokens=check_positive(args.prompt_tokens, "--prompt-tokens"),
+        equal_prompts=args.equal_prompts,
         threads=tuple(parse_int_list(args.threads, "--threads")) if args.threads else (),
         seed=args.seed,
         ray_address=args.ray_address,
@@ -282,11 +294,11 @@ def validate(options: Options):
 
 
 def prompts(options: Options, vocab_size: int) -> list[list[int]]:
-    """N x R seeded prompts of prompt_tokens/2 .. prompt_tokens token ids."""
+    """N x R seeded prompts of prompt_tokens/2 .. prompt_tokens token ids (all prompt_tokens with equal_prompts)."""
     import torch
 
     gen = torch.Generator().manual_seed(options.seed)
-    shortest = max(1, options.prompt_tokens // 2)
+    shortest = options.prompt_tokens if options.equal_prompts else max(1, options.prompt_tokens // 2)
     out = []
     for _ in range(options.clients * options.requests_per_client):
         length = int(torch.randint(shortest, options.prompt_tokens + 1, (1,), generator=gen))
@@ -348,9 +360,9 @@ def run(options: Options) -> dict:
             with served_here(options, checkpoint, device) as server:
                 target = f"127.0.0.1:{server.port}"
                 classified = _classifier_runs(target, options, queries)
-                fresh = server.engine.reset_prefix_cache
+                fresh, steps = server.engine.reset_prefix_cache, server.engine.step_tally.totals
                 platform, baselines = _best_threads(
-                    options, lambda: _interleaved(target, checkpoint.path, options, work, text, device, fresh)
+                    options, lambda: _interleaved(target, checkpoint.path, options, work, text, device, fresh, steps)
                 )
                 kv = server.engine.kv_usage()
 
@@ -443,6 +455,10 @@ def run_sweep(options: Options) -> dict:
                 "generate_batched_tokens_per_s": batched["tokens_per_s"],
                 "ratio_to_batched": platform["tokens_per_s"] / batched["tokens_per_s"],
                 "itl_p50_ms": {"platform": platform["itl_ms"]["p50"], "generate_batched": batched["itl_ms"]["p50"]},
+                "decode_ms_per_token": {
+                    "platform": platform.get("decode_steps", {}).get("ms_per_token"),
+                    "generate_batched": batched["decode_steps"]["ms_per_token"],
+                },
                 "threads": {"platform": platform.get("threads"), "generate_batched": batched.get("threads")},
                 "kv_usage_peak": kv.get("usage_peak"),
                 "preemptions": kv.get("preemptions"),
@@ -464,6 +480,8 @@ def sweep_table(result: dict) -> str:
             p["ratio_to_batched"],
             p["itl_p50_ms"]["platform"],
             p["itl_p50_ms"]["generate_batched"],
+            p["decode_ms_per_token"]["platform"],
+            p["decode_ms_per_token"]["generate_batched"],
             None if p["kv_usage_peak"] is None else 100 * p["kv_usage_peak"],
             p["preemptions"],
             "PASS" if p["same_answers"] else "FAIL",
@@ -473,7 +491,7 @@ def sweep_table(result: dict) -> str:
     ]
     title = (
         f"bench serve --sweep: {result['model']['model_type']} {Path(result['model']['path']).name}, {setup['dtype']}; "
-        f"{setup['max_new_tokens']} new tokens, prompts up to {setup['prompt_tokens']} tokens, "
+        f"{setup['max_new_tokens']} new tokens, prompts {_prompts_note(setup)}, "
         f"{setup['requests_per_client']} request(s) per client; {_threads_note(setup['threads'])}"
     )
     body = format_table(
@@ -484,15 +502,22 @@ def sweep_table(result: dict) -> str:
             "ratio",
             "ITL p50 ms",
             "generate ITL p50 ms",
+            "decode ms/token",
+            "generate decode ms/token",
             "KV peak %",
             "preemptions",
             "same answers",
             *(("platform threads", "generate threads") if best_of else ()),
         ],
         rows,
-        ["d", ".1f", ".1f", ".2f", ".1f", ".1f", ".1f", "d", "", *(("d", "d") if best_of else ())],
+        ["d", ".1f", ".1f", ".2f", ".1f", ".1f", ".2f", ".2f", ".1f", "d", "", *(("d", "d") if best_of else ())],
     )
     return f"{title}\n{body}"
+
+
+def _prompts_note(setup: dict) -> str:
+    tokens = setup["prompt_tokens"]
+    return f"of {tokens} tokens each" if setup.get("equal_prompts") else f"up to {tokens} tokens"
 
 
 def _threads_note(threads) -> str:
@@ -503,12 +528,23 @@ def _threads_note(threads) -> str:
 
 
 def _interleaved(
-    target: str, path: Path, options: Options, work: list, text, device, fresh: Callable[[], object] | None = None
+    target: str,
+    path: Path,
+    options: Options,
+    work: list,
+    text,
+    device,
+    fresh: Callable[[], object] | None = None,
+    steps: Callable[[], dict] | None = None,
 ) -> tuple[dict, list[dict]]:
     """The platform run and the baseline runs, ``options.repeats`` times in turn; the median of each. ``fresh``
-    empties the platform's prefix cache before each platform run's timed requests."""
+    empties the platform's prefix cache before each platform run's timed requests; ``steps`` reads its engine's
+    step totals (see ``_platform_run``)."""
     baseline = _baselines(path, options, text, device)
-    repeats = [(_platform_run(target, options, work, fresh=fresh), *baseline(work)) for _ in range(options.repeats)]
+    repeats = [
+        (_platform_run(target, options, work, fresh=fresh, steps=steps), *baseline(work))
+        for _ in range(options.repeats)
+    ]
     platform, *baselines = (_median_run(list(runs)) for runs in zip(*repeats))
     return platform, baselines
 
@@ -579,10 +615,12 @@ def _platform_run(
     name: str | None = None,
     extras: list[dict] | None = None,
     fresh: Callable[[], object] | None = None,
+    steps: Callable[[], dict] | None = None,
 ) -> dict:
     """N streaming clients send ``work`` (token ids or text), request i with ``extras[i]`` (routing policy,
     domain) when given. ``fresh()``, when given, runs after the warm-up: the platform's prefix cache emptied,
-    so no timed prompt finds itself cached by the warm-up or an earlier run."""
+    so no timed prompt finds itself cached by the warm-up or an earlier run. ``steps()``, when given, is the
+    in-process engine's step totals (``StepTally.totals``): the run's decode steps are reported from them."""
     import grpc
 
     from expertmesh.client import Client
@@ -598,6 +636,7 @@ def _platform_run(
         raise BenchError(f"a request to {target} failed: {err.code().name}: {err.details()}") from None
     if fresh is not None:
         fresh()
+    before = steps() if steps is not None else None
 
     records: list[list[_Request]] = [[] for _ in range(n)]
     errors: list[str] = []
@@ -629,7 +668,13 @@ def _platform_run(
             t.join()
     if errors:
         raise BenchError(f"a streaming request to {target} failed: {errors[0]}")
-    return _summary(name, n, [r for rs in records for r in rs])
+    summary = _summary(name, n, [r for rs in records for r in rs])
+    if before is not None:
+        from expertmesh.serving.step_tally import StepKind
+
+        decode = steps()[StepKind.DECODE].since(before[StepKind.DECODE])
+        summary["decode_steps"] = _decode_steps(decode.steps, decode.tokens, decode.seconds)
+    return summary
 
 
 # -- the query classifier's added time to first token ---------------------------------------------
@@ -730,8 +775,9 @@ def _baselines(path: Path, options: Options, text, device) -> Callable[[list[lis
     pad = text.pad_token_id if text.pad_token_id is not None else 0
     m, n = options.max_new_tokens, options.clients
 
-    def generate(batch: list[list[int]], new_tokens: int, first: int = 0) -> list[_Request]:
-        """``batch`` = prompts ``first``, ``first`` + 1, ... of the work, in one ``generate``."""
+    def generate(batch: list[list[int]], new_tokens: int, first: int = 0, decode: list | None = None) -> list[_Request]:
+        """``batch`` = prompts ``first``, ``first`` + 1, ... of the work, in one ``generate``. ``decode``, when
+        given, gets (steps, tokens, seconds) of its decode steps: each streamer call after the first token's."""
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)  # [B, width], left-padded
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)  # [B, width]
@@ -750,6 +796,8 @@ def _baselines(path: Path, options: Options, text, device) -> Callable[[list[lis
                 streamer=clock,
             )  # [B, width + new_tokens]
         steps = clock.times[1:]  # the first call hands over the prompt
+        if decode is not None and len(steps) > 1:
+            decode.append((len(steps) - 1, (len(steps) - 1) * len(batch), steps[-1] - steps[0]))
         new = out[:, width:].tolist()
         return [_Request(sent, first + j, [(t, 1) for t in steps], new[j]) for j in range(len(batch))]
 
@@ -759,16 +807,28 @@ def _baselines(path: Path, options: Options, text, device) -> Callable[[list[lis
         sequential = [r for i, p in enumerate(work) for r in generate([p], m, i)]
         progress(f"bench serve: transformers generate, {options.requests_per_client} batches of {n}")
         generate(work[:n], 2)  # warm-up
-        batched = [r for b in range(options.requests_per_client) for r in generate(work[b * n : (b + 1) * n], m, b * n)]
+        decode: list[tuple[int, int, float]] = []
+        batched = [
+            r for b in range(options.requests_per_client) for r in generate(work[b * n : (b + 1) * n], m, b * n, decode)
+        ]
         return [
             _summary("transformers generate, one at a time", 1, sequential),
-            _summary(f"transformers generate, batched x{n}", n, batched),
+            {
+                **_summary(f"transformers generate, batched x{n}", n, batched),
+                "decode_steps": _decode_steps(*(sum(column) for column in zip(*decode)) if decode else (0, 0, 0.0)),
+            },
         ]
 
     return runs
 
 
 # -- figures ----------------------------------------------------------------------------------
+
+
+def _decode_steps(steps: int, tokens: int, seconds: float) -> dict:
+    """A run's decode steps (every sequence feeding its newest token): how many, and their mean time per
+    token (a step's wall time over the sequences it advanced)."""
+    return {"steps": steps, "tokens": tokens, "ms_per_token": 1e3 * seconds / tokens if tokens else None}
 
 
 def _summary(name: str, concurrency: int, requests: list[_Request]) -> dict:
@@ -864,6 +924,11 @@ def table(result: dict) -> str:
     )
     ratios = "; ".join(f"{v:.2f}x {k}" for k, v in result["platform_vs"].items())
     text = f"{title}\n{body}\nplatform tok/s = {ratios}\n{_agreement_line(result['agreement'])}"
+    decode = [(r["name"], r["decode_steps"]) for r in result["runs"] if r.get("decode_steps", {}).get("steps")]
+    if decode:
+        text += "\ndecode steps (every sequence feeding its newest token), wall time per token: " + "; ".join(
+            f"{name} {d['ms_per_token']:.2f} ms ({d['steps']} steps)" for name, d in decode
+        )
     if "kv" in result:
         kv = result["kv"]
         text += (

@@ -89,6 +89,7 @@ from expertmesh.serving.sampling import (
     require_finite,
 )
 from expertmesh.serving.schedule import step_tokens
+from expertmesh.serving.step_tally import StepTally, step_kind
 from expertmesh.serving.text_stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -344,6 +345,8 @@ class Engine:
         self._resets = [0, 0, 0]  # prefix-cache resets asked, done, and the prefixes the latest forgot
         self._thread = threading.Thread(target=self._loop, name="expertmesh-engine", daemon=True)
         self.steps = 0
+        #: every step's kind, tokens and wall time: the step histograms, and totals for benchmarks in this process
+        self.step_tally = StepTally()
         self._queue_time = meter().create_histogram(
             "expertmesh.request.queue_time",
             unit="s",
@@ -672,6 +675,16 @@ class Engine:
         work = [(seq, self._chunk(seq, n)) for seq, n in zip(batch, tokens) if n]
         if not work:
             return
+        kind = step_kind([seq.decoding for seq, _ in work])
+        started, counted = time.perf_counter(), self.steps
+        try:
+            self._run_step(work)
+        finally:
+            if self.steps > counted:  # it reached the model (not refused at the routing table)
+                tokens = sum(len(chunk.token_ids) for _, chunk in work)
+                self.step_tally.record(kind, tokens, time.perf_counter() - started)
+
+    def _run_step(self, work: list[tuple[Sequence, Chunk]]) -> None:
         try:
             self._dispatcher.begin_step()
         except ExpertMeshError as err:

@@ -47,6 +47,8 @@ PROMETHEUS_METRICS = frozenset(
         "expertmesh_errors_total",
         "expertmesh_group_circuit_open",
         "expertmesh_request_queue_time_seconds_bucket",
+        "expertmesh_engine_step_duration_seconds_bucket",
+        "expertmesh_engine_step_tokens_bucket",
         "expertmesh_kv_blocks_capacity",
         "expertmesh_kv_blocks_used",
         "expertmesh_kv_usage",

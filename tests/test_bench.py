@@ -65,6 +65,9 @@ def test_percentile_and_int_lists():
         (["serve", "--prompt-tokens", "100", "--max-new-tokens", "64"], f"above the model's context of {CONTEXT}"),
         (["serve", "--clients", "0"], "--clients must be at least 1"),
         (["serve", "--sweep", "1,x"], "--sweep takes positive integers separated by commas"),
+        (["serve", "--max-step-tokens", "0"], "--max-step-tokens must be at least 1"),
+        (["serve", "--max-step-tokens", 65537], "--max-step-tokens is at most 65536, got 65537"),
+        (["serve", "--max-step-tokens", 64, "--target", "127.0.0.1:1"], "a --target keeps its own step size"),
         (["serve", "--target", "127.0.0.1:1"], "cannot reach `expertmesh up` at 127.0.0.1:1"),
         (
             ["serve", "--classifier", "--prompt-tokens", "8"],
@@ -403,6 +406,8 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
         "--prompt-tokens",
         16,
         "--equal-prompts",
+        "--max-step-tokens",
+        8,
         "--threads",
         "1,2",
         "--out",
@@ -435,6 +440,13 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
         assert 0 < runs[0]["decode_steps"]["tokens"] <= 2 * p["clients"]
         assert all(ms > 0 for ms in p["decode_ms_per_token"].values())
         assert p["decode_ms_per_token"]["platform"] == runs[0]["decode_steps"]["ms_per_token"]
+        # --max-step-tokens 8 reached the engine: no step fed more than 8 tokens, so the clients' 16-token
+        # prompts took at least 2 steps each (at the default 512 they would all go in one)
+        engine_steps = runs[0]["engine_steps"]
+        assert all(s["tokens"] <= 8 * s["steps"] for s in engine_steps.values())
+        prompt_steps = engine_steps["prefill"]["steps"] + engine_steps["mixed"]["steps"]
+        assert prompt_steps >= 2 * p["clients"]
+        assert sum(s["tokens"] for s in engine_steps.values()) == p["clients"] * (16 + 2)
 
 
 def test_serve_shared_prefix_reports_cache_on_and_off_with_the_same_answers(capsys, checkpoint, ray_session, tmp_path):

@@ -259,9 +259,13 @@ def test_kv_cache_settings_from_flags_file_and_environment(tmp_path, monkeypatch
         16,
         True,
     )
-    args = _up("--kv-cache-bytes", 1 << 20, "--kv-block-size", 8, "--prefix-caching", "false")
+    assert ServingConfig().max_step_tokens == 512
+    args = _up(
+        "--kv-cache-bytes", 1 << 20, "--kv-block-size", 8, "--prefix-caching", "false", "--max-step-tokens", 2048
+    )
     serving = settings_from_args(ServingConfig, args)
     assert (serving.kv_cache_bytes, serving.kv_block_size, serving.prefix_caching) == (1 << 20, 8, False)
+    assert serving.max_step_tokens == 2048
     monkeypatch.setenv("EXPERTMESH_PREFIX_CACHING", "false")
     path = _file(tmp_path, {"kv_block_size": 32})
     serving = settings_from_args(ServingConfig, _up("--config", path))

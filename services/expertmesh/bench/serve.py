@@ -103,6 +103,7 @@ class Options:
     max_new_tokens: int = 32
     prompt_tokens: int = 32
     equal_prompts: bool = False  # every prompt exactly prompt_tokens long (else half to that, seeded)
+    max_step_tokens: int | None = None  # the platform started here: its engine's step size (None: the default)
     threads: tuple[int, ...] = ()  # torch intra-op threads; several: each side at its best of them; (): torch's
     seed: int = 0
     ray_address: str | None = None
@@ -156,6 +157,11 @@ def add_command(bench_commands) -> None:
         "--equal-prompts",
         action="store_true",
         help="every prompt exactly --prompt-tokens long (sequences of equal length, for the decode step per token)",
+    )
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        help="the platform started here feeds at most this many tokens a step (`up --max-step-tokens`; default 512)",
     )
     p.add_argument(
         "--threads",
@@ -217,6 +223,9 @@ def _main(args: argparse.Namespace) -> int:
         max_new_tokens=check_positive(args.max_new_tokens, "--max-new-tokens"),
         prompt_tokens=check_positive(args.prompt_tokens, "--prompt-tokens"),
         equal_prompts=args.equal_prompts,
+        max_step_tokens=None
+        if args.max_step_tokens is None
+        else check_positive(args.max_step_tokens, "--max-step-tokens"),
         threads=tuple(parse_int_list(args.threads, "--threads")) if args.threads else (),
         seed=args.seed,
         ray_address=args.ray_address,
@@ -268,6 +277,13 @@ def _check_modes(options: Options) -> None:
         raise BenchError(f"{' and '.join(modes)} are different runs; choose one")
     if len(options.threads) > 1 and (options.shared_prefix or options.guard):
         raise BenchError(f"--threads takes one count with {modes[0]}")
+    if options.max_step_tokens:
+        from expertmesh.config.settings import MAX_STEP_TOKENS
+
+        if options.target:
+            raise BenchError("--max-step-tokens sets the platform started here; a --target keeps its own step size")
+        if options.max_step_tokens > MAX_STEP_TOKENS:
+            raise BenchError(f"--max-step-tokens is at most {MAX_STEP_TOKENS}, got {options.max_step_tokens}")
     if not options.guard:
         return
     if options.target:
@@ -415,6 +431,7 @@ def served_here(options: Options, checkpoint, device, ready: Callable | None = N
                 max_active_sequences=max(32, options.clients),
                 max_queued_requests=max(128, options.clients),
                 max_new_tokens_cap=max(1024, options.max_new_tokens),
+                **({"max_step_tokens": options.max_step_tokens} if options.max_step_tokens else {}),
                 **serving,
             ),
         )
@@ -672,8 +689,13 @@ def _platform_run(
     if before is not None:
         from expertmesh.serving.step_tally import StepKind
 
-        decode = steps()[StepKind.DECODE].since(before[StepKind.DECODE])
+        after = steps()
+        run = {kind: after[kind].since(before[kind]) for kind in StepKind}
+        decode = run[StepKind.DECODE]
         summary["decode_steps"] = _decode_steps(decode.steps, decode.tokens, decode.seconds)
+        summary["engine_steps"] = {
+            kind.value: {"steps": t.steps, "tokens": t.tokens, "seconds": t.seconds} for kind, t in run.items()
+        }
     return summary
 
 

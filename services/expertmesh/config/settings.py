@@ -136,6 +136,10 @@ class DataPlaneConfig(BaseSettings):
         return value
 
 
+#: the largest engine step ``max_step_tokens`` may ask for (a step feeds its tokens through the model at once)
+MAX_STEP_TOKENS = 65536
+
+
 class ServingConfig(BaseSettings):
     """The public APIs of a router (``expertmesh up``): gRPC, and OpenAI-compatible HTTP with ``http_port``."""
 
@@ -153,6 +157,13 @@ class ServingConfig(BaseSettings):
         "full contexts need)",
     )
     kv_block_size: int = Field(16, ge=1, description="token positions per KV-cache block")
+    max_step_tokens: int = Field(
+        512,
+        ge=1,
+        le=MAX_STEP_TOKENS,
+        description="tokens one engine step feeds at most (decoding sequences first; longer prompts are chunked): "
+        "larger prefills faster, smaller keeps streams flowing while a long prompt comes in",
+    )
     prefix_caching: bool = Field(True, description="share the KV blocks of equal prompt prefixes between requests")
     default_max_new_tokens: int = Field(64, ge=1, description="when a request does not say")
     max_new_tokens_cap: int = Field(1024, ge=1, description="requests asking for more are refused")
@@ -540,6 +551,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_flag(parser, ServingConfig, "max_queued_requests", "--max-queued")
     add_setting_flag(parser, ServingConfig, "kv_cache_bytes")
     add_setting_flag(parser, ServingConfig, "kv_block_size")
+    add_setting_flag(parser, ServingConfig, "max_step_tokens")
     add_setting_flag(parser, ServingConfig, "prefix_caching")
     add_setting_flag(parser, ServingConfig, "default_max_new_tokens")
     add_setting_flag(parser, ServingConfig, "max_new_tokens_cap")

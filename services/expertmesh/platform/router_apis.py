@@ -75,6 +75,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         EngineLimits(
             config.max_active_sequences,
             config.max_queued_requests,
+            max_step_tokens=config.max_step_tokens,
             kv_cache_bytes=config.kv_cache_bytes or None,
             kv_block_size=config.kv_block_size,
             prefix_caching=config.prefix_caching,

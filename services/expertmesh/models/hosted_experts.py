@@ -37,6 +37,7 @@ from torch import nn
 from expertmesh.contracts.errors import InvalidRequest, NotHosted, OverBudget
 from expertmesh.infra.finite import all_finite, finite_rows
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.models.expert_rows import matches_stock, rows_forward
 from expertmesh.models.fingerprint import fingerprint
 
 #: Columns of expert_ids a Dispatch may carry beyond the model's top-k: the router's
@@ -102,6 +103,8 @@ class _LayerExperts:
     stats: Mapping[int, OutputStats]
     #: global id -> its weight fingerprint when its rows were read from disk; carried like ``stats``
     fingerprints: Mapping[int, str]
+    #: decode-sized calls go through ``expert_rows.rows_forward`` (it matched the module's forward at build)
+    rows_fast: bool = False
 
     @cached_property
     def local_index(self) -> Mapping[int, int]:
@@ -280,7 +283,8 @@ class HostedExperts:
             module, tuple(ids), local_of.to(self.device), MappingProxyType(stats), MappingProxyType({})
         )
         prints = {e: old.fingerprints[e] if e in old_row else fingerprint(built.rows_of(e)) for e in ids}
-        return replace(built, fingerprints=MappingProxyType(prints))
+        fast = matches_stock(module, self.spec.hidden_size, self.dtype, self.device)
+        return replace(built, fingerprints=MappingProxyType(prints), rows_fast=fast)
 
     # -- compute -------------------------------------------------------------------------
 
@@ -326,17 +330,49 @@ class HostedExperts:
         if held is None:
             raise NotHosted(f"layer {layer} has no experts in this group (it holds layers {sorted(layers)})")
 
-        token_idx, slot, local = self._pairs(layer, held, expert_ids)  # [S] each: one row per (token, expert) pair
         hidden = hidden.to(self.device, self.dtype)
+        if expert_ids.numel() <= SMALL_RECORD_ROWS:  # a decode step: plain Python beats a dozen tiny ops
+            return self._compute_small(layer, held, hidden, expert_ids, weights)
+        token_idx, slot, local = self._pairs(layer, held, expert_ids)  # [S] each: one row per (token, expert) pair
         partial = torch.zeros_like(hidden)  # [T, H]
         if token_idx.numel():
             row_weights = weights.to(self.device)[token_idx, slot]  # [S]
             with torch.no_grad():
                 # Each (token, expert) pair is its own row with top-k 1, so the stock eager loop sees
                 # no sentinels (GPT-OSS's has no slot for one) and computes every pair exactly once.
-                rows = held.module(hidden[token_idx], local.unsqueeze(1), row_weights.unsqueeze(1))  # [S, H], weighted
+                rows = held.module(hidden[token_idx], local.unsqueeze(1), row_weights.unsqueeze(1))  # [S, H]
                 partial.index_add_(0, token_idx, rows.to(partial.dtype))
             self._record(held, local, row_weights, rows)
+        return partial
+
+    def _compute_small(
+        self, layer: int, held: _LayerExperts, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``compute`` of a decode-sized call: the same rows in the same order, planned in plain Python, and
+        through ``expert_rows.rows_forward`` where that gives the module's own bits (``rows_fast``)."""
+        index = held.local_index
+        pairs = [(t, k, e) for t, row in enumerate(expert_ids.tolist()) for k, e in enumerate(row) if e >= 0]
+        missing = sorted({e for _, _, e in pairs if e not in index})
+        if missing:
+            raise NotHosted(
+                f"experts {missing} of layer {layer} are not held by this group (it holds {list(held.ids)})"
+            )
+        partial = torch.zeros_like(hidden)  # [T, H]
+        if not pairs:
+            return partial
+        scale = weights.tolist()  # [T, K]
+        local = [index[e] for _, _, e in pairs]  # [S]
+        picked = [scale[t][k] for t, k, _ in pairs]  # [S]
+        token_idx = torch.tensor([t for t, _, _ in pairs], dtype=torch.long, device=self.device)  # [S]
+        row_weights = torch.tensor(picked, dtype=weights.dtype, device=self.device).unsqueeze(1)  # [S, 1]
+        with torch.no_grad():
+            if held.rows_fast:
+                rows = rows_forward(held.module, hidden[token_idx], local, row_weights)  # [S, H]
+            else:
+                local_rows = torch.tensor(local, dtype=torch.long, device=self.device).unsqueeze(1)  # [S, 1]
+                rows = held.module(hidden[token_idx], local_rows, row_weights)
+            partial.index_add_(0, token_idx, rows.to(partial.dtype))
+        self._record_small(held, local, [abs(w) for w in picked], rows)
         return partial
 
     def _pairs(
@@ -344,34 +380,26 @@ class HostedExperts:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """expert_ids [T, K] -> the filled slots in row order: (token [S], slot [S], local row [S]).
         Raises NotHosted naming the ids this group does not hold."""
-        if expert_ids.numel() <= SMALL_RECORD_ROWS:  # a decode step: plain Python beats a dozen tiny ops
-            index = held.local_index
-            pairs = [(t, k, e) for t, row in enumerate(expert_ids.tolist()) for k, e in enumerate(row) if e >= 0]
-            missing = sorted({e for _, _, e in pairs if e not in index})
-            if not missing:
-                columns = list(zip(*pairs)) or [(), (), ()]
-                local = [index[e] for e in columns[2]]
-                return tuple(torch.tensor(c, dtype=torch.long, device=self.device) for c in (*columns[:2], local))
-        else:
-            expert_ids = expert_ids.to(self.device, torch.long)
-            token_idx, slot = (expert_ids >= 0).nonzero(as_tuple=True)  # [S] each
-            global_ids = expert_ids[token_idx, slot]  # [S]
-            unknown = global_ids >= self.spec.num_experts
-            local = held.local_of[global_ids.clamp(max=self.spec.num_experts - 1)]  # [S]
-            missing = sorted(set(global_ids[unknown | (local < 0)].tolist()))
-            if not missing:
-                return token_idx, slot, local
-        raise NotHosted(f"experts {missing} of layer {layer} are not held by this group (it holds {list(held.ids)})")
+        expert_ids = expert_ids.to(self.device, torch.long)
+        token_idx, slot = (expert_ids >= 0).nonzero(as_tuple=True)  # [S] each
+        global_ids = expert_ids[token_idx, slot]  # [S]
+        unknown = global_ids >= self.spec.num_experts
+        local = held.local_of[global_ids.clamp(max=self.spec.num_experts - 1)]  # [S]
+        missing = sorted(set(global_ids[unknown | (local < 0)].tolist()))
+        if missing:
+            raise NotHosted(
+                f"experts {missing} of layer {layer} are not held by this group (it holds {list(held.ids)})"
+            )
+        return token_idx, slot, local
 
-    def _record_small(
-        self, held: _LayerExperts, local: torch.Tensor, row_weights: torch.Tensor, rows: torch.Tensor
-    ) -> None:
-        """``_record`` for a decode-sized call, in plain Python over the rows: the same sums, in the same
-        order and in double precision, so the same statistics to the bit, for a fraction of the cost."""
-        finite = finite_rows(rows).tolist()  # [S]
+    def _record_small(self, held: _LayerExperts, experts: list[int], scales: list[float], rows: torch.Tensor) -> None:
+        """``_record`` for a decode-sized call, in plain Python over the rows (``experts`` [S] local rows,
+        ``scales`` [S] |routing weight|): the same sums, in the same order and in double precision, so the
+        same statistics to the bit, for a fraction of the cost."""
         norms = rows.float().norm(dim=1).tolist()  # [S]
-        experts = local.tolist()
-        scales = row_weights.abs().tolist()
+        # A NaN or an Inf in a row makes its norm one too, so finite norms clear every row at once; only a
+        # call with a non-finite norm (a bad row, or finite values whose squares overflow) checks row by row.
+        finite = [True] * len(norms) if all(map(math.isfinite, norms)) else finite_rows(rows).tolist()  # [S]
         count: dict[int, int] = {}
         bad: dict[int, int] = {}
         normed: dict[int, int] = {}
@@ -404,7 +432,7 @@ class HostedExperts:
         rows but not in the norm statistics.
         """
         if len(local) <= SMALL_RECORD_ROWS:
-            self._record_small(held, local, row_weights, rows)
+            self._record_small(held, local.tolist(), row_weights.abs().tolist(), rows)
             return
         n = len(held.ids)
         finite = finite_rows(rows)  # [S]

@@ -9,6 +9,7 @@ from expertmesh.contracts.errors import UnhostedExperts
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.router.dispatch import layer_plan as dispatch_plan
 from expertmesh.router.dispatch.layer_plan import NoHealthyReplica, plan_layer, restrict_to
+from expertmesh.router.dispatch.replica_split import EXPERT_FIXED_ROWS, level_rows
 from expertmesh.router.dispatch.routing_view import RoutingView
 
 E = 4
@@ -73,9 +74,52 @@ def test_each_slot_goes_to_a_group_holding_its_expert_with_its_weight():
 
 def test_a_replicated_expert_is_split_across_its_replicas():
     view = RoutingView.build(_two_groups(), moe_layers=(0, 1))
-    index = torch.full((10, 1), 3)
-    calls = plan_layer(view, 1, index, torch.ones(10, 1), in_flight=[0, 0, 0])
-    assert {c.group: c.tokens.numel() for c in calls} == {1: 5, 2: 5}
+    index = torch.full((40, 1), 3)
+    calls = plan_layer(view, 1, index, torch.ones(40, 1), in_flight=[0, 0, 0])
+    assert {c.group: c.tokens.numel() for c in calls} == {1: 20, 2: 20}
+
+
+def test_a_replicated_experts_rows_go_where_they_level_the_steps_work():
+    """Layer 1: expert 3 on gb and gc, expert 2 on gb alone. gb already computes expert 2's rows, so
+    expert 3's go to gc, all of them while that keeps gc the lower, the rest shared to one level."""
+    view = RoutingView.build(_two_groups(), moe_layers=(0, 1))
+    one_token = plan_layer(view, 1, torch.tensor([[2, 3]]), torch.ones(1, 2), in_flight=[0, 0, 0])
+    assert {c.group: c.expert_ids.tolist() for c in one_token} == {1: [[2, -1]], 2: [[-1, 3]]}
+    index = torch.tensor([[2]] * 10 + [[3]] * 30)  # gb: 8 + 10; expert 3's 30 rows: 6 to gb, 24 to gc
+    calls = plan_layer(view, 1, index, torch.ones(40, 1), in_flight=[0, 0, 0])
+    assert {c.group: c.tokens.numel() for c in calls} == {1: 16, 2: 24}
+
+
+@pytest.mark.parametrize(
+    "n, loads, in_flight, expected, after",
+    [
+        (0, [0.0, 0.0], [0, 0], [0, 0], [0.0, 0.0]),
+        (1, [0.0, 0.0], [0, 0], [1, 0], [9.0, 0.0]),  # a tie: the first
+        (1, [0.0, 0.0], [2, 0], [0, 1], [0.0, 9.0]),  # a tie: fewer calls in flight
+        (3, [0.0, 5.0], [0, 0], [3, 0], [11.0, 5.0]),  # too few rows to pay a second weight read
+        (100, [0.0, 0.0], [0, 0], [50, 50], [58.0, 58.0]),
+        (20, [30.0, 0.0], [0, 0], [0, 20], [30.0, 28.0]),
+        (41, [0.0, 9.0, 100.0], [0, 0, 0], [25, 16, 0], [33.0, 33.0, 100.0]),
+    ],
+)
+def test_level_rows(n, loads, in_flight, expected, after):
+    assert level_rows(n, list(range(len(loads))), loads, in_flight) == expected
+    assert loads == after
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 300), st.lists(st.floats(0, 200), min_size=1, max_size=4), st.data())
+def test_property_level_rows_places_every_row_and_never_does_worse_than_one_replica(n, loads, data):
+    """The counts are n rows over the replicas, and the highest load after is no higher than giving all
+    n rows to the least loaded replica (what a split that ignored the step would do at best)."""
+    in_flight = data.draw(st.lists(st.integers(0, 3), min_size=len(loads), max_size=len(loads)))
+    before = list(loads)
+    counts = level_rows(n, list(range(len(loads))), loads, in_flight)
+    assert sum(counts) == n and min(counts) >= 0
+    least = min(range(len(before)), key=lambda i: before[i])
+    whole = list(before)
+    whole[least] += EXPERT_FIXED_ROWS + n if n else 0
+    assert max(loads) <= max(whole) + 1 + 1e-9  # + 1: rows are whole
 
 
 def test_avoided_groups_fail_over_to_other_replicas_or_say_which_experts_have_none():

@@ -11,7 +11,6 @@ from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.contracts.topology import topology_from_dict
 from expertmesh.expert_group.runtime import parse_cpulist, pin_to_numa_node
 from expertmesh.orchestrator.placement.to_groups import groups_from_placement
-from expertmesh.router.dispatch.replica_split import split_by_share
 
 TOPO = topology_from_dict(
     {
@@ -60,21 +59,6 @@ def test_group_per_island_adds_shares():
 def test_layer_count_must_match_the_model():
     with pytest.raises(PlacementError, match="1 layers but the model has 2 MoE layers"):
         groups_from_placement(_placement(), TOPO, moe_layers=(1, 2))
-
-
-@pytest.mark.parametrize(
-    "n, shares, in_flight, expected",
-    [
-        (8, (0.5, 0.25, 0.25), (0, 0, 0), [4, 2, 2]),
-        (1, (0.5, 0.5), (3, 0), [0, 1]),  # a tie goes to the replica with fewer calls in flight
-        (1, (0.5, 0.5), (0, 0), [1, 0]),
-        (3, (0.5, 0.5), (0, 1), [2, 1]),
-        (0, (0.7, 0.3), (0, 0), [0, 0]),
-        (10, (0.66, 0.34), (0, 0), [7, 3]),
-    ],
-)
-def test_split_by_share(n, shares, in_flight, expected):
-    assert split_by_share(n, shares, in_flight) == expected
 
 
 def test_numa_pinning_reads_the_node_cpulist(tmp_path):

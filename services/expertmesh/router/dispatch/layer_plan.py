@@ -1,8 +1,8 @@
 """Which tokens of one MoE layer go to which expert group. Pure: tensors in, tensors out.
 
 ``plan_layer`` assigns every chosen (token, expert) slot to one group holding the
-expert: the primary replica, or for a replicated expert a split by share
-(``replica_split``). Each group gets each of its tokens once, with only the expert
+expert: the primary replica, or for a replicated expert the replicas that level the
+step's work across groups (``replica_split``). Each group gets each of its tokens once, with only the expert
 ids and weights it must apply (others -1 / 0), so the sum of the groups' partial
 sums is the layer's output.
 
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from expertmesh.router.dispatch.replica_split import split_by_share
+from expertmesh.router.dispatch.replica_split import EXPERT_FIXED_ROWS, level_rows
 from expertmesh.router.dispatch.routing_view import RoutingView
 
 
@@ -49,6 +49,7 @@ def plan_layer(
     """index [T, K] int64 (>= num_experts: transformers' skip sentinel), weights [T, K] -> one call per group.
 
     in_flight[g]: calls in flight to group index g, to break ties of replica splits toward idle replicas.
+    A replicated expert's slots follow ``replica_split.level_rows``; its replicas' shares are not read here.
     """
     num_experts = view.num_experts
     if index.numel() <= SMALL_PLAN_SLOTS and not avoid and not view.replicated.get(layer):
@@ -58,22 +59,25 @@ def plan_layer(
         valid, view.primary[layer][index.clamp(max=num_experts - 1)], -1
     )  # [T, K]; -1: fallback experts
     present = [e for e in torch.unique(index[valid]).tolist() if view.holders[(layer, e)]]
-    splits = {r.expert: (r.groups, r.shares) for r in view.replicated.get(layer, ())}
+    splits = {r.expert: r.groups for r in view.replicated.get(layer, ())}  # expert -> the replicas it may go to
     if avoid:
         for expert in present:
             groups = view.holders[(layer, expert)]
             if any(g in avoid for g in groups):
-                shares = splits.get(expert, ((), ()))[1] or tuple(1.0 for _ in groups)
-                kept = [(g, s) for g, s in zip(groups, shares) if g not in avoid]
-                splits[expert] = (tuple(g for g, _ in kept), tuple(s for _, s in kept))
-    stranded = sorted(e for e in present if e in splits and not splits[e][0])
+                splits[expert] = tuple(g for g in groups if g not in avoid)
+    stranded = sorted(e for e in present if e in splits and not splits[e])
     if stranded:
         raise NoHealthyReplica(layer, stranded)
-    for expert, (groups, shares) in splits.items():
+    rows = torch.bincount(index[valid], minlength=num_experts).tolist()  # [E] slots per expert this step
+    loads = [0.0] * len(view.groups)  # each group's work from its experts with one replica here
+    for expert in present:
+        if expert not in splits:
+            loads[int(view.primary[layer][expert])] += EXPERT_FIXED_ROWS + rows[expert]
+    for expert in sorted((e for e in present if e in splits), key=lambda e: (-rows[e], e)):
+        groups = splits[expert]
+        counts = level_rows(rows[expert], groups, loads, in_flight)
         slots = (index == expert).nonzero()  # [n, 2] (token, k) of this expert's tokens
-        if len(slots):
-            counts = split_by_share(len(slots), shares, [in_flight[g] for g in groups])
-            owner[slots[:, 0], slots[:, 1]] = torch.repeat_interleave(torch.tensor(groups), torch.tensor(counts))
+        owner[slots[:, 0], slots[:, 1]] = torch.repeat_interleave(torch.tensor(groups), torch.tensor(counts))
 
     calls = []
     for g in torch.unique(owner[owner >= 0]).tolist():

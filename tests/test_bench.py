@@ -80,6 +80,10 @@ def test_percentile_and_int_lists():
         (["serve", "--guard", "self", "--guard-threshold", "1.5"], "--guard-threshold must be between 0 and 1"),
         (["serve", "--guard", "self", "--threads", "1,2"], "--threads takes one count with --guard"),
         (["serve", "--threads", "1,0"], "--threads takes positive integers"),
+        (["serve", "--redundant", 2, "--target", "127.0.0.1:1"], "--redundant places the experts of the platform"),
+        (["serve", "--redundant", -1], "--redundant is a count of replicas per layer, >= 0; got -1"),
+        (["serve", "--redundant", 1, "--shared-prefix", 8], "not --shared-prefix"),
+        (["serve", "--redundant", 5], "2 groups hold at most 4 redundant replicas of a layer's 4 experts"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, checkpoint, tmp_path, argv, message):
@@ -447,6 +451,25 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
         prompt_steps = engine_steps["prefill"]["steps"] + engine_steps["mixed"]["steps"]
         assert prompt_steps >= 2 * p["clients"]
         assert sum(s["tokens"] for s in engine_steps.values()) == p["clients"] * (16 + 2)
+
+
+def test_serve_redundant_places_experts_by_calibrated_load_and_keeps_the_answers(capsys, checkpoint, tmp_path):
+    """--redundant 2: calibration prompts, the planner's placement with 2 more replicas per layer carried out
+    by live migrations on plain group processes, then the timed runs: the same answers as transformers."""
+    out_file = tmp_path / "placed.json"
+    code, out, _ = _run(
+        capsys, "serve", "--model", checkpoint, "--groups-as", "process", "--redundant", 2, "--clients", 2,
+        "--requests-per-client", 1, "--max-new-tokens", 3, "--prompt-tokens", 16, "--out", out_file,
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(out_file.read_text())
+    placement = result["placement"]
+    assert placement["redundant"] == 2 and placement["migrations"] >= 2
+    assert 1 < placement["replicas_per_expert"] <= 1.5  # at most 2 more of 4 experts per layer
+    assert placement["balancedness_after"] >= placement["balancedness_before"]
+    assert placement["calibration_tokens"] >= 8 * (8 + 2)  # 8 prompts of 8-16 tokens and their new tokens
+    assert result["setup"]["redundant"] == 2 and result["agreement"]["passed"]
+    assert "placement: planned from" in out and "2 redundant replicas per layer" in out
 
 
 def test_serve_shared_prefix_reports_cache_on_and_off_with_the_same_answers(capsys, checkpoint, ray_session, tmp_path):

@@ -117,6 +117,9 @@ class Options:
     guard_policies: tuple[str, ...] = ("delta_gap", "restrict")
     guard_threshold: float | None = None  # None: the guard's default (0.65)
     guard_recompute: str = "widened"
+    #: the platform started here: its experts placed by calibrated load with this many redundant replicas per
+    #: layer before the timed runs (bench.planned_placement); None: the contiguous split
+    redundant: int | None = None
 
 
 _RUNNERS = {"ray": "groups on Ray Serve", "process": "groups as plain processes"}
@@ -206,6 +209,13 @@ def add_command(bench_commands) -> None:
         default="delta_gap,restrict",
         help="comma-separated routing policies the guard run measures (default delta_gap,restrict)",
     )
+    p.add_argument(
+        "--redundant",
+        type=int,
+        help="place the experts of the platform started here by their load before the timed runs: calibration "
+        "prompts, the placement planner with this many redundant replicas per layer (0: none), live migrations "
+        "(default: the contiguous split)",
+    )
     add_guard_arguments(p)
     add_platform_arguments(p)
     p.add_argument("--out", default="bench-serve.json", help="JSON results (default bench-serve.json)")
@@ -239,6 +249,7 @@ def _main(args: argparse.Namespace) -> int:
         guard_policies=tuple(p.strip() for p in args.guard_policies.split(",") if p.strip()),
         guard_threshold=args.guard_threshold,
         guard_recompute=args.guard_recompute,
+        redundant=args.redundant,
     )
     _check_modes(options)
     if options.guard:
@@ -284,6 +295,13 @@ def _check_modes(options: Options) -> None:
             raise BenchError("--max-step-tokens sets the platform started here; a --target keeps its own step size")
         if options.max_step_tokens > MAX_STEP_TOKENS:
             raise BenchError(f"--max-step-tokens is at most {MAX_STEP_TOKENS}, got {options.max_step_tokens}")
+    if options.redundant is not None:
+        if options.target:
+            raise BenchError("--redundant places the experts of the platform started here; drop --target")
+        if options.shared_prefix or options.guard:
+            raise BenchError(f"--redundant is for the throughput runs, not {modes[0]}")
+        if options.redundant < 0:
+            raise BenchError(f"--redundant is a count of replicas per layer, >= 0; got {options.redundant}")
     if not options.guard:
         return
     if options.target:
@@ -300,7 +318,13 @@ def validate(options: Options):
     from expertmesh.models.checkpoint import Checkpoint
 
     checkpoint = Checkpoint(options.model)
-    context = checkpoint.spec.max_context
+    spec = checkpoint.spec
+    if options.redundant and options.redundant > spec.num_experts * (options.groups - 1):
+        raise BenchError(
+            f"--redundant {options.redundant}: {options.groups} groups hold at most "
+            f"{spec.num_experts * (options.groups - 1)} redundant replicas of a layer's {spec.num_experts} experts"
+        )
+    context = spec.max_context
     if context and options.prompt_tokens + options.max_new_tokens > context:
         raise BenchError(
             f"--prompt-tokens {options.prompt_tokens} + --max-new-tokens {options.max_new_tokens} "
@@ -364,6 +388,13 @@ def run(options: Options) -> dict:
     queries = text_prompts(options, checkpoint) if options.classifier else []
 
     kv = None  # the KV pool's use, known of the in-process platform only
+    placed: dict = {}  # the planned placement's summary (--redundant)
+
+    def place(plane, target: str) -> None:
+        from expertmesh.bench.planned_placement import place_by_load
+
+        placed.update(place_by_load(plane, options.redundant, lambda: _calibrate(target, options, text.vocab_size)))
+
     with torch_threads(options.threads[0] if options.threads else None) as threads:
         if options.target:
             _check_target(options.target, checkpoint, text)
@@ -373,7 +404,9 @@ def run(options: Options) -> dict:
                 options, lambda: _interleaved(options.target, checkpoint.path, options, work, text, device)
             )
         else:
-            with served_here(options, checkpoint, device) as server:
+            with served_here(
+                options, checkpoint, device, ready=place if options.redundant is not None else None
+            ) as server:
                 target = f"127.0.0.1:{server.port}"
                 classified = _classifier_runs(target, options, queries)
                 fresh, steps = server.engine.reset_prefix_cache, server.engine.step_tally.totals
@@ -403,7 +436,31 @@ def run(options: Options) -> dict:
         result["classifier"] = _classifier_summary(classified, queries)
     if kv is not None:
         result["kv"] = _kv_summary(kv)
+    if placed:
+        result["placement"] = placed
     return result
+
+
+#: prompts of the run's shape that ``--redundant``'s calibration sends, and tokens each generates
+CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 8, 8
+
+
+def _calibrate(target: str, options: Options, vocab_size: int) -> None:
+    """``CALIBRATION_PROMPTS`` prompts of the run's shape from another seed through the platform, one after
+    another: its router's load window counts their experts."""
+    import dataclasses
+
+    from expertmesh.client import Client
+
+    shape = dataclasses.replace(options, seed=options.seed + 1, clients=CALIBRATION_PROMPTS, requests_per_client=1)
+    progress(f"bench serve: {CALIBRATION_PROMPTS} calibration prompts for the planned placement")
+    with Client(target, timeout=600) as client:
+        for prompt in prompts(shape, vocab_size):
+            list(
+                client.generate(
+                    prompt, max_new_tokens=min(CALIBRATION_TOKENS, options.max_new_tokens), stop_at_eos=False
+                )
+            )
 
 
 @contextmanager
@@ -529,6 +586,11 @@ def sweep_table(result: dict) -> str:
         rows,
         ["d", ".1f", ".1f", ".2f", ".1f", ".1f", ".2f", ".2f", ".1f", "d", "", *(("d", "d") if best_of else ())],
     )
+    placed = [(p["clients"], p["result"]["placement"]) for p in result["points"] if "placement" in p["result"]]
+    if placed:
+        from expertmesh.bench.planned_placement import placement_line
+
+        body += "".join(f"\n{clients} clients: {placement_line(placement)}" for clients, placement in placed)
     return f"{title}\n{body}"
 
 
@@ -951,6 +1013,10 @@ def table(result: dict) -> str:
         text += "\ndecode steps (every sequence feeding its newest token), wall time per token: " + "; ".join(
             f"{name} {d['ms_per_token']:.2f} ms ({d['steps']} steps)" for name, d in decode
         )
+    if "placement" in result:
+        from expertmesh.bench.planned_placement import placement_line
+
+        text += "\n" + placement_line(result["placement"])
     if "kv" in result:
         kv = result["kv"]
         text += (

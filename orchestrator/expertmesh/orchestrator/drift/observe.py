@@ -61,13 +61,13 @@ class Observer:
             at=self._clock(),
             table=table,
             groups=tuple(samples),
-            loads=_expert_loads(snapshot) if snapshot is not None else (),
+            loads=expert_loads(snapshot) if snapshot is not None else (),
             top_k=snapshot.top_k if snapshot is not None else 0,
             migrations=tuple(load_all(self._store)),
         )
 
 
-def _expert_loads(snapshot: LoadSnapshot) -> tuple[ExpertLoad, ...]:
+def expert_loads(snapshot: LoadSnapshot) -> tuple[ExpertLoad, ...]:
     """Rows of the windows are MoE layers in order; the routing table names layers by index."""
     return tuple(
         ExpertLoad(layer, expert, float(snapshot.load[row, expert]))

@@ -8,7 +8,8 @@ planner optimises balance alone). It plans one replica per expert
 (``redundant=0``) with its default slots per group, ``ceil(E / groups)``, so a
 layer also ends with its experts spread evenly over the groups. Replicas are not
 drift's business: an expert with several replicas stays as it is, and only
-experts with one move.
+experts with one move. ``planned_placement`` plans every layer at once, replicas included
+(``--redundant``), for a caller that carries it out itself (``bench serve --redundant``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from expertmesh.contracts.gpu_plan import Placement
+from expertmesh.contracts.group_map import GroupPlacement
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.contracts.topology import Gpu, Island, Node, Topology
 from expertmesh.orchestrator.drift.state import ExpertLoad, Move
@@ -63,13 +65,7 @@ class LayerLoads:
         """The planner's moves for ``layer`` given where its experts are now, heaviest expert
         first; None when it keeps the layer (its balancedness within ``min_gain`` of the plan's)."""
         r = self.layers.index(layer)
-        num_groups, num_experts = len(self.groups), self.load.shape[1]
-        island = Island("groups", tuple(Gpu(g, 0.0) for g in range(num_groups)))
-        stats = LoadStats(1, num_experts, min(max(top_k, 1), num_experts), self.load[r : r + 1])
-        current = Placement(tuple(range(num_groups)), self.shares[r : r + 1])
-        result = plan(
-            stats, Topology((Node("groups", (island,)),)), PlanOptions(redundant=0, min_gain=min_gain), current
-        )
+        result = self._plan(slice(r, r + 1), top_k, PlanOptions(redundant=0, min_gain=min_gain))
         if result.layers_kept:
             return None
         planned = result.placement.shares[0]  # [E, G]
@@ -79,3 +75,26 @@ class LayerLoads:
             if len(now) == 1 and len(then) == 1 and now[0] != then[0]:
                 moves.append(Move(layer, int(expert), self.groups[now[0]], self.groups[then[0]]))
         return moves
+
+    def planned_placement(self, top_k: int, redundant: int) -> GroupPlacement:
+        """Every layer as the planner places it over these groups with ``redundant`` more replicas per layer
+        (``expertmesh plan --redundant`` with the groups as the GPUs of one island), keeping each expert where
+        it is when that is as balanced."""
+        planned = self._plan(slice(None), top_k, PlanOptions(redundant=redundant)).placement.shares  # [L, E, G]
+        return GroupPlacement(
+            {
+                group: tuple(
+                    (layer, int(e)) for r, layer in enumerate(self.layers) for e in np.flatnonzero(planned[r, :, g] > 0)
+                )
+                for g, group in enumerate(self.groups)
+            }
+        )
+
+    def _plan(self, rows: slice, top_k: int, options: PlanOptions):
+        """The planner over ``rows`` of the layers, the groups as the GPUs of one island, from where they are now."""
+        num_groups, num_experts = len(self.groups), self.load.shape[1]
+        load = self.load[rows]
+        island = Island("groups", tuple(Gpu(g, 0.0) for g in range(num_groups)))
+        stats = LoadStats(load.shape[0], num_experts, min(max(top_k, 1), num_experts), load)
+        current = Placement(tuple(range(num_groups)), self.shares[rows])
+        return plan(stats, Topology((Node("groups", (island,)),)), options, current)

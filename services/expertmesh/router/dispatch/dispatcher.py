@@ -232,9 +232,6 @@ class LayerDispatcher:
         if layer not in view.primary:
             raise GroupUnavailable(f"the routing table has no groups for MoE layer {layer}")
         index = top_k_index.to("cpu", torch.long)  # [T, K]
-        if self.load_window is not None:
-            domains = (routing.domain_ids, routing.domains) if routing is not None and routing.domains else None
-            self.load_window.record(layer, index, positions, domains)
         weights_cpu = top_k_weights.detach().to("cpu")  # [T, K]
         # [T, H] where the model computes: each transport takes its rows from there (CUDA IPC on the
         # router's GPU, a copy to host memory for the others)
@@ -246,8 +243,15 @@ class LayerDispatcher:
         calls = self._plan(view, layer, index, weights_cpu)
         timeout = self._call_timeout(layer)
         flights = [self._send(view, layer, source, call, links, timeout) for call in calls]
-        if self.hidden_sampler is not None:  # while the groups compute: off the step's critical path
+        # While the groups compute, what needs none of their answers: off the step's critical path
+        if self.load_window is not None:
+            domains = (routing.domain_ids, routing.domains) if routing is not None and routing.domains else None
+            self.load_window.record(layer, index, positions, domains)
+        if self.hidden_sampler is not None:
             self.hidden_sampler.offer(layer, source.to("cpu"))
+        detail = step_choices.wants_detail()  # a sequence of this step asked for its routing trace
+        if not detail:
+            step_choices.record(layer, view.num_experts, index)
         out = torch.zeros_like(source)  # [T, H]
         failed: list[_GroupFailed] = []
         served: list[GroupCall] = []  # the calls whose partial sums were added
@@ -259,11 +263,9 @@ class LayerDispatcher:
                 failed.append(failure)
         if failed:
             flights += self._fail_over(view, layer, source, index.shape[0], failed, links, out, timeout, served)
-        if step_choices.wants_detail():  # a sequence of this step asked for its routing trace
+        if detail:  # with the groups that served each slot
             groups = slot_groups(index.shape[0], index.shape[1], served)
             step_choices.record(layer, view.num_experts, index, weights_cpu, groups, view.groups)
-        else:
-            step_choices.record(layer, view.num_experts, index)
         self.traffic.record(
             layer,
             calls=1,

@@ -398,3 +398,45 @@ def test_no_decision_breaks_a_rule(obs, scans_before, rebalance):
         assert sum(m.source == source for m in watermark) <= cfg.experts_per_move
     for d in scan.decisions:
         assert (d.move is None) == (d.hold is not None)
+
+
+def test_planned_placement_balances_every_layer_and_replicates_the_hottest():
+    """``LayerLoads.planned_placement`` (``bench serve --redundant``): every expert hosted, each group at most
+    ceil((E + R) / G) experts a layer; without replicas a layer splits its load evenly where it can, with
+    R = 2 the hot experts of a skewed layer get a second replica and its groups level."""
+    from expertmesh.orchestrator.drift.rebalance import LayerLoads
+    from expertmesh.orchestrator.drift.state import ExpertLoad
+
+    table = RoutingTable(
+        version=1, num_experts=4, replicas={(layer, e): ("a" if e < 2 else "b",) for layer in (0, 1) for e in range(4)}
+    )
+    load = {
+        (0, 0): 40.0,
+        (0, 1): 30.0,
+        (0, 2): 20.0,
+        (0, 3): 10.0,
+        (1, 0): 1000.0,
+        (1, 1): 1.0,
+        (1, 2): 1.0,
+        (1, 3): 1.0,
+    }
+    loads = LayerLoads.build(table, [ExpertLoad(layer, e, t) for (layer, e), t in load.items()], ["a", "b"])
+    assert loads.balancedness()[0] == 50 / 70  # a: 70 of 100
+
+    plain = loads.planned_placement(top_k=2, redundant=0)
+    hosts = plain.hosts()
+    assert set(hosts) == set(table.replicas) and all(len(g) == 1 for g in hosts.values())
+    on_a = sum(load[(0, e)] for e in range(4) if hosts[(0, e)] == ("a",))
+    assert on_a == 50.0  # 40 + 10 against 30 + 20
+    assert all(
+        sum(1 for (layer, _), g in hosts.items() if layer == row and name in g) == 2 for row in (0, 1) for name in "ab"
+    )
+
+    replicated = loads.planned_placement(top_k=2, redundant=2).hosts()
+    assert set(replicated) == set(table.replicas)
+    assert replicated[(1, 0)] == ("a", "b")  # the expert with nearly all of layer 1's tokens, on both groups
+    assert all(
+        sum(1 for (layer, _), g in replicated.items() if layer == row and name in g) <= 3
+        for row in (0, 1)
+        for name in "ab"
+    )

@@ -41,8 +41,12 @@ def place_by_load(plane, redundant: int, calibrate: Callable[[], None]) -> dict:
     desired = before.planned_placement(snapshot.top_k, redundant)
     started, migrations = time.perf_counter(), 0
     executor = MigrationExecutor(store, poll_s=0.05)
+    rounds = 2 * len(desired.groups) + 1  # a pair's replicates and evicts take a round each, one per group at most
     try:
-        while steps := placement_steps(store.routing_table(), desired):
+        for _ in range(rounds + 1):  # + 1: the look that finds nothing left
+            steps = placement_steps(store.routing_table(), desired)
+            if not steps:
+                break
             for step in steps:
                 layer, expert = step.pair
                 migration = executor.submit(
@@ -55,6 +59,8 @@ def place_by_load(plane, redundant: int, calibrate: Callable[[], None]) -> dict:
                     )
                 migrations += 1
             progress(f"bench serve: {migrations} migrations towards the planned placement")
+        else:
+            raise BenchError(f"the planned placement was not reached in {rounds} rounds of migrations")
     finally:
         executor.close()
     table = store.routing_table()

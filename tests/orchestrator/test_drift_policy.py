@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.policy import busy_fraction, decide
+from expertmesh.orchestrator.drift.rebalance import LayerLoads
 from expertmesh.orchestrator.drift.state import (
     BusySample,
     DriftState,
@@ -404,8 +405,6 @@ def test_planned_placement_balances_every_layer_and_replicates_the_hottest():
     """``LayerLoads.planned_placement`` (``bench serve --redundant``): every expert hosted, each group at most
     ceil((E + R) / G) experts a layer; without replicas a layer splits its load evenly where it can, with
     R = 2 the hot experts of a skewed layer get a second replica and its groups level."""
-    from expertmesh.orchestrator.drift.rebalance import LayerLoads
-    from expertmesh.orchestrator.drift.state import ExpertLoad
 
     table = RoutingTable(
         version=1, num_experts=4, replicas={(layer, e): ("a" if e < 2 else "b",) for layer in (0, 1) for e in range(4)}
@@ -428,15 +427,13 @@ def test_planned_placement_balances_every_layer_and_replicates_the_hottest():
     assert set(hosts) == set(table.replicas) and all(len(g) == 1 for g in hosts.values())
     on_a = sum(load[(0, e)] for e in range(4) if hosts[(0, e)] == ("a",))
     assert on_a == 50.0  # 40 + 10 against 30 + 20
-    assert all(
-        sum(1 for (layer, _), g in hosts.items() if layer == row and name in g) == 2 for row in (0, 1) for name in "ab"
-    )
+
+    def hosted(hosts, layer: int, group: str) -> int:
+        return sum(1 for (row, _), groups in hosts.items() if row == layer and group in groups)
+
+    assert all(hosted(hosts, layer, group) == 2 for layer in (0, 1) for group in "ab")
 
     replicated = loads.planned_placement(top_k=2, redundant=2).hosts()
     assert set(replicated) == set(table.replicas)
     assert replicated[(1, 0)] == ("a", "b")  # the expert with nearly all of layer 1's tokens, on both groups
-    assert all(
-        sum(1 for (layer, _), g in replicated.items() if layer == row and name in g) <= 3
-        for row in (0, 1)
-        for name in "ab"
-    )
+    assert all(hosted(replicated, layer, group) <= 3 for layer in (0, 1) for group in "ab")

@@ -238,9 +238,12 @@ class StepDispatcher:
     def begin_step(self):
         pass
 
+    def routing_epoch(self):
+        return 0
+
     @contextmanager
     def serving_step(self, positions, links=(), routing=None):
-        yield
+        yield 0  # the step's routing epoch: no quarantines, ever
 
 
 def bare_dispatcher(store, moe_layers, transport="auto", *, on_switch=None, model=None, **kwargs):

@@ -125,3 +125,50 @@ def test_only_the_request_whose_tokens_fell_back_is_marked_degraded(checkpoint, 
                 assert tuple(event.attributes["expertmesh.degraded.layers"]) == (LAYER,)
                 assert tuple(event.attributes["expertmesh.degraded.experts"]) == (f"{LAYER}/{EXPERT}",)
                 assert event.attributes["expertmesh.degraded.tokens"] == picks[hit]
+
+
+def test_a_prompt_served_around_a_quarantine_is_not_reused_after_the_release(checkpoint, group):
+    """The issue's reproduction: a prompt served while expert 3 was quarantined on every layer (the fallback
+    routed around it), then the expert released, then the same prompt: its first token's top-5 log-probabilities
+    must be those of a router that never cached anything. Its blocks were computed degraded (never published)
+    and in another routing epoch (never matched)."""
+    placement, address = group
+    store = open_store("memory://")
+    store.set_endpoint("g0", address)
+    assert store.publish_routing_table(
+        RoutingTable.from_placement(placement, num_experts=checkpoint.spec.num_experts, version=1)
+    )
+    router = assemble_router(store, checkpoint.spec.moe_layers, build_transport("auto"), checkpoint=checkpoint)
+    router.watcher.refresh()
+    prompt = tuple(range(3, 3 + 40))  # two full blocks of 16 and a partial one
+    ask = lambda name: GenerationRequest(name, prompt, max_new_tokens=1, stop_at_eos=False, logprobs=5)  # noqa: E731
+
+    def first_logprobs(engine, name):
+        events = list(engine.submit(ask(name)))
+        return next(e for e in events if getattr(e, "logprobs", ())).logprobs[0]
+
+    fresh = Engine(router.model, None, router.dispatcher, EngineLimits(4, 4, prefix_caching=False), max_context=64)
+    fresh.start()
+    try:
+        stock = first_logprobs(fresh, "fresh")
+    finally:
+        fresh.stop()
+
+    engine = Engine(router.model, None, router.dispatcher, EngineLimits(4, 4), max_context=64).start()
+    try:
+        for layer in checkpoint.spec.moe_layers:
+            store.set_quarantined(QuarantinedReplica(layer, EXPERT, "g0", "quarantined", "test", time.time(), False))
+        router.watcher.refresh_quarantine()
+        around = first_logprobs(engine, "quarantined")
+        assert around != stock, "the quarantine changed nothing: a test that cannot fail"
+        for layer in checkpoint.spec.moe_layers:
+            store.clear_quarantined(layer, EXPERT, "g0")
+        router.watcher.refresh_quarantine()
+        released = first_logprobs(engine, "released")
+        again = first_logprobs(engine, "again")  # computed after the release: these blocks may be shared
+        hits = engine.kv_usage().prefix_hits
+    finally:
+        engine.stop()
+        router.dispatcher.close()
+    assert released == stock and again == stock
+    assert hits == 2 * 16, "only the request after the release found (the released one's) blocks"

@@ -130,6 +130,77 @@ def test_a_prefix_cache_reset_makes_the_next_request_prefill_its_whole_prompt(mo
     assert _engine(model, 8).reset_prefix_cache() == 0  # not started: done at once
 
 
+class EpochDispatcher(StepDispatcher):
+    """A router whose quarantines change: ``epoch`` is the routing epoch a request admitted now is served in, and
+    ``step_epoch`` (None: the same) the one the next step's view was built in (a release that reached the router
+    between a request's admission and its step)."""
+
+    def __init__(self):
+        self.epoch, self.step_epoch = 0, None
+
+    def routing_epoch(self):
+        return self.epoch
+
+    @contextmanager
+    def serving_step(self, positions, links=(), routing=None):
+        yield self.epoch if self.step_epoch is None else self.step_epoch
+
+
+def _one_by_one(engine, requests):
+    """Each request served to its end before the next is submitted; the engine stopped after."""
+    engine.start()
+    try:
+        return [_tokens(list(engine.submit(r))) for r in requests]
+    finally:
+        engine.stop()
+
+
+PROMPT = tuple(range(10, 23))  # three full blocks
+
+
+def test_blocks_computed_in_another_routing_epoch_are_never_reused(model):
+    """The routing epoch moves on with every quarantine, repair or release: what an expert computes may differ
+    from then on, so a prompt cached before is computed again, and cached anew for the epoch after."""
+    dispatcher = EpochDispatcher()
+    engine = Engine(model, None, dispatcher, _engine(model, 32).limits, max_context=64)
+    ask = lambda name: GenerationRequest(name, PROMPT, max_new_tokens=3, stop_at_eos=False)  # noqa: E731
+    engine.start()
+    try:
+        hits = []
+        for name, epoch in (("first", 0), ("released", 1), ("again", 1)):
+            dispatcher.epoch = epoch
+            before = engine.kv_usage().prefix_hits
+            assert _tokens(list(engine.submit(ask(name)))) == stock_greedy(model, PROMPT, 3)
+            hits.append(engine.kv_usage().prefix_hits - before)
+    finally:
+        engine.stop()
+    assert hits == [0, 0, 3 * BLOCK], "the blocks of epoch 0 are not reused in epoch 1; epoch 1's are"
+
+
+def test_a_sequence_stepping_in_another_epoch_than_it_was_admitted_in_publishes_nothing(model):
+    """Admitted in epoch 1, its step ran on a view of epoch 0 (the watcher's new view not yet swapped in): its
+    blocks hold epoch 0's keys and values, so they are not offered under epoch 1's hashes."""
+    dispatcher = EpochDispatcher()
+    dispatcher.epoch, dispatcher.step_epoch = 1, 0
+    engine = Engine(model, None, dispatcher, _engine(model, 32).limits, max_context=64)
+    _one_by_one(engine, [GenerationRequest("straddling", PROMPT, max_new_tokens=2, stop_at_eos=False)])
+    assert engine._blocks.cached() == 0
+
+
+def test_requests_share_cached_blocks_only_under_the_same_cache_salt(model):
+    """vLLM's ``cache_salt``: tenants that must share nothing salt their requests differently."""
+    engine = _engine(model, 32)
+    requests = [
+        GenerationRequest(f"r{i}", PROMPT, max_new_tokens=2, stop_at_eos=False, cache_salt=salt)
+        for i, salt in enumerate(["tenant-a", "tenant-b", "", "tenant-a"])
+    ]
+    tokens = _one_by_one(engine, requests)
+    assert tokens == [stock_greedy(model, PROMPT, 2)] * 4
+    usage = engine.kv_usage()
+    assert usage.prefix_hits == 3 * BLOCK, "only the second tenant-a request found blocks"
+    assert engine._blocks.cached() == 3 * 3, "three scopes, three blocks each"
+
+
 def test_a_request_the_pool_can_never_hold_is_invalid(model):
     engine = _engine(model, 4)  # 16 tokens
     try:
@@ -202,7 +273,7 @@ class GatedDispatcher(StepDispatcher):
         self.steps += 1
         if self.steps == 2:
             self.go.wait(30)
-        yield
+        yield 0
 
 
 def test_fragmentation_counts_the_unfilled_slots_of_held_blocks(model):

@@ -1,9 +1,17 @@
 """The KV block allocator on plain data: allocation, reference counts, the prefix cache's hashes
 and its least-recently-used eviction, exhaustion; and the automatic pool size's memory bound."""
 
+import hashlib
+import struct
+from functools import partial
+
 import pytest
 
-from expertmesh.serving.kv_blocks import BlockPool, PoolExhausted, blocks_for, prefix_hashes
+from expertmesh.serving import kv_blocks
+from expertmesh.serving.kv_blocks import BlockPool, PoolExhausted, PrefixScope, blocks_for
+
+ROOT = PrefixScope("f00d", "exact", 0).root()
+prefix_hashes = partial(kv_blocks.prefix_hashes, root=ROOT)
 
 
 def test_blocks_for_rounds_up():
@@ -44,6 +52,34 @@ def test_prefix_hashes_chain_the_blocks_before():
     assert c[1] != a[1], "the same block after a different prefix is another prefix"
 
 
+def test_a_prefix_hash_is_the_sha256_of_its_parent_and_its_tokens():
+    """Collision resistant, as vLLM's fix of GHSA-rm76-4mrf-v9r8: Python's ``hash()`` of a token tuple is a
+    64-bit value the same in every process, so a client could search for a prompt whose block collides with
+    another tenant's and be served their keys and values."""
+    first, second = prefix_hashes([7, 8, 9, 10], 2)
+    assert first == hashlib.sha256(ROOT + struct.pack("<2I", 7, 8)).digest()
+    assert second == hashlib.sha256(first + struct.pack("<2I", 9, 10)).digest()
+    assert isinstance(first, bytes) and len(first) == 32
+
+
+def test_every_part_of_the_scope_changes_every_hash():
+    """The checkpoint, the routing, the routing epoch and the cache salt are each part of a block's name: the
+    same tokens under another of any of them share nothing."""
+    base = PrefixScope("f00d", "exact", 3, "a")
+    scopes = [
+        base,
+        PrefixScope("beef", "exact", 3, "a"),
+        PrefixScope("f00d", "prefer", 3, "a"),
+        PrefixScope("f00d", "exact", 4, "a"),
+        PrefixScope("f00d", "exact", 3, "b"),
+        PrefixScope("f00d", "exact", 3, ""),
+        PrefixScope("f00d", "exact3", 0, "a"),  # parts are length-prefixed: no two scopes encode alike
+    ]
+    chains = [kv_blocks.prefix_hashes([1, 2, 3, 4], 2, s.root()) for s in scopes]
+    assert len({h for chain in chains for h in chain}) == 2 * len(scopes)
+    assert kv_blocks.prefix_hashes([1, 2, 3, 4], 2, base.root()) == chains[0], "deterministic"
+
+
 def test_shared_blocks_are_reference_counted():
     pool = BlockPool(3)
     (h,) = prefix_hashes([1, 2], 2)
@@ -70,7 +106,7 @@ def test_publish_keeps_the_first_holder_of_a_prefix():
     pool = BlockPool(2)
     (h,) = prefix_hashes([1, 2], 2)
     a, b = pool.allocate(2)
-    assert pool.publish(a, h) and not pool.publish(b, h) and not pool.publish(a, h + 1)
+    assert pool.publish(a, h) and not pool.publish(b, h) and not pool.publish(a, h[::-1])
     pool.release([b])
     assert pool.cached() == 1 and pool.match([h]) == [a]
 

@@ -81,6 +81,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
             prefix_caching=config.prefix_caching,
         ),
         max_context=info.max_context,
+        model_fingerprint=plane.checkpoint.spec.fingerprint,
     )
     register_kv_metrics(engine.kv_usage)
     info.batching = pb.BATCHING_PACKED if engine.batching.packed else pb.BATCHING_PER_SEQUENCE

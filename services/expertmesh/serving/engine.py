@@ -76,7 +76,7 @@ from expertmesh.router.policy.routing_policy import RequestRouting, step_routing
 from expertmesh.serving.consistency_guard import Check, GuardSpec, Scorers
 from expertmesh.serving.forward import SLIDING, Chunk, MaskSpec, Rows, forward_alone, forward_packed, pack
 from expertmesh.serving.grammar import CompiledGrammar, Grammars, TokenMatcher
-from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, blocks_for, prefix_hashes
+from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, PrefixScope, blocks_for, prefix_hashes
 from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, token_bytes
 from expertmesh.serving.routing_trace import TokenRouting
 from expertmesh.serving.sampling import (
@@ -122,6 +122,8 @@ class GenerationRequest:
     consistency_guard: GuardSpec | None = None
     #: report each new token's routing (``serving.routing_trace``); only such sequences pay for it
     routing_trace: bool = False
+    #: shares prefix-cached KV blocks only with requests of the same salt (vLLM's ``cache_salt``; "": unsalted)
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -191,9 +193,14 @@ class Sequence:
     #: its block table in the packed step's KV pool, and how many of its first entries it gave back
     blocks: list[int] = field(default_factory=list)
     dropped: int = 0
-    #: the prefix hash of each full block of its prompt, and how many of its blocks are in the prefix cache
-    prefix: list[int] = field(default_factory=list)
+    #: the prefix hash of each full block of its prompt, the routing epoch they were computed for, and how many
+    #: of its blocks are in the prefix cache
+    prefix: list[bytes] = field(default_factory=list)
+    prefix_epoch: int | None = None
     published: int = 0
+    #: its blocks may still be offered to the prefix cache: no step of it since it joined ran in another routing
+    #: epoch than its prefix hashes name, or served one of its tokens by a quarantine fallback (degraded)
+    cacheable: bool = True
     #: tokens of prompt + generated already in the cache (the position of the next one to feed)
     fed: int = 0
     #: Score (and prompt_logprobs): the prompt's logits so far, one [rows, V] tensor per chunk
@@ -316,9 +323,12 @@ class Engine:
         limits: EngineLimits,
         max_context: int,
         packed: bool = True,
+        model_fingerprint: str = "",
     ):
-        """``packed=False`` runs the per-sequence fallback even for a model the packed step can take."""
+        """``packed=False`` runs the per-sequence fallback even for a model the packed step can take.
+        ``model_fingerprint``: the checkpoint's, part of every prefix-cache key (``kv_blocks.PrefixScope``)."""
         self._model = model
+        self._model_fingerprint = model_fingerprint
         self._tokenizer = tokenizer
         self._dispatcher = dispatcher
         self.limits = limits
@@ -551,8 +561,11 @@ class Engine:
         # A routing policy other than exact changes the gates, hence every later layer's keys and values:
         # only stock-routed prompts share blocks.
         stock_routed = routing is None or routing.policy.is_exact
-        if self.limits.prefix_caching and stock_routed and not seq.prefix:
-            seq.prefix = prefix_hashes(seq.request.prompt_ids, size)
+        epoch = self._dispatcher.routing_epoch()
+        if self.limits.prefix_caching and stock_routed and seq.prefix_epoch != epoch:
+            scope = PrefixScope(self._model_fingerprint, "exact", epoch, seq.request.cache_salt)
+            seq.prefix, seq.prefix_epoch = prefix_hashes(seq.request.prompt_ids, size, scope.root()), epoch
+        seq.cacheable = True  # its blocks are all computed (or matched) anew from here
         # Score wants every prompt position's logits, and at least one token must go through the model
         reusable = [] if seq.scoring_prompt else seq.prefix[: (tokens - 1) // size]
         shared = self._blocks.match(reusable)
@@ -625,7 +638,7 @@ class Engine:
         if self._blocks is None or not self.limits.prefix_caching:
             return
         for seq, _ in work:
-            if seq.failed:
+            if seq.failed or not seq.cacheable:
                 continue
             full = min(seq.fed, len(seq.request.prompt_ids)) // self._pool.block_size
             for j in range(max(seq.published, seq.dropped), min(full, len(seq.prefix))):
@@ -727,13 +740,18 @@ class Engine:
             )
             with (
                 trace.use_span(spans[0]),
-                self._dispatcher.serving_step(batch.positions, links, routing),
+                self._dispatcher.serving_step(batch.positions, links, routing) as epoch,
                 degraded.collecting([len(chunk.token_ids) for _, chunk in work]) as marks,
                 self._collecting(work) as choices,
                 torch.no_grad(),
             ):
                 logits = forward_packed(self._model, batch)  # per sequence: [rows, V] or None
             marks.mark([(span, _request_span(seq)) for span, (seq, _) in zip(spans, work)])
+            for i, (seq, _) in enumerate(work):
+                # Keys and values computed around a quarantined expert, or in another epoch than the one its prefix
+                # hashes name (the quarantines changed between its admission and this step), are never shared.
+                if epoch is None or epoch != seq.prefix_epoch or i in marks.sequences:
+                    seq.cacheable = False
             self._keep_choices(work, choices)
         except Exception as err:
             log.log(

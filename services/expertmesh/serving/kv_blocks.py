@@ -10,9 +10,17 @@ Glossary
   key its next tokens see lay past them.
 - *reference count*: how many live sequences' tables hold a block. A block at
   zero is free: on the free list, or, when it holds a cached prefix, *evictable*.
-- *prefix hash*: a full block of prompt tokens is named by the hash of its tokens
-  chained with the hash of the blocks before it, so equal hashes mean equal
-  prompts up to the block's end, hence equal keys and values in every layer.
+- *prefix scope*: everything besides its tokens that a block's keys and values
+  were computed under: the checkpoint, the routing policy, the router's routing
+  epoch (it changes whenever a quarantine, repair or release changes what an
+  expert computes) and the request's cache salt (``PrefixScope``). Requests of
+  different scopes share nothing.
+- *prefix hash*: a full block of prompt tokens is named by the SHA-256 digest of
+  the digest before it (the scope's, for the first block) and its tokens, so equal
+  hashes mean equal scopes and equal prompts up to the block's end, hence equal keys
+  and values in every layer. A digest, not Python's ``hash()``: a client must not
+  be able to craft a prompt whose block collides with another's (vLLM's advisory
+  GHSA-rm76-4mrf-v9r8).
 - *prefix cache*: prefix hash -> the block that holds it. A sequence whose prompt
   starts with cached blocks takes them into its table (reference counted) rather
   than computing them again. Evictable blocks are reused least recently used first.
@@ -24,17 +32,43 @@ Example: ``pool = BlockPool(4)``; ``a = pool.allocate(2)`` -> ``[0, 1]``;
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ["BlockPool", "FREED", "PoolExhausted", "blocks_for", "prefix_hashes"]
+__all__ = ["BlockPool", "FREED", "PoolExhausted", "PrefixScope", "blocks_for", "prefix_hashes"]
 
 #: a block-table entry whose block was given back (see the glossary)
 FREED = -1
 
-#: the hash chain's seed: the "prefix" of a prompt's first block
-_ROOT = 0
+#: a prefix hash: a SHA-256 digest (32 bytes)
+PrefixHash = bytes
+
+
+@dataclass(frozen=True)
+class PrefixScope:
+    """What a block was computed under besides its tokens (see the glossary). Example:
+    ``PrefixScope("3f2a9c0d1e4b5a67", "exact", 2, "tenant-a").root()`` -> 32 bytes."""
+
+    #: the checkpoint's fingerprint
+    model: str
+    #: the routing policy's key (only exact routing is cached today)
+    routing: str
+    #: the router's routing epoch (``RoutingView.epoch``)
+    epoch: int
+    #: the request's ``cache_salt`` ("" : none)
+    salt: str = ""
+
+    def root(self) -> PrefixHash:
+        """The digest the hash chain of a prompt under this scope starts from. Each part is length-prefixed,
+        so no two scopes encode alike."""
+        digest = hashlib.sha256(b"expertmesh-prefix-v1")
+        for part in (self.model, self.routing, str(self.epoch), self.salt):
+            raw = part.encode()
+            digest.update(struct.pack("<I", len(raw)) + raw)
+        return digest.digest()
 
 
 class PoolExhausted(Exception):
@@ -46,11 +80,12 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def prefix_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """The prefix hash of each full block of ``tokens`` (a partial last block has none)."""
-    out, prefix = [], _ROOT
+def prefix_hashes(tokens: Sequence[int], block_size: int, root: PrefixHash) -> list[PrefixHash]:
+    """The prefix hash of each full block of ``tokens`` (a partial last block has none), chained from ``root``
+    (``PrefixScope.root``): block i's is SHA-256(hash of block i - 1, its tokens as little-endian uint32)."""
+    out, prefix = [], root
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        prefix = hash((prefix, tuple(tokens[start : start + block_size])))
+        prefix = hashlib.sha256(prefix + struct.pack(f"<{block_size}I", *tokens[start : start + block_size])).digest()
         out.append(prefix)
     return out
 
@@ -62,8 +97,8 @@ class BlockPool:
     num_blocks: int
     _free: deque[int] = field(init=False)
     _refs: list[int] = field(init=False)
-    _cached: dict[int, int] = field(default_factory=dict)  # prefix hash -> block
-    _hash_of: dict[int, int] = field(default_factory=dict)  # block -> its prefix hash
+    _cached: dict[PrefixHash, int] = field(default_factory=dict)  # prefix hash -> block
+    _hash_of: dict[int, PrefixHash] = field(default_factory=dict)  # block -> its prefix hash
     _evictable: OrderedDict[int, None] = field(default_factory=OrderedDict)  # cached, unreferenced, oldest use first
 
     def __post_init__(self) -> None:
@@ -109,7 +144,7 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
-    def match(self, hashes: Sequence[int]) -> list[int]:
+    def match(self, hashes: Sequence[PrefixHash]) -> list[int]:
         """The cached blocks of the longest run of ``hashes`` from the first, each now referenced once more."""
         out = []
         for h in hashes:
@@ -122,7 +157,7 @@ class BlockPool:
             out.append(block)
         return out
 
-    def publish(self, block: int, prefix_hash: int) -> bool:
+    def publish(self, block: int, prefix_hash: PrefixHash) -> bool:
         """Offer ``block`` (held, full, written) as the cached holder of ``prefix_hash``. False when
         another block holds that prefix already or ``block`` holds another: nothing changes then."""
         if prefix_hash in self._cached or block in self._hash_of:

@@ -165,25 +165,31 @@ class LayerDispatcher:
         """The router model's gate hooks (None: a bare dispatcher without the model)."""
         return self._gate_bias
 
+    def routing_epoch(self) -> int:
+        """The newest routing epoch the router knows of (``routing_view``): what a request admitted now is served in."""
+        return self._watcher.epoch
+
     @contextmanager
     def serving_step(
         self, positions: torch.Tensor, links: Sequence[SpanContext] = (), routing: StepRouting | None = None
-    ) -> Iterator[None]:
+    ) -> Iterator[int | None]:
         """Within this block, this thread's forward is one step of the serving engine, which has
         refreshed the routing table for it. Each MoE layer's dispatch carries ``positions`` [T] (the
         sequence position of each of the forward's T tokens, for the load statistics) and ``links``
         (the trace contexts of the step's other requests). ``routing``: the tokens' routing policies
-        and domains (None: every token is routed by the stock gate and counted under no domain)."""
+        and domains (None: every token is routed by the stock gate and counted under no domain).
+        Yields the routing epoch of the view every layer of the step dispatches on (None: no view yet)."""
         self._local.step = (positions, tuple(links), routing)
         # Every layer of the step dispatches on this one table version (``TableWatcher.step``)
         with self._watcher.step() as view:
             self._local.view = view
+            epoch = view.epoch if view is not None else None
             try:
                 if routing is not None and self._gate_bias is not None:
                     with self._gate_bias.routing(routing):
-                        yield
+                        yield epoch
                 else:
-                    yield
+                    yield epoch
             finally:
                 self._local.step = None
                 self._local.view = None

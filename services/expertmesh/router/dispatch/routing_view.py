@@ -22,6 +22,12 @@ the view. An expert whose every listed replica is quarantined is a *fallback*
 expert: no group gets its tokens (its primary is -1), and the router routes
 around it (``router.gate_hook``: the gate picks the next-best expert instead, or
 the token's other experts are renormalised).
+
+- *routing epoch*: a counter the router's table watcher moves on whenever the
+  quarantined replicas it serves around change (a quarantine, a repair, a
+  release): what some expert computes for a token may differ from then on, so the
+  serving engine's prefix cache never reuses keys and values computed in another
+  epoch (``serving.kv_blocks.PrefixScope``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ class RoutingView:
     fallback: dict[int, frozenset[int]]
     #: the quarantined (layer, expert, group) replicas this view leaves out
     quarantined: frozenset[tuple[int, int, str]] = frozenset()
+    #: the routing epoch it was built in (see the glossary)
+    epoch: int = 0
 
     @classmethod
     def build(
@@ -66,6 +74,7 @@ class RoutingView:
         moe_layers: Sequence[int],
         quarantined: frozenset[tuple[int, int, str]] = frozenset(),
         model: ModelIdentity | None = None,
+        epoch: int = 0,
     ) -> "RoutingView":
         """Raises RoutingTableMismatch when ``table`` is not for ``model`` (None: a model of ``moe_layers``
         whose expert count is the table's own) and UnhostedExperts when it misses a pair of ``moe_layers`` x
@@ -107,6 +116,7 @@ class RoutingView:
             holders=holders,
             fallback={layer: frozenset(e) for layer, e in fallback.items()},
             quarantined=frozenset(q for q in quarantined if q[:2] in table.replicas),
+            epoch=epoch,
         )
 
     @property

@@ -70,6 +70,8 @@ class TableWatcher:
         self._rejected_version = 0
         self._store_errors = 0
         self._quarantined: frozenset[tuple[int, int, str]] = frozenset()
+        #: the routing epoch (``routing_view``): moved on with every change of ``_quarantined``
+        self._epoch = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         #: rounds in a row the store did not answer
@@ -86,6 +88,11 @@ class TableWatcher:
         """The routing-table version served now (None: none yet)."""
         view = self.view
         return view.version if view is not None else None
+
+    @property
+    def epoch(self) -> int:
+        """The newest routing epoch this router knows of (its views carry the one they were built in)."""
+        return self._epoch
 
     def endpoints(self) -> dict[str, str]:
         """The group endpoints the store lists now (a dispatcher's fresh addresses of a group that went away)."""
@@ -167,7 +174,7 @@ class TableWatcher:
                     table.version,
                 )
             try:
-                view = RoutingView.build(table, self._moe_layers, self._quarantined, self._model)
+                view = RoutingView.build(table, self._moe_layers, self._quarantined, self._model, self._epoch)
             except RoutingTableRefused as err:
                 return self._refuse(table.version, current, err)
             self._rejected_version = 0
@@ -187,10 +194,11 @@ class TableWatcher:
             if quarantined == self._quarantined:
                 return
             self._quarantined = quarantined
+            self._epoch += 1  # before any view of the new set exists: a step on it never runs in the old epoch
             base = self._pending or self.view  # the newest table this router has, whether or not it serves it yet
             if base is None:
                 return
-            view = RoutingView.build(base.table, self._moe_layers, quarantined, self._model)
+            view = RoutingView.build(base.table, self._moe_layers, quarantined, self._model, self._epoch)
             self._use(view)
         log.warning(
             "quarantined replicas now %s; experts served by the %s fallback: %s",

@@ -20,7 +20,15 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 from expertmesh.models.checkpoint import experts_modules
 from expertmesh.models.tiny import MOE_ARCHITECTURES
 from expertmesh.router.dispatch.experts_impl import IMPLEMENTATION
-from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, ScoreEvent, TokenEvent
+from expertmesh.serving.engine import (
+    Engine,
+    EngineLimits,
+    FinishEvent,
+    GenerationRequest,
+    ScoreEvent,
+    ScoreSpec,
+    TokenEvent,
+)
 from expertmesh.serving.forward import FULL, SLIDING, Chunk, MaskSpec, Rows, pack
 from expertmesh.serving.kv_cache import KVPool
 from expertmesh.serving.sampling import SamplingParams
@@ -114,12 +122,22 @@ def test_score_matches_stock_prompt_logits_across_chunks(models, arch):
     engine = Engine(model, None, StepDispatcher(), EngineLimits(4, 4, max_step_tokens=6), max_context=64).start()
     try:
         decoding = engine.submit(GenerationRequest("beside", (7, 8), max_new_tokens=6, stop_at_eos=False))
-        (event,) = list(engine.submit(GenerationRequest("score", prompt, score_only=True)))
+        (scored,) = list(engine.submit(GenerationRequest("score", prompt, score=ScoreSpec())))
+        full = ScoreSpec(raw_logits=True, full_distribution=True)
+        (raw,) = list(engine.submit(GenerationRequest("raw", prompt, score=full)))
         assert isinstance(list(decoding)[-1], FinishEvent)
     finally:
         engine.stop()
-    assert isinstance(event, ScoreEvent) and event.logits.shape == stock.shape
-    torch.testing.assert_close(event.logits, stock, atol=1e-5, rtol=0)
+    assert isinstance(scored, ScoreEvent) and scored.distribution is None, "rows are reported only when asked for"
+    expected = stock.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]  # [P - 1]
+    torch.testing.assert_close(
+        torch.tensor(scored.token_scores), torch.cat([torch.zeros(1), expected]), atol=1e-5, rtol=0
+    )
+    assert raw.distribution.shape == stock.shape
+    torch.testing.assert_close(raw.distribution, stock, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(raw.token_scores[1:]), stock[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    )
 
 
 def test_seeded_sampling_is_the_same_together_and_alone(models):

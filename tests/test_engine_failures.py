@@ -22,6 +22,7 @@ from expertmesh.serving.engine import (
     FinishEvent,
     GenerationRequest,
     ScoreEvent,
+    ScoreSpec,
     TokenEvent,
 )
 from expertmesh.serving.sampling import SamplingParams
@@ -109,7 +110,7 @@ def _tokens(events):
 
 BAD_GREEDY = GenerationRequest("bad", (4, 4), max_new_tokens=5)
 BAD_SAMPLED = GenerationRequest("bad", (4, 4), max_new_tokens=5, sampling=SamplingParams(temperature=1.0, seed=1))
-BAD_SCORE = GenerationRequest("bad", (4, 4), score_only=True)
+BAD_SCORE = GenerationRequest("bad", (4, 4), score=ScoreSpec())
 
 
 def _nan(logits):

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.models.tiny import MOE_ARCHITECTURES
-from expertmesh.serving.engine import Engine, EngineLimits, ErrorEvent, GenerationRequest, TokenEvent
+from expertmesh.serving.engine import Engine, EngineLimits, ErrorEvent, GenerationRequest, ScoreSpec, TokenEvent
 from expertmesh.serving.kv_cache import token_bytes
 from expertmesh.serving.sampling import SamplingParams
 from helpers import stock_greedy
@@ -209,7 +209,7 @@ def test_a_request_the_pool_can_never_hold_is_invalid(model):
         ) as err:
             engine.submit(GenerationRequest("big", tuple(range(3, 13)), max_new_tokens=10))
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        engine.submit(GenerationRequest("score", tuple(range(3, 19)), score_only=True))  # 16 tokens: fits
+        engine.submit(GenerationRequest("score", tuple(range(3, 19)), score=ScoreSpec()))  # 16 tokens: fits
     finally:
         engine.stop()
 
@@ -494,3 +494,17 @@ def test_the_pool_is_reported_before_the_first_step(model):
     assert engine.kv_usage() == engine.kv_usage().__class__(9, 0, BLOCK, 0.0)
     fallback = Engine(model, None, StepDispatcher(), EngineLimits(4, 4), max_context=64, packed=False)
     assert fallback.kv_usage() is None
+
+
+def test_one_clients_burst_does_not_hold_every_slot_while_another_waits(model):
+    """Two slots; client a queues six requests (a burst of choices), then client b one. The second slot goes to
+    b, which holds none, not to a's second request (first come, first served gave a both, and b the seventh)."""
+    engine = _engine(model, 64, max_active=2)
+    joined = []
+    join = engine._join
+    engine._join = lambda seq: (joined.append(seq.request.request_id), join(seq))
+    burst = [GenerationRequest(f"a{i}", (5, 6, 7), max_new_tokens=4, stop_at_eos=False, client="a") for i in range(6)]
+    other = GenerationRequest("b", (8, 9), max_new_tokens=4, stop_at_eos=False, client="b")
+    tokens, _ = _run(engine, [*burst, other])
+    assert joined[:3] == ["a0", "b", "a1"]
+    assert tokens["b"] == stock_greedy(model, other.prompt_ids, 4)

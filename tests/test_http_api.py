@@ -138,13 +138,15 @@ class FakeProbe:
         pass
 
 
-class FakeStore:
-    def __init__(self):
-        self.down = False
+class FakeWatcher:
+    """What readiness reads of the router's table watcher: its view, whether the store answered its latest round,
+    and the address the router dials for each group."""
 
-    def endpoints(self):
-        if self.down:
-            raise ConnectionError("redis at 127.0.0.1:1 refused the connection")
+    def __init__(self, view):
+        self.view = view
+        self.store_problem = None
+
+    def addresses(self):
         return {"g0": "127.0.0.1:1", "g1": "127.0.0.1:2"}
 
 
@@ -160,16 +162,17 @@ def layer(byte_tokenizer):
     """(base URL, engine, store, probe, readiness) of a served HttpApi over a ScriptedEngine."""
     engine = ScriptedEngine()
     engine.grammars = Grammars(byte_tokenizer, VOCAB)  # the real compiler: what it refuses is what a server refuses
-    store, probe = FakeStore(), FakeProbe()
+    probe = FakeProbe()
     # Expert 0 of layer 1 only in g0, expert 1 in g0 and g1.
     view = SimpleNamespace(groups=("g0", "g1"), holders={(1, 0): (0,), (1, 1): (0, 1)}, version=7)
-    readiness = Readiness(store, SimpleNamespace(view=view), engine, probe=probe, cache_s=0)
+    watcher = FakeWatcher(view)
+    readiness = Readiness(watcher, engine, probe=probe, cache_s=0)
     config = ServingConfig(port=0, http_port=0, max_new_tokens_cap=CAP, http_max_body_bytes=BODY_LIMIT)
     adapter = OpenAIAdapter(engine, byte_tokenizer, ServedModel(MODEL, VOCAB, CONTEXT), config)
     app = HttpApi(adapter, readiness, config).app
     server = HttpServer(app, "127.0.0.1", 0, tls=TlsConfig()).start()
     yield SimpleNamespace(
-        url=server.url, app=app, engine=engine, store=store, probe=probe, readiness=readiness, adapter=adapter
+        url=server.url, app=app, engine=engine, watcher=watcher, probe=probe, readiness=readiness, adapter=adapter
     )
     server.stop()
 
@@ -286,6 +289,70 @@ def test_n_choices_each_with_its_seed_and_usage_counting_the_prompt_once(scripte
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
         assert "".join(c.text for c in mine) == "Hello" and mine[-1].finish_reason == "length"
     assert [s.request.sampling.seed for s in scripted.engine.submitted[3:]] == [None, None]
+
+
+def test_every_choice_is_served_when_each_ends_on_its_first_token(scripted):
+    """As on the gRPC API (tests/test_inference_service.py): a first token that stops a choice is its first event."""
+    scripted.engine.script = lambda request, seq: seq.events.put(_finish(request, 1, "stop"))
+    completion = _openai(scripted.url).completions.create(model=MODEL, prompt="Hi", n=4, max_tokens=8)
+    assert [(c.index, c.finish_reason) for c in completion.choices] == [(i, "stop") for i in range(4)]
+    chunks = list(_openai(scripted.url).completions.create(model=MODEL, prompt="Hi", n=4, stream=True))
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2, 3]
+
+
+def test_the_cache_salt_and_the_client_reach_the_engine_and_are_bounded(scripted):
+    _openai(scripted.url).completions.create(model=MODEL, prompt="Hi", extra_body={"cache_salt": "tenant-a"})
+    (seq,) = scripted.engine.submitted
+    assert seq.request.cache_salt == "tenant-a" and seq.request.client == "127.0.0.1"
+    response = _post(scripted.url, "/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": "s" * 257})
+    _assert_error_shape(response, 400, "invalid_value", "cache_salt")
+
+
+class FrozenStore:
+    """A state store whose reads hang until ``thaw`` (Redis under SIGSTOP, until the client's socket timeout)."""
+
+    def __init__(self):
+        self.thawed = threading.Event()
+
+    def profiles(self):
+        self.thawed.wait(30)
+        raise ConnectionError("redis at 127.0.0.1:1: timed out")
+
+    policy_quality = profiles
+
+
+def test_a_frozen_store_never_stalls_the_event_loop(byte_tokenizer):
+    """A ``prefer`` request whose domain has no cached profile used to read the store on the event loop, under a
+    lock every such request takes: with Redis frozen, every stream and /health/live waited for the socket
+    timeout, and Kubernetes restarted the router. Now the request waits (boundedly, off the loop) for a read that
+    a thread of its own makes, and is refused naming the domain; /health/live answers throughout."""
+    from expertmesh.serving.request_routing import RequestRouter
+
+    store = FrozenStore()
+    classifier = SimpleNamespace(domains=("legal", "code"))
+    routing = RequestRouter(2, 4, (1,), "exact", store, kl_bound=0.1, classifier=lambda: classifier)
+    engine = ScriptedEngine()
+    engine.grammars = Grammars(byte_tokenizer, VOCAB)
+    config = ServingConfig(port=0, http_port=0, max_new_tokens_cap=CAP)
+    adapter = OpenAIAdapter(engine, byte_tokenizer, ServedModel(MODEL, VOCAB, CONTEXT), config, routing)
+    readiness = Readiness(FakeWatcher(None), engine, probe=FakeProbe(), cache_s=0)
+    server = HttpServer(HttpApi(adapter, readiness, config).app, "127.0.0.1", 0, tls=TlsConfig()).start()
+    answers: queue.Queue = queue.Queue()
+    body = {"model": MODEL, "prompt": "x", "routing_policy": "prefer", "domain": "legal"}
+    try:
+        ask = lambda: answers.put(_post(server.url, "/v1/completions", body))  # noqa: E731
+        for _ in range(4):
+            threading.Thread(target=ask, daemon=True).start()
+        for _ in range(10):
+            started = time.monotonic()
+            assert httpx2.get(f"{server.url}/health/live", timeout=30).status_code == 200
+            assert time.monotonic() - started < 1.0, "the event loop waited on the frozen store"
+            time.sleep(0.05)
+        for _ in range(4):
+            _assert_error_shape(answers.get(timeout=30), 400, "invalid_value", "domain")
+    finally:
+        store.thawed.set()
+        server.stop()
 
 
 def test_a_failing_choice_fails_the_request_and_cancels_the_others(scripted):
@@ -672,21 +739,37 @@ def test_health_reflects_store_groups_and_draining(scripted):
         return response.status_code, response.json()
 
     status, body = health()
-    assert status == 200 and body["status"] == "ready" and body["reasons"] == []
+    assert status == 200 and body["status"] == "ready" and body["reasons"] == [] and body["degraded"] == []
     assert body["groups"] == {"g0": "serving", "g1": "serving"} and body["routing_table_version"] == 7
     assert body["kv_blocks_used"] is None and body["kv_blocks_total"] is None
     # g1 down: every expert still has a serving replica in g0.
     scripted.probe.states_now["g1"] = "unreachable"
-    assert health()[0] == 200
+    status, body = health()
+    assert status == 200 and body["degraded"] == ["expert group g1 is unreachable"]
     # g0 down: expert 0 of layer 1 has no other replica.
     scripted.probe.states_now.update(g0="not_serving", g1="serving")
     status, body = health()
     assert status == 503 and body["status"] == "not_ready" and "expert group g0 is not serving" in body["reasons"][0]
     scripted.probe.states_now["g0"] = "serving"
-    scripted.store.down = True
+    # The store not answering: the router serves its last good table, so it stays ready (a Redis outage must not
+    # take every router out of its Service), and says it is degraded.
+    scripted.watcher.store_problem = "redis at 127.0.0.1:1 refused the connection"
     status, body = health()
-    assert status == 503 and "state store is unreachable" in body["reasons"][0]
-    scripted.store.down = False
+    assert status == 200 and body["status"] == "ready" and body["reasons"] == []
+    assert body["degraded"] == [
+        "the state store is unreachable: redis at 127.0.0.1:1 refused the connection; serving on routing table "
+        "version 7"
+    ]
+    assert [o.value for o in scripted.readiness._degraded_gauge(None)] == [1]  # expertmesh_router_degraded
+    view, scripted.watcher.view = scripted.watcher.view, None  # ... but without a table to serve on, not ready
+    try:
+        status, body = health()
+        assert status == 503 and "state store is unreachable" in body["reasons"][0]
+    finally:
+        scripted.watcher.view = view
+    scripted.watcher.store_problem = None
+    health()
+    assert [o.value for o in scripted.readiness._degraded_gauge(None)] == [0]
     scripted.readiness.draining = True
     try:
         status, body = health()
@@ -1058,9 +1141,10 @@ def test_n_choices_share_the_prompts_kv_blocks_and_equal_single_requests(served)
     client = _openai(served.url)
     prompt = "A long prompt that fills more than one KV block of sixteen tokens, twice over at least: " * 2
 
-    def hits():
-        with Client(served.up.target, timeout=60) as c:
-            return c.models()[0].kv_pool.prefix_cache_hits
+    def hits():  # the operator's aggregate counter (ListModels reports none: clients must not probe the cache)
+        metrics = httpx2.get(f"{served.url}/metrics", timeout=30).text
+        (line,) = [line for line in metrics.splitlines() if line.startswith("expertmesh_kv_prefix_cache_hits_total")]
+        return float(line.rsplit(" ", 1)[1])
 
     one = client.completions.create(model=served.model, prompt=prompt + "0", max_tokens=8, temperature=0)
     before = hits()

@@ -22,7 +22,6 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
-from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, TokenEvent
 from expertmesh.serving.sampling import SamplingParams, controlled, next_token
 from helpers import StepDispatcher
@@ -187,16 +186,6 @@ def test_seeded_sampling_with_controls_is_the_same_alone_and_batched(model):
     alone = _tokens(_serve(model, [mine])["mine"])
     batched = _tokens(_serve(model, [*others, mine])["mine"])
     assert alone == batched and len(alone) == 10
-
-
-def test_the_engine_refuses_token_ids_outside_the_vocabulary(model):
-    vocab = model.config.vocab_size
-    engine = Engine(model, None, StepDispatcher(), EngineLimits(8, 8), max_context=64)
-    with pytest.raises(InvalidRequest, match=rf"logit_bias token ids \[{vocab}\] are outside the vocabulary"):
-        engine.submit(GenerationRequest("b", (1, 2), sampling=SamplingParams(logit_bias=((vocab, 1.0),))))
-    with pytest.raises(InvalidRequest, match=rf"stop_token_ids \[{vocab}\] are outside the vocabulary"):
-        engine.submit(GenerationRequest("s", (1, 2), stop_token_ids=(vocab,)))
-    engine.stop()
 
 
 def test_logprobs_are_the_models_log_softmax_batched_or_alone(model):

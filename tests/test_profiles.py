@@ -113,8 +113,8 @@ def test_a_request_is_classified_once_and_only_when_its_policy_needs_a_domain(sp
     router = RequestRouter(2, 4, LAYERS, "exact", store, kl_bound=0.1, classifier=Counted)
     query = "Write a Python function that parses a JSON file and returns a dict"
 
-    def resolve(**fields):
-        return router.resolve(pb.GenerateRequest(text=query, **fields), lambda: query)
+    def resolve(routing_policy=None, domain=None):
+        return router.resolve(routing_policy, domain, lambda: query)
 
     assert resolve() is None
     assert resolve(routing_policy=pb.RoutingPolicy(name="dynamic_k")).domain is None
@@ -133,7 +133,7 @@ def test_a_request_is_classified_once_and_only_when_its_policy_needs_a_domain(sp
     with pytest.raises(InvalidRequest, match="^domain: no capability profile for 'medical'"):
         resolve(routing_policy=pb.RoutingPolicy(name="prefer"), domain="medical")
     with pytest.raises(InvalidRequest, match="^domain: .*token-id prompt"):
-        router.resolve(pb.GenerateRequest(routing_policy=pb.RoutingPolicy(name="prefer")), lambda: None)
+        router.resolve(pb.RoutingPolicy(name="prefer"), None, lambda: None)
 
 
 def test_the_domain_heatmap_shows_each_domains_share_per_expert():
@@ -270,20 +270,15 @@ def test_one_unreadable_profile_record_leaves_the_others_served():
     store.save_profile("finance", b"not json")
     router = RequestRouter(2, 4, LAYERS, "exact", store, kl_bound=0.1, classifier=default_classifier)
     query = "Summarise this contract"
-    given = router.resolve(
-        pb.GenerateRequest(text=query, routing_policy=pb.RoutingPolicy(name="prefer"), domain="legal"), lambda: query
-    )
+    given = router.resolve(pb.RoutingPolicy(name="prefer"), "legal", lambda: query)
     assert given.domain == "legal" and set(given.biases) == set(LAYERS)
     with pytest.raises(InvalidRequest, match="^domain: no capability profile for 'medical'"):
-        router.resolve(
-            pb.GenerateRequest(text=query, routing_policy=pb.RoutingPolicy(name="prefer"), domain="medical"),
-            lambda: query,
-        )
+        router.resolve(pb.RoutingPolicy(name="prefer"), "medical", lambda: query)
 
 
 def test_domains_are_bounded_in_length_and_to_the_taxonomy():
     router = RequestRouter(2, 4, LAYERS, "exact", open_store("memory://"), kl_bound=0.1, classifier=default_classifier)
-    ok = router.resolve(pb.GenerateRequest(text="x", domain="code/python-3.12"), lambda: "x")
+    ok = router.resolve(None, "code/python-3.12", lambda: "x")
     assert ok.domain == "code/python-3.12"
     for domain, message in (
         ("code/" + "y" * 100, r"^domain: 105 characters, at most 64 \('code/yyyyyyyyyyyyyyyyyyyyyyyyyyy'\.\.\.\)$"),
@@ -293,7 +288,7 @@ def test_domains_are_bounded_in_length_and_to_the_taxonomy():
         ("", "unknown domain ''"),
     ):
         with pytest.raises(InvalidRequest, match=message):
-            router.resolve(pb.GenerateRequest(text="x", domain=domain), lambda: "x")
+            router.resolve(None, domain, lambda: "x")
 
 
 def test_a_load_window_counts_at_most_max_domains_apart():

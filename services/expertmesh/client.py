@@ -79,7 +79,9 @@ class GenerateOptions(TypedDict, total=False):
     #: the consistency guard's scorer ("self", "embedding"; "" turns the server's default off), or a message
     consistency_guard: str | pb.ConsistencyGuard | None
     routing_trace: bool  # each new token's routing per MoE layer (``Chunk.routing``); bounded by the server
-    request_id: str
+    request_id: str  # at most 128 printable ASCII characters; unset: the server picks one
+    #: prefix-cache isolation: cached KV blocks are shared only with requests of the same salt (at most 256 chars)
+    cache_salt: str
     #: a policy name (its default parameters) or a ``RoutingPolicy`` message; unset: the server's default
     routing_policy: str | pb.RoutingPolicy | None
     domain: str | None  # the query's domain; unset: classified when the policy needs one
@@ -92,6 +94,7 @@ class ScoreOptions(TypedDict, total=False):
     full_distribution: bool  # also the whole next-token distribution at each position
     routing_policy: str | pb.RoutingPolicy | None
     domain: str | None
+    cache_salt: str
 
 
 def generate_request(
@@ -119,6 +122,7 @@ def generate_request(
     request_id: str = "",
     routing_policy: str | pb.RoutingPolicy | None = None,
     domain: str | None = None,
+    cache_salt: str = "",
 ) -> pb.GenerateRequest:
     """The ``GenerateRequest`` of ``GenerateOptions``."""
     request = pb.GenerateRequest(
@@ -127,6 +131,7 @@ def generate_request(
         stop_token_ids=list(stop_token_ids),
         request_id=request_id,
         routing_trace=routing_trace,
+        cache_salt=cache_salt,
     )
     request.sampling.logit_bias.update(logit_bias or {})
     request.sampling.min_tokens = min_tokens
@@ -186,9 +191,10 @@ def score_request(
     full_distribution: bool = False,
     routing_policy: str | pb.RoutingPolicy | None = None,
     domain: str | None = None,
+    cache_salt: str = "",
 ) -> pb.ScoreRequest:
     """The ``ScoreRequest`` of ``ScoreOptions``."""
-    request = pb.ScoreRequest(raw_logits=raw_logits, full_distribution=full_distribution)
+    request = pb.ScoreRequest(raw_logits=raw_logits, full_distribution=full_distribution, cache_salt=cache_salt)
     _set_routing(request, routing_policy, domain)
     if isinstance(prompt, str):
         request.text = prompt

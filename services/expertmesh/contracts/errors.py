@@ -33,7 +33,14 @@ class PlacementError(InputError):
 
 
 class InvalidRequest(ExpertMeshError):
-    """A request is malformed: wrong shape, dtype, sizes or bytes."""
+    """A request is malformed: wrong shape, dtype, sizes or bytes. ``field``: the request field at fault, as the
+    API that refused it spells it (None: the request as a whole); ``reason``: a machine-readable kind of refusal
+    (the HTTP API's error ``code``)."""
+
+    def __init__(self, message: str, *, field: str | None = None, reason: str = "invalid_value"):
+        super().__init__(message)
+        self.field = field
+        self.reason = reason
 
 
 class NotHosted(ExpertMeshError, code=grpc.StatusCode.NOT_FOUND):

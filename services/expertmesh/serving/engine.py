@@ -80,7 +80,6 @@ from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, Prefix
 from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, token_bytes
 from expertmesh.serving.routing_trace import TokenRouting
 from expertmesh.serving.sampling import (
-    MAX_STOP_TOKEN_IDS,
     SamplingParams,
     controlled,
     greedy_tokens,
@@ -88,11 +87,20 @@ from expertmesh.serving.sampling import (
     next_token,
     require_finite,
 )
-from expertmesh.serving.schedule import step_tokens
+from expertmesh.serving.schedule import next_admission, step_tokens
 from expertmesh.serving.step_tally import StepTally, step_kind
 from expertmesh.serving.text_stream import TextStream
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """What a Score request reports of each prompt position: the next prompt token's log-probability (or, with
+    ``raw_logits``, its logit), and with ``full_distribution`` the whole row (bounded by the request builder)."""
+
+    raw_logits: bool = False
+    full_distribution: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,8 +115,8 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     #: time.monotonic() after which the request fails with DEADLINE_EXCEEDED
     deadline: float | None = None
-    #: run the prompt only and report its logits (the Score API)
-    score_only: bool = False
+    #: run the prompt only and report its scores (the Score API; None: generate)
+    score: ScoreSpec | None = None
     #: its routing policy and domain (None: the stock gate, no domain)
     routing: RequestRouting | None = None
     #: report each new token's log-probability and the ``logprobs`` most likely tokens' (None: none)
@@ -124,6 +132,12 @@ class GenerationRequest:
     routing_trace: bool = False
     #: shares prefix-cached KV blocks only with requests of the same salt (vLLM's ``cache_salt``; "": unsalted)
     cache_salt: str = ""
+    #: who asked (the APIs' client key): sequence slots are shared fairly between clients
+    client: str = ""
+
+    @property
+    def score_only(self) -> bool:
+        return self.score is not None
 
 
 @dataclass(frozen=True)
@@ -161,7 +175,12 @@ class FinishEvent:
 
 @dataclass(frozen=True)
 class ScoreEvent:
-    logits: torch.Tensor  # [prompt_tokens, vocab] float32
+    """A Score request's answer: for position i >= 1, log p(token_i | tokens_<i) (or the raw logit); 0.0 at
+    position 0. ``distribution``: [prompt_tokens, vocab] float32 rows (log-probabilities, or the logits), when
+    asked for (row i predicts token i + 1)."""
+
+    token_scores: tuple[float, ...]
+    distribution: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -203,8 +222,11 @@ class Sequence:
     cacheable: bool = True
     #: tokens of prompt + generated already in the cache (the position of the next one to feed)
     fed: int = 0
-    #: Score (and prompt_logprobs): the prompt's logits so far, one [rows, V] tensor per chunk
-    score_logits: list[torch.Tensor] = field(default_factory=list)
+    #: Score and prompt_logprobs: what the prompt's chunks so far reported of their rows (never the rows
+    #: themselves, but for a full distribution asked for): token scores, [rows, V] rows, log-probabilities
+    scored: list[float] = field(default_factory=list)
+    distribution: list[torch.Tensor] = field(default_factory=list)
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
     #: its prompt's log-probabilities went out (prompt_logprobs): a preempted sequence computed again
     #: does not score it twice
     prompt_scored: bool = False
@@ -428,7 +450,8 @@ class Engine:
     # -- requests --------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> Sequence:
-        self._check_tokens(request)
+        """Queue ``request``, which the APIs' request builder (``serving.request_builder``) has checked against
+        every bound; only what needs the engine's own state is checked here (the KV pool, the queue)."""
         self._check_fits(request)
         seq = Sequence(request, TextStream(self._tokenizer, request.stop), trace_context=otel_context.get_current())
         if request.grammar is not None:
@@ -444,17 +467,6 @@ class Engine:
             self._queued.append(seq)
             self._cond.notify_all()
         return seq
-
-    def _check_tokens(self, request: GenerationRequest) -> None:
-        """Token ids the request names beside its prompt (biased, stopping) must be the model's."""
-        problems = request.sampling.problems(self._vocab_size)
-        bad = [t for t in request.stop_token_ids if not 0 <= t < self._vocab_size]
-        if bad:
-            problems.append(f"stop_token_ids {bad[:5]} are outside the vocabulary (0-{self._vocab_size - 1})")
-        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            problems.append(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(request.stop_token_ids)}")
-        if problems:
-            raise InvalidRequest("; ".join(problems))
 
     def _end_ids(self, request: GenerationRequest) -> set[int]:
         """The token ids that end ``request``'s sequence."""
@@ -529,8 +541,7 @@ class Engine:
                     self._resets[1] = self._resets[0]
                     self._cond.notify_all()
                 self._retire_finished()
-                while self._queued and len(self._active) < self.limits.max_active and self._admit(self._queued[0]):
-                    self._join(self._queued.popleft())
+                self._admit_fairly()
                 self._slide()
                 self._grow()
                 self._note_kv()
@@ -547,6 +558,19 @@ class Engine:
                 self._retire_finished()
                 self._note_kv()
                 self._cond.notify_all()
+
+    def _admit_fairly(self) -> None:
+        """Admit queued sequences while slots and blocks allow, fairly between clients (``next_admission``); the
+        one chosen waits for blocks rather than being passed over, so a long prompt is never starved."""
+        while len(self._active) < self.limits.max_active:
+            pick = next_admission(
+                [(s.request.client, s.joined) for s in self._queued], [s.request.client for s in self._active]
+            )
+            if pick is None or not self._admit(self._queued[pick]):
+                return
+            seq = self._queued[pick]
+            del self._queued[pick]
+            self._join(seq)
 
     def _admit(self, seq: Sequence) -> bool:
         """Give ``seq`` what it needs to join the step (under the packed step: the blocks of all its
@@ -621,7 +645,7 @@ class Engine:
             "request %s preempted after %d tokens: the KV pool is full", seq.request.request_id, len(seq.generated)
         )
         self._release(seq)
-        seq.fed, seq.score_logits = 0, []
+        seq.fed, seq.scored, seq.distribution, seq.prompt_scores = 0, [], [], []
         seq.widen = 0  # its whole past is computed again, with its own rules: the new token is checked anew
         seq.routed, seq.next_routing = [], ()  # computed again from position 0
         self._active.remove(seq)
@@ -885,26 +909,20 @@ class Engine:
         seq.fed += len(chunk.token_ids)
         if logits is None:  # a prompt chunk with more prompt to come
             return
-        if request.score_only:
-            seq.score_logits.append(logits)
+        if seq.scoring_prompt:
+            self._score_chunk(seq, chunk, logits)
             if seq.fed < len(request.prompt_ids):
                 return
-            scores = torch.cat(seq.score_logits)  # [prompt_tokens, V]
-            require_finite(scores)
+        if request.score is not None:
+            distribution = torch.cat(seq.distribution) if request.score.full_distribution else None
             self._record_sequence(seq)
-            seq.events.put(ScoreEvent(scores))
+            seq.events.put(ScoreEvent((0.0, *seq.scored), distribution))
             seq.done = True
             return
-        if seq.scoring_prompt:  # prompt_logprobs: the prompt's rows first, then its first token as usual
-            seq.score_logits.append(logits)
-            if seq.fed < len(request.prompt_ids):
-                return
-            scores = torch.cat(seq.score_logits)  # [prompt_tokens, V]
-            require_finite(scores)
-            seq.events.put(
-                PromptLogprobsEvent(tuple(prompt_logprobs(request.prompt_ids, scores, request.prompt_logprobs)))
-            )
-            seq.score_logits, seq.prompt_scored = [], True
+        if seq.scoring_prompt:  # prompt_logprobs: the prompt's first, then its first token as usual
+            first = TokenLogprob(request.prompt_ids[0], None)
+            seq.events.put(PromptLogprobsEvent((first, *seq.prompt_scores)))
+            seq.prompt_scores, seq.prompt_scored = [], True
         if token is None:
             token = self._choose(seq, logits[-1])
         if seq.widen:  # computed again after a rollback: kept as it is
@@ -940,6 +958,24 @@ class Engine:
             self._record_sequence(seq)
             seq.events.put(FinishEvent(reason, len(request.prompt_ids), len(seq.generated), unlisted, unlisted_routing))
             seq.done = True
+
+    @staticmethod
+    def _score_chunk(seq: Sequence, chunk: Chunk, logits: torch.Tensor) -> None:
+        """What a Score request or prompt_logprobs reports of a prompt chunk's rows ``logits`` [rows, V] (row i
+        predicts prompt token ``chunk.start + i + 1``), kept in place of the rows: a long prompt must not hold
+        [prompt_tokens, V] floats (gigabytes on a large vocabulary)."""
+        request = seq.request
+        require_finite(logits)
+        predicted = request.prompt_ids[chunk.start + 1 : chunk.start + 1 + logits.shape[0]]  # the last row: none
+        rows = logits.float()
+        if request.score is None or not request.score.raw_logits:
+            rows = rows.log_softmax(-1)  # [rows, V]
+        if request.score is not None:
+            seq.scored += rows[torch.arange(len(predicted)), torch.tensor(predicted, dtype=torch.long)].tolist()
+            if request.score.full_distribution:
+                seq.distribution.append(rows)
+            return
+        seq.prompt_scores += [_token_logprob(rows[i], t, request.prompt_logprobs) for i, t in enumerate(predicted)]
 
     def _rolls_back(self, seq: Sequence, row: torch.Tensor, token: int) -> bool:
         """The consistency guard's check of ``seq``'s new ``token`` (chosen from the model's logits ``row``
@@ -1014,12 +1050,3 @@ def _first_t(seq: Sequence, chunk: Chunk) -> int:
     """The answer index of ``chunk``'s first token (the answer token it predicts; at most 0 in the
     prompt): what decay_k counts from. A preempted sequence computed again keeps its count."""
     return chunk.start + 1 - len(seq.request.prompt_ids)
-
-
-def prompt_logprobs(prompt_ids: tuple[int, ...] | list[int], logits: torch.Tensor, top: int) -> list[TokenLogprob]:
-    """Each prompt token's log-probability given the tokens before it, from the Score logits [P, V] (row i
-    predicts token i + 1), with the ``top`` most likely; the first token's is None."""
-    logprobs = logits.float().log_softmax(-1)  # [P, V]
-    return [TokenLogprob(prompt_ids[0], None)] + [
-        _token_logprob(logprobs[i - 1], prompt_ids[i], top) for i in range(1, len(prompt_ids))
-    ]

@@ -48,8 +48,7 @@ class GrammarError(InvalidRequest):
     """A grammar the compiler refused, or one this model cannot take; ``field`` names where it came from."""
 
     def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+        super().__init__(f"{field_name}: {message}", field=field_name)
 
 
 @dataclass(frozen=True)

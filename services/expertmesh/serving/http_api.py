@@ -156,11 +156,14 @@ class HttpApi:
         choices = ChoiceEvents()
         streaming = False
         try:
+            traced = wants_trace(body, request.headers.get(TRACE_HEADER))
+            client = request.client.host if request.client is not None else ""
+            # Off the event loop: building may tokenize, classify and compile a grammar, and no stream, no
+            # /health/live may wait for it.
+            generations = await run_in_threadpool(
+                self._in_span, span, self._adapter.generation_requests, body, ids, shapes.id, traced, client
+            )
             with trace.use_span(span, end_on_exit=False):
-                traced = wants_trace(body, request.headers.get(TRACE_HEADER))
-                generations = [
-                    self._adapter.generation_request(body, ids, shapes.id, i, traced) for i in range(body.choices)
-                ]
                 echo = Echo(self._adapter.echo_text(body, ids), []) if body.echoes else None
                 choices.add(self._adapter.submit(generations[0]))
             try:
@@ -251,6 +254,12 @@ class HttpApi:
                 log.info("request %s cancelled: the client went away mid-stream", shapes.id)
             span.end()
             await choices.aclose()  # cancels the sequences that did not end
+
+    @staticmethod
+    def _in_span(span: Span, work, *args):
+        """``work(*args)`` with ``span`` current (on a pool thread: the classifier's span joins the request's)."""
+        with trace.use_span(span, end_on_exit=False):
+            return work(*args)
 
     @staticmethod
     def _log_finished(rid: str, events: list[FinishEvent], started: float) -> None:

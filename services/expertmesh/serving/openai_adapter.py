@@ -1,8 +1,8 @@
 """Between OpenAI's shapes and the engine.
 
-A completion or chat request becomes a ``GenerationRequest``, checked against
-the model (vocabulary, context) and the server's limits as the gRPC API checks
-its own, so both refuse the same request for the same reason. The engine's
+A completion or chat request becomes the request builder's ``RequestSpec``, and
+the builder the gRPC API uses checks it against the model and the server's
+limits, so both refuse the same request for the same reason. The engine's
 finish reasons become OpenAI's ("eos" and "stop" are "stop"; "context" is
 "length"), and ``CompletionShapes`` / ``ChatShapes`` build each endpoint's
 whole response and stream chunks from the same few facts.
@@ -18,12 +18,9 @@ from typing import Literal
 
 from expertmesh.config.settings import ServingConfig
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
-from expertmesh.router.policy.routing_policy import RequestRouting
 from expertmesh.serving.chat import chat_prompt_ids
-from expertmesh.serving.consistency_guard import GuardSpec
 from expertmesh.serving.engine import Engine, FinishEvent, GenerationRequest, TokenLogprob
 from expertmesh.serving.engine import Sequence as EngineSequence
-from expertmesh.serving.grammar import GrammarError
 from expertmesh.serving.openai_errors import ApiError
 from expertmesh.serving.openai_schema import (
     AssistantMessage,
@@ -56,9 +53,10 @@ from expertmesh.serving.openai_schema import (
     ToolCallFunction,
     Usage,
 )
+from expertmesh.serving.request_builder import ModelBounds, RequestBuilder, RequestSpec
 from expertmesh.serving.request_routing import RequestRouter
-from expertmesh.serving.routing_trace import TokenRouting, trace_problem
-from expertmesh.serving.sampling import SamplingParams, choice_seed
+from expertmesh.serving.routing_trace import TokenRouting
+from expertmesh.serving.sampling import SamplingParams
 from expertmesh.serving.tool_calls import auto_calls, may_be_a_call, named_calls, required_calls
 from expertmesh.v1 import inference_pb2 as pb
 
@@ -107,7 +105,14 @@ class OpenAIAdapter:
         self._tokenizer = tokenizer
         self.model = model
         self._config = config
-        self._routing = routing
+        #: every bound of a request, as the gRPC API applies them
+        self.builder = RequestBuilder(
+            ModelBounds(model.vocab_size, model.max_context, model.moe_layers),
+            config,
+            engine.grammars,
+            routing,
+            tokenizer.decode if tokenizer is not None else None,
+        )
 
     def check_model(self, name: str) -> None:
         if name != self.model.name:
@@ -174,116 +179,54 @@ class OpenAIAdapter:
 
     # -- generation ----------------------------------------------------------------------
 
-    def generation_request(
-        self,
-        body: GenerationFields,
-        prompt_ids: list[int],
-        request_id: str,
-        choice: int = 0,
-        routing_trace: bool = False,
-    ) -> GenerationRequest:
-        """Field ranges and the token cap are the schema's; what needs the model is checked here. ``choice``:
-        which of the body's ``n`` choices (each has its own sampler: a seeded request's choice i takes seed + i).
-        ``routing_trace``: the body's or the header's ask for one, bounded by ``max_routing_trace_entries``."""
-        model = self.model
-        param = body.PROMPT_FIELD
-        if not prompt_ids:
-            raise ApiError.bad_request("the prompt is empty", param=param)
-        bad = [i for i in prompt_ids if i >= model.vocab_size]
-        if bad:
-            raise ApiError.bad_request(
-                f"token ids {bad[:5]} are outside the vocabulary (0-{model.vocab_size - 1})", param=param
-            )
-        if len(prompt_ids) >= model.max_context:
-            raise ApiError.bad_request(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context is {model.max_context} tokens, "
-                "leaving no room for a new one",
-                param=param,
-                code="context_length_exceeded",
-            )
-        for name, ids in (("logit_bias", [t for t, _ in body.token_biases]), ("stop_token_ids", body.stop_token_ids)):
-            bad = [i for i in ids or () if i >= model.vocab_size]
-            if bad:
-                raise ApiError.bad_request(
-                    f"{name}: token ids {bad[:5]} are outside the vocabulary (0-{model.vocab_size - 1})", param=name
-                )
-        max_new = self._config.default_max_new_tokens if body.max_new_tokens is None else body.max_new_tokens
-        if (body.min_tokens or 0) > max_new:
-            raise ApiError.bad_request(
-                f"min_tokens {body.min_tokens} is more than max_tokens {max_new}", param="min_tokens"
-            )
-        if body.stop and self._tokenizer is None:
-            raise ApiError.bad_request(
-                "stop sequences need the model's tokenizer, and this model has none", param="stop"
-            )
-        if routing_trace:
-            problem = trace_problem(max_new, body.choices, model.moe_layers, self._config.max_routing_trace_entries)
-            if problem:
-                raise ApiError.bad_request(problem, param="routing_trace")
-        routing = self._request_routing(body, prompt_ids)
-        consistency_guard = self._consistency_guard(body, routing)
-        try:
-            spec = body.grammar_spec()
-            grammar = self._engine.grammars.compile(spec) if spec is not None else None
-        except GrammarError as err:
-            raise ApiError.bad_request(str(err), param=err.field) from None
-        return GenerationRequest(
-            request_id=request_id if body.choices == 1 else f"{request_id}-{choice}",
-            prompt_ids=tuple(prompt_ids),
-            max_new_tokens=max_new,
-            sampling=SamplingParams(
-                temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-                top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
-                top_k=body.top_k or 0,
-                seed=choice_seed(body.seed, choice),
-                logit_bias=body.token_biases,
-                min_tokens=body.min_tokens or 0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                frequency_penalty=body.frequency_penalty or 0.0,
-                presence_penalty=body.presence_penalty or 0.0,
-            ),
-            stop=tuple(body.stop),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            logprobs=body.logprob_count,
-            # an echo with logprobs: the prompt's from the same prefill (the first choice's; the others share it)
-            prompt_logprobs=body.logprob_count if body.echoes and choice == 0 else None,
-            stop_at_eos=not body.ignore_eos,
-            routing=routing,
-            grammar=grammar,
-            consistency_guard=consistency_guard,
-            routing_trace=routing_trace,
-        )
-
-    def _request_routing(self, body: GenerationFields, prompt_ids: list[int]) -> RequestRouting | None:
-        """The body's ``routing_policy`` and ``domain`` resolved as the gRPC API resolves them."""
-        message = pb.GenerateRequest()
+    def generation_requests(
+        self, body: GenerationFields, prompt_ids: list[int], request_id: str, routing_trace: bool, client: str
+    ) -> list[GenerationRequest]:
+        """The engine's request of each of the body's ``n`` choices, built and bounded by the request builder the
+        gRPC API uses (a refusal is a 400 naming the field as this body spells it). ``routing_trace``: the
+        body's or the header's ask for one. Blocking (the tokenizer, the classifier, the grammar compiler):
+        called off the event loop."""
+        routing_policy = None
         if body.routing_policy is not None:
-            message.routing_policy.CopyFrom(pb.RoutingPolicy(**body.routing_policy.model_dump(exclude_none=True)))
-        if body.domain is not None:
-            message.domain = body.domain
-        if self._routing is None:
-            if message.HasField("routing_policy") or message.HasField("domain"):
-                raise ApiError.bad_request("this server takes no routing policies or domains", param="routing_policy")
-            return None
-        text = self._tokenizer.decode(prompt_ids) if self._tokenizer is not None else None
-        try:
-            return self._routing.resolve(message, lambda: text)
-        except InvalidRequest as err:
-            raise ApiError.bad_request(str(err), param=str(err).split(":", 1)[0]) from None
-
-    def _consistency_guard(self, body: GenerationFields, routing: RequestRouting | None) -> GuardSpec | None:
-        """The body's ``consistency_guard`` resolved as the gRPC API resolves it."""
-        message = None
+            routing_policy = pb.RoutingPolicy(**body.routing_policy.model_dump(exclude_none=True))
+        guard = None
         if body.consistency_guard is not None:
-            message = pb.ConsistencyGuard(**body.consistency_guard.model_dump(exclude_none=True))
-        if self._routing is None:
-            if message is not None and message.scorer:
-                raise ApiError.bad_request("this server takes no consistency guard", param="consistency_guard")
-            return None
+            guard = pb.ConsistencyGuard(**body.consistency_guard.model_dump(exclude_none=True))
         try:
-            return self._routing.consistency_guard(message, routing)
+            spec = RequestSpec(
+                prompt_ids=tuple(prompt_ids),
+                request_id=request_id,
+                n=body.choices,
+                max_new_tokens=body.max_new_tokens,
+                sampling=SamplingParams(
+                    temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+                    top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
+                    top_k=body.top_k or 0,
+                    seed=body.seed,
+                    logit_bias=body.token_biases,
+                    min_tokens=body.min_tokens or 0,
+                    repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                    frequency_penalty=body.frequency_penalty or 0.0,
+                    presence_penalty=body.presence_penalty or 0.0,
+                ),
+                stop=tuple(body.stop),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                stop_at_eos=not body.ignore_eos,
+                logprobs=body.logprob_count,
+                # an echo with logprobs: the prompt's from the same prefill (the first choice's; the others share it)
+                prompt_logprobs=body.logprob_count if body.echoes else None,
+                grammar=body.grammar_spec(),
+                routing_policy=routing_policy,
+                domain=body.domain,
+                consistency_guard=guard,
+                routing_trace=routing_trace,
+                cache_salt=body.cache_salt or "",
+                client=client,
+                names=body.field_names,
+            )
+            return self.builder.build(spec)
         except InvalidRequest as err:
-            raise ApiError.bad_request(str(err), param=str(err).split(":", 1)[0]) from None
+            raise ApiError.bad_request(str(err), param=err.field, code=err.reason) from None
 
     def echo_text(self, body: GenerationFields, prompt_ids: list[int]) -> str:
         """The prompt as an echoing completion returns it: the text sent, or its token ids decoded."""

@@ -216,6 +216,8 @@ class GenerationFields(BaseModel):
     #: expertmesh extra: each new token's routing in the response (``routing_trace`` beside ``usage``; the
     #: header ``X-Expertmesh-Routing-Trace: 1`` asks the same); bounded as on the gRPC API
     routing_trace: bool | None = None
+    #: vLLM's extra: shares prefix-cached KV blocks only with requests of the same salt (bounded by the builder)
+    cache_salt: str | None = None
 
     _check_stop = field_validator("stop")(_stop_limits)
     _check_cap = field_validator("max_tokens")(_within_cap)
@@ -264,6 +266,11 @@ class GenerationFields(BaseModel):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        """This body's names of the fields the request builder names otherwise (``RequestSpec.names``)."""
+        return {"prompt": self.PROMPT_FIELD, "max_new_tokens": "max_tokens", "logprobs": "logprobs"}
 
     @property
     def choices(self) -> int:
@@ -531,6 +538,15 @@ class ChatCompletionRequest(GenerationFields):
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens`` is OpenAI's newer name of ``max_tokens``; it wins when both are set."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        newer = self.max_completion_tokens is not None
+        return {
+            **super().field_names,
+            "max_new_tokens": "max_completion_tokens" if newer else "max_tokens",
+            "logprobs": "top_logprobs",
+        }
 
 
 # -- responses ----------------------------------------------------------------------------

@@ -1,14 +1,22 @@
 """Whether this router can serve a request right now: the body of ``GET /health``.
 
-Ready means: not draining; the state store answers; a routing table is in
-use; every expert of that table has a replica whose group answers its
-``grpc.health.v1`` check as SERVING; and every group holds the experts the
-table lists on it (its ``Describe``): a table that lists an expert on a group
-that unloaded it is an outage, every token routed there NOT_FOUND, however
-healthy the group. A group that is down while its experts are replicated
-elsewhere leaves the router ready (dispatch routes around it) but is reported.
-Groups are checked in parallel with a short deadline, and a report is reused
-for ``cache_s``, so a burst of probes is not a burst of RPCs.
+Ready means: not draining; a routing table is in use; every expert of that
+table has a replica whose group answers its ``grpc.health.v1`` check as
+SERVING; and every group holds the experts the table lists on it (its
+``Describe``): a table that lists an expert on a group that unloaded it is an
+outage, every token routed there NOT_FOUND, however healthy the group.
+
+*Degraded* is a separate signal (``HealthReport.degraded``, and the gauge
+``expertmesh_router_degraded``): the router serves, but on less than it should.
+The state store not answering is one: the router keeps serving its last good
+routing table (the table watcher's), so it stays ready; a store outage must not
+take every router out of its Service at once. A group that is down while its
+experts are replicated elsewhere is another (dispatch routes around it).
+
+No store I/O here: the store's state is the table watcher's (it polls the store
+off every request's path), and the groups are probed at the addresses the
+router dials. Groups are checked in parallel with a short deadline, and a
+report is reused for ``cache_s``, so a burst of probes is not a burst of RPCs.
 """
 
 from __future__ import annotations
@@ -19,14 +27,15 @@ from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.metrics import CallbackOptions, Observation
 from pydantic import BaseModel
 
 from expertmesh.config.settings import TlsConfig
 from expertmesh.infra.group_channels import group_channel
 from expertmesh.infra.security import from_env
+from expertmesh.infra.telemetry.setup import meter
 from expertmesh.router.dispatch.table_watcher import TableWatcher
 from expertmesh.serving.engine import Engine
-from expertmesh.store import StateStore
 from expertmesh.v1 import experts_pb2, experts_pb2_grpc
 
 GroupState = Literal["serving", "not_serving", "unreachable", "no_endpoint"]
@@ -36,6 +45,8 @@ class HealthReport(BaseModel):
     status: Literal["ready", "not_ready", "draining"]
     #: why the router is not ready (empty when it is)
     reasons: list[str]
+    #: what it serves without while ready (the state store, a group whose experts have other replicas)
+    degraded: list[str] = []
     routing_table_version: int | None
     groups: dict[str, GroupState]
     active_sequences: int
@@ -106,13 +117,13 @@ class GroupProbe:
 class Readiness:
     def __init__(
         self,
-        store: StateStore,
         watcher: TableWatcher,
         engine: Engine,
         probe: GroupProbe | None = None,
         cache_s: float = 1.0,
     ):
-        self._store = store
+        """``watcher``: the router's table watcher (its view, whether the store answers its rounds, and the
+        address the router dials for each group)."""
         self._watcher = watcher
         self._engine = engine
         self._probe = probe or GroupProbe()
@@ -121,6 +132,11 @@ class Readiness:
         self._last: tuple[float, HealthReport] | None = None
         #: set when the router starts draining: it stops being ready at once
         self.draining = False
+        meter().create_observable_gauge(
+            "expertmesh.router.degraded",
+            callbacks=[self._degraded_gauge],
+            description="1 while the router serves degraded (its /health lists why: the state store, a group down)",
+        )
 
     def report(self) -> HealthReport:
         with self._lock:  # one check at a time; the others reuse its answer
@@ -135,22 +151,28 @@ class Readiness:
         kv = self._engine.kv_usage()
         view = self._watcher.view
         reasons: list[str] = []
+        degraded: list[str] = []
         groups: dict[str, GroupState] = {}
-        try:
-            endpoints = self._store.endpoints()
-        except ConnectionError as err:
-            reasons.append(f"the state store is unreachable: {err}")
+        problem = self._watcher.store_problem
+        if problem is not None:
+            what = f"the state store is unreachable: {problem}"
+            (reasons if view is None else degraded).append(
+                what if view is None else f"{what}; serving on routing table version {view.version}"
+            )
+        if view is None:
+            reasons.append("no routing table in use yet")
         else:
-            if view is None:
-                reasons.append("no routing table in use yet")
-            else:
-                groups = self._probe.states(view.groups, endpoints)
-                reasons += _unservable(view.holders, view.groups, groups)
-                reasons += _listed_but_not_held(view.holders, view.groups, self._probe.held)
+            groups = self._probe.states(view.groups, self._watcher.addresses())
+            reasons += _unservable(view.holders, view.groups, groups)
+            reasons += _listed_but_not_held(view.holders, view.groups, self._probe.held)
+            degraded += [
+                f"expert group {g} is {state.replace('_', ' ')}" for g, state in groups.items() if state != "serving"
+            ]
         status = "draining" if self.draining else "not_ready" if reasons else "ready"
         return HealthReport(
             status=status,
             reasons=(["the router is draining and takes no new requests"] if self.draining else []) + reasons,
+            degraded=degraded,
             routing_table_version=None if view is None else view.version,
             groups=groups,
             active_sequences=active,
@@ -158,6 +180,12 @@ class Readiness:
             kv_blocks_used=None if kv is None else kv.blocks_used,
             kv_blocks_total=None if kv is None else kv.blocks_total,
         )
+
+    def _degraded_gauge(self, _options: CallbackOptions) -> list[Observation]:
+        """The store from the watcher's latest round; groups from the latest report (a probe asked for it)."""
+        last = self._last
+        degraded = self._watcher.store_problem is not None or (last is not None and bool(last[1].degraded))
+        return [Observation(1 if degraded else 0)]
 
     def close(self) -> None:
         self._probe.close()

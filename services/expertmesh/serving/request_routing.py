@@ -3,9 +3,11 @@ default), its domain (the client's, or the query classifier's when the policy ne
 given), the per-layer biases its bias rule adds (from the domain's capability profile), and the quality
 guard. Anything wrong is an ``InvalidRequest`` naming the field.
 
-Profiles and quality records are read from the state store and kept for ``refresh_s`` seconds, so a
-request costs no store round trip while `expertmesh profile build` can still change them under a
-running router.
+Profiles and quality records are read from the state store by a thread of their own (``PolicyRecords``)
+every ``refresh_s`` seconds, never on a request's thread or under a lock a request takes: a request costs
+no store round trip, a store that does not answer (refused, or frozen until the socket times out) costs
+only that thread its wait, and `expertmesh profile build` can still change them under a running router (a
+request that names a domain with no profile yet asks for a read at once and waits for it, boundedly).
 """
 
 from __future__ import annotations
@@ -46,6 +48,78 @@ MAX_DOMAIN_CHARS = 64
 DOMAIN_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
+class PolicyRecords:
+    """Capability profiles and policy-quality records as the state store last gave them (see the module). A
+    read runs on a thread of its own, one at a time, started when a request finds the last one older than
+    ``refresh_s`` (or asks for a fresher one); no thread lives between reads."""
+
+    def __init__(self, store: StateStore, refresh_s: float, wait_s: float = 1.0):
+        """``wait_s``: the longest a request waits for a read it asked for (``fresher``) or for the first one."""
+        self._store = store
+        self._refresh_s = refresh_s
+        self._wait_s = wait_s
+        #: guards the fields below; never held over a store read
+        self._cond = threading.Condition()
+        self._profiles: dict[str, DomainProfile] = {}
+        self._quality: dict[str, PolicyQuality] = {}
+        self._started = self._done = 0  # reads begun and ended (answered or not)
+        self._read_at = -float("inf")  # time.monotonic() the last read began
+        self._reading = self._again = False
+        self._failing = False
+
+    def current(self) -> tuple[dict[str, DomainProfile], dict[str, PolicyQuality]]:
+        """The last read (waiting up to ``wait_s`` for the first one); a stale one starts a read meanwhile."""
+        with self._cond:
+            if time.monotonic() - self._read_at >= self._refresh_s:
+                self._read_later()
+            self._cond.wait_for(lambda: self._done > 0, self._wait_s)
+            return self._profiles, self._quality
+
+    def fresher(self) -> tuple[dict[str, DomainProfile], dict[str, PolicyQuality]]:
+        """A read begun after this call (waiting up to ``wait_s`` for it; else the last read)."""
+        with self._cond:
+            wanted = self._started + 1
+            self._read_later()
+            self._cond.wait_for(lambda: self._done >= wanted, self._wait_s)
+            return self._profiles, self._quality
+
+    def _read_later(self) -> None:
+        """(Under ``_cond``) a read begins after this: now, or right after the one running."""
+        if self._reading:
+            self._again = True
+            return
+        self._reading = True
+        threading.Thread(target=self._read, name="expertmesh-policy-records", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            with self._cond:
+                self._started += 1
+                self._again = False
+                self._read_at = time.monotonic()
+            try:
+                profiles = load_profiles(self._store)
+                quality = {k: PolicyQuality.from_json(v) for k, v in self._store.policy_quality().items()}
+            except ConnectionError as err:  # served on the last read meanwhile; the store may be back soon
+                if not self._failing:
+                    log.warning("cannot read profiles and policy records from the state store: %s", err)
+                self._failing = True
+                read = None
+            else:
+                if self._failing:
+                    log.info("profiles and policy records read from the state store again")
+                self._failing = False
+                read = profiles, quality
+            with self._cond:
+                if read is not None:
+                    self._profiles, self._quality = read
+                self._done += 1
+                self._cond.notify_all()
+                if not self._again:
+                    self._reading = False
+                    return
+
+
 class RequestRouter:
     def __init__(
         self,
@@ -68,15 +142,11 @@ class RequestRouter:
             raise ExpertMeshError(
                 f"the server's default routing policy (--routing-policy, EXPERTMESH_ROUTING_POLICY): {err}"
             ) from None
-        self._store = store
         self._kl_bound = kl_bound
         self.guard_default = guard_default
         self._classifier_factory = classifier
-        self._refresh_s = refresh_s
-        self._lock = threading.Lock()
-        self._read_at = -float("inf")
-        self._profiles: dict[str, DomainProfile] = {}
-        self._quality: dict[str, PolicyQuality] = {}
+        #: None without a store: no profiles, no quality records
+        self._records = PolicyRecords(store, refresh_s) if store is not None else None
 
     def consistency_guard(
         self, message: pb.ConsistencyGuard | None, routing: RequestRouting | None
@@ -93,7 +163,7 @@ class RequestRouter:
                     recompute=message.recompute or "widened",
                 )
             except GuardError as err:
-                raise InvalidRequest(str(err)) from None
+                raise InvalidRequest(str(err), field=err.field) from None
         elif message is not None:
             return None  # asked for none
         else:
@@ -132,32 +202,31 @@ class RequestRouter:
     # -- one request -------------------------------------------------------------------------
 
     def resolve(
-        self, request: pb.GenerateRequest | pb.ScoreRequest, prompt_text: Callable[[], str | None]
+        self, message: pb.RoutingPolicy | None, domain: str | None, prompt_text: Callable[[], str | None]
     ) -> RequestRouting | None:
-        """The routing of ``request`` (None: stock gate, no domain). ``prompt_text`` gives the prompt as
-        text for the classifier (None when there is none)."""
-        policy = self._policy(request)
-        domain = request.domain if request.HasField("domain") else None
+        """The routing of a request that asked for policy ``message`` and ``domain`` (None: the server's
+        default policy; classified when the policy needs a domain), or None: stock gate, no domain.
+        ``prompt_text`` gives the prompt as text for the classifier (None when there is none)."""
+        policy = self._policy(message)
         if domain is not None:
             self._check_domain(domain)
         elif policy.needs_domain:
             domain = self._classify(policy, prompt_text())
-        if not policy.is_exact and not request.routing_policy.force:
-            problem = guard_problem(self._snapshot()[1].get(policy.key), self._kl_bound)
+        if not policy.is_exact and not (message is not None and message.force):
+            problem = guard_problem(self._quality().get(policy.key), self._kl_bound)
             if problem:
-                raise InvalidRequest(f"routing_policy: {problem}")
+                raise InvalidRequest(f"routing_policy: {problem}", field="routing_policy")
         routing = RequestRouting(policy, domain, self._biases(policy, domain) if policy.needs_domain else {})
         return None if routing.is_plain else routing
 
-    def _policy(self, request: pb.GenerateRequest | pb.ScoreRequest) -> RoutingPolicy:
-        if not request.HasField("routing_policy"):
+    def _policy(self, message: pb.RoutingPolicy | None) -> RoutingPolicy:
+        if message is None:
             return self.default
-        message = request.routing_policy
         given = {p: float(getattr(message, p)) for p in PARAMETER_NAMES if message.HasField(p)}
         try:
             return parse_policy(message.name or self.default.name, given, self.top_k, self.num_experts)
         except PolicyError as err:
-            raise InvalidRequest(str(err)) from None
+            raise InvalidRequest(str(err), field=err.field) from None
 
     def _classifier(self):
         if self._classifier_factory is None:
@@ -172,19 +241,23 @@ class RequestRouter:
         known = sorted({d.split("/")[0] for d in self._classifier().domains})
         shown = repr(domain[:32]) + ("..." if len(domain) > 32 else "")
         if len(domain) > MAX_DOMAIN_CHARS:
-            raise InvalidRequest(f"domain: {len(domain)} characters, at most {MAX_DOMAIN_CHARS} ({shown})")
+            raise InvalidRequest(
+                f"domain: {len(domain)} characters, at most {MAX_DOMAIN_CHARS} ({shown})", field="domain"
+            )
         parts = domain.split("/")
         if len(parts) > 2 or parts[0] not in known or not all(DOMAIN_PART.fullmatch(p) for p in parts):
             raise InvalidRequest(
                 f"domain: unknown domain {shown}; known: {', '.join(known)} "
-                "(or a/b below one, b of letters, digits, '_', '-', '.')"
+                "(or a/b below one, b of letters, digits, '_', '-', '.')",
+                field="domain",
             )
 
     def _classify(self, policy: RoutingPolicy, text: str | None) -> str:
         if not text:
             raise InvalidRequest(
                 f"domain: policy {policy.name} needs the query's domain; "
-                "set domain (a token-id prompt cannot be classified)"
+                "set domain (a token-id prompt cannot be classified)",
+                field="domain",
             )
         with tracer().start_as_current_span("classify") as span:
             result = self._classifier().classify(text)
@@ -198,17 +271,20 @@ class RequestRouter:
         return result.domain
 
     def _biases(self, policy: RoutingPolicy, domain: str) -> dict[int, torch.Tensor]:
-        # a miss re-reads at once: profiles just built need not wait for the next refresh
-        profile = lookup(self._snapshot()[0], domain) or lookup(self._snapshot(force=True)[0], domain)
-        if profile is None:
+        records = self._records
+        # a miss asks for a read at once: profiles just built need not wait for the next refresh
+        profile = records is not None and (lookup(records.current()[0], domain) or lookup(records.fresher()[0], domain))
+        if not profile:
             raise InvalidRequest(
                 f"domain: no capability profile for {domain!r} yet, which policy {policy.name} needs; "
-                "build profiles with `expertmesh profile build`"
+                "build profiles with `expertmesh profile build`",
+                field="domain",
             )
         if profile.moe_layers != self.moe_layers or profile.share.shape[1] != self.num_experts:
             raise InvalidRequest(
                 f"domain: the profile of {domain!r} was built on another model; "
-                "rebuild it with `expertmesh profile build`"
+                "rebuild it with `expertmesh profile build`",
+                field="domain",
             )
         biases = {}
         for layer in self.moe_layers:
@@ -219,14 +295,5 @@ class RequestRouter:
                 biases[layer] = restrict_bias(torch.from_numpy(profile.share[row]), policy.top_n)
         return biases
 
-    def _snapshot(self, force: bool = False) -> tuple[dict[str, DomainProfile], dict[str, PolicyQuality]]:
-        """Profiles and quality records, re-read from the store at most every ``refresh_s`` unless ``force``."""
-        with self._lock:
-            if self._store is not None and (force or time.monotonic() - self._read_at >= self._refresh_s):
-                try:
-                    self._profiles = load_profiles(self._store)
-                    self._quality = {k: PolicyQuality.from_json(v) for k, v in self._store.policy_quality().items()}
-                except ConnectionError as err:  # serve on what was read last; the store may be back soon
-                    log.warning("cannot read profiles and policy records from the state store: %s", err)
-                self._read_at = time.monotonic()
-            return self._profiles, self._quality
+    def _quality(self) -> dict[str, PolicyQuality]:
+        return self._records.current()[1] if self._records is not None else {}

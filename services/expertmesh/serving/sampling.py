@@ -72,34 +72,46 @@ class SamplingParams:
 
     def problems(self, vocab_size: int | None = None) -> list[str]:
         """What is wrong with these parameters, one line each (``vocab_size``: also check the token ids)."""
+        return [message for _, message in self.field_problems(vocab_size)]
+
+    def field_problems(self, vocab_size: int | None = None) -> list[tuple[str, str]]:
+        """(the field at fault, what is wrong with it) of each problem of ``problems``."""
         out = []
         temperature = self.temperature
         if not (math.isfinite(temperature) and temperature >= 0):
-            out.append(f"temperature must be >= 0 and finite, got {temperature}")
+            out.append(("temperature", f"temperature must be >= 0 and finite, got {temperature}"))
         elif 0 < temperature < _MIN_TEMPERATURE_F32:
-            out.append(f"temperature must be 0 or at least {MIN_TEMPERATURE}, got {temperature}; use 0 for greedy")
+            out.append(
+                (
+                    "temperature",
+                    f"temperature must be 0 or at least {MIN_TEMPERATURE}, got {temperature}; use 0 for greedy",
+                )
+            )
         if not 0 < self.top_p <= 1:  # also catches NaN and Inf
-            out.append(f"top_p must be in (0, 1], got {self.top_p}")
+            out.append(("top_p", f"top_p must be in (0, 1], got {self.top_p}"))
         if self.top_k < 0:
-            out.append(f"top_k must be >= 0, got {self.top_k}")
+            out.append(("top_k", f"top_k must be >= 0, got {self.top_k}"))
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
-            out.append(f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
+            count = len(self.logit_bias)
+            out.append(("logit_bias", f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {count}"))
         for token, bias in self.logit_bias[:MAX_LOGIT_BIAS_TOKENS]:
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                out.append(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+                out.append(("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token}"))
                 break
         bad = [t for t, _ in self.logit_bias if t < 0 or (vocab_size is not None and t >= vocab_size)]
         if bad:
             limit = f" (0-{vocab_size - 1})" if vocab_size is not None else ""
-            out.append(f"logit_bias token ids {bad[:5]} are outside the vocabulary{limit}")
+            out.append(("logit_bias", f"logit_bias token ids {bad[:5]} are outside the vocabulary{limit}"))
         if self.min_tokens < 0:
-            out.append(f"min_tokens must be >= 0, got {self.min_tokens}")
+            out.append(("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"))
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            out.append(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+            out.append(
+                ("repetition_penalty", f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
-                out.append(f"{name} must be in [-2, 2], got {value}")
+                out.append((name, f"{name} must be in [-2, 2], got {value}"))
         return out
 
 

@@ -1,4 +1,11 @@
-"""How many tokens each active sequence feeds into the next step. Pure.
+"""Who joins the next step, and how many tokens each active sequence feeds into it. Pure.
+
+Admission shares the sequence slots fairly between clients (``next_admission``): a
+sequence given back its blocks (preempted) is taken back first; otherwise the queue
+is served by client, the client with the fewest active sequences first, each
+client's own requests in their order. One client's burst (say two requests of
+``n`` = 16 choices) so takes the free slots only while no other client waits, and
+every slot freed goes to a waiting client below its share.
 
 Every decoding sequence feeds its one new token, whatever the budget: a step
 never makes a sequence that is streaming wait. Sequences still reading their
@@ -10,6 +17,18 @@ one very long one.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+
+def next_admission(queued: Sequence[tuple[str, bool]], active_clients: Sequence[str]) -> int | None:
+    """queued[i]: (client, preempted) of the i-th queued sequence, oldest first; active_clients: the client of
+    each active sequence. Returns the index of the queued sequence to admit next (None: the queue is empty)."""
+    if not queued:
+        return None
+    active = Counter(active_clients)
+    return min(range(len(queued)), key=lambda i: (not queued[i][1], active[queued[i][0]], i))
 
 
 def step_tokens(pending: list[int], decoding: list[bool], max_step_tokens: int) -> list[int]:

@@ -2,7 +2,8 @@
 server reflection so standard tools (grpcurl, grpc_health_probe, Kubernetes
 gRPC probes) work without the .proto files.
 
-Requests are validated before they reach the engine; a bad one gets
+Requests are built and bounded by the request builder both APIs share
+(``serving.request_builder``) before they reach the engine; a bad one gets
 INVALID_ARGUMENT with a message naming the field, a full server
 RESOURCE_EXHAUSTED, and everyone else keeps streaming. Generate and Score take
 raw request bytes and parse them here, so a prompt that is not valid UTF-8 is
@@ -15,8 +16,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
-from dataclasses import replace
 from typing import Callable, Iterator
 
 import grpc
@@ -39,13 +38,14 @@ from expertmesh.serving.engine import (
     FinishEvent,
     GenerationRequest,
     ScoreEvent,
+    ScoreSpec,
     TokenEvent,
 )
-from expertmesh.serving.grammar import CompiledGrammar, GrammarSpec
+from expertmesh.serving.grammar import GrammarSpec
+from expertmesh.serving.request_builder import ModelBounds, RequestBuilder, RequestSpec, ScoreRequestSpec
 from expertmesh.serving.request_routing import RequestRouter
-from expertmesh.serving.routing_trace import TokenRouting, trace_problem
-from expertmesh.serving.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS, SamplingParams, choice_seed
-from expertmesh.serving.text_stream import stop_problems
+from expertmesh.serving.routing_trace import TokenRouting
+from expertmesh.serving.sampling import SamplingParams
 from expertmesh.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -105,8 +105,16 @@ class InferenceServicer:
             config.policy_kl_bound,
             guard_default=guard_default(config, info.top_k),
         )
+        #: every bound of a request, shared with the HTTP API
+        self.builder = RequestBuilder(
+            ModelBounds(info.vocab_size, info.max_context, len(info.moe_layers)),
+            config,
+            engine.grammars,
+            self.routing,
+            tokenizer.decode if tokenizer is not None else None,
+        )
 
-    # -- validation ------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------
 
     @staticmethod
     def _parse(message_type, raw: bytes):
@@ -116,111 +124,54 @@ class InferenceServicer:
             hint = " (the prompt text must be valid UTF-8)" if "UTF-8" in str(err) else ""
             raise InvalidRequest(f"cannot parse {message_type.DESCRIPTOR.name}: {err}{hint}") from None
 
-    def _prompt_ids(self, request) -> list[int]:
-        which = request.WhichOneof("prompt")
-        if which == "text":
-            if not request.text:
-                raise InvalidRequest("prompt is empty: set text or token_ids")
+    def _prompt(self, request: pb.GenerateRequest | pb.ScoreRequest) -> tuple[tuple[int, ...], str | None]:
+        """The prompt's token ids, and its text when it came as text (the builder checks both)."""
+        if request.WhichOneof("prompt") == "text" and request.text:
             if self._tokenizer is None:
-                raise InvalidRequest("this model has no tokenizer; send the prompt as token_ids")
-            ids = list(self._tokenizer(request.text)["input_ids"])
-        elif which == "token_ids":
-            ids = list(request.token_ids.ids)
-        else:
-            ids = []
-        if not ids:
-            raise InvalidRequest("prompt is empty: set text or token_ids")
-        vocab = self._info.vocab_size
-        bad = [i for i in ids if i >= vocab]
-        if bad:
-            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary (0-{vocab - 1})")
-        return ids
+                raise InvalidRequest("this model has no tokenizer; send the prompt as token_ids", field="prompt")
+            return tuple(self._tokenizer(request.text)["input_ids"]), request.text
+        return tuple(request.token_ids.ids), None
 
     def _generation_requests(self, request: pb.GenerateRequest, context) -> list[GenerationRequest]:
-        """One GenerationRequest per choice (``n``): the same but for each one's id and seed."""
-        n = request.n if request.HasField("n") else 1
-        if not 1 <= n <= MAX_CHOICES:
-            raise InvalidRequest(f"n takes 1 to {MAX_CHOICES} choices, got {n}")
-        base = self._generation_request(request, context)
-        if base.routing_trace:
-            problem = trace_problem(
-                base.max_new_tokens, n, len(self._info.moe_layers), self._config.max_routing_trace_entries
-            )
-            if problem:
-                raise InvalidRequest(problem)
-        if n == 1:
-            return [base]
-        return [
-            replace(
-                base,
-                request_id=f"{base.request_id}-{i}",
-                sampling=replace(base.sampling, seed=choice_seed(base.sampling.seed, i)),
-            )
-            for i in range(n)
-        ]
-
-    def _generation_request(self, request: pb.GenerateRequest, context) -> GenerationRequest:
-        ids = self._prompt_ids(request)
-        context_len = self._info.max_context
-        if len(ids) >= context_len:
-            raise InvalidRequest(
-                f"the prompt has {len(ids)} tokens; the model's context is {context_len} tokens, "
-                "leaving no room for a new one"
-            )
-        cap = self._config.max_new_tokens_cap
-        if request.HasField("max_new_tokens"):
-            max_new = request.max_new_tokens
-            if max_new <= 0:
-                raise InvalidRequest(f"max_new_tokens must be at least 1, got {max_new}")
-            if max_new > cap:
-                raise InvalidRequest(f"max_new_tokens {max_new} is above this server's cap of {cap}")
-        else:
-            max_new = self._config.default_max_new_tokens
+        """One GenerationRequest per choice (``n``), built and bounded by the request builder."""
+        ids, text = self._prompt(request)
         s = request.sampling
-        sampling = SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p if s.HasField("top_p") else 1.0,
-            top_k=s.top_k,
-            seed=s.seed if s.HasField("seed") else None,
-            logit_bias=tuple(sorted(s.logit_bias.items())),
-            min_tokens=s.min_tokens,
-            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-            frequency_penalty=s.frequency_penalty,
-            presence_penalty=s.presence_penalty,
-        )
-        logprobs = request.logprobs if request.HasField("logprobs") else None
-        if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"logprobs takes 0 to {MAX_TOP_LOGPROBS} most likely tokens, got {logprobs}")
-        if sampling.min_tokens > max_new:
-            raise InvalidRequest(f"min_tokens {sampling.min_tokens} is more than max_new_tokens {max_new}")
-        problems = sampling.problems() + stop_problems(request.stop)
-        if problems:
-            raise InvalidRequest("; ".join(problems))
-        if request.stop and self._tokenizer is None:
-            raise InvalidRequest("stop sequences need the model's tokenizer, and this model has none")
-        routing = self.routing.resolve(request, lambda: self._prompt_text(request, ids))
-        grammar = self._grammar(request.structured_output) if request.HasField("structured_output") else None
-        guard = request.consistency_guard if request.HasField("consistency_guard") else None
-        consistency_guard = self.routing.consistency_guard(guard, routing)
         remaining = context.time_remaining()
-        return GenerationRequest(
-            request_id=request.request_id or uuid.uuid4().hex[:16],
-            prompt_ids=tuple(ids),
-            max_new_tokens=max_new,
-            sampling=sampling,
+        spec = RequestSpec(
+            prompt_ids=ids,
+            prompt_text=text,
+            request_id=request.request_id,
+            n=request.n if request.HasField("n") else 1,
+            max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
+            sampling=SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p if s.HasField("top_p") else 1.0,
+                top_k=s.top_k,
+                seed=s.seed if s.HasField("seed") else None,
+                logit_bias=tuple(sorted(s.logit_bias.items())),
+                min_tokens=s.min_tokens,
+                repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+                frequency_penalty=s.frequency_penalty,
+                presence_penalty=s.presence_penalty,
+            ),
             stop=tuple(request.stop),
-            stop_at_eos=request.stop_at_eos if request.HasField("stop_at_eos") else True,
             stop_token_ids=tuple(request.stop_token_ids),
-            logprobs=logprobs,
-            deadline=None if remaining is None else time.monotonic() + remaining,
-            routing=routing,
-            grammar=grammar,
-            consistency_guard=consistency_guard,
+            stop_at_eos=request.stop_at_eos if request.HasField("stop_at_eos") else True,
+            logprobs=request.logprobs if request.HasField("logprobs") else None,
+            grammar=self._grammar(request.structured_output) if request.HasField("structured_output") else None,
+            routing_policy=request.routing_policy if request.HasField("routing_policy") else None,
+            domain=request.domain if request.HasField("domain") else None,
+            consistency_guard=request.consistency_guard if request.HasField("consistency_guard") else None,
             routing_trace=request.routing_trace,
+            cache_salt=request.cache_salt,
+            deadline=None if remaining is None else time.monotonic() + remaining,
+            client=client_key(context),
         )
+        return self.builder.build(spec)
 
-    def _grammar(self, output: pb.StructuredOutput) -> CompiledGrammar | None:
-        """The request's grammar, compiled (cached per server); GrammarError is INVALID_ARGUMENT naming it."""
+    @staticmethod
+    def _grammar(output: pb.StructuredOutput) -> GrammarSpec | None:
+        """The request's grammar (the builder compiles it); GrammarError is INVALID_ARGUMENT naming it."""
         kind = output.WhichOneof("kind")
         field = f"structured_output.{kind}"
         if kind == "json_object":
@@ -231,13 +182,7 @@ class InferenceServicer:
             spec = GrammarSpec.regex(output.regex, field)
         else:
             spec = None
-        return self._engine.grammars.compile(spec) if spec is not None else None
-
-    def _prompt_text(self, request: pb.GenerateRequest | pb.ScoreRequest, ids: list[int]) -> str | None:
-        """The prompt as text, for the query classifier (None: token ids and no tokenizer to read them)."""
-        if request.WhichOneof("prompt") == "text":
-            return request.text
-        return self._tokenizer.decode(ids) if self._tokenizer is not None else None
+        return spec
 
     # -- handlers --------------------------------------------------------------------
 
@@ -265,7 +210,8 @@ class InferenceServicer:
                 }
             )
             context.add_callback(lambda: [seq.cancel() for seq in seqs])
-            rid = request.request_id.removesuffix("-0")  # the caller's id: the choices' ids add -i
+            # the caller's id (or the one chosen for it): the choices' ids add -i
+            rid = request.request_id.removesuffix("-0") if len(requests) > 1 else request.request_id
             last: dict[int, float] = {}
             for index, event in self._choice_events(seqs, requests[1:], span, context):
                 now = time.monotonic()
@@ -321,12 +267,13 @@ class InferenceServicer:
     def _choice_events(self, seqs: list, later: list[GenerationRequest], span, context) -> Iterator[tuple[int, Event]]:
         """(choice, event) of a request's choices until each one's final event. ``seqs`` holds the first
         choice's sequence; the ``later`` choices are submitted (and appended to ``seqs``) after its first
-        event: its prompt then went through its step, whose end offers the prompt's KV blocks to the prefix
-        cache before the next step admits anyone, so they share them."""
+        event, whatever it is (a token, or its end: a first token that stops it): its prompt then went through
+        its step, whose end offers the prompt's KV blocks to the prefix cache before the next step admits
+        anyone, so they share them. An error ends them all (``Generate`` fails the RPC)."""
         first = iter(seqs[0])
         event = next(first)
         yield 0, event
-        if isinstance(event, _FINAL_EVENTS) or not later:
+        if isinstance(event, ErrorEvent) or not later:
             for event in first:
                 yield 0, event
             return
@@ -341,9 +288,12 @@ class InferenceServicer:
             for event in events:
                 merged.put((index, event))
 
-        for index, events in enumerate([first, *(iter(seq) for seq in seqs[1:])]):
+        open_choices = len(seqs) - isinstance(event, _FINAL_EVENTS)
+        streams = [iter(seq) for seq in seqs[1:]]
+        if not isinstance(event, _FINAL_EVENTS):
+            streams.insert(0, first)
+        for index, events in zip(range(len(seqs) - len(streams), len(seqs)), streams):
             threading.Thread(target=forward, args=(index, events), name="expertmesh-choice", daemon=True).start()
-        open_choices = len(seqs)
         while open_choices:
             index, event = merged.get()
             open_choices -= isinstance(event, _FINAL_EVENTS)
@@ -358,20 +308,20 @@ class InferenceServicer:
     def Score(self, raw: bytes, context) -> pb.ScoreResponse:
         try:
             request = self._parse(pb.ScoreRequest, raw)
-            ids = self._prompt_ids(request)
-            if len(ids) > self._info.max_context:
-                raise InvalidRequest(
-                    f"the prompt has {len(ids)} tokens; the model's context is {self._info.max_context} tokens"
-                )
-            routing = self.routing.resolve(request, lambda: self._prompt_text(request, ids))
+            ids, text = self._prompt(request)
             remaining = context.time_remaining()
             seq = self._engine.submit(
-                GenerationRequest(
-                    request_id=uuid.uuid4().hex[:16],
-                    prompt_ids=tuple(ids),
-                    deadline=None if remaining is None else time.monotonic() + remaining,
-                    score_only=True,
-                    routing=routing,
+                self.builder.build_score(
+                    ScoreRequestSpec(
+                        prompt_ids=ids,
+                        prompt_text=text,
+                        score=ScoreSpec(raw_logits=request.raw_logits, full_distribution=request.full_distribution),
+                        routing_policy=request.routing_policy if request.HasField("routing_policy") else None,
+                        domain=request.domain if request.HasField("domain") else None,
+                        cache_salt=request.cache_salt,
+                        deadline=None if remaining is None else time.monotonic() + remaining,
+                        client=client_key(context),
+                    )
                 )
             )
         except ExpertMeshError as err:
@@ -383,12 +333,9 @@ class InferenceServicer:
             self._errors.add(1, {"code": event.code.name})
             context.abort(event.code, event.message)
         assert isinstance(event, ScoreEvent)
-        logits = event.logits  # [P, V]
-        dist = logits if request.raw_logits else logits.log_softmax(dim=-1)
-        scores = [0.0] + [float(dist[i - 1, ids[i]]) for i in range(1, len(ids))]
-        response = pb.ScoreResponse(token_ids=ids, token_scores=scores)
-        if request.full_distribution:
-            response.distribution.CopyFrom(wire.encode(dist.float()))
+        response = pb.ScoreResponse(token_ids=ids, token_scores=event.token_scores)
+        if event.distribution is not None:
+            response.distribution.CopyFrom(wire.encode(event.distribution))
         return response
 
     def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
@@ -406,8 +353,6 @@ class InferenceServicer:
                     fragmentation=kv.fragmentation,
                     blocks_used_peak=kv.blocks_used_peak,
                     preemptions=kv.preemptions,
-                    prefix_cache_queries=kv.prefix_queries,
-                    prefix_cache_hits=kv.prefix_hits,
                 )
             )
         return pb.ListModelsResponse(
@@ -480,6 +425,20 @@ class InferenceServer:
         self._grpc.stop()
         self.engine.stop()
         return drained
+
+
+def client_key(context) -> str:
+    """Who a gRPC call is from, for the fair share of sequence slots: the TLS client certificate's name when the
+    call came over mutual TLS, else the peer's address without its port ("" if gRPC knows neither). Behind one
+    gateway every client shares one address: it is the gateway that keeps tenants apart there."""
+    names = (context.auth_context() or {}).get("x509_common_name") or ()
+    if names:
+        return "tls:" + names[0].decode(errors="replace")[:128]
+    peer = context.peer() or ""
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return address.rsplit(":", 1)[0]
+    return kind
 
 
 def guard_default(config: ServingConfig, top_k: int) -> GuardSpec | None:

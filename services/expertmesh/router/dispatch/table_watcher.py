@@ -74,8 +74,9 @@ class TableWatcher:
         self._epoch = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: rounds in a row the store did not answer
+        #: rounds in a row the store did not answer, and what it said the latest time (None: it answers)
         self.failures = 0
+        self.store_problem: str | None = None
         self._last_problem: str | None = None
 
     @property
@@ -97,6 +98,11 @@ class TableWatcher:
     def endpoints(self) -> dict[str, str]:
         """The group endpoints the store lists now (a dispatcher's fresh addresses of a group that went away)."""
         return self._store.endpoints()
+
+    def addresses(self) -> dict[str, str]:
+        """The address this router dials for each group of its view (no store I/O: the transport's)."""
+        view = self.view
+        return {g: a for g in (view.groups if view is not None else ()) if (a := self._transport.address(g))}
 
     @property
     def watched(self) -> bool:
@@ -146,12 +152,14 @@ class TableWatcher:
                 version = self._store.routing_table_version()
                 if current is not None and version in (0, current.version, self._rejected_version):
                     self._store_errors = 0
+                    self.store_problem = None
                     if version == 0:  # flushed: whatever is published next is a new table, even at a refused version
                         self._rejected_version = 0
                     return
                 table = self._store.routing_table()
                 endpoints = self._store.endpoints()
             except ConnectionError as err:
+                self.store_problem = str(err) or type(err).__name__
                 if current is None:
                     raise
                 self._store_errors += 1
@@ -163,6 +171,7 @@ class TableWatcher:
             except MalformedTable as err:
                 return self._refuse(version, current, RoutingTableRefused(f"routing table version {version}: {err}"))
             self._store_errors = 0
+            self.store_problem = None
             if table is None:
                 if current is not None:  # the version key outlived the table (a store being flushed): serve on
                     return
@@ -250,6 +259,7 @@ class TableWatcher:
             self.refresh()
         except ConnectionError as err:
             self.failures += 1
+            self.store_problem = str(err) or type(err).__name__
             if self.failures == 1:
                 log.warning("state store not answering; steps serve on the routing table they have: %s", err)
             return False
@@ -262,6 +272,7 @@ class TableWatcher:
         if self.failures:
             log.info("state store answering again after %d failed rounds", self.failures)
         self.failures = 0
+        self.store_problem = None
         return True
 
     def next_wait(self) -> float:

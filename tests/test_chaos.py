@@ -194,6 +194,41 @@ def test_itl_p99_takes_the_gaps_between_a_requests_chunks_in_the_window():
     assert itl_p99_ms([fast], 2.0, 3.0) is None
 
 
+def test_longest_stall_takes_every_wait_of_a_stream_that_ended_in_the_window():
+    from expertmesh.bench.chaos.measure import longest_stall_s
+    from expertmesh.bench.chaos.traffic import Request
+
+    flowing = Request(0, 0.0, 1.0, (1, 2, 3), arrivals=(0.2, 0.3, 0.4))
+    held = Request(1, 0.0, 6.0, (1, 2), arrivals=(0.3, 5.3))  # 5 s between two tokens
+    failed = Request(2, 1.0, 4.5, (7,), "UNAVAILABLE: gone", arrivals=(1.5,))  # 3 s from its token to the error
+    unanswered = Request(3, 2.0, 4.0, (), "UNAVAILABLE: gone")  # 2 s from its sending to the error
+    assert longest_stall_s([flowing, held, failed, unanswered], 0.0, 10.0) == pytest.approx(5.0)
+    assert longest_stall_s([flowing, failed, unanswered], 0.0, 10.0) == pytest.approx(3.0)
+    assert longest_stall_s([flowing, unanswered], 0.0, 10.0) == pytest.approx(2.0)
+    assert longest_stall_s([flowing, held], 0.0, 1.0) == pytest.approx(0.3)  # the long one ended after
+    assert longest_stall_s([flowing], 2.0, 3.0) is None
+
+
+def test_the_sole_group_scenario_picks_the_group_holding_most_of_a_layer(tiny_checkpoints):
+    from expertmesh.bench.chaos.faults import sole_layer
+    from expertmesh.bench.chaos.platform import ring_placement
+    from expertmesh.contracts import group_map
+    from expertmesh.contracts.routing_table import RoutingTable
+
+    spec = Checkpoint(tiny_checkpoints("mixtral")).spec
+    groups = ["g0", "g1", "g2"]
+    placement = group_map.parse(ring_placement(spec, groups), spec)
+    table = RoutingTable.from_placement(placement, spec.num_experts)
+    layer, group = sole_layer(table, groups)
+    held = {g: sum(g in table.replicas[(layer, e)] for e in range(spec.num_experts)) for g in groups}
+    assert held[group] == max(held.values()) and held[group] < spec.num_experts  # some experts must move to it
+    assert all(
+        sum(g in table.replicas[(lay, e)] for e in range(spec.num_experts)) <= held[group]
+        for lay in spec.moe_layers
+        for g in groups
+    )
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -222,10 +257,12 @@ def test_bench_chaos_refuses_bad_flags_before_starting_anything(flags, message):
 @pytest.mark.slow
 @pytest.mark.usefixtures("without_shared_ray")  # bench chaos starts a Ray of its own, with the fault hook enabled
 def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
-    """Every scenario with short intervals. The product's promises, as counts: no request fails,
-    no completion differs from the reference except those the corruption made before its
-    quarantine took effect (counted apart) and the fallback's degraded ones; each corrupted
-    replica is found and quarantined; every fault heals."""
+    """Every scenario with short intervals. The product's promises, as counts: no request fails
+    where a replica covers the fault, no completion differs from the reference except those the
+    corruption made before its quarantine took effect (counted apart) and the fallback's degraded
+    ones; each corrupted replica is found and quarantined; a group of another checkpoint is refused
+    (its registration, then by the router) and the operator is told why; while a layer's only group
+    is down its requests fail fast with UNAVAILABLE naming it; every fault heals."""
     from expertmesh.bench.chaos import suite as bench_chaos
     from expertmesh.models.embedded import default_checkpoint
 
@@ -245,10 +282,23 @@ def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
     assert list(by_name) == list(bench_chaos.SCENARIOS)
     for s in result["scenarios"]:
         assert s["recovered"], s
+        assert s["wrong_outputs"] == 0, f"{s['scenario']}: {s['wrong_outputs']} wrong outputs"
+        if s["scenario"] == "sole-group-killed":  # no replica covers it: its requests fail fast meanwhile
+            continue
         assert s["sent"] > 0 and s["failed"] == 0, (
             f"{s['scenario']}: {s['failed']} of {s['sent']} failed: {s['failures']}"
         )
-        assert s["wrong_outputs"] == 0, f"{s['scenario']}: {s['wrong_outputs']} wrong outputs"
+    foreign = by_name["foreign-checkpoint-group"]
+    refused, served = foreign["evidence"]
+    assert refused.startswith("registering: ") and "holds another model than this deployment's" in refused
+    assert served.startswith("the router refused it") and "refused it 0 times" not in served
+    # replicas covered it: no wait of any stream grew by a second (beyond the quiet window's own longest)
+    assert foreign["longest_stall_s_during"] < 1.0 + (foreign["longest_stall_s_before"] or 0.0), foreign
+    sole = by_name["sole-group-killed"]
+    assert sole["sent"] > 0 and sole["failed"] > 0, sole
+    assert all(f.startswith("UNAVAILABLE: expert group g") for f in sole["failures"]), sole["failures"]
+    # each request failed fast or was served: none held for a group call's deadline and more
+    assert sole["longest_stall_s_during"] < 10.0, sole
     for name in ("expert-corrupted", "expert-corrupted-sole"):
         assert by_name[name]["detected"] and by_name[name]["quarantined"], by_name[name]
     assert by_name["expert-corrupted"]["degraded"] == 0  # its other replica served: no fallback

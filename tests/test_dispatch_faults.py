@@ -43,6 +43,8 @@ from expertmesh.router.dispatch.circuit import CircuitBreakers
 from expertmesh.router.dispatch.heartbeat import Heartbeat
 from expertmesh.router.dispatch.table_watcher import TableWatcher
 from expertmesh.store import QuarantinedReplica, open_store
+from expertmesh.v1 import experts_pb2 as pb
+from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 from helpers import bare_dispatcher, wait_for
 
 LAYERS = (0, 1)
@@ -288,6 +290,118 @@ def test_a_vanished_group_back_at_a_new_address_gets_its_tokens_again_with_no_ne
     back.stop(0)
 
 
+def test_a_group_of_another_checkpoint_is_refused_and_never_summed(cluster, tiny_checkpoints, transport):
+    """g3 serves experts 2-3 from another checkpoint of the same shapes (a rolling upgrade, a wrong volume):
+    its partial sums would pass the shape, dtype and finiteness checks. Every call names the router's
+    checkpoint, so g3 refuses each one (FAILED_PRECONDITION, which is what an operator calling it sees) and
+    its tokens go to g2 in the same step: exact. As their only replica, the step fails at once with
+    UNAVAILABLE naming g3 and both checkpoints; Describe says which checkpoint a group holds."""
+    path, foreign = tiny_checkpoints("mixtral"), tiny_checkpoints("mixtral", seed=1)
+    ours, theirs = Checkpoint(path).spec.fingerprint, Checkpoint(foreign).spec.fingerprint
+    assert ours != theirs
+    server, servicer = _start(
+        "g3", Checkpoint(foreign), [(layer, e) for layer in LAYERS for e in (2, 3)], FaultyServicer
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        assert pb_grpc.ExpertGroupStub(channel).Describe(pb.DescribeRequest(), timeout=10).model_fingerprint == theirs
+    store = _store(cluster, replicas_of_high=("g3", "g2"))
+    store.set_endpoint("g3", f"127.0.0.1:{server.port}")
+    dispatcher = _dispatcher(store, transport, model=ModelIdentity.of(Checkpoint(path).spec))
+    for seed in range(4):
+        _check_exact(dispatcher, cluster[1], seed=seed)
+    assert servicer.calls > 0, "g3 was sent calls (and refused them)"
+
+    _publish(store, ("g3",))
+    dispatcher.watcher.refresh()
+    started = time.monotonic()
+    with pytest.raises(GroupUnavailable) as err:
+        dispatcher.dispatch(1, *_inputs())
+    assert time.monotonic() - started < 5, "a refusal is final: nothing is resent to a foreign group"
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert f"expert group g3 at 127.0.0.1:{server.port} refused layer 1" in str(err.value)
+    assert f"holds checkpoint {theirs}" in str(err.value) and f"not the caller's {ours}" in str(err.value)
+    assert set(dispatcher.queue_depths().values()) == {0}
+    dispatcher.close()
+    server.stop(0)
+
+
+class _BlockingLookup:
+    """The groups' addresses as Serve's directory gives them: it answers only once the restarting replica
+    serves (``answer``), or fails with Ray's own error (``fail``). Records the threads it was called on."""
+
+    def __init__(self):
+        self.threads: set[str] = set()
+        self.answer: dict[str, str] | None = None
+        self.fail = False
+        self._released = threading.Event()
+
+    def release(self, answer: dict[str, str]) -> None:
+        self.answer = answer
+        self._released.set()
+
+    def __call__(self) -> dict[str, str]:
+        self.threads.add(threading.current_thread().name)
+        if self.fail:
+            raise RuntimeError("ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready")
+        self._released.wait(30)
+        if self.answer is None:
+            raise TimeoutError("the directory did not answer")
+        return self.answer
+
+
+def test_a_sole_group_gone_fails_the_step_fast_and_its_address_is_looked_up_off_the_step(
+    cluster, tiny_checkpoints, transport
+):
+    """g3 alone holds experts 2-3 and stops. The lookup of its new address waits (Serve's directory answers
+    once a restarting replica serves) or fails with Ray's error: neither is ever on the step. The step fails
+    within the sole-group wait with UNAVAILABLE naming g3; once its breaker is open, at once. When the lookup
+    answers with g3's new address, a step reaches it there. (Before, the step thread made the lookup itself:
+    every sequence waited for it past its deadline, and a Ray error failed the step as INTERNAL.)"""
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    pairs = [(layer, e) for layer in LAYERS for e in (2, 3)]
+    server, _ = _start("g3", checkpoint, pairs)
+    store = _store(cluster, replicas_of_high=("g3",))
+    store.set_endpoint("g3", f"127.0.0.1:{server.port}")
+    lookup = _BlockingLookup()
+    dispatcher = _dispatcher(
+        store,
+        transport,
+        resolve_endpoints=lookup,
+        sole_group_wait_s=0.5,
+        breakers=CircuitBreakers(threshold=2, cooldown_s=600),
+    )
+    dispatcher.watcher.refresh()
+    _check_exact(dispatcher, cluster[1])
+    server.stop(0)
+
+    lookup.fail = True
+    started = time.monotonic()
+    with pytest.raises(GroupUnavailable) as err:
+        dispatcher.dispatch(1, *_inputs())
+    assert time.monotonic() - started < 5, "the step waited for more than the sole-group wait"
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "expert group g3 at 127.0.0.1:" in str(err.value) and "was not back within 0.5 s" in str(err.value)
+    wait_for(lambda: lookup.threads, "the lookup, off the step")
+
+    lookup.fail = False
+    with pytest.raises(GroupUnavailable, match="expert group g3 .* failed steps in a row"):
+        dispatcher.dispatch(1, *_inputs())  # the second failure opens its breaker: at once, no wait
+    started = time.monotonic()
+    with pytest.raises(GroupUnavailable, match="expert group g3 .* failed steps in a row"):
+        dispatcher.dispatch(1, *_inputs())
+    assert time.monotonic() - started < 5, "a step waited for the blocked lookup"
+    assert threading.current_thread().name not in lookup.threads
+
+    back, servicer = _start("g3", checkpoint, pairs, FaultyServicer)
+    lookup.release({**store.endpoints(), "g3": f"127.0.0.1:{back.port}"})
+    wait_for(lambda: dispatcher._transport.address("g3") == f"127.0.0.1:{back.port}", "g3's new address in use")
+    # its breaker is open, but a group whose experts have no other replica is still tried
+    _check_exact(dispatcher, cluster[1])
+    assert servicer.calls > 0
+    dispatcher.close()
+    back.stop(0)
+
+
 def test_a_table_leaving_an_expert_unhosted_is_refused_and_the_last_good_one_stays(cluster, transport):
     store = _store(cluster)
     dispatcher = _dispatcher(store, transport)
@@ -311,6 +425,12 @@ def test_a_table_leaving_an_expert_unhosted_is_refused_and_the_last_good_one_sta
 MODEL = ModelIdentity("0123456789abcdef", LAYERS, 4)
 
 
+@pytest.fixture(scope="module")
+def model(tiny_checkpoints) -> ModelIdentity:
+    """The identity of the cluster's checkpoint: a router of another one is refused by its groups."""
+    return ModelIdentity(Checkpoint(tiny_checkpoints("mixtral")).spec.fingerprint, LAYERS, 4)
+
+
 def _publish_raw(store, table):
     """Publish ``table`` whatever it says (a misconfigured or foreign writer): compare-and-set on the version only."""
     kv, current = store._kv, store.routing_table_version()
@@ -324,18 +444,18 @@ def _publish_raw(store, table):
     )
 
 
-def test_a_table_for_another_model_is_refused_and_the_last_good_one_stays(cluster, transport):
+def test_a_table_for_another_model_is_refused_and_the_last_good_one_stays(cluster, transport, model):
     """Before tables carried the model: a 2-expert table over this 4-expert model dropped experts 2-3 with
     status OK, and one listing expert 7 failed every step with an IndexError (INTERNAL)."""
     store = _store(cluster)
-    dispatcher = _dispatcher(store, transport, model=MODEL)
+    dispatcher = _dispatcher(store, transport, model=model)
     dispatcher.watcher.refresh()
     good = dispatcher.watcher.table.version
     low = {(layer, e): ("g0",) for layer in LAYERS for e in (0, 1)}
     bad_tables = {
         "2 experts per layer, not 4": RoutingTable(good + 1, 2, low),
         "pairs this model does not have": RoutingTable(
-            good + 2, 4, {**dispatcher.watcher.table.replicas, (1, 7): ("g0",)}, model=MODEL
+            good + 2, 4, {**dispatcher.watcher.table.replicas, (1, 7): ("g0",)}, model=model
         ),
         "checkpoint fingerprint ffffffffffffffff": RoutingTable(
             good + 3, 4, dispatcher.watcher.table.replicas, model=ModelIdentity("ffffffffffffffff", LAYERS, 4)
@@ -350,7 +470,7 @@ def test_a_table_for_another_model_is_refused_and_the_last_good_one_stays(cluste
         assert dispatcher.watcher.table.version == good, reason
         _check_exact(dispatcher, cluster[1])
         with pytest.raises(RoutingTableMismatch, match=reason) as err:
-            _dispatcher(store, transport, model=MODEL).watcher.refresh()  # a router with no table to keep: told why
+            _dispatcher(store, transport, model=model).watcher.refresh()  # a router with no table to keep: told why
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     # unreadable text in the table's key: refused the same way
     store._kv.compare_and_set_many(
@@ -366,11 +486,11 @@ def test_a_table_for_another_model_is_refused_and_the_last_good_one_stays(cluste
     dispatcher.close()
 
 
-def test_a_flush_after_a_refused_table_keeps_the_last_good_one_serving(cluster, transport):
+def test_a_flush_after_a_refused_table_keeps_the_last_good_one_serving(cluster, transport, model):
     """The refused version was remembered, so version 0 after a flush read as a new table that was not there:
     every step failed UNAVAILABLE."""
     store = _store(cluster)
-    dispatcher = _dispatcher(store, transport, model=MODEL)
+    dispatcher = _dispatcher(store, transport, model=model)
     dispatcher.watcher.refresh()
     _publish_raw(store, RoutingTable(2, 2, {(layer, e): ("g0",) for layer in LAYERS for e in (0, 1)}))
     dispatcher.watcher.refresh()
@@ -419,7 +539,7 @@ class _CountingStore:
 
 
 def test_a_watched_router_steps_without_reading_the_store_and_serves_through_a_frozen_one(
-    cluster, own_redis, transport
+    cluster, own_redis, transport, model
 ):
     """A redis-server stopped with SIGSTOP answers nothing until SIGCONT: reading the table version at every
     step waited out the client's socket timeout (5 s) each time. With the watcher the steps make no store call
@@ -430,7 +550,7 @@ def test_a_watched_router_steps_without_reading_the_store_and_serves_through_a_f
         redis_store.set_endpoint(name, f"127.0.0.1:{server.port}")
     _publish(redis_store, ("g1", "g2"))
     store = _CountingStore(redis_store)
-    dispatcher = _dispatcher(store, transport, model=MODEL, poll_s=0.05, max_backoff_s=0.2)
+    dispatcher = _dispatcher(store, transport, model=model, poll_s=0.05, max_backoff_s=0.2)
     dispatcher.watcher.refresh()
     watcher = dispatcher.watcher.start()
     try:

@@ -138,6 +138,31 @@ def test_a_starting_group_takes_the_tables_pairs_only_from_a_newer_table_of_its_
     assert start_pairs(spec, table(4, {(0, 0): ("g0",), (1, 0): ("g0", "g1")}), model) is spec.pairs, "the same"
 
 
+def test_a_group_of_another_checkpoint_is_refused_before_it_loads_or_registers(tiny_checkpoints, store_url):
+    """g1 started from another checkpoint of the same shapes (a wrong volume) into a deployment whose routing
+    table is this model's: one line naming both checkpoints, exit 2, and g1's address in the store is still the
+    good one's."""
+    path, foreign = tiny_checkpoints("mixtral"), tiny_checkpoints("mixtral", seed=1)
+    spec = Checkpoint(path).spec
+    store = open_store(store_url)
+    placement = placement_mod.contiguous(spec, 2)
+    table = RoutingTable.from_placement(placement, spec.num_experts, version=1, model=ModelIdentity.of(spec))
+    assert store.publish_routing_table(table)
+    store.set_endpoint("g1", "127.0.0.1:50101")
+    argv = ["group", "serve", "--model", str(foreign), "--groups", "2", "--group", "g1", "--state-url", store_url]
+    result = subprocess.run(
+        [sys.executable, "-m", "expertmesh.cli.main", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        "expertmesh group: error: expert group g1 holds another model than this deployment's routing table is for "
+        f"(checkpoint fingerprint {Checkpoint(foreign).spec.fingerprint}, not {spec.fingerprint})"
+    ), line
+    assert store.endpoints() == {"g1": "127.0.0.1:50101"}
+    store.close()
+
+
 def test_a_group_the_placement_does_not_have_is_a_one_line_error(tiny_checkpoints):
     result = subprocess.run(
         [

@@ -171,6 +171,33 @@ def test_canary_mismatch_fails_and_cleans_the_target(path, tmp_path):
             group.server.stop(0)
 
 
+def test_a_target_of_another_checkpoint_is_refused_before_anything_loads(path, tiny_checkpoints):
+    """g2 started from another checkpoint of the same shapes (a wrong volume): the executor, which knows the
+    deployment's checkpoint, fails the move at once naming both, before g2 loads anything; a table rebuilt
+    from what runs never lists g2. (Before, the move loaded the expert onto g2, and only the canary told
+    the two apart.)"""
+    from expertmesh.orchestrator.reconcile import what_runs
+
+    foreign = tiny_checkpoints("mixtral", seed=1)
+    ours, theirs = Checkpoint(path).spec.fingerprint, Checkpoint(foreign).spec.fingerprint
+    mesh = start_mesh(open_store("memory://"), path, target_path=foreign)
+    try:
+        before = mesh.store.routing_table()
+        executor = MigrationExecutor(mesh.store, model_fingerprint=ours, **FAST)
+        migration = executor.run(executor.submit(LAYER, EXPERT, target="g2").id)
+        assert migration.phase is Phase.FAILED and migration.failure is Failure.GROUP_FAILED
+        assert f"FAILED_PRECONDITION: it holds checkpoint {theirs}, not this deployment's {ours}" in migration.reason
+        assert phases(migration) == [Phase.PENDING, Phase.FAILED]
+        assert mesh.store.routing_table() == before and mesh.held("g2") == set()
+        executor.close()
+        observe, close = what_runs(mesh.store, ours)
+        assert set(observe(["g0", "g1", "g2"])) == {"g0", "g1"}
+        close()
+    finally:
+        for group in mesh.groups.values():
+            group.server.stop(0)
+
+
 def test_over_budget_target_fails_before_anything_changes(path):
     one_expert = HostedExperts(Checkpoint(path)).expert_bytes([PAIR])
     mesh = start_mesh(open_store("memory://"), path, target_budget=one_expert - 1)

@@ -283,13 +283,16 @@ def start_orchestrator(
     health: HealthMonitor | None = None,
     on_drift_decision: Callable[[DriftRecord], None] | None = None,
     managers: Sequence[Manager] = (),
+    model_fingerprint: str = "",
 ) -> Orchestrator:
     """The admin gRPC server with the Admin service, its runner resuming half-done migrations, and
     the control loop stepping ``managers`` plus the drift controller (``drift``, default the
     environment's ``EXPERTMESH_DRIFT_*``) and the health monitor when they are enabled. ``health``
     also answers the health RPCs (without it they are FAILED_PRECONDITION).
-    ``on_drift_decision``: called with each drift decision (cluster mode: ``kube.drift_objects``)."""
-    runner = MigrationRunner(store, MigrationExecutor(store, drain_timeout_s=drain_timeout_s), max_concurrent)
+    ``on_drift_decision``: called with each drift decision (cluster mode: ``kube.drift_objects``).
+    ``model_fingerprint``: the deployment's checkpoint's; migrations place no expert on a group of another."""
+    executor = MigrationExecutor(store, drain_timeout_s=drain_timeout_s, model_fingerprint=model_fingerprint)
+    runner = MigrationRunner(store, executor, max_concurrent)
     controller = DriftController(
         store, runner, drift if drift is not None else DriftConfig(), on_decision=on_drift_decision
     )

@@ -229,10 +229,12 @@ class Reconciler:
 
 
 def what_runs(
-    store: StateStore,
+    store: StateStore, model_fingerprint: str = ""
 ) -> tuple[Callable[[Iterable[str]], dict[str, frozenset[tuple[int, int]]]], Callable[[], None]]:
-    """(``observe`` for a Reconciler: each group's Describe over its registered address, close)."""
+    """(``observe`` for a Reconciler: each group's Describe over its registered address, close). With the
+    checkpoint's ``model_fingerprint``, a group of another checkpoint reports nothing: a rebuilt table never
+    lists it."""
     from expertmesh.orchestrator.migration.group_calls import GroupChannels, held_pairs
 
-    channels = GroupChannels(store.endpoints)
+    channels = GroupChannels(store.endpoints, model_fingerprint)
     return (lambda groups: held_pairs(channels, groups)), channels.close

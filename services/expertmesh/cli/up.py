@@ -120,6 +120,7 @@ def _main(args: argparse.Namespace) -> int:
                 drift=drift,
                 health=monitor,
                 managers=_table_keeper(plane),
+                model_fingerprint=plane.checkpoint.spec.fingerprint,
             )
             progress(f"orchestrator admin gRPC on {serving_config.host}:{orchestrator.server.port}")
         apis = start_apis(plane, serving_config)
@@ -171,7 +172,7 @@ def _table_keeper(plane) -> list:
     from expertmesh.orchestrator.control_loop import Manager
     from expertmesh.orchestrator.reconcile import Reconciler, what_runs
 
-    observe, _ = what_runs(plane.store)
+    observe, _ = what_runs(plane.store, plane.checkpoint.spec.fingerprint)
     reconciler = Reconciler(plane.store, plane.checkpoint.spec, plane.placement, observe=observe)
     # Its first round now, over the table the plane has just published: that records the placement as applied,
     # and later rounds leave a table in use alone. Left to the loop (5 s on), that round found whatever a first

@@ -107,6 +107,14 @@ class DataPlaneConfig(BaseSettings):
         description="bytes of expert weights one group may hold; LoadExperts past it is refused (unset: unlimited)",
     )
     dispatch_timeout_s: float = Field(30.0, gt=0, description="deadline of one expert-group call")
+    sole_group_wait_s: float = Field(
+        1.0,
+        ge=0,
+        le=600,
+        description="how long a step resends to an expert group that went away holding experts no other replica has "
+        "(a blip, a replica restarting), within dispatch_timeout_s and the requests' deadlines, before its requests "
+        "fail with UNAVAILABLE; the step holds every sequence meanwhile. 0: fail at once",
+    )
     transport: TransportName = Field(
         "auto",
         description="how the router reaches expert groups: auto (shared memory for groups on this host, else a gRPC "

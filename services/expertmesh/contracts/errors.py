@@ -85,6 +85,11 @@ class StoreCollision(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """The state store's key prefix holds the routing table of another model: two deployments share it."""
 
 
+class ForeignCheckpoint(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
+    """An expert group holds another checkpoint than its caller's (their fingerprints differ): a rolling
+    upgrade, a wrong volume. Its partial sums have the right shape and would change answers with status OK."""
+
+
 class BadGroupResponse(ExpertMeshError, code=grpc.StatusCode.INTERNAL):
     """An expert group answered OK with partial sums that cannot be right (shape, dtype, NaN/Inf)."""
 

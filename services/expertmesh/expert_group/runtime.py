@@ -141,14 +141,22 @@ class RunningGroup:
         self.device = "cuda" if spec.num_gpus and torch.cuda.is_available() else "cpu"
         store = None
         try:
+            from expertmesh.contracts.routing_table import ModelIdentity
+
             checkpoint = Checkpoint(spec.model_path)
+            model = ModelIdentity.of(checkpoint.spec)
             pairs = spec.pairs
             if spec.state_url:
-                from expertmesh.contracts.routing_table import ModelIdentity
+                from expertmesh.contracts.errors import ForeignCheckpoint
+                from expertmesh.expert_group.registration import foreign_model
                 from expertmesh.store import open_store
 
                 store = open_store(spec.state_url, spec.deployment)
-                pairs = start_pairs(spec, store.routing_table(), ModelIdentity.of(checkpoint.spec))
+                table = store.routing_table()
+                refusal = foreign_model(spec.name, model, table)  # before its experts load, not after
+                if refusal is not None:
+                    raise ForeignCheckpoint(refusal)
+                pairs = start_pairs(spec, table, model)
                 if pairs != spec.pairs:
                     log.info(
                         "expert group %s: loading the %d experts the routing table lists it with, not the %d it "
@@ -165,7 +173,7 @@ class RunningGroup:
             if store is not None:
                 from expertmesh.expert_group.registration import EndpointRegistration
 
-                self._registration = EndpointRegistration(store, spec.name, self.address).start()
+                self._registration = EndpointRegistration(store, spec.name, self.address, model=model).start()
         except BaseException:
             if store is not None and self._registration is None:
                 store.close()

@@ -13,6 +13,10 @@ The servicer counts the Dispatch calls executing now per (routing-table
 version, layer, expert): a migration unloads a source only once no call of an
 older version is in flight for the expert it moves. It also keeps the group's
 busy time (``busy.BusyClock``), which the drift controller turns into a busy fraction.
+Dispatch names its caller's checkpoint fingerprint, and a group of another
+checkpoint refuses it (FAILED_PRECONDITION, ``ForeignCheckpoint``): a group
+started from a checkpoint of the same shapes would answer with partial sums that
+pass every check and change answers. Describe reports the group's fingerprint.
 Fingerprint recomputes hosted experts' weight checksums for the health monitor,
 and LoadExperts with ``reload`` is its repair. InjectFault corrupts an expert on
 purpose (the chaos benchmark's memory fault): an admin RPC that a group refuses
@@ -43,7 +47,13 @@ from opentelemetry import propagate
 
 from expertmesh.config.settings import AdminAuthConfig, FaultInjectionConfig, TlsConfig
 from expertmesh.contracts import shared_buffer, wire
-from expertmesh.contracts.errors import ExpertMeshError, FaultInjectionDisabled, InvalidRequest, Overloaded
+from expertmesh.contracts.errors import (
+    ExpertMeshError,
+    FaultInjectionDisabled,
+    ForeignCheckpoint,
+    InvalidRequest,
+    Overloaded,
+)
 from expertmesh.expert_group.busy import BusyClock
 from expertmesh.expert_group.transport_use import TransportUse, offered
 from expertmesh.infra.group_channels import CHANNEL_OPTIONS
@@ -139,11 +149,20 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
                         del self._in_flight[key]
 
     def compute(
-        self, layer: int, version: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, parent=None
+        self,
+        layer: int,
+        version: int,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        parent=None,
+        model: str = "",
     ) -> torch.Tensor:
         """One Dispatch, whichever transport carried it: hidden [T, H], ids [T, K], weights [T, K] ->
-        partial sums [T, H]. Takes a slot (none free: Overloaded), counts the call in flight and busy,
-        and traces it under ``parent`` (an OpenTelemetry context; None: the current one)."""
+        partial sums [T, H]. Refuses a caller of another checkpoint (``model``: its fingerprint, "" not
+        checked) with ForeignCheckpoint. Takes a slot (none free: Overloaded), counts the call in flight
+        and busy, and traces it under ``parent`` (an OpenTelemetry context; None: the current one)."""
+        self.check_model(model)
         if not self._slots.acquire(blocking=False):
             raise Overloaded(
                 f"expert group {self.group} is executing {self.max_concurrent_dispatch} Dispatch calls, its limit; "
@@ -165,6 +184,16 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
         finally:
             self._slots.release()
 
+    def check_model(self, model: str) -> None:
+        """ForeignCheckpoint unless ``model`` (a caller's checkpoint fingerprint; "": not said) is this group's."""
+        mine = self.hosted.spec.fingerprint
+        if model and mine and model != mine:
+            raise ForeignCheckpoint(
+                f"expert group {self.group} holds checkpoint {mine} ({self.hosted.checkpoint.path}), not the "
+                f"caller's {model}: it was started from another checkpoint (an upgrade in progress, a wrong volume); "
+                "start it from the deployment's checkpoint, or under a deployment of its own"
+            )
+
     def answer(
         self, frame: pb.DispatchFrame, transport: str, tensors: Callable[[], list[torch.Tensor]]
     ) -> tuple[pb.DispatchFrame, torch.Tensor | None]:
@@ -176,7 +205,9 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
             self.transport_use.called(transport)
             hidden, ids, weights = tensors()
             parent = propagate.extract(frame.trace_context) if frame.trace_context else None
-            return answer, self.compute(frame.layer, frame.routing_table_version, hidden, ids, weights, parent)
+            return answer, self.compute(
+                frame.layer, frame.routing_table_version, hidden, ids, weights, parent, frame.model_fingerprint
+            )
         except ExpertMeshError as err:
             answer.code, answer.message = err.code.value[0], str(err)
         except Exception as err:
@@ -190,7 +221,9 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
         hidden = wire.decode(request.hidden_states, "hidden_states")
         ids = wire.decode(request.expert_ids, "expert_ids")
         weights = wire.decode(request.routing_weights, "routing_weights")
-        partial = self.compute(request.layer, request.routing_table_version, hidden, ids, weights)
+        partial = self.compute(
+            request.layer, request.routing_table_version, hidden, ids, weights, model=request.model_fingerprint
+        )
         return pb.DispatchResponse(partial_sums=wire.encode(partial))
 
     @guarded
@@ -237,6 +270,7 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
             transports=self.transport_use.report(),
             peak_rss_bytes=_peak_rss_bytes(),
             transports_offered=offered(self.transports),
+            model_fingerprint=self.hosted.spec.fingerprint,
         )
 
     @guarded

@@ -21,9 +21,15 @@ from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 # model in fp32 are ~117 MB, and the router sends a layer's tokens in one call); more than
 # this in one call is refused before it is read. The router's channels use the same options.
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+#: Reconnect attempts of a channel to a group that went away come at most this far apart (gRPC's default grows
+#: to 120 s). While a channel waits to reconnect, calls on it fail at once: a group restarted at the same
+#: address (a Serve replica on its fixed port) was refused every call for up to the backoff after it served
+#: again, 3-4 s in the chaos benchmark's sole-group kill. A dial a second to a dead address costs nothing.
+MAX_RECONNECT_BACKOFF_MS = 1000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
 ]
 
 

@@ -93,6 +93,7 @@ def _router(
         heartbeat=heartbeat,
         poll_s=config.table_poll_s,
         timeout_s=config.dispatch_timeout_s,
+        sole_group_wait_s=config.sole_group_wait_s,
         load_window=LoadWindow(
             spec.moe_layers,
             spec.num_experts,

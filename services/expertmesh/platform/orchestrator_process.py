@@ -117,7 +117,7 @@ def run(args) -> int:
     health_settings = health_config(args)  # likewise EXPERTMESH_HEALTH_*
     connection = kube_connection(args)
     store = open_store(config.state_url, config.deployment)
-    observe, stop_observing = what_runs(store)
+    observe, stop_observing = what_runs(store, spec.fingerprint)
     reconciler = Reconciler(store, spec, config.placement, observe=observe)
     first = reconciler.reconcile_once()  # a bad placement fails here, before we report healthy
     health = HealthMonitor(store, checkpoint, health_settings)
@@ -148,6 +148,7 @@ def run(args) -> int:
         # In cluster mode every move drift starts is also an ExpertMigration object.
         on_drift_decision=DriftObjects(ExpertMigrationApi(connection), namespace) if connection else None,
         managers=[Manager("placement", args.interval, reconcile)],
+        model_fingerprint=spec.fingerprint,
     )
     reconciler.use_migrations(orchestrator.runner.submit)  # file edits from now on: live moves, make before break
     port = orchestrator.server.port

@@ -48,7 +48,8 @@ def assemble_router(
     **dispatch,
 ) -> Router:
     """The router over ``store``'s routing tables. ``checkpoint``: build its model too (else a bare
-    dispatcher). ``identity``: refuse tables made for another model. ``dispatch``: the rest of
+    dispatcher). ``identity``: refuse tables made for another model, and groups started from another
+    checkpoint (its fingerprint goes with every call). ``dispatch``: the rest of
     ``LayerDispatcher``'s settings (timeout, load window, endpoints, breakers, hidden sampler)."""
     model = build_router_model(checkpoint, dtype, device) if checkpoint is not None else None
     gate_bias = GateBias(model) if model is not None else None
@@ -66,6 +67,7 @@ def assemble_router(
     dispatcher = LayerDispatcher(
         watcher,
         transport,
+        model_fingerprint=identity.fingerprint if identity is not None else "",
         fallback=fallback,
         gate_bias=gate_bias,
         stock_choice=StockChoice(gate_bias) if gate_bias is not None else None,

@@ -73,6 +73,7 @@ class MigrationExecutor:
         router_liveness_s: float = 15.0,
         publish_attempts: int = 5,
         groups: GroupChannels | None = None,
+        model_fingerprint: str = "",
     ):
         self._store = store
         self._clock = clock
@@ -80,8 +81,9 @@ class MigrationExecutor:
         self._drain_timeout_s = drain_timeout_s
         self._liveness_s = router_liveness_s
         self._publish_attempts = publish_attempts
-        # ``groups``: anything with GroupChannels' methods (the scale simulation's simulated groups)
-        self._groups = groups if groups is not None else GroupChannels(store.endpoints)
+        # ``groups``: anything with GroupChannels' methods (the scale simulation's simulated groups). With the
+        # checkpoint's ``model_fingerprint``, a group of another checkpoint is never a migration's target or source
+        self._groups = groups if groups is not None else GroupChannels(store.endpoints, model_fingerprint)
         self._ended = meter().create_counter(
             "expertmesh.migrations", description="migrations ended, by result and reason"
         )

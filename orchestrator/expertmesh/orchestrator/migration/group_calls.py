@@ -4,6 +4,14 @@ Channels follow the endpoints the state store lists: one per address, reopened
 when a group's address changes. A failed call raises ``GroupCallFailed`` with
 the gRPC status, and the caller decides what it means there (RESOURCE_EXHAUSTED
 on LoadExperts is a full memory budget; on Dispatch, a busy group).
+
+Given the orchestrator's checkpoint fingerprint (the migration executor's and
+the reconciler's channels), the channels refuse a group started from another
+checkpoint: its Describe is FAILED_PRECONDITION (so no migration places experts
+on it and no table rebuilt from what runs lists it) and every Dispatch names the
+fingerprint (the group refuses a foreign caller itself). The health monitor's
+channels take any group: it probes what a group computes against its own
+checkpoint, and quarantines a replica that differs.
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ class GroupView:
     pid: int = 0
     #: transport ("grpc-stream", "shm", ...) -> calls routers made on it since the server started
     transport_calls: dict[str, int] = field(default_factory=dict)
+    #: the fingerprint of the checkpoint the group's experts come from ("" from a group that does not say)
+    model_fingerprint: str = ""
 
     def holds(self, pair: Pair) -> bool:
         return pair in self.pairs
@@ -99,8 +109,10 @@ class GroupChannels:
     """The orchestrator's calls to expert groups, over one ``GroupClients`` channel cache following
     the endpoints the state store lists (the router keeps its own the same way)."""
 
-    def __init__(self, endpoints: Callable[[], dict[str, str]]):
+    def __init__(self, endpoints: Callable[[], dict[str, str]], model_fingerprint: str = ""):
+        """``model_fingerprint``: the orchestrator's checkpoint's; groups of another are refused ("": any)."""
         self._endpoints = endpoints
+        self._model = model_fingerprint
         self._clients = GroupClients()
 
     def _stub(self, group: str) -> pb_grpc.ExpertGroupStub:
@@ -118,7 +130,16 @@ class GroupChannels:
             raise GroupCallFailed(group, err.code(), err.details() or "") from None
 
     def describe(self, group: str, timeout: float = CALL_TIMEOUT_S) -> GroupView:
+        """The group's Describe; FAILED_PRECONDITION for a group of another checkpoint than ours."""
         r = self._call(group, "Describe", pb.DescribeRequest(), timeout)
+        if self._model and r.model_fingerprint and r.model_fingerprint != self._model:
+            raise GroupCallFailed(
+                group,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"it holds checkpoint {r.model_fingerprint}, not this deployment's {self._model}: it was started "
+                "from another checkpoint (an upgrade in progress, a wrong volume); no experts are placed on it "
+                "until it runs the deployment's checkpoint",
+            )
         in_flight: dict[Pair, list[InFlightCalls]] = {}
         for f in r.in_flight:
             in_flight.setdefault((f.layer, f.expert), []).append(InFlightCalls(f.routing_table_version, f.calls))
@@ -138,6 +159,7 @@ class GroupChannels:
             non_finite_rows={(s.layer, s.expert): s.non_finite for s in r.expert_stats},
             pid=r.pid,
             transport_calls={t.transport: t.calls for t in r.transports},
+            model_fingerprint=r.model_fingerprint,
         )
 
     def load(self, group: str, pair: Pair) -> Loaded:
@@ -167,6 +189,7 @@ class GroupChannels:
             expert_ids=wire.encode(canary.expert_ids),
             routing_weights=wire.encode(canary.weights),
             routing_table_version=0,
+            model_fingerprint=self._model,
         )
         r = self._call(group, "Dispatch", request)
         try:
@@ -185,7 +208,8 @@ class GroupChannels:
 
 
 def held_pairs(channels: GroupChannels, groups) -> dict[str, frozenset[Pair]]:
-    """group -> the pairs it reports holding (Describe), for those of ``groups`` that answered."""
+    """group -> the pairs it reports holding (Describe), for those of ``groups`` that answered (and hold
+    ``channels``' checkpoint)."""
     held = {}
     for group in groups:
         try:

@@ -7,9 +7,12 @@ A fault that is not lifted in time still leaves the platform as it found it wher
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol
 
 from expertmesh.bench.chaos.measure import Timeline
@@ -400,4 +403,225 @@ class FlushedAfterMove:
 
         recovered = wait_until(whole, RECOVERY_TIMEOUT_S)
         _hold_until(injected, hold_s)
+        return Timeline(injected, injected, recovered)
+
+
+def foreign_checkpoint(path: Path, out: Path, seed: int = 1) -> Path:
+    """A copy of the checkpoint at ``path`` in ``out`` (made once) with every floating-point tensor changed
+    (scaled by 1 + 5% noise, seeded): another model of the same shapes, as a fine-tune, an upgrade or a wrong
+    volume is. Its checkpoint fingerprint differs; every check of a partial sum's shape, dtype and values
+    passes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if (out / "config.json").is_file():
+        return out
+    shutil.copytree(path, out)
+    gen = torch.Generator().manual_seed(seed)
+    for file in sorted(out.glob("*.safetensors")):
+        tensors = load_file(file)
+        for key, t in tensors.items():
+            if t.is_floating_point():
+                noise = 1 + 0.05 * torch.randn(t.shape, generator=gen, dtype=torch.float32)
+                tensors[key] = (t.float() * noise).to(t.dtype)
+        save_file(tensors, file, metadata={"format": "pt"})
+    return out
+
+
+def _bump_table(store) -> None:
+    """The stored routing table again, one version on: routers read the groups' endpoints with it."""
+    from dataclasses import replace
+
+    for _ in range(5):
+        table = store.routing_table()
+        if store.publish_routing_table(replace(table, version=table.version + 1)):
+            return
+    raise BenchError("the routing table kept changing under the fault; could not publish it again")
+
+
+@dataclass(frozen=True)
+class ForeignCheckpointGroup:
+    """A group started from another checkpoint of the same shapes under an existing group's name (a rolling
+    upgrade into the same deployment, a wrong volume). First as a replica would start, registering in the
+    store: it must refuse to, before it loads anything, and say why. Then one that got in anyway (an older
+    build, a registration that does not check): served without the store, its address written under the
+    group's name for the hold (again and again, over the good group's own re-registration) and the table
+    published again so routers read it now. Its partial sums have the right shape and would change answers:
+    routers must refuse them and serve its tokens from the experts' other replicas. Lifted by stopping it and
+    writing the good address back; whole again once the table lists what it did before, nothing of the group
+    is quarantined and the router calls the good group again."""
+
+    group: str
+    name: str = "foreign-checkpoint-group"
+
+    @property
+    def description(self) -> str:
+        return (
+            f"expert group {self.group} started from another checkpoint of the same shapes: registering (refused), "
+            "then its address written under the group's name for the hold"
+        )
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        import threading
+
+        from expertmesh.bench.chaos.platform import Child
+        from expertmesh.expert_group.runtime import BANNER
+
+        store, s = platform.store, platform.settings
+        good, before = store.endpoints()[self.group], store.routing_table()
+        foreign = foreign_checkpoint(platform.checkpoint.path, platform.placement_file.parent / "foreign-checkpoint")
+        serve = ["group", "serve", "--model", str(foreign), "--placement", str(platform.placement_file)]
+        serve += ["--group", self.group, "--host", platform.address_of(self.group), "--port", "0"]
+        wrap = platform.wrap_for(self.group)
+        evidence = []
+        joining = Child(
+            f"foreign-{self.group}-registering", [*serve, "--state-url", platform.redis.url], {}, s.log_dir, wrap
+        )
+        joining.start()
+        try:
+            joining.proc.wait(timeout=RECOVERY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            joining.stop()
+        last = joining.tail(1).strip()
+        refused = joining.proc.returncode == 2 and store.endpoints().get(self.group) == good
+        evidence.append(f"registering: {last}" if refused else f"it registered (exit {joining.proc.returncode})")
+
+        intruder = Child(f"foreign-{self.group}", serve, {}, s.log_dir, wrap).start()
+        address = intruder.wait_for(BANNER.pattern, RECOVERY_TIMEOUT_S).group(2)
+        lifting = threading.Event()
+
+        def keep_writing() -> None:
+            while not lifting.wait(0.2):
+                try:
+                    store.set_endpoint(self.group, address)
+                except ConnectionError:
+                    pass
+
+        writer = threading.Thread(target=keep_writing, name="chaos-foreign-endpoint", daemon=True)
+        injected = time.monotonic()
+        store.set_endpoint(self.group, address)
+        _bump_table(store)
+        writer.start()
+        try:
+            _hold_until(injected, hold_s)
+        finally:
+            lifting.set()
+            writer.join()
+            intruder.stop()
+            store.set_endpoint(self.group, good)
+            _bump_table(store)
+        lifted = time.monotonic()
+        calls = sum(platform.describe(self.group).transport_calls.values())
+
+        def whole() -> bool:
+            table = store.routing_table()
+            return (
+                table.replicas == before.replicas
+                and not any(g == self.group for _, _, g in store.quarantined())
+                and platform.router_version() >= table.version
+                and sum(platform.describe(self.group).transport_calls.values()) > calls
+            )
+
+        recovered = wait_until(whole, RECOVERY_TIMEOUT_S)
+        mark = f"expert group {self.group} at {address} refused layer"
+        refusals = [_message(line) for line in platform.router.lines if mark in line]
+        evidence.append(f"the router refused it {len(refusals)} times" + (f": {refusals[0]}" if refusals else ""))
+        note = "" if refusals else "the router never called the foreign group"
+        return Timeline(injected, lifted, recovered, note=note, evidence=tuple(evidence))
+
+
+def _message(line: str) -> str:
+    """A log line's message, whether the process logs text or JSON (``--log-format``)."""
+    import json
+
+    try:
+        return str(json.loads(line)["message"])
+    except (ValueError, KeyError, TypeError):
+        return line.strip()
+
+
+def sole_layer(table, groups: list[str]) -> tuple[int, str]:
+    """(layer, group): the group holding the most experts of one layer (the fewest moves to make it their only
+    holder), the first such in layer and group order."""
+    held = {
+        (layer, g): sum(1 for (lay, _), holders in table.replicas.items() if lay == layer and g in holders)
+        for layer in sorted({lay for lay, _ in table.replicas})
+        for g in groups
+    }
+    return max(held, key=lambda key: (held[key], -key[0], -groups.index(key[1])))
+
+
+def _migrate_together(platform: ChaosPlatform, steps: list[tuple]) -> None:
+    """Live migrations ``(layer, expert, mode, target, source)`` of distinct experts, all started at once (the
+    orchestrator runs a few at a time) and waited for; BenchError unless each succeeds."""
+    started = [platform.start_migration(*step) for step in steps]
+    for step, migration in zip(steps, started):
+        done = platform.wait_migration(migration)
+        if done.phase != admin_pb.MIGRATION_PHASE_SUCCEEDED:
+            layer, expert, mode, *_ = step
+            raise BenchError(
+                f"migration of layer {layer} expert {expert} ({admin_pb.MigrationMode.Name(mode)}) ended "
+                f"{admin_pb.MigrationPhase.Name(done.phase)}: {done.reason}"
+            )
+
+
+@dataclass(frozen=True)
+class SoleGroupKilled:
+    """Every expert of one MoE layer made one group's alone (live migrations: replicated onto it, evicted
+    from the others), then SIGKILL of that group's replica under load: every token needs it at that layer.
+    Until Ray Serve's new replica serves, requests must fail fast with UNAVAILABLE naming the group (no
+    stream held past its deadline, the engine taking new requests), then complete again. Afterwards the
+    layer's other replicas are made again."""
+
+    layer: int
+    group: str
+    name: str = "sole-group-killed"
+
+    @property
+    def description(self) -> str:
+        return (
+            f"every expert of layer {self.layer} on group {self.group} alone, then SIGKILL of its replica "
+            "(Ray Serve restarts it)"
+        )
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        import grpc
+
+        from expertmesh.bench.chaos.traffic import complete
+        from expertmesh.client import Client
+
+        store = platform.store
+        before = store.routing_table()
+        pairs = sorted(pair for pair in before.replicas if pair[0] == self.layer)
+        others = {pair: [g for g in before.replicas[pair] if g != self.group] for pair in pairs}
+        replicate, evict = admin_pb.MIGRATION_MODE_REPLICATE, admin_pb.MIGRATION_MODE_EVICT
+        _migrate_together(
+            platform, [(*p, replicate, self.group, others[p][0]) for p in pairs if self.group not in before.replicas[p]]
+        )
+        for k in range(max(len(o) for o in others.values())):  # one replica of each expert at a time
+            _migrate_together(platform, [(*p, evict, "", o[k]) for p, o in others.items() if len(o) > k])
+        sole = store.routing_table_version()
+        if wait_until(lambda: platform.router_version() >= sole, RECOVERY_TIMEOUT_S) is None:
+            raise BenchError(f"the router did not take routing table version {sole} up")
+        pid = platform.describe(self.group).pid
+        injected = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+
+        def served_again() -> bool:
+            if platform.describe(self.group).pid == pid:
+                return False
+            try:  # a request through the router (the health monitor's probes reach the group too)
+                complete(client, [3, 4, 5], 1)
+            except grpc.RpcError:
+                return False
+            return True
+
+        with Client(platform.target, timeout=platform.settings.group_timeout_s * 4) as client:
+            recovered = wait_until(served_again, RECOVERY_TIMEOUT_S)
+        _hold_until(injected, hold_s)
+        for k in range(max(len(o) for o in others.values())):
+            _migrate_together(platform, [(*p, replicate, o[k], self.group) for p, o in others.items() if len(o) > k])
+        _migrate_together(
+            platform, [(*p, evict, "", self.group) for p in pairs if self.group not in before.replicas[p]]
+        )
         return Timeline(injected, injected, recovered)

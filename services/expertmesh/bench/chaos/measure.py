@@ -44,6 +44,8 @@ class Timeline:
     repaired: float | None = None
     #: one line on anything the numbers do not say
     note: str = ""
+    #: what an operator sees of the fault, one line each (a refusal and its reason)
+    evidence: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,21 @@ def itl_p99_ms(requests: Sequence[Request], start: float, end: float) -> float |
     if not gaps:
         return None
     return 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+
+
+def longest_stall_s(requests: Sequence[Request], start: float, end: float) -> float | None:
+    """The longest any client waited on its stream, of the waits that ended in [start, end), in s: from a
+    request's sending to its first streamed chunk, between consecutive chunks, and for a failed request from
+    its last chunk (or its sending) to the error. A fault a replica covers should stall no stream; one that
+    leaves some tokens nowhere to go should fail them fast, not hold them. None without any wait."""
+    waits = [
+        b - a
+        for r in requests
+        for points in [(r.sent, *r.arrivals, *((r.ended,) if not r.ok else ()))]
+        for a, b in zip(points, points[1:])
+        if start <= b < end
+    ]
+    return max(waits, default=None)
 
 
 def unhosted(

@@ -252,6 +252,8 @@ class ChaosPlatform:
         self.groups = [f"g{i}" for i in range(settings.groups)]
         self.placement = ring_placement(self.spec, self.groups)
         self._workdir = Path(tempfile.mkdtemp(prefix="expertmesh-chaos-"))
+        #: the placement file the orchestrator applies (``placement``); a fault may start a group from it too
+        self.placement_file = self._workdir / "placement.yaml"
         self.redis = self._redis_server()
         self.store: StateStore | None = None
         self.channels: GroupChannels | None = None
@@ -276,8 +278,7 @@ class ChaosPlatform:
         self.redis.start()
         self.store = open_store(self.redis.url)
         self.channels = GroupChannels(self.store.endpoints)
-        placement_file = self._workdir / "placement.yaml"
-        placement_file.write_text(yaml.safe_dump(self.placement))
+        self.placement_file.write_text(yaml.safe_dump(self.placement))
         progress(
             f"bench chaos: redis-server on {self.redis.host}:{self.redis.port}; "
             f"starting {len(self.groups)} expert groups"
@@ -292,7 +293,7 @@ class ChaosPlatform:
                 "--model",
                 str(self.checkpoint.path),
                 "--placement",
-                str(placement_file),
+                str(self.placement_file),
                 "--admin-host",
                 self.address_of("orchestrator"),
                 "--admin-port",

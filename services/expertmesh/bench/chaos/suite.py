@@ -11,13 +11,18 @@ group's replica, SIGSTOP of a group, one expert's weights corrupted in a running
 groups' test-only fault hook, enabled for this run), the same with its other replica evicted
 first (the quarantine then leaves a fallback: degraded outputs), Redis stopped, Redis frozen
 (SIGSTOP), Redis flushed, a routing table of another model published over the good one, a live
-move followed by a flush, the orchestrator killed.
+move followed by a flush, the orchestrator killed, a group started from another checkpoint of the
+same shapes under a group's name (registering, then its address written over the good one's), and
+a group made the only holder of a whole layer and then killed.
 
 Per scenario (``chaos.measure``): requests sent / completed / failed, completions that differ
 from the reference (``wrong_outputs``: must be 0; for the corruption, the ones sent before the
 quarantine took effect are counted apart as ``wrong_before_quarantine``, and ``degraded`` ones
 served by a quarantine fallback apart again), seconds to detect, to quarantine and to recover,
-and streamed tokens per second during the fault against the quiet window before it.
+streamed tokens per second during the fault against the quiet window before it, and the longest
+stall of any stream (``measure.longest_stall_s``: the longest a client waited for its next token,
+or for the error that ended its request) during the fault and in the quiet window before it; and
+what an operator saw of the fault (``evidence``: a refusal and its reason).
 
 ``--hosts``: the multi-host fault bed. Redis, the orchestrator, the router and each expert group
 (a plain ``expertmesh group serve`` process, no Ray) each on a test host of its own, a network
@@ -70,6 +75,8 @@ SCENARIOS = (
     "table-mismatch",
     "flush-after-move",
     "orchestrator-killed",
+    "foreign-checkpoint-group",
+    "sole-group-killed",
 )
 #: the multi-host scenarios (``--hosts``), in the order they run
 HOST_SCENARIOS = (
@@ -312,6 +319,10 @@ def _fault(name: str, options: Options, platform, target: Callable[[], Target]):
         holders = set(platform.store.routing_table().replicas[(layer, expert)])
         target = next(g for g in platform.groups if g not in holders)
         return faults.FlushedAfterMove(layer, expert, source, target)
+    if name == "foreign-checkpoint-group":
+        return faults.ForeignCheckpointGroup(platform.groups[1 % len(platform.groups)])
+    if name == "sole-group-killed":
+        return faults.SoleGroupKilled(*faults.sole_layer(platform.store.routing_table(), platform.groups))
     return faults.OrchestratorKilled()
 
 
@@ -322,7 +333,7 @@ def run(options: Options, hosts=None) -> dict:
 
     from expertmesh.bench.chaos.faults import ExpertCorrupted
     from expertmesh.bench.chaos.host_faults import UnhostedWatch
-    from expertmesh.bench.chaos.measure import count, itl_p99_ms, overlapping, tokens_per_second
+    from expertmesh.bench.chaos.measure import count, itl_p99_ms, longest_stall_s, overlapping, tokens_per_second
     from expertmesh.bench.chaos.platform import ChaosPlatform, PlatformSettings
     from expertmesh.bench.chaos.traffic import Traffic, complete
     from expertmesh.client import Client
@@ -395,6 +406,8 @@ def run(options: Options, hosts=None) -> dict:
             "throughput_during_over_before": during / before if before and during is not None else None,
             "itl_p99_ms_before": itl_p99_ms(traffic.requests, quiet_from, t.injected),
             "itl_p99_ms_during": itl_p99_ms(traffic.requests, t.injected, end),
+            "longest_stall_s_before": longest_stall_s(traffic.requests, quiet_from, t.injected),
+            "longest_stall_s_during": longest_stall_s(traffic.requests, t.injected, end),
         }
         if isinstance(fault, ExpertCorrupted):
             since = functools.partial(_since, t.injected)
@@ -412,6 +425,8 @@ def run(options: Options, hosts=None) -> dict:
             )
         if t.note:
             entry["note"] = t.note
+        if t.evidence:
+            entry["evidence"] = list(t.evidence)
         scenarios.append(entry)
     setup = {**options_summary(options), "machine": machine(), "placement": "every expert on two groups"}
     if hosts is not None:
@@ -493,6 +508,8 @@ def table(result: dict) -> str:
             s["tokens_per_s_during"],
             s["itl_p99_ms_before"],
             s["itl_p99_ms_during"],
+            s["longest_stall_s_before"],
+            s["longest_stall_s_during"],
         ]
         for s in result["scenarios"]
     ]
@@ -511,8 +528,10 @@ def table(result: dict) -> str:
         "tok/s during",
         "ITL p99 ms before",
         "during",
+        "stall s before",
+        "during",
     ]
-    formats = ["", "d", "d", "d", "d", "d", "d", ".1f", ".1f", ".1f", ".1f", ".1f", ".0f", ".0f"]
+    formats = ["", "d", "d", "d", "d", "d", "d", ".1f", ".1f", ".1f", ".1f", ".1f", ".0f", ".0f", ".2f", ".2f"]
     if "hosts" in setup:  # the multi-host scenarios: experts any table read found without a replica
         headers.append("unhosted")
         formats.append("d")
@@ -536,6 +555,8 @@ def table(result: dict) -> str:
         lines.append(f"router -> groups: {paths}")
     for s in result["scenarios"]:
         lines.append(f"{s['scenario']}: {s['fault']}" + (f" ({s['note']})" if "note" in s else ""))
+        for seen in s.get("evidence", ()):
+            lines.append(f"  seen: {seen}")
         for failure, n in s["failures"].items():
             lines.append(f"  {n} x {failure}")
     return "\n".join(lines)

@@ -11,16 +11,26 @@ experts); only the routed-experts call lands here. Dispatch has three parts:
 3. ``transport.Transport``: carries one request to one group (shared memory for
    a group on this host, a gRPC stream otherwise; see ``router.transport``).
 
-Above the transport sit replica choice, retries and checks: every response is
-checked (shape, dtype, finite values) before it is summed; a group that fails or
-answers wrongly has its tokens re-planned onto other replicas within the same
-step, and only when none exists does the step fail, with UNAVAILABLE (the group
-failed) or INTERNAL (it answered wrongly), naming the group. A group that went
-away (UNAVAILABLE) may come back at a new address with no new routing table (a
-Serve replica restarted on another port, or on a node that returned): when its
-tokens went to other replicas, the groups' addresses are looked up again off the
-step (``resolve_endpoints``), so the step its circuit breaker next lets try it
-reaches it there.
+Above the transport sit replica choice, retries and checks: every call names the
+router's checkpoint fingerprint, and a group started from another checkpoint
+refuses it (FAILED_PRECONDITION), so its partial sums are never summed; every
+response is checked (shape, dtype, finite values) before it is summed; a group
+that fails, refuses or answers wrongly has its tokens re-planned onto other
+replicas within the same step, and only when none exists does the step fail,
+with UNAVAILABLE (the group failed or holds another checkpoint) or INTERNAL (it
+answered wrongly), naming the group.
+
+A group that went away (UNAVAILABLE), or whose address now answers with another
+checkpoint, may be back at a new address with no new routing table (a Serve
+replica restarted on another port, or on a node that returned): the groups'
+addresses are looked up again in a thread of their own (``resolve_endpoints``),
+never on the step, since the lookup may wait (Serve's directory answers once a
+restarting replica serves) or fail with Ray's or the store's own error. The step
+its circuit breaker next lets try the group reaches it there. A group that went
+away holding experts no other replica has is resent its call for at most
+``sole_group_wait_s`` (a blip, or a restart the lookup finds meanwhile), and at
+once fails the step with UNAVAILABLE once its breaker is open: the step's
+requests fail fast, within their deadline, and the engine goes on to other work.
 
 The view comes from the dispatcher's ``table_watcher.TableWatcher``, which keeps
 it current from the store off the step's critical path; a step takes it at its
@@ -37,6 +47,7 @@ and the group that served each slot when a request asked for a routing trace).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -60,7 +71,7 @@ from expertmesh.contracts.load_window import LoadWindow
 from expertmesh.infra.finite import all_finite
 from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.router.dispatch import degraded, step_choices
-from expertmesh.router.dispatch.circuit import CircuitBreakers
+from expertmesh.router.dispatch.circuit import BreakerState, CircuitBreakers
 from expertmesh.router.dispatch.degraded import StockChoice
 from expertmesh.router.dispatch.layer_plan import GroupCall, NoHealthyReplica, plan_layer, restrict_to, slot_groups
 from expertmesh.router.dispatch.routing_view import RoutingView
@@ -93,14 +104,27 @@ class _InFlight:
     received: int = 0  # response bytes
 
 
+class _Failure(enum.Enum):
+    """How one group call failed: what the step may still do about it besides other replicas."""
+
+    #: UNAVAILABLE: the group went away and may be back soon, maybe at a new address (a restarting replica):
+    #: its address is looked up again, and with no other replica its call is resent for a moment
+    GONE = "gone"
+    #: FAILED_PRECONDITION: the process at its address holds another checkpoint: its address is looked up
+    #: again (the group may have moved), and nothing is ever resent there
+    FOREIGN = "foreign"
+    #: anything else (a wrong answer, the deadline): no resend, no lookup
+    FAILED = "failed"
+
+
 class _GroupFailed(Exception):
     """One group call of a layer failed; ``error`` is what the step raises if no replica takes over."""
 
-    def __init__(self, flight: _InFlight, error: ExpertMeshError, retryable: bool):
+    def __init__(self, flight: _InFlight, error: ExpertMeshError, failure: _Failure):
         super().__init__(str(error))
         self.flight = flight
         self.error = error
-        self.retryable = retryable  # the group may be back at a new address (a restarted replica)
+        self.failure = failure
 
 
 class LayerDispatcher:
@@ -116,6 +140,8 @@ class LayerDispatcher:
         timeout_s: float = 30.0,
         load_window: LoadWindow | None = None,
         resolve_endpoints: Callable[[], dict[str, str]] | None = None,
+        sole_group_wait_s: float = 1.0,
+        model_fingerprint: str = "",
         breakers: CircuitBreakers | None = None,
         fallback: Fallback = "next_best",
         gate_bias: GateBias | None = None,
@@ -123,11 +149,16 @@ class LayerDispatcher:
         hidden_sampler: HiddenSampler | None = None,
     ):
         """``resolve_endpoints``: a fresh group -> address map when a group stops answering (None: what the
-        watcher's store lists). ``fallback``: how tokens of an expert whose every replica is
+        watcher's store lists), called off the steps. ``sole_group_wait_s``: how long a step resends to a
+        group that went away holding experts no other replica has, before it fails. ``model_fingerprint``:
+        the router's checkpoint's, named in every call ("": groups do not check it). ``fallback``: how
+        tokens of an expert whose every replica is
         quarantined are served (``Fallback``); ``gate_bias`` and ``stock_choice`` are the router model's
         (None: a bare dispatcher, tokens routed as given)."""
         self._watcher = watcher
         self._resolve_endpoints = resolve_endpoints or watcher.endpoints
+        self._sole_wait = sole_group_wait_s
+        self._model = model_fingerprint
         self.load_window = load_window
         #: keeps a sample of each layer's hidden states for the health monitor (None: off)
         self.hidden_sampler = hidden_sampler
@@ -347,7 +378,7 @@ class LayerDispatcher:
     ) -> _InFlight:
         group = view.groups[call.group]
         # hidden [T, H]: the transport gathers the group's rows itself (into shared memory, where it can)
-        request = GroupRequest(layer, view.version, hidden, call.tokens, call.expert_ids, call.weights)
+        request = GroupRequest(layer, view.version, hidden, call.tokens, call.expert_ids, call.weights, self._model)
         span = tracer().start_span(
             "expertmesh.group_call",
             links=links,
@@ -384,19 +415,26 @@ class LayerDispatcher:
         except TransportError as err:
             self.breakers.failure(group)
             span.set_status(Status(StatusCode.ERROR, err.code.name))
+            failure = _Failure.FAILED
             if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and flight.timeout_s < self._timeout:
                 error: ExpertMeshError = DeadlineExceeded(
                     f"expert group {group} did not answer layer {layer} before the step's requests expired"
                 )
+            elif err.code == grpc.StatusCode.FAILED_PRECONDITION:  # the group's ForeignCheckpoint
+                error = GroupUnavailable(
+                    f"expert group {group} at {self._transport.address(group)} refused layer {layer}: {err.details}"
+                )
+                failure = _Failure.FOREIGN
             else:
                 error = GroupUnavailable(
                     f"expert group {group} at {self._transport.address(group)} failed layer {layer}: {err}"
                 )
-            raise _GroupFailed(flight, error, retryable=err.code == grpc.StatusCode.UNAVAILABLE) from None
+                failure = _Failure.GONE if err.code == grpc.StatusCode.UNAVAILABLE else _Failure.FAILED
+            raise _GroupFailed(flight, error, failure) from None
         except BadGroupResponse as err:
             self.breakers.failure(group)
             span.set_status(Status(StatusCode.ERROR, "bad response"))
-            raise _GroupFailed(flight, err, retryable=False) from None
+            raise _GroupFailed(flight, err, _Failure.FAILED) from None
         finally:
             self._in_flight[group] -= 1
             span.end()
@@ -434,24 +472,24 @@ class LayerDispatcher:
         """Re-plan the failed calls' slots onto other replicas, within this step; adds into ``out``, and
         the calls that answered to ``served``.
 
-        A call whose experts have no other replica is resent to the same group if it may be back at a
-        new address (UNAVAILABLE), else its error fails the step.
+        A call whose experts have no other replica is resent to the same group for a moment if it went
+        away (``_resend``), else its error fails the step.
         """
         avoid = frozenset(view.groups.index(f.flight.group) for f in failed)
         flights = []
         for failure in failed:
             log.warning("%s; failing over", failure.error)
+            if failure.failure is not _Failure.FAILED:  # it may be back, or be, elsewhere: look it up off the step
+                self._look_up_later()
             index, weights = restrict_to(failure.flight.call, num_tokens, view.num_experts)
             try:
                 calls = plan_layer(view, layer, index, weights, self._in_flight_by_index(view), avoid)
             except NoHealthyReplica:
-                if not failure.retryable:
+                if failure.failure is not _Failure.GONE:
                     raise failure.error from None
                 _add_rows(out, failure.flight.call.tokens, self._resend(layer, hidden, failure))
                 served.append(failure.flight.call)
                 continue
-            if failure.retryable:  # it may come back elsewhere; its replicas serve meanwhile
-                self._look_up_later()
             retries = [self._send(view, layer, hidden, call, links, timeout_s) for call in calls]
             for flight in retries:
                 try:
@@ -463,23 +501,41 @@ class LayerDispatcher:
         return flights
 
     def _resend(self, layer: int, hidden: torch.Tensor, failure: _GroupFailed) -> torch.Tensor:
-        """A group that went away (a replica restarting, say): look its address up again and resend
-        until the call's deadline. Dispatch computes a pure function of the request, so resending is safe."""
+        """[Tg, H] partial sums of a group that went away holding experts no other replica has: its call
+        resent (Dispatch computes a pure function of the request) to whatever address the transport has for
+        it, for at most ``sole_group_wait_s`` and the call's deadline: a blip, or a restarted replica whose
+        address the lookup off the step finds meanwhile. None of it once the group's breaker is open (it has
+        failed steps in a row): each step it fails then fails at once. Else GroupUnavailable, naming it.
+
+        Its address is never looked up here: the lookup may wait (Serve's directory answers once a
+        restarting replica serves) or fail with Ray's or the store's error, and every sequence of the step
+        would wait with it, past their deadlines."""
         flight, group = failure.flight, failure.flight.group
-        delay = 0.1
-        while True:
-            self._use_endpoints(self._resolve_endpoints())
-            left = flight.timeout_s - (time.perf_counter() - flight.sent_at)
+        call_end = flight.sent_at + flight.timeout_s
+        waiting = self._sole_wait if self.breakers.state(group) is BreakerState.CLOSED else 0.0
+        give_up = min(call_end, time.perf_counter() + waiting)
+        error, delay = failure.error, 0.05
+        while (left := give_up - time.perf_counter()) > 0:
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.5)
             try:
-                reply = self._transport.send(group, flight.request, max(left, 0.001)).result()
-                return self._checked(layer, group, reply, flight.call.tokens.numel(), hidden)
+                reply = self._transport.send(group, flight.request, max(call_end - time.perf_counter(), 0.001))
+                partial = self._checked(layer, group, reply.result(), flight.call.tokens.numel(), hidden)
             except TransportError as err:
-                if err.code != grpc.StatusCode.UNAVAILABLE or left <= delay:
-                    raise GroupUnavailable(
-                        f"expert group {group} at {self._transport.address(group)} failed layer {layer}: {err}"
-                    ) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+                error = GroupUnavailable(
+                    f"expert group {group} at {self._transport.address(group)} failed layer {layer}: {err}"
+                )
+                if err.code != grpc.StatusCode.UNAVAILABLE:
+                    raise error from None
+                self._look_up_later()  # a lookup that found the old address is made again
+                continue
+            self.breakers.success(group)
+            return partial
+        why = f"it was not back within {waiting:g} s" if waiting else "it has failed steps in a row"
+        raise GroupUnavailable(
+            f"{error}; no other group holds the experts its tokens chose there, and {why} "
+            "(its address is being looked up again): retry shortly"
+        ) from None
 
     def _look_up_later(self) -> None:
         """The groups' addresses looked up again in a thread of its own, not the step's: the lookup may wait

@@ -70,6 +70,8 @@ class GroupRequest:
     tokens: torch.Tensor  # [Tg] int64: the rows this group needs
     expert_ids: torch.Tensor  # [Tg, K] int32: global ids to apply, -1 elsewhere
     weights: torch.Tensor  # [Tg, K]
+    #: the router's checkpoint fingerprint: a group of another checkpoint refuses the call ("": not checked)
+    model: str = ""
 
     def rows(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """[Tg, H] hidden states of the group's tokens, into ``out`` when given (same device)."""

@@ -41,7 +41,12 @@ _NOT_THIS_WAY = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOUR
 
 def request_frame(call_id: int, request: GroupRequest) -> pb.DispatchFrame:
     """The frame of one call, less its tensors (the paths add those their own way)."""
-    frame = pb.DispatchFrame(call_id=call_id, layer=request.layer, routing_table_version=request.table_version)
+    frame = pb.DispatchFrame(
+        call_id=call_id,
+        layer=request.layer,
+        routing_table_version=request.table_version,
+        model_fingerprint=request.model,
+    )
     if tracing_enabled():
         propagate.inject(frame.trace_context)
     return frame

@@ -60,6 +60,7 @@ class GrpcTransport:
             expert_ids=wire.encode(request.expert_ids),  # [Tg, K]
             routing_weights=wire.encode(request.weights),  # [Tg, K]
             routing_table_version=request.table_version,
+            model_fingerprint=request.model,
         )
         return _UnaryPending(stub.Dispatch.future(message, timeout=timeout_s))
 

@@ -302,5 +302,10 @@ def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
     for name in ("expert-corrupted", "expert-corrupted-sole"):
         assert by_name[name]["detected"] and by_name[name]["quarantined"], by_name[name]
     assert by_name["expert-corrupted"]["degraded"] == 0  # its other replica served: no fallback
+    released = by_name["released-after-degraded-prefix"]
+    assert released["probes"] == 9 and "0 of 6 completions" not in released["evidence"][0], released
+    http = by_name["redis-frozen-http-prefer"]
+    assert http["probes"] > 0 and http["health_live_max_ms"] < 1000, http  # the event loop never waited on Redis
+    assert http["longest_stall_s_during"] < 1.0 + (http["longest_stall_s_before"] or 0.0), http
     assert result["steady"]["failed"] == 0 and result["steady"]["wrong_outputs"] == 0
     print(bench_chaos.table(result))

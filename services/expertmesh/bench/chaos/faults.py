@@ -625,3 +625,176 @@ class SoleGroupKilled:
             platform, [(*p, evict, "", self.group) for p in pairs if self.group not in before.replicas[p]]
         )
         return Timeline(injected, injected, recovered)
+
+
+def _router_beats_twice_after(platform: ChaosPlatform, wall: float, timeout_s: float) -> float | None:
+    """time.monotonic() once the router has reported twice since ``wall`` (time.time()): its table watcher re-reads
+    the quarantines every 0.25 s, well within two heartbeats (0.5 s apart), so by then it serves what changed."""
+    beats: set[float] = set()
+
+    def twice() -> bool:
+        beats.update(b.at for b in platform.store.router_heartbeats().values() if b.at > wall)
+        return len(beats) >= 2
+
+    return wait_until(twice, timeout_s, poll_s=0.05)
+
+
+def long_prompts(vocab: int, count: int, blocks: int = 3, seed: int = 7) -> list[list[int]]:
+    """``count`` prompts of ``blocks`` full 16-token KV blocks and a few tokens more (the prefix cache keeps
+    full blocks only), seeded."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (16 * blocks + 3,), generator=gen).tolist() for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class ReleasedAfterDegradedPrefix:
+    """Every replica of one expert quarantined on every MoE layer by the operator (``expertmesh quarantine``):
+    routers serve around it (degraded). Long prompts sent meanwhile (each twice: the second may find the
+    first's blocks) have their KV blocks computed around the expert; then the expert is released and the same
+    prompts sent again. After the release they must be the references of before the quarantine: a prefix cache
+    that outlived the routing it was computed under served the quarantine's keys and values, status OK (issue
+    39). The fault's own requests (``probes``) count with the clients'; those sent while the router fell back
+    count as ``degraded`` when they differ, every later one as ``wrong``."""
+
+    expert: int
+    prompts: tuple[tuple[int, ...], ...]
+    max_new_tokens: int
+    name: str = "released-after-degraded-prefix"
+
+    @property
+    def description(self) -> str:
+        return (
+            f"expert {self.expert} quarantined on every layer and every group; {len(self.prompts)} prompts of "
+            f"{len(self.prompts[0])} tokens served around it (twice each), the expert released, the same prompts again"
+        )
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        from expertmesh.bench.chaos.probes import grpc_send, probe
+        from expertmesh.client import Client
+        from expertmesh.orchestrator import admin_client
+
+        layers = platform.spec.moe_layers
+        channel, stub = admin_client.connect(platform.admin_address)
+        probes = []
+        try:
+            with Client(platform.target, timeout=60) as client:
+                send = [grpc_send(client, list(p), self.max_new_tokens) for p in self.prompts]
+                reference = tuple(tuple(s(lambda n: None)) for s in send)
+                injected, wall = time.monotonic(), time.time()
+                for layer in layers:
+                    admin_client.call(stub.Quarantine, admin_pb.QuarantineRequest(layer=layer, expert=self.expert))
+                if _router_beats_twice_after(platform, wall, RECOVERY_TIMEOUT_S) is None:
+                    raise BenchError("the router did not report after the quarantine")
+                for _ in range(2):
+                    probes += [probe(i, s) for i, s in enumerate(send)]
+                _hold_until(injected, hold_s)
+                for layer in layers:
+                    admin_client.call(stub.Release, admin_pb.ReleaseRequest(layer=layer, expert=self.expert))
+                lifted = time.monotonic()
+                # Released replicas are repaired, then on probation (still out of service) for a few health
+                # rounds: the router falls back until their quarantine entries go.
+                gone = wait_until(
+                    lambda: not any(e == self.expert for _, e, _ in platform.store.quarantined()), RECOVERY_TIMEOUT_S
+                )
+                fallback_until = None
+                if gone is not None:
+                    fallback_until = _router_beats_twice_after(platform, time.time(), RECOVERY_TIMEOUT_S)
+                probes += [probe(i, s) for i, s in enumerate(send)]
+        finally:
+            channel.close()
+        degraded = sum(r.ok and r.tokens != reference[r.client] for r in probes[: 2 * len(send)])
+        return Timeline(
+            injected,
+            lifted,
+            time.monotonic() if fallback_until is not None else None,
+            fallback_until=fallback_until,
+            probes=tuple(probes),
+            probe_reference=reference,
+            evidence=(
+                f"{degraded} of {2 * len(send)} completions around the quarantine differed from the references "
+                "(the fallback's); every later one must not",
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class RedisFrozenUnderHttpPrefer:
+    """redis-server frozen (SIGSTOP) for ``down_s`` while clients stream over the OpenAI-compatible HTTP API
+    with the ``prefer`` routing policy (which reads a domain's capability profile) and ``/health/live`` is
+    polled every 50 ms. Before issue 39 such a request read the store on the HTTP server's event loop, under a
+    lock every such request takes: every stream and the liveness probe waited for the socket timeout, and
+    Kubernetes restarted the router. Profiles are read off the request path now; the router serves on what it
+    read last. ``health_live_max_ms`` is the longest the liveness probe waited (target: under 100 ms)."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    max_new_tokens: int
+    domain: str = "code"
+    down_s: float = 10.0
+    name: str = "redis-frozen-http-prefer"
+
+    @property
+    def description(self) -> str:
+        return (
+            f"redis-server frozen (SIGSTOP) for {self.down_s:g} s under {len(self.prompts)} HTTP clients with "
+            f"routing_policy prefer (domain {self.domain}), /health/live polled every 50 ms; then SIGCONT"
+        )
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        import threading
+
+        import numpy as np
+
+        from expertmesh.bench.chaos.probes import LivenessWatch, http_send, probe
+        from expertmesh.router.policy.profiles import build_profiles, save_profiles
+
+        layers = tuple(platform.spec.moe_layers)
+        gen = np.random.default_rng(3)
+        loads = {self.domain: gen.integers(1, 50, (len(layers), platform.spec.num_experts)).astype(float)}
+        save_profiles(platform.store, build_profiles(loads, layers))
+        model = platform.checkpoint.path.name
+        body = lambda p: {  # noqa: E731
+            "model": model,
+            "prompt": list(p),
+            "max_tokens": self.max_new_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "routing_policy": "prefer",
+            "domain": self.domain,
+        }
+        send = [http_send(platform.http_url, body(p), 60) for p in self.prompts]
+        first = [probe(i, s) for i, s in enumerate(send)]  # the references; the router reads the profile now
+        if not all(r.ok for r in first):
+            raise BenchError(f"an HTTP prefer request failed before the fault: {[r.error for r in first if not r.ok]}")
+        reference = tuple(r.tokens for r in first)
+        probes, stop = [], threading.Event()
+
+        def client(i: int) -> None:
+            while not stop.is_set():
+                probes.append(probe(i, send[i]))
+
+        redis = platform.redis.proc
+        watch = LivenessWatch(platform.http_url).start()
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(send))]
+        for t in threads:
+            t.start()
+        try:
+            injected, _ = held(
+                lambda: redis.send_signal(signal.SIGSTOP), lambda: redis.send_signal(signal.SIGCONT), self.down_s
+            )
+            lifted, recovered = lifted_until_the_router_reports(platform)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+            longest = watch.stop()
+        return Timeline(
+            injected,
+            lifted,
+            recovered,
+            probes=tuple(probes),
+            probe_reference=reference,
+            health_live_max_s=longest,
+            evidence=(f"/health/live answered {watch.checks} probes, the slowest in {1e3 * longest:.0f} ms",),
+        )

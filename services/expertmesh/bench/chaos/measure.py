@@ -46,6 +46,12 @@ class Timeline:
     note: str = ""
     #: what an operator sees of the fault, one line each (a refusal and its reason)
     evidence: tuple[str, ...] = ()
+    #: requests the fault sent itself (``probes``), counted with the clients' against ``probe_reference``
+    #: (indexed by their ``client``)
+    probes: tuple[Request, ...] = ()
+    probe_reference: tuple[tuple[int, ...], ...] = ()
+    #: the longest ``/health/live`` took to answer during the fault, in s (None: not watched)
+    health_live_max_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,17 @@ class Counts:
     degraded: int
     #: "CODE: details" -> requests that failed so
     failures: dict[str, int]
+
+    def __add__(self, other: "Counts") -> "Counts":
+        return Counts(
+            self.sent + other.sent,
+            self.completed + other.completed,
+            self.failed + other.failed,
+            self.wrong_outputs + other.wrong_outputs,
+            self.wrong_before_quarantine + other.wrong_before_quarantine,
+            self.degraded + other.degraded,
+            dict(Counter(self.failures) + Counter(other.failures)),
+        )
 
 
 def overlapping(requests: Sequence[Request], start: float, end: float) -> list[Request]:

@@ -260,6 +260,8 @@ class ChaosPlatform:
         self.orchestrator: Child | None = None
         self.router: Child | None = None
         self.target = ""
+        #: the router's OpenAI-compatible HTTP API (``http://host:port``)
+        self.http_url = ""
         self.admin_address = ""
         self._ray_started = False
 
@@ -324,6 +326,8 @@ class ChaosPlatform:
                 self.address_of("router"),
                 "--port",
                 "0",
+                "--http-port",
+                "0",
                 "--max-active",
                 "64",
             ],
@@ -336,7 +340,8 @@ class ChaosPlatform:
             self.wrap_for("router"),
         ).start()
         self.target = self.router.wait_for(r"expertmesh is serving \S+ on (\S+:\d+) ", 300).group(1)
-        progress(f"bench chaos: router serving on {self.target}")
+        self.http_url = self.router.wait_for(r"OpenAI-compatible HTTP API on (\S+)/v1 ", 60).group(1)
+        progress(f"bench chaos: router serving on {self.target}, HTTP on {self.http_url}")
 
     # Where each process runs: here all on loopback; ``hosts_platform.HostsPlatform`` puts each on a test host.
 

@@ -12,8 +12,11 @@ groups' test-only fault hook, enabled for this run), the same with its other rep
 first (the quarantine then leaves a fallback: degraded outputs), Redis stopped, Redis frozen
 (SIGSTOP), Redis flushed, a routing table of another model published over the good one, a live
 move followed by a flush, the orchestrator killed, a group started from another checkpoint of the
-same shapes under a group's name (registering, then its address written over the good one's), and
-a group made the only holder of a whole layer and then killed.
+same shapes under a group's name (registering, then its address written over the good one's),
+a group made the only holder of a whole layer and then killed, an expert quarantined on every layer
+while long prompts fill the prefix cache and then released (the same prompts again must be exact),
+and Redis frozen under clients streaming over the HTTP API with the ``prefer`` policy (its
+``/health/live`` polled throughout).
 
 Per scenario (``chaos.measure``): requests sent / completed / failed, completions that differ
 from the reference (``wrong_outputs``: must be 0; for the corruption, the ones sent before the
@@ -22,7 +25,9 @@ served by a quarantine fallback apart again), seconds to detect, to quarantine a
 streamed tokens per second during the fault against the quiet window before it, and the longest
 stall of any stream (``measure.longest_stall_s``: the longest a client waited for its next token,
 or for the error that ended its request) during the fault and in the quiet window before it; and
-what an operator saw of the fault (``evidence``: a refusal and its reason).
+what an operator saw of the fault (``evidence``: a refusal and its reason). A fault's own requests
+(``probes``: the long prompts, the HTTP clients) count with the clients'; ``health_live_max_ms`` is
+the longest ``/health/live`` took where a fault watched it.
 
 ``--hosts``: the multi-host fault bed. Redis, the orchestrator, the router and each expert group
 (a plain ``expertmesh group serve`` process, no Ray) each on a test host of its own, a network
@@ -77,6 +82,8 @@ SCENARIOS = (
     "orchestrator-killed",
     "foreign-checkpoint-group",
     "sole-group-killed",
+    "released-after-degraded-prefix",
+    "redis-frozen-http-prefer",
 )
 #: the multi-host scenarios (``--hosts``), in the order they run
 HOST_SCENARIOS = (
@@ -319,6 +326,15 @@ def _fault(name: str, options: Options, platform, target: Callable[[], Target]):
         holders = set(platform.store.routing_table().replicas[(layer, expert)])
         target = next(g for g in platform.groups if g not in holders)
         return faults.FlushedAfterMove(layer, expert, source, target)
+    if name == "released-after-degraded-prefix":
+        vocab = platform.checkpoint.config.get_text_config().vocab_size
+        busiest = pick_expert(platform, 1.0)  # the expert most tokens choose: the fallback changes most answers
+        prompts = tuple(map(tuple, faults.long_prompts(vocab, 3)))
+        return faults.ReleasedAfterDegradedPrefix(busiest.expert, prompts, options.max_new_tokens)
+    if name == "redis-frozen-http-prefer":
+        vocab = platform.checkpoint.config.get_text_config().vocab_size
+        prompts = tuple(map(tuple, faults.long_prompts(vocab, 3, blocks=1, seed=11)))
+        return faults.RedisFrozenUnderHttpPrefer(prompts, options.max_new_tokens, down_s=options.redis_down_seconds)
     if name == "foreign-checkpoint-group":
         return faults.ForeignCheckpointGroup(platform.groups[1 % len(platform.groups)])
     if name == "sole-group-killed":
@@ -390,7 +406,7 @@ def run(options: Options, hosts=None) -> dict:
     for fault, quiet_from, t, watch in runs:
         end = _span_end(t, options.hold_seconds)
         mine = overlapping(traffic.requests, t.injected, end)
-        counts = count(mine, reference, t)
+        counts = count(mine, reference, t) + count(t.probes, t.probe_reference, t)
         before = tokens_per_second(traffic.arrivals, quiet_from, t.injected)
         during = tokens_per_second(traffic.arrivals, t.injected, end)
 
@@ -407,8 +423,12 @@ def run(options: Options, hosts=None) -> dict:
             "itl_p99_ms_before": itl_p99_ms(traffic.requests, quiet_from, t.injected),
             "itl_p99_ms_during": itl_p99_ms(traffic.requests, t.injected, end),
             "longest_stall_s_before": longest_stall_s(traffic.requests, quiet_from, t.injected),
-            "longest_stall_s_during": longest_stall_s(traffic.requests, t.injected, end),
+            "longest_stall_s_during": longest_stall_s([*traffic.requests, *t.probes], t.injected, end),
         }
+        if t.probes:
+            entry["probes"] = len(t.probes)
+        if t.health_live_max_s is not None:
+            entry["health_live_max_ms"] = 1e3 * t.health_live_max_s
         if isinstance(fault, ExpertCorrupted):
             since = functools.partial(_since, t.injected)
             entry.update(

@@ -200,7 +200,7 @@ class HealthMonitor:
             if current.get(r) == before.get(r):
                 merged[r] = record
             else:
-                log.info("health: %s changed during this round (a command); its check waits for the next round", r)
+                log.info("health: %s changed meanwhile (a command, or a round); this change of it is dropped", r)
         return merged
 
     def restore(self) -> frozenset[tuple[int, int, str]]:
@@ -213,7 +213,8 @@ class HealthMonitor:
             for record in lost.values():
                 state.save(self._store, record)
             for record in records.values():
-                self._publish_entry(record)
+                if record.state.out_of_service:  # the others have no entry to put back
+                    self._publish_entry(record)
             self._latest = records
             pinned = self._store.health_probes()
             for layer, probe in sorted(self._pinned.items()):

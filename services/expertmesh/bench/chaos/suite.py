@@ -11,7 +11,8 @@ group's replica, SIGSTOP of a group, one expert's weights corrupted in a running
 groups' test-only fault hook, enabled for this run), the same with its other replica evicted
 first (the quarantine then leaves a fallback: degraded outputs), Redis stopped, Redis frozen
 (SIGSTOP), Redis flushed, a routing table of another model published over the good one, a live
-move followed by a flush, the orchestrator killed.
+move followed by a flush, a flush during an operator's quarantine of a corrupted replica (it must
+come back before any table, and no request may be served by the replica), the orchestrator killed.
 
 Per scenario (``chaos.measure``): requests sent / completed / failed, completions that differ
 from the reference (``wrong_outputs``: must be 0; for the corruption, the ones sent before the
@@ -69,6 +70,7 @@ SCENARIOS = (
     "redis-flushed",
     "table-mismatch",
     "flush-after-move",
+    "flush-during-quarantine",
     "orchestrator-killed",
 )
 #: the multi-host scenarios (``--hosts``), in the order they run
@@ -312,6 +314,9 @@ def _fault(name: str, options: Options, platform, target: Callable[[], Target]):
         holders = set(platform.store.routing_table().replicas[(layer, expert)])
         target = next(g for g in platform.groups if g not in holders)
         return faults.FlushedAfterMove(layer, expert, source, target)
+    if name == "flush-during-quarantine":
+        busiest = pick_expert(platform, 1.0)  # the expert most tokens choose: a leak shows soonest
+        return faults.FlushedDuringQuarantine(busiest.layer, busiest.expert, busiest.group, options.corrupt_factor)
     return faults.OrchestratorKilled()
 
 

@@ -78,7 +78,7 @@ class AclRedis:
 
     def __init__(self, root: Path, tls: tuple[Path, Path, Path] | None = None):
         self.passwords = root / "passwords"
-        self.passwords.mkdir()
+        self.passwords.mkdir(parents=True)
         for role in Role:  # as a mounted Secret's files: a trailing newline is not part of the password
             (self.passwords / role.value).write_text(f"{role.value}-{uuid.uuid4().hex}\n")
         self.acl = root / "users.acl"
@@ -230,3 +230,119 @@ def test_rediss_speaks_tls_and_verifies_the_server_against_the_ca_file(tmp_path)
             open_store(server.url, DEPLOYMENT, untrusted)
     finally:
         server.close()
+
+
+@pytest.mark.slow
+def test_every_component_runs_under_its_own_user(tiny_checkpoints, tmp_path):
+    """The rights are what the components need, not only what the layout says: plain-process expert groups,
+    `expertmesh orchestrator --health-monitor` and `expertmesh up --router-only`, each logged in as its own
+    user (a password file), bring the platform up, serve, report, sample, probe and quarantine, with no call
+    refused."""
+    import os
+    import re
+    import signal
+    import threading
+
+    import yaml
+
+    from expertmesh.client import Client
+    from expertmesh.contracts import group_map as placement_mod
+    from expertmesh.models.checkpoint import Checkpoint
+    from expertmesh.orchestrator import admin_client
+    from expertmesh.platform.group_processes import start_groups
+    from expertmesh.v1 import admin_pb2
+    from helpers import Up, orchestrator_argv, wait_for
+
+    def env(role: Role) -> dict[str, str]:
+        return {
+            "EXPERTMESH_DEPLOYMENT": DEPLOYMENT,
+            "EXPERTMESH_REDIS_USERNAME": role.value,
+            "EXPERTMESH_REDIS_PASSWORD_FILE": str(acl_redis.passwords / role.value),
+        }
+
+    acl_redis = AclRedis(tmp_path / "redis")  # a server of its own: empty, as a new deployment's
+    path = tiny_checkpoints("mixtral")
+    placement = placement_mod.contiguous(Checkpoint(path).spec, 2)
+    placement_file = tmp_path / "placement.yaml"
+    placement_file.write_text(
+        yaml.safe_dump(
+            {
+                "groups": {
+                    g: {l: sorted(e for k, e in pairs if k == l) for l, _ in pairs}
+                    for g, pairs in placement.groups.items()
+                }
+            }
+        )
+    )
+    store = acl_redis.store(Role.ORCHESTRATOR)
+    groups = start_groups(
+        ["g0", "g1"], ["--model", str(path), "--groups", "2", "--state-url", acl_redis.url], env(Role.EXPERT_GROUP)
+    )
+    orchestrator = subprocess.Popen(
+        orchestrator_argv(acl_redis.url, path, placement_file, "--no-kube", "--interval", "0.5", "--health-monitor"),
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            **env(Role.ORCHESTRATOR),
+            "EXPERTMESH_HEALTH_INTERVAL_S": "1",
+            "EXPERTMESH_HEALTH_TOKENS": "32",
+        },
+    )
+    orchestrator_log: list[str] = []
+    threading.Thread(target=lambda: orchestrator_log.extend(orchestrator.stderr), daemon=True).start()
+    router = None
+    try:
+        admin_address = wait_for(
+            lambda: next(
+                (m.group(1) for line in orchestrator_log if (m := re.search(r"admin gRPC on (\S+:\d+)", line))), None
+            ),
+            "the orchestrator's admin API",
+            180,
+        )
+        router = Up(
+            "--router-only",
+            "--model",
+            str(path),
+            "--state-url",
+            acl_redis.url,
+            env={
+                **env(Role.ROUTER),
+                "EXPERTMESH_HEARTBEAT_S": "0.2",
+                "EXPERTMESH_LOAD_PUBLISH_S": "0.5",
+                "EXPERTMESH_HIDDEN_SAMPLE_TOKENS": "32",
+            },
+        )
+        with Client(router.target, timeout=60) as client:
+            first = [
+                t for c in client.generate([5, 17, 40, 9], max_new_tokens=6, stop_at_eos=False) for t in c.token_ids
+            ]
+        assert len(first) == 6
+        wait_for(
+            lambda: store.router_heartbeats() and store.loads() and store.hidden_samples(0), "the router's reports", 60
+        )
+        replicas = sum(len(pairs) for pairs in placement.groups.values())
+        wait_for(lambda: len(store.health_records()) == replicas, "a health round over every replica", 120)
+        channel, stub = admin_client.connect(admin_address)
+        with channel:
+            admin_client.call(stub.Quarantine, admin_pb2.QuarantineRequest(layer=0, expert=0, reason="acl test"))
+        wait_for(lambda: (0, 0, "g0") in store.quarantined(), "the quarantine", 30)
+        with Client(router.target, timeout=60) as client:
+            assert [
+                t for c in client.generate([5, 17, 40, 9], max_new_tokens=6, stop_at_eos=False) for t in c.token_ids
+            ]
+    finally:
+        if router is not None:
+            assert router.stop() == 0
+        orchestrator.send_signal(signal.SIGTERM)
+        orchestrator.wait(timeout=60)
+        for group in groups.values():
+            group.stop()
+        store.close()
+        acl_redis.close()
+    logs = (
+        "".join(orchestrator_log)
+        + "".join(router.stderr if router else [])
+        + "".join(line for g in groups.values() for line in g.stderr)
+    )
+    assert "PERMISSION_DENIED" not in logs and "NOPERM" not in logs and "StoreAccessDenied" not in logs, logs[-3000:]

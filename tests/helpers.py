@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import queue
 import re
@@ -11,6 +13,12 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 
 def serving_address(banner: str) -> str:
@@ -269,3 +277,48 @@ def held_pairs(address: str) -> set[tuple[int, int]]:
     with group_channel(address) as channel:
         response = pb_grpc.ExpertGroupStub(channel).Describe(pb.DescribeRequest(), timeout=30)
     return {(e.layer, e.expert) for e in response.experts}
+
+
+# -- certificates -------------------------------------------------------------------------
+
+
+def write_pem(path: Path, key, cert) -> tuple[Path, Path]:
+    """``cert`` and ``key`` as PEM files beside ``path`` (.crt, .key); returns their paths."""
+    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return path.with_suffix(".crt"), path.with_suffix(".key")
+
+
+def issue_certificate(
+    cn: str, issuer: tuple | None, *, ca: bool = False, dns: tuple[str, ...] = (), ips: tuple[str, ...] = ()
+):
+    """(key, certificate) for ``cn``, signed by ``issuer`` = (key, cert), self-signed when None; serverAuth and
+    clientAuth usages, ``dns`` names and ``ips`` addresses as subject alternative names."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    signer_key, signer_cert = issuer or (key, None)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(signer_cert.subject if signer_cert else name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if ca:
+        builder = builder.add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )
+    else:
+        builder = builder.add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+    if dns or ips:
+        names = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(a)) for a in ips]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    return key, builder.sign(signer_key, hashes.SHA256())

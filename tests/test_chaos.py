@@ -309,3 +309,32 @@ def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
     assert http["longest_stall_s_during"] < 1.0 + (http["longest_stall_s_before"] or 0.0), http
     assert result["steady"]["failed"] == 0 and result["steady"]["wrong_outputs"] == 0
     print(bench_chaos.table(result))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("without_shared_ray")
+def test_a_flush_during_a_quarantine_brings_the_quarantine_back_and_serves_nothing_from_the_replica():
+    """Issue 39: FLUSHDB took the quarantine entries and health records; the table rebuilt from what the groups
+    hold listed the quarantined replica again and routers served it. Here that replica computes wrong (its
+    weights scaled after the quarantine), so any token it serves shows as a wrong answer with status OK."""
+    from expertmesh.bench.chaos import suite as bench_chaos
+    from expertmesh.models.embedded import default_checkpoint
+
+    options = bench_chaos.Options(
+        model=default_checkpoint(),
+        clients=3,
+        max_new_tokens=8,
+        quiet_seconds=1.0,
+        hold_seconds=5.0,
+        health_interval_s=2.0,
+        health_tokens=128,
+        deadline_s=120.0,
+        scenarios=("flush-during-quarantine",),
+    )
+    result = bench_chaos.run(options)
+    (s,) = result["scenarios"]
+    print(bench_chaos.table(result))
+    assert s["recovered"], s
+    assert s["sent"] > 0 and s["failed"] == 0, s["failures"]
+    assert s["wrong_outputs"] == 0, f"{s['wrong_outputs']} answers served by the quarantined replica"
+    assert result["steady"]["failed"] == 0 and result["steady"]["wrong_outputs"] == 0

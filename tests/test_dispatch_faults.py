@@ -741,6 +741,30 @@ def test_an_expert_with_every_replica_quarantined_is_renormalised_around_and_cou
     dispatcher.close()
 
 
+def test_a_flushed_store_keeps_the_quarantines_until_a_table_is_back(cluster, faulty, transport):
+    """Before: the first round after a flush read an empty ``quarantine`` hash and served the quarantined
+    replica again (an expert's only one here) until the orchestrator published the entries again. Now a store
+    without a table keeps the last quarantines; the orchestrator puts its entries back before any table."""
+    store = _store(cluster, replicas_of_high=("g1",))
+    dispatcher = _dispatcher(store, transport, fallback="renormalise")
+    dispatcher.watcher.refresh()
+    _quarantine(store, 1, 3, "g1")
+    dispatcher.watcher.refresh_quarantine()
+    store._kv._values.clear(), store._kv._hashes.clear()  # FLUSHDB of the in-process backend
+    dispatcher.watcher.refresh_quarantine()
+    dispatcher.watcher.refresh()
+    assert dispatcher.watcher.view.fallback == {1: frozenset({3})}
+    before = faulty.calls
+    hidden, _, weights = _inputs()
+    dispatcher.dispatch(1, hidden, torch.full((12, 2), 3), weights)
+    assert faulty.calls == before, "the quarantined replica was called"
+    # the orchestrator: the entries first, then the table (here: lifted since, so none comes back)
+    _publish(store, ("g1",))
+    dispatcher.watcher.refresh_quarantine()
+    assert dispatcher.watcher.view.fallback == {} and dispatcher.watcher.view.quarantined == frozenset()
+    dispatcher.close()
+
+
 def test_next_best_fallback_equals_the_stock_model_whose_gate_never_picks_the_expert(
     cluster, tiny_checkpoints, transport
 ):

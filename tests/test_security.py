@@ -13,17 +13,12 @@ so ``authorize`` is checked with peer strings as gRPC writes them.
 from __future__ import annotations
 
 import asyncio
-import datetime
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh.client import AsyncClient, Client
@@ -42,6 +37,8 @@ from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 from helpers import Up
+from helpers import issue_certificate as _issue
+from helpers import write_pem as _write
 
 LAYER = 1
 GROUP_NAME = "expertmesh-groups"  # the name the group certificate is issued for; dialled by IP
@@ -68,43 +65,6 @@ class Pki:
     def client(self, cn: str | None, server_name: str | None = GROUP_NAME) -> TlsConfig:
         cert, key = self.clients[cn] if cn else (None, None)
         return TlsConfig(cert_file=cert, key_file=key, ca_file=self.ca, group_server_name=server_name)
-
-
-def _write(path: Path, key, cert) -> tuple[Path, Path]:
-    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    path.with_suffix(".key").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return path.with_suffix(".crt"), path.with_suffix(".key")
-
-
-def _issue(cn: str, issuer: tuple | None, *, ca: bool = False, dns: tuple[str, ...] = ()):
-    """(key, certificate) for ``cn``, signed by ``issuer`` = (key, cert), self-signed when None."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-    signer_key, signer_cert = issuer or (key, None)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(signer_cert.subject if signer_cert else name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if ca:
-        builder = builder.add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        )
-    else:
-        builder = builder.add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
-        )
-    if dns:
-        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(d) for d in dns]), critical=False)
-    return key, builder.sign(signer_key, hashes.SHA256())
 
 
 @pytest.fixture(scope="module")

@@ -423,7 +423,7 @@ def test_bundled_redis_statefulset_with_pvc(render):
     assert sts["spec"]["replicas"] == 1
     one(docs, "Service", f"{FULLNAME}-redis")
     url = serve_app(docs)["args"]["state_url"]
-    assert url == f"redis://{FULLNAME}-redis:6379/0"
+    assert url == f"rediss://{FULLNAME}-redis:6379/0"
     # cpu-only: same Redis on an emptyDir.
     sts = one(render("cpu-only"), "StatefulSet", f"{FULLNAME}-redis")
     assert "volumeClaimTemplates" not in sts["spec"]
@@ -440,10 +440,11 @@ def test_external_redis_tls_password_from_secret(render):
         c = tpl["spec"]["containers"][0]
         env = env_of(c)
         assert env["EXPERTMESH_STATE_URL"]["value"] == url, where
-        assert env["EXPERTMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
-            "name": "expertmesh-redis",
-            "key": "redis-password",
-        }, where
+        assert "EXPERTMESH_REDIS_PASSWORD" not in env and "EXPERTMESH_REDIS_USERNAME" not in env, where
+        assert env["EXPERTMESH_REDIS_PASSWORD_FILE"]["value"] == "/etc/expertmesh-redis/password", where
+        auth = next(v for v in tpl["spec"]["volumes"] if v["name"] == "redis-auth")["secret"]
+        assert auth["secretName"] == "expertmesh-redis", where
+        assert auth["items"] == [{"key": "redis-password", "path": "password"}], where
         ca = env["EXPERTMESH_REDIS_CA_FILE"]["value"]
         mount = next(m for m in c["volumeMounts"] if m["name"] == "redis-tls")
         assert ca.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
@@ -662,24 +663,108 @@ def platform_pods(docs):
             yield where, component, tpl["spec"]["containers"][0], tpl["spec"]
 
 
-def test_bundled_redis_requires_a_generated_password(helm, render):
+def test_bundled_redis_has_a_user_per_component_and_no_password_on_a_command_line(helm, render):
+    """Issue 39: every component had the one Redis password, given on redis-server's command line. Now each
+    has a user of its own whose rights `expertmesh store acl` derives from the store's key layout (written by
+    an init container from the mounted Secret), and each pod mounts its own password as a file."""
+    from expertmesh.store.access import Role
+
     docs = render("defaults")
     secret = one(docs, "Secret", f"{FULLNAME}-redis-auth")
-    assert secret["type"] == "Opaque" and len(base64.b64decode(secret["data"]["password"])) == 40
-    ref = {"name": f"{FULLNAME}-redis-auth", "key": "password"}
-    redis = one(docs, "StatefulSet", f"{FULLNAME}-redis")["spec"]["template"]["spec"]["containers"][0]
-    assert env_of(redis)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
-    assert '--requirepass "$REDIS_PASSWORD"' in redis["args"][0]
-    for where, _, c, _ in platform_pods(docs):
-        assert env_of(c)["EXPERTMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref, where
-    # The Secret is looked up before it is generated, so upgrades keep the password.
+    assert secret["type"] == "Opaque" and set(secret["data"]) == {r.value for r in Role}
+    assert {len(base64.b64decode(v)) for v in secret["data"].values()} == {40}
+    assert len(set(secret["data"].values())) == 3, "a password per user"
+    pod = one(docs, "StatefulSet", f"{FULLNAME}-redis")["spec"]["template"]["spec"]
+    (acl,) = pod["initContainers"]
+    assert acl["command"] == ["expertmesh"] and acl["args"][1:3] == ["store", "acl"]
+    assert acl["args"][acl["args"].index("--password-dir") + 1] == "/etc/expertmesh-redis/users"
+    acl_file = acl["args"][acl["args"].index("--out") + 1]
+    users = next(v for v in pod["volumes"] if v["name"] == "users")["secret"]
+    assert users["secretName"] == f"{FULLNAME}-redis-auth"
+    assert [i["key"] for i in users["items"]] == [i["path"] for i in users["items"]] == [r.value for r in Role]
+    (redis,) = pod["containers"]
+    assert f"--aclfile {acl_file}" in redis["args"][0]
+    assert "requirepass" not in redis["args"][0] and "PASSWORD" not in redis["args"][0]
+    probe = " ".join(redis["readinessProbe"]["exec"]["command"])
+    assert "REDISCLI_AUTH=" in probe and " -a " not in probe, "the probe's password stays off its command line"
+    assert not [e for e in redis.get("env", []) if "valueFrom" in e], "no password in the environment"
+    for where, component, c, spec in platform_pods(docs):
+        env = env_of(c)
+        assert env["EXPERTMESH_REDIS_USERNAME"]["value"] == component == Role(component).value, where
+        assert env["EXPERTMESH_REDIS_PASSWORD_FILE"]["value"] == "/etc/expertmesh-redis/password", where
+        assert not [e for e in c["env"] if e["name"].startswith("EXPERTMESH_REDIS") and "valueFrom" in e], where
+        volume = next(v for v in spec["volumes"] if v["name"] == "redis-auth")["secret"]
+        assert volume["secretName"] == f"{FULLNAME}-redis-auth", where
+        assert volume["items"] == [{"key": component, "path": "password"}], f"{where}: its own password alone"
+        assert volume["defaultMode"] == 0o440, where
+        assert {"name": "redis-auth", "mountPath": "/etc/expertmesh-redis", "readOnly": True} in c["volumeMounts"]
+    # The Secret is looked up before it is generated, so upgrades keep the passwords.
     template = (CHART / "templates" / "secrets.yaml").read_text()
     assert 'lookup "v1" "Secret" .Release.Namespace $name' in template and "randAlphaNum" in template
     # An existing Secret replaces the generated one; an external Redis brings its own.
-    assert not [
-        d for d in render_with(helm, "redis.auth.existingSecret=mine") if d["metadata"]["name"].endswith("-redis-auth")
-    ]
+    mine = render_with(helm, "redis.auth.existingSecret=mine")
+    assert not [d for d in mine if d["metadata"]["name"].endswith("-redis-auth")]
+    for where, _, _, spec in platform_pods(mine):
+        assert next(v for v in spec["volumes"] if v["name"] == "redis-auth")["secret"]["secretName"] == "mine", where
     assert not [d for d in render("external-redis-tls") if d["metadata"]["name"].endswith("-redis-auth")]
+
+
+def test_bundled_redis_tls_is_a_value(helm, render):
+    """On by default: Redis serves TLS only, with a certificate for its Service from a CA of its own, which every
+    component verifies (rediss://, EXPERTMESH_REDIS_CA_FILE); off: plaintext on 6379; or a Secret of yours."""
+    from cryptography import x509
+
+    docs = render("defaults")
+    secret = one(docs, "Secret", f"{FULLNAME}-redis-tls")
+    assert secret["type"] == "kubernetes.io/tls" and set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert f"{FULLNAME}-redis" in names and f"{FULLNAME}-redis.{NAMESPACE}.svc.cluster.local" in names
+    pod = one(docs, "StatefulSet", f"{FULLNAME}-redis")["spec"]["template"]["spec"]
+    (redis,) = pod["containers"]
+    assert (
+        "--port 0 --tls-port 6379" in redis["args"][0] and "--tls-cert-file /etc/redis-tls/tls.crt" in redis["args"][0]
+    )
+    assert "--tls --cacert /etc/redis-tls/ca.crt" in " ".join(redis["readinessProbe"]["exec"]["command"])
+    assert next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["secretName"] == f"{FULLNAME}-redis-tls"
+    for where, _, c, spec in platform_pods(docs):
+        env = env_of(c)
+        assert env["EXPERTMESH_STATE_URL"]["value"] == f"rediss://{FULLNAME}-redis:6379/0", where
+        assert env["EXPERTMESH_REDIS_CA_FILE"]["value"] == "/etc/expertmesh-tls/redis/ca.crt", where
+        ca = next(v for v in spec["volumes"] if v["name"] == "redis-tls")["secret"]
+        assert ca["secretName"] == f"{FULLNAME}-redis-tls", where
+        assert ca["items"] == [{"key": "ca.crt", "path": "ca.crt"}], f"{where}: the CA only, not the key"
+
+    plain = render_with(helm, "redis.tls.enabled=false")
+    assert not [d for d in plain if d["metadata"]["name"].endswith("-redis-tls")]
+    (redis,) = one(plain, "StatefulSet", f"{FULLNAME}-redis")["spec"]["template"]["spec"]["containers"]
+    assert "--port 6379" in redis["args"][0] and "tls" not in redis["args"][0]
+    for where, _, c, spec in platform_pods(plain):
+        assert env_of(c)["EXPERTMESH_STATE_URL"]["value"] == f"redis://{FULLNAME}-redis:6379/0", where
+        assert "EXPERTMESH_REDIS_CA_FILE" not in env_of(c) and "redis-tls" not in {v["name"] for v in spec["volumes"]}
+
+    mine = render_with(helm, "redis.tls.existingSecret=my-redis-tls")
+    assert not [d for d in mine if d["metadata"]["name"].endswith("-redis-tls")]
+    for where, _, _, spec in platform_pods(mine):
+        assert next(v for v in spec["volumes"] if v["name"] == "redis-tls")["secret"]["secretName"] == "my-redis-tls"
+
+
+def test_an_external_redis_with_a_user_per_component(helm):
+    args = template_args(VALUE_SETS["external-redis-tls"], "--set", "redis.external.users=true")
+    res = helm(*args)
+    assert res.returncode == 0, res.stderr
+    for where, component, c, spec in platform_pods(res.docs):
+        assert env_of(c)["EXPERTMESH_REDIS_USERNAME"]["value"] == component, where
+        volume = next(v for v in spec["volumes"] if v["name"] == "redis-auth")["secret"]
+        assert volume == {
+            "secretName": "expertmesh-redis",
+            "items": [{"key": component, "path": "password"}],
+            "defaultMode": 0o440,
+        }, where
+    refused = helm(
+        *template_args(None, "--set", "redis.external.url=redis://r:6379/0", "--set", "redis.external.users=true")
+    )
+    assert refused.returncode != 0 and "redis.external.users: name the Secret" in refused.stderr
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -1082,16 +1167,13 @@ def test_toggles_render_and_validate(helm, sets):
         assert "NetworkPolicy" not in kinds and "PodDisruptionBudget" not in kinds
     if "redis.auth.existingSecret=redis-auth" in sets:
         sts = one(docs, "StatefulSet", f"{FULLNAME}-redis")
-        assert (
-            env_of(sts["spec"]["template"]["spec"]["containers"][0])["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"][
-                "name"
-            ]
-            == "redis-auth"
-        )
+        users = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "users")
+        assert users["secret"]["secretName"] == "redis-auth"
         for where, tpl in pod_templates(docs):
             c = tpl["spec"]["containers"][0]
             if "redis" not in where:
-                assert env_of(c)["EXPERTMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "redis-auth"
+                auth = next(v for v in tpl["spec"]["volumes"] if v["name"] == "redis-auth")
+                assert auth["secret"]["secretName"] == "redis-auth"
                 model = next(m for m in c["volumeMounts"] if m["name"] == "model")
                 assert model == {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "mixtral"}
                 vol = next(v for v in tpl["spec"]["volumes"] if v["name"] == "model")

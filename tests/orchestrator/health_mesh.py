@@ -1,7 +1,7 @@
 """Expert groups for the health tests (test_health_*.py, test_kube_quarantine.py): real
 gRPC servers on loopback (``HostedExperts`` + ``start_server``, no Ray) over a tiny
-Mixtral, registered in an in-process state store with a routing table, and the one
-fault those tests inject (``corrupt``).
+Mixtral, registered in a state store (in-process, or the Redis one a test passes) with a
+routing table, and the faults those tests inject (``corrupt``, ``drift_only``).
 
 2 MoE layers x 4 experts. ``g0`` holds experts 0-1 of both layers, ``g1`` experts 2-3
 of both and a second replica of layer 1 expert 1, so (1, 1) is replicated on g0 and g1
@@ -40,25 +40,35 @@ class Mesh:
     hosted: dict[str, HostedExperts]
     servers: list
     checkpoint: Checkpoint
+    #: group -> "host:port" of its server
+    addresses: dict[str, str]
 
     def replicas(self, pair) -> tuple[str, ...]:
         return self.store.routing_table().replicas[pair]
 
+    def register(self) -> None:
+        """Each group's address in the store, as the groups' registration loop writes it (again after a flush)."""
+        for name, address in self.addresses.items():
+            self.store.set_endpoint(name, address)
+
 
 @contextmanager
-def running(path: Path) -> Iterator[Mesh]:
+def running(path: Path, store: StateStore | None = None) -> Iterator[Mesh]:
+    """The mesh over ``store`` (default: a fresh in-process one)."""
     checkpoint = Checkpoint(path)
-    store = open_store("memory://")
-    hosted, servers = {}, []
+    store = store if store is not None else open_store("memory://")
+    hosted, servers, addresses = {}, [], {}
     for name, pairs in PLACEMENT.groups.items():
         hosted[name] = HostedExperts(checkpoint)
         hosted[name].load(list(pairs))
         server, port = start_server(name, hosted[name], max_concurrent_dispatch=4, workers=2)
         servers.append(server)
-        store.set_endpoint(name, f"127.0.0.1:{port}")
+        addresses[name] = f"127.0.0.1:{port}"
+    mesh = Mesh(store, hosted, servers, checkpoint, addresses)
+    mesh.register()
     assert store.publish_routing_table(RoutingTable.from_placement(PLACEMENT, num_experts=4, version=1))
     try:
-        yield Mesh(store, hosted, servers, checkpoint)
+        yield mesh
     finally:
         for server in servers:
             server.stop(0)
@@ -75,6 +85,20 @@ def corrupt(
         rows.mul_(scale)
     else:
         rows[at].mul_(scale)
+
+
+def drift_only(mesh: Mesh, group: str, pair: tuple[int, int], scale: float = 3.0) -> None:
+    """A fault only the probe output shows, the stand-in for a device that computes wrong from intact weights:
+    ``corrupt``, with the group's Fingerprint answers for the expert made blind to it (the weights' checksum
+    now reported as it was at load), so the fingerprint check finds nothing."""
+    corrupt(mesh, group, pair, scale)
+    hosted = mesh.hosted[group]
+    answers = hosted.fingerprints
+
+    def blind(pairs=None):
+        return [(l, e, loaded, loaded if (l, e) == pair else now) for l, e, loaded, now in answers(pairs)]
+
+    hosted.fingerprints = blind
 
 
 def rid(pair, group) -> ReplicaId:

@@ -13,6 +13,9 @@ The mesh (tiny Mixtral, g0 and g1, (1, 1) replicated, (1, 2) alone) is ``health_
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import grpc
 import pytest
 from health_mesh import CONFIG, REPLICATED, SINGLE, corrupt, rid, running
@@ -160,6 +163,64 @@ def test_operator_quarantine_waits_for_release(mesh, monitor):
         QuarantineRefused, match=r"group 'g9' does not serve layer 1 expert 1 \(replicas: \['g0', 'g1'\]\)"
     ):
         monitor.quarantine(1, 1, "g9")
+
+
+class _HungGroup:
+    """A registered group address that accepts connections and never answers (a hung group's host), until
+    ``close``: every call to it waits for its deadline meanwhile."""
+
+    def __init__(self):
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.connected = threading.Event()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        try:
+            while True:
+                conn, _ = self._listener.accept()
+                self._conns.append(conn)
+                self.connected.set()
+        except OSError:  # closed
+            pass
+
+    def close(self):
+        self._listener.close()
+        for conn in self._conns:
+            conn.close()
+
+
+def test_an_operator_quarantine_does_not_wait_for_a_round_stuck_on_a_hung_group(mesh, monitor):
+    """Before: one lock spanned the whole round, so `expertmesh quarantine` waited for every probe of it (here
+    a group that never answers: the call deadline, 30 s). Now the round holds the records' lock only to read
+    and to settle, and its settle keeps the operator's quarantine made meanwhile."""
+    monitor.update()
+    hung = _HungGroup()
+    mesh.store.set_endpoint("g9", hung.address)
+    rounds = []
+    round_thread = threading.Thread(target=lambda: rounds.append(monitor.update()))
+    quarantined = threading.Event()
+    command = threading.Thread(target=lambda: (monitor.quarantine(*REPLICATED, "g1", "now"), quarantined.set()))
+    try:
+        round_thread.start()
+        assert hung.connected.wait(30), "the round never called the hung group"
+        command.start()
+        while not quarantined.is_set() and round_thread.is_alive():
+            quarantined.wait(0.05)
+        assert quarantined.is_set() and round_thread.is_alive(), "the quarantine waited for the round"
+        assert mesh.replicas(REPLICATED) == ("g0",)
+    finally:
+        hung.close()
+        round_thread.join()
+        command.join()
+    (round_,) = rounds
+    assert round_.unreachable == ("g9",)
+    record = load_all(mesh.store)[rid(REPLICATED, "g1")]
+    assert record.state is HealthState.QUARANTINED and record.quarantined_by is Initiator.OPERATOR, (
+        "the round's settle undid the quarantine made during it"
+    )
+    assert mesh.replicas(REPLICATED) == ("g0",) and (*REPLICATED, "g1") in mesh.store.quarantined()
 
 
 def test_quarantining_every_replica_keeps_the_last_listed(mesh, monitor):

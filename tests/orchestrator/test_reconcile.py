@@ -179,3 +179,17 @@ def test_a_changed_file_is_applied_as_migrations_once_a_runner_is_attached(tmp_p
     submitted.clear()
     assert reconciler.reconcile_once() is None and submitted == []
     assert store.placement_digest() is not None
+
+
+def test_keep_out_drops_out_of_service_replicas_but_never_unhosts_an_expert():
+    from expertmesh.orchestrator.reconcile import keep_out
+
+    replicas = {(0, 0): ("g0", "g1"), (0, 1): ("g1",), (1, 0): ("g0", "g1"), (1, 1): ("g0",)}
+    out = {(0, 0, "g1"), (0, 1, "g1"), (1, 0, "g0"), (1, 0, "g1"), (5, 5, "g9")}
+    assert keep_out(replicas, out) == {
+        (0, 0): ("g0",),
+        (0, 1): ("g1",),  # its only replica: listed, the quarantine entry makes routers fall back
+        (1, 0): ("g0", "g1"),  # every replica out: all stay listed
+        (1, 1): ("g0",),
+    }
+    assert keep_out(replicas, ()) == replicas

@@ -75,23 +75,54 @@ app.kubernetes.io/part-of: expertmesh
 {{- if not .Values.redis.external.url -}}true{{- end -}}
 {{- end -}}
 
+{{/* "true" when the bundled Redis serves TLS only (redis.tls.enabled). */}}
+{{- define "expertmesh.redisTLS" -}}
+{{- if and (include "expertmesh.redisBundled" .) .Values.redis.tls.enabled -}}true{{- end -}}
+{{- end -}}
+
 {{- define "expertmesh.redisURL" -}}
 {{- if .Values.redis.external.url -}}
 {{- .Values.redis.external.url -}}
 {{- else -}}
-{{- printf "redis://%s-redis:6379/0" (include "expertmesh.fullname" .) -}}
+{{- printf "%s://%s-redis:6379/0" (ternary "rediss" "redis" (eq (include "expertmesh.redisTLS" .) "true")) (include "expertmesh.fullname" .) -}}
 {{- end -}}
 {{- end -}}
 
-{{/* "secret|key" of the Redis password: external Redis's when given; the bundled one always has one
-     (auth.existingSecret, else the generated <fullname>-redis-auth). */}}
-{{- define "expertmesh.redisPasswordSecret" -}}
-{{- if .Values.redis.external.url -}}
-{{- with .Values.redis.external.existingSecret }}{{ . }}|{{ $.Values.redis.external.passwordKey }}{{ end -}}
-{{- else if .Values.redis.auth.existingSecret -}}
-{{- .Values.redis.auth.existingSecret }}|{{ .Values.redis.auth.passwordKey -}}
-{{- else -}}
-{{- include "expertmesh.fullname" . }}-redis-auth|password
+{{/* The Secret of the bundled Redis's users' passwords (keys router, expert-group, orchestrator). */}}
+{{- define "expertmesh.redisAuthSecret" -}}
+{{- .Values.redis.auth.existingSecret | default (printf "%s-redis-auth" (include "expertmesh.fullname" .)) -}}
+{{- end -}}
+
+{{/* The Secret of the bundled Redis's TLS certificate (tls.crt, tls.key, ca.crt). */}}
+{{- define "expertmesh.redisTlsSecret" -}}
+{{- .Values.redis.tls.existingSecret | default (printf "%s-redis-tls" (include "expertmesh.fullname" .)) -}}
+{{- end -}}
+
+{{/* "secret|key|user" of a component's Redis credentials, or "" for none; call with (dict "ctx" $ "component" c).
+     The bundled Redis, and an external one with redis.external.users, give each component a user of its own
+     (named like the component; its password under the key of that name); an external one without users: the
+     default user, with redis.external.passwordKey's password when a Secret is named. */}}
+{{- define "expertmesh.redisCredentials" -}}
+{{- $r := .ctx.Values.redis -}}
+{{- if not $r.external.url -}}
+{{- include "expertmesh.redisAuthSecret" .ctx }}|{{ .component }}|{{ .component -}}
+{{- else if $r.external.users -}}
+{{- if not $r.external.existingSecret -}}
+{{- fail "redis.external.users: name the Secret of the users' passwords (keys router, expert-group, orchestrator) in redis.external.existingSecret" -}}
+{{- end -}}
+{{- $r.external.existingSecret }}|{{ .component }}|{{ .component -}}
+{{- else if $r.external.existingSecret -}}
+{{- $r.external.existingSecret }}|{{ $r.external.passwordKey }}|
+{{- end -}}
+{{- end -}}
+
+{{/* "secret|key" of the CA a component verifies Redis's certificate with, or "": the bundled Redis's own under
+     redis.tls, an external one's redis.external.tls.caSecret. */}}
+{{- define "expertmesh.redisCA" -}}
+{{- if include "expertmesh.redisTLS" . -}}
+{{- include "expertmesh.redisTlsSecret" . }}|ca.crt
+{{- else if and .Values.redis.external.url .Values.redis.external.tls.caSecret -}}
+{{- .Values.redis.external.tls.caSecret }}|{{ .Values.redis.external.tls.caKey -}}
 {{- end -}}
 {{- end -}}
 
@@ -143,17 +174,19 @@ app.kubernetes.io/part-of: expertmesh
 {{- $ctx := .ctx -}}
 - name: EXPERTMESH_STATE_URL
   value: {{ include "expertmesh.redisURL" $ctx | quote }}
-{{- with include "expertmesh.redisPasswordSecret" $ctx }}
-{{- $ref := splitList "|" . }}
-- name: EXPERTMESH_REDIS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ index $ref 0 | quote }}
-      key: {{ index $ref 1 | quote }}
+{{- with include "expertmesh.redisCredentials" . }}
+{{- $cred := splitList "|" . }}
+{{- with index $cred 2 }}
+- name: EXPERTMESH_REDIS_USERNAME
+  value: {{ . | quote }}
 {{- end }}
-{{- if and $ctx.Values.redis.external.url $ctx.Values.redis.external.tls.caSecret }}
+{{- /* A file, never the environment or a command line: the redis-auth volume holds this component's key alone. */}}
+- name: EXPERTMESH_REDIS_PASSWORD_FILE
+  value: /etc/expertmesh-redis/password
+{{- end }}
+{{- with include "expertmesh.redisCA" $ctx }}
 - name: EXPERTMESH_REDIS_CA_FILE
-  value: /etc/expertmesh-tls/redis/{{ $ctx.Values.redis.external.tls.caKey }}
+  value: /etc/expertmesh-tls/redis/{{ index (splitList "|" .) 1 }}
 {{- end }}
 {{- if $ctx.Values.tls.enabled }}
 - name: EXPERTMESH_TLS_CERT_FILE
@@ -227,7 +260,7 @@ app.kubernetes.io/part-of: expertmesh
 {{- end }}
 {{- end -}}
 
-{{/* Volumes: model (read-only), writable /tmp, Redis CA, the component's gRPC TLS Secret.
+{{/* Volumes: model (read-only), writable /tmp, the component's Redis password and Redis CA, its gRPC TLS Secret.
      Call with (dict "ctx" $ "component" "router"|"orchestrator"|"expert-group"). */}}
 {{- define "expertmesh.volumes" -}}
 {{- $ctx := .ctx -}}
@@ -244,10 +277,23 @@ app.kubernetes.io/part-of: expertmesh
     path: {{ $ctx.Values.model.hostPath | quote }}
     type: Directory
 {{- end }}
-{{- if and $ctx.Values.redis.external.url $ctx.Values.redis.external.tls.caSecret }}
+{{- with include "expertmesh.redisCredentials" . }}
+{{- $cred := splitList "|" . }}
+- name: redis-auth
+  secret:
+    secretName: {{ index $cred 0 | quote }}
+    items:
+      - {key: {{ index $cred 1 | quote }}, path: password}
+    # Owner and group (fsGroup) only: it holds this component's Redis password.
+    defaultMode: 0440
+{{- end }}
+{{- with include "expertmesh.redisCA" $ctx }}
+{{- $ca := splitList "|" . }}
 - name: redis-tls
   secret:
-    secretName: {{ $ctx.Values.redis.external.tls.caSecret | quote }}
+    secretName: {{ index $ca 0 | quote }}
+    items:
+      - {key: {{ index $ca 1 | quote }}, path: {{ index $ca 1 | quote }}}
     defaultMode: 0444
 {{- end }}
 {{- if $ctx.Values.tls.enabled }}
@@ -270,7 +316,12 @@ app.kubernetes.io/part-of: expertmesh
   subPath: {{ .Values.model.pvc.subPath | quote }}
   {{- end }}
 {{- end }}
-{{- if and .Values.redis.external.url .Values.redis.external.tls.caSecret }}
+{{- if or (not .Values.redis.external.url) .Values.redis.external.existingSecret }}
+- name: redis-auth
+  mountPath: /etc/expertmesh-redis
+  readOnly: true
+{{- end }}
+{{- if include "expertmesh.redisCA" . }}
 - name: redis-tls
   mountPath: /etc/expertmesh-tls/redis
   readOnly: true

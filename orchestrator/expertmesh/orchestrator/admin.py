@@ -9,6 +9,12 @@ previous orchestrator left half done. ``AdminServicer`` is the gRPC face of it:
 a bad request is refused with the executor's error (INVALID_ARGUMENT /
 FAILED_PRECONDITION / NOT_FOUND) before anything moves. ``start_orchestrator`` starts
 all of it with the control loop (``control_loop``) stepping the enabled managers.
+
+A ``WatchMigrations`` stream holds one of the server's ``ADMIN_WORKERS`` threads for its whole life
+(``migrate --wait``, ``migrations --watch``). At most ``MAX_WATCH_STREAMS`` are served at once, so the
+other threads are always there for the unary calls (an emergency ``Quarantine`` above all); one more is
+refused RESOURCE_EXHAUSTED, and the CLI then polls ``GetMigration`` / ``ListMigrations`` instead
+(``admin_client.follow``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ from expertmesh.v1 import admin_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "expertmesh.v1.Admin"
+#: threads of the admin gRPC server
+ADMIN_WORKERS = 16
+#: WatchMigrations streams served at once (each holds a thread): the other threads stay free for unary calls
+MAX_WATCH_STREAMS = 8
 #: a migration that lost the store waits this long before resuming, doubling up to STORE_RETRY_MAX_S
 STORE_RETRY_S = 0.5
 STORE_RETRY_MAX_S = 10.0
@@ -177,12 +187,15 @@ class AdminServicer(pb_grpc.AdminServicer):
         *,
         drift: DriftController,
         health: HealthMonitor | None = None,
+        max_watch_streams: int = MAX_WATCH_STREAMS,
     ):
         self._runner = runner
         self._store = store
         self._poll = watch_poll_s
         self._drift = drift
         self._health = health
+        self._max_watch_streams = max_watch_streams
+        self._watch_slots = threading.BoundedSemaphore(max_watch_streams)
 
     @guarded
     def Migrate(self, request: pb.MigrateRequest, context) -> pb.Migration:
@@ -207,7 +220,20 @@ class AdminServicer(pb_grpc.AdminServicer):
         return pb.ListMigrationsResponse(migrations=[to_proto(m) for m in load_all(self._store)])
 
     def WatchMigrations(self, request: pb.WatchMigrationsRequest, context) -> Iterator[pb.Migration]:
-        """Every record as it is now, then each change; with an id, until that migration ends."""
+        """Every record as it is now, then each change; with an id, until that migration ends. Refused
+        RESOURCE_EXHAUSTED beyond ``max_watch_streams`` open at once."""
+        if not self._watch_slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._max_watch_streams} migration watch streams are open, the most this orchestrator serves at "
+                "once (each holds a server thread); poll GetMigration or ListMigrations instead, or retry later",
+            )
+        try:
+            yield from self._watch(request, context)
+        finally:
+            self._watch_slots.release()
+
+    def _watch(self, request: pb.WatchMigrationsRequest, context) -> Iterator[pb.Migration]:
         seen: dict[str, Migration] = {}
         if request.id:
             try:
@@ -284,6 +310,7 @@ def start_orchestrator(
     on_drift_decision: Callable[[DriftRecord], None] | None = None,
     managers: Sequence[Manager] = (),
     model_fingerprint: str = "",
+    max_watch_streams: int = MAX_WATCH_STREAMS,
 ) -> Orchestrator:
     """The admin gRPC server with the Admin service, its runner resuming half-done migrations, and
     the control loop stepping ``managers`` plus the drift controller (``drift``, default the
@@ -296,8 +323,11 @@ def start_orchestrator(
     controller = DriftController(
         store, runner, drift if drift is not None else DriftConfig(), on_decision=on_drift_decision
     )
-    server = GrpcServer("admin", host, port)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(runner, store, drift=controller, health=health), server.server)
+    if not 0 < max_watch_streams < ADMIN_WORKERS:
+        raise ValueError(f"max_watch_streams must be between 1 and {ADMIN_WORKERS - 1}, got {max_watch_streams}")
+    server = GrpcServer("admin", host, port, workers=ADMIN_WORKERS)
+    servicer = AdminServicer(runner, store, drift=controller, health=health, max_watch_streams=max_watch_streams)
+    pb_grpc.add_AdminServicer_to_server(servicer, server.server)
     server.start((SERVICE_NAME,))
     runner.resume()
     steps = list(managers)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import queue
 import time
+from collections.abc import Iterator
 
 import grpc
 
 from expertmesh.contracts.errors import GroupUnavailable, InvalidRequest
 from expertmesh.infra.security.admin_auth import admin_metadata
 from expertmesh.infra.security.tls import secure_or_insecure_channel
+from expertmesh.v1 import admin_pb2 as pb
 from expertmesh.v1 import admin_pb2_grpc as pb_grpc
 
 DEFAULT_ADMIN = os.environ.get("EXPERTMESH_ADMIN_ADDRESS", "127.0.0.1:50052")
@@ -64,3 +66,34 @@ def call(method, request, timeout: float = 30):
 def stream(method, request):
     """A server-streaming admin RPC (the caller handles its RpcError: it may end by cancellation)."""
     return method(request, metadata=admin_metadata())
+
+
+#: phases after which a migration changes no more
+_ENDED = (pb.MIGRATION_PHASE_SUCCEEDED, pb.MIGRATION_PHASE_FAILED, pb.MIGRATION_PHASE_ROLLED_BACK)
+
+
+def follow(stub: pb_grpc.AdminStub, migration_id: str = "", poll_s: float = 0.5) -> Iterator[pb.Migration]:
+    """What ``WatchMigrations`` streams (every record, then each change; with an id, until it ends), from the
+    stream, or, when the orchestrator serves as many watch streams as it will (RESOURCE_EXHAUSTED), by polling
+    GetMigration / ListMigrations every ``poll_s``. Other errors: the caller's, as with ``stream``."""
+    seen: dict[str, pb.Migration] = {}
+    try:
+        for update in stream(stub.WatchMigrations, pb.WatchMigrationsRequest(id=migration_id)):
+            seen[update.id] = update
+            yield update
+        return
+    except grpc.RpcError as err:
+        if err.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+    while True:
+        if migration_id:
+            current = [stub.GetMigration(pb.GetMigrationRequest(id=migration_id), metadata=admin_metadata())]
+        else:
+            current = stub.ListMigrations(pb.ListMigrationsRequest(), metadata=admin_metadata()).migrations
+        for migration in current:
+            if seen.get(migration.id) != migration:
+                seen[migration.id] = migration
+                yield migration
+        if migration_id and current[0].phase in _ENDED:
+            return
+        time.sleep(poll_s)

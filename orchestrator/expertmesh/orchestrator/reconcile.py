@@ -18,6 +18,12 @@ reports serving. Re-applying the file there would list experts on groups that
 unloaded them in a move: NOT_FOUND for every token routed there. It waits for
 the groups to register and answer (they re-register every few seconds) up to
 ``observe_grace_s``; past it, experts no group reported fall back to the file.
+The flush took the health monitor's quarantine entries too: given the monitor
+(``health``), the reconciler first has it put back what it knows (``restore``:
+records, entries, pinned probes), then leaves out of the rebuilt table every
+replica the monitor keeps out of service or withdrew, as long as the expert keeps
+another replica (``keep_out``): a group still holds a quarantined expert, and
+listing it again would send tokens to it.
 
 A changed file over a table in use is applied as live migrations, make before
 break (``placement_steps``: a replicate onto each group the file adds for an
@@ -28,8 +34,8 @@ round submits the next step of every expert not already migrating; the file
 counts as applied when the table matches it. Without a runner (a bare
 reconciler), the table is overwritten as before.
 
-``next_table``, ``observed_table`` and ``placement_steps`` are the pure decisions; ``Reconciler`` does the
-I/O around them.
+``next_table``, ``observed_table``, ``keep_out`` and ``placement_steps`` are the pure decisions; ``Reconciler``
+does the I/O around them.
 """
 
 from __future__ import annotations
@@ -37,9 +43,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping, Protocol
 
 from expertmesh.contracts import group_map as placement_mod
 from expertmesh.contracts.errors import ExpertMeshError
@@ -87,6 +93,28 @@ def observed_table(
     return RoutingTable(version=version, num_experts=model.num_experts, replicas=replicas, model=model)
 
 
+def keep_out(
+    replicas: Mapping[tuple[int, int], tuple[str, ...]], out: Collection[tuple[int, int, str]]
+) -> dict[tuple[int, int], tuple[str, ...]]:
+    """``replicas`` without the (layer, expert, group) replicas in ``out``, except where that would leave an
+    expert without a replica: there all stay listed (a table never leaves an expert unhosted) and routers fall
+    back around it, as the quarantine entries tell them."""
+    kept = {}
+    for pair, groups in replicas.items():
+        serving = tuple(g for g in groups if (*pair, g) not in out)
+        kept[pair] = serving or groups
+    return kept
+
+
+class HealthMemory(Protocol):
+    """What the reconciler asks of the health monitor (``HealthMonitor``) before it rebuilds an empty store."""
+
+    def restore(self) -> frozenset[tuple[int, int, str]]:
+        """Put back what the store lost of the monitor's records, quarantine entries and pinned probes; the
+        (layer, expert, group) replicas a rebuilt table must not list."""
+        ...
+
+
 @dataclass(frozen=True)
 class Step:
     """One live migration towards the placement file: a replicate onto ``target`` or an evict from ``source``."""
@@ -125,9 +153,11 @@ class Reconciler:
         observe: Callable[[Iterable[str]], dict[str, frozenset[tuple[int, int]]]] | None = None,
         observe_grace_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        health: HealthMemory | None = None,
     ):
         """``observe(groups)``: group -> the pairs it reports holding, for those of ``groups`` that answered
-        (None: an empty store gets the file's table, as for a first start with no groups to ask)."""
+        (None: an empty store gets the file's table, as for a first start with no groups to ask). ``health``:
+        the health monitor, asked to restore what an empty store lost before its table is published."""
         self._store = store
         self._spec = spec
         #: the placement file (re-read every round), or a fixed placement (the one `up` started its groups with)
@@ -135,6 +165,7 @@ class Reconciler:
         self._observe = observe
         self._grace_s = observe_grace_s
         self._clock = clock
+        self._health = health
         self._last_seen = 0
         #: clock() when this reconciler first found the store without a table (None: it has one)
         self._empty_since: float | None = None
@@ -175,6 +206,11 @@ class Reconciler:
                 return None
         else:
             table = next_table(current, desired, model, self._last_seen)
+        if current is None and table is not None and self._health is not None:
+            # an empty store: the quarantine entries routers read go back before any table does
+            kept = keep_out(table.replicas, self._health.restore())
+            shares = {pair: s for pair, s in table.shares.items() if kept[pair] == table.replicas[pair]}
+            table = replace(table, replicas=kept, shares=shares)
         if table is not None and not self._store.publish_routing_table(table):
             log.info("routing table changed under us; will re-read next round")
             return None

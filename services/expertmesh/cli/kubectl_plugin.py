@@ -10,8 +10,8 @@ store (Redis), not from the orchestrator's admin API: the store is where both li
 (the admin API serves migrations only), and the store answers even while the
 orchestrator restarts. From outside the cluster, port-forward the release's Redis
 first (``kubectl port-forward svc/<release>-expertmesh-redis 6379``) and pass
-``--state-url redis://127.0.0.1:6379/0`` (or set ``EXPERTMESH_STATE_URL``; a
-password comes from ``EXPERTMESH_REDIS_PASSWORD`` as everywhere).
+``--state-url rediss://localhost:6379/0`` (or set ``EXPERTMESH_STATE_URL``; the Redis user,
+password file and CA come from ``EXPERTMESH_REDIS_*`` as everywhere: ``RedisAuthConfig``).
 
 Exit codes as ``expertmesh``: 0 done, 1 a migration that ended Failed (or did not
 end within ``--timeout``) with ``--wait``, 2 bad input or an unreachable API (one line).

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     from expertmesh.cli import (
         stats as stats_cli,
     )
+    from expertmesh.cli import store as store_cli
     from expertmesh.cli import up as up_cli
     from expertmesh.cli.orchestrator import add_commands as add_orchestrator_commands
     from expertmesh.verify import check as verify
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cli.add_command(commands)
     verify.add_command(commands)
     stats_cli.add_command(commands)
+    store_cli.add_command(commands)
     domain_moe_cli.add_command(commands)
     probe_cli.add_command(commands)
     heatmap_cli.add_command(commands)

@@ -13,7 +13,7 @@ import time
 import grpc
 
 from expertmesh.contracts.errors import ExpertMeshError, GroupUnavailable, InvalidRequest
-from expertmesh.orchestrator.admin_client import DEFAULT_ADMIN, call, connect, stream
+from expertmesh.orchestrator.admin_client import DEFAULT_ADMIN, call, connect, follow
 from expertmesh.orchestrator.migration.state import Phase
 from expertmesh.v1 import admin_pb2 as pb
 
@@ -85,7 +85,7 @@ def run_migrate(args) -> int:
             return 0
         final = started
         try:
-            for update in stream(stub.WatchMigrations, pb.WatchMigrationsRequest(id=started.id)):
+            for update in follow(stub, started.id):
                 print(
                     f"  {phase_from_proto(update.phase).value} (routing table v{update.routing_table_version})",
                     flush=True,
@@ -111,7 +111,7 @@ def run_migrations(args) -> int:
         # The stream starts with every record as it is, then one line per change.
         print(render([]), flush=True)
         try:
-            for update in stream(stub.WatchMigrations, pb.WatchMigrationsRequest()):
+            for update in follow(stub):
                 print(render([row(update)]).splitlines()[1], flush=True)
         except grpc.RpcError as err:
             raise ExpertMeshError(f"lost the orchestrator: {err.code().name}: {err.details()}") from None

@@ -119,7 +119,7 @@ def _main(args: argparse.Namespace) -> int:
                 args.admin_port,
                 drift=drift,
                 health=monitor,
-                managers=_table_keeper(plane),
+                managers=_table_keeper(plane, monitor),
                 model_fingerprint=plane.checkpoint.spec.fingerprint,
             )
             progress(f"orchestrator admin gRPC on {serving_config.host}:{orchestrator.server.port}")
@@ -163,17 +163,18 @@ def _set_router_threads(config, plane, local_groups: bool) -> None:
     progress(f"router: {threads} torch intra-op threads ({how})")
 
 
-def _table_keeper(plane) -> list:
+def _table_keeper(plane, health=None) -> list:
     """With a shared store, the embedded orchestrator keeps the routing table there: a flushed store gets it
-    back, rebuilt from what the groups hold (they register again themselves), at a version above the router's.
-    An in-process store cannot be flushed from outside: nothing to keep."""
+    back, rebuilt from what the groups hold (they register again themselves), at a version above the router's,
+    after ``health`` (the health monitor) restored its quarantines. An in-process store cannot be flushed from
+    outside: nothing to keep."""
     if not plane.store_is_shared:
         return []
     from expertmesh.orchestrator.control_loop import Manager
     from expertmesh.orchestrator.reconcile import Reconciler, what_runs
 
     observe, _ = what_runs(plane.store, plane.checkpoint.spec.fingerprint)
-    reconciler = Reconciler(plane.store, plane.checkpoint.spec, plane.placement, observe=observe)
+    reconciler = Reconciler(plane.store, plane.checkpoint.spec, plane.placement, observe=observe, health=health)
     # Its first round now, over the table the plane has just published: that records the placement as applied,
     # and later rounds leave a table in use alone. Left to the loop (5 s on), that round found whatever a first
     # live move had published by then, and overwrote it with the start's placement.

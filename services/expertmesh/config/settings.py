@@ -321,6 +321,44 @@ class AdminAuthConfig(BaseSettings):
         return self
 
 
+class RedisAuthConfig(BaseSettings):
+    """How a process authenticates to a Redis state store (``EXPERTMESH_REDIS_*``), read when it opens one.
+
+    A Redis with one user per component (``expertmesh store acl``: routers may read the table, profiles and
+    quarantines and write only their heartbeats, load windows and hidden-state samples; expert groups their
+    registration; the orchestrator the rest) gives each process its ``username`` and a password, best from
+    ``password_file`` (a mounted Secret: never on a command line, nor in the environment). No username: the
+    ``default`` user. ``rediss://`` URLs speak TLS, verifying the server against ``ca_file`` (else the
+    system roots). Nothing set: no authentication (the tests' loopback redis-server).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="EXPERTMESH_REDIS_", extra="forbid")
+
+    username: str | None = Field(None, description="Redis ACL user of this process (unset: the default user)")
+    password: str | None = Field(None, description="its password; prefer password_file")
+    password_file: Path | None = Field(
+        None, description="file holding the password (read when the store is opened; surrounding whitespace ignored)"
+    )
+    ca_file: Path | None = Field(None, description="PEM CA bundle a rediss:// server's certificate must chain to")
+
+    @model_validator(mode="after")
+    def _one_password_source(self) -> "RedisAuthConfig":
+        if self.password and self.password_file:
+            raise ValueError("set EXPERTMESH_REDIS_PASSWORD or EXPERTMESH_REDIS_PASSWORD_FILE, not both")
+        return self
+
+    def secret(self) -> str | None:
+        """The password, from ``password_file`` when set; InvalidRequest naming the file when it cannot be read."""
+        if self.password_file is None:
+            return self.password
+        try:
+            return self.password_file.read_text().strip()
+        except OSError as err:
+            raise InvalidRequest(
+                f"EXPERTMESH_REDIS_PASSWORD_FILE {self.password_file}: cannot read it: {err.strerror}"
+            ) from None
+
+
 class FaultInjectionConfig(BaseSettings):
     """The expert groups' test-only fault hook (``InjectFault``: overwrite an expert's weights in
     place), which the chaos benchmark and tests use to check that the health monitor finds what

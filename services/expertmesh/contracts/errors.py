@@ -120,3 +120,7 @@ class DeadlineExceeded(ExpertMeshError, code=grpc.StatusCode.DEADLINE_EXCEEDED):
 
 class DeviceUnavailable(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """A setting names a device this process cannot use (a CUDA GPU where torch sees none)."""
+
+
+class StoreAccessDenied(ExpertMeshError, code=grpc.StatusCode.PERMISSION_DENIED):
+    """The state store refused a command on a key to this process's user (its Redis ACL)."""

@@ -118,9 +118,10 @@ def run(args) -> int:
     connection = kube_connection(args)
     store = open_store(config.state_url, config.deployment)
     observe, stop_observing = what_runs(store, spec.fingerprint)
-    reconciler = Reconciler(store, spec, config.placement, observe=observe)
-    first = reconciler.reconcile_once()  # a bad placement fails here, before we report healthy
     health = HealthMonitor(store, checkpoint, health_settings)
+    # given the monitor, a flushed store gets its quarantines back before its table, which lists none of them
+    reconciler = Reconciler(store, spec, config.placement, observe=observe, health=health)
+    first = reconciler.reconcile_once()  # a bad placement fails here, before we report healthy
     namespace = (args.kube_namespace or connection.namespace) if connection else None
 
     def reconcile() -> None:

@@ -29,6 +29,9 @@ refuses to publish one model's table over another's, ``StoreCollision``):
   layer (``state.samples`` bytes [rows, H], ``router.hidden_sample``); the health monitor probes with it
 - ``health_probes``         hash: layer -> the probe input the health monitor pinned for it
   (``expertmesh.orchestrator.health.probes``; opaque here)
+
+Who may read and write each key is declared once, in ``store.access.LAYOUT``; a Redis gives each component a
+user with exactly those rights (``expertmesh store acl``), and the store refuses a key the layout lacks.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Protocol
 
 from expertmesh.contracts.errors import StoreCollision
 from expertmesh.contracts.routing_table import MalformedTable, RoutingTable
+from expertmesh.store.access import declared
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +127,13 @@ class StateStore:
         self._kv = backend
         self._ns = namespace
 
+    @property
+    def namespace(self) -> str:
+        """The prefix of this deployment's keys, ``expertmesh:<deployment>``."""
+        return self._ns
+
     def _key(self, name: str) -> str:
+        declared(name)  # every key is in the layout the Redis users' rights derive from
         return f"{self._ns}:{name}"
 
     # -- routing table -------------------------------------------------------------
@@ -302,21 +312,30 @@ class StateStore:
 DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
-def open_store(url: str = "memory://", deployment: str | None = None) -> StateStore:
-    """The store at ``url``, under ``deployment``'s keys (None: ``EXPERTMESH_DEPLOYMENT``, else "default")."""
+def namespace_of(deployment: str | None = None) -> str:
+    """The key prefix of ``deployment`` (None: ``EXPERTMESH_DEPLOYMENT``, else "default"): ``expertmesh:<name>``."""
     deployment = deployment or os.environ.get("EXPERTMESH_DEPLOYMENT") or "default"
     if not DEPLOYMENT_NAME.fullmatch(deployment):
         raise ValueError(
             f"deployment name {deployment[:64]!r}: up to 63 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
         )
-    namespace = f"expertmesh:{deployment}"
+    return f"expertmesh:{deployment}"
+
+
+def open_store(url: str = "memory://", deployment: str | None = None, redis_auth=None) -> StateStore:
+    """The store at ``url``, under ``deployment``'s keys (None: ``EXPERTMESH_DEPLOYMENT``, else "default").
+    ``redis_auth``: a ``RedisAuthConfig`` (None: the environment's ``EXPERTMESH_REDIS_*``)."""
+    namespace = namespace_of(deployment)
     if url.startswith("memory://"):
         from expertmesh.store._memory import MemoryBackend
 
         return StateStore(MemoryBackend(), namespace)
     if url.startswith(("redis://", "rediss://", "unix://")):
+        from expertmesh.config.settings import RedisAuthConfig
+        from expertmesh.infra.security import from_env
         from expertmesh.store._redis import RedisBackend
 
-        return StateStore(RedisBackend(url), namespace)
+        auth = redis_auth if redis_auth is not None else from_env(RedisAuthConfig)
+        return StateStore(RedisBackend(url, auth), namespace)
     raise ValueError(f"unknown state store URL {url!r}; use memory:// or redis://host:port/db")

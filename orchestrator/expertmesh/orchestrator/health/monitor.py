@@ -10,11 +10,27 @@ Probing scales with the model: each group gets one Dispatch per layer for all of
 its experts' probe rows (split only to stay under ``probe_batch_bytes``), and
 groups are observed and probed ``probe_concurrency`` at a time.
 
-Rounds and commands run one at a time (one lock); a round survives groups that
-do not answer (their replicas are not checked this round, their records stay)
-and the loop survives a failed round (logged; the next interval tries again).
-Every step is safe to repeat: records are rewritten whole, the table edit is
-computed afresh from the table in the store and published compare-and-set.
+Locks: rounds run one at a time (``_round_lock``), and every read-modify-write of
+the records, quarantine entries and table edit takes the short ``_state_lock``,
+held over store I/O only, never over a group call. So an operator's (or an
+ExpertQuarantine's) ``quarantine`` never waits for a round's probes: a round
+judges a snapshot of the records and, when it settles, leaves alone any record a
+command changed meanwhile (the command's word stands; the next round checks it).
+A round survives groups that do not answer (their replicas are not checked this
+round, their records stay) and the loop survives a failed round (logged; the next
+interval tries again). Every step is safe to repeat: records are rewritten whole,
+the table edit is computed afresh from the table in the store and published
+compare-and-set.
+
+Memory: the monitor is the one writer of the ``health`` records, the
+``quarantine`` entries and the pinned probes, and it keeps its own copy of what it
+last wrote. A flushed store (FLUSHDB, a Redis replaced without its data) loses
+them; the monitor puts back what the store lost at its next read, and
+``restore`` does so on demand: the reconciler calls it before it rebuilds the
+routing table of an empty store, so the entries routers read are back before any
+table is, and the rebuilt table lists no replica the monitor keeps out of service.
+Baselines and probes come back with them, so a replica is judged after a flush
+against what it computed before it, never re-baselined on what it computes now.
 
 Recording: a log line per state change (``health`` field in JSON logs), an
 event on the ``expertmesh.health.round`` span, and two observable gauges read
@@ -98,9 +114,14 @@ class HealthMonitor:
         self._publish_attempts = publish_attempts
         self._groups = GroupChannels(store.endpoints)
         self._reference = Reference(checkpoint)
-        self._lock = threading.Lock()
-        #: the records as last settled, for the gauges
-        self._latest: Mapping[ReplicaId, ReplicaRecord] = {}
+        #: one round at a time
+        self._round_lock = threading.Lock()
+        #: read-modify-write of records, quarantine entries and the table edit; held over store I/O only
+        self._state_lock = threading.Lock()
+        #: the records as last settled (the gauges; and what a flushed store gets back)
+        self._latest: dict[ReplicaId, ReplicaRecord] = {}
+        #: layer -> the probe pinned for it, as last pinned or read (what a flushed store gets back)
+        self._pinned: dict[int, probes.Probe] = {}
         m = meter()
         m.create_observable_gauge(
             "expertmesh.expert.health",
@@ -117,32 +138,93 @@ class HealthMonitor:
 
     def update(self) -> HealthRound:
         """One round. No routing table in the store, or the store unreachable, raises."""
-        with self._lock, tracer().start_as_current_span("expertmesh.health.round") as span:
+        with self._round_lock, tracer().start_as_current_span("expertmesh.health.round") as span:
             now = self._clock()
             table = self._table()
             observed, unreachable = self._observe()
-            records = self._forget_unheld(state.load_all(self._store), observed)
+            with self._state_lock:
+                before = self._forget_unheld(self._records_now(), observed)
+            records = dict(before)
             due = [rid for rid, r in records.items() if policy.wants_repair(r, self.config) and rid.group in observed]
             targets = self._targets(table, records, observed)
             inputs = self._probes(sorted({rid.layer for rid in targets}), observed)
             found: dict[ReplicaId, tuple[Finding, ...]] = {}
             for rid, check in self._check(targets, inputs, records, observed, now).items():
-                before = records.get(rid) or ReplicaRecord(rid, since=now)
-                after, found[rid] = policy.judge(before, check, self.config)
-                records[rid] = self._note(before, after, span)
+                judged = records.get(rid) or ReplicaRecord(rid, since=now)
+                after, found[rid] = policy.judge(judged, check, self.config)
+                records[rid] = self._note(judged, after, span)
             self._refresh_probes(inputs, targets, records, found, observed, now)
             for rid in due:
                 if policy.wants_repair(records[rid], self.config):
                     view = observed[rid.group].view
                     probe = inputs.get(rid.layer) or self._current_probe(rid.layer, view.hidden_size)
                     records[rid] = self._note(records[rid], self._repair(records[rid], view, probe, now), span)
-            records, table = self._settle(records)
+            with self._state_lock:
+                records, table = self._settle(self._merged(before, records))
             span.set_attribute("expertmesh.health.checked", len(found))
             recorded = sorted(layer for layer, p in inputs.items() if p.source is probes.ProbeSource.RECORDED)
             span.set_attribute("expertmesh.health.recorded_layers", recorded)
             span.set_attribute("expertmesh.routing_table.version", table.version)
         return HealthRound(
             now, records, found, table.version, unreachable, {layer: p.source.value for layer, p in inputs.items()}
+        )
+
+    # -- the records: the store's, and what it lost --------------------------------------------
+
+    def _records_now(self) -> dict[ReplicaId, ReplicaRecord]:
+        """(Under ``_state_lock``) the stored records, plus those this monitor settled that the store lost."""
+        stored, lost = self._read_records()
+        return {**lost, **stored}
+
+    def _read_records(self) -> tuple[dict[ReplicaId, ReplicaRecord], dict[ReplicaId, ReplicaRecord]]:
+        """(The stored records, those this monitor settled that the store lacks): this monitor is their one
+        writer, so a record it remembers and the store lacks was lost (a flush)."""
+        stored = state.load_all(self._store)
+        lost = {r: record for r, record in self._latest.items() if r not in stored}
+        if lost:
+            log.warning(
+                "health: the state store lost %d health records (flushed?); restoring them from the monitor's memory",
+                len(lost),
+            )
+        return stored, lost
+
+    def _merged(
+        self, before: Mapping[ReplicaId, ReplicaRecord], after: Mapping[ReplicaId, ReplicaRecord]
+    ) -> dict[ReplicaId, ReplicaRecord]:
+        """(Under ``_state_lock``) the records now, with ``after``'s word for each record that is still as it was
+        when the work that made ``after`` began (``before``): a record a command changed meanwhile keeps the
+        command's change, and the next round checks it again."""
+        current = self._records_now()
+        merged = dict(current)
+        for r, record in after.items():
+            if current.get(r) == before.get(r):
+                merged[r] = record
+            else:
+                log.info("health: %s changed meanwhile (a command, or a round); this change of it is dropped", r)
+        return merged
+
+    def restore(self) -> frozenset[tuple[int, int, str]]:
+        """Put back what the store lost of this monitor's records, quarantine entries and pinned probes (the
+        reconciler calls it before it publishes the table of an empty store); returns the (layer, expert,
+        group) replicas a rebuilt table must not list: out of service, or withdrawn and not yet put back."""
+        with self._state_lock:
+            stored, lost = self._read_records()
+            records = {**lost, **stored}
+            for record in lost.values():
+                state.save(self._store, record)
+            for record in records.values():
+                if record.state.out_of_service:  # the others have no entry to put back
+                    self._publish_entry(record)
+            self._latest = records
+            pinned = self._store.health_probes()
+            for layer, probe in sorted(self._pinned.items()):
+                if str(layer) not in pinned:
+                    probes.pin(self._store, probe)
+                    log.warning("health: restored the pinned probe of layer %d (%s)", layer, probe.digest)
+        return frozenset(
+            (r.layer, r.expert, r.group)
+            for r, record in records.items()
+            if record.state.out_of_service or record.withdrawn
         )
 
     def _table(self) -> RoutingTable:
@@ -183,11 +265,13 @@ class HealthMonitor:
     def _forget_unheld(
         self, records: dict[ReplicaId, ReplicaRecord], observed: dict[str, _Observed]
     ) -> dict[ReplicaId, ReplicaRecord]:
-        """Drop the records of replicas whose group answered without the expert (moved or evicted)."""
+        """(Under ``_state_lock``) drop the records of replicas whose group answered without the expert (moved or
+        evicted), from the store and from memory."""
         for rid in [rid for rid in records if rid.group in observed and not observed[rid.group].holds(rid.pair)]:
             log.info("health: %s is no longer held; forgetting its record (%s)", rid.describe(), records.pop(rid).state)
             state.remove(self._store, rid)
             self._store.clear_quarantined(rid.layer, rid.expert, rid.group)
+            self._latest.pop(rid, None)
         return records
 
     def _targets(
@@ -202,14 +286,29 @@ class HealthMonitor:
 
     def _current_probe(self, layer: int, hidden_size: int) -> probes.Probe:
         """The layer's pinned probe, or the seeded one."""
-        pinned = probes.load_pinned(self._store, hidden_size).get(layer)
+        pinned = self._pinned_probes(hidden_size).get(layer)
         return pinned or probes.seeded(layer, hidden_size, self.config.tokens, self.config.seed)
+
+    def _pinned_probes(self, hidden_size: int) -> dict[int, probes.Probe]:
+        """layer -> its pinned probe: the store's, and (pinned again) those it lost that this monitor remembers."""
+        pinned = probes.load_pinned(self._store, hidden_size)
+        for layer, probe in sorted(self._pinned.items()):
+            if layer not in pinned and probe.hidden.shape[1] == hidden_size:
+                log.warning("health: the state store lost the pinned probe of layer %d; pinning it again", layer)
+                probes.pin(self._store, probe)
+                pinned[layer] = probe
+        self._pinned.update(pinned)
+        return pinned
+
+    def _pin(self, probe: probes.Probe) -> None:
+        probes.pin(self._store, probe)
+        self._pinned[probe.layer] = probe
 
     def _probes(self, layers: list[int], observed: dict[str, _Observed]) -> dict[int, probes.Probe]:
         if not layers:
             return {}
         hidden_size = next(iter(observed.values())).view.hidden_size
-        pinned = probes.load_pinned(self._store, hidden_size)
+        pinned = self._pinned_probes(hidden_size)
         return {
             layer: pinned.get(layer) or probes.seeded(layer, hidden_size, self.config.tokens, self.config.seed)
             for layer in layers
@@ -331,7 +430,7 @@ class HealthMonitor:
                 fingerprint = observed[rid.group].fingerprints[rid.pair].loaded
                 baseline = measure.baseline(outputs[rid], fingerprint, now, self.config.histogram_bins, fresh.digest)
                 records[rid] = policy.rebaselined(records[rid], baseline, fresh.source.value)
-            probes.pin(self._store, fresh)
+            self._pin(fresh)
             inputs[layer] = fresh
             log.info(
                 "health: layer %d probes with %d recorded hidden states from now on (%s)",
@@ -369,29 +468,27 @@ class HealthMonitor:
     def _settle(
         self, records: Mapping[ReplicaId, ReplicaRecord]
     ) -> tuple[dict[ReplicaId, ReplicaRecord], RoutingTable]:
-        """Publish the table ``records`` ask for, then the records and quarantine entries as that table
-        has them; returns both. A table that keeps changing under us is left for the next round."""
+        """(Under ``_state_lock``) publish the table ``records`` ask for, then the records and quarantine entries
+        as that table has them; returns both. A table that keeps changing under us is left for the next round."""
         table = self._publish(records)
         settled = policy.mark_withdrawn(records, table)
         for record in settled.values():
-            rid = record.replica
             state.save(self._store, record)
-            if record.state.out_of_service:
-                self._store.set_quarantined(
-                    QuarantinedReplica(
-                        rid.layer,
-                        rid.expert,
-                        rid.group,
-                        record.state.value,
-                        record.reason,
-                        record.since,
-                        record.withdrawn,
-                    )
-                )
-            else:
-                self._store.clear_quarantined(rid.layer, rid.expert, rid.group)
+            self._publish_entry(record)
         self._latest = settled
         return settled, table
+
+    def _publish_entry(self, record: ReplicaRecord) -> None:
+        """The replica's ``quarantine`` entry as its record says: there while out of service, else gone."""
+        rid = record.replica
+        if record.state.out_of_service:
+            self._store.set_quarantined(
+                QuarantinedReplica(
+                    rid.layer, rid.expert, rid.group, record.state.value, record.reason, record.since, record.withdrawn
+                )
+            )
+        else:
+            self._store.clear_quarantined(rid.layer, rid.expert, rid.group)
 
     def _publish(self, records: Mapping[ReplicaId, ReplicaRecord]) -> RoutingTable:
         for _ in range(self._publish_attempts):
@@ -436,7 +533,8 @@ class HealthMonitor:
     def listing(self, layer: int | None = None) -> list[ReplicaStatus]:
         """Every replica the table lists or the monitor keeps a record of (never checked: a fresh record)."""
         table = self._table()
-        records = state.load_all(self._store)
+        with self._state_lock:
+            records = self._records_now()
         listed = {ReplicaId(l, e, g) for (l, e), groups in table.replicas.items() for g in groups}
         return [
             ReplicaStatus(records.get(rid) or ReplicaRecord(rid), rid in listed)
@@ -448,14 +546,14 @@ class HealthMonitor:
         self, layer: int, expert: int, group: str | None = None, reason: str = "", by: Initiator = Initiator.OPERATOR
     ) -> list[ReplicaStatus]:
         """Take ``group``'s replica (default: every replica) of the expert out of service now; it stays
-        quarantined until ``release``."""
-        with self._lock, tracer().start_as_current_span("expertmesh.health.quarantine") as span:
+        quarantined until ``release``. Never waits for a round's probes (``_state_lock`` only)."""
+        with self._state_lock, tracer().start_as_current_span("expertmesh.health.quarantine") as span:
             now = self._clock()
             table = self._table()
             pair = (layer, expert)
             if pair not in table.replicas:
                 raise QuarantineRefused(f"layer {layer} expert {expert} is not in routing table v{table.version}")
-            records = state.load_all(self._store)
+            records = self._records_now()
             known = set(table.replicas[pair]) | {
                 rid.group for rid, r in records.items() if rid.pair == pair and r.withdrawn
             }
@@ -473,10 +571,13 @@ class HealthMonitor:
 
     def release(self, layer: int, expert: int, group: str | None = None) -> list[ReplicaStatus]:
         """Repair the expert's quarantined replicas (on ``group`` only, if given): reload, verify,
-        probation. One that fails verification stays quarantined, with the reason."""
-        with self._lock, tracer().start_as_current_span("expertmesh.health.release") as span:
+        probation. One that fails verification stays quarantined, with the reason. The reloads run outside
+        ``_state_lock``, like a round's probes."""
+        with tracer().start_as_current_span("expertmesh.health.release") as span:
             now = self._clock()
-            records = state.load_all(self._store)
+            with self._state_lock:
+                before = self._records_now()
+            records = dict(before)
             targets = sorted(
                 rid
                 for rid, r in records.items()
@@ -495,7 +596,8 @@ class HealthMonitor:
                     continue
                 probe = self._current_probe(rid.layer, view.hidden_size)
                 records[rid] = self._note(records[rid], self._repair(records[rid], view, probe, now), span)
-            self._settle(records)
+            with self._state_lock:
+                self._settle(self._merged(before, records))
         return self._statuses(targets)
 
     def _statuses(self, targets: list[ReplicaId]) -> list[ReplicaStatus]:

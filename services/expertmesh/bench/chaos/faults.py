@@ -18,8 +18,9 @@ from typing import Callable, Protocol
 from expertmesh.bench.chaos.measure import Timeline
 from expertmesh.bench.chaos.platform import ChaosPlatform, wait_until
 from expertmesh.bench.report import BenchError
+from expertmesh.contracts.errors import ExpertMeshError
 from expertmesh.orchestrator.health import state as health_state
-from expertmesh.orchestrator.health.state import HealthState, ReplicaId
+from expertmesh.orchestrator.health.state import HealthState, Initiator, ReplicaId
 from expertmesh.v1 import admin_pb2 as admin_pb
 from expertmesh.v1 import experts_pb2 as pb
 
@@ -797,4 +798,90 @@ class RedisFrozenUnderHttpPrefer:
             probe_reference=reference,
             health_live_max_s=longest,
             evidence=(f"/health/live answered {watch.checks} probes, the slowest in {1e3 * longest:.0f} ms",),
+        )
+
+
+
+@dataclass(frozen=True)
+class FlushedDuringQuarantine:
+    """An operator's quarantine of one replica of an expert (its other replica serves on), that replica's weights
+    then scaled by ``factor`` (so any token it serves is a wrong answer with status OK), then FLUSHALL, which
+    takes the quarantine entries and health records with the table. The orchestrator must put the quarantine
+    back before any table, and rebuild the table without the replica: no request may be served by it. Lifted by
+    an operator's release (reload from the checkpoint, probation), then healthy and listed again."""
+
+    layer: int
+    expert: int
+    group: str
+    factor: float = 2.0
+    name: str = "flush-during-quarantine"
+
+    @property
+    def description(self) -> str:
+        return (
+            f"layer {self.layer} expert {self.expert} quarantined on {self.group} by an operator, its weights there "
+            f"scaled by {self.factor:g}, then FLUSHALL; released after the hold"
+        )
+
+    def run(self, platform: ChaosPlatform, hold_s: float) -> Timeline:
+        from expertmesh.orchestrator import admin_client
+
+        store, pair, key = platform.store, (self.layer, self.expert), (self.layer, self.expert, self.group)
+        channel, admin = admin_client.connect(platform.admin_address)
+        with channel:
+            request = admin_pb.QuarantineRequest(layer=self.layer, expert=self.expert, group=self.group)
+            admin_client.call(admin.Quarantine, request)
+            withdrawn = store.routing_table_version()
+            if wait_until(lambda: platform.router_version() >= withdrawn, RECOVERY_TIMEOUT_S) is None:
+                raise BenchError("the router never took the table without the quarantined replica")
+            platform.channels.inject_fault(self.group, pair, pb.FAULT_KIND_SCALE, self.factor)
+            before = max(store.routing_table_version(), platform.router_version())
+            injected = time.monotonic()
+            platform.redis.flush()
+
+            def quarantine_back() -> bool:
+                """The operator's quarantine back in the store, and the router on a rebuilt table without it."""
+                table = store.routing_table()
+                if table is None or table.version <= before or platform.router_version() < table.version:
+                    return False
+                record = health_state.load_all(store).get(ReplicaId(*key))
+                return (
+                    set(store.endpoints()) == set(platform.groups)
+                    and self.group not in table.replicas[pair]
+                    and key in store.quarantined()
+                    and record is not None
+                    and record.state is HealthState.QUARANTINED
+                    and record.quarantined_by is Initiator.OPERATOR
+                )
+
+            back = wait_until(quarantine_back, RECOVERY_TIMEOUT_S)
+            _hold_until(injected, hold_s)
+            # lifted, as an operator does: reload from the checkpoint (the scaled weights go), then probation
+            release = admin_pb.ReleaseRequest(layer=self.layer, expert=self.expert, group=self.group)
+            try:
+                admin_client.call(admin.Release, release)
+            except ExpertMeshError as err:  # the quarantine was lost: nothing of it left to release
+                released = f"; its release: {err}"
+            else:
+                released = ""
+        lifted = time.monotonic()
+        if back is None:
+            return Timeline(injected, lifted, None, note=f"the quarantine did not come back after the flush{released}")
+
+        def whole() -> bool:
+            record = health_state.load_all(store).get(ReplicaId(*key))
+            table = store.routing_table()
+            return (
+                record is not None
+                and record.state is HealthState.HEALTHY
+                and self.group in table.replicas[pair]
+                and key not in store.quarantined()
+                and platform.router_version() >= table.version
+            )
+
+        return Timeline(
+            injected,
+            lifted,
+            wait_until(whole, RECOVERY_TIMEOUT_S),
+            note=f"quarantine back after {back - injected:.1f} s",
         )

@@ -11,12 +11,13 @@ group's replica, SIGSTOP of a group, one expert's weights corrupted in a running
 groups' test-only fault hook, enabled for this run), the same with its other replica evicted
 first (the quarantine then leaves a fallback: degraded outputs), Redis stopped, Redis frozen
 (SIGSTOP), Redis flushed, a routing table of another model published over the good one, a live
-move followed by a flush, the orchestrator killed, a group started from another checkpoint of the
-same shapes under a group's name (registering, then its address written over the good one's),
-a group made the only holder of a whole layer and then killed, an expert quarantined on every layer
-while long prompts fill the prefix cache and then released (the same prompts again must be exact),
-and Redis frozen under clients streaming over the HTTP API with the ``prefer`` policy (its
-``/health/live`` polled throughout).
+move followed by a flush, a flush during an operator's quarantine of a corrupted replica (it must
+come back before any table, and no request may be served by the replica), the orchestrator killed,
+a group started from another checkpoint of the same shapes under a group's name (registering, then
+its address written over the good one's), a group made the only holder of a whole layer and then
+killed, an expert quarantined on every layer while long prompts fill the prefix cache and then
+released (the same prompts again must be exact), and Redis frozen under clients streaming over the
+HTTP API with the ``prefer`` policy (its ``/health/live`` polled throughout).
 
 Per scenario (``chaos.measure``): requests sent / completed / failed, completions that differ
 from the reference (``wrong_outputs``: must be 0; for the corruption, the ones sent before the
@@ -79,6 +80,7 @@ SCENARIOS = (
     "redis-flushed",
     "table-mismatch",
     "flush-after-move",
+    "flush-during-quarantine",
     "orchestrator-killed",
     "foreign-checkpoint-group",
     "sole-group-killed",
@@ -339,6 +341,9 @@ def _fault(name: str, options: Options, platform, target: Callable[[], Target]):
         return faults.ForeignCheckpointGroup(platform.groups[1 % len(platform.groups)])
     if name == "sole-group-killed":
         return faults.SoleGroupKilled(*faults.sole_layer(platform.store.routing_table(), platform.groups))
+    if name == "flush-during-quarantine":
+        busiest = pick_expert(platform, 1.0)  # the expert most tokens choose: a leak shows soonest
+        return faults.FlushedDuringQuarantine(busiest.layer, busiest.expert, busiest.group, options.corrupt_factor)
     return faults.OrchestratorKilled()
 
 

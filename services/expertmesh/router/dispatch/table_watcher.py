@@ -197,8 +197,15 @@ class TableWatcher:
 
     def refresh_quarantine(self) -> None:
         """Take the health monitor's quarantined replicas into the view when they changed (every round: a
-        quarantine need not wait for a new table version)."""
+        quarantine need not wait for a new table version).
+
+        A store without a table (flushed) keeps the last quarantines: the flush took the entries too, and the
+        orchestrator puts them back before it publishes a table. So the entries count only when a table version
+        is there before and after reading them (a flush in between reads as a change of version)."""
+        version = self._store.routing_table_version()
         quarantined = frozenset(self._store.quarantined())
+        if version == 0 or self._store.routing_table_version() != version:
+            return
         with self._refresh_lock:
             if quarantined == self._quarantined:
                 return

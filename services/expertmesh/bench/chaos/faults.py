@@ -801,7 +801,6 @@ class RedisFrozenUnderHttpPrefer:
         )
 
 
-
 @dataclass(frozen=True)
 class FlushedDuringQuarantine:
     """An operator's quarantine of one replica of an expert (its other replica serves on), that replica's weights

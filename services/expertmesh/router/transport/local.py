@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -226,6 +227,19 @@ class _LocalPending:
         else:
             self._path.release(self._conn)
         return reply
+
+    def wait(self, timeout_s: float) -> bool:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            return True
+        try:
+            readable, _, _ = select.select([self._conn.sock], [], [], max(min(timeout_s, left), 0.0))
+        except (OSError, ValueError):  # the socket is gone: result() says so at once
+            return True
+        return bool(readable) or time.monotonic() >= self._deadline
+
+    def cancel(self) -> None:
+        self._conn.close()  # the group may still answer into this buffer: never reuse it
 
 
 class LocalPath:

@@ -16,14 +16,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import socket
 import struct
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -43,6 +41,7 @@ from expertmesh.router.transport import build
 from expertmesh.router.transport.base import GroupRequest, TransportError
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
+from helpers import wait_stopped
 
 LAYER = 1
 HIDDEN = 32  # the tiny Mixtral: MoE layers 0 and 1, 4 experts, top-2
@@ -366,20 +365,6 @@ def test_a_call_past_its_deadline_fails_and_the_next_one_is_exact(checkpoint, na
         server.stop(0)
 
 
-def _wait_stopped(pid: int, timeout_s: float = 10) -> None:
-    """Until every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/TID/stat)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(FileNotFoundError):
-                states.append(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0])
-        if states and all(s in "Tt" for s in states):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop within {timeout_s} s of SIGSTOP: thread states {states}")
-
-
 def test_a_stopped_group_costs_a_call_its_deadline_and_breaks_no_path(tiny_checkpoints):
     """A real ``expertmesh group serve`` process, SIGSTOPped: its sockets still take connections
     into their backlog and never answer. The first call waits on the pooled connection; the
@@ -392,7 +377,7 @@ def test_a_stopped_group_costs_a_call_its_deadline_and_breaks_no_path(tiny_check
         expected = transport.send("g0", _request(), 30).result().partial
         assert transport.kind("g0") == "shm"
         os.kill(group.proc.pid, signal.SIGSTOP)
-        _wait_stopped(group.proc.pid)  # the signal is delivered asynchronously: a call sent before it lands is served
+        wait_stopped(group.proc.pid)  # the signal is delivered asynchronously: a call sent before it lands is served
         for _ in range(2):
             with pytest.raises(TransportError) as err:
                 transport.send("g0", _request(), 0.5).result()

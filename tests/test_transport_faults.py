@@ -390,3 +390,34 @@ def test_a_stopped_group_costs_a_call_its_deadline_and_breaks_no_path(tiny_check
         os.kill(group.proc.pid, signal.SIGCONT)
         transport.close()
         group.stop()
+
+
+@pytest.mark.parametrize("name, path", [("auto", "shm"), ("grpc", "grpc-stream"), ("grpc-unary", "grpc-unary")])
+def test_a_slow_call_can_be_waited_for_and_given_up_and_the_next_one_is_exact(checkpoint, name, path):
+    """What hedging needs of every path: ``wait`` says a slow call has not answered yet without ending it,
+    ``cancel`` gives it up (its late answer never read, on the same stream or pool of connections), and a call
+    whose answer ``wait`` already saw and that is then given up anyway (a hedge that lost its race) leaves its
+    connection usable: the next calls are exact, on the same path."""
+    servicer = _servicer(checkpoint)
+    compute = servicer.compute
+    servicer.compute = lambda *a, **kw: (time.sleep(0.5), compute(*a, **kw))[1]
+    server = GroupServer(servicer).start()
+    address = f"127.0.0.1:{server.port}"
+    transport = build(name)
+    transport.update({"g0": address})
+    try:
+        slow = transport.send("g0", _request(), 30)
+        assert not slow.wait(0.1)
+        slow.cancel()
+        servicer.compute = compute
+        answered = transport.send("g0", _request(seed=1), 30)
+        assert answered.wait(30)
+        answered.cancel()  # its answer arrived: nothing left to give up
+        time.sleep(0.6)  # the cancelled call's answer comes meanwhile
+        for seed in (2, 3):
+            reply = transport.send("g0", _request(seed=seed), 30).result()
+            assert torch.equal(reply.partial, _unary(address, *_tensors(seed=seed)))
+        assert transport.kind("g0") == path
+    finally:
+        transport.close()
+        server.stop(0)

@@ -163,7 +163,8 @@ class _FallingBack:
         return True
 
     def cancel(self) -> None:
-        self._pending.cancel()
+        if self._outcome is None:  # a result taken already has let its connection go (back to the pool)
+            self._pending.cancel()
 
 
 def _is_socket(path: str) -> bool:

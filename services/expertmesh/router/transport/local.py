@@ -209,8 +209,10 @@ class _LocalPending:
         self._path, self._conn, self._call_id, self._offset = path, conn, call_id, answer_offset
         self._deadline = deadline
         self.transport = conn.kind
+        self._read = False  # the answer (or failure) was taken: the connection is back in the pool or closed
 
     def result(self) -> GroupReply:
+        self._read = True
         try:
             reply = self._conn.finish(self._call_id, self._offset, self._deadline)
         except TransportError as err:
@@ -239,7 +241,8 @@ class _LocalPending:
         return bool(readable) or time.monotonic() >= self._deadline
 
     def cancel(self) -> None:
-        self._conn.close()  # the group may still answer into this buffer: never reuse it
+        if not self._read:  # never a connection the pool has taken back
+            self._conn.close()  # the group may still answer into this buffer: never reuse it
 
 
 class LocalPath:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -34,6 +35,21 @@ def wait_for(predicate, what: str, timeout_s: float = 60.0, poll_s: float = 0.1)
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(poll_s)
     return value
+
+
+def wait_stopped(pid: int, timeout_s: float = 10) -> None:
+    """Until every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/TID/stat): SIGSTOP is
+    delivered asynchronously, and a call sent before it lands is served."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):
+                states.append(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(s in "Tt" for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s of SIGSTOP: thread states {states}")
 
 
 def orchestrator_argv(state_url: str, model, placement, *flags: str, admin_port: int = 0) -> list[str]:

@@ -260,7 +260,8 @@ def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
     """Every scenario with short intervals. The product's promises, as counts: no request fails
     where a replica covers the fault, no completion differs from the reference except those the
     corruption made before its quarantine took effect (counted apart) and the fallback's degraded
-    ones; each corrupted replica is found and quarantined; a group of another checkpoint is refused
+    ones; a hung group with replicas stalls no stream a second; each corrupted replica is found and quarantined;
+    a group of another checkpoint is refused
     (its registration, then by the router) and the operator is told why; while a layer's only group
     is down its requests fail fast with UNAVAILABLE naming it; every fault heals."""
     from expertmesh.bench.chaos import suite as bench_chaos
@@ -294,6 +295,11 @@ def test_bench_chaos_survives_every_fault_with_no_failed_or_wrong_request():
     assert served.startswith("the router refused it") and "refused it 0 times" not in served
     # replicas covered it: no wait of any stream grew by a second (beyond the quiet window's own longest)
     assert foreign["longest_stall_s_during"] < 1.0 + (foreign["longest_stall_s_before"] or 0.0), foreign
+    # a hung group whose experts have other replicas: its calls are hedged onto them after the hedge delay and
+    # its breaker keeps it out at once, so no stream waits a second for it (before: 4-6 s, the group-call deadline
+    # and more)
+    stopped = by_name["group-sigstop"]
+    assert stopped["longest_stall_s_during"] < 1.0 + (stopped["longest_stall_s_before"] or 0.0), stopped
     sole = by_name["sole-group-killed"]
     assert sole["sent"] > 0 and sole["failed"] > 0, sole
     assert all(f.startswith("UNAVAILABLE: expert group g") for f in sole["failures"]), sole["failures"]

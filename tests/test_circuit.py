@@ -54,3 +54,20 @@ def test_a_trial_that_sent_nothing_expires_so_the_group_is_not_avoided_forever()
     assert breakers.avoided(("g",)) == {"g"}
     clock.now = 4.0
     assert breakers.avoided(("g",)) == frozenset()
+
+
+def test_a_group_that_lost_a_hedge_race_opens_at_once_and_half_opens_after_the_cooldown():
+    """A hedged-away call is one signal, not one of ``threshold`` failures: each further call to the group
+    would cost its step another hedge delay (``CircuitBreakers.slow``)."""
+    clock = Clock()
+    breakers = CircuitBreakers(threshold=3, cooldown_s=5, clock=clock)
+    breakers.slow("g1")
+    assert breakers.state("g1") is BreakerState.OPEN and breakers.avoided(("g1", "g2")) == {"g1"}
+    clock.now = 5.0
+    assert breakers.avoided(("g1",)) == frozenset()  # the trial
+    breakers.slow("g1")  # hedged away again: another cooldown
+    clock.now = 9.9
+    assert breakers.state("g1") is BreakerState.OPEN
+    clock.now = 10.0
+    breakers.success("g1")
+    assert breakers.state("g1") is BreakerState.CLOSED

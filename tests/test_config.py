@@ -201,6 +201,18 @@ def test_settings_are_checked_before_anything_starts(tmp_path, capsys):
     assert "--port: Input should be greater than or equal to 0" in line
 
 
+def test_hedge_delays_out_of_order_are_one_line_before_anything_starts(tmp_path, capsys, monkeypatch):
+    line = _one_error_line(capsys, ["up", "--model", tmp_path / "absent", "--hedge-delay-min-s", "0.6"])
+    assert line.endswith("hedge_delay_min_s (0.6) must not exceed hedge_delay_max_s (0.5)"), line
+    monkeypatch.setenv("EXPERTMESH_HEDGE_DELAY_MAX_S", "0.01")
+    line = _one_error_line(capsys, ["up", "--model", tmp_path / "absent"])
+    assert line.endswith("hedge_delay_min_s (0.05) must not exceed hedge_delay_max_s (0.01)"), line
+    plane = settings_from_args(
+        DataPlaneConfig, _up("--model", tmp_path, "--hedge-calls", "false", "--hedge-delay-min-s", "0.01")
+    )
+    assert (plane.hedge_calls, plane.hedge_delay_min_s, plane.hedge_delay_max_s) == (False, 0.01, 0.01)
+
+
 def test_every_setting_flag_says_its_default_and_variable():
     up = build_parser()._subparsers._group_actions[0].choices["up"]
     flags = {

@@ -4,14 +4,16 @@ every transport (``transport`` fixture: unary gRPC, the gRPC stream, and ``auto`
 which is shared memory for these same-host groups).
 
 Faults are injected at the group's servicer (a subclass whose compute answers
-with NaN, a wrong shape or a wrong dtype, or hangs; undecodable answers are cut
-short on the transport's own codec), by stopping a group's server, by publishing
-a routing table that leaves an expert unhosted, and by killing a real
-redis-server under a router that has a table cached.
+with NaN, a wrong shape or a wrong dtype, late, or not until released; undecodable
+answers are cut short on the transport's own codec), by stopping a group's server,
+by SIGSTOP of a real ``expertmesh group serve`` process, by publishing a routing
+table that leaves an expert unhosted, and by killing a real redis-server under a
+router that has a table cached.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -38,14 +40,16 @@ from expertmesh.expert_group.service import ExpertGroupServicer, GroupServer
 from expertmesh.infra.ports import free_port
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.models.hosted_experts import HostedExperts
+from expertmesh.platform.group_processes import start_groups
 from expertmesh.router import transport as transports
-from expertmesh.router.dispatch.circuit import CircuitBreakers
+from expertmesh.router.dispatch.circuit import BreakerState, CircuitBreakers
 from expertmesh.router.dispatch.heartbeat import Heartbeat
+from expertmesh.router.dispatch.hedging import HedgePolicy
 from expertmesh.router.dispatch.table_watcher import TableWatcher
 from expertmesh.store import QuarantinedReplica, open_store
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
-from helpers import bare_dispatcher, wait_for
+from helpers import bare_dispatcher, wait_for, wait_stopped
 
 LAYERS = (0, 1)
 
@@ -59,9 +63,17 @@ class FaultyServicer(ExpertGroupServicer):
 
     fault: str | None = None
     calls = 0
+    #: the "late" fault's delay, s
+    late_s = 0.0
+    #: the "stall" fault answers once this is set (a hung group that comes back)
+    unstall = threading.Event()
 
     def compute(self, *args, **kwargs):
         self.calls += 1
+        if self.fault == "late":
+            time.sleep(self.late_s)
+        elif self.fault == "stall":
+            self.unstall.wait(60)
         partial = super().compute(*args, **kwargs)
         if self.fault == "nan":
             partial[0, 0] = float("nan")
@@ -119,7 +131,7 @@ def _start(name, checkpoint, pairs, servicer_cls=ExpertGroupServicer):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoints):
-    """g0: experts 0-1 of both layers; g1 and g2 (faulty on demand): experts 2-3 of both layers."""
+    """g0: experts 0-1 of both layers; g1 and g2 (both faulty on demand): experts 2-3 of both layers."""
     path = tiny_checkpoints("mixtral")
     checkpoint = Checkpoint(path)
     low = [(layer, e) for layer in LAYERS for e in (0, 1)]
@@ -127,7 +139,7 @@ def cluster(tiny_checkpoints):
     servers = {
         "g0": _start("g0", checkpoint, low),
         "g1": _start("g1", checkpoint, high, FaultyServicer),
-        "g2": _start("g2", checkpoint, high),
+        "g2": _start("g2", checkpoint, high, FaultyServicer),
     }
     stock = experts_modules(AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager"))
     yield servers, stock
@@ -168,11 +180,22 @@ def _check_exact(dispatcher, stock, layer=1, seed=0):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
-@pytest.fixture
-def faulty(cluster):
-    servicer = cluster[0]["g1"][1]
+def _faulty(servicer):
+    servicer.unstall = threading.Event()
     yield servicer
     servicer.fault = None
+    servicer.unstall.set()  # whatever still hangs answers (into calls given up on)
+
+
+@pytest.fixture
+def faulty(cluster):
+    yield from _faulty(cluster[0]["g1"][1])
+
+
+@pytest.fixture
+def faulty_replica(cluster):
+    """g2, the other replica of g1's experts."""
+    yield from _faulty(cluster[0]["g2"][1])
 
 
 def test_dispatch_matches_stock_and_splits_replicated_experts(cluster, transport):
@@ -211,6 +234,134 @@ def test_a_group_that_keeps_failing_is_skipped_once_its_breaker_opens(cluster, f
     alone.breakers.failure("g1")
     _check_exact(alone, cluster[1])  # open, but the only holder of experts 2-3: still tried
     alone.close()
+
+
+def test_a_hung_group_is_hedged_onto_its_other_replica_and_kept_out_at_once(cluster, faulty, transport):
+    """g1 hangs (takes calls, never answers) holding experts 2-3, which g2 also holds. The step's slots g1 was
+    given are sent to g2 once g1 has not answered within its hedge delay, and g2's answer is summed: exact, well
+    within the 10 s group-call deadline. g1's breaker opens at once: the next step sends it nothing. (Before,
+    each of the first steps waited the deadline out, then failed over.)"""
+    dispatcher = _dispatcher(_store(cluster), transport, timeout_s=10.0, breakers=CircuitBreakers(cooldown_s=600))
+    _check_exact(dispatcher, cluster[1])  # both replicas answer
+    faulty.fault = "stall"
+    before = faulty.calls
+    started = time.monotonic()
+    _check_exact(dispatcher, cluster[1], seed=1)
+    assert time.monotonic() - started < 5, "the step waited for the hung group's deadline"
+    assert faulty.calls > before, "g1 was given tokens of this step (and hung on them)"
+    assert dispatcher.hedged == {("g1", "replicas"): 1}
+    assert dispatcher.breakers.state("g1") is BreakerState.OPEN
+    hung = faulty.calls
+    started = time.monotonic()
+    _check_exact(dispatcher, cluster[1], seed=2)
+    assert time.monotonic() - started < 5 and faulty.calls == hung, "g1 was sent a call with its breaker open"
+    assert set(dispatcher.queue_depths().values()) == {0}
+    dispatcher.close()
+
+
+def _one_token(seed, experts):
+    """One decode token choosing ``experts``: its slot of a replicated expert goes to the first replica listed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 32, generator=g), torch.tensor([experts]), torch.rand(1, len(experts), generator=g)
+
+
+@pytest.mark.parametrize(
+    "late_s, replica_late_s, answered",
+    [(0.6, 0.0, "replicas"), (0.15, 0.8, "group")],
+    ids=["the replica answers first", "the late group answers first"],
+)
+def test_a_hedged_call_sums_exactly_one_answer_and_drops_the_late_one(
+    cluster, faulty, faulty_replica, transport, late_s, replica_late_s, answered
+):
+    """g1 answers every call late, g2 (the other replica of experts 2-3) answers its hedges on time or later
+    still. Each decode token's expert-2 slot goes to g1 (listed first), is hedged onto g2 after the fixed 50 ms
+    delay, and whichever answers first is summed, never both (both would count the slot twice): every step
+    exact, and the loser's answer, which still comes, is dropped unread, also on the shared stream or
+    connection of the next calls. A breaker with no cooldown lets every step try g1 again."""
+    dispatcher = _dispatcher(
+        _store(cluster),
+        transport,
+        timeout_s=10.0,
+        hedge=HedgePolicy(min_delay_s=0.05, max_delay_s=0.05),
+        breakers=CircuitBreakers(cooldown_s=0),
+    )
+    _, stock = cluster
+    faulty.fault, faulty.late_s = "late", late_s
+    faulty_replica.fault, faulty_replica.late_s = "late", replica_late_s
+    steps = 4
+    for seed in range(steps):
+        hidden, index, weights = _one_token(seed, [seed % 2, 2])
+        got = dispatcher.dispatch(1, hidden, index, weights)
+        with torch.no_grad():
+            torch.testing.assert_close(got, stock[1][1](hidden, index, weights), rtol=0, atol=1e-6)
+    assert dispatcher.hedged == {("g1", answered): steps}
+    # the losers' answers come in meanwhile; a fresh step on the same streams and connections is exact
+    time.sleep(max(late_s, replica_late_s) + 0.2)
+    faulty.fault = faulty_replica.fault = None
+    _check_exact(dispatcher, stock, seed=9)
+    assert set(dispatcher.queue_depths().values()) == {0}
+    dispatcher.close()
+
+
+def test_a_call_of_an_expert_with_no_other_replica_is_never_hedged(cluster, faulty, faulty_replica, transport):
+    """Expert 2 is g1's alone (expert 3 is on g1 and g2). g1 answers late, past the 50 ms hedge delay: no other
+    group could answer a call holding an expert-2 slot, so the step waits for g1, as before hedging, and is
+    exact; nothing is sent to g2."""
+    store = _store(cluster)
+    holders = {0: ("g0",), 1: ("g0",), 2: ("g1",), 3: ("g1", "g2")}
+    replicas = {(layer, e): holders[e] for layer in LAYERS for e in range(4)}
+    assert store.publish_routing_table(RoutingTable(store.routing_table_version() + 1, 4, replicas))
+    dispatcher = _dispatcher(store, transport, timeout_s=10.0, hedge=HedgePolicy(min_delay_s=0.05, max_delay_s=0.05))
+    faulty.fault, faulty.late_s = "late", 0.4
+    _, stock = cluster
+    hidden, _, weights = _inputs()
+    index = torch.tensor([[2, e % 2] for e in range(12)])  # [T, 2]: expert 2 and one of g0's
+    before = faulty_replica.calls
+    started = time.monotonic()
+    got = dispatcher.dispatch(1, hidden, index, weights)
+    assert time.monotonic() - started >= 0.4, "the step did not wait for the expert's only group"
+    with torch.no_grad():
+        torch.testing.assert_close(got, stock[1][1](hidden, index, weights), rtol=0, atol=1e-6)
+    assert not dispatcher.hedged and faulty_replica.calls == before
+    assert dispatcher.breakers.state("g1") is BreakerState.CLOSED
+    dispatcher.close()
+
+
+def test_a_stopped_group_process_is_hedged_and_its_trial_after_the_cooldown_too(cluster, tiny_checkpoints, tmp_path):
+    """A real ``expertmesh group serve`` process g3 holds experts 2-3 beside g2, and is SIGSTOPped: its sockets
+    take connections into their backlogs and it never answers. The router (the default transport: shared
+    memory) hedges g3's call onto g2 after the hedge delay, each step exact and done in well under the 10 s
+    group-call deadline; g3's breaker opens at once. After the cooldown one step tries g3 again: that call must
+    dial a new shared-memory connection, whose handshake a stopped process never answers, so it is started off
+    the step's thread and hedged like the first (it used to hold the step until the deadline)."""
+    placement = tmp_path / "placement.yaml"
+    placement.write_text("groups:\n  g3: {'*': [2, 3]}\n  g4: {'*': [0, 1]}\n")
+    path = tiny_checkpoints("mixtral")
+    (group,) = start_groups(["g3"], ["--model", str(path), "--placement", str(placement)]).values()
+    store = _store(cluster, replicas_of_high=("g3", "g2"))
+    store.set_endpoint("g3", group.address)
+    dispatcher = _dispatcher(store, "auto", timeout_s=10.0, breakers=CircuitBreakers(cooldown_s=1.0))
+    try:
+        for seed in range(2):
+            _check_exact(dispatcher, cluster[1], seed=seed)
+        assert dispatcher.transports()["g3"] == "shm"
+        os.kill(group.proc.pid, signal.SIGSTOP)
+        wait_stopped(group.proc.pid)
+        for seed in range(2, 5):
+            started = time.monotonic()
+            _check_exact(dispatcher, cluster[1], seed=seed)
+            assert time.monotonic() - started < 5, f"step {seed} waited for the stopped group"
+        assert dispatcher.hedged == {("g3", "replicas"): 1}, "once hedged, g3 was kept out"
+        time.sleep(1.2)  # the cooldown: the next step tries g3
+        started = time.monotonic()
+        _check_exact(dispatcher, cluster[1], seed=5)
+        assert time.monotonic() - started < 5, "the trial call held the step"
+        assert dispatcher.hedged == {("g3", "replicas"): 2}
+        assert dispatcher.breakers.state("g3") is BreakerState.OPEN
+    finally:
+        os.kill(group.proc.pid, signal.SIGCONT)
+        dispatcher.close()
+        group.stop()
 
 
 @pytest.mark.parametrize(

@@ -16,14 +16,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import socket
 import struct
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -43,6 +41,7 @@ from expertmesh.router.transport import build
 from expertmesh.router.transport.base import GroupRequest, TransportError
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
+from helpers import wait_stopped
 
 LAYER = 1
 HIDDEN = 32  # the tiny Mixtral: MoE layers 0 and 1, 4 experts, top-2
@@ -366,20 +365,6 @@ def test_a_call_past_its_deadline_fails_and_the_next_one_is_exact(checkpoint, na
         server.stop(0)
 
 
-def _wait_stopped(pid: int, timeout_s: float = 10) -> None:
-    """Until every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/TID/stat)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(FileNotFoundError):
-                states.append(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0])
-        if states and all(s in "Tt" for s in states):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop within {timeout_s} s of SIGSTOP: thread states {states}")
-
-
 def test_a_stopped_group_costs_a_call_its_deadline_and_breaks_no_path(tiny_checkpoints):
     """A real ``expertmesh group serve`` process, SIGSTOPped: its sockets still take connections
     into their backlog and never answer. The first call waits on the pooled connection; the
@@ -392,7 +377,7 @@ def test_a_stopped_group_costs_a_call_its_deadline_and_breaks_no_path(tiny_check
         expected = transport.send("g0", _request(), 30).result().partial
         assert transport.kind("g0") == "shm"
         os.kill(group.proc.pid, signal.SIGSTOP)
-        _wait_stopped(group.proc.pid)  # the signal is delivered asynchronously: a call sent before it lands is served
+        wait_stopped(group.proc.pid)  # the signal is delivered asynchronously: a call sent before it lands is served
         for _ in range(2):
             with pytest.raises(TransportError) as err:
                 transport.send("g0", _request(), 0.5).result()
@@ -405,3 +390,34 @@ def test_a_stopped_group_costs_a_call_its_deadline_and_breaks_no_path(tiny_check
         os.kill(group.proc.pid, signal.SIGCONT)
         transport.close()
         group.stop()
+
+
+@pytest.mark.parametrize("name, path", [("auto", "shm"), ("grpc", "grpc-stream"), ("grpc-unary", "grpc-unary")])
+def test_a_slow_call_can_be_waited_for_and_given_up_and_the_next_one_is_exact(checkpoint, name, path):
+    """What hedging needs of every path: ``wait`` says a slow call has not answered yet without ending it,
+    ``cancel`` gives it up (its late answer never read, on the same stream or pool of connections), and a call
+    whose answer ``wait`` already saw and that is then given up anyway (a hedge that lost its race) leaves its
+    connection usable: the next calls are exact, on the same path."""
+    servicer = _servicer(checkpoint)
+    compute = servicer.compute
+    servicer.compute = lambda *a, **kw: (time.sleep(0.5), compute(*a, **kw))[1]
+    server = GroupServer(servicer).start()
+    address = f"127.0.0.1:{server.port}"
+    transport = build(name)
+    transport.update({"g0": address})
+    try:
+        slow = transport.send("g0", _request(), 30)
+        assert not slow.wait(0.1)
+        slow.cancel()
+        servicer.compute = compute
+        answered = transport.send("g0", _request(seed=1), 30)
+        assert answered.wait(30)
+        answered.cancel()  # its answer arrived: nothing left to give up
+        time.sleep(0.6)  # the cancelled call's answer comes meanwhile
+        for seed in (2, 3):
+            reply = transport.send("g0", _request(seed=seed), 30).result()
+            assert torch.equal(reply.partial, _unary(address, *_tensors(seed=seed)))
+        assert transport.kind("g0") == path
+    finally:
+        transport.close()
+        server.stop(0)

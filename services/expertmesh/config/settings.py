@@ -115,6 +115,28 @@ class DataPlaneConfig(BaseSettings):
         "(a blip, a replica restarting), within dispatch_timeout_s and the requests' deadlines, before its requests "
         "fail with UNAVAILABLE; the step holds every sequence meanwhile. 0: fail at once",
     )
+    hedge_calls: bool = Field(
+        True,
+        description="send a group call that has not answered within its hedge delay to other replicas of its experts "
+        "too, and sum whichever complete answer comes first (a hung group then holds a step for the delay, not "
+        "dispatch_timeout_s, and its breaker keeps it out at once); calls of experts with no other replica are never "
+        "hedged",
+    )
+    hedge_delay_min_s: float = Field(
+        0.05,
+        gt=0,
+        le=60,
+        description="the shortest hedge delay: the delay is 3x the p99 of the group's recent calls of the same size, "
+        "within hedge_delay_min_s and hedge_delay_max_s (the same value in both: a fixed delay, for calls that "
+        "normally take less)",
+    )
+    hedge_delay_max_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="the longest hedge delay, unless 1.5x that p99 is longer; also the delay of a group's calls of a "
+        "size it has not answered 20 of yet",
+    )
     transport: TransportName = Field(
         "auto",
         description="how the router reaches expert groups: auto (shared memory for groups on this host, else a gRPC "
@@ -142,6 +164,15 @@ class DataPlaneConfig(BaseSettings):
         if not DEVICE_NAME.fullmatch(value):
             raise ValueError(DEVICE_NAMES)
         return value
+
+    @model_validator(mode="after")
+    def _hedge_delays_in_order(self) -> "DataPlaneConfig":
+        if self.hedge_delay_min_s > self.hedge_delay_max_s:
+            raise ValueError(
+                f"hedge_delay_min_s ({self.hedge_delay_min_s:g}) must not exceed hedge_delay_max_s "
+                f"({self.hedge_delay_max_s:g})"
+            )
+        return self
 
 
 #: the largest engine step ``max_step_tokens`` may ask for (a step feeds its tokens through the model at once)

@@ -74,6 +74,7 @@ def _router(
     heartbeat) and the layer dispatcher its experts calls go to."""
     from expertmesh.router.assembly import assemble_router
     from expertmesh.router.dispatch.heartbeat import Heartbeat
+    from expertmesh.router.dispatch.hedging import HedgePolicy
     from expertmesh.router.reporting.hidden_sample import HiddenSampler
     from expertmesh.router.reporting.load_publisher import router_id
     from expertmesh.router.transport import build as build_transport
@@ -94,6 +95,7 @@ def _router(
         poll_s=config.table_poll_s,
         timeout_s=config.dispatch_timeout_s,
         sole_group_wait_s=config.sole_group_wait_s,
+        hedge=HedgePolicy(config.hedge_calls, config.hedge_delay_min_s, config.hedge_delay_max_s),
         load_window=LoadWindow(
             spec.moe_layers,
             spec.num_experts,

@@ -92,8 +92,9 @@ class GroupKilled:
 @dataclass(frozen=True)
 class GroupStopped:
     """SIGSTOP of a group's replica for ``hold_s``, then SIGCONT: a hung group, which accepts
-    connections and never answers. Its calls end at the router's group-call deadline; the
-    circuit breaker then keeps it out of the plan while the other replicas serve."""
+    connections and never answers. The router hedges its calls onto the experts' other replicas
+    once they are slower than the hedge delay, and its circuit breaker then keeps it out of the
+    plan (one trial call per cooldown, hedged the same way) while the other replicas serve."""
 
     group: str
     name: str = "group-sigstop"

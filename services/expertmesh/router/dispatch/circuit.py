@@ -7,6 +7,12 @@ other replicas (a group whose experts have none is still tried: there is nothing
 better). After ``cooldown_s`` one step may try it again (half open): a success
 closes the breaker, a failure opens it for another cooldown.
 
+A group whose call was hedged away (``slow``: its other replicas answered its slots
+first, ``router.dispatch.hedging``) opens its breaker at once, not after ``threshold``
+failures: it has already cost its step a hedge delay, every further call to it would cost
+its step another, and its experts have other replicas to serve meanwhile (a call is only
+hedged then). A group that answered late but before its hedge stays closed.
+
 States per group: CLOSED -> OPEN -> HALF_OPEN -> CLOSED | OPEN.
 """
 
@@ -71,6 +77,14 @@ class CircuitBreakers:
     def success(self, group: str) -> None:
         with self._lock:
             self._breakers.pop(group, None)
+
+    def slow(self, group: str) -> None:
+        """The group lost a hedge race: open at once (or again, for another cooldown)."""
+        with self._lock:
+            breaker = self._breakers.setdefault(group, _Breaker())
+            breaker.failures += 1
+            breaker.opened_at = self._clock()
+            breaker.trial_at = None
 
     def failure(self, group: str) -> None:
         with self._lock:

@@ -20,6 +20,14 @@ replicas within the same step, and only when none exists does the step fail,
 with UNAVAILABLE (the group failed or holds another checkpoint) or INTERNAL (it
 answered wrongly), naming the group.
 
+A group call that has not answered within its hedge delay, while its experts have
+replicas on other groups, is hedged (``hedging``): its slots are re-planned onto
+those replicas and sent, and whichever complete answer comes first, the group's or
+the replicas', is summed, exactly once; the other is cancelled and never read. The
+group's breaker then keeps it out at once (``CircuitBreakers.slow``). A call to a
+group its breaker does not trust is started on a thread of its own
+(``_Starting``): starting it may itself wait on a stopped group.
+
 A group that went away (UNAVAILABLE), or whose address now answers with another
 checkpoint, may be back at a new address with no new routing table (a Serve
 replica restarted on another port, or on a node that returned): the groups'
@@ -47,6 +55,7 @@ and the group that served each slot when a request asked for a routing trace).
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import logging
 import threading
@@ -73,6 +82,7 @@ from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.router.dispatch import degraded, step_choices
 from expertmesh.router.dispatch.circuit import BreakerState, CircuitBreakers
 from expertmesh.router.dispatch.degraded import StockChoice
+from expertmesh.router.dispatch.hedging import CallDurations, HedgePolicy
 from expertmesh.router.dispatch.layer_plan import GroupCall, NoHealthyReplica, plan_layer, restrict_to, slot_groups
 from expertmesh.router.dispatch.routing_view import RoutingView
 from expertmesh.router.dispatch.table_watcher import TableWatcher
@@ -102,6 +112,59 @@ class _InFlight:
     sent_at: float
     timeout_s: float
     received: int = 0  # response bytes
+
+
+#: In a hedged call's race, the longest wait on the hedges before the slow group's own answer is looked at
+#: again: the most that answer, should it come first after all, waits to be taken.
+RACE_POLL_S = 0.005
+
+
+class _Starting:
+    """A call started on a thread of its own, for a group its breaker does not trust (a half-open trial, or
+    a broken group tried for want of another): starting a call may itself wait on the group (a new
+    shared-memory connection to a stopped process waits for its handshake; the auto transport may ask the
+    group how to reach it), and the step's thread must stay free to hedge it. The transport bounds that wait
+    by the call's deadline."""
+
+    def __init__(self, start: Callable[[], PendingCall]):
+        self.transport = ""  # the path's, once started
+        self._started: concurrent.futures.Future = concurrent.futures.Future()
+        self._lock = threading.Lock()
+        self._cancelled = False
+        threading.Thread(target=self._start, args=(start,), name="expertmesh-call-start", daemon=True).start()
+
+    def _start(self, start: Callable[[], PendingCall]) -> None:
+        try:
+            pending = start()
+        except BaseException as err:  # TransportError: result() raises it
+            self._started.set_exception(err)
+            return
+        with self._lock:
+            self.transport = pending.transport
+            self._started.set_result(pending)
+            cancelled = self._cancelled
+        if cancelled:
+            pending.cancel()
+
+    def result(self) -> GroupReply:
+        return self._started.result().result()
+
+    def wait(self, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        try:
+            pending = self._started.result(timeout=max(timeout_s, 0.0))
+        except concurrent.futures.TimeoutError:
+            return False
+        except BaseException:
+            return True  # it did not start: result() raises why at once
+        return pending.wait(max(end - time.monotonic(), 0.0))
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True  # a call still starting is cancelled once it has
+            started = self._started.done() and self._started.exception() is None
+        if started:
+            self._started.result().cancel()
 
 
 class _Failure(enum.Enum):
@@ -147,6 +210,7 @@ class LayerDispatcher:
         gate_bias: GateBias | None = None,
         stock_choice: StockChoice | None = None,
         hidden_sampler: HiddenSampler | None = None,
+        hedge: HedgePolicy | None = None,
     ):
         """``resolve_endpoints``: a fresh group -> address map when a group stops answering (None: what the
         watcher's store lists), called off the steps. ``sole_group_wait_s``: how long a step resends to a
@@ -154,7 +218,8 @@ class LayerDispatcher:
         the router's checkpoint's, named in every call ("": groups do not check it). ``fallback``: how
         tokens of an expert whose every replica is
         quarantined are served (``Fallback``); ``gate_bias`` and ``stock_choice`` are the router model's
-        (None: a bare dispatcher, tokens routed as given)."""
+        (None: a bare dispatcher, tokens routed as given). ``hedge``: when slow calls are hedged onto other
+        replicas (``hedging``; None: the defaults)."""
         self._watcher = watcher
         self._resolve_endpoints = resolve_endpoints or watcher.endpoints
         self._sole_wait = sole_group_wait_s
@@ -178,6 +243,15 @@ class LayerDispatcher:
         self._in_flight: Counter[str] = Counter()
         self._call_seconds = meter().create_histogram(
             "expertmesh.group.call.duration", unit="s", description="expert-group Dispatch round trip, by group"
+        )
+        #: each group's answered calls, by size class: their hedge delays
+        self.call_durations = CallDurations(hedge or HedgePolicy())
+        #: hedged calls so far, by (slow group, whose answer was summed: "group" or "replicas")
+        self.hedged: Counter[tuple[str, str]] = Counter()
+        self._hedged = meter().create_counter(
+            "expertmesh.group.calls.hedged",
+            description="group calls hedged onto other replicas, by the slow group and whose answer was summed "
+            "(answered: group or replicas)",
         )
         self._local = threading.local()
         self.traffic = TrafficCounters()
@@ -292,12 +366,15 @@ class LayerDispatcher:
         out = torch.zeros_like(source)  # [T, H]
         failed: list[_GroupFailed] = []
         served: list[GroupCall] = []  # the calls whose partial sums were added
+        hedges: list[_InFlight] = []
         for flight in flights:
             try:
-                _add_rows(out, flight.call.tokens, self._collect(layer, source, flight))
-                served.append(flight.call)
+                for call, partial in self._answered(view, layer, source, index.shape[0], flight, links, hedges):
+                    _add_rows(out, call.tokens, partial)
+                    served.append(call)
             except _GroupFailed as failure:
                 failed.append(failure)
+        flights += hedges
         if failed:
             flights += self._fail_over(view, layer, source, index.shape[0], failed, links, out, timeout, served)
         if detail:  # with the groups that served each slot
@@ -391,14 +468,128 @@ class LayerDispatcher:
         )
         if span.is_recording():
             span.set_attribute("expertmesh.experts_hit", torch.unique(call.expert_ids[call.expert_ids >= 0]).tolist())
-        pending, error = None, None
-        with trace.use_span(span, end_on_exit=False):  # the gRPC client span nests under it
+        pending: PendingCall | None = None
+        error = None
+        if self.breakers.state(group) is not BreakerState.CLOSED:
+            pending = _Starting(lambda: self._start(group, request, timeout_s, span))
+        else:
             try:
-                pending = self._transport.send(group, request, timeout_s)
+                pending = self._start(group, request, timeout_s, span)
             except TransportError as err:
                 error = err
         self._in_flight[group] += 1
         return _InFlight(call, group, request, pending, error, span, time.perf_counter(), timeout_s)
+
+    def _start(self, group: str, request: GroupRequest, timeout_s: float, span: trace.Span) -> PendingCall:
+        with trace.use_span(span, end_on_exit=False):  # the gRPC client span nests under it
+            return self._transport.send(group, request, timeout_s)
+
+    def _answered(
+        self,
+        view: RoutingView,
+        layer: int,
+        hidden: torch.Tensor,
+        num_tokens: int,
+        flight: _InFlight,
+        links: list[Link],
+        hedges: list[_InFlight],
+    ) -> list[tuple[GroupCall, torch.Tensor]]:
+        """The checked partial sums that answer ``flight``'s slots, as (call, [Tg, H]) pairs to add: its own;
+        or, when it has not answered within its hedge delay and its experts have replicas elsewhere, those of
+        whichever answers every slot first, the group or a hedge of its slots on those replicas (sent then and
+        appended to ``hedges``). Raises _GroupFailed when the group failed and no hedge answered for it."""
+        if self.call_durations.policy.enabled and flight.pending is not None and layer in view.replicated:
+            delay = self.call_durations.delay(flight.group, flight.call.tokens.numel())
+            if not flight.pending.wait(flight.sent_at + delay - time.perf_counter()):
+                sent = self._hedge(view, layer, hidden, num_tokens, flight, links)
+                if sent:
+                    hedges += sent
+                    return self._race(layer, hidden, flight, sent, delay)
+        return [(flight.call, self._collect(layer, hidden, flight))]
+
+    def _hedge(
+        self, view: RoutingView, layer: int, hidden: torch.Tensor, num_tokens: int, flight: _InFlight, links: list[Link]
+    ) -> list[_InFlight]:
+        """``flight``'s slots sent to other replicas of their experts, on groups whose breakers are closed;
+        none when some expert of the call has no such replica (its call waits for the group) or the step's
+        requests have expired."""
+        avoid = frozenset(
+            i
+            for i, g in enumerate(view.groups)
+            if g == flight.group or self.breakers.state(g) is not BreakerState.CLOSED
+        )
+        index, weights = restrict_to(flight.call, num_tokens, view.num_experts)
+        try:
+            calls = plan_layer(view, layer, index, weights, self._in_flight_by_index(view), avoid)
+            timeout = self._call_timeout(layer)
+        except (NoHealthyReplica, DeadlineExceeded):
+            return []
+        return [self._send(view, layer, hidden, call, links, timeout) for call in calls]
+
+    def _race(
+        self, layer: int, hidden: torch.Tensor, flight: _InFlight, hedges: list[_InFlight], delay: float
+    ) -> list[tuple[GroupCall, torch.Tensor]]:
+        """The partial sums of whichever answers all of ``flight``'s slots first: the group, or every one of
+        ``hedges``; the other side is cancelled and never summed. A group that lost is marked slow (its
+        breaker opens). Raises the group's _GroupFailed when neither side answers."""
+        group_failed: _GroupFailed | None = None
+        while True:
+            if group_failed is None and flight.pending.wait(0):
+                try:
+                    partial = self._collect(layer, hidden, flight)
+                except _GroupFailed as failure:
+                    group_failed = failure
+                else:
+                    for hedge in hedges:
+                        self._abandon(hedge, "the hedged group answered first")
+                    self._count_hedge(flight.group, "group")
+                    return [(flight.call, partial)]
+            # The hedges are due at their groups' usual pace: wait on them, glancing at the group in between
+            # (once it has failed there is nothing else to wait for; every wait ends at its call's deadline).
+            glance = RACE_POLL_S if group_failed is None else flight.timeout_s
+            if all(h.pending is None or h.pending.wait(glance) for h in hedges):
+                break
+        answers, hedge_failed = [], False
+        for hedge in hedges:
+            try:
+                answers.append((hedge.call, self._collect(layer, hidden, hedge)))
+            except _GroupFailed as failure:
+                hedge_failed = True
+                log.warning("%s (a hedge of expert group %s's call)", failure.error, flight.group)
+        if hedge_failed:  # never part of an answer: the group's slots are answered whole or not at all
+            if group_failed is not None:
+                raise group_failed
+            return [(flight.call, self._collect(layer, hidden, flight))]
+        if group_failed is not None:
+            log.warning("%s; its hedge answered", group_failed.error)
+            if group_failed.failure is not _Failure.FAILED:  # it may be back, or be, elsewhere
+                self._look_up_later()
+        else:
+            self._abandon(flight, "its other replicas answered first")
+            self.breakers.slow(flight.group)
+            log.warning(
+                "expert group %s did not answer layer %d within its %.3g s hedge delay; its %d tokens were answered "
+                "by %s, and its calls go to other replicas for the breaker's cooldown",
+                flight.group,
+                layer,
+                delay,
+                flight.call.tokens.numel(),
+                ", ".join(sorted({h.group for h in hedges})),
+            )
+        self._count_hedge(flight.group, "replicas")
+        return answers
+
+    def _count_hedge(self, group: str, answered: str) -> None:
+        self.hedged[(group, answered)] += 1
+        self._hedged.add(1, {"group": group, "answered": answered})
+
+    def _abandon(self, flight: _InFlight, why: str) -> None:
+        """A call whose slots another answer covered: cancelled, its answer never read."""
+        if flight.pending is not None:
+            flight.pending.cancel()
+        self._in_flight[flight.group] -= 1
+        flight.span.set_attribute("expertmesh.abandoned", why)
+        flight.span.end()
 
     def _collect(self, layer: int, hidden: torch.Tensor, flight: _InFlight) -> torch.Tensor:
         """The checked [Tg, H] partial sums of one call; raises _GroupFailed."""
@@ -411,6 +602,7 @@ class LayerDispatcher:
             span.set_attribute("expertmesh.bytes_received", flight.received)
             partial = self._checked(layer, group, reply, flight.call.tokens.numel(), hidden)
             self.breakers.success(group)
+            self.call_durations.record(group, flight.call.tokens.numel(), time.perf_counter() - flight.sent_at)
             return partial
         except TransportError as err:
             self.breakers.failure(group)

@@ -125,14 +125,46 @@ class _FallingBack:
     def __init__(self, pending: PendingCall, fallback: Callable[[PathBroken], PendingCall]):
         self._pending, self._fallback = pending, fallback
         self.transport = pending.transport
+        #: what the call came to, once ``wait`` found out (its reply, or the error ``result`` raises)
+        self._outcome: GroupReply | Exception | None = None
 
     def result(self) -> GroupReply:
+        if self._outcome is None:
+            return self._result()
+        if isinstance(self._outcome, Exception):
+            raise self._outcome
+        return self._outcome
+
+    def _result(self) -> GroupReply:
         try:
             return self._pending.result()
         except PathBroken as err:
-            pending = self._fallback(err)
-            self.transport = pending.transport
-            return pending.result()
+            self._pending = self._fallback(err)  # itself falls back further on its own path's break
+            self.transport = self._pending.transport
+            return self._pending.result()
+
+    def wait(self, timeout_s: float) -> bool:
+        """A path that broke is only known from its result: that result is taken here, and a broken path's
+        call is sent down the list and waited for in what is left of ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while self._outcome is None:
+            if not self._pending.wait(max(end - time.monotonic(), 0.0)):
+                return False
+            try:
+                self._outcome = self._pending.result()
+            except PathBroken as err:
+                try:
+                    self._pending = self._fallback(err)
+                    self.transport = self._pending.transport
+                except Exception as failed:  # TransportError: the deadline passed meanwhile
+                    self._outcome = failed
+            except Exception as failed:
+                self._outcome = failed
+        return True
+
+    def cancel(self) -> None:
+        if self._outcome is None:  # a result taken already has let its connection go (back to the pool)
+            self._pending.cancel()
 
 
 def _is_socket(path: str) -> bool:

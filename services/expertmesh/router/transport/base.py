@@ -106,6 +106,18 @@ class PendingCall(Protocol):
         """Block until the group answers; raises TransportError."""
         ...
 
+    def wait(self, timeout_s: float) -> bool:
+        """True once ``result()`` would return or raise without waiting on the group (its answer, its
+        failure or the call's deadline is here); False when ``timeout_s`` passed first. The call stays in
+        flight either way: the dispatcher hedges a call that is slow to answer (``router.dispatch.hedging``)."""
+        ...
+
+    def cancel(self) -> None:
+        """Give the call up (another replica's answer was taken instead): its answer, whenever it comes, is
+        never read, and what the call holds (a connection whose buffer the group may still write into, a
+        waiting slot) is let go. ``result()`` is not called after this."""
+        ...
+
 
 class Transport(Protocol):
     name: str

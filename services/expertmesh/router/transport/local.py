@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -208,8 +209,10 @@ class _LocalPending:
         self._path, self._conn, self._call_id, self._offset = path, conn, call_id, answer_offset
         self._deadline = deadline
         self.transport = conn.kind
+        self._read = False  # the answer (or failure) was taken: the connection is back in the pool or closed
 
     def result(self) -> GroupReply:
+        self._read = True
         try:
             reply = self._conn.finish(self._call_id, self._offset, self._deadline)
         except TransportError as err:
@@ -226,6 +229,20 @@ class _LocalPending:
         else:
             self._path.release(self._conn)
         return reply
+
+    def wait(self, timeout_s: float) -> bool:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            return True
+        try:
+            readable, _, _ = select.select([self._conn.sock], [], [], max(min(timeout_s, left), 0.0))
+        except (OSError, ValueError):  # the socket is gone: result() says so at once
+            return True
+        return bool(readable) or time.monotonic() >= self._deadline
+
+    def cancel(self) -> None:
+        if not self._read:  # never a connection the pool has taken back
+            self._conn.close()  # the group may still answer into this buffer: never reuse it
 
 
 class LocalPath:

@@ -136,6 +136,15 @@ class _StreamPending:
             return GroupReply(None, nbytes, str(err))
         return GroupReply(partial, nbytes)
 
+    def wait(self, timeout_s: float) -> bool:
+        left = self._deadline - time.monotonic()
+        if left > 0 and not self._future.done():
+            concurrent.futures.wait([self._future], timeout=max(min(timeout_s, left), 0.0))
+        return self._future.done() or time.monotonic() >= self._deadline
+
+    def cancel(self) -> None:
+        self._stream.forget(self._call_id)  # its answer, if it comes, is dropped by the reader
+
 
 class StreamPath:
     """Calls to one group on a stream over ``channel`` (``same_host``: a unix socket of this host)."""

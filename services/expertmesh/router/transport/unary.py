@@ -32,6 +32,18 @@ class _UnaryPending:
             raise TransportError(err.code(), err.details() or "") from None
         return decode_reply(response.partial_sums, response.ByteSize())
 
+    def wait(self, timeout_s: float) -> bool:
+        try:
+            self._future.exception(timeout=max(timeout_s, 0.0))
+        except grpc.FutureTimeoutError:
+            return False
+        except grpc.FutureCancelledError:
+            pass
+        return True
+
+    def cancel(self) -> None:
+        self._future.cancel()
+
 
 class GrpcTransport:
     """Unary Dispatch calls over one channel per group."""

@@ -194,7 +194,7 @@ def test_itl_p99_takes_the_gaps_between_a_requests_chunks_in_the_window():
     assert itl_p99_ms([fast], 2.0, 3.0) is None
 
 
-def test_longest_stall_takes_every_wait_of_a_stream_that_ended_in_the_window():
+def test_longest_stall_takes_every_wait_of_a_stream_that_ended_or_went_on_in_the_window():
     from expertmesh.bench.chaos.measure import longest_stall_s
     from expertmesh.bench.chaos.traffic import Request
 
@@ -205,7 +205,9 @@ def test_longest_stall_takes_every_wait_of_a_stream_that_ended_in_the_window():
     assert longest_stall_s([flowing, held, failed, unanswered], 0.0, 10.0) == pytest.approx(5.0)
     assert longest_stall_s([flowing, failed, unanswered], 0.0, 10.0) == pytest.approx(3.0)
     assert longest_stall_s([flowing, unanswered], 0.0, 10.0) == pytest.approx(2.0)
-    assert longest_stall_s([flowing, held], 0.0, 1.0) == pytest.approx(0.3)  # the long one ended after
+    # the long wait went on past the window: counted as long as it had lasted by the window's end
+    assert longest_stall_s([flowing, held], 0.0, 1.0) == pytest.approx(0.7)
+    assert longest_stall_s([held], 1.0, 5.0) == pytest.approx(4.7), "held through the whole window: not 'none'"
     assert longest_stall_s([flowing], 2.0, 3.0) is None
 
 

@@ -259,6 +259,26 @@ def test_a_hung_group_is_hedged_onto_its_other_replica_and_kept_out_at_once(clus
     dispatcher.close()
 
 
+def test_a_hung_group_is_hedged_onto_a_replica_whose_breaker_a_fault_before_left_open(cluster, faulty, transport):
+    """Two faults back to back (bench chaos: a group killed and restarted, then another stopped): g2's breaker is
+    still open from a failure that is over, g2 answers again, when g1 hangs. g1's slots have no replica on a group
+    whose breaker is closed: they are hedged onto g2 all the same, which answers and closes its breaker. (Before,
+    the step waited g1's deadline out.)"""
+    dispatcher = _dispatcher(
+        _store(cluster), transport, timeout_s=10.0, breakers=CircuitBreakers(threshold=1, cooldown_s=600)
+    )
+    _check_exact(dispatcher, cluster[1])
+    dispatcher.breakers.failure("g2")  # a fault of g2's, over now; its cooldown is not
+    assert dispatcher.breakers.state("g2") is BreakerState.OPEN
+    faulty.fault = "stall"
+    started = time.monotonic()
+    _check_exact(dispatcher, cluster[1], seed=1)
+    assert time.monotonic() - started < 5, "the step waited for the hung group's deadline"
+    assert dispatcher.hedged == {("g1", "replicas"): 1}
+    assert dispatcher.breakers.state("g2") is BreakerState.CLOSED, "g2's answer closed its breaker"
+    dispatcher.close()
+
+
 def _one_token(seed, experts):
     """One decode token choosing ``experts``: its slot of a replicated expert goes to the first replica listed."""
     g = torch.Generator().manual_seed(seed)

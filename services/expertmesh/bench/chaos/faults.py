@@ -553,18 +553,29 @@ def sole_layer(table, groups: list[str]) -> tuple[int, str]:
     return max(held, key=lambda key: (held[key], -key[0], -groups.index(key[1])))
 
 
-def _migrate_together(platform: ChaosPlatform, steps: list[tuple]) -> None:
+def _migrate_together(platform: ChaosPlatform, steps: list[tuple], attempts: int = 5) -> None:
     """Live migrations ``(layer, expert, mode, target, source)`` of distinct experts, all started at once (the
-    orchestrator runs a few at a time) and waited for; BenchError unless each succeeds."""
-    started = [platform.start_migration(*step) for step in steps]
-    for step, migration in zip(steps, started):
-        done = platform.wait_migration(migration)
-        if done.phase != admin_pb.MIGRATION_PHASE_SUCCEEDED:
-            layer, expert, mode, *_ = step
-            raise BenchError(
-                f"migration of layer {layer} expert {expert} ({admin_pb.MigrationMode.Name(mode)}) ended "
-                f"{admin_pb.MigrationPhase.Name(done.phase)}: {done.reason}"
-            )
+    orchestrator runs a few at a time) and waited for; BenchError unless each succeeds. One that failed because a
+    group was unreachable is started again, a second apart, up to ``attempts`` times, as an operator would: just
+    after a replica restarted, the orchestrator's channel to it may still be in its reconnect backoff."""
+    for attempt in range(attempts):
+        started = [platform.start_migration(*step) for step in steps]
+        failed = []
+        for step, migration in zip(steps, started):
+            done = platform.wait_migration(migration)
+            if done.phase != admin_pb.MIGRATION_PHASE_SUCCEEDED:
+                failed.append((step, done))
+        unreachable = [step for step, done in failed if "UNAVAILABLE" in done.reason]
+        if not failed or len(unreachable) < len(failed) or attempt == attempts - 1:
+            break
+        steps = unreachable
+        time.sleep(1.0)
+    for step, done in failed:
+        layer, expert, mode, *_ = step
+        raise BenchError(
+            f"migration of layer {layer} expert {expert} ({admin_pb.MigrationMode.Name(mode)}) ended "
+            f"{admin_pb.MigrationPhase.Name(done.phase)}: {done.reason}"
+        )
 
 
 @dataclass(frozen=True)

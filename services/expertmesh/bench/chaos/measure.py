@@ -131,16 +131,19 @@ def itl_p99_ms(requests: Sequence[Request], start: float, end: float) -> float |
 
 
 def longest_stall_s(requests: Sequence[Request], start: float, end: float) -> float | None:
-    """The longest any client waited on its stream, of the waits that ended in [start, end), in s: from a
-    request's sending to its first streamed chunk, between consecutive chunks, and for a failed request from
-    its last chunk (or its sending) to the error. A fault a replica covers should stall no stream; one that
-    leaves some tokens nowhere to go should fail them fast, not hold them. None without any wait."""
+    """The longest any client waited on its stream, of the waits that ended in [start, end) or were still going
+    on at its end (counted up to the end: ``min(ended, end) - began``), in s: from a request's sending to its
+    first streamed chunk, between consecutive chunks, and for a failed request from its last chunk (or its
+    sending) to the error. A fault a replica covers should stall no stream; one that leaves some tokens nowhere
+    to go should fail them fast, not hold them. None without any wait."""
     waits = [
-        b - a
+        # a wait still going on at the window's end counts as long as it had lasted by then: a stream held
+        # through the whole fault (no token, no error until after it) is its longest stall, not none
+        min(b, end) - a
         for r in requests
         for points in [(r.sent, *r.arrivals, *((r.ended,) if not r.ok else ()))]
         for a, b in zip(points, points[1:])
-        if start <= b < end
+        if start <= b and a < end
     ]
     return max(waits, default=None)
 

@@ -510,18 +510,22 @@ class LayerDispatcher:
     def _hedge(
         self, view: RoutingView, layer: int, hidden: torch.Tensor, num_tokens: int, flight: _InFlight, links: list[Link]
     ) -> list[_InFlight]:
-        """``flight``'s slots sent to other replicas of their experts, on groups whose breakers are closed;
-        none when some expert of the call has no such replica (its call waits for the group) or the step's
-        requests have expired."""
-        avoid = frozenset(
-            i
-            for i, g in enumerate(view.groups)
-            if g == flight.group or self.breakers.state(g) is not BreakerState.CLOSED
-        )
+        """``flight``'s slots sent to other replicas of their experts, on groups whose breakers are closed, else
+        (some expert's other replicas are all on groups whose breakers are not: a fault before this one, not over
+        yet for the breakers) on any other group holding them: such a group may be back already, and one that is
+        not fails its hedge at once or never answers it, and the race then waits on the slow group as it would
+        have. None when some expert of the call has no other replica at all (its call waits for the group) or the
+        step's requests have expired."""
+        slow = view.groups.index(flight.group)
+        unsure = frozenset(i for i, g in enumerate(view.groups) if self.breakers.state(g) is not BreakerState.CLOSED)
         index, weights = restrict_to(flight.call, num_tokens, view.num_experts)
+        in_flight = self._in_flight_by_index(view)
         try:
-            calls = plan_layer(view, layer, index, weights, self._in_flight_by_index(view), avoid)
             timeout = self._call_timeout(layer)
+            try:
+                calls = plan_layer(view, layer, index, weights, in_flight, unsure | {slow})
+            except NoHealthyReplica:
+                calls = plan_layer(view, layer, index, weights, in_flight, frozenset({slow}))
         except (NoHealthyReplica, DeadlineExceeded):
             return []
         return [self._send(view, layer, hidden, call, links, timeout) for call in calls]

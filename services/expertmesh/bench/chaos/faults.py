@@ -879,20 +879,27 @@ class FlushedDuringQuarantine:
         if back is None:
             return Timeline(injected, lifted, None, note=f"the quarantine did not come back after the flush{released}")
 
+        seen: list[str] = []
+
         def whole() -> bool:
             record = health_state.load_all(store).get(ReplicaId(*key))
             table = store.routing_table()
+            served = platform.router_version()
+            state = None if record is None else f"{record.state.value} ({record.reason})"
+            seen[:] = [
+                f"record {state}, listed {self.group in table.replicas[pair]}, entry {key in store.quarantined()}"
+            ]
+            seen[0] += f", table v{table.version}, router on v{served}"
             return (
                 record is not None
                 and record.state is HealthState.HEALTHY
                 and self.group in table.replicas[pair]
                 and key not in store.quarantined()
-                and platform.router_version() >= table.version
+                and served >= table.version
             )
 
-        return Timeline(
-            injected,
-            lifted,
-            wait_until(whole, RECOVERY_TIMEOUT_S),
-            note=f"quarantine back after {back - injected:.1f} s",
-        )
+        recovered = wait_until(whole, RECOVERY_TIMEOUT_S)
+        note = f"quarantine back after {back - injected:.1f} s"
+        if recovered is None:  # what was still missing, for whoever reads the report
+            note += f"; at the timeout: {seen[0] if seen else 'nothing read'}"
+        return Timeline(injected, lifted, recovered, note=note)

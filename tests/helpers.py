@@ -254,20 +254,27 @@ def environment_without_gpu_machine_absentees(tmp_path) -> dict[str, str]:
 
 
 class StepDispatcher:
-    """What the serving engine needs of the dispatcher when the model computes its experts itself (a stock
-    experts implementation): a step boundary and a step context."""
+    """What the serving engine's model runner needs of the dispatcher when the model computes its experts itself
+    (a stock experts implementation): a step boundary, the routing epoch, and a step to run the forward in.
+    ``epoch``: the routing epoch a request admitted now is served in; ``step_epoch`` (None: the same) the one
+    the next step runs in (a view swapped in between admission and step)."""
 
-    step_deadline = None
+    def __init__(self):
+        self.epoch, self.step_epoch = 0, None
+        #: the step contexts the forwards ran with
+        self.contexts = []
 
     def begin_step(self):
         pass
 
     def routing_epoch(self):
-        return 0
+        return self.epoch
 
     @contextmanager
-    def serving_step(self, positions, links=(), routing=None):
-        yield 0  # the step's routing epoch: no quarantines, ever
+    def step(self, context):
+        context.epoch = self.epoch if self.step_epoch is None else self.step_epoch
+        self.contexts.append(context)
+        yield context
 
 
 def bare_dispatcher(store, moe_layers, transport="auto", *, on_switch=None, model=None, **kwargs):

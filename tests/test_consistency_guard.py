@@ -22,7 +22,9 @@ from expertmesh.serving.consistency_guard import (
     latest_span,
     widened_k,
 )
-from expertmesh.serving.engine import Engine, EngineLimits, GenerationRequest, TokenEvent
+from expertmesh.serving.engine import Engine, EngineLimits
+from expertmesh.serving.events import TokenEvent
+from expertmesh.serving.request import GenerationRequest
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.v1 import inference_pb2 as pb
 from helpers import stock_greedy
@@ -140,7 +142,7 @@ def test_a_rolled_back_token_is_computed_again_widened_and_the_others_are_untouc
                 )
             )
             events = list(guarded)
-            return _tokens(list(exact)), (_tokens(events), _logprobs(events)), guarded.rollbacks
+            return _tokens(list(exact)), (_tokens(events), _logprobs(events)), guarded.output.rollbacks
         finally:
             engine.stop()
 

@@ -32,8 +32,9 @@ from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.router.assembly import assemble_router
 from expertmesh.router.policy.gate_hook import find_gates
 from expertmesh.router.transport import build as build_transport
-from expertmesh.serving import engine as engine_module
-from expertmesh.serving.engine import Engine, EngineLimits, GenerationRequest
+from expertmesh.serving import model_runner
+from expertmesh.serving.engine import Engine, EngineLimits
+from expertmesh.serving.request import GenerationRequest
 from expertmesh.store import QuarantinedReplica, open_store
 
 LAYER, EXPERT = 1, 3
@@ -91,7 +92,7 @@ def test_only_the_request_whose_tokens_fell_back_is_marked_degraded(checkpoint, 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(engine_module, "tracer", lambda: provider.get_tracer("test"))
+    monkeypatch.setattr(model_runner, "tracer", lambda: provider.get_tracer("test"))
     engine = Engine(model, None, dispatcher, EngineLimits(4, 4), max_context=64)
     assert engine.batching.packed
     request_spans, seqs = {}, {}

@@ -829,22 +829,25 @@ def test_heartbeat_reports_the_served_version_and_the_watcher_refreshes_an_idle_
 
 
 def test_group_calls_end_with_the_steps_last_request_deadline(cluster, faulty, transport):
+    """The step's deadline (``StepContext.deadline``: its last request's) bounds every group call of it."""
+    from expertmesh.router.dispatch.step_context import StepContext
+
+    def step(deadline, tokens):
+        return StepContext(torch.zeros(tokens, dtype=torch.long), [tokens], deadline=deadline)
+
     dispatcher = _dispatcher(_store(cluster, replicas_of_high=("g1",)), transport)
-    dispatcher.step_deadline = time.monotonic() - 0.1
+    hidden, index, weights = _inputs()
     with pytest.raises(DeadlineExceeded, match="before MoE layer 1") as err:
-        dispatcher.dispatch(1, *_inputs())
+        dispatcher.dispatch(1, hidden, index, weights, step(time.monotonic() - 0.1, hidden.shape[0]))
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
     faulty.fault = "hang"
-    dispatcher.step_deadline = time.monotonic() + 0.5
-    hidden, _, weights = _inputs()
     index = torch.full((12, 2), 3)
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="expert group g1 did not answer layer 1"):
-        dispatcher.dispatch(1, hidden, index, weights)
+        dispatcher.dispatch(1, hidden, index, weights, step(time.monotonic() + 0.5, hidden.shape[0]))
     assert time.monotonic() - started < 2.5, "the call waited for the group instead of the requests' deadline"
     assert set(dispatcher.queue_depths().values()) == {0}
-    dispatcher.step_deadline = None
     faulty.fault = None
     dispatcher.close()
 
@@ -1005,10 +1008,12 @@ def test_a_new_table_waits_for_the_step_in_flight_before_it_is_served_or_reporte
     store.publish_routing_table(RoutingTable(1, 4, replicas, model=MODEL))
     dispatcher.watcher.refresh()
     dispatcher.watcher.start()
-    with dispatcher.serving_step(torch.zeros(1, dtype=torch.long)):
+    from expertmesh.router.dispatch.step_context import StepContext
+
+    with dispatcher.step(StepContext(torch.zeros(1, dtype=torch.long), [1])) as step:
         store.publish_routing_table(RoutingTable(2, 4, {**replicas, (1, 3): ("g1",)}, model=MODEL))
         dispatcher.watcher.refresh()  # the watcher's round, during the step
-        assert dispatcher.watcher.view.version == 1 and dispatcher._local.view.version == 1 and switches == [1]
+        assert dispatcher.watcher.view.version == 1 and step.view.version == 1 and switches == [1]
     assert dispatcher.watcher.view.version == 1  # not before the next step boundary either
     dispatcher.begin_step()
     assert dispatcher.watcher.view.version == 2 and switches == [1, 2]

@@ -20,17 +20,11 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 from expertmesh.models.checkpoint import experts_modules
 from expertmesh.models.tiny import MOE_ARCHITECTURES
 from expertmesh.router.dispatch.experts_impl import IMPLEMENTATION
-from expertmesh.serving.engine import (
-    Engine,
-    EngineLimits,
-    FinishEvent,
-    GenerationRequest,
-    ScoreEvent,
-    ScoreSpec,
-    TokenEvent,
-)
+from expertmesh.serving.engine import Engine, EngineLimits
+from expertmesh.serving.events import FinishEvent, ScoreEvent, TokenEvent
 from expertmesh.serving.forward import FULL, SLIDING, Chunk, MaskSpec, Rows, pack
 from expertmesh.serving.kv_cache import KVPool
+from expertmesh.serving.request import GenerationRequest, ScoreSpec
 from expertmesh.serving.sampling import SamplingParams
 from helpers import StepDispatcher, bare_dispatcher, stock_greedy
 
@@ -200,8 +194,8 @@ def test_each_layer_dispatch_carries_the_steps_positions_links_and_deadline(tiny
     dispatcher.watcher.refresh = lambda: None
     seen = []
 
-    def local_dispatch(layer, hidden, top_k_index, top_k_weights, positions=None, links=(), routing=None):
-        seen.append((layer, positions.tolist(), len(links), dispatcher.step_deadline))
+    def local_dispatch(layer, hidden, top_k_index, top_k_weights, step=None):
+        seen.append((layer, step.positions.tolist(), len(step.links), step.deadline))
         module = experts_modules(model)[layer][1]
         return ALL_EXPERTS_FUNCTIONS["batched_mm"](module, hidden, top_k_index, top_k_weights)
 

@@ -5,9 +5,9 @@ steps get the very tokens they would have got alone. A real tiny model with
 transformers' eager experts stands in for the router's model; the dispatcher is
 faked, since no expert call leaves the process here."""
 
+import dataclasses
 from contextlib import contextmanager
 
-import grpc
 import pytest
 import redis
 import torch
@@ -15,16 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from expertmesh.contracts.errors import GroupUnavailable
 from expertmesh.models.tiny import CONFIG_BUILDERS
-from expertmesh.serving.engine import (
-    Engine,
-    EngineLimits,
-    ErrorEvent,
-    FinishEvent,
-    GenerationRequest,
-    ScoreEvent,
-    ScoreSpec,
-    TokenEvent,
-)
+from expertmesh.serving.engine import Engine, EngineLimits
+from expertmesh.serving.events import ErrorEvent, Failure, FinishEvent, ScoreEvent, TokenEvent
+from expertmesh.serving.request import GenerationRequest, ScoreSpec
 from expertmesh.serving.sampling import SamplingParams
 from expertmesh.store._redis import RedisBackend
 
@@ -37,7 +30,6 @@ class FlakyStoreDispatcher:
         self.down = down
         self.failing_steps = set(failing_steps)
         self.steps = 0
-        self.step_deadline = None
 
     def begin_step(self):
         if self.down:
@@ -48,11 +40,12 @@ class FlakyStoreDispatcher:
         return 0
 
     @contextmanager
-    def serving_step(self, positions, links=(), routing=None):
+    def step(self, context):
         step, self.steps = self.steps, self.steps + 1
         if step in self.failing_steps:
             raise GroupUnavailable(f"expert group g0 at 127.0.0.1:1 failed layer 0 (step {step})")
-        yield 0
+        context.epoch = 0
+        yield context
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +58,7 @@ def test_unreachable_store_fails_the_step_and_the_engine_goes_on(model):
     engine = Engine(model, None, FlakyStoreDispatcher(down=1), EngineLimits(4, 4), max_context=64).start()
     try:
         first = list(engine.submit(GenerationRequest("a", (5, 6, 7), max_new_tokens=3, stop_at_eos=False)))
-        assert isinstance(first[-1], ErrorEvent) and first[-1].code == grpc.StatusCode.UNAVAILABLE
+        assert isinstance(first[-1], ErrorEvent) and first[-1].failure == Failure.UNAVAILABLE
         assert "unreachable" in first[-1].message
         second = list(engine.submit(GenerationRequest("b", (5, 6, 7), max_new_tokens=3, stop_at_eos=False)))
         assert isinstance(second[-1], FinishEvent) and second[-1].completion_tokens == 3
@@ -86,16 +79,17 @@ def _run(model, requests, corrupt=None, packed=True):
     request "bad" at its second step (its first, for a score) as a broken expert would.
     Returns (events by request id, steps taken)."""
     engine = Engine(model, None, FlakyStoreDispatcher(down=0), EngineLimits(4, 4), max_context=64, packed=packed)
-    advance_step = engine._advance_step
+    process = engine.outputs.process
 
-    def corrupting(work, logits):  # logits: per chunk, [rows, V] or None
-        def hit(seq):
-            at = 0 if seq.request.score_only else 1
-            return corrupt is not None and seq.request.request_id == "bad" and len(seq.generated) == at
+    def corrupting(plan, out):  # out.logits: per chunk, [rows, V] or None
+        def hit(request):
+            at = 0 if request.params.score_only else 1
+            return corrupt is not None and request.request_id == "bad" and len(request.output_token_ids) == at
 
-        return advance_step(work, [corrupt(rows) if hit(seq) else rows for (seq, _), rows in zip(work, logits)])
+        logits = [corrupt(rows) if hit(c.request) else rows for c, rows in zip(plan.chunks, out.logits)]
+        return process(plan, dataclasses.replace(out, logits=logits))
 
-    engine._advance_step = corrupting
+    engine.outputs.process = corrupting
     seqs = [engine.submit(r) for r in requests]  # queued before the loop starts, so all join step one
     engine.start()
     try:
@@ -141,7 +135,7 @@ def test_one_bad_request_fails_alone(model, bad, corrupt, message, packed):
     events, steps = _run(model, [*GOOD, bad], corrupt, packed)
     assert steps == 5  # all three shared the steps: none ran after another
     failed = events["bad"][-1]
-    assert isinstance(failed, ErrorEvent) and failed.code == grpc.StatusCode.INTERNAL
+    assert isinstance(failed, ErrorEvent) and failed.failure == Failure.INTERNAL
     assert message in failed.message
     assert not any(isinstance(e, ScoreEvent) for e in events["bad"])
     if not bad.score_only:
@@ -167,7 +161,7 @@ def test_a_failed_step_fails_its_own_requests_only(model):
     finally:
         engine.stop()
     failed = events["first"][-1]
-    assert isinstance(failed, ErrorEvent) and failed.code == grpc.StatusCode.UNAVAILABLE
+    assert isinstance(failed, ErrorEvent) and failed.failure == Failure.UNAVAILABLE
     assert "request first: expert group g0" in failed.message
     for rid in ("second", "third"):
         assert isinstance(events[rid][-1], FinishEvent) and _tokens(events[rid]) == alone[rid]

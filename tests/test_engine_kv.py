@@ -5,6 +5,7 @@ INVALID_ARGUMENT at submit, and finished and cancelled sequences give their bloc
 
 The tiny checkpoints with a local experts implementation stand in for the router's model."""
 
+import dataclasses
 import threading
 import time
 from contextlib import contextmanager
@@ -16,8 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.models.tiny import MOE_ARCHITECTURES
-from expertmesh.serving.engine import Engine, EngineLimits, ErrorEvent, GenerationRequest, ScoreSpec, TokenEvent
+from expertmesh.serving.engine import Engine, EngineLimits
+from expertmesh.serving.events import ErrorEvent, Failure, TokenEvent
 from expertmesh.serving.kv_cache import token_bytes
+from expertmesh.serving.request import GenerationRequest, ScoreSpec
 from expertmesh.serving.sampling import SamplingParams
 from helpers import stock_greedy
 from test_engine_batching import StepDispatcher, _serve, _tokens
@@ -130,20 +133,7 @@ def test_a_prefix_cache_reset_makes_the_next_request_prefill_its_whole_prompt(mo
     assert _engine(model, 8).reset_prefix_cache() == 0  # not started: done at once
 
 
-class EpochDispatcher(StepDispatcher):
-    """A router whose quarantines change: ``epoch`` is the routing epoch a request admitted now is served in, and
-    ``step_epoch`` (None: the same) the one the next step's view was built in (a release that reached the router
-    between a request's admission and its step)."""
-
-    def __init__(self):
-        self.epoch, self.step_epoch = 0, None
-
-    def routing_epoch(self):
-        return self.epoch
-
-    @contextmanager
-    def serving_step(self, positions, links=(), routing=None):
-        yield self.epoch if self.step_epoch is None else self.step_epoch
+EpochDispatcher = StepDispatcher  # a router whose quarantines change: its ``epoch`` and ``step_epoch``
 
 
 def _one_by_one(engine, requests):
@@ -184,7 +174,7 @@ def test_a_sequence_stepping_in_another_epoch_than_it_was_admitted_in_publishes_
     dispatcher.epoch, dispatcher.step_epoch = 1, 0
     engine = Engine(model, None, dispatcher, _engine(model, 32).limits, max_context=64)
     _one_by_one(engine, [GenerationRequest("straddling", PROMPT, max_new_tokens=2, stop_at_eos=False)])
-    assert engine._blocks.cached() == 0
+    assert engine.kv.pool.cached() == 0
 
 
 def test_requests_share_cached_blocks_only_under_the_same_cache_salt(model):
@@ -198,7 +188,7 @@ def test_requests_share_cached_blocks_only_under_the_same_cache_salt(model):
     assert tokens == [stock_greedy(model, PROMPT, 2)] * 4
     usage = engine.kv_usage()
     assert usage.prefix_hits == 3 * BLOCK, "only the second tenant-a request found blocks"
-    assert engine._blocks.cached() == 3 * 3, "three scopes, three blocks each"
+    assert engine.kv.pool.cached() == 3 * 3, "three scopes, three blocks each"
 
 
 def test_a_request_the_pool_can_never_hold_is_invalid(model):
@@ -223,9 +213,9 @@ def test_cancelling_gives_the_blocks_back(model):
         assert engine.kv_usage().blocks_used > 0
         seq.cancel()
         final = list(events)[-1]
-        assert isinstance(final, ErrorEvent) and final.code == grpc.StatusCode.CANCELLED
+        assert isinstance(final, ErrorEvent) and final.failure == Failure.CANCELLED
         assert engine.drain(timeout=30)
-        assert engine._blocks.used() == 0 and engine._blocks.available() == 16
+        assert engine.kv.pool.used() == 0 and engine.kv.pool.available() == 16
     finally:
         engine.stop()
 
@@ -265,15 +255,17 @@ class GatedDispatcher(StepDispatcher):
     """Holds the engine at the start of its second step until ``go`` is set."""
 
     def __init__(self):
+        super().__init__()
         self.go = threading.Event()
         self.steps = 0
 
     @contextmanager
-    def serving_step(self, positions, links=(), routing=None):
+    def step(self, context):
         self.steps += 1
         if self.steps == 2:
             self.go.wait(30)
-        yield 0
+        context.epoch = 0
+        yield context
 
 
 def test_fragmentation_counts_the_unfilled_slots_of_held_blocks(model):
@@ -329,7 +321,6 @@ def test_both_kernels_keep_the_tokens_stock(tiny_checkpoints, monkeypatch, arch,
     """Each kernel on an sdpa model with and without a sliding window; flash-varlen's inputs
     (cu_seqlens, layouts, window) against a torch model of flash-attn's contract (flash-attn is not
     installed here)."""
-    import dataclasses
 
     from expertmesh.serving import paged_attention
 
@@ -338,7 +329,7 @@ def test_both_kernels_keep_the_tokens_stock(tiny_checkpoints, monkeypatch, arch,
         tiny_checkpoints(arch, **overrides), experts_implementation="batched_mm"
     ).eval()
     engine = _engine(model, 64, max_step_tokens=8)
-    engine._mask_spec = dataclasses.replace(engine._mask_spec, kernel=kernel)
+    engine.runner.mask_spec = dataclasses.replace(engine.runner.mask_spec, kernel=kernel)
     tokens, _ = _run(engine, GREEDY)
     for r in GREEDY:
         assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
@@ -407,12 +398,13 @@ def test_a_failed_sequence_leaves_nothing_in_the_prefix_cache(model):
     import math
 
     engine = _engine(model, 32)
-    advance_step = engine._advance_step
+    process = engine.outputs.process
 
-    def corrupting(work, logits):  # logits: per chunk, [rows, V] or None
-        return advance_step(work, [None if rows is None else torch.full_like(rows, math.nan) for rows in logits])
+    def corrupting(plan, out):  # out.logits: per chunk, [rows, V] or None
+        broken = [None if rows is None else torch.full_like(rows, math.nan) for rows in out.logits]
+        return process(plan, dataclasses.replace(out, logits=broken))
 
-    engine._advance_step = corrupting
+    engine.outputs.process = corrupting
     prompt = tuple(range(10, 23))  # three full blocks
     engine.start()
     try:
@@ -420,10 +412,10 @@ def test_a_failed_sequence_leaves_nothing_in_the_prefix_cache(model):
             e for e in engine.submit(GenerationRequest("bad", prompt, max_new_tokens=4)) if isinstance(e, ErrorEvent)
         ]
         assert engine.drain(timeout=30)
-        assert engine._blocks.cached() == 0 and engine.kv_usage().blocks_used == 0
+        assert engine.kv.pool.cached() == 0 and engine.kv_usage().blocks_used == 0
     finally:
         engine.stop()
-    assert failed.code == grpc.StatusCode.INTERNAL
+    assert failed.failure == Failure.INTERNAL
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
@@ -501,8 +493,14 @@ def test_one_clients_burst_does_not_hold_every_slot_while_another_waits(model):
     b, which holds none, not to a's second request (first come, first served gave a both, and b the seventh)."""
     engine = _engine(model, 64, max_active=2)
     joined = []
-    join = engine._join
-    engine._join = lambda seq: (joined.append(seq.request.request_id), join(seq))
+    schedule = engine.scheduler.schedule
+
+    def scheduling():
+        plan = schedule()
+        joined.extend(r.request_id for r in plan.first_scheduled)
+        return plan
+
+    engine.scheduler.schedule = scheduling
     burst = [GenerationRequest(f"a{i}", (5, 6, 7), max_new_tokens=4, stop_at_eos=False, client="a") for i in range(6)]
     other = GenerationRequest("b", (8, 9), max_new_tokens=4, stop_at_eos=False, client="b")
     tokens, _ = _run(engine, [*burst, other])

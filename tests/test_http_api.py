@@ -38,13 +38,14 @@ from expertmesh.config.settings import ServingConfig, TlsConfig
 from expertmesh.contracts.errors import Overloaded, ShuttingDown
 from expertmesh.models.tiny import make_tiny_checkpoint
 from expertmesh.models.tokenizer import save_byte_tokenizer
-from expertmesh.serving.engine import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from expertmesh.serving.events import ErrorEvent, Failure, FinishEvent, TokenEvent
 from expertmesh.serving.grammar import Grammars
 from expertmesh.serving.http_api import HttpApi
 from expertmesh.serving.http_server import HttpServer
 from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
 from expertmesh.serving.openai_schema import Prompt
 from expertmesh.serving.readiness import Readiness
+from expertmesh.serving.request import GenerationRequest
 from helpers import serving_http
 
 MODEL = "tiny"
@@ -105,7 +106,7 @@ class ScriptedEngine:
         def run():
             while not seq.cancelled.wait(0.01):
                 seq.events.put(TokenEvent([65], "A"))
-            seq.events.put(ErrorEvent(grpc.StatusCode.CANCELLED, "the client cancelled the request"))
+            seq.events.put(ErrorEvent(Failure.CANCELLED, "the client cancelled the request"))
 
         threading.Thread(target=run, daemon=True).start()
 
@@ -361,7 +362,7 @@ def test_a_failing_choice_fails_the_request_and_cancels_the_others(scripted):
     def script(request, seq):
         calls.append(request)
         if len(calls) == 2:
-            seq.events.put(ErrorEvent(grpc.StatusCode.INTERNAL, "the logits held NaN"))
+            seq.events.put(ErrorEvent(Failure.INTERNAL, "the logits held NaN"))
         else:
             ScriptedEngine.endless(request, seq)
 
@@ -485,10 +486,10 @@ def test_response_format_and_a_forced_call_do_not_combine(chat_template):
     [
         (Overloaded("the server is at its limits"), 429, "resource_exhausted"),
         (ShuttingDown("the server is draining"), 503, "unavailable"),
-        (ErrorEvent(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"), 504, "deadline_exceeded"),
-        (ErrorEvent(grpc.StatusCode.UNAVAILABLE, "expert group g1 failed"), 503, "unavailable"),
-        (ErrorEvent(grpc.StatusCode.INTERNAL, "the logits held NaN"), 500, "internal"),
-        (ErrorEvent(grpc.StatusCode.INVALID_ARGUMENT, "bad"), 400, "invalid_argument"),
+        (ErrorEvent(Failure.DEADLINE_EXCEEDED, "the request's deadline passed"), 504, "deadline_exceeded"),
+        (ErrorEvent(Failure.UNAVAILABLE, "expert group g1 failed"), 503, "unavailable"),
+        (ErrorEvent(Failure.INTERNAL, "the logits held NaN"), 500, "internal"),
+        (ErrorEvent(Failure.INVALID_ARGUMENT, "bad"), 400, "invalid_argument"),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
@@ -517,7 +518,7 @@ def test_openai_client_raises_the_matching_exceptions(scripted):
 def test_an_error_after_the_first_token_is_an_error_event(scripted):
     def script(request, seq):
         seq.events.put(TokenEvent([72], "He"))
-        seq.events.put(ErrorEvent(grpc.StatusCode.UNAVAILABLE, "expert group g1 failed"))
+        seq.events.put(ErrorEvent(Failure.UNAVAILABLE, "expert group g1 failed"))
 
     scripted.engine.script = script
     data = _sse_data(_post(scripted.url, "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}))

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 from expertmesh.client import Client, generate_request
 from expertmesh.config.settings import ServingConfig
 from expertmesh.models.tokenizer import save_byte_tokenizer
-from expertmesh.serving.engine import EngineLimits, FinishEvent
+from expertmesh.serving.engine import EngineLimits
+from expertmesh.serving.events import FinishEvent
 from expertmesh.serving.grammar import Grammars
 from expertmesh.serving.service import InferenceServer, InferenceServicer
 from expertmesh.v1 import inference_pb2 as pb

@@ -22,7 +22,9 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
-from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, TokenEvent
+from expertmesh.serving.engine import Engine, EngineLimits
+from expertmesh.serving.events import FinishEvent, TokenEvent
+from expertmesh.serving.request import GenerationRequest
 from expertmesh.serving.sampling import SamplingParams, controlled, next_token
 from helpers import StepDispatcher
 

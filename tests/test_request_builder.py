@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 from expertmesh.config.settings import ServingConfig
 from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.models.tokenizer import save_byte_tokenizer
-from expertmesh.serving.engine import ScoreSpec
 from expertmesh.serving.grammar import Grammars, GrammarSpec
+from expertmesh.serving.request import ScoreSpec
 from expertmesh.serving.request_builder import (
     MAX_CACHE_SALT_CHARS,
     MAX_REQUEST_ID_CHARS,

@@ -33,7 +33,9 @@ from expertmesh.router.policy.routing_policy import (
     top2_gap,
     widen_rows,
 )
-from expertmesh.serving.engine import Engine, EngineLimits, FinishEvent, GenerationRequest, TokenEvent
+from expertmesh.serving.engine import Engine, EngineLimits
+from expertmesh.serving.events import FinishEvent, TokenEvent
+from expertmesh.serving.request import GenerationRequest
 from expertmesh.v1 import inference_pb2 as pb
 from helpers import stock_greedy
 
@@ -394,9 +396,7 @@ def test_every_policy_on_every_architecture(arch):
 
 class _LocalDispatcher:
     """What the engine needs of the dispatcher with local experts: refresh, and a step context that
-    hands the step's routing to the gates (as LayerDispatcher.serving_step does)."""
-
-    step_deadline = None
+    hands the step's routing to the gates (as LayerDispatcher.step does)."""
 
     def __init__(self, gate_bias):
         self.gate_bias = gate_bias
@@ -408,9 +408,10 @@ class _LocalDispatcher:
         return 0
 
     @contextmanager
-    def serving_step(self, positions, links=(), routing=None):
-        with self.gate_bias.routing(routing):
-            yield 0
+    def step(self, context):
+        context.epoch = 0
+        with self.gate_bias.routing(context.routing):
+            yield context
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)

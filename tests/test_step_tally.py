@@ -9,7 +9,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from expertmesh.serving import step_tally
-from expertmesh.serving.engine import GenerationRequest
+from expertmesh.serving.request import GenerationRequest
 from expertmesh.serving.step_tally import StepKind, StepTally, StepTotals, step_kind
 from test_engine_kv import _engine, _run, model  # noqa: F401  (model: the module's fixture)
 

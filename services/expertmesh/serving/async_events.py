@@ -14,12 +14,11 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
-from expertmesh.serving.engine import ErrorEvent, Event, FinishEvent, ScoreEvent, Sequence
+from expertmesh.serving.events import FINAL_EVENTS, Event
+from expertmesh.serving.request import Request
 
-_FINAL = (FinishEvent, ScoreEvent, ErrorEvent)
 
-
-async def sequence_events(seq: Sequence) -> AsyncIterator[Event]:
+async def sequence_events(seq: Request) -> AsyncIterator[Event]:
     """The events of ``seq`` until its final one; leaving before that cancels ``seq``."""
     loop = asyncio.get_running_loop()
     arrived: asyncio.Queue[Event] = asyncio.Queue()
@@ -37,7 +36,7 @@ async def sequence_events(seq: Sequence) -> AsyncIterator[Event]:
     try:
         while not finished:
             event = await arrived.get()
-            finished = isinstance(event, _FINAL)
+            finished = isinstance(event, FINAL_EVENTS)
             yield event
     finally:
         if not finished:
@@ -54,12 +53,12 @@ class ChoiceEvents:
         self._forwarders: list[asyncio.Task] = []
         self._open = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         index = len(self._forwarders)
         self._forwarders.append(asyncio.ensure_future(self._forward(index, seq)))
         self._open += 1
 
-    async def _forward(self, index: int, seq: Sequence) -> None:
+    async def _forward(self, index: int, seq: Request) -> None:
         async for event in sequence_events(seq):  # cancelling this task cancels ``seq`` unless it ended
             self._arrived.put_nowait((index, event))
 
@@ -70,7 +69,7 @@ class ChoiceEvents:
         if self._open == 0:
             raise StopAsyncIteration
         index, event = await self._arrived.get()
-        if isinstance(event, _FINAL):
+        if isinstance(event, FINAL_EVENTS):
             self._open -= 1
         return index, event
 

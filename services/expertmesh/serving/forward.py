@@ -24,7 +24,6 @@ compressed latents; this step keeps all of that in the engine's hands.
 
 from __future__ import annotations
 
-import enum
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -46,17 +45,10 @@ from expertmesh.serving.paged_attention import (
     StepAttention,
     choose_kernel,
 )
+from expertmesh.serving.scheduler import Rows
 
 #: the model's attention implementations that ``paged_attention`` runs per sequence
 PACKED_ATTENTION = ("sdpa", "eager")
-
-
-class Rows(enum.Enum):
-    """Which of a chunk's positions need logits."""
-
-    NONE = "none"  # a prompt chunk with more prompt after it
-    LAST = "last"  # the next token is chosen from the last position
-    ALL = "all"  # Score: every prompt position
 
 
 @dataclass(frozen=True)

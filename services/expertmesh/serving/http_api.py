@@ -47,7 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from expertmesh.config.settings import ServingConfig
 from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.serving.async_events import ChoiceEvents
-from expertmesh.serving.engine import ErrorEvent, Event, FinishEvent, PromptLogprobsEvent, TokenEvent, TokenLogprob
+from expertmesh.serving.events import ErrorEvent, Event, FinishEvent, PromptLogprobsEvent, TokenEvent, TokenLogprob
 from expertmesh.serving.openai_adapter import (
     ChatShapes,
     ChoiceResult,
@@ -172,7 +172,7 @@ class HttpApi:
                     echo = Echo(echo.text, list(first[1].logprobs))
                     first = await _unless_disconnected(request, anext(choices))
                 if isinstance(first[1], ErrorEvent):  # nothing sent yet: the error keeps its HTTP status
-                    raise ApiError.from_grpc(first[1].code, first[1].message)
+                    raise ApiError.from_event(first[1])
                 # The other choices join now: the first's prompt went through its step, whose end offers the
                 # prompt's KV blocks to the prefix cache before the next step admits anyone, so they share them.
                 with trace.use_span(span, end_on_exit=False):
@@ -237,7 +237,7 @@ class HttpApi:
                     for chunk in shapes.routed(shapes.closing(index, event.reason), index, event.final_routing):
                         yield _sse(chunk)
                 elif isinstance(event, ErrorEvent):
-                    yield _sse(ApiError.from_grpc(event.code, event.message).body())
+                    yield _sse(ApiError.from_event(event).body())
                     break
                 if len(finals) == count:
                     break
@@ -393,7 +393,7 @@ async def _collect(
             logprobs[index] += event.logprobs
             routing[index] += event.routing
         elif isinstance(event, ErrorEvent):
-            raise ApiError.from_grpc(event.code, event.message)
+            raise ApiError.from_event(event)
         elif isinstance(event, FinishEvent):
             logprobs[index] += event.final_logprobs  # an ending token's (EOS, a stop token id): OpenAI lists it
             routing[index] += event.final_routing

@@ -21,7 +21,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from expertmesh.infra.telemetry.setup import meter
 
 if TYPE_CHECKING:  # telemetry sits below serving: only the type
-    from expertmesh.serving.engine import KVUsage
+    from expertmesh.serving.kv_cache_manager import KVUsage
 
 __all__ = ["register_kv_metrics"]
 

@@ -19,8 +19,8 @@ from typing import Literal
 from expertmesh.config.settings import ServingConfig
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.serving.chat import chat_prompt_ids
-from expertmesh.serving.engine import Engine, FinishEvent, GenerationRequest, TokenLogprob
-from expertmesh.serving.engine import Sequence as EngineSequence
+from expertmesh.serving.engine import Engine
+from expertmesh.serving.events import FinishEvent, TokenLogprob
 from expertmesh.serving.openai_errors import ApiError
 from expertmesh.serving.openai_schema import (
     AssistantMessage,
@@ -53,6 +53,7 @@ from expertmesh.serving.openai_schema import (
     ToolCallFunction,
     Usage,
 )
+from expertmesh.serving.request import GenerationRequest, Request
 from expertmesh.serving.request_builder import ModelBounds, RequestBuilder, RequestSpec
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.routing_trace import TokenRouting
@@ -235,7 +236,7 @@ class OpenAIAdapter:
             return prompt.text
         return self._tokenizer.decode(prompt_ids) if self._tokenizer is not None else ""
 
-    def submit(self, request: GenerationRequest) -> EngineSequence:
+    def submit(self, request: GenerationRequest) -> Request:
         """The engine's sequence; a full or draining engine is a 429 or 503."""
         try:
             return self._engine.submit(request)

@@ -14,6 +14,7 @@ import grpc
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from expertmesh.serving.events import ErrorEvent
 from expertmesh.serving.openai_schema import ErrorDetail, ErrorResponse
 
 _STATUS = {
@@ -63,6 +64,11 @@ class ApiError(Exception):
     @classmethod
     def from_grpc(cls, code: grpc.StatusCode, message: str, param: str | None = None) -> ApiError:
         return cls(_STATUS.get(code, 500), message, param=param, code=code.name.lower())
+
+    @classmethod
+    def from_event(cls, event: ErrorEvent) -> ApiError:
+        """An engine's error event (its failure named as gRPC names its codes)."""
+        return cls.from_grpc(grpc.StatusCode[event.failure.value], event.message)
 
     @classmethod
     def from_validation(cls, err: ValidationError) -> ApiError:

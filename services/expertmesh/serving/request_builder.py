@@ -32,8 +32,8 @@ from dataclasses import dataclass, field, replace
 from expertmesh.config.settings import ServingConfig
 from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.router.policy.routing_policy import RequestRouting
-from expertmesh.serving.engine import GenerationRequest, ScoreSpec
 from expertmesh.serving.grammar import CompiledGrammar, Grammars, GrammarSpec
+from expertmesh.serving.request import GenerationRequest, ScoreSpec
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.routing_trace import trace_problem
 from expertmesh.serving.sampling import (

@@ -31,17 +31,10 @@ from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.infra.grpc_server import GrpcServer
 from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.serving.consistency_guard import GuardError, GuardSpec
-from expertmesh.serving.engine import (
-    Engine,
-    ErrorEvent,
-    Event,
-    FinishEvent,
-    GenerationRequest,
-    ScoreEvent,
-    ScoreSpec,
-    TokenEvent,
-)
+from expertmesh.serving.engine import Engine
+from expertmesh.serving.events import FINAL_EVENTS, ErrorEvent, Event, FinishEvent, ScoreEvent, TokenEvent
 from expertmesh.serving.grammar import GrammarSpec
+from expertmesh.serving.request import GenerationRequest, ScoreSpec
 from expertmesh.serving.request_builder import ModelBounds, RequestBuilder, RequestSpec, ScoreRequestSpec
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.routing_trace import TokenRouting
@@ -50,7 +43,6 @@ from expertmesh.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_FINAL_EVENTS = (FinishEvent, ScoreEvent, ErrorEvent)
 
 SERVICE_NAME = "expertmesh.v1.Inference"
 _FINISH = {
@@ -258,7 +250,7 @@ class InferenceServicer:
                         ),
                     )
                 elif isinstance(event, ErrorEvent):
-                    self._fail(span, context, event.code, event.message)
+                    self._fail(span, context, grpc.StatusCode[event.failure.value], event.message)
         finally:
             for seq in seqs:
                 seq.cancel()  # a no-op for the ones that ended; frees the others (an error in one fails all)
@@ -288,15 +280,15 @@ class InferenceServicer:
             for event in events:
                 merged.put((index, event))
 
-        open_choices = len(seqs) - isinstance(event, _FINAL_EVENTS)
+        open_choices = len(seqs) - isinstance(event, FINAL_EVENTS)
         streams = [iter(seq) for seq in seqs[1:]]
-        if not isinstance(event, _FINAL_EVENTS):
+        if not isinstance(event, FINAL_EVENTS):
             streams.insert(0, first)
         for index, events in zip(range(len(seqs) - len(streams), len(seqs)), streams):
             threading.Thread(target=forward, args=(index, events), name="expertmesh-choice", daemon=True).start()
         while open_choices:
             index, event = merged.get()
-            open_choices -= isinstance(event, _FINAL_EVENTS)
+            open_choices -= isinstance(event, FINAL_EVENTS)
             yield index, event
 
     def _fail(self, span, context, code: grpc.StatusCode, message: str):
@@ -330,8 +322,8 @@ class InferenceServicer:
         context.add_callback(seq.cancel)
         event = list(seq)[-1]
         if isinstance(event, ErrorEvent):
-            self._errors.add(1, {"code": event.code.name})
-            context.abort(event.code, event.message)
+            self._errors.add(1, {"code": event.failure.value})
+            context.abort(grpc.StatusCode[event.failure.value], event.message)
         assert isinstance(event, ScoreEvent)
         response = pb.ScoreResponse(token_ids=ids, token_scores=event.token_scores)
         if event.distribution is not None:

@@ -13,10 +13,9 @@ exact for softmax top-k gates; group-limited gates (DeepSeek-V3) also restrict
 the choice to their best groups, which this ignores (it may count a token whose
 stock choice the group limit would have excluded).
 
-``collecting`` gathers, around one forward of the serving engine, which
-sequence each degraded token belongs to (the step packs many requests; the
-dispatch of each layer ``record``\ s into the collector of its thread, like the
-OpenTelemetry context, so no dispatcher interface changes), and
+``DegradedTokens`` gathers, over one forward of the serving engine (its
+``StepContext.degraded``), which sequence each degraded token belongs to (the
+step packs many requests; the dispatch of each layer records into it), and
 ``DegradedTokens.mark`` puts it on that sequence's spans: attribute
 ``expertmesh.degraded`` = true and an ``expertmesh.degraded`` event with the
 layers, the experts (``"layer/expert"``) and the tokens served by the fallback
@@ -25,9 +24,7 @@ layers, the experts (``"layer/expert"``) and the tokens served by the fallback
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,17 +36,18 @@ from expertmesh.router.policy.routing_policy import gate_scores
 
 class StockChoice:
     """Forward hooks on every gate: where ``gate_bias`` masks experts of the layer (a [E] bias with -inf),
-    the stock top-k [T, K] for the layer's next dispatch on this thread (``take``)."""
+    the stock top-k [T, K] for the layer's next dispatch (``take``). The router model's forwards run one at a
+    time (the engine's thread, or a stock forward outside any step): one pending choice per layer."""
 
     def __init__(self, gate_bias: GateBias):
         self._gate_bias = gate_bias
-        self._local = threading.local()
+        self._choices: dict[int, torch.Tensor] = {}  # layer -> [T, K]
         for layer, gate in gate_bias.gates.items():
             gate.register_forward_hook(lambda _m, args, _out, layer=layer: self._note(layer, args[0]))
 
     def _note(self, layer: int, hidden: torch.Tensor) -> None:
         mask = self._gate_bias.biases().get(layer)
-        choices = self._choices()
+        choices = self._choices
         choices.pop(layer, None)
         if mask is None or mask.dim() != 1:
             return
@@ -63,14 +61,9 @@ class StockChoice:
             scores = scores + correction.float()
         choices[layer] = scores.topk(gate.top_k, dim=-1).indices.cpu()  # [T, K]
 
-    def _choices(self) -> dict[int, torch.Tensor]:
-        if not hasattr(self._local, "choices"):
-            self._local.choices = {}
-        return self._local.choices
-
     def take(self, layer: int) -> torch.Tensor | None:
-        """The stock top-k [T, K] of ``layer``'s last gate forward on this thread, if it had a mask."""
-        return self._choices().pop(layer, None)
+        """The stock top-k [T, K] of ``layer``'s last gate forward, if it had a mask."""
+        return self._choices.pop(layer, None)
 
 
 class DegradedTokens:
@@ -106,23 +99,3 @@ class DegradedTokens:
                 if span is not None:
                     span.set_attribute("expertmesh.degraded", True)
                     span.add_event("expertmesh.degraded", event)
-
-
-_collecting = threading.local()
-
-
-@contextmanager
-def collecting(tokens_per_sequence: Sequence[int]) -> Iterator[DegradedTokens]:
-    """Within this block, this thread's dispatches record their degraded tokens into the collector yielded."""
-    _collecting.marks = marks = DegradedTokens(tokens_per_sequence)
-    try:
-        yield marks
-    finally:
-        _collecting.marks = None
-
-
-def record(layer: int, chosen: torch.Tensor, fell: torch.Tensor) -> None:
-    """Into this thread's collector, if a forward is collecting (``DegradedTokens.record``)."""
-    marks = getattr(_collecting, "marks", None)
-    if marks is not None:
-        marks.record(layer, chosen, fell)

@@ -46,11 +46,13 @@ boundary (``begin_step``, from a forward pre-hook on the whole model or from the
 serving engine) and uses it for all its layers.
 
 The serving engine runs each step as one packed forward of all its sequences,
-inside ``serving_step``: each MoE layer is then one dispatch of every token of
-the step, carrying their positions (load statistics) and trace links to the
-step's other requests. Each dispatch also records its choice into the step's
-``step_choices`` collector, sliced per sequence there (with the weights applied
-and the group that served each slot when a request asked for a routing trace).
+inside ``step`` with the step's ``StepContext``: each MoE layer is then one
+dispatch of every token of the step, carrying their positions (load statistics),
+trace links to the step's other requests and the step's deadline. Each dispatch
+also records its choice into the step's ``StepChoices``, sliced per sequence
+there (with the weights applied and the group that served each slot when a
+request asked for a routing trace), and its degraded tokens into the step's
+``DegradedTokens``.
 """
 
 from __future__ import annotations
@@ -63,12 +65,12 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Sequence
+from typing import Callable, Iterator, Literal
 
 import grpc
 import torch
 from opentelemetry import trace
-from opentelemetry.trace import Link, SpanContext, Status, StatusCode
+from opentelemetry.trace import Link, Status, StatusCode
 
 from expertmesh.contracts.errors import (
     BadGroupResponse,
@@ -79,15 +81,14 @@ from expertmesh.contracts.errors import (
 from expertmesh.contracts.load_window import LoadWindow
 from expertmesh.infra.finite import all_finite
 from expertmesh.infra.telemetry.setup import meter, tracer
-from expertmesh.router.dispatch import degraded, step_choices
 from expertmesh.router.dispatch.circuit import BreakerState, CircuitBreakers
 from expertmesh.router.dispatch.degraded import StockChoice
 from expertmesh.router.dispatch.hedging import CallDurations, HedgePolicy
 from expertmesh.router.dispatch.layer_plan import GroupCall, NoHealthyReplica, plan_layer, restrict_to, slot_groups
 from expertmesh.router.dispatch.routing_view import RoutingView
+from expertmesh.router.dispatch.step_context import StepContext
 from expertmesh.router.dispatch.table_watcher import TableWatcher
 from expertmesh.router.policy.gate_hook import GateBias
-from expertmesh.router.policy.routing_policy import StepRouting
 from expertmesh.router.reporting.hidden_sample import HiddenSampler
 from expertmesh.router.reporting.wire_counters import TrafficCounters
 from expertmesh.router.transport.base import GroupReply, GroupRequest, PendingCall, Transport, TransportError
@@ -237,9 +238,6 @@ class LayerDispatcher:
             "expertmesh.tokens.degraded",
             description="tokens that chose an expert whose every replica is quarantined (served by the fallback)",
         )
-        #: time.monotonic() after which no request of the current step wants its tokens (None: no deadline);
-        #: the serving engine sets it at every step boundary
-        self.step_deadline: float | None = None
         self._in_flight: Counter[str] = Counter()
         self._call_seconds = meter().create_histogram(
             "expertmesh.group.call.duration", unit="s", description="expert-group Dispatch round trip, by group"
@@ -253,7 +251,8 @@ class LayerDispatcher:
             description="group calls hedged onto other replicas, by the slow group and whose answer was summed "
             "(answered: group or replicas)",
         )
-        self._local = threading.local()
+        #: the serving step whose forward runs now (``step``; None: a forward outside any step)
+        self._step: StepContext | None = None
         self.traffic = TrafficCounters()
         #: the lookup of the groups' addresses running off the steps (``_look_up_later``), if any
         self._lookup: threading.Thread | None = None
@@ -275,33 +274,28 @@ class LayerDispatcher:
         return self._watcher.epoch
 
     @contextmanager
-    def serving_step(
-        self, positions: torch.Tensor, links: Sequence[SpanContext] = (), routing: StepRouting | None = None
-    ) -> Iterator[int | None]:
-        """Within this block, this thread's forward is one step of the serving engine, which has
-        refreshed the routing table for it. Each MoE layer's dispatch carries ``positions`` [T] (the
-        sequence position of each of the forward's T tokens, for the load statistics) and ``links``
-        (the trace contexts of the step's other requests). ``routing``: the tokens' routing policies
-        and domains (None: every token is routed by the stock gate and counted under no domain).
-        Yields the routing epoch of the view every layer of the step dispatches on (None: no view yet)."""
-        self._local.step = (positions, tuple(links), routing)
-        # Every layer of the step dispatches on this one table version (``TableWatcher.step``)
+    def step(self, context: StepContext) -> Iterator[StepContext]:
+        """Within this block, the model's forward is one step of the serving engine, which has begun it
+        (``begin_step``): every MoE layer dispatches with ``context`` (positions, links, routing, deadline, the
+        collectors) on one routing view (``TableWatcher.step``), set into ``context.view`` here. One step at a
+        time: the engine's thread is the model's only user while it serves."""
+        if self._step is not None:
+            raise RuntimeError("a serving step is already running on this dispatcher")
         with self._watcher.step() as view:
-            self._local.view = view
-            epoch = view.epoch if view is not None else None
+            context.view, context.epoch = view, view.epoch if view is not None else None
+            self._step = context
             try:
-                if routing is not None and self._gate_bias is not None:
-                    with self._gate_bias.routing(routing):
-                        yield epoch
+                if context.routing is not None and self._gate_bias is not None:
+                    with self._gate_bias.routing(context.routing):
+                        yield context
                 else:
-                    yield epoch
+                    yield context
             finally:
-                self._local.step = None
-                self._local.view = None
+                self._step = None
 
     def on_forward(self) -> None:
         """Forward pre-hook: a new step, unless the serving engine already began this one."""
-        if getattr(self._local, "step", None) is None:
+        if self._step is None:
             self.begin_step()
 
     def begin_step(self) -> None:
@@ -313,10 +307,9 @@ class LayerDispatcher:
     def experts(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """The experts call of one MoE layer, with the serving step's positions and links when in one."""
+        """The experts call of one MoE layer, in the serving step running (``step``) when there is one."""
         with tracer().start_as_current_span("expertmesh.moe_layer", attributes={"expertmesh.layer": layer}):
-            positions, links, routing = getattr(self._local, "step", None) or (None, (), None)
-            return self.dispatch(layer, hidden, top_k_index, top_k_weights, positions, links, routing)
+            return self.dispatch(layer, hidden, top_k_index, top_k_weights, self._step)
 
     def dispatch(
         self,
@@ -324,19 +317,16 @@ class LayerDispatcher:
         hidden: torch.Tensor,
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        links: Sequence[SpanContext] = (),
-        routing: StepRouting | None = None,
+        step: StepContext | None = None,
     ) -> torch.Tensor:
         """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> weighted expert sum [T, H].
 
-        positions [T] (optional): each token's position in its sequence, for the load statistics.
-        links: trace contexts of the other sequences whose tokens ride in this dispatch.
-        routing (optional): the tokens' domains, for the load statistics by domain. K may exceed the
-        model's top-k by one (a dynamic-k policy); slots a policy left empty hold the skip sentinel.
+        ``step``: the serving step the tokens belong to (positions and domains for the load statistics, the
+        trace links, the deadline, the collectors; None: a forward outside any step). K may exceed the model's
+        top-k by one (a dynamic-k policy); slots a policy left empty hold the skip sentinel.
         """
         started = time.perf_counter()
-        view = getattr(self._local, "view", None) or self._watcher.view  # the step's, whatever refresh does meanwhile
+        view = (step.view if step is not None else None) or self._watcher.view  # the step's, whatever refresh does
         if view is None:
             self._watcher.refresh()
             view = self._watcher.view
@@ -347,22 +337,25 @@ class LayerDispatcher:
         # [T, H] where the model computes: each transport takes its rows from there (CUDA IPC on the
         # router's GPU, a copy to host memory for the others)
         source = hidden.detach()
-        links = [Link(c) for c in links if c.is_valid]
+        links = [Link(c) for c in (step.links if step is not None else ()) if c.is_valid]
         if layer in view.fallback:
-            weights_cpu = self._route_around(view, layer, index, weights_cpu)
+            weights_cpu = self._route_around(view, layer, index, weights_cpu, step)
 
         calls = self._plan(view, layer, index, weights_cpu)
-        timeout = self._call_timeout(layer)
+        deadline = step.deadline if step is not None else None
+        timeout = self._call_timeout(layer, deadline)
         flights = [self._send(view, layer, source, call, links, timeout) for call in calls]
         # While the groups compute, what needs none of their answers: off the step's critical path
         if self.load_window is not None:
+            routing = step.routing if step is not None else None
             domains = (routing.domain_ids, routing.domains) if routing is not None and routing.domains else None
-            self.load_window.record(layer, index, positions, domains)
+            self.load_window.record(layer, index, step.positions if step is not None else None, domains)
         if self.hidden_sampler is not None:
             self.hidden_sampler.offer(layer, source.to("cpu"))
-        detail = step_choices.wants_detail()  # a sequence of this step asked for its routing trace
-        if not detail:
-            step_choices.record(layer, view.num_experts, index)
+        choices = step.choices if step is not None else None
+        detail = choices is not None and choices.wants_detail  # a sequence of this step asked for its routing trace
+        if choices is not None and not detail:
+            choices.record(layer, view.num_experts, index)
         out = torch.zeros_like(source)  # [T, H]
         failed: list[_GroupFailed] = []
         served: list[GroupCall] = []  # the calls whose partial sums were added
@@ -379,7 +372,7 @@ class LayerDispatcher:
             flights += self._fail_over(view, layer, source, index.shape[0], failed, links, out, timeout, served)
         if detail:  # with the groups that served each slot
             groups = slot_groups(index.shape[0], index.shape[1], served)
-            step_choices.record(layer, view.num_experts, index, weights_cpu, groups, view.groups)
+            choices.record(layer, view.num_experts, index, weights_cpu, groups, view.groups)
         self.traffic.record(
             layer,
             calls=1,
@@ -396,7 +389,9 @@ class LayerDispatcher:
         self.traffic.record_groups(layer, group_tokens)
         return out
 
-    def _route_around(self, view: RoutingView, layer: int, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _route_around(
+        self, view: RoutingView, layer: int, index: torch.Tensor, weights: torch.Tensor, step: StepContext | None
+    ) -> torch.Tensor:
         """Weights [T, K] for a layer with fallback experts, whose slots the plan drops.
 
         next_best: the gate already chose another expert in their place; a slot left on one (a
@@ -420,7 +415,8 @@ class LayerDispatcher:
         if tokens:
             self._degraded.add(tokens, {"layer": layer, "fallback": self.fallback})
             trace.get_current_span().set_attribute("expertmesh.degraded_tokens", tokens)
-            degraded.record(layer, chosen, hit)
+            if step is not None:
+                step.degraded.record(layer, chosen, hit)
         if self.fallback != "renormalise":
             return weights
         kept = torch.where(fell, 0, weights)
@@ -438,11 +434,12 @@ class LayerDispatcher:
                 pass  # a broken group is still better than none: try it
         return plan_layer(view, layer, index, weights, in_flight)
 
-    def _call_timeout(self, layer: int) -> float:
-        """The group calls' deadline: the configured one, or less when the step's requests expire sooner."""
-        if self.step_deadline is None:
+    def _call_timeout(self, layer: int, deadline: float | None) -> float:
+        """The group calls' deadline: the configured one, or less when the step's requests expire sooner
+        (``deadline``: time.monotonic() after which none wants its tokens; None: no deadline)."""
+        if deadline is None:
             return self._timeout
-        left = self.step_deadline - time.monotonic()
+        left = deadline - time.monotonic()
         if left <= 0:
             raise DeadlineExceeded(f"every request of this step passed its deadline before MoE layer {layer}")
         return min(self._timeout, left)
@@ -520,13 +517,15 @@ class LayerDispatcher:
         unsure = frozenset(i for i, g in enumerate(view.groups) if self.breakers.state(g) is not BreakerState.CLOSED)
         index, weights = restrict_to(flight.call, num_tokens, view.num_experts)
         in_flight = self._in_flight_by_index(view)
+        timeout = flight.sent_at + flight.timeout_s - time.perf_counter()  # no later than the call it hedges
+        if timeout <= 0:
+            return []
         try:
-            timeout = self._call_timeout(layer)
             try:
                 calls = plan_layer(view, layer, index, weights, in_flight, unsure | {slow})
             except NoHealthyReplica:
                 calls = plan_layer(view, layer, index, weights, in_flight, frozenset({slow}))
-        except (NoHealthyReplica, DeadlineExceeded):
+        except NoHealthyReplica:
             return []
         return [self._send(view, layer, hidden, call, links, timeout) for call in calls]
 

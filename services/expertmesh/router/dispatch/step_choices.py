@@ -2,11 +2,11 @@ r"""Each MoE layer's expert choices in one forward of the serving engine, sliced
 record the routing trace and the per-sequence load statistics (relative positions, experts per token by
 query length) are built from.
 
-The engine packs ``tokens_per_sequence`` tokens of each sequence side by side, in order, and wraps the
-forward in ``collecting``; each layer's dispatch ``record``\ s its choice into the collector of its
-thread (as ``degraded`` does, so no dispatcher interface changes). Only when some sequence of the step
-asked for a trace (``detail``) does a dispatch also keep the weights it applied and the group that served
-each slot (``layer_plan.slot_groups``): a step without one pays for the expert ids alone.
+The engine packs ``tokens_per_sequence`` tokens of each sequence side by side, in order, and gives the step a
+``StepChoices`` (its ``StepContext.choices``); each layer's dispatch ``record``\ s its choice into it. Only
+when some sequence of the step asked for a trace (``detail``) does a dispatch also keep the weights it applied
+and the group that served each slot (``layer_plan.slot_groups``): a step without one pays for the expert ids
+alone.
 
 Shape: ``StepChoices.experts(i)`` [L, t_i, K] int16/int32 for sequence ``i`` of the step (L: the MoE
 layers recorded, in order; ids >= num_experts: a slot left empty). Example: 2 sequences of 3 and 1 tokens,
@@ -15,15 +15,13 @@ layers recorded, in order; ids >= num_experts: a slot left empty). Example: 2 se
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["LayerRouting", "StepChoices", "collecting", "concat_steps", "record", "split_rows", "wants_detail"]
+__all__ = ["LayerRouting", "StepChoices", "concat_steps", "split_rows"]
 
 
 @dataclass(frozen=True)
@@ -144,40 +142,3 @@ class StepChoices:
                 )
             )
         return tuple(out)
-
-
-_collecting = threading.local()
-
-
-@contextmanager
-def collecting(tokens_per_sequence: Sequence[int], detail: Sequence[bool] = ()) -> Iterator[StepChoices]:
-    """Within this block, this thread's dispatches record their choices into the collector yielded."""
-    _collecting.choices = choices = StepChoices(tokens_per_sequence, detail)
-    try:
-        yield choices
-    finally:
-        _collecting.choices = None
-
-
-def _current() -> StepChoices | None:
-    return getattr(_collecting, "choices", None)
-
-
-def wants_detail() -> bool:
-    """Whether this thread's forward collects weights and groups too (some sequence asked for a trace)."""
-    choices = _current()
-    return choices is not None and choices.wants_detail
-
-
-def record(
-    layer: int,
-    num_experts: int,
-    experts: torch.Tensor,
-    weights: torch.Tensor | None = None,
-    groups: torch.Tensor | None = None,
-    group_names: Sequence[str] = (),
-) -> None:
-    """Into this thread's collector, if a forward is collecting (``StepChoices.record``)."""
-    choices = _current()
-    if choices is not None:
-        choices.record(layer, num_experts, experts, weights, groups, group_names)

@@ -11,8 +11,9 @@ per token is what a routing policy needs.
 
 The bias is added by a ``TorchFunctionMode`` entered only around the forward of
 a gate whose layer has a bias set (none set: no mode, the stock forward runs
-untouched). Torch function modes are thread-local, so the serving engine's
-per-sequence threads each see only their own.
+untouched). The router model's forwards run one at a time (the serving engine's
+thread, or a stock forward outside any step), so the step's routing is this
+object's for the duration of ``routing``.
 
 Two sources of bias add up: ``set`` (the whole router's, per layer: quarantined
 experts) and ``routing`` (one forward's per-token routing policies,
@@ -32,7 +33,6 @@ slots, so the output is the same as if it had not been chosen.
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Iterator, Mapping
 
@@ -120,7 +120,9 @@ class GateBias:
 
     def __init__(self, model: nn.Module):
         self._biases: Mapping[int, torch.Tensor] = {}
-        self._local = threading.local()
+        #: the routing of the forward running now (``routing``), and the mode entered around its current gate
+        self._step: StepRouting | None = None
+        self._mode: _BiasFirstLinear | None = None
         self.gates = find_gates(model)
         experts = experts_modules(model)
         self.num_experts = {layer: experts[layer][1].num_experts for layer in self.gates}
@@ -131,12 +133,12 @@ class GateBias:
 
     @contextmanager
     def routing(self, step: StepRouting | None) -> Iterator[None]:
-        """Within this block, this thread's forwards apply ``step``'s per-token policies (None: none)."""
-        self._local.step = step
+        """Within this block, the model's forward applies ``step``'s per-token policies (None: none)."""
+        self._step = step
         try:
             yield
         finally:
-            self._local.step = None
+            self._step = None
 
     def set(self, biases: Mapping[int, torch.Tensor]) -> None:
         """layer -> bias [num_experts] (or [tokens, num_experts]) from the next gate forward on."""
@@ -146,17 +148,17 @@ class GateBias:
         return self._biases
 
     def _bias(self, layer: int) -> torch.Tensor | None:
-        """The bias [E] or [T, E] of ``layer``'s gate in this thread's forward, or None."""
+        """The bias [E] or [T, E] of ``layer``'s gate in the forward running, or None."""
         bias = self._biases.get(layer)
-        step = getattr(self._local, "step", None)
+        step = self._step
         extra = step.biases.get(layer) if step is not None else None
         if extra is None:
             return bias
         return extra if bias is None else extra + bias
 
     def _temperature(self) -> torch.Tensor | None:
-        """The per-token tau [T] of this thread's forward, or None."""
-        step = getattr(self._local, "step", None)
+        """The per-token tau [T] of the forward running, or None."""
+        step = self._step
         return step.temperature if step is not None else None
 
     def _enter(self, layer: int) -> None:
@@ -164,18 +166,18 @@ class GateBias:
         mode = _BiasFirstLinear(bias, temperature) if bias is not None or temperature is not None else None
         if mode is not None:
             mode.__enter__()
-        self._local.mode = mode
+        self._mode = mode
 
     def _exit(self) -> None:
-        mode = getattr(self._local, "mode", None)
+        mode = self._mode
         if mode is not None:
-            self._local.mode = None
+            self._mode = None
             mode.__exit__(None, None, None)
 
     def _k_rules(self, layer: int, args: tuple, out: tuple) -> tuple | None:
         """The gate's (logits [T, E], weights, index [T, K]) after the step's k rules and capacity; None:
         unchanged."""
-        step = getattr(self._local, "step", None)
+        step = self._step
         if step is None or (step.k_rules is None and step.capacity is None):
             return None
         if not (isinstance(out, tuple) and len(out) == 3):
@@ -208,7 +210,7 @@ class GateBias:
 
     def _gate_again(self, gate: nn.Module, layer: int, hidden: torch.Tensor, tokens: int, rows: torch.Tensor, k: int):
         """The gate's own (index [W, k], weights [W, k]) for the tokens ``rows`` [W] of its input ``hidden``,
-        with this thread's bias and temperature on those rows."""
+        with the forward's bias and temperature on those rows."""
         hidden = hidden.reshape(tokens, -1)[rows]  # [W, H]
         bias, temperature = self._bias(layer), self._temperature()
         if bias is not None and bias.dim() == 2:

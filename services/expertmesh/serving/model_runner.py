@@ -1,0 +1,219 @@
+"""The model runner: one step's plan through the router's model. The only serving code that knows the model and
+its device: it packs the plan's chunks into the forward's inputs (``forward.pack``), begins the routing step with
+the router's dispatcher and hands it the step's ``StepContext`` (positions, trace links, routing, deadline, the
+collectors of degraded tokens and expert choices), runs the forward, and returns each chunk's logits rows
+(``ModelRunnerOutput``). It decides nothing about tokens (the output processor does) or blocks (the scheduler).
+
+Two ways to run a step, chosen once for the model (``Batching``): *packed*, one forward for every chunk of the
+step (``forward.forward_packed``: each MoE layer dispatches once with all the step's tokens); or the *per-sequence*
+fallback, each chunk's own forward on its own cache, for a model the packed step cannot take.
+
+A step that fails (its forward raised: an expert group down, a deadline passed in a dispatch; the routing table
+unreadable at its start) fails every chunk of it, each with the error; under the per-sequence fallback a chunk's
+own forward fails that chunk alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from opentelemetry import trace
+
+from expertmesh.contracts.errors import ExpertMeshError, GroupUnavailable
+from expertmesh.infra.telemetry.setup import tracer
+from expertmesh.router.dispatch.step_choices import StepChoices
+from expertmesh.router.dispatch.step_context import StepContext
+from expertmesh.router.policy.routing_policy import StepRouting, step_routing
+from expertmesh.serving.forward import Chunk, MaskSpec, forward_alone, forward_packed, pack
+from expertmesh.serving.kv_cache_manager import KVCacheManager
+from expertmesh.serving.request import request_span
+from expertmesh.serving.scheduler import Rows, ScheduledChunk, SchedulerOutput
+
+__all__ = ["Batching", "ModelRunner", "ModelRunnerOutput", "StepDispatcher", "batching_of"]
+
+log = logging.getLogger(__name__)
+
+
+class StepDispatcher(Protocol):
+    """What the runner needs of the router's layer dispatcher (``LayerDispatcher``)."""
+
+    def begin_step(self) -> None:
+        """A step boundary: the routing view made current for the next step (may read the state store)."""
+
+    def step(self, context: StepContext) -> AbstractContextManager[StepContext]:
+        """Within: the model's forward is the step of ``context`` (its ``view`` set)."""
+
+    def routing_epoch(self) -> int:
+        """The newest routing epoch the router knows."""
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How the runner runs a step (reported by ListModels)."""
+
+    packed: bool  # one forward for all chunks; else the per-sequence fallback
+    note: str = ""  # why the fallback, when it is used
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """One step's result: ``logits[i]`` [rows, V] float32 on the host of chunk ``i`` (None: it asked for none, or
+    failed); ``errors[i]``: what failed chunk ``i``; the routing epoch the step ran in (None: unknown); the chunks
+    a quarantine fallback served tokens of; whether it reached the model (a step refused at its start did not).
+
+    Expert choices: ``choices[f]`` of the step's forward ``f`` (one packed forward, or one per chunk under the
+    per-sequence fallback; None: nobody needed them), and ``forward_of[i]`` = (f, sequence of it) of chunk ``i``."""
+
+    logits: list[torch.Tensor | None]
+    errors: dict[int, Exception]
+    step_epoch: int | None = None
+    degraded: frozenset[int] = frozenset()
+    choices: tuple[StepChoices | None, ...] = ()
+    forward_of: tuple[tuple[int, int], ...] = ()
+    reached_model: bool = True
+
+    @classmethod
+    def failed(cls, chunks: int, err: Exception, reached_model: bool) -> "ModelRunnerOutput":
+        return cls([None] * chunks, {i: err for i in range(chunks)}, reached_model=reached_model)
+
+
+def batching_of(mask_spec: MaskSpec, packed: bool = True) -> Batching:
+    """How a model of ``mask_spec`` is served: packed when the packed step can take it (and ``packed``)."""
+    unsupported = mask_spec.unsupported() if packed else "the packed step is switched off"
+    return Batching(packed=unsupported is None, note=unsupported or "")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model,
+        dispatcher: StepDispatcher,
+        kv: KVCacheManager,
+        mask_spec: MaskSpec,
+        batching: Batching,
+        keep_choices: bool = False,
+    ):
+        """``batching``: packed (``kv`` is then a ``PagedKVCacheManager``) or the per-sequence fallback.
+        ``keep_choices``: every step collects its expert choices (a load window keeps them)."""
+        self.model = model
+        self._dispatcher = dispatcher
+        self._kv = kv
+        self._keep_choices = keep_choices
+        self.mask_spec = mask_spec
+        self.batching = batching
+        #: steps that reached the model
+        self.steps = 0
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        chunks = plan.chunks
+        try:
+            self._dispatcher.begin_step()
+        except ExpertMeshError as err:
+            return ModelRunnerOutput.failed(len(chunks), err, reached_model=False)
+        except ConnectionError as err:  # the state store is unreachable: the groups may be fine, retry next step
+            unreadable = GroupUnavailable(f"cannot read the routing table: {err}")
+            return ModelRunnerOutput.failed(len(chunks), unreadable, reached_model=False)
+        self.steps += 1  # before any of its tokens go out: whoever saw them sees the step counted
+        if self.batching.packed:
+            return self._packed(chunks)
+        return self._alone(chunks)
+
+    # -- the step's context -----------------------------------------------------------------------
+
+    def _context(self, chunks: list[ScheduledChunk], positions: torch.Tensor) -> StepContext:
+        requests = [c.request for c in chunks]
+        deadlines = [r.params.deadline for r in requests]
+        detail = [r.params.routing_trace and c.rows is Rows.LAST for r, c in zip(requests, chunks)]
+        tokens = [len(c.token_ids) for c in chunks]
+        return StepContext(
+            positions=positions,
+            tokens_per_sequence=tokens,
+            routing=self._routing(chunks),
+            # the group calls need not outlive the last request that still wants their answer
+            deadline=None if None in deadlines else max(deadlines),
+            choices=StepChoices(tokens, detail) if self._keep_choices or any(detail) else None,
+        )
+
+    @staticmethod
+    def _routing(chunks: list[ScheduledChunk]) -> StepRouting | None:
+        return step_routing(
+            [(c.request.params.routing, len(c.token_ids)) for c in chunks],
+            # the answer index of each chunk's first token (what decay_k counts from; at most 0 in the prompt)
+            [c.start + 1 - c.request.num_prompt_tokens for c in chunks],
+            [c.request.widen for c in chunks],
+        )
+
+    def _span(self, chunk: ScheduledChunk, step_size: int) -> trace.Span:
+        """This request's share of the step, in its request's trace."""
+        return tracer().start_span(
+            "expertmesh.step",
+            context=chunk.request.trace_context,
+            attributes={
+                "expertmesh.step": self.steps,
+                "expertmesh.tokens": len(chunk.token_ids),
+                "expertmesh.batch": step_size,
+            },
+        )
+
+    def _chunk(self, chunk: ScheduledChunk) -> Chunk:
+        return Chunk(self._kv.cache_of(chunk.request), chunk.token_ids, chunk.start, chunk.rows)
+
+    # -- the two ways -------------------------------------------------------------------------------
+
+    def _packed(self, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+        """One forward for all ``chunks``; if it fails, so do all of them (and no others)."""
+        spans = [self._span(c, len(chunks)) for c in chunks]
+        try:
+            batch = pack([self._chunk(c) for c in chunks], self.mask_spec, self._kv.tensors)
+            context = self._context(chunks, batch.positions)
+            # The forward's spans nest under the first request's step; the other requests' steps are linked.
+            context.links = tuple(span.get_span_context() for span in spans[1:])
+            with trace.use_span(spans[0]), self._dispatcher.step(context), torch.no_grad():
+                logits = forward_packed(self.model, batch)  # per chunk: [rows, V] or None
+            context.degraded.mark([(span, request_span(c.request)) for span, c in zip(spans, chunks)])
+        except Exception as err:
+            log.log(
+                logging.WARNING if isinstance(err, ExpertMeshError) else logging.ERROR,
+                "step %d failed for its %d requests: %s",
+                self.steps,
+                len(chunks),
+                err,
+                exc_info=not isinstance(err, ExpertMeshError),
+            )
+            return ModelRunnerOutput.failed(len(chunks), err, reached_model=True)
+        finally:
+            for span in spans:
+                span.end()
+        return ModelRunnerOutput(
+            logits,
+            {},
+            context.epoch,
+            frozenset(context.degraded.sequences),
+            (context.choices,),
+            tuple((0, i) for i in range(len(chunks))),
+        )
+
+    def _alone(self, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+        """The per-sequence fallback: each chunk's own forward; one that fails fails its chunk alone. Its expert
+        choices are kept per chunk (the load window's) and no prefix cache needs the epoch."""
+        logits: list[torch.Tensor | None] = []
+        errors: dict[int, Exception] = {}
+        choices: list[StepChoices | None] = []
+        for i, chunk in enumerate(chunks):
+            span = self._span(chunk, len(chunks))
+            context = self._context([chunk], torch.arange(chunk.start, chunk.end))
+            choices.append(context.choices)
+            try:
+                with trace.use_span(span, end_on_exit=True), self._dispatcher.step(context), torch.no_grad():
+                    logits.append(forward_alone(self.model, self._chunk(chunk)))
+                    context.degraded.mark([(span, request_span(chunk.request))])
+            except Exception as err:
+                errors[i] = err
+                logits.append(None)
+        return ModelRunnerOutput(
+            logits, errors, choices=tuple(choices), forward_of=tuple((i, 0) for i in range(len(chunks)))
+        )

@@ -79,17 +79,22 @@ def _run(model, requests, corrupt=None, packed=True):
     request "bad" at its second step (its first, for a score) as a broken expert would.
     Returns (events by request id, steps taken)."""
     engine = Engine(model, None, FlakyStoreDispatcher(down=0), EngineLimits(4, 4), max_context=64, packed=packed)
-    process = engine.outputs.process
+    execute, vocab = engine.runner.execute, model.config.vocab_size
 
-    def corrupting(plan, out):  # out.logits: per chunk, [rows, V] or None
-        def hit(request):
+    def corrupting(plan):  # the runner's output, as a broken expert's logits would make it
+        out = execute(plan)
+        logits, sampled = list(out.logits), list(out.sampled) or [None] * len(plan.chunks)
+        for i, chunk in enumerate(plan.chunks):
+            request = chunk.request
             at = 0 if request.params.score_only else 1
-            return corrupt is not None and request.request_id == "bad" and len(request.output_token_ids) == at
+            hit = corrupt is not None and request.request_id == "bad" and len(request.output_token_ids) == at
+            if hit and (logits[i] is not None or sampled[i] is not None):
+                # a token the device chose was of a finite row: a broken row would have gone to the host
+                rows = logits[i] if logits[i] is not None else torch.zeros(1, vocab)
+                logits[i], sampled[i] = corrupt(rows), None
+        return dataclasses.replace(out, logits=logits, sampled=tuple(sampled))
 
-        logits = [corrupt(rows) if hit(c.request) else rows for c, rows in zip(plan.chunks, out.logits)]
-        return process(plan, dataclasses.replace(out, logits=logits))
-
-    engine.outputs.process = corrupting
+    engine.runner.execute = corrupting
     seqs = [engine.submit(r) for r in requests]  # queued before the loop starts, so all join step one
     engine.start()
     try:

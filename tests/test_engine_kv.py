@@ -398,13 +398,18 @@ def test_a_failed_sequence_leaves_nothing_in_the_prefix_cache(model):
     import math
 
     engine = _engine(model, 32)
-    process = engine.outputs.process
+    execute, vocab = engine.runner.execute, model.config.vocab_size
 
-    def corrupting(plan, out):  # out.logits: per chunk, [rows, V] or None
-        broken = [None if rows is None else torch.full_like(rows, math.nan) for rows in out.logits]
-        return process(plan, dataclasses.replace(out, logits=broken))
+    def corrupting(plan):  # every row of the step's logits NaN (a token chosen on the device: its row broken)
+        out = execute(plan)
+        rows = [
+            r if r is not None else torch.zeros(1, vocab) if t is not None else None
+            for r, t in zip(out.logits, out.sampled)
+        ]
+        broken = [None if r is None else torch.full_like(r, math.nan) for r in rows]
+        return dataclasses.replace(out, logits=broken, sampled=())
 
-    engine.outputs.process = corrupting
+    engine.runner.execute = corrupting
     prompt = tuple(range(10, 23))  # three full blocks
     engine.start()
     try:
@@ -422,13 +427,19 @@ def test_a_failed_sequence_leaves_nothing_in_the_prefix_cache(model):
 def test_preempted_and_prefix_cached_sequences_match_stock_on_every_architecture(tiny_checkpoints, arch):
     """Three prompts with a shared two-block prefix, 25 tokens each (7 blocks) in a pool of 12: the
     newest are preempted and, computed again, take the cached prefix; every stream is stock greedy
-    (DeepSeek-V3's latents and GPT-OSS's sliding window and sinks included)."""
+    (DeepSeek-V3's latents and GPT-OSS's sliding window and sinks included). The pool allocated up front from
+    the config is what every layer caches: none was allocated again."""
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(arch), experts_implementation="batched_mm").eval()
     shared = tuple(range(20, 28))
     requests = [
         GenerationRequest(f"r{i}", (*shared, 40 + i, 41, 42), max_new_tokens=14, stop_at_eos=False) for i in range(3)
     ]
-    tokens, usage = _run(_engine(model, 12, max_step_tokens=8), requests)
+    engine = _engine(model, 12, max_step_tokens=8)
+    allocated = {layer: [t.data_ptr() for t in pair] for layer, pair in engine.kv.tensors._layers.items()}
+    assert len(allocated) == model.config.get_text_config().num_hidden_layers, "every layer's, before any step"
+    tokens, usage = _run(engine, requests)
+    assert engine.kv.tensors.reallocated == set()
+    assert {layer: [t.data_ptr() for t in pair] for layer, pair in engine.kv.tensors._layers.items()} == allocated
     assert usage.preemptions > 0 and usage.prefix_hits > 0
     for r in requests:
         assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
@@ -464,6 +475,48 @@ def test_a_sliding_window_model_gives_back_the_blocks_behind_its_window(tiny_che
     assert usage.preemptions == 0 and usage.blocks_used_peak <= 10 and usage.blocks_used == 0
     for r in GREEDY[:3]:
         assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
+
+
+def test_a_layer_caching_other_shapes_than_its_config_describes_is_allocated_again(caplog):
+    from expertmesh.serving.kv_cache import KVPool
+
+    pool = KVPool(4, 2)
+    pool.allocate(1, ((2, 8), (2, 8)), torch.float32)
+    new = torch.ones(1, 1, 3, 16)  # one head of 16: not what the config said
+    with caplog.at_level("WARNING"):
+        pool.write(0, new, new, torch.tensor([0, 1, 2]))
+    assert pool.reallocated == {0} and "allocated again" in caplog.text
+    first, _ = pool.read(0, torch.tensor([0, 1, 2]))
+    assert torch.equal(first, new)
+
+
+def test_the_device_chooses_greedy_only_tokens_and_sends_the_host_only_what_it_reads():
+    """``model_runner.split_logits``: a greedy-only request's next token is its row's argmax (ties to the lowest
+    id, as the host's choice), chosen where the logits are; a non-finite row goes to the host (whose choice
+    refuses it); other requests' rows go to the host; a chunk that asked for no row gets none."""
+    from expertmesh.serving.model_runner import split_logits
+    from expertmesh.serving.request import Request
+    from expertmesh.serving.sampling import SamplingParams
+    from expertmesh.serving.scheduler import Rows, ScheduledChunk
+
+    def chunk(name, rows, **params):
+        return ScheduledChunk(Request(GenerationRequest(name, (1, 2), **params)), (1,), 1, rows)
+
+    chunks = [
+        chunk("greedy", Rows.LAST),
+        chunk("sampled", Rows.LAST, sampling=SamplingParams(temperature=1.0)),
+        chunk("prompt", Rows.NONE),
+        chunk("broken", Rows.LAST),
+        chunk("logprobs", Rows.LAST, logprobs=2),
+    ]
+    logits = torch.tensor(
+        [[0.0, 3.0, 3.0, 1.0], [5.0, 1.0, 0.0, 0.0], [1.0, 2.0, float("nan"), 0.0], [0.0, 0.0, 9.0, 1.0]]
+    )
+    host, sampled = split_logits(logits, [1, 1, 0, 1, 1], chunks)
+    assert sampled == (1, None, None, None, None), "the first of the tied maxima; nothing for the broken row"
+    assert host[0] is None and host[2] is None
+    assert torch.equal(host[1], logits[1:2]) and torch.equal(host[4], logits[3:4])
+    assert torch.isnan(host[3]).any(), "the broken row went to the host, whose choice refuses it"
 
 
 def test_pack_reads_a_sequence_from_its_first_held_block():

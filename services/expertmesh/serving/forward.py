@@ -174,9 +174,10 @@ def _paged_attention(model: nn.Module) -> Iterator[None]:
         config._attn_implementation = own
 
 
-def forward_packed(model: nn.Module, batch: PackedBatch) -> list[torch.Tensor | None]:
-    """One forward of ``batch``; per chunk, its logits [rows, V] float32 on the host, or None if it needs none.
-    The batch is built on the host and goes to the model's device here."""
+def forward_packed(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """One forward of ``batch``: the logits [R, V] of the rows it asked for (``batch.logit_rows``), where the model
+    computes them (the model runner splits them by chunk and takes to the host what the host needs). The batch is
+    built on the host and goes to the model's device here."""
     device = model.device
     with _paged_attention(model):
         out = model(
@@ -187,8 +188,7 @@ def forward_packed(model: nn.Module, batch: PackedBatch) -> list[torch.Tensor | 
             logits_to_keep=batch.logit_rows.to(device),
             **{STEP: batch.attention},
         )
-    logits = out.logits[0].float().cpu()  # [R, V]: sampling and the Score API read them on the host
-    return [part if n else None for part, n in zip(logits.split(batch.rows_per_chunk), batch.rows_per_chunk)]
+    return out.logits[0]  # [R, V]
 
 
 def forward_alone(model: nn.Module, chunk: Chunk) -> torch.Tensor | None:

@@ -4,8 +4,10 @@ Glossary (blocks, block tables and the prefix cache: ``serving.kv_blocks``)
 - *pool* (``KVPool``): per attention layer, the two tensors that layer hands to
   ``cache.update`` (keys and values, or DeepSeek-V3's compressed latent and
   rotary key, each with its own heads and width), preallocated for every slot:
-  ``[heads, num_blocks * block_size, dim]`` each. Allocated at the layer's first
-  update, from the shapes and dtype it brings.
+  ``[heads, num_blocks * block_size, dim]`` each. Allocated up front from the
+  model's config (``layer_shapes``), as vLLM allocates its KV cache at start; a
+  layer whose first update brings other shapes (a family the config's formula
+  does not describe) is allocated again from them, once, with a warning.
 - *slot*: one token position of one block, ``block * block_size + offset``.
 - *step cache* (``PackedCache``): what one packed forward gets as its ``cache``.
   Every attention layer calls ``update`` once with the step's new states of all
@@ -17,26 +19,34 @@ Glossary (blocks, block tables and the prefix cache: ``serving.kv_blocks``)
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
-__all__ = ["KVPool", "PackedCache", "token_bytes", "auto_cache_bytes", "host_free_bytes"]
+__all__ = ["KVPool", "PackedCache", "auto_cache_bytes", "host_free_bytes", "layer_shapes", "token_bytes"]
+
+log = logging.getLogger(__name__)
 
 #: of the memory there is when the engine starts, what an automatic pool takes: the host's
 #: available memory on CPU, the device's free memory on a GPU (activations need the rest)
 AUTO_FRACTION = {"cpu": 0.25, "cuda": 0.5}
 
 
+def layer_shapes(config) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(heads, width) of the two tensors every attention layer of a model with text ``config`` caches per token:
+    keys and values, or multi-head latent attention's latent and rotary key (one "head" each)."""
+    if getattr(config, "kv_lora_rank", None):
+        return (1, config.kv_lora_rank), (1, config.qk_rope_head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return (heads, head_dim), (heads, head_dim)
+
+
 def token_bytes(config, dtype: torch.dtype) -> int:
     """What one token's past costs in every attention layer of a model with text ``config``."""
-    layers = config.num_hidden_layers
-    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: one latent and one rotary key per token
-        width = config.kv_lora_rank + config.qk_rope_head_dim
-    else:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        width = 2 * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
-    return layers * width * torch.empty((), dtype=dtype).element_size()
+    per_layer = sum(heads * width for heads, width in layer_shapes(config))
+    return config.num_hidden_layers * per_layer * torch.empty((), dtype=dtype).element_size()
 
 
 #: cgroup v2's memory limit and use of this process's container (absent outside one, or under v1)
@@ -78,10 +88,32 @@ class KVPool:
         self.device = torch.device(device)
         # layer -> (first [h, slots, d1], second [h', slots, d2])
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: layers allocated again at their first update (the config's shapes were not theirs)
+        self.reallocated: set[int] = set()
+
+    def allocate(self, layers: int, shapes: tuple[tuple[int, int], tuple[int, int]], dtype: torch.dtype) -> None:
+        """Every one of ``layers`` attention layers' two tensors, of (heads, width) ``shapes``, up front."""
+        slots = self.num_blocks * self.block_size
+        for layer in range(layers):
+            self._layers[layer] = tuple(
+                torch.empty((heads, slots, width), dtype=dtype, device=self.device) for heads, width in shapes
+            )
 
     def write(self, layer: int, first: torch.Tensor, second: torch.Tensor, slots: torch.Tensor) -> None:
         """Store ``first``/``second`` [1, h, T, d] of ``layer`` in ``slots`` [T]."""
-        if layer not in self._layers:
+        held = self._layers.get(layer)
+        if held is None or any(
+            (t.shape[0], t.shape[2], t.dtype) != (new.shape[1], new.shape[3], new.dtype)
+            for t, new in zip(held, (first, second))
+        ):
+            if held is not None:
+                log.warning(
+                    "KV pool: layer %d caches %s, not the %s its config describes; allocated again",
+                    layer,
+                    [tuple(n.shape[1::2]) for n in (first, second)],
+                    [tuple(t.shape[::2]) for t in held],
+                )
+                self.reallocated.add(layer)
             self._layers[layer] = tuple(
                 new.new_empty((new.shape[1], self.num_blocks * self.block_size, new.shape[3]))
                 for new in (first, second)

@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.serving.kv_blocks import FREED, BlockPool, PoolExhausted, PrefixScope, blocks_for, prefix_hashes
-from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, token_bytes
+from expertmesh.serving.kv_cache import KVPool, auto_cache_bytes, layer_shapes, token_bytes
 from expertmesh.serving.request import GenerationRequest, Request
 
 __all__ = ["DynamicKVCacheManager", "KVCacheManager", "KVUsage", "PagedKVCacheManager", "RequestBlocks"]
@@ -169,7 +169,10 @@ class PagedKVCacheManager:
                 f"one block of {block_size} tokens takes {block_bytes} bytes"
             )
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size, num_blocks * block_bytes / 2**20)
-        return cls(num_blocks, block_size, model.device, **kwargs)
+        manager = cls(num_blocks, block_size, model.device, **kwargs)
+        text = model.config.get_text_config()
+        manager.tensors.allocate(text.num_hidden_layers, layer_shapes(text), model.dtype)
+        return manager
 
     def _of(self, request: Request) -> RequestBlocks:
         return self._blocks.setdefault(request, RequestBlocks())

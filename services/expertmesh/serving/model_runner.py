@@ -70,6 +70,9 @@ class ModelRunnerOutput:
 
     logits: list[torch.Tensor | None]
     errors: dict[int, Exception]
+    #: chunk i's next token where the runner chose it on the device (greedy-only requests: ``Request.greedy_only``);
+    #: its logits are then None
+    sampled: tuple[int | None, ...] = ()
     step_epoch: int | None = None
     degraded: frozenset[int] = frozenset()
     choices: tuple[StepChoices | None, ...] = ()
@@ -173,7 +176,7 @@ class ModelRunner:
             # The forward's spans nest under the first request's step; the other requests' steps are linked.
             context.links = tuple(span.get_span_context() for span in spans[1:])
             with trace.use_span(spans[0]), self._dispatcher.step(context), torch.no_grad():
-                logits = forward_packed(self.model, batch)  # per chunk: [rows, V] or None
+                logits, sampled = split_logits(forward_packed(self.model, batch), batch.rows_per_chunk, chunks)
             context.degraded.mark([(span, request_span(c.request)) for span, c in zip(spans, chunks)])
         except Exception as err:
             log.log(
@@ -191,6 +194,7 @@ class ModelRunner:
         return ModelRunnerOutput(
             logits,
             {},
+            sampled,
             context.epoch,
             frozenset(context.degraded.sequences),
             (context.choices,),
@@ -217,3 +221,24 @@ class ModelRunner:
         return ModelRunnerOutput(
             logits, errors, choices=tuple(choices), forward_of=tuple((i, 0) for i in range(len(chunks)))
         )
+
+
+def split_logits(
+    logits: torch.Tensor, rows_per_chunk: list[int], chunks: list[ScheduledChunk]
+) -> tuple[list[torch.Tensor | None], tuple[int | None, ...]]:
+    """logits [R, V] where the model computed them -> per chunk, its rows as float32 on the host (None: it asked
+    for none, or its token was chosen here), and its next token where it was chosen here: the argmax of a
+    greedy-only request's row (ties to the lowest id, as the host's choice), when that row is finite (else the
+    row goes to the host, whose choice refuses it). Only what the host needs crosses to it."""
+    parts = logits.split(rows_per_chunk)
+    ends = [i for i, (c, n) in enumerate(zip(chunks, rows_per_chunk)) if n and c.rows is Rows.LAST]
+    ends = [i for i in ends if chunks[i].request.greedy_only]
+    chosen: dict[int, int] = {}
+    if ends:
+        last = torch.stack([parts[i][-1] for i in ends]).float()  # [G, V]
+        ids, finite = last.argmax(-1).cpu().tolist(), torch.isfinite(last).all(-1).cpu().tolist()  # [G] each
+        chosen = {i: token for i, token, ok in zip(ends, ids, finite) if ok}
+    host = [
+        None if not n or i in chosen else part.float().cpu() for i, (part, n) in enumerate(zip(parts, rows_per_chunk))
+    ]
+    return host, tuple(chosen.get(i) for i in range(len(chunks)))

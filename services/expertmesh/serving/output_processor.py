@@ -143,12 +143,12 @@ class OutputProcessor:
         events and outcome. The greedy requests' next tokens are chosen together, in one pass."""
         self._keep_choices(plan, step)
         chunks, logits = plan.chunks, step.logits
+        picks: list[int | None] = list(step.sampled) or [None] * len(chunks)  # the device's choices first
         greedy = [
             i
             for i, (chunk, rows) in enumerate(zip(chunks, logits))
-            if rows is not None and i not in step.errors and self._greedy(chunk.request)
+            if rows is not None and picks[i] is None and i not in step.errors and self._greedy(chunk.request)
         ]
-        picks: list[int | None] = [None] * len(chunks)
         for i, token in zip(greedy, greedy_tokens([logits[i][-1] for i in greedy]) or ()):
             picks[i] = token
         outcomes = []
@@ -186,11 +186,12 @@ class OutputProcessor:
             outcomes.append(ChunkOutcome(computed=True, finished=True, failed=True))
 
     def _advance(self, chunk: ScheduledChunk, logits: torch.Tensor | None, token: int | None) -> ChunkOutcome:
-        """``chunk`` went through the model; ``logits`` [rows, V] are the rows it asked for. ``token``: the next
-        token when it was chosen already (``process``'s greedy pass)."""
+        """``chunk`` went through the model; ``logits`` [rows, V] are the rows it asked for (None: none, or its token
+        was chosen already and nothing else reads them). ``token``: the next token when it was chosen already (on
+        the device, or ``process``'s greedy pass)."""
         request, state = chunk.request, chunk.request.output
         params = request.params
-        if logits is None:  # a prompt chunk with more prompt to come
+        if logits is None and token is None:  # a prompt chunk with more prompt to come
             return ChunkOutcome(computed=True)
         if request.needs_prompt_rows:
             self._score_chunk(request, chunk, logits)
@@ -205,16 +206,18 @@ class OutputProcessor:
             first = TokenLogprob(params.prompt_ids[0], None)
             request.events.put(PromptLogprobsEvent((first, *state.prompt_scores)))
             state.prompt_scores, request.prompt_logprobs_sent = [], True
+        row = logits[-1] if logits is not None else None  # [V]
         if token is None:
-            token = self._choose(request, logits[-1])
+            token = self._choose(request, row)
         if request.widen:  # computed again after a rollback: kept as it is
             request.widen = 0
-        elif params.consistency_guard is not None and self._rolls_back(request, logits[-1], token):
+        elif params.consistency_guard is not None and self._rolls_back(request, row, token):
             return ChunkOutcome(computed=True, rolled_back=True)
-        return self._append(request, logits[-1], token)
+        return self._append(request, row, token)
 
-    def _append(self, request: Request, row: torch.Tensor, token: int) -> ChunkOutcome:
-        """``token`` (chosen from ``row`` [V]) is the request's next: its events, and its end when it is one."""
+    def _append(self, request: Request, row: torch.Tensor | None, token: int) -> ChunkOutcome:
+        """``token`` (chosen from ``row`` [V]; None when nothing but its choice read it) is the request's next: its
+        events, and its end when it is one."""
         params, state = request.params, request.output
         request.output_token_ids.append(token)
         if state.matcher is not None:

@@ -143,6 +143,20 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     @property
+    def greedy_only(self) -> bool:
+        """Its next token is its logits' argmax and nothing else reads them (no controls, grammar, log-probabilities,
+        guard or prompt rows): the model runner may choose it where the logits are (on the device)."""
+        params = self.params
+        return (
+            params.sampling.temperature == 0
+            and not params.sampling.controls
+            and params.grammar is None
+            and params.logprobs is None
+            and params.consistency_guard is None
+            and not self.needs_prompt_rows
+        )
+
+    @property
     def needs_prompt_rows(self) -> bool:
         """It needs every prompt position's logits (Score, or an echo's prompt logprobs not yet sent)."""
         params = self.params

@@ -336,8 +336,9 @@ def test_both_kernels_keep_the_tokens_stock(tiny_checkpoints, monkeypatch, arch,
 
 
 def test_the_varlen_kernel_only_where_it_computes_the_models_attention(monkeypatch):
+    """The attention backend chosen for a model on its device: the device query faked (this host has no GPU)."""
     from expertmesh.serving import paged_attention
-    from expertmesh.serving.paged_attention import choose_kernel
+    from expertmesh.serving.attention_backends import choose_backend as choose_kernel
 
     cuda, cpu, half = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
     monkeypatch.setattr(paged_attention, "flash_varlen", lambda: _reference_varlen)
@@ -517,6 +518,22 @@ def test_the_device_chooses_greedy_only_tokens_and_sends_the_host_only_what_it_r
     assert host[0] is None and host[2] is None
     assert torch.equal(host[1], logits[1:2]) and torch.equal(host[4], logits[3:4])
     assert torch.isnan(host[3]).any(), "the broken row went to the host, whose choice refuses it"
+
+
+def test_a_steps_layout_in_the_pool_is_plain_data_from_the_block_tables():
+    """``attention_backends.attention_metadata``: what a block-table backend (FlashInfer's plan) is given. Two
+    sequences in blocks of 4: one decoding its 7th token (positions 0-5 computed), one feeding 3 prompt tokens from
+    position 4, its first block given back (-1)."""
+    import numpy as np
+
+    from expertmesh.serving.attention_backends import attention_metadata
+
+    md = attention_metadata([[5, 2], [-1, 9, 3]], starts=[6, 4], tokens=[1, 3], block_size=4)
+    assert md.block_tables.tolist() == [[5, 2, -1], [-1, 9, 3]]
+    assert md.num_computed_tokens.tolist() == [6, 4] and md.seq_lens.tolist() == [7, 7]
+    assert md.query_start_loc.tolist() == [0, 1, 4]
+    # position 6 of the first: block 2, offset 2; positions 4, 5, 6 of the second: block 9, offsets 0-2
+    assert np.array_equal(md.slot_mapping, [2 * 4 + 2, 9 * 4, 9 * 4 + 1, 9 * 4 + 2])
 
 
 def test_pack_reads_a_sequence_from_its_first_held_block():

@@ -24,7 +24,8 @@ from expertmesh.router.dispatch.layer_plan import GroupCall, plan_layer, slot_gr
 from expertmesh.router.dispatch.step_choices import StepChoices, concat_steps, split_rows
 from expertmesh.router.policy.gate_hook import find_gates
 from expertmesh.serving.openai_errors import ApiError
-from expertmesh.serving.openai_schema import ChoiceRoutingTrace, Completion, CompletionRequest
+from expertmesh.serving.openai_responses import ChoiceRoutingTrace, Completion
+from expertmesh.serving.openai_schema import CompletionRequest
 from expertmesh.serving.routing_trace import trace_problem
 from helpers import Up
 

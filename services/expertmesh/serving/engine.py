@@ -97,7 +97,13 @@ class Engine:
         )
         load_window = getattr(dispatcher, "load_window", None)
         self.runner = ModelRunner(
-            model, dispatcher, self.kv, mask_spec, self.batching, keep_choices=load_window is not None
+            model,
+            dispatcher,
+            self.kv,
+            mask_spec,
+            self.batching,
+            max_step_tokens=limits.max_step_tokens,
+            keep_choices=load_window is not None,
         )
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -33,18 +33,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from expertmesh.serving.kv_blocks import FREED
+from expertmesh.serving.attention_backends import ATTENTION_BACKENDS, StepLayout, attention_metadata, choose_backend
+from expertmesh.serving.input_buffers import DeviceInputs
 from expertmesh.serving.kv_cache import KVPool, PackedCache
-from expertmesh.serving.paged_attention import (
-    FULL,
-    IMPLEMENTATION,
-    SLIDING,
-    STEP,
-    AttentionKernel,
-    SequenceRows,
-    StepAttention,
-    choose_kernel,
-)
+from expertmesh.serving.paged_attention import FULL, IMPLEMENTATION, SLIDING, STEP, AttentionKernel, StepAttention
 from expertmesh.serving.scheduler import Rows
 
 #: the model's attention implementations that ``paged_attention`` runs per sequence
@@ -72,7 +64,7 @@ class MaskSpec:
     kinds: tuple[str, ...]  # each attention layer's kind, in layer order
     window: int | None  # tokens a sliding layer sees, itself included
     dtype: torch.dtype
-    kernel: AttentionKernel = "per-sequence"  # paged_attention's, for this model on its device
+    kernel: AttentionKernel = "per-sequence"  # the attention backend's, for this model on its device
 
     @classmethod
     def of(cls, model: nn.Module) -> "MaskSpec":
@@ -81,7 +73,7 @@ class MaskSpec:
         kinds = getattr(config, "layer_types", None) or [SLIDING if window else FULL] * config.num_hidden_layers
         implementation = config._attn_implementation
         latent = bool(getattr(config, "kv_lora_rank", None))
-        kernel = choose_kernel(model.device, implementation, latent, model.dtype)
+        kernel = choose_backend(model.device, implementation, latent, model.dtype)
         return cls(implementation, tuple(kinds), window, model.dtype, kernel)
 
     def unsupported(self) -> str | None:
@@ -110,27 +102,15 @@ class PackedBatch:
 
 
 def pack(chunks: list[Chunk], spec: MaskSpec, pool: KVPool) -> PackedBatch:
-    """The inputs of one packed forward over ``chunks`` (each with a block table holding its positions
-    up to the chunk's end)."""
+    """The inputs of one packed forward over ``chunks`` (each with a block table holding its positions up to the
+    chunk's end): the step's layout in the pool (``attention_backends.AttentionMetadata``), planned by the model's
+    attention backend."""
     tokens = [len(c.token_ids) for c in chunks]
-    offsets = np.cumsum([0, *tokens[:-1]]).tolist()  # each chunk's first row of T
-    sequences = [SequenceRows(offset, n, c.start) for c, offset, n in zip(chunks, offsets, tokens)]
-    # Each sequence's slots from its first held block to its end, from its block table; built in numpy,
-    # as a torch op per chunk costs more than the arithmetic it does.
-    size = pool.block_size
-    bases = [_held_from(c.cache) * size for c in chunks]
-    slots = [_slots(c.cache, base, c.start + n, size) for c, base, n in zip(chunks, bases, tokens)]
-    read_offsets = np.cumsum([0, *(len(s) for s in slots)]).tolist()
-    writes = np.concatenate([s[c.start - base :] for c, base, s in zip(chunks, bases, slots)])  # [T]
-    cache = PackedCache(
-        pool,
-        torch.from_numpy(writes).to(pool.device),
-        torch.from_numpy(np.concatenate(slots)).to(pool.device),
-        read_offsets,
-        bases,
-    )
+    metadata = attention_metadata([c.cache for c in chunks], [c.start for c in chunks], tokens, pool.block_size)
+    layout = StepLayout(spec.implementation, spec.kinds, spec.window, spec.dtype)
+    cache, attention = ATTENTION_BACKENDS[spec.kernel].plan(metadata, pool, layout)
     rows = []
-    for chunk, offset, k in zip(chunks, offsets, tokens):
+    for chunk, offset, k in zip(chunks, metadata.query_start_loc.tolist(), tokens):
         if chunk.rows is Rows.ALL:
             rows.extend(range(offset, offset + k))
         elif chunk.rows is Rows.LAST:
@@ -138,27 +118,11 @@ def pack(chunks: list[Chunk], spec: MaskSpec, pool: KVPool) -> PackedBatch:
     return PackedBatch(
         input_ids=torch.tensor([[t for c in chunks for t in c.token_ids]]),
         positions=torch.from_numpy(np.concatenate([np.arange(c.start, c.start + k) for c, k in zip(chunks, tokens)])),
-        attention=StepAttention(
-            sequences, cache, spec.implementation, spec.kinds, spec.window, spec.dtype, pool.device, spec.kernel
-        ),
+        attention=attention,
         logit_rows=torch.tensor(rows, dtype=torch.long),
         rows_per_chunk=[{Rows.NONE: 0, Rows.LAST: 1, Rows.ALL: k}[c.rows] for c, k in zip(chunks, tokens)],
         cache=cache,
     )
-
-
-def _held_from(table: list[int]) -> int:
-    """The first entry of ``table`` that is not ``FREED`` (the blocks a sliding-window sequence gave back lead)."""
-    held = 0
-    while table[held] == FREED:
-        held += 1
-    return held
-
-
-def _slots(table: list[int], first: int, end: int, block_size: int) -> np.ndarray:
-    """The pool slots of positions first .. end - 1 of a sequence with block table ``table``, [end - first]."""
-    positions = np.arange(first, end)
-    return np.asarray(table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
 
 
 @contextmanager
@@ -174,18 +138,17 @@ def _paged_attention(model: nn.Module) -> Iterator[None]:
         config._attn_implementation = own
 
 
-def forward_packed(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """One forward of ``batch``: the logits [R, V] of the rows it asked for (``batch.logit_rows``), where the model
-    computes them (the model runner splits them by chunk and takes to the host what the host needs). The batch is
-    built on the host and goes to the model's device here."""
-    device = model.device
+def forward_packed(model: nn.Module, batch: PackedBatch, inputs: DeviceInputs) -> torch.Tensor:
+    """One forward of ``batch``, whose token ids, positions and logit rows are ``inputs`` on the model's device (the
+    runner's buffers): the logits [R, V] of the rows it asked for, where the model computes them (the model runner
+    splits them by chunk and takes to the host what the host needs)."""
     with _paged_attention(model):
         out = model(
-            input_ids=batch.input_ids.to(device),
-            position_ids=batch.positions[None].to(device),
+            input_ids=inputs.input_ids,
+            position_ids=inputs.positions,
             cache=batch.cache,
             use_cache=True,
-            logits_to_keep=batch.logit_rows.to(device),
+            logits_to_keep=inputs.logit_rows,
             **{STEP: batch.attention},
         )
     return out.logits[0]  # [R, V]

@@ -59,16 +59,13 @@ from expertmesh.serving.openai_adapter import (
     usage,
 )
 from expertmesh.serving.openai_errors import ApiError
-from expertmesh.serving.openai_schema import (
-    MAX_TOKENS_CAP,
-    ChatCompletionRequest,
-    CompletionRequest,
+from expertmesh.serving.openai_responses import (
     DetokenizeRequest,
-    GenerationFields,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from expertmesh.serving.openai_schema import MAX_TOKENS_CAP, ChatCompletionRequest, CompletionRequest, GenerationFields
 from expertmesh.serving.readiness import Readiness
 from expertmesh.serving.routing_trace import TokenRouting
 

@@ -29,6 +29,8 @@ from expertmesh.router.dispatch.step_choices import StepChoices
 from expertmesh.router.dispatch.step_context import StepContext
 from expertmesh.router.policy.routing_policy import StepRouting, step_routing
 from expertmesh.serving.forward import Chunk, MaskSpec, forward_alone, forward_packed, pack
+from expertmesh.serving.graph_capture import CAPTURES, choose_capture
+from expertmesh.serving.input_buffers import InputBuffers, plan_for
 from expertmesh.serving.kv_cache_manager import KVCacheManager
 from expertmesh.serving.request import request_span
 from expertmesh.serving.scheduler import Rows, ScheduledChunk, SchedulerOutput
@@ -98,16 +100,22 @@ class ModelRunner:
         kv: KVCacheManager,
         mask_spec: MaskSpec,
         batching: Batching,
+        max_step_tokens: int = 512,
         keep_choices: bool = False,
     ):
         """``batching``: packed (``kv`` is then a ``PagedKVCacheManager``) or the per-sequence fallback.
-        ``keep_choices``: every step collects its expert choices (a load window keeps them)."""
+        ``max_step_tokens``: the scheduler's step budget (the input buckets'). ``keep_choices``: every step collects
+        its expert choices (a load window keeps them)."""
         self.model = model
         self._dispatcher = dispatcher
         self._kv = kv
         self._keep_choices = keep_choices
         self.mask_spec = mask_spec
         self.batching = batching
+        #: the packed forward's inputs, preallocated by size bucket on the model's device
+        self.buffers = InputBuffers(max_step_tokens, plan_for(model.device)) if batching.packed else None
+        #: how a packed forward runs: eager, or (a GPU's) captured piecewise between the MoE layers
+        self.capture = CAPTURES[choose_capture(model.device)]
         #: steps that reached the model
         self.steps = 0
 
@@ -176,7 +184,10 @@ class ModelRunner:
             # The forward's spans nest under the first request's step; the other requests' steps are linked.
             context.links = tuple(span.get_span_context() for span in spans[1:])
             with trace.use_span(spans[0]), self._dispatcher.step(context), torch.no_grad():
-                logits, sampled = split_logits(forward_packed(self.model, batch), batch.rows_per_chunk, chunks)
+                inputs = self.buffers.load(batch.input_ids, batch.positions, batch.logit_rows)
+                bucket = self.buffers.bucket(batch.positions.shape[0])
+                rows = self.capture.run(bucket, lambda: forward_packed(self.model, batch, inputs))  # [R, V]
+                logits, sampled = split_logits(rows, batch.rows_per_chunk, chunks)
             context.degraded.mark([(span, request_span(c.request)) for span, c in zip(spans, chunks)])
         except Exception as err:
             log.log(

@@ -22,13 +22,12 @@ from expertmesh.serving.chat import chat_prompt_ids
 from expertmesh.serving.engine import Engine
 from expertmesh.serving.events import FinishEvent, TokenLogprob
 from expertmesh.serving.openai_errors import ApiError
-from expertmesh.serving.openai_schema import (
+from expertmesh.serving.openai_responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatDelta,
     ChatLogprobs,
     ChatTokenLogprob,
@@ -40,18 +39,21 @@ from expertmesh.serving.openai_schema import (
     DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
-    FinishReason,
-    GenerationFields,
     LayerRoutingBody,
     ModelCard,
-    Prompt,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
     TokenRoutingBody,
+    Usage,
+)
+from expertmesh.serving.openai_schema import (
+    ChatCompletionRequest,
+    FinishReason,
+    GenerationFields,
+    Prompt,
     ToolCall,
     ToolCallFunction,
-    Usage,
 )
 from expertmesh.serving.request import GenerationRequest, Request
 from expertmesh.serving.request_builder import ModelBounds, RequestBuilder, RequestSpec

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from expertmesh.serving.events import ErrorEvent
-from expertmesh.serving.openai_schema import ErrorDetail, ErrorResponse
+from expertmesh.serving.openai_responses import ErrorDetail, ErrorResponse
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,

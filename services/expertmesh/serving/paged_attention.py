@@ -16,7 +16,7 @@ Work per layer is therefore Σ (chunk × own past) rather than T × Σ past, and
 step's pasts side by side. A module that expands its cached latents after ``cache.update``
 (DeepSeek-V3's multi-head latent attention, ``expand_kv``) gets its past expanded here, per sequence.
 
-Kernels (``KERNELS``, chosen once per model by ``choose_kernel``):
+Kernels (the attention backends' ``attend``, ``attention_backends``, chosen once per model):
 - ``per-sequence``: the loop above, over each sequence's gathered blocks; every device, every model.
 - ``flash-varlen``: flash-attn's ``flash_attn_varlen_func``, one call per layer for all the step's
   sequences over their gathered pasts (bottom-right causal, its ``window_size`` for sliding layers);
@@ -35,13 +35,21 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol, get_args
+from typing import Callable, Literal, Protocol
 
 import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["IMPLEMENTATION", "STEP", "StepAttention", "SequenceRows", "AttentionKernel", "choose_kernel"]
+__all__ = [
+    "IMPLEMENTATION",
+    "STEP",
+    "AttentionKernel",
+    "SequenceRows",
+    "StepAttention",
+    "flash_varlen_attend",
+    "per_sequence_attend",
+]
 
 IMPLEMENTATION = "expertmesh_paged"
 #: the keyword the step's layout travels under, from the model's forward to this function
@@ -90,7 +98,8 @@ class StepAttention:
     window: int | None  # tokens a sliding layer sees, itself included
     dtype: torch.dtype
     device: torch.device | str = "cpu"
-    kernel: AttentionKernel = "per-sequence"
+    #: the attention backend's kernel: (module, query [1, H, T, d], this, layer kind, kwargs) -> [1, T, H, dv]
+    attend: Callable[..., torch.Tensor] = lambda *args: per_sequence_attend(*args)
     #: (sequence, kind) -> (first key position, mask [1, 1, n, L]); the same for every layer of a kind
     _masks: dict[tuple[int, str], tuple[int, torch.Tensor]] = field(default_factory=dict)
 
@@ -136,7 +145,7 @@ def _inner(module: torch.nn.Module, implementation: str):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
-def _per_sequence(
+def per_sequence_attend(
     module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict
 ) -> torch.Tensor:
     """query [1, H, T, d] -> [1, T, H, dv]: the model's own attention, sequence by sequence."""
@@ -164,7 +173,7 @@ def flash_varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def _flash_varlen(
+def flash_varlen_attend(
     module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict
 ) -> torch.Tensor:
     """query [1, H, T, d] -> [1, T, H, d]: one varlen call for all sequences (its causal mask is
@@ -189,24 +198,6 @@ def _flash_varlen(
     return out[None]
 
 
-KERNELS: dict[str, Callable[..., torch.Tensor]] = {"per-sequence": _per_sequence, "flash-varlen": _flash_varlen}
-assert set(KERNELS) == set(get_args(AttentionKernel)), "every kernel the type names, and no other"
-
-
-def choose_kernel(device: torch.device, implementation: str, latent: bool, dtype: torch.dtype) -> AttentionKernel:
-    """``flash-varlen`` where it computes what the model's own attention does (see the module
-    docstring), else ``per-sequence``. ``latent``: the model caches latents it expands (MLA)."""
-    if (
-        device.type == "cuda"
-        and implementation == "sdpa"
-        and not latent
-        and dtype in (torch.float16, torch.bfloat16)
-        and flash_varlen() is not None
-    ):
-        return "flash-varlen"
-    return "per-sequence"
-
-
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, d]
@@ -219,7 +210,7 @@ def paged_attention_forward(
     step: StepAttention | None = kwargs.pop(STEP, None)
     if step is None:  # another forward of the model while a step runs would get no causal mask: refuse it
         raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside the serving engine's step")
-    return KERNELS[step.kernel](module, query, step, step.kinds[module.layer_idx], kwargs), None
+    return step.attend(module, query, step, step.kinds[module.layer_idx], kwargs), None
 
 
 AttentionInterface.register(IMPLEMENTATION, paged_attention_forward)

@@ -1,0 +1,162 @@
+"""Attention backends of the packed step: what the model's attention layers compute with, behind one interface
+(vLLM's attention backends; FlashInfer's plan-then-run). A step's layout in the pool is plain data
+(``AttentionMetadata``: block tables, computed tokens, sequence lengths, where each sequence's queries start,
+where each new token's keys and values go), built once per step by ``attention_metadata``; the backend chosen for
+the model (``choose_backend``) turns it, once per step, into what its kernel reads (``plan``), and every attention
+layer of the step then calls its ``attend``.
+
+Backends (``ATTENTION_BACKENDS``, keyed by ``AttentionKernel``):
+- ``per-sequence``: each sequence's past gathered from its blocks, attended with the model's own attention (sdpa
+  or its eager function); every device, every model.
+- ``flash-varlen``: flash-attn's varlen kernel over the gathered pasts, one call per layer; CUDA, half precision,
+  plain sdpa models (``paged_attention``'s docstring says why only there).
+A backend that reads the pool through the block tables themselves (FlashInfer's paged kernels, vLLM's CPU
+paged-attention) plugs in here: its ``plan`` takes the metadata as it is.
+
+Shapes: B sequences, T tokens in the step, M the widest block table; tables hold -1 where a sequence has no block
+(given back behind a sliding window, or past its end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Callable, Protocol, get_args
+
+import numpy as np
+import torch
+
+from expertmesh.serving import paged_attention
+from expertmesh.serving.kv_cache import KVPool, PackedCache
+from expertmesh.serving.paged_attention import (
+    AttentionKernel,
+    SequenceRows,
+    StepAttention,
+    flash_varlen_attend,
+    per_sequence_attend,
+)
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "StepLayout",
+    "attention_metadata",
+    "choose_backend",
+]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One packed step's layout in the pool (see the module's shapes)."""
+
+    block_tables: np.ndarray  # [B, M] int64
+    num_computed_tokens: np.ndarray  # [B] positions each sequence had before the step
+    seq_lens: np.ndarray  # [B] its positions after the step
+    query_start_loc: np.ndarray  # [B + 1] where each sequence's queries start among the T tokens
+    slot_mapping: np.ndarray  # [T] the pool slot of each new token
+    block_size: int
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.seq_lens)
+
+
+def attention_metadata(tables: Sequence[Sequence[int]], starts: Sequence[int], tokens: Sequence[int], block_size: int):
+    """The metadata of a step whose sequence i feeds ``tokens[i]`` tokens from position ``starts[i]``, its block
+    table ``tables[i]`` holding them. Built in numpy: a torch op per sequence costs more than the arithmetic."""
+    width = max(len(t) for t in tables)
+    block_tables = np.full((len(tables), width), -1, dtype=np.int64)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = table
+    starts_a, tokens_a = np.asarray(starts, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
+    seq_lens = starts_a + tokens_a
+    query_start_loc = np.concatenate([[0], np.cumsum(tokens_a)])
+    owner = np.repeat(np.arange(len(tables)), tokens_a)  # [T] the sequence of each token
+    positions = np.arange(query_start_loc[-1]) - query_start_loc[owner] + starts_a[owner]  # [T]
+    slot_mapping = block_tables[owner, positions // block_size] * block_size + positions % block_size
+    return AttentionMetadata(block_tables, starts_a, seq_lens, query_start_loc, slot_mapping, block_size)
+
+
+class AttentionBackend(Protocol):
+    name: AttentionKernel
+
+    def plan(
+        self, metadata: AttentionMetadata, pool: KVPool, layout: "StepLayout"
+    ) -> tuple[PackedCache, StepAttention]:
+        """Once per step: the step's cache (where the layers' new keys and values go, how pasts are read) and the
+        layout the layers' attention gets (with this backend's ``attend``)."""
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What of the model the attention's layout needs (``forward.MaskSpec``'s part)."""
+
+    implementation: str  # "sdpa" or "eager"
+    kinds: tuple[str, ...]
+    window: int | None
+    dtype: torch.dtype
+
+
+class _GatheredPasts:
+    """Backends that read each sequence's past as one gather of its slots, from its first held block to its end."""
+
+    name: AttentionKernel
+    attend: Callable
+
+    def plan(self, metadata: AttentionMetadata, pool: KVPool, layout: StepLayout) -> tuple[PackedCache, StepAttention]:
+        size = metadata.block_size
+        held = [int(np.argmax(row >= 0)) for row in metadata.block_tables]  # each table's first held block
+        bases = [h * size for h in held]
+        slots = []
+        for table, base, end in zip(metadata.block_tables, bases, metadata.seq_lens.tolist()):
+            positions = np.arange(base, end)
+            slots.append(table[positions // size] * size + positions % size)
+        read_offsets = np.cumsum([0, *(len(s) for s in slots)]).tolist()
+        cache = PackedCache(
+            pool,
+            torch.from_numpy(metadata.slot_mapping).to(pool.device),
+            torch.from_numpy(np.concatenate(slots)).to(pool.device),
+            read_offsets,
+            bases,
+        )
+        qsl = metadata.query_start_loc.tolist()
+        sequences = [
+            SequenceRows(qsl[i], qsl[i + 1] - qsl[i], int(start))
+            for i, start in enumerate(metadata.num_computed_tokens.tolist())
+        ]
+        step = StepAttention(
+            sequences, cache, layout.implementation, layout.kinds, layout.window, layout.dtype, pool.device, self.attend
+        )
+        return cache, step
+
+
+class PerSequenceBackend(_GatheredPasts):
+    name: AttentionKernel = "per-sequence"
+    attend = staticmethod(per_sequence_attend)
+
+
+class FlashVarlenBackend(_GatheredPasts):
+    name: AttentionKernel = "flash-varlen"
+    attend = staticmethod(flash_varlen_attend)
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
+    "per-sequence": PerSequenceBackend(),
+    "flash-varlen": FlashVarlenBackend(),
+}
+assert set(ATTENTION_BACKENDS) == set(get_args(AttentionKernel)), "every backend the type names, and no other"
+
+
+def choose_backend(device: torch.device, implementation: str, latent: bool, dtype: torch.dtype) -> AttentionKernel:
+    """``flash-varlen`` where it computes what the model's own attention does (CUDA, sdpa, no latent expansion,
+    half precision, flash-attn importable), else ``per-sequence``."""
+    if (
+        device.type == "cuda"
+        and implementation == "sdpa"
+        and not latent
+        and dtype in (torch.float16, torch.bfloat16)
+        and paged_attention.flash_varlen() is not None
+    ):
+        return "flash-varlen"
+    return "per-sequence"

@@ -160,6 +160,42 @@ def test_serve_agreement_names_the_prompts_whose_tokens_differ():
     assert not same_tokens({"token_ids": [[5, 6], [7, 8]]}, reference)["passed"], "a missing request is no agreement"
 
 
+def test_serve_figures_come_from_each_requests_timings():
+    """``bench serve``'s figures on made-up timings: TTFT from sending, ITL per token of a chunk (2 tokens
+    20 ms after the one before are 10 ms each), tokens/s over first send to last token, tokens by prompt."""
+    from expertmesh.bench.serve.stats import TimedRequest, summary
+
+    requests = [
+        TimedRequest(sent=1.00, prompt=1, arrivals=[(1.05, 1), (1.07, 2)], ids=[7, 8, 9]),
+        TimedRequest(sent=1.01, prompt=0, arrivals=[(1.03, 1), (1.04, 1), (1.05, 1)], ids=[4, 5, 6]),
+    ]
+    figures = summary("platform: 2 streaming clients", 2, requests)
+    assert (figures["requests"], figures["concurrency"], figures["tokens"]) == (2, 2, 6)
+    assert figures["seconds"] == pytest.approx(0.07) and figures["tokens_per_s"] == pytest.approx(6 / 0.07)
+    assert figures["ttft_ms"] == {"p50": pytest.approx(35.0), "p99": pytest.approx(49.7)}  # of 50 and 20 ms
+    assert figures["itl_ms"] == {"p50": pytest.approx(10.0), "p99": pytest.approx(10.0), "mean": pytest.approx(10.0)}
+    assert figures["token_ids"] == [[4, 5, 6], [7, 8, 9]]
+
+
+def test_serve_repeats_report_the_median_and_thread_counts_the_best():
+    from expertmesh.bench.serve.stats import best_of_threads, median_run
+
+    runs = [{"name": "platform", "tokens_per_s": v} for v in (30.0, 10.0, 20.0, 40.0)]
+    assert median_run(runs) == {  # the lower middle of an even count
+        "name": "platform",
+        "tokens_per_s": 20.0,
+        "tokens_per_s_repeats": [30.0, 10.0, 20.0, 40.0],
+    }
+    by_count = {
+        1: [{"name": "platform", "tokens_per_s": 5.0}, {"name": "generate", "tokens_per_s": 9.0}],
+        2: [{"name": "platform", "tokens_per_s": 7.0}, {"name": "generate", "tokens_per_s": 8.0}],
+    }
+    assert best_of_threads(by_count) == [
+        {"name": "platform", "tokens_per_s": 7.0, "threads": 2, "tokens_per_s_by_threads": {1: 5.0, 2: 7.0}},
+        {"name": "generate", "tokens_per_s": 9.0, "threads": 1, "tokens_per_s_by_threads": {1: 9.0, 2: 8.0}},
+    ]
+
+
 def test_missing_checkpoint_exits_2(capsys, tmp_path):
     code, _, err = _run(capsys, "dispatch", "--model", tmp_path / "nope")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not exist" in err

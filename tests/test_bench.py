@@ -489,6 +489,33 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
         assert sum(s["tokens"] for s in engine_steps.values()) == p["clients"] * (16 + 2)
 
 
+def test_serve_engine_steps_count_the_last_step_of_a_run(capsys, checkpoint, tmp_path, monkeypatch):
+    """The engine counts a step before its tokens go out and adds it to its step totals after the forward:
+    a client that has its run's last token may read the totals a step short (and the warm-up's last step may
+    land in the timed run's). Each record is delayed here so that window is wide, not a matter of luck on a
+    busy machine; the run's steps must still hold exactly its tokens: 2 prompts of 16 and 2 fed tokens each."""
+    import time
+
+    from expertmesh.serving.step_tally import StepTally
+
+    record = StepTally.record
+
+    def late(self, kind, tokens, seconds):
+        time.sleep(0.2)
+        record(self, kind, tokens, seconds)
+
+    monkeypatch.setattr(StepTally, "record", late)
+    out_file = tmp_path / "steps.json"
+    code, out, _ = _run(
+        capsys, "serve", "--model", checkpoint, "--groups-as", "process", "--clients", 2, "--requests-per-client", 1,
+        "--max-new-tokens", 3, "--prompt-tokens", 16, "--equal-prompts", "--out", out_file,
+    )  # fmt: skip
+    assert code == 0, out
+    platform = json.loads(out_file.read_text())["runs"][0]
+    assert sum(s["tokens"] for s in platform["engine_steps"].values()) == 2 * (16 + 2)
+    assert platform["decode_steps"]["tokens"] == platform["engine_steps"]["decode"]["tokens"] > 0
+
+
 def test_serve_redundant_places_experts_by_calibrated_load_and_keeps_the_answers(capsys, checkpoint, tmp_path):
     """--redundant 2: calibration prompts, the planner's placement with 2 more replicas per layer carried out
     by live migrations on plain group processes, then the timed runs: the same answers as transformers."""

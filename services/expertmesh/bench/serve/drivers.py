@@ -13,7 +13,14 @@ from expertmesh.bench.serve.baselines import BASELINES, BaselineName
 from expertmesh.bench.serve.baselines.base import BaselineRun, BaselineSetup, Load
 from expertmesh.bench.serve.classifier_runs import classifier_runs, classifier_summary
 from expertmesh.bench.serve.options import Options, validate
-from expertmesh.bench.serve.served import RUNNERS, calibrate, check_target, platform_run, served_here
+from expertmesh.bench.serve.served import (
+    RUNNERS,
+    calibrate,
+    check_target,
+    platform_run,
+    served_here,
+    settled_step_totals,
+)
 from expertmesh.bench.serve.stats import (
     best_of_threads,
     decode_steps,
@@ -107,7 +114,7 @@ def _served_here(inputs: _Inputs) -> _Measured:
     with served_here(options, inputs.checkpoint, device, ready=ready) as server:
         target = f"127.0.0.1:{server.port}"
         classified = classifier_runs(target, options, inputs.queries)
-        fresh, steps = server.engine.reset_prefix_cache, server.engine.step_tally.totals
+        fresh, steps = server.engine.reset_prefix_cache, partial(settled_step_totals, server.engine)
         platform, baselines = _best_threads(options, lambda: _interleaved(target, inputs, fresh, steps))
         kv = server.engine.kv_usage()
     return _Measured(platform, baselines, classified, None if kv is None else kv_summary(kv), placement)

@@ -17,7 +17,7 @@ from expertmesh.infra.console import bar, progress
 if TYPE_CHECKING:
     from expertmesh.bench.serve.options import Options
 
-__all__ = ["RUNNERS", "calibrate", "check_target", "platform_run", "served_here"]
+__all__ = ["RUNNERS", "calibrate", "check_target", "platform_run", "served_here", "settled_step_totals"]
 
 #: ``--groups-as`` in the report's words
 RUNNERS = {"ray": "groups on Ray Serve", "process": "groups as plain processes"}
@@ -98,7 +98,7 @@ def platform_run(
     """N streaming clients send ``work`` (token ids or text), request i with ``extras[i]`` (routing policy,
     domain) when given. ``fresh()``, when given, runs after the warm-up: the platform's prefix cache emptied,
     so no timed prompt finds itself cached by the warm-up or an earlier run. ``steps()``, when given, is the
-    in-process engine's step totals (``StepTally.totals``): the run's decode steps are reported from them."""
+    in-process engine's step totals (``settled_step_totals``): the run's decode steps are reported from them."""
     n, m = options.clients, options.max_new_tokens
     name = name or f"platform: {n} streaming clients"
     extras = extras or [{}] * len(work)
@@ -179,6 +179,24 @@ def _engine_steps(before: dict, after: dict) -> dict:
             kind.value: {"steps": t.steps, "tokens": t.tokens, "seconds": t.seconds} for kind, t in run.items()
         },
     }
+
+
+#: how long a run's figures wait for the engine's step totals to hold every step it has counted
+STEP_TOTALS_WAIT_S = 10.0
+
+
+def settled_step_totals(engine) -> dict:
+    """The in-process engine's step totals (``StepTally.totals``) once they hold every step it has counted.
+    It counts a step (``Engine.steps``) before the step's tokens go out and adds the step to its totals after
+    the forward, so a client that saw its run's last token can read the totals a step short; the engine is
+    idle between runs, so they catch up at once (at most ``STEP_TOTALS_WAIT_S``, then as they are)."""
+    deadline = time.monotonic() + STEP_TOTALS_WAIT_S
+    while True:
+        counted = engine.steps  # first: every step counted by now must be in the totals read next
+        totals = engine.step_tally.totals()
+        if sum(t.steps for t in totals.values()) >= counted or time.monotonic() >= deadline:
+            return totals
+        time.sleep(0.005)
 
 
 def calibrate(target: str, options: Options, vocab_size: int) -> None:

@@ -160,6 +160,42 @@ def test_serve_agreement_names_the_prompts_whose_tokens_differ():
     assert not same_tokens({"token_ids": [[5, 6], [7, 8]]}, reference)["passed"], "a missing request is no agreement"
 
 
+def test_serve_figures_come_from_each_requests_timings():
+    """``bench serve``'s figures on made-up timings: TTFT from sending, ITL per token of a chunk (2 tokens
+    20 ms after the one before are 10 ms each), tokens/s over first send to last token, tokens by prompt."""
+    from expertmesh.bench.serve.stats import TimedRequest, summary
+
+    requests = [
+        TimedRequest(sent=1.00, prompt=1, arrivals=[(1.05, 1), (1.07, 2)], ids=[7, 8, 9]),
+        TimedRequest(sent=1.01, prompt=0, arrivals=[(1.03, 1), (1.04, 1), (1.05, 1)], ids=[4, 5, 6]),
+    ]
+    figures = summary("platform: 2 streaming clients", 2, requests)
+    assert (figures["requests"], figures["concurrency"], figures["tokens"]) == (2, 2, 6)
+    assert figures["seconds"] == pytest.approx(0.07) and figures["tokens_per_s"] == pytest.approx(6 / 0.07)
+    assert figures["ttft_ms"] == {"p50": pytest.approx(35.0), "p99": pytest.approx(49.7)}  # of 50 and 20 ms
+    assert figures["itl_ms"] == {"p50": pytest.approx(10.0), "p99": pytest.approx(10.0), "mean": pytest.approx(10.0)}
+    assert figures["token_ids"] == [[4, 5, 6], [7, 8, 9]]
+
+
+def test_serve_repeats_report_the_median_and_thread_counts_the_best():
+    from expertmesh.bench.serve.stats import best_of_threads, median_run
+
+    runs = [{"name": "platform", "tokens_per_s": v} for v in (30.0, 10.0, 20.0, 40.0)]
+    assert median_run(runs) == {  # the lower middle of an even count
+        "name": "platform",
+        "tokens_per_s": 20.0,
+        "tokens_per_s_repeats": [30.0, 10.0, 20.0, 40.0],
+    }
+    by_count = {
+        1: [{"name": "platform", "tokens_per_s": 5.0}, {"name": "generate", "tokens_per_s": 9.0}],
+        2: [{"name": "platform", "tokens_per_s": 7.0}, {"name": "generate", "tokens_per_s": 8.0}],
+    }
+    assert best_of_threads(by_count) == [
+        {"name": "platform", "tokens_per_s": 7.0, "threads": 2, "tokens_per_s_by_threads": {1: 5.0, 2: 7.0}},
+        {"name": "generate", "tokens_per_s": 9.0, "threads": 1, "tokens_per_s_by_threads": {1: 9.0, 2: 8.0}},
+    ]
+
+
 def test_missing_checkpoint_exits_2(capsys, tmp_path):
     code, _, err = _run(capsys, "dispatch", "--model", tmp_path / "nope")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not exist" in err
@@ -451,6 +487,33 @@ def test_serve_sweep_reports_one_row_per_client_count(capsys, checkpoint, ray_se
         prompt_steps = engine_steps["prefill"]["steps"] + engine_steps["mixed"]["steps"]
         assert prompt_steps >= 2 * p["clients"]
         assert sum(s["tokens"] for s in engine_steps.values()) == p["clients"] * (16 + 2)
+
+
+def test_serve_engine_steps_count_the_last_step_of_a_run(capsys, checkpoint, tmp_path, monkeypatch):
+    """The engine counts a step before its tokens go out and adds it to its step totals after the forward:
+    a client that has its run's last token may read the totals a step short (and the warm-up's last step may
+    land in the timed run's). Each record is delayed here so that window is wide, not a matter of luck on a
+    busy machine; the run's steps must still hold exactly its tokens: 2 prompts of 16 and 2 fed tokens each."""
+    import time
+
+    from expertmesh.serving.step_tally import StepTally
+
+    record = StepTally.record
+
+    def late(self, kind, tokens, seconds):
+        time.sleep(0.2)
+        record(self, kind, tokens, seconds)
+
+    monkeypatch.setattr(StepTally, "record", late)
+    out_file = tmp_path / "steps.json"
+    code, out, _ = _run(
+        capsys, "serve", "--model", checkpoint, "--groups-as", "process", "--clients", 2, "--requests-per-client", 1,
+        "--max-new-tokens", 3, "--prompt-tokens", 16, "--equal-prompts", "--out", out_file,
+    )  # fmt: skip
+    assert code == 0, out
+    platform = json.loads(out_file.read_text())["runs"][0]
+    assert sum(s["tokens"] for s in platform["engine_steps"].values()) == 2 * (16 + 2)
+    assert platform["decode_steps"]["tokens"] == platform["engine_steps"]["decode"]["tokens"] > 0
 
 
 def test_serve_redundant_places_experts_by_calibrated_load_and_keeps_the_answers(capsys, checkpoint, tmp_path):

@@ -37,7 +37,7 @@ PROFILE_TOKENS = 8
 
 
 def run_guarded(options) -> dict:
-    from expertmesh.bench.serve import _platform_run, served_here, text_prompts, text_prompts_summary, validate
+    from expertmesh.bench.serve import platform_run, served_here, text_prompts, text_prompts_summary, validate
     from expertmesh.infra.devices import router_device
     from expertmesh.v1 import inference_pb2 as pb
     from expertmesh.verify.policy import guard_threshold
@@ -63,12 +63,12 @@ def run_guarded(options) -> dict:
     ):
         target = f"127.0.0.1:{server.port}"
         requests = _requests(target, options.guard_policies)
-        exact = _platform_run(target, options, texts, f"exact: {n} clients", extras(requests["exact"], off))
+        exact = platform_run(target, options, texts, f"exact: {n} clients", extras(requests["exact"], off))
         policies = []
         for name in options.guard_policies:
-            plain = _platform_run(target, options, texts, f"{name}: {n} clients", extras(requests[name], off))
+            plain = platform_run(target, options, texts, f"{name}: {n} clients", extras(requests[name], off))
             tally = []  # the engine's counts after the guarded run's warm-up: the timed requests' alone
-            guarded = _platform_run(
+            guarded = platform_run(
                 target,
                 options,
                 texts,

@@ -1,0 +1,99 @@
+"""The options of ``bench serve`` and their checks: one kind of run per command, within what the model allows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from expertmesh.bench.report import BenchError
+
+__all__ = ["Options", "check_modes", "validate"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """One ``bench serve`` command's options: its flags, as ``cli.options_from_args`` reads them."""
+
+    model: Path
+    target: str | None = None
+    groups: int = 2
+    dtype: str = "float32"
+    clients: int = 8
+    requests_per_client: int = 2
+    max_new_tokens: int = 32
+    prompt_tokens: int = 32
+    equal_prompts: bool = False  # every prompt exactly prompt_tokens long (else half to that, seeded)
+    max_step_tokens: int | None = None  # the platform started here: its engine's step size (None: the default)
+    threads: tuple[int, ...] = ()  # torch intra-op threads; several: each side at its best of them; (): torch's
+    seed: int = 0
+    ray_address: str | None = None
+    classifier: bool = False  # also the classifier's added TTFT (text prompts; see the package's docstring)
+    repeats: int = 1  # interleaved repeats of the platform and baseline runs; medians reported
+    groups_as: str = "ray"  # "ray": Ray Serve deployments; "process": `expertmesh group serve` processes
+    device: str = "auto"  # of the router's model and the baseline: auto, cpu, cuda, cuda:N
+    sweep: tuple[int, ...] = ()  # client counts: the whole benchmark at each (see the package's docstring)
+    shared_prefix: int = 0  # tokens of a prompt prefix all requests share: the prefix-cache run instead
+    guard: str = ""  # a consistency-guard scorer: the guard's run at load instead (bench.guarded_serve)
+    guard_policies: tuple[str, ...] = ("delta_gap", "restrict")
+    guard_threshold: float | None = None  # None: the guard's default (0.65)
+    guard_recompute: str = "widened"
+    #: the platform started here: its experts placed by calibrated load with this many redundant replicas per
+    #: layer before the timed runs (bench.planned_placement); None: the contiguous split
+    redundant: int | None = None
+
+
+def check_modes(options: Options) -> None:
+    """One kind of run per command, and each run's own limits (nothing read yet: no model, no platform)."""
+    modes = [f for f, on in (("--sweep", options.sweep), ("--shared-prefix", options.shared_prefix),
+                             ("--guard", options.guard)) if on]  # fmt: skip
+    if len(modes) > 1:
+        raise BenchError(f"{' and '.join(modes)} are different runs; choose one")
+    if len(options.threads) > 1 and (options.shared_prefix or options.guard):
+        raise BenchError(f"--threads takes one count with {modes[0]}")
+    if options.max_step_tokens:
+        from expertmesh.config.settings import MAX_STEP_TOKENS
+
+        if options.target:
+            raise BenchError("--max-step-tokens sets the platform started here; a --target keeps its own step size")
+        if options.max_step_tokens > MAX_STEP_TOKENS:
+            raise BenchError(f"--max-step-tokens is at most {MAX_STEP_TOKENS}, got {options.max_step_tokens}")
+    if options.redundant is not None:
+        if options.target:
+            raise BenchError("--redundant places the experts of the platform started here; drop --target")
+        if options.shared_prefix or options.guard:
+            raise BenchError(f"--redundant is for the throughput runs, not {modes[0]}")
+        if options.redundant < 0:
+            raise BenchError(f"--redundant is a count of replicas per layer, >= 0; got {options.redundant}")
+    if options.guard:
+        _check_guard(options)
+
+
+def _check_guard(options: Options) -> None:
+    if options.target:
+        raise BenchError("--guard starts its own platform (its profiles go into that platform's store); drop --target")
+    if not options.guard_policies:
+        raise BenchError("--guard-policies: name at least one routing policy, e.g. delta_gap")
+    if "exact" in options.guard_policies:
+        raise BenchError("--guard-policies: exact is the reference and is never guarded; name other policies")
+    if options.guard_threshold is not None and not 0 <= options.guard_threshold <= 1:
+        raise BenchError(f"--guard-threshold must be between 0 and 1, got {options.guard_threshold:g}")
+
+
+def validate(options: Options):
+    """The checkpoint of ``options.model``, once the options fit it (its context, its experts per group)."""
+    from expertmesh.models.checkpoint import Checkpoint
+
+    checkpoint = Checkpoint(options.model)
+    spec = checkpoint.spec
+    if options.redundant and options.redundant > spec.num_experts * (options.groups - 1):
+        raise BenchError(
+            f"--redundant {options.redundant}: {options.groups} groups hold at most "
+            f"{spec.num_experts * (options.groups - 1)} redundant replicas of a layer's {spec.num_experts} experts"
+        )
+    context = spec.max_context
+    if context and options.prompt_tokens + options.max_new_tokens > context:
+        raise BenchError(
+            f"--prompt-tokens {options.prompt_tokens} + --max-new-tokens {options.max_new_tokens} "
+            f"is above the model's context of {context} tokens"
+        )
+    return checkpoint

@@ -354,3 +354,30 @@ def test_the_quarantine_set_in_redis(redis_url):
     store.clear_quarantined(1, 2, "g1")
     assert store.quarantined() == {}
     store.close()
+
+
+def test_a_release_holds_when_a_round_checked_the_quarantined_replica_during_its_reload(mesh, monitor, monkeypatch):
+    """Issue 39's chaos run: a health round that ran while `expertmesh release` reloaded the replica refreshed the
+    quarantined record's figures (last check, KL); the release's settle saw a record changed meanwhile and
+    dropped its repair, so the replica stayed quarantined for good (nothing repairs an operator's quarantine but
+    a release) though its weights had been reloaded and verified. Here the round runs inside the reload."""
+    monitor.update()
+    monitor.quarantine(1, 1, "g0", "odd outputs")
+    before = load_all(mesh.store)[rid(REPLICATED, "g0")]
+    repair = monitor._repair
+    rounds = []
+
+    def repair_with_a_round_meanwhile(record, view, probe, now):
+        rounds.append(monitor.update())
+        return repair(record, view, probe, now)
+
+    monkeypatch.setattr(monitor, "_repair", repair_with_a_round_meanwhile)
+    (released,) = monitor.release(1, 1)
+    checked = rounds[0].records[rid(REPLICATED, "g0")]
+    assert checked.state is HealthState.QUARANTINED and checked != before, "the round refreshed the record"
+    assert released.record.state is HealthState.PROBATION, released.record.reason
+    assert (*REPLICATED, "g0") in mesh.store.quarantined()  # on probation: still out of service
+    monkeypatch.undo()
+    monitor.update()
+    monitor.update()
+    assert mesh.replicas(REPLICATED) == ("g1", "g0") and mesh.store.quarantined() == {}

@@ -43,6 +43,7 @@ at collection from the last settled records: ``expertmesh.expert.health``
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -189,15 +190,18 @@ class HealthMonitor:
         return stored, lost
 
     def _merged(
-        self, before: Mapping[ReplicaId, ReplicaRecord], after: Mapping[ReplicaId, ReplicaRecord]
+        self,
+        before: Mapping[ReplicaId, ReplicaRecord],
+        after: Mapping[ReplicaId, ReplicaRecord],
+        unchanged: Callable[[ReplicaRecord | None, ReplicaRecord | None], bool] = operator.eq,
     ) -> dict[ReplicaId, ReplicaRecord]:
         """(Under ``_state_lock``) the records now, with ``after``'s word for each record that is still as it was
-        when the work that made ``after`` began (``before``): a record a command changed meanwhile keeps the
-        command's change, and the next round checks it again."""
+        when the work that made ``after`` began (``before``; ``unchanged(now, then)`` says what counts): a record
+        a command changed meanwhile keeps the command's change, and the next round checks it again."""
         current = self._records_now()
         merged = dict(current)
         for r, record in after.items():
-            if current.get(r) == before.get(r):
+            if unchanged(current.get(r), before.get(r)):
                 merged[r] = record
             else:
                 log.info("health: %s changed meanwhile (a command, or a round); this change of it is dropped", r)
@@ -597,7 +601,10 @@ class HealthMonitor:
                 probe = self._current_probe(rid.layer, view.hidden_size)
                 records[rid] = self._note(records[rid], self._repair(records[rid], view, probe, now), span)
             with self._state_lock:
-                self._settle(self._merged(before, records))
+                # A round that ran meanwhile checked the quarantined replicas (new figures, the same quarantine):
+                # the repair, made after that, still holds. Only a record that left the quarantine meanwhile
+                # (another release) keeps the other change.
+                self._settle(self._merged(before, records, policy.same_quarantine))
         return self._statuses(targets)
 
     def _statuses(self, targets: list[ReplicaId]) -> list[ReplicaStatus]:

@@ -210,6 +210,17 @@ def quarantine(record: ReplicaRecord, by: Initiator, reason: str, at: float) -> 
     return record.entering(HealthState.QUARANTINED, at, reason, quarantined_by=by, suspect_checks=0, clean_checks=0)
 
 
+def same_quarantine(now: ReplicaRecord | None, then: ReplicaRecord | None) -> bool:
+    """``now`` is in the quarantine ``then`` was in (a check may have refreshed its figures meanwhile): a repair
+    begun on ``then`` applies to ``now``."""
+    return (
+        now is not None
+        and then is not None
+        and now.state is then.state is HealthState.QUARANTINED
+        and now.since == then.since
+    )
+
+
 def repaired(record: ReplicaRecord, baseline: Baseline, at: float) -> ReplicaRecord:
     """Reloaded and verified against the checkpoint: on probation, with the verified output as its
     baseline and its served statistics restarted (the reload reset them)."""

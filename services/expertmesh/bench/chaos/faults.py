@@ -703,14 +703,14 @@ class ReleasedAfterDegradedPrefix:
                 for _ in range(2):
                     probes += [probe(i, s) for i, s in enumerate(send)]
                 _hold_until(injected, hold_s)
-                for layer in layers:
-                    admin_client.call(stub.Release, admin_pb.ReleaseRequest(layer=layer, expert=self.expert))
+                release = _Release(stub, layers, self.expert)
+                release.all()
                 lifted = time.monotonic()
                 # Released replicas are repaired, then on probation (still out of service) for a few health
-                # rounds: the router falls back until their quarantine entries go.
-                gone = wait_until(
-                    lambda: not any(e == self.expert for _, e, _ in platform.store.quarantined()), RECOVERY_TIMEOUT_S
-                )
+                # rounds: the router falls back until their quarantine entries go. A repair that did not take
+                # (its group busy restarting, say) leaves its replica quarantined with the reason: released
+                # again, as an operator who reads `expertmesh experts` does.
+                gone = wait_until(lambda: release.settled(platform.store), RECOVERY_TIMEOUT_S)
                 fallback_until = None
                 if gone is not None:
                     fallback_until = _router_beats_twice_after(platform, time.time(), RECOVERY_TIMEOUT_S)
@@ -728,8 +728,43 @@ class ReleasedAfterDegradedPrefix:
             evidence=(
                 f"{degraded} of {2 * len(send)} completions around the quarantine differed from the references "
                 "(the fallback's); every later one must not",
+                release.summary(),
             ),
+            note="" if gone is not None else f"still out of service after the release: {release.left}",
         )
+
+
+class _Release:
+    """An operator's release of one expert on every MoE layer, again for the replicas whose repair did not take
+    (each still quarantined, with the reason), at most every ``every_s``; what was left when it gave up."""
+
+    def __init__(self, stub, layers, expert: int, every_s: float = 10.0) -> None:
+        self._stub, self._layers, self._expert, self._every_s = stub, tuple(layers), expert, every_s
+        self.rounds, self.refusals, self.left = 0, [], ""
+        self._last = 0.0
+
+    def all(self, layers=None) -> None:
+        from expertmesh.orchestrator import admin_client
+
+        self.rounds += 1
+        self._last = time.monotonic()
+        for layer in self._layers if layers is None else layers:
+            try:
+                admin_client.call(self._stub.Release, admin_pb.ReleaseRequest(layer=layer, expert=self._expert))
+            except ExpertMeshError as err:  # nothing quarantined left on that layer: its repair took meanwhile
+                self.refusals.append(f"layer {layer}: {err}")
+
+    def settled(self, store) -> bool:
+        """No entry of the expert left; else those still quarantined (not on probation) released again."""
+        mine = {k: q for k, q in store.quarantined().items() if k[1] == self._expert}
+        self.left = "; ".join(f"layer {k[0]} on {k[2]}: {q.state} ({q.reason})" for k, q in sorted(mine.items()))
+        stuck = sorted({k[0] for k, q in mine.items() if q.state == HealthState.QUARANTINED.value})
+        if stuck and time.monotonic() - self._last >= self._every_s:
+            self.all(stuck)
+        return not mine
+
+    def summary(self) -> str:
+        return f"released in {self.rounds} round(s); refused: {self.refusals or 'none'}"
 
 
 @dataclass(frozen=True)

@@ -397,7 +397,8 @@ def run(options: Options, hosts=None) -> dict:
                         watch.stop()
                 runs.append((fault, quiet_from, timeline, watch))
                 if timeline.recovered is None:
-                    progress(f"bench chaos: {name} did not recover within the time allowed; stopping here")
+                    why = f" ({timeline.note})" if timeline.note else ""
+                    progress(f"bench chaos: {name} did not recover within the time allowed{why}; stopping here")
                     break
         finally:
             traffic.stop()

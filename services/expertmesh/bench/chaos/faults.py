@@ -514,21 +514,31 @@ class ForeignCheckpointGroup:
             _bump_table(store)
         lifted = time.monotonic()
         calls = sum(platform.describe(self.group).transport_calls.values())
+        missing: list[str] = []
 
         def whole() -> bool:
             table = store.routing_table()
-            return (
-                table.replicas == before.replicas
-                and not any(g == self.group for _, _, g in store.quarantined())
-                and platform.router_version() >= table.version
-                and sum(platform.describe(self.group).transport_calls.values()) > calls
-            )
+            quarantined = sorted((layer, e) for layer, e, g in store.quarantined() if g == self.group)
+            served = platform.router_version()
+            called = sum(platform.describe(self.group).transport_calls.values()) - calls
+            # as sets: a replica the health monitor withdrew (it saw the foreign weights' fingerprints) and listed
+            # again after its repair comes back last in its expert's tuple
+            moved = sorted(p for p in before.replicas if set(table.replicas.get(p, ())) != set(before.replicas[p]))
+            missing[:] = [
+                *([f"the table lists other replicas than before for {moved[:4]}"] if moved else []),
+                *([f"quarantined on {self.group}: {quarantined}"] if quarantined else []),
+                *([f"the router on v{served}, the table v{table.version}"] if served < table.version else []),
+                *([f"no call to {self.group} since the lift"] if called <= 0 else []),
+            ]
+            return not missing
 
         recovered = wait_until(whole, RECOVERY_TIMEOUT_S)
         mark = f"expert group {self.group} at {address} refused layer"
         refusals = [_message(line) for line in platform.router.lines if mark in line]
         evidence.append(f"the router refused it {len(refusals)} times" + (f": {refusals[0]}" if refusals else ""))
         note = "" if refusals else "the router never called the foreign group"
+        if recovered is None:
+            note = "; ".join([*missing, *([note] if note else [])])
         return Timeline(injected, lifted, recovered, note=note, evidence=tuple(evidence))
 
 

@@ -154,7 +154,7 @@ class FakeWatcher:
 @pytest.fixture(scope="module")
 def byte_tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer")
-    save_byte_tokenizer(path, VOCAB)
+    save_byte_tokenizer(path, VOCAB, chat_template=None)  # the refusal path; `chat_template` below gives one
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -255,7 +255,7 @@ def test_streamed_completion_and_chat_chunks_end_with_done(scripted):
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
     )
-    # The scripted engine never sees the chat prompt: the byte tokenizer has no template, so this is a 400.
+    # The scripted engine never sees the chat prompt: this tokenizer has no template, so this is a 400.
     _assert_error_shape(response, 400, "chat_template_missing", "messages")
 
 
@@ -610,7 +610,7 @@ CHAT_ERRORS = [
     ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),  # without logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ({"max_completion_tokens": CAP + 1}, "max_completion_tokens", "invalid_value"),
-    ({}, "messages", "chat_template_missing"),  # a valid request: the byte tokenizer has no chat template
+    ({}, "messages", "chat_template_missing"),  # a valid request: this tokenizer has no chat template
 ]
 
 

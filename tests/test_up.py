@@ -1,7 +1,9 @@
 """`expertmesh up` as a person runs it (the `make run` path): a real process tree
-with local Ray or an existing Ray cluster, queried with the CLI and the client,
-stopped with SIGTERM, which drains in-flight requests first."""
+with local Ray or an existing Ray cluster, queried with the CLI, the client and the
+official openai client (the embedded model chats), stopped with SIGTERM, which drains
+in-flight requests first."""
 
+import json
 import os
 import re
 import signal
@@ -9,10 +11,13 @@ import subprocess
 import sys
 
 import grpc
+import openai
 import pytest
+from transformers import AutoTokenizer
 
 from expertmesh.client import Client
 from expertmesh.infra.ports import free_port
+from expertmesh.models.embedded import NAME as EMBEDDED
 from expertmesh.models.tiny import make_tiny_checkpoint
 from helpers import RayHead, Up
 
@@ -20,11 +25,55 @@ pytestmark = pytest.mark.slow
 BIN = os.path.dirname(sys.executable)
 
 
+def _chats_through_the_official_client(url: str, checkpoint) -> None:
+    """Issue 43: `make run`'s model answers the first call most users make, and streaming chat, a forced tool call
+    and ``response_format`` (before: 400, "the model has no chat template"). Its weights are random: what is
+    checked is the shape of each answer and that the prompt is the ChatML one the template renders."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model=EMBEDDED, messages=messages, max_tokens=8, temperature=0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay hello.<|im_end|>\n")
+    assert rendered.endswith("<|im_start|>assistant\n")
+    assert whole.usage.prompt_tokens == len(tokenizer(rendered, add_special_tokens=False).input_ids)
+    (choice,) = whole.choices
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    streamed = client.chat.completions.create(
+        model=EMBEDDED, messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == choice.message.content
+
+    city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Bergen"]}}}
+    city["required"] = ["city"]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+    called = client.chat.completions.create(
+        model=EMBEDDED,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=64,
+        temperature=0,
+    )
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Bergen")
+    shaped = client.chat.completions.create(
+        model=EMBEDDED,
+        messages=messages,
+        response_format={"type": "json_schema", "json_schema": {"name": "where", "schema": city}},
+        max_tokens=64,
+        temperature=0,
+    )
+    assert json.loads(shaped.choices[0].message.content)["city"] in ("Oslo", "Bergen")
+
+
 def test_up_with_no_arguments_serves_the_embedded_model_and_drains_on_sigterm(tmp_path):
-    up = Up(env={"EXPERTMESH_HOME": str(tmp_path)})
+    up = Up("--http-port", "0", env={"EXPERTMESH_HOME": str(tmp_path)})
     try:
         assert f"on {up.target}" in up.banner and "expertmesh generate" in up.banner
-        assert (tmp_path / "tiny-mixtral-v1" / "tokenizer.json").is_file()
+        assert (tmp_path / EMBEDDED / "tokenizer.json").is_file()
+        url = up.wait_for_stderr(r"OpenAI-compatible HTTP API on (\S+)/v1").group(1)
+        _chats_through_the_official_client(url, tmp_path / EMBEDDED)
         cli = subprocess.run(
             [os.path.join(BIN, "expertmesh"), "generate", "Hello", "--max-tokens", "8", "--target", up.target],
             capture_output=True,

@@ -15,8 +15,9 @@ from typing import Callable
 from expertmesh.infra.home import home
 from expertmesh.models.tiny import make_tiny_checkpoint
 
-# Bump the suffix when the shape changes, so a stale cache is never reused.
-NAME = "tiny-mixtral-v1"
+# Bump the suffix when the shape or the tokenizer changes, so a stale cache is never reused
+# (v2: the tokenizer carries a ChatML chat template, so chat requests work).
+NAME = "tiny-mixtral-v2"
 SHAPE = dict(
     vocab_size=320,
     hidden_size=64,

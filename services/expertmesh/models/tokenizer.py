@@ -3,18 +3,22 @@
 Every UTF-8 byte is one token (GPT-2's byte-to-unicode alphabet, so any text
 round-trips), after three special tokens; ids up to the model's vocabulary
 size that no byte uses are named ``<extra_N>`` so every id the model can sample
-decodes. Saved next to the checkpoint with ``save_pretrained`` and loaded back
-with ``AutoTokenizer``, like any HuggingFace tokenizer.
+decodes. It carries a ChatML chat template (``chat_template``), so chat requests work on the embedded and
+tiny models. Saved next to the checkpoint with ``save_pretrained`` and loaded back with ``AutoTokenizer``,
+like any HuggingFace tokenizer.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from expertmesh.models.chat_template import CHATML
+
 SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: the tiny configs' pad, bos and eos
 
 
-def save_byte_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
+def save_byte_tokenizer(out_dir: str | Path, vocab_size: int, chat_template: str | None = CHATML) -> None:
+    """The tokenizer of a ``vocab_size`` model saved in ``out_dir``; ``chat_template`` None: one without."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -32,4 +36,5 @@ def save_byte_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", model_max_length=1 << 20
     )
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(out_dir)

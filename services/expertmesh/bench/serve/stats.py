@@ -126,23 +126,39 @@ def kv_summary(kv) -> dict:
 
 
 def sweep_point(clients: int, result: dict) -> dict:
-    """One point of ``--sweep``: the platform (the first run) against batched ``generate`` (the last) of the
-    benchmark's ``result`` at ``clients`` clients, and that result."""
-    platform, batched = result["runs"][0], result["runs"][-1]
+    """One point of ``--sweep``: the platform (the first run) against batched ``generate`` (the generate
+    baseline's last run) and vLLM, each where the run had it (else its figures are None), and that result."""
+    platform = result["runs"][0]
+    batched = next((r for r in reversed(result["runs"]) if r.get("baseline") == "generate"), {})
+    vllm = next((r for r in result["runs"] if r.get("baseline") == "vllm"), {})
     kv = result.get("kv", {})
+
+    def of(run: dict, *keys: str):
+        for key in keys:
+            run = run.get(key) if isinstance(run, dict) else None
+        return run
+
     return {
         "clients": clients,
         "platform_tokens_per_s": platform["tokens_per_s"],
-        "generate_batched_tokens_per_s": batched["tokens_per_s"],
-        "ratio_to_batched": platform["tokens_per_s"] / batched["tokens_per_s"],
-        "itl_p50_ms": {"platform": platform["itl_ms"]["p50"], "generate_batched": batched["itl_ms"]["p50"]},
+        "generate_batched_tokens_per_s": of(batched, "tokens_per_s"),
+        "ratio_to_batched": batched and platform["tokens_per_s"] / batched["tokens_per_s"] or None,
+        "vllm_tokens_per_s": of(vllm, "tokens_per_s"),
+        "ratio_to_vllm": vllm and platform["tokens_per_s"] / vllm["tokens_per_s"] or None,
+        "itl_p50_ms": {
+            "platform": platform["itl_ms"]["p50"],
+            "generate_batched": of(batched, "itl_ms", "p50"),
+            "vllm": of(vllm, "itl_ms", "p50"),
+        },
+        "itl_p99_ms": {"platform": platform["itl_ms"]["p99"], "vllm": of(vllm, "itl_ms", "p99")},
+        "ttft_p50_ms": {"platform": platform["ttft_ms"]["p50"], "vllm": of(vllm, "ttft_ms", "p50")},
         "decode_ms_per_token": {
             "platform": platform.get("decode_steps", {}).get("ms_per_token"),
-            "generate_batched": batched["decode_steps"]["ms_per_token"],
+            "generate_batched": of(batched, "decode_steps", "ms_per_token"),
         },
-        "threads": {"platform": platform.get("threads"), "generate_batched": batched.get("threads")},
+        "threads": {"platform": platform.get("threads"), "generate_batched": of(batched, "threads")},
         "kv_usage_peak": kv.get("usage_peak"),
         "preemptions": kv.get("preemptions"),
-        "same_answers": result["agreement"]["passed"],
+        "same_answers": None if result["agreement"] is None else result["agreement"]["passed"],
         "result": result,
     }

@@ -19,6 +19,8 @@ def table(result: dict) -> str:
         f"platform tok/s = {ratios}",
         _agreement_line(result["agreement"]),
     ]
+    if any(r.get("baseline") == "vllm" for r in result["runs"]):
+        lines.append("vLLM: its own kernels, not token-identical to transformers; compared for speed only")
     decode = [(r["name"], r["decode_steps"]) for r in result["runs"] if r.get("decode_steps", {}).get("steps")]
     if decode:
         lines.append(
@@ -69,7 +71,9 @@ def _runs(result: dict) -> str:
     return format_table(headers, rows, ["", "d", "d", "d", ".2f", ".1f", ".2f", ".2f", ".1f", ".1f"])
 
 
-def _agreement_line(agreement: dict) -> str:
+def _agreement_line(agreement: dict | None) -> str:
+    if agreement is None:
+        return "same answers: not checked (no generate baseline in this run: --baseline generate adds it)"
     n, differ = agreement["requests"], agreement["differ"]
     if agreement["passed"]:
         return (
@@ -104,6 +108,7 @@ def sweep_table(result: dict) -> str:
     """``drivers.run_sweep``'s result: a title, one row per client count, and each point's placement."""
     setup = result["points"][0]["result"]["setup"]
     best_of = isinstance(setup["threads"], list)
+    with_vllm = any(p.get("vllm_tokens_per_s") is not None for p in result["points"])
     rows = [
         [
             p["clients"],
@@ -116,8 +121,13 @@ def sweep_table(result: dict) -> str:
             p["decode_ms_per_token"]["generate_batched"],
             None if p["kv_usage_peak"] is None else 100 * p["kv_usage_peak"],
             p["preemptions"],
-            "PASS" if p["same_answers"] else "FAIL",
+            {True: "PASS", False: "FAIL", None: "-"}[p["same_answers"]],
             *((p["threads"]["platform"], p["threads"]["generate_batched"]) if best_of else ()),
+            *(
+                (p["vllm_tokens_per_s"], p["ratio_to_vllm"], p["ttft_p50_ms"]["platform"], p["ttft_p50_ms"]["vllm"])
+                if with_vllm
+                else ()
+            ),
         ]
         for p in result["points"]
     ]
@@ -129,7 +139,9 @@ def sweep_table(result: dict) -> str:
     headers = ["clients", "platform tok/s", "generate batched tok/s", "ratio", "ITL p50 ms", "generate ITL p50 ms"]
     headers += ["decode ms/token", "generate decode ms/token", "KV peak %", "preemptions", "same answers"]
     headers += ["platform threads", "generate threads"] if best_of else []
+    headers += ["vLLM tok/s", "ratio to vLLM", "TTFT p50 ms", "vLLM TTFT p50 ms"] if with_vllm else []
     formats = ["d", ".1f", ".1f", ".2f", ".1f", ".1f", ".2f", ".2f", ".1f", "d", "", *(("d", "d") if best_of else ())]
+    formats += [".1f", ".2f", ".0f", ".0f"] if with_vllm else []
     body = format_table(headers, rows, formats)
     placed = [(p["clients"], p["result"]["placement"]) for p in result["points"] if "placement" in p["result"]]
     if placed:

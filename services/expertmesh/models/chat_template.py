@@ -3,7 +3,7 @@
 ChatML (``<|im_start|>role\\n...<|im_end|>\\n``) is what Qwen, Hermes and many fine-tunes use, so a client that
 chats with the embedded model sees the prompt shape it would see on a real checkpoint. Tools follow the
 Hermes/Qwen convention the serving side reads back (``serving.tool_calls``): the offered functions as JSON
-lines inside ``<tools>`` in the system turn, an assistant's calls as ``<tool_call>{"name", "arguments"}
+lines inside ``<tools>`` in the system turn (tersely: the embedded model's context is 512 byte tokens), an assistant's calls as ``<tool_call>{"name", "arguments"}
 </tool_call>`` blocks, a tool's answer as a ``<tool_response>`` in a user turn. OpenAI's ``developer`` role is a
 system turn. With ``add_generation_prompt`` the rendering ends where the assistant's turn begins.
 
@@ -19,12 +19,11 @@ CHATML = (
     "{%- if system is not none or tools %}"
     "<|im_start|>system\n"
     "{% if system is not none %}{{ system }}{% else %}You are a helpful assistant.{% endif %}"
-    "{% if tools %}{{ '\\n' }}\n# Tools\n\nYou may call one or more of these functions:\n<tools>"
+    "{% if tools %}{{ '\\n' }}\n# Tools\n<tools>"
     "{% for tool in tools %}{{ '\\n' }}{{ (tool.function if tool.function is defined else tool) | tojson }}"
     "{% endfor %}{{ '\\n' }}"
-    "</tools>\n\nFor each call, answer with a JSON object with the function's name and arguments inside "
-    '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
-    "</tool_call>{% endif %}<|im_end|>\n"
+    '</tools>\nTo call one, answer <tool_call>{"name": <name>, "arguments": <object>}'
+    "</tool_call>.{% endif %}<|im_end|>\n"
     "{% endif %}"
     "{% for message in messages %}"
     "{% if loop.first and system is not none %}"

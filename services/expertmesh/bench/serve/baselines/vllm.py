@@ -143,6 +143,8 @@ class VllmServer:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[len("data: ") :])
+                    if "error" in chunk:  # vLLM reports a failure inside the stream, after its 200
+                        raise BenchError(f"vLLM answered an error: {chunk['error'].get('message')} (its log says why)")
                     ids = [t for c in chunk.get("choices", ()) for t in c.get("token_ids") or ()]
                     if ids:
                         timed.arrivals.append((time.perf_counter(), len(ids)))

@@ -3,8 +3,9 @@
 ChatML (``<|im_start|>role\\n...<|im_end|>\\n``) is what Qwen, Hermes and many fine-tunes use, so a client that
 chats with the embedded model sees the prompt shape it would see on a real checkpoint. Tools follow the
 Hermes/Qwen convention the serving side reads back (``serving.tool_calls``): the offered functions as JSON
-lines inside ``<tools>`` in the system turn (tersely: the embedded model's context is 512 byte tokens), an assistant's calls as ``<tool_call>{"name", "arguments"}
-</tool_call>`` blocks, a tool's answer as a ``<tool_response>`` in a user turn. OpenAI's ``developer`` role is a
+lines inside ``<tools>`` in the system turn (with a terse instruction: the embedded model's context is 512 byte
+tokens), an assistant's calls as ``<tool_call>{"name", "arguments"}</tool_call>`` blocks, a tool's answer as a
+``<tool_response>`` in a user turn. OpenAI's ``developer`` role is a
 system turn. With ``add_generation_prompt`` the rendering ends where the assistant's turn begins.
 
 The tiny models have random weights: the template gives them a real prompt format, not sensible answers.

@@ -113,7 +113,8 @@ def test_waiting_running_and_kv_gauges_follow_the_requests_in_flight(served):
         for i, channel in enumerate(channels)
     ]
     try:
-        next(calls[0])  # the first is running: its first token came
+        # Whichever arrived first runs (the channels connect in no set order: waiting on one call's first token
+        # could wait out another's whole answer); each of 2040 tokens, so the state lasts far longer than a scrape.
         wait_for(lambda: _load(url) == (2, 1), "two requests waiting behind one running")
         usage, labels = _gauge(_scrape(url), "expertmesh_kv_usage")
         assert 0 < usage <= 1 and labels == {"model_name": MODEL}

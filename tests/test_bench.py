@@ -326,6 +326,18 @@ def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
     )
     assert kv["preemptions"] == 0 and kv["prefix_cache_queries"] >= kv["prefix_cache_hits"] >= 0
     assert f"KV pool: peak {kv['blocks_used_peak']} of {kv['blocks_total']} blocks" in out
+    # the model runner as it ran here: the seams a GPU run reports the same way (deploy/gpu-bench/run.sh)
+    assert result["runner"] == {
+        "device": "cpu",
+        "batching": "packed",
+        "attention_backend": "per-sequence",
+        "capture": "eager",
+        "input_buckets": result["runner"]["input_buckets"],
+        "pinned_staging": False,
+        "greedy_tokens_chosen": "on the device",
+    }
+    assert result["runner"]["input_buckets"][-1] == 512, "the largest bucket is the step's token budget"
+    assert "model runner: cpu, packed, attention per-sequence, capture eager" in out
     # decode steps: batched generate's 2 batches of 2 make 2 decode steps each; the engine's are its own count
     batched_decode = result["runs"][2]["decode_steps"]
     assert (batched_decode["steps"], batched_decode["tokens"]) == (4, 8) and batched_decode["ms_per_token"] > 0

@@ -118,6 +118,21 @@ class ModelRunner:
         self.capture = CAPTURES[choose_capture(model.device)]
         #: steps that reached the model
         self.steps = 0
+        log.info("model runner: %s", ", ".join(f"{k} {v}" for k, v in self.describe().items()))
+
+    def describe(self) -> dict[str, object]:
+        """How this runner runs a step, in words (the log, ``bench serve``'s JSON, the GPU run's record): the
+        device, packed or per-sequence, the attention backend, the capture, the input buckets and where greedy
+        tokens are chosen."""
+        return {
+            "device": str(self.model.device),
+            "batching": "packed" if self.batching.packed else f"per-sequence ({self.batching.note})",
+            "attention_backend": self.mask_spec.kernel,
+            "capture": self.capture.mode,
+            "input_buckets": list(self.buffers.buckets) if self.buffers is not None else [],
+            "pinned_staging": bool(self.buffers is not None and self.buffers.plan.pinned_staging),
+            "greedy_tokens_chosen": "on the device" if self.batching.packed else "on the host",
+        }
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         chunks = plan.chunks

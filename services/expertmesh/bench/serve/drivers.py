@@ -56,6 +56,7 @@ class _Measured:
     classified: list[dict]  # the classifier runs (classifier_runs); [] without --classifier
     kv: dict | None = None  # the in-process platform's KV pool (kv_summary); None for a --target
     placement: dict = field(default_factory=dict)  # the planned placement's summary (--redundant)
+    runner: dict = field(default_factory=dict)  # the in-process engine's model runner (ModelRunner.describe)
 
 
 def run(options: Options) -> dict:
@@ -115,7 +116,8 @@ def _served_here(inputs: _Inputs) -> _Measured:
         fresh, steps = server.engine.reset_prefix_cache, partial(settled_step_totals, server.engine)
         platform, baselines = _best_threads(options, lambda: _interleaved(target, inputs, fresh, steps))
         kv = server.engine.kv_usage()
-    return _Measured(platform, baselines, classified, None if kv is None else kv_summary(kv), placement)
+        runner = server.engine.runner.describe()
+    return _Measured(platform, baselines, classified, None if kv is None else kv_summary(kv), placement, runner)
 
 
 def _interleaved(
@@ -207,4 +209,6 @@ def _result(inputs: _Inputs, threads: int, measured: _Measured) -> dict:
         result["kv"] = measured.kv
     if measured.placement:
         result["placement"] = measured.placement
+    if measured.runner:
+        result["runner"] = measured.runner
     return result

@@ -33,6 +33,12 @@ def table(result: dict) -> str:
         lines.append(placement_line(result["placement"]))
     if "kv" in result:
         lines.append(_kv_line(result["kv"]))
+    if "runner" in result:
+        r = result["runner"]
+        lines.append(
+            f"model runner: {r['device']}, {r['batching']}, attention {r['attention_backend']}, "
+            f"capture {r['capture']}, greedy tokens chosen {r['greedy_tokens_chosen']}"
+        )
     if "classifier" in result:
         lines.append(_classifier_line(result["classifier"]))
     return "\n".join(lines)

@@ -31,6 +31,11 @@ _PARAMETERS = (
     "k_min",
     "tau",
     "capacity_factor",
+    "k_max",
+    "noise_scale",
+    "sticky_strength",
+    "sticky_decay",
+    "queue_slo_ms",
 )
 
 

@@ -185,7 +185,7 @@ class RequestRouter:
                     parameters=[
                         pb.RoutingParameter(
                             name=p.name,
-                            rule=p.rule,
+                            rule=p.rule_in(rules),
                             default_value=p.default,
                             min=p.low,
                             max=p.high,
@@ -193,7 +193,7 @@ class RequestRouter:
                             description=p.description,
                         )
                         for p in params
-                        if p.rule in rules
+                        if p.rule_in(rules) is not None
                     ],
                 )
             )

@@ -482,7 +482,7 @@ def test_exact_requests_stay_token_identical_beside_policy_requests(arch):
 def test_the_new_rules_parse_with_their_bounds_and_name_the_bad_field():
     policy = parse_policy("sticky+confidence_k+noisy_topk", {"k_max": 3}, top_k=2, num_experts=8)
     assert policy.name == "confidence_k+noisy_topk+sticky"
-    params = "k_min=1,k_max=3,noise_scale=0.3,sticky_strength=0.5,sticky_decay=0.5"
+    params = "k_min=1,k_max=3,noise_scale=0.1,sticky_strength=0.5,sticky_decay=0.5"
     assert policy.key == f"confidence_k+noisy_topk+sticky({params})"
     assert parse_policy("confidence_k", {}, 2, 8).k_max == 2  # the architecture's top-k
     adaptive = parse_policy("adaptive_k", {"queue_slo_ms": 250, "k_min": 2}, 4, 8)
@@ -598,7 +598,7 @@ def test_gumbel_noise_is_a_pure_function_of_seed_position_and_layer():
     plain = RequestRouting(parse_policy("delta_gap", {}, 2, 8))
     assert seeded(plain, 9, "a") is plain and seeded(None, 9, "a") is None
     step = step_routing([(None, 2), (seeded(routing, 9, "a"), 3)], first_t=[0, -1])
-    assert step.noise.scale.tolist() == [0, 0] + [pytest.approx(0.3)] * 3
+    assert step.noise.scale.tolist() == [0, 0] + [pytest.approx(0.1)] * 3
     assert step.noise.seed.tolist()[2:] == [9, 9, 9] and step.noise.t.tolist()[2:] == [-1, 0, 1]
 
 

@@ -154,7 +154,7 @@ def parameters(top_k: int, num_experts: int) -> tuple[Parameter, ...]:
             "experts per token of a flat gate (confidence 0); fewer as the gate is surer",
             integer=True,
         ),
-        Parameter("noise_scale", "noisy_topk", 0.3, 0.0, 4.0, "factor on the Gumbel noise added to the gate's logits"),
+        Parameter("noise_scale", "noisy_topk", 0.1, 0.0, 4.0, "factor on the Gumbel noise added to the gate's logits"),
         Parameter(
             "sticky_strength", "sticky", 0.5, 0.0, 4.0, "largest bias (logit units) toward earlier tokens' experts"
         ),
@@ -211,7 +211,7 @@ class RoutingPolicy:
     tau: float = 0.85
     capacity_factor: float = 1.25
     k_max: int = 2
-    noise_scale: float = 0.3
+    noise_scale: float = 0.1
     sticky_strength: float = 0.5
     sticky_decay: float = 0.5
     queue_slo_ms: float = 500.0

@@ -420,3 +420,51 @@ def test_policy_eval_measures_the_new_rules_and_adaptive_k_at_its_floor(served, 
                 break
         else:
             pytest.fail("the floor's recorded KL never made the router refuse adaptive_k")
+
+
+def test_the_servers_default_policy_takes_parameters_and_each_domain_its_own_default(served, monkeypatch):
+    """A router started with a default policy with parameters and per-domain defaults (what --routing-policy,
+    --domain-routing-policies and the chart's values set): a request that names no policy gets its domain's
+    default (its own, or classified), else the server's, with the configured parameters; ListModels says so."""
+    plane, _, _, _ = served
+    monkeypatch.delenv("EXPERTMESH_STATE_URL", raising=False)
+    store = open_store("memory://")
+    assert store.publish_routing_table(plane.store.routing_table())
+    for group, address in plane.store.endpoints().items():
+        store.set_endpoint(group, address)
+    config = ServingConfig(
+        port=0,
+        http_port=0,
+        max_new_tokens_cap=32,
+        routing_policy="delta_gap(delta=0)",
+        domain_routing_policies={"legal": "adaptive_k(queue_slo_ms=0)", "code": "confidence_k(k_max=3)"},
+    )
+    with DataPlane.attach(DataPlaneConfig(model=plane.checkpoint.path, state_url="memory://"), store=store) as embedded:
+        apis = start_apis(embedded, config)
+        try:
+            target = f"127.0.0.1:{apis.grpc.port}"
+            with grpc.insecure_channel(target) as channel:
+                listed = pb_grpc.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30)
+            assert listed.default_routing_policy == "delta_gap"
+            assert listed.default_routing_policy_spec == "delta_gap(delta=0,weight_boost=1.2)"
+            assert dict(listed.domain_routing_policies) == {
+                "legal": "adaptive_k(k_min=1,queue_slo_ms=0)",
+                "code": "confidence_k(k_min=1,k_max=3)",
+            }
+            prompt = "The court held that"
+            with Client(target, timeout=120) as client:
+                for domain, named in (
+                    ("legal/contract", pb.RoutingPolicy(name="adaptive_k", queue_slo_ms=0)),
+                    ("medical", pb.RoutingPolicy(name="delta_gap", delta=0)),
+                    ("code", pb.RoutingPolicy(name="confidence_k", k_max=3)),
+                ):
+                    by_default = _tokens(client, prompt, domain=domain)
+                    assert by_default == _tokens(client, prompt, routing_policy=named, domain=domain), domain
+                # no domain: classified, then its domain's default
+                assert len(_tokens(client, "def reverse(items): return")) == 6
+            url = f"{apis.http.url}/v1/completions"
+            body = {"model": plane.checkpoint.path.name, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            answer = httpx2.post(url, json={**body, "domain": "legal", "ignore_eos": True}, timeout=60)
+            assert answer.status_code == 200, answer.text
+        finally:
+            apis.drain_and_stop()

@@ -47,6 +47,7 @@ bit-identical to the stock gate's.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
@@ -233,6 +234,13 @@ class RoutingPolicy:
         return {p: getattr(self, p) for p in PARAMETER_NAMES if _RULES_OF[p] & self.rules}
 
     @property
+    def spec(self) -> str:
+        """Name and every active parameter, e.g. ``adaptive_k(k_min=1,queue_slo_ms=500)``: what
+        ``parse_policy_spec`` reads back (a server's configured defaults are written so)."""
+        params = ",".join(f"{k}={v:g}" for k, v in self.active().items())
+        return f"{self.name}({params})" if params else self.name
+
+    @property
     def key(self) -> str:
         """Name and active parameters, e.g. ``prefer+delta_gap(alpha=1,delta=0.18,weight_boost=1.2)``: what
         a quality record is filed under (adaptive_k's ``queue_slo_ms`` left out: the record is of its floor)."""
@@ -298,6 +306,40 @@ def parse_policy(
             where = f"{field_prefix}.{'k_min' if 'k_min' in given or rule == 'adaptive_k' else bound}"
             raise PolicyError(where, f"k_min ({values['k_min']}) must not exceed {bound} ({limit})")
     return RoutingPolicy(rules=frozenset(rules), **values)
+
+
+#: ``name`` or ``name(param=value, ...)``
+_SPEC = re.compile(r"\s*([A-Za-z_+]*)\s*(?:\((.*)\))?\s*", re.DOTALL)
+
+
+def parse_policy_spec(spec: str, top_k: int, num_experts: int, field_prefix: str = "routing_policy") -> RoutingPolicy:
+    """A policy written with its parameters, ``name`` or ``name(param=value, ...)`` as ``RoutingPolicy.spec``
+    writes it (a server's configured defaults: ``restrict+delta_gap(top_n=4,delta=0.2)``; '' means exact) ->
+    a RoutingPolicy, or PolicyError naming the field (``routing_policy.delta``), as ``parse_policy``."""
+    shown = repr(spec[:64]) + ("..." if len(spec) > 64 else "")
+    match = _SPEC.fullmatch(spec)
+    if match is None:
+        raise PolicyError(field_prefix, f"expected a policy name or name(param=value, ...), got {shown}")
+    name, inner = match.groups()
+    given: dict[str, float] = {}
+    for part in (inner or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if key not in PARAMETER_NAMES:
+            raise PolicyError(
+                f"{field_prefix}.{key[:32] or '?'}",
+                f"unknown parameter in {shown}; parameters: {', '.join(PARAMETER_NAMES)}",
+            )
+        if key in given:
+            raise PolicyError(f"{field_prefix}.{key}", f"given twice in {shown}")
+        try:
+            given[key] = float(value) if sep else math.nan
+        except ValueError:
+            given[key] = math.nan
+        if math.isnan(given[key]):
+            raise PolicyError(f"{field_prefix}.{key}", f"expected {key}=NUMBER in {shown}")
+    return parse_policy(name, given, top_k, num_experts, field_prefix)
 
 
 # -- bias rules ------------------------------------------------------------------------------

@@ -11,7 +11,11 @@ Glossary
 - *t*: a token's place relative to the answer, ``position + 1 - prompt length`` (0: the last prompt position,
   which predicts the first answer token; negative before it). Fixed per (request, position).
 - *trace* (sticky): per MoE layer, ``m [E]`` in [0, 1]: after each token, ``m = decay * m + (1 - decay) *
-  onehot(the top-k experts by biased logit)``; zeros before a sequence's first token.
+  onehot(the top-k experts by biased logit)``; zeros before a sequence's first token. The top-k by biased
+  logit is the gate's own choice for softmax gates; a group-limited sigmoid gate (DeepSeek-V3) may choose
+  otherwise, and the trace follows the logits, so a sequence's bias never depends on how its steps were cut.
+  A position the consistency guard computes again with the stock gate (``recompute: exact``) keeps the trace
+  of its first computation.
 - *queue signal*: the scheduler's waiting requests and the longest any of them has waited, at the step's start.
 """
 

@@ -72,6 +72,7 @@ class PlanOptions:
     eplb_groups: int = 1  # gating groups (DeepSeek's n_group) for the EPLB baseline's hierarchical policy
     refine_swaps: int = 64  # GPU-content exchanges tried per layer for island locality
     affinity_swaps: int = 128  # replica exchanges per layer for domain co-location
+    repair_moves: int = 64  # incremental planner: edits per layer after its repair (``incremental.replan``)
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,6 +23,7 @@ import torch
 
 from expertmesh.bench.placement import grid_topology
 from expertmesh.bench.scale.model import Costs, ModelShape, diurnal, expert_load, zipf_popularity
+from expertmesh.bench.scale.planning import planner_figures
 from expertmesh.bench.scale.simulated import Clock, CountingBackend, ParsedTableStore, RouterFleet, SimulatedGroups
 from expertmesh.contracts.errors import ExpertMeshError
 from expertmesh.contracts.gpu_plan import Placement
@@ -57,6 +58,8 @@ class Case:
     hours: float = 24.0
     #: redundant replicas per layer (default: one per GPU)
     redundant: int | None = None
+    #: the re-plans keep a layer within this balancedness of the full plan's (``PlanOptions.min_gain``)
+    min_gain: float = 0.01
     seed: int = 0
     costs: Costs = field(default_factory=Costs)
     drift: DriftConfig = field(default_factory=lambda: DriftConfig(rebalance=True))
@@ -162,10 +165,10 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
 
     # -- the first placement: the real planner (measured wall time) --------------------------------
     stats0 = _stats(model, popularity(0.0), peak_tokens * diurnal(0.0))
-    options = PlanOptions(redundant=redundant)
-    started = time.perf_counter()
+    options = PlanOptions(redundant=redundant, min_gain=case.min_gain)
+    started, cpu = time.perf_counter(), time.process_time()
     first = plan(stats0, topo, options)
-    plan_wall_s = time.perf_counter() - started
+    plan_wall_s, plan_cpu_s = time.perf_counter() - started, time.process_time() - cpu
     gpu_ids = first.placement.gpu_ids
     groups = [f"g{g}" for g in gpu_ids]
     table = _table_from_shares(first.placement.shares, gpu_ids)
@@ -348,8 +351,9 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
             "routers": case.routers,
             "hours": case.hours,
             "redundant": redundant,
+            "min_gain": case.min_gain,
         },
-        "planner": {"first_plan_wall_s": plan_wall_s, **replan},
+        "planner": {"first_plan_wall_s": plan_wall_s, "first_plan_cpu_s": plan_cpu_s, **replan},
         "drift": {
             "scans": len(decide_wall),
             "decide_wall_s_mean": float(np.mean(decide_wall)) if decide_wall else 0.0,
@@ -400,18 +404,21 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
 def _replan(
     case: Case, topo, options: PlanOptions, table: RoutingTable, groups: list[str], pop: np.ndarray, tokens: float
 ) -> dict:
-    """A full re-plan at the day's end given the placement now (measured wall time), and what it would move."""
+    """At the day's end, given the placement then: a full re-plan and the incremental one (measured wall and CPU
+    time, what each would move), and one GPU added and one removed (``planning.planner_figures``)."""
     model = case.model
     stats = _stats(model, pop, tokens)
-    current = table_shares(table, groups, model.moe_layers, model.num_experts)
-    usable = (current > 0).sum(axis=2).max() <= math.ceil((model.num_experts + options.redundant) / len(groups))
-    started = time.perf_counter()
-    result = plan(
-        stats, topo, options, current=Placement(tuple(int(g[1:]) for g in groups), current) if usable else None
+    current = Placement(
+        tuple(int(g[1:]) for g in groups), table_shares(table, groups, model.moe_layers, model.num_experts)
     )
-    wall = time.perf_counter() - started
-    moved = int(((result.placement.shares > 0) & ~(current > 0)).sum())
-    return {"replan_wall_s": wall, "replan_weights_moved": moved, "replan_layers_kept": result.layers_kept}
+    figures = planner_figures(stats, topo, options, current, per_gpu_redundant=case.redundant is None)
+    full = figures["day_end"]["full"]
+    return {
+        "replan_wall_s": full["wall_s"],
+        "replan_weights_moved": full["weights_moved"],
+        "replan_layers_kept": full.get("layers_kept", 0),
+        **figures,
+    }
 
 
 def _health_round(case: Case, table: RoutingTable) -> dict:

@@ -11,11 +11,12 @@ repair
     slots gives up replicas, the layer's replica count comes back within ``E + redundant``.
 local search
     Then, in a layer below the bar, at most ``PlanOptions.repair_moves`` edits until it reaches the
-    bar (less ``min_gain``), each lowering the hottest GPU: move one of its replicas to a GPU with a
+    bar, each lowering the hottest GPU: move one of its replicas to a GPU with a
     free slot, add a replica of one of its experts there (within the redundant budget), or exchange
-    one with a lighter replica elsewhere. Each edit copies one expert's weights (an exchange two), so
-    the weights moved stay proportional to the change, not to the cluster. Shares are then re-split
-    by water-filling (``planner.waterfill``); the search is kept only where that helped.
+    one with a lighter replica elsewhere, judged on the water-filled shares, the experts an edit
+    touched levelled again after it. Each edit copies one expert's weights (an exchange two), so the
+    weights moved stay proportional to the change, not to the cluster. The layer is water-filled
+    again (``planner.waterfill``); the search is kept only where that helped.
 bar
     The balancedness the full planner reaches on a layer: the better of its two balance-only
     candidates (EPLB's and the flat placement, both water-filled). A layer within
@@ -110,16 +111,15 @@ def replan(
     bar = np.stack([layer_balancedness(load, waterfill(load, c)) for c in candidates]).max(axis=0)  # [L]
     low = np.flatnonzero(layer_balancedness(load, repaired) < bar - _EPS)
     if low.size and options.repair_moves:
-        # Stop at the bar: equal shares are a split water-filling only improves on, so that much is enough.
-        goal = np.maximum(bar - options.min_gain, _EPS)
-        enough = load.sum(axis=1) / G / goal  # [L] the max GPU load that reaches it
+        # Stop at the bar: the max GPU load that reaches it (min_gain decides re-plans, not where the search stops).
+        enough = load.sum(axis=1) / G / np.maximum(bar, _EPS)  # [L]
         searched = np.stack(
             [
-                _search_layer(load[layer], has[layer], slots, budget, options.repair_moves, enough[layer])
+                _search_layer(load[layer], repaired[layer], slots, budget, options.repair_moves, enough[layer])
                 for layer in low
             ]
         )
-        tried = waterfill(load[low], _start_shares(carried[low], searched))
+        tried = waterfill(load[low], searched)
         better = layer_balancedness(load[low], tried) > layer_balancedness(load[low], repaired[low]) + _EPS
         repaired[low[better]] = tried[better]
     redo = np.flatnonzero(layer_balancedness(load, repaired) < bar - options.min_gain - _EPS)
@@ -151,7 +151,7 @@ def replan(
 
 
 class _Layer:
-    """One layer's replicas as a bool matrix ``has`` [E, G] with equal shares (the search's estimate)."""
+    """One layer's replicas as a bool matrix ``has`` [E, G] with equal shares (the repair's estimate)."""
 
     def __init__(self, load: np.ndarray, has: np.ndarray, slots: int):
         self.w = load  # [E]
@@ -212,14 +212,92 @@ def _least_worth(load: np.ndarray, count: np.ndarray) -> int:
     return int(np.argmin(np.where(count > 1, load / np.maximum(count - 1, 1), np.inf)))
 
 
-def _search_layer(load: np.ndarray, has: np.ndarray, slots: int, budget: int, moves: int, enough: float) -> np.ndarray:
-    """At most ``moves`` edits, each lowering the hottest GPU (equal shares as the estimate), until no GPU is above
-    ``enough`` -> has [E, G]."""
-    lay = _Layer(load, has, slots)
+def _search_layer(
+    load: np.ndarray, share: np.ndarray, slots: int, budget: int, moves: int, enough: float
+) -> np.ndarray:
+    """load [E], share [E, G] (water-filled) -> share [E, G] after at most ``moves`` edits, each lowering the
+    hottest GPU, until none is above ``enough``. Judged on the shares as they are; after each edit the experts
+    it touched are levelled again over their GPUs (``_relevel``)."""
+    share = share.copy()
+    loads = load @ share  # [G]
     for _ in range(moves):
-        if lay.gpu_load().max() <= enough * (1 + _EPS) or not _improve(lay, budget):
+        h = int(np.argmax(loads))
+        if loads[h] <= enough * (1 + _EPS) or loads[h] <= 0:
             break
-    return lay.has
+        action = _best_edit(load, share, loads, h, slots, budget)
+        if action is None:
+            break
+        kind, e, g = action[0], action[1], action[2]
+        if kind == "move":
+            share[e, g], share[e, h] = share[e, h], 0.0
+        elif kind == "add":
+            share[e, g] = _EPS  # a replica with no share yet: levelling gives it one
+            share[e] /= share[e].sum()
+        else:
+            other = action[3]
+            share[e, g], share[e, h] = share[e, h], 0.0
+            share[other, h], share[other, g] = share[other, g], 0.0
+        loads = load @ share
+        for expert in (e, action[3]) if kind == "swap" else (e,):
+            _relevel(load[expert], share[expert], loads)
+    return share
+
+
+def _relevel(w: float, share: np.ndarray, loads: np.ndarray) -> None:
+    """Water-fill one expert (``w`` tokens, ``share`` [G]) over its GPUs given ``loads`` [G]; both updated in place."""
+    gpus = np.flatnonzero(share > 0)
+    if gpus.size < 2 or w <= 0:
+        return
+    base = loads[gpus] - w * share[gpus]
+    level = ((w + np.cumsum(np.sort(base))) / np.arange(1, gpus.size + 1)).min()
+    new = np.maximum(level - base, 0.0)
+    new[new < 1e-12 * max(w, 1.0)] = 0.0  # a replica above the level takes nothing and frees its slot
+    new /= new.sum()
+    share[gpus] = new
+    loads[gpus] = base + w * new
+
+
+def _best_edit(load, share, loads, h: int, slots: int, budget: int) -> tuple | None:
+    """The edit that leaves the hottest GPU ``h`` and the GPU it involves lowest, if below ``loads[h]``:
+    ("move", e, t), ("add", e, t) or ("swap", e, t, f)."""
+    has = share > 0
+    top = loads[h]
+    on = np.flatnonzero(has[:, h])  # experts on the hottest GPU
+    y = load[on] * share[on, h]  # [S] what each computes there
+    free = has.sum(axis=0) < slots  # [G]
+    best, action = top * (1 - _EPS), None
+    # Move e from h to a GPU t with a free slot that holds no e: h sheds y, t takes it.
+    ok = free[None, :] & ~has[on]  # [S, G]
+    after = np.where(ok, np.maximum(top - y[:, None], loads[None, :] + y[:, None]), np.inf)
+    i, t = np.unravel_index(np.argmin(after), after.shape)
+    if after[i, t] < best:
+        best, action = after[i, t], ("move", int(on[i]), int(t))
+    # Add a replica of e on such a GPU, within the budget: e levels over its GPUs and t. A GPU whose load without
+    # e is above the new level keeps that load; the others end at the level.
+    if has.sum() < budget:
+        for i, e in enumerate(on):
+            targets = np.flatnonzero(ok[i])
+            if not targets.size:
+                continue
+            gpus = np.flatnonzero(has[e])
+            base = loads[gpus] - load[e] * share[e, gpus]
+            bases = np.sort(np.column_stack([np.broadcast_to(base, (targets.size, base.size)), loads[targets]]), axis=1)
+            level = ((load[e] + np.cumsum(bases, axis=1)) / np.arange(1, bases.shape[1] + 1)).min(axis=1)
+            after = np.maximum(level, bases[:, -1])
+            j = int(np.argmin(after))
+            if after[j] < best:
+                best, action = after[j], ("add", int(e), int(targets[j]))
+    # Exchange e (on h) with a replica of f on t: h takes what f computes instead of e, t the opposite.
+    f, t = np.nonzero(has)  # [R] every replica
+    z = load[f] * share[f, t]  # [R]
+    valid = (t != h) & ~has[f, h]  # h holds no f
+    for i, e in enumerate(on):
+        okr = valid & ~has[e, t]  # t holds no e
+        after = np.where(okr, np.maximum(top - y[i] + z, loads[t] - z + y[i]), np.inf)  # [R]
+        r = int(np.argmin(after))
+        if after[r] < best * (1 - _EPS):  # an exchange copies two experts: only when strictly better
+            best, action = after[r], ("swap", int(e), int(t[r]), int(f[r]))
+    return action
 
 
 def _start_shares(carried: np.ndarray, has: np.ndarray) -> np.ndarray:
@@ -229,53 +307,3 @@ def _start_shares(carried: np.ndarray, has: np.ndarray) -> np.ndarray:
     # Same replicas: every one held before, and no other (a removed GPU's share is missing from the sum).
     same = ((kept > 0).sum(axis=-1, keepdims=True) == count) & (np.abs(kept.sum(axis=-1, keepdims=True) - 1) < 1e-9)
     return np.where(same, kept, has / np.maximum(count, 1))
-
-
-def _improve(lay: _Layer, budget: int) -> bool:
-    """One edit that lowers the hottest GPU (move, add within the budget, or exchange); False when none does."""
-    has, w = lay.has, lay.w
-    count = has.sum(axis=1)  # [E]
-    per = w / np.maximum(count, 1)  # [E] each replica's load (equal shares)
-    f, t = np.nonzero(has)  # [R] every replica: its expert and GPU
-    loads = np.bincount(t, weights=per[f], minlength=has.shape[1])  # [G]
-    h = int(np.argmax(loads))
-    top = loads[h]
-    if top <= 0:
-        return False
-    on = np.flatnonzero(has[:, h])  # experts on the hottest GPU
-    x = per[on]  # [S]
-    free = np.bincount(t, minlength=has.shape[1]) < lay.slots  # [G]
-    best, action = top * (1 - _EPS), None
-    # Move e from h to a GPU t with a free slot that holds no e.
-    ok = free[None, :] & ~has[on]  # [S, G]
-    after = np.where(ok, np.maximum(top - x[:, None], loads[None, :] + x[:, None]), np.inf)
-    i, g = np.unravel_index(np.argmin(after), after.shape)
-    if after[i, g] < best:
-        best, action = after[i, g], ("move", on[i], int(g))
-    # Add a replica of e on such a GPU: each GPU of e sheds w/c - w/(c+1) (none rises), t takes w/(c+1).
-    if f.size < budget:
-        new = w[on] / (count[on] + 1)
-        after = np.where(ok, np.maximum(top - (x - new)[:, None], loads[None, :] + new[:, None]), np.inf)
-        i, g = np.unravel_index(np.argmin(after), after.shape)
-        if after[i, g] < best:
-            best, action = after[i, g], ("add", on[i], int(g))
-    # Exchange e (on h) with a replica of f on t: h takes y instead of x, t the opposite. Over the replicas only.
-    y = per[f]  # [R]
-    valid = (t != h) & ~has[f, h]  # [R] h holds no f
-    for i, e in enumerate(on):
-        ok = valid & ~has[e, t]  # t holds no e
-        after = np.where(ok, np.maximum(top - x[i] + y, loads[t] - y + x[i]), np.inf)  # [R]
-        r = int(np.argmin(after))
-        if after[r] < best * (1 - _EPS):  # an exchange copies two experts: only when strictly better
-            best, action = after[r], ("swap", e, int(t[r]), int(f[r]))
-    if action is None:
-        return False
-    kind, e, g = action[0], int(action[1]), action[2]
-    if kind == "move":
-        has[e, h], has[e, g] = False, True
-    elif kind == "add":
-        has[e, g] = True
-    else:
-        other = action[3]
-        has[e, h], has[e, g], has[other, g], has[other, h] = False, True, False, True
-    return True

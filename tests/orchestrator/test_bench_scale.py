@@ -136,6 +136,21 @@ def test_quick_run_reports_the_full_and_the_incremental_planner(quick_runs):
     assert "+1 GPU s full/inc" in text and "-1 GPU moved" in text
 
 
+def test_quick_run_reports_a_sampled_health_round(quick_runs):
+    health = quick_runs[2]["health"]
+    sampled = health["sampled"]
+    # the quick model's 80 replicas x 1000 tokens fit the default budget: one round covers them all
+    assert sampled["replicas"] == health["replicas"] and sampled["rounds_to_cover"] == 1
+    small = run_case(Case(QUICK_MODEL, gpus=4, routers=2, hours=0.1, costs=QUICK_COSTS, sampled_round_rows=20 * 1000))[
+        "health"
+    ]["sampled"]
+    # 20 replicas a round, whole layers of 20 (16 experts + 4 redundant): one layer a round, four to cover
+    assert small["replicas"] == 20 and small["rounds_to_cover"] == QUICK_MODEL.moe_layers
+    assert small["probe_bytes"] * QUICK_MODEL.moe_layers == health["probe_bytes"]
+    assert small["hours_to_cover"] == pytest.approx(QUICK_MODEL.moe_layers * 600 / 3600)
+    assert "rounds to cover (h)" in table([quick_runs[2]])
+
+
 def test_quick_run_store_ops_linear_in_routers(quick_runs):
     two, four = quick_runs[2]["store"], quick_runs[4]["store"]
     assert four["router_ops_s"] == pytest.approx(2 * two["router_ops_s"], rel=0.01)

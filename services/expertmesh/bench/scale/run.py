@@ -16,7 +16,7 @@ import heapq
 import math
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.policy import decide
 from expertmesh.orchestrator.drift.state import DriftState, ExpertLoad, GroupSample, Observation
-from expertmesh.orchestrator.health import measure
+from expertmesh.orchestrator.health import measure, sampling
 from expertmesh.orchestrator.health import policy as health_policy
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.state import Check, ReplicaId, ReplicaRecord
@@ -60,6 +60,9 @@ class Case:
     redundant: int | None = None
     #: the re-plans keep a layer within this balancedness of the full plan's (``PlanOptions.min_gain``)
     min_gain: float = 0.01
+    #: probe rows of one sampled health round (``HealthConfig.round_probe_rows``): a thousand replicas at the
+    #: default 1000 tokens, 28.7 GB at DeepSeek-V3's width
+    sampled_round_rows: int = 1_000_000
     seed: int = 0
     costs: Costs = field(default_factory=Costs)
     drift: DriftConfig = field(default_factory=lambda: DriftConfig(rebalance=True))
@@ -421,15 +424,14 @@ def _replan(
     }
 
 
-def _health_round(case: Case, table: RoutingTable) -> dict:
-    """One health-monitor round over every replica: probe calls and bytes (the monitor's batching,
-    ``measure.batches``), simulated probe time, and measured wall time of the judging."""
+def _probe_round(case: Case, replicas: list[ReplicaId]) -> dict:
+    """Probing ``replicas`` once: calls and bytes (the monitor's batching, ``measure.batches``) and simulated time
+    (groups ``probe_concurrency`` at a time, bounded by the orchestrator's NIC)."""
     model, costs, config = case.model, case.costs, case.health
     row_bytes = model.hidden_size * model.dtype_bytes
     per_group: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for (layer, expert), names in table.replicas.items():
-        for name in names:
-            per_group[name][layer].append(expert)
+    for rid in replicas:
+        per_group[rid.group][rid.layer].append(rid.expert)
     group_s, calls, sent = {}, 0, 0
     for g, layers in per_group.items():
         g_calls = sum(
@@ -447,11 +449,35 @@ def _health_round(case: Case, table: RoutingTable) -> dict:
         sent += g_bytes
     ordered = sorted(group_s.values(), reverse=True)
     waves = [ordered[i : i + config.probe_concurrency] for i in range(0, len(ordered), config.probe_concurrency)]
-    probe_s = max(sum(max(w) for w in waves), sent / costs.orchestrator_net_bytes_s)
+    probe_s = max(sum(max(w) for w in waves), sent / costs.orchestrator_net_bytes_s) if ordered else 0.0
+    return {"replicas": len(replicas), "probe_calls": calls, "probe_bytes": sent, "probe_sim_s": probe_s}
 
+
+def _sampled_rounds(case: Case, replicas: list[ReplicaId]) -> tuple[list[ReplicaId], int]:
+    """The replicas of one sampled round in steady state (every replica healthy, checked once) within
+    ``case.sampled_round_rows``, and the rounds until every replica was checked again (``health.sampling``)."""
+    records = {rid: replace(ReplicaRecord(rid), last_check=1.0) for rid in replicas}
+    tokens, budget = case.health.tokens, case.sampled_round_rows
+    first = set(sampling.layers_for_round(replicas, records, tokens, budget))
+    unchecked, rounds = {rid.layer for rid in replicas}, 0
+    while unchecked:
+        rounds += 1
+        chosen = set(sampling.layers_for_round(replicas, records, tokens, budget))
+        unchecked -= chosen
+        for rid in replicas:
+            if rid.layer in chosen:
+                records[rid] = replace(records[rid], last_check=1.0 + rounds)
+    return [rid for rid in replicas if rid.layer in first], rounds
+
+
+def _health_round(case: Case, table: RoutingTable) -> dict:
+    """One health-monitor round over every replica (as by default), and one sampled round within
+    ``case.sampled_round_rows`` probe rows: probe calls and bytes, simulated probe time, the monitor's CPU
+    (summarising and judging, measured), and the rounds a sampled monitor takes to check every replica."""
+    model, config = case.model, case.health
+    replicas = [ReplicaId(l, e, g) for (l, e), names in table.replicas.items() for g in names]
     # Measured: the monitor summarises every replica's probe output [tokens, H] (one timed, times the replicas)
     # and judges every replica (all of them timed, on the real policy).
-    replicas = [ReplicaId(l, e, g) for (l, e), names in table.replicas.items() for g in names]
     out = torch.randn(config.tokens, model.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     measure.summarise(out)  # the first call pays torch's warm-up, not the monitor's work
     started = time.perf_counter()
@@ -459,16 +485,27 @@ def _health_round(case: Case, table: RoutingTable) -> dict:
     summarise_wall_s = time.perf_counter() - started
     base = measure.baseline(summary, "fp", 0.0, config.histogram_bins, "probe")
     check = Check(0.0, "fp", True, "probe", "seeded", 0, 0, summary.norm_mean, None, base, None, 1)
-    started = time.perf_counter()
-    records = {rid: health_policy.judge(ReplicaRecord(rid), check, config)[0] for rid in replicas}
-    health_policy.plan_table(table, records)
-    judge_wall_s = time.perf_counter() - started
+
+    def judge(subset: list[ReplicaId]) -> float:
+        started = time.perf_counter()
+        records = {rid: health_policy.judge(ReplicaRecord(rid), check, config)[0] for rid in subset}
+        health_policy.plan_table(table, records)
+        return time.perf_counter() - started
+
+    full = _probe_round(case, replicas)
+    subset, rounds = _sampled_rounds(case, replicas)
+    sampled = _probe_round(case, subset)
     return {
-        "replicas": len(replicas),
-        "probe_calls": calls,
-        "probe_bytes": sent,
-        "probe_sim_s": probe_s,
+        **full,
         "summarise_wall_s": summarise_wall_s * len(replicas),
-        "judge_wall_s": judge_wall_s,
+        "judge_wall_s": judge(replicas),
         "interval_s": config.interval_s,
+        "sampled": {
+            **sampled,
+            "round_probe_rows": case.sampled_round_rows,
+            "summarise_wall_s": summarise_wall_s * len(subset),
+            "judge_wall_s": judge(subset),
+            "rounds_to_cover": rounds,
+            "hours_to_cover": rounds * config.interval_s / HOUR,
+        },
     }

@@ -168,6 +168,7 @@ def table(results: list[dict]) -> str:
                 health["probe_bytes"] / 1e9,
                 health["probe_sim_s"],
                 health["summarise_wall_s"] + health["judge_wall_s"],
+                *_sampled(health.get("sampled")),
             ]
         )
     return format_table(
@@ -196,6 +197,9 @@ def table(results: list[dict]) -> str:
             "probe GB",
             "probe s (sim)",
             "health CPU s (wall)",
+            "sampled probe GB",
+            "sampled CPU s",
+            "rounds to cover (h)",
         ],
         rows,
         [
@@ -215,8 +219,23 @@ def table(results: list[dict]) -> str:
             ".1f",
             ".1f",
             ".1f",
+            ".1f",
+            ".1f",
+            "",
         ],
     )
+
+
+def _sampled(sampled: dict | None) -> list:
+    """A sampled health round's probe GB, CPU seconds and rounds (hours) to check every replica; ``-`` in runs
+    made before sampling."""
+    if not sampled:
+        return [None, None, None]
+    return [
+        sampled["probe_bytes"] / 1e9,
+        sampled["summarise_wall_s"] + sampled["judge_wall_s"],
+        f"{sampled['rounds_to_cover']} ({sampled['hours_to_cover']:.1f})",
+    ]
 
 
 def _pair(planner: dict, change: str, key: str, spec: str) -> str | None:

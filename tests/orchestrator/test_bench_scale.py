@@ -120,6 +120,37 @@ def test_quick_run_structure_and_invariants(quick_runs):
     assert result["health"]["probe_bytes"] == 2 * result["health"]["replicas"] * 1000 * QUICK_MODEL.hidden_size * 2
 
 
+def test_quick_run_reports_the_full_and_the_incremental_planner(quick_runs):
+    planner = quick_runs[2]["planner"]
+    assert planner["replan_wall_s"] == planner["day_end"]["full"]["wall_s"]
+    for change in ("day_end", "gpu_added", "gpu_removed"):
+        for which in ("full", "incremental"):
+            figures = planner[change][which]
+            assert 0 < figures["balancedness"] <= 1 and 0 <= figures["cross_island"] <= 1
+            assert figures["weights_moved"] >= 0 and figures["wall_s"] >= 0 and figures["cpu_s"] >= 0
+        assert "layers_replanned" in planner[change]["incremental"]
+    # one GPU per redundant replica: 4 GPUs -> 5 and 3, each layer E + GPUs replicas at most
+    assert planner["gpu_added"]["incremental"]["replicas"] <= QUICK_MODEL.moe_layers * (QUICK_MODEL.num_experts + 5)
+    assert planner["gpu_removed"]["incremental"]["replicas"] <= QUICK_MODEL.moe_layers * (QUICK_MODEL.num_experts + 3)
+    text = table([quick_runs[2]])
+    assert "+1 GPU s full/inc" in text and "-1 GPU moved" in text
+
+
+def test_quick_run_reports_a_sampled_health_round(quick_runs):
+    health = quick_runs[2]["health"]
+    sampled = health["sampled"]
+    # the quick model's 80 replicas x 1000 tokens fit the default budget: one round covers them all
+    assert sampled["replicas"] == health["replicas"] and sampled["rounds_to_cover"] == 1
+    small = run_case(Case(QUICK_MODEL, gpus=4, routers=2, hours=0.1, costs=QUICK_COSTS, sampled_round_rows=20 * 1000))[
+        "health"
+    ]["sampled"]
+    # 20 replicas a round, whole layers of 20 (16 experts + 4 redundant): one layer a round, four to cover
+    assert small["replicas"] == 20 and small["rounds_to_cover"] == QUICK_MODEL.moe_layers
+    assert small["probe_bytes"] * QUICK_MODEL.moe_layers == health["probe_bytes"]
+    assert small["hours_to_cover"] == pytest.approx(QUICK_MODEL.moe_layers * 600 / 3600)
+    assert "rounds to cover (h)" in table([quick_runs[2]])
+
+
 def test_quick_run_store_ops_linear_in_routers(quick_runs):
     two, four = quick_runs[2]["store"], quick_runs[4]["store"]
     assert four["router_ops_s"] == pytest.approx(2 * two["router_ops_s"], rel=0.01)
@@ -131,7 +162,14 @@ def test_bench_scale_command_writes_json(tmp_path):
     assert main(["bench", "scale", "--quick", "--gpus", "4", "--routers", "2", "--hours", "1", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "scale" and len(doc["results"]) == 1
-    assert doc["results"][0]["case"] == {"model": "quick", "gpus": 4, "routers": 2, "hours": 1.0, "redundant": 4}
+    assert doc["results"][0]["case"] == {
+        "model": "quick",
+        "gpus": 4,
+        "routers": 2,
+        "hours": 1.0,
+        "redundant": 4,
+        "min_gain": 0.01,
+    }
 
 
 def test_bench_scale_merges_runs_made_separately_into_one_table_and_json(tmp_path, capsys):
@@ -160,8 +198,8 @@ def test_bench_scale_merges_runs_made_separately_into_one_table_and_json(tmp_pat
 
 @pytest.mark.parametrize(
     "argv",
-    [["--hours", "0"], ["--gpus", "x"], ["--routers", "0"], ["--gpus", "12"], ["--gpus", "8"]],
-    ids=["hours", "gpus-not-int", "routers-zero", "gpus-not-nodes", "gpus-too-few-for-dsv3"],
+    [["--hours", "0"], ["--gpus", "x"], ["--routers", "0"], ["--gpus", "12"], ["--gpus", "8"], ["--min-gain", "2"]],
+    ids=["hours", "gpus-not-int", "routers-zero", "gpus-not-nodes", "gpus-too-few-for-dsv3", "min-gain"],
 )
 def test_bench_scale_bad_flags_exit_2(argv):
     assert main(["bench", "scale", *argv]) == 2

@@ -5,7 +5,8 @@ Split like ``orchestrator.drift``: ``state`` (records, checks, findings: plain
 data, persisted in the state store), ``probes`` (the probe inputs: recorded or
 seeded, pinned in the store), ``measure`` (probe batches, histograms, KL,
 distances between replicas: pure), ``policy`` (findings, the state machine and
-the routing-table edit: pure), ``reference`` (an expert's output computed here
+the routing-table edit: pure), ``sampling`` (which layers a round probes within
+``round_probe_rows``: pure), ``reference`` (an expert's output computed here
 from the checkpoint with stock transformers), ``monitor`` (the I/O: one round,
 the operator's quarantine and release, the loop, the gauges), ``config``
 (``EXPERTMESH_HEALTH_*``), ``api`` (records as the admin API's messages) and

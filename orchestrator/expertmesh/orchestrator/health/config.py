@@ -36,6 +36,12 @@ class HealthConfig(BaseSettings):
         "layer's probe",
     )
     probe_concurrency: int = Field(4, ge=1, le=256, description="expert groups probed at once")
+    round_probe_rows: int = Field(
+        0,
+        ge=0,
+        description="probe rows (tokens x replicas) one round sends at most: whole layers, those that must be "
+        "checked first, then the longest unchecked (`health.sampling`); 0: every replica every round",
+    )
     probe_batch_bytes: int = Field(
         64 << 20,
         ge=1,

@@ -57,7 +57,7 @@ from expertmesh.contracts.errors import QuarantineRefused
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.models.checkpoint import Checkpoint
-from expertmesh.orchestrator.health import measure, policy, probes, state
+from expertmesh.orchestrator.health import measure, policy, probes, sampling, state
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.reference import Reference
 from expertmesh.orchestrator.health.state import Check, Finding, HealthState, Initiator, Pair, ReplicaId, ReplicaRecord
@@ -148,7 +148,10 @@ class HealthMonitor:
             records = dict(before)
             due = [rid for rid, r in records.items() if policy.wants_repair(r, self.config) and rid.group in observed]
             targets = self._targets(table, records, observed)
-            inputs = self._probes(sorted({rid.layer for rid in targets}), observed)
+            layers = set(sampling.layers_for_round(targets, records, self.config.tokens, self.config.round_probe_rows))
+            targets = [rid for rid in targets if rid.layer in layers]
+            span.set_attribute("expertmesh.health.layers", len(layers))
+            inputs = self._probes(sorted(layers), observed)
             found: dict[ReplicaId, tuple[Finding, ...]] = {}
             for rid, check in self._check(targets, inputs, records, observed, now).items():
                 judged = records.get(rid) or ReplicaRecord(rid, since=now)

@@ -54,14 +54,13 @@ from expertmesh.contracts.gpu_plan import Placement
 from expertmesh.contracts.topology import Topology
 from expertmesh.orchestrator.placement.affinity import DomainAffinity, colocate
 from expertmesh.orchestrator.placement.eplb import eplb_shares
+from expertmesh.orchestrator.placement.islands import NODE_WEIGHT, relabel_gpus, renumber_within_islands
 from expertmesh.orchestrator.placement.packing import greedy_pack, replicate_by_load
 from expertmesh.orchestrator.placement.quality import gpu_loads, layer_balancedness, split_pair_weight
 from expertmesh.orchestrator.placement.stats import LoadStats
 
 # Loads are token counts; a relative slack this small only absorbs float rounding.
 _EPS = 1e-9
-# A node hop costs more than an island hop inside a node: weight of the node term.
-NODE_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +72,7 @@ class PlanOptions:
     eplb_groups: int = 1  # gating groups (DeepSeek's n_group) for the EPLB baseline's hierarchical policy
     refine_swaps: int = 64  # GPU-content exchanges tried per layer for island locality
     affinity_swaps: int = 128  # replica exchanges per layer for domain co-location
+    repair_moves: int = 64  # incremental planner: edits per layer after its repair (``incremental.replan``)
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,7 +146,7 @@ def plan(
     candidates = [eplb, _flat_candidate(load, options.redundant, G, slots)]
     candidates = [waterfill(load, c) for c in candidates]
     if coact is not None and sites.island.max() > 0:
-        candidates = [_relabel_gpus(load, coact, sites, c, options.refine_swaps) for c in candidates]
+        candidates = [relabel_gpus(c, coact, sites.island, sites.node, options.refine_swaps) for c in candidates]
     best = _pick(load, coact, sites, candidates, options.balance_tolerance)
     # Guard: never worse than EPLB on any layer, whatever the heuristics did.
     worse = gpu_loads(load, best).max(axis=1) > gpu_loads(load, eplb).max(axis=1)
@@ -156,7 +156,7 @@ def plan(
         cap = np.minimum(top * (1 + options.balance_tolerance), np.maximum(top, gpu_loads(load, eplb).max(axis=1)))
         best = colocate(load, best, affinity, stats.top_k, slots, cap, options.affinity_swaps)
         if coact is not None and sites.island.max() > 0:
-            best = _relabel_gpus(load, coact, sites, best, options.refine_swaps)
+            best = relabel_gpus(best, coact, sites.island, sites.node, options.refine_swaps)
 
     kept = 0
     if current is not None:
@@ -239,81 +239,13 @@ def _pick(load, coact, sites: _Sites, candidates: list[np.ndarray], tolerance: f
     return np.stack(candidates)[choice, np.arange(load.shape[0])]
 
 
-# --- islands ------------------------------------------------------------------------------------
-
-
-def _relabel_gpus(load, coact, sites: _Sites, shares: np.ndarray, max_swaps: int) -> np.ndarray:
-    """Exchange whole GPU contents between islands/nodes to keep co-activated experts together.
-
-    Exchanging two GPUs' replica sets changes no GPU load (slots are uniform), so
-    balancedness is untouched. Per layer, maximise F = sum_{b != c} A[b, c] d_b . d_c
-    with A[b, c] the co-activation between contents b and c and d_b the one-hot
-    (island, node) position of content b. Exchanging b and c changes F by
-    2 (d_c - d_b).(Y_b - Y_c) - 2 A[b, c] |d_b - d_c|^2 with Y = A @ d. Best
-    exchange first, all layers at once (arrays carry a leading layer axis).
-    """
-    dom = np.concatenate([_onehot(sites.island), NODE_WEIGHT**0.5 * _onehot(sites.node)], axis=1)  # [G, D]
-    L, G = load.shape[0], dom.shape[0]
-    A = np.einsum("leb,lef,lfc->lbc", shares, coact, shares, optimize=True)  # [L, G, G]
-    A[:, np.arange(G), np.arange(G)] = 0.0
-    d = np.broadcast_to(dom, (L, *dom.shape)).copy()  # [L, G, D] position of each content
-    pos = np.tile(np.arange(G), (L, 1))  # [L, G] content b sits at position pos[l, b]
-    Y = A @ d
-    ar = np.arange(L)
-    floor = 1e-9 * np.maximum(A.sum(axis=(1, 2)), 1.0)
-    for _ in range(max_swaps):
-        Z = Y @ d.transpose(0, 2, 1)  # Z[l, b, c] = Y_b . d_c
-        zd = np.diagonal(Z, axis1=1, axis2=2)
-        dn = (d * d).sum(axis=2)
-        dist = dn[:, :, None] + dn[:, None, :] - 2 * (d @ d.transpose(0, 2, 1))
-        gain = 2 * (Z + Z.transpose(0, 2, 1) - zd[:, :, None] - zd[:, None, :]) - 2 * A * dist
-        flat = gain.reshape(L, -1).argmax(axis=1)
-        b, c = np.divmod(flat, G)
-        active = gain[ar, b, c] > floor
-        if not active.any():
-            break
-        b, c, rows = b[active], c[active], ar[active]
-        delta = d[rows, c] - d[rows, b]  # [R, D]
-        Y[rows] += (A[rows, :, b] - A[rows, :, c])[:, :, None] * delta[:, None, :]
-        d[rows, b], d[rows, c] = d[rows, c], d[rows, b].copy()
-        pos[rows, b], pos[rows, c] = pos[rows, c], pos[rows, b].copy()
-    out = np.empty_like(shares)
-    out[ar[:, None], :, pos] = shares.transpose(0, 2, 1)
-    return out
-
-
-def _onehot(index: np.ndarray) -> np.ndarray:
-    out = np.zeros((index.size, int(index.max()) + 1))
-    out[np.arange(index.size), index] = 1.0
-    return out
-
-
 # --- current placement --------------------------------------------------------------------------
 
 
 def _respect_current(load, current, best, sites: _Sites, slots: int, min_gain: float) -> tuple[np.ndarray, int]:
-    out = _renumber_within_islands(current, best, sites.island, sites.node)
+    out = renumber_within_islands(current, best, sites.island, sites.node)
     cur = waterfill(load, current)
     cur_bal, new_bal = layer_balancedness(load, cur), layer_balancedness(load, out)
     keep = (cur_bal >= new_bal - min_gain - _EPS) & ((cur > 0).sum(axis=1).max(axis=1) <= slots)
     out[keep] = cur[keep]
     return out, int(keep.sum())
-
-
-def _renumber_within_islands(current: np.ndarray, plan: np.ndarray, island: np.ndarray, node: np.ndarray) -> np.ndarray:
-    """Permute each layer's GPU columns inside islands to keep the most replicas in place (greedy matching)."""
-    out = plan.copy()
-    same_island = (island[:, None] == island[None, :]) & (node[:, None] == node[None, :])
-    for layer in range(plan.shape[0]):
-        overlap = ((plan[layer] > 0).T.astype(np.int64) @ (current[layer] > 0).astype(np.int64)).astype(
-            float
-        )  # [new, cur]
-        overlap = np.where(same_island, overlap, -np.inf)
-        target = np.full(island.size, -1)
-        for _ in range(island.size):
-            new_g, cur_g = np.unravel_index(np.argmax(overlap), overlap.shape)
-            target[new_g] = cur_g
-            overlap[new_g, :] = -np.inf
-            overlap[:, cur_g] = -np.inf
-        out[layer][:, target] = plan[layer]
-    return out

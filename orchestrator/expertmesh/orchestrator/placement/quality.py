@@ -45,20 +45,29 @@ def layer_balancedness(load: np.ndarray, shares: np.ndarray) -> np.ndarray:
 
 
 def domain_shares(shares: np.ndarray, domain_of_gpu: np.ndarray) -> np.ndarray:
-    """shares [L, E, G] -> [L, E, D]: each expert's total share per domain (island or node)."""
-    onehot = np.zeros((shares.shape[2], int(domain_of_gpu.max()) + 1))
-    onehot[np.arange(shares.shape[2]), domain_of_gpu] = 1.0
-    return shares @ onehot
+    """shares [L, E, G] -> [L, E, D]: each expert's total share per domain (island or node).
+
+    Summed over the replicas (nonzero shares) only: a placement holds few replicas per expert.
+    """
+    L, E, _ = shares.shape
+    D = int(domain_of_gpu.max()) + 1
+    flat = shares.reshape(L * E, -1)
+    row, g = np.nonzero(flat)
+    return np.bincount(row * D + domain_of_gpu[g], weights=flat[row, g], minlength=L * E * D).reshape(L, E, D)
 
 
 def split_pair_weight(coactivation: np.ndarray, shares: np.ndarray, domain_of_gpu: np.ndarray) -> np.ndarray:
-    """[L] co-activation weight of pairs expected to sit in different domains (each pair once)."""
-    p = domain_shares(shares, domain_of_gpu)
-    together = p @ p.transpose(0, 2, 1)  # [L, E, E] probability e and f share a domain
-    off_diag = coactivation.copy()
+    """[L] co-activation weight of pairs expected to sit in different domains (each pair once).
+
+    With ``p = domain_shares`` [L, E, D], pairs (e, f) share a domain with probability ``p_e . p_f``, so the
+    weight kept together is ``sum_d p_d^T C p_d`` less the diagonal's: no [L, E, E] temporaries.
+    """
+    p = domain_shares(shares, domain_of_gpu)  # [L, E, D]
     idx = np.arange(coactivation.shape[1])
-    off_diag[:, idx, idx] = 0.0
-    return 0.5 * (off_diag * (1.0 - together)).sum(axis=(1, 2))
+    diag = coactivation[:, idx, idx]  # [L, E]
+    total = coactivation.sum(axis=(1, 2)) - diag.sum(axis=1)
+    together = np.einsum("led,led->l", coactivation @ p, p) - np.einsum("le,led,led->l", diag, p, p)
+    return 0.5 * (total - together)
 
 
 def split_pair_fraction(coactivation: np.ndarray | None, shares: np.ndarray, domain_of_gpu: np.ndarray) -> float:

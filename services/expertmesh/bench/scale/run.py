@@ -16,13 +16,14 @@ import heapq
 import math
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from expertmesh.bench.placement import grid_topology
 from expertmesh.bench.scale.model import Costs, ModelShape, diurnal, expert_load, zipf_popularity
+from expertmesh.bench.scale.planning import planner_figures
 from expertmesh.bench.scale.simulated import Clock, CountingBackend, ParsedTableStore, RouterFleet, SimulatedGroups
 from expertmesh.contracts.errors import ExpertMeshError
 from expertmesh.contracts.gpu_plan import Placement
@@ -31,7 +32,7 @@ from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.policy import decide
 from expertmesh.orchestrator.drift.state import DriftState, ExpertLoad, GroupSample, Observation
-from expertmesh.orchestrator.health import measure
+from expertmesh.orchestrator.health import measure, sampling
 from expertmesh.orchestrator.health import policy as health_policy
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.state import Check, ReplicaId, ReplicaRecord
@@ -57,6 +58,11 @@ class Case:
     hours: float = 24.0
     #: redundant replicas per layer (default: one per GPU)
     redundant: int | None = None
+    #: the re-plans keep a layer within this balancedness of the full plan's (``PlanOptions.min_gain``)
+    min_gain: float = 0.01
+    #: probe rows of one sampled health round (``HealthConfig.round_probe_rows``): a thousand replicas at the
+    #: default 1000 tokens, 28.7 GB at DeepSeek-V3's width
+    sampled_round_rows: int = 1_000_000
     seed: int = 0
     costs: Costs = field(default_factory=Costs)
     drift: DriftConfig = field(default_factory=lambda: DriftConfig(rebalance=True))
@@ -162,10 +168,10 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
 
     # -- the first placement: the real planner (measured wall time) --------------------------------
     stats0 = _stats(model, popularity(0.0), peak_tokens * diurnal(0.0))
-    options = PlanOptions(redundant=redundant)
-    started = time.perf_counter()
+    options = PlanOptions(redundant=redundant, min_gain=case.min_gain)
+    started, cpu = time.perf_counter(), time.process_time()
     first = plan(stats0, topo, options)
-    plan_wall_s = time.perf_counter() - started
+    plan_wall_s, plan_cpu_s = time.perf_counter() - started, time.process_time() - cpu
     gpu_ids = first.placement.gpu_ids
     groups = [f"g{g}" for g in gpu_ids]
     table = _table_from_shares(first.placement.shares, gpu_ids)
@@ -348,8 +354,9 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
             "routers": case.routers,
             "hours": case.hours,
             "redundant": redundant,
+            "min_gain": case.min_gain,
         },
-        "planner": {"first_plan_wall_s": plan_wall_s, **replan},
+        "planner": {"first_plan_wall_s": plan_wall_s, "first_plan_cpu_s": plan_cpu_s, **replan},
         "drift": {
             "scans": len(decide_wall),
             "decide_wall_s_mean": float(np.mean(decide_wall)) if decide_wall else 0.0,
@@ -400,29 +407,31 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
 def _replan(
     case: Case, topo, options: PlanOptions, table: RoutingTable, groups: list[str], pop: np.ndarray, tokens: float
 ) -> dict:
-    """A full re-plan at the day's end given the placement now (measured wall time), and what it would move."""
+    """At the day's end, given the placement then: a full re-plan and the incremental one (measured wall and CPU
+    time, what each would move), and one GPU added and one removed (``planning.planner_figures``)."""
     model = case.model
     stats = _stats(model, pop, tokens)
-    current = table_shares(table, groups, model.moe_layers, model.num_experts)
-    usable = (current > 0).sum(axis=2).max() <= math.ceil((model.num_experts + options.redundant) / len(groups))
-    started = time.perf_counter()
-    result = plan(
-        stats, topo, options, current=Placement(tuple(int(g[1:]) for g in groups), current) if usable else None
+    current = Placement(
+        tuple(int(g[1:]) for g in groups), table_shares(table, groups, model.moe_layers, model.num_experts)
     )
-    wall = time.perf_counter() - started
-    moved = int(((result.placement.shares > 0) & ~(current > 0)).sum())
-    return {"replan_wall_s": wall, "replan_weights_moved": moved, "replan_layers_kept": result.layers_kept}
+    figures = planner_figures(stats, topo, options, current, per_gpu_redundant=case.redundant is None)
+    full = figures["day_end"]["full"]
+    return {
+        "replan_wall_s": full["wall_s"],
+        "replan_weights_moved": full["weights_moved"],
+        "replan_layers_kept": full.get("layers_kept", 0),
+        **figures,
+    }
 
 
-def _health_round(case: Case, table: RoutingTable) -> dict:
-    """One health-monitor round over every replica: probe calls and bytes (the monitor's batching,
-    ``measure.batches``), simulated probe time, and measured wall time of the judging."""
+def _probe_round(case: Case, replicas: list[ReplicaId]) -> dict:
+    """Probing ``replicas`` once: calls and bytes (the monitor's batching, ``measure.batches``) and simulated time
+    (groups ``probe_concurrency`` at a time, bounded by the orchestrator's NIC)."""
     model, costs, config = case.model, case.costs, case.health
     row_bytes = model.hidden_size * model.dtype_bytes
     per_group: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for (layer, expert), names in table.replicas.items():
-        for name in names:
-            per_group[name][layer].append(expert)
+    for rid in replicas:
+        per_group[rid.group][rid.layer].append(rid.expert)
     group_s, calls, sent = {}, 0, 0
     for g, layers in per_group.items():
         g_calls = sum(
@@ -440,11 +449,35 @@ def _health_round(case: Case, table: RoutingTable) -> dict:
         sent += g_bytes
     ordered = sorted(group_s.values(), reverse=True)
     waves = [ordered[i : i + config.probe_concurrency] for i in range(0, len(ordered), config.probe_concurrency)]
-    probe_s = max(sum(max(w) for w in waves), sent / costs.orchestrator_net_bytes_s)
+    probe_s = max(sum(max(w) for w in waves), sent / costs.orchestrator_net_bytes_s) if ordered else 0.0
+    return {"replicas": len(replicas), "probe_calls": calls, "probe_bytes": sent, "probe_sim_s": probe_s}
 
+
+def _sampled_rounds(case: Case, replicas: list[ReplicaId]) -> tuple[list[ReplicaId], int]:
+    """The replicas of one sampled round in steady state (every replica healthy, checked once) within
+    ``case.sampled_round_rows``, and the rounds until every replica was checked again (``health.sampling``)."""
+    records = {rid: replace(ReplicaRecord(rid), last_check=1.0) for rid in replicas}
+    tokens, budget = case.health.tokens, case.sampled_round_rows
+    first = set(sampling.layers_for_round(replicas, records, tokens, budget))
+    unchecked, rounds = {rid.layer for rid in replicas}, 0
+    while unchecked:
+        rounds += 1
+        chosen = set(sampling.layers_for_round(replicas, records, tokens, budget))
+        unchecked -= chosen
+        for rid in replicas:
+            if rid.layer in chosen:
+                records[rid] = replace(records[rid], last_check=1.0 + rounds)
+    return [rid for rid in replicas if rid.layer in first], rounds
+
+
+def _health_round(case: Case, table: RoutingTable) -> dict:
+    """One health-monitor round over every replica (as by default), and one sampled round within
+    ``case.sampled_round_rows`` probe rows: probe calls and bytes, simulated probe time, the monitor's CPU
+    (summarising and judging, measured), and the rounds a sampled monitor takes to check every replica."""
+    model, config = case.model, case.health
+    replicas = [ReplicaId(l, e, g) for (l, e), names in table.replicas.items() for g in names]
     # Measured: the monitor summarises every replica's probe output [tokens, H] (one timed, times the replicas)
     # and judges every replica (all of them timed, on the real policy).
-    replicas = [ReplicaId(l, e, g) for (l, e), names in table.replicas.items() for g in names]
     out = torch.randn(config.tokens, model.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     measure.summarise(out)  # the first call pays torch's warm-up, not the monitor's work
     started = time.perf_counter()
@@ -452,16 +485,27 @@ def _health_round(case: Case, table: RoutingTable) -> dict:
     summarise_wall_s = time.perf_counter() - started
     base = measure.baseline(summary, "fp", 0.0, config.histogram_bins, "probe")
     check = Check(0.0, "fp", True, "probe", "seeded", 0, 0, summary.norm_mean, None, base, None, 1)
-    started = time.perf_counter()
-    records = {rid: health_policy.judge(ReplicaRecord(rid), check, config)[0] for rid in replicas}
-    health_policy.plan_table(table, records)
-    judge_wall_s = time.perf_counter() - started
+
+    def judge(subset: list[ReplicaId]) -> float:
+        started = time.perf_counter()
+        records = {rid: health_policy.judge(ReplicaRecord(rid), check, config)[0] for rid in subset}
+        health_policy.plan_table(table, records)
+        return time.perf_counter() - started
+
+    full = _probe_round(case, replicas)
+    subset, rounds = _sampled_rounds(case, replicas)
+    sampled = _probe_round(case, subset)
     return {
-        "replicas": len(replicas),
-        "probe_calls": calls,
-        "probe_bytes": sent,
-        "probe_sim_s": probe_s,
+        **full,
         "summarise_wall_s": summarise_wall_s * len(replicas),
-        "judge_wall_s": judge_wall_s,
+        "judge_wall_s": judge(replicas),
         "interval_s": config.interval_s,
+        "sampled": {
+            **sampled,
+            "round_probe_rows": case.sampled_round_rows,
+            "summarise_wall_s": summarise_wall_s * len(subset),
+            "judge_wall_s": judge(subset),
+            "rounds_to_cover": rounds,
+            "hours_to_cover": rounds * config.interval_s / HOUR,
+        },
     }

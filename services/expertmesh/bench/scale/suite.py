@@ -31,6 +31,13 @@ def add_command(bench_commands) -> None:
     p.add_argument("--hours", type=float, default=24.0, help="simulated hours (default 24)")
     p.add_argument("--seed", type=int, default=0, help="seed of the drifting Zipf load (default 0)")
     p.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.01,
+        help="the day-end re-plans and the GPU added/removed keep a layer within this balancedness of the full "
+        "plan's (plan --min-gain; 0: every layer as balanced as the full plan's; default 0.01)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help=f"a small model ({QUICK_MODEL.moe_layers} layers x {QUICK_MODEL.num_experts} experts): seconds, for CI",
@@ -47,7 +54,9 @@ def add_command(bench_commands) -> None:
     p.set_defaults(run=_main)
 
 
-def cases(gpus: list[int], routers: list[int], hours: float, quick: bool, seed: int) -> list["Case"]:
+def cases(
+    gpus: list[int], routers: list[int], hours: float, quick: bool, seed: int, min_gain: float = 0.01
+) -> list["Case"]:
     from expertmesh.bench.scale.run import Case
 
     model = QUICK_MODEL if quick else DEEPSEEK_V3
@@ -60,7 +69,9 @@ def cases(gpus: list[int], routers: list[int], hours: float, quick: bool, seed: 
                 f"--gpus: {g} GPUs cannot hold {model.name}'s {model.pairs} experts "
                 f"in {costs.budget_bytes / 1e9:g} GB each"
             )
-    return [Case(model, g, r, hours, seed=seed, costs=costs) for g in gpus for r in routers]
+    if not 0.0 <= min_gain <= 1.0:
+        raise BenchError(f"--min-gain must be between 0 and 1, got {min_gain}")
+    return [Case(model, g, r, hours, seed=seed, costs=costs, min_gain=min_gain) for g in gpus for r in routers]
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -77,7 +88,7 @@ def _main(args: argparse.Namespace) -> int:
     gpus = parse_int_list(args.gpus or ("4,8" if args.quick else "64,256"), "--gpus")
     routers = parse_int_list(args.routers or ("2,4" if args.quick else "16,128"), "--routers")
     results = []
-    todo = cases(gpus, routers, args.hours, args.quick, args.seed)
+    todo = cases(gpus, routers, args.hours, args.quick, args.seed, args.min_gain)
     out = {"benchmark": "scale", "machine": machine(), "loadavg_start": _loadavg(), "results": results}
     for i, case in enumerate(todo):
         progress(f"bench scale: {case.name}, {case.hours:g} simulated hours (case {i + 1} of {len(todo)})")
@@ -126,15 +137,25 @@ def _loadavg() -> str | None:
 
 
 def table(results: list[dict]) -> str:
-    """One row per case. (sim) figures are simulated time, (wall) measured on this machine."""
+    """One row per case. (sim) figures are simulated time, (wall) measured on this machine. ``a/b`` cells are the
+    full planner's figure, then the incremental planner's (``-`` in runs made before it)."""
     rows = []
     for r in results:
-        store, health = r["store"], r["health"]
+        store, health, planner = r["store"], r["health"], r["planner"]
         rows.append(
             [
                 f"{r['case']['gpus']} GPUs {r['case']['routers']} routers",
-                r["planner"]["first_plan_wall_s"],
-                r["planner"]["replan_wall_s"],
+                planner["first_plan_wall_s"],
+                planner.get("first_plan_cpu_s"),
+                _pair(planner, "day_end", "wall_s", ".2f"),
+                _pair(planner, "day_end", "weights_moved", ""),
+                _pair(planner, "day_end", "balancedness", ".3f"),
+                _pair(planner, "gpu_added", "wall_s", ".2f"),
+                _pair(planner, "gpu_added", "weights_moved", ""),
+                _pair(planner, "gpu_added", "balancedness", ".3f"),
+                _pair(planner, "gpu_removed", "wall_s", ".2f"),
+                _pair(planner, "gpu_removed", "weights_moved", ""),
+                _pair(planner, "gpu_removed", "balancedness", ".3f"),
                 r["drift"]["moves_per_hour"],
                 r["drift"]["bytes_moved_per_hour"] / 1e9,
                 _mean(r["hours"], "balancedness_static"),
@@ -147,13 +168,23 @@ def table(results: list[dict]) -> str:
                 health["probe_bytes"] / 1e9,
                 health["probe_sim_s"],
                 health["summarise_wall_s"] + health["judge_wall_s"],
+                *_sampled(health.get("sampled")),
             ]
         )
     return format_table(
         [
             "case",
             "plan s (wall)",
-            "re-plan s (wall)",
+            "plan s (CPU)",
+            "re-plan s full/inc (wall)",
+            "re-plan moved full/inc",
+            "re-plan bal. full/inc",
+            "+1 GPU s full/inc",
+            "+1 GPU moved",
+            "+1 GPU bal.",
+            "-1 GPU s full/inc",
+            "-1 GPU moved",
+            "-1 GPU bal.",
             "moves/h",
             "GB moved/h",
             "bal. static",
@@ -166,10 +197,53 @@ def table(results: list[dict]) -> str:
             "probe GB",
             "probe s (sim)",
             "health CPU s (wall)",
+            "sampled probe GB",
+            "sampled CPU s",
+            "rounds to cover (h)",
         ],
         rows,
-        ["", ".2f", ".2f", ".1f", ".2f", ".3f", ".3f", ".2f", ".3f", ".0f", ".2f", ".1f", ".1f", ".1f", ".1f"],
+        [
+            "",
+            ".2f",
+            ".2f",
+            *[""] * 9,
+            ".1f",
+            ".2f",
+            ".3f",
+            ".3f",
+            ".2f",
+            ".3f",
+            ".0f",
+            ".2f",
+            ".1f",
+            ".1f",
+            ".1f",
+            ".1f",
+            ".1f",
+            ".1f",
+            "",
+        ],
     )
+
+
+def _sampled(sampled: dict | None) -> list:
+    """A sampled health round's probe GB, CPU seconds and rounds (hours) to check every replica; ``-`` in runs
+    made before sampling."""
+    if not sampled:
+        return [None, None, None]
+    return [
+        sampled["probe_bytes"] / 1e9,
+        sampled["summarise_wall_s"] + sampled["judge_wall_s"],
+        f"{sampled['rounds_to_cover']} ({sampled['hours_to_cover']:.1f})",
+    ]
+
+
+def _pair(planner: dict, change: str, key: str, spec: str) -> str | None:
+    """``full/incremental`` of one figure of ``planner[change]``; None when the run has no such figures."""
+    figures = planner.get(change)
+    if not figures:
+        return None
+    return f"{format(figures['full'][key], spec)}/{format(figures['incremental'][key], spec)}"
 
 
 def _mean(hours: list[dict], key: str) -> float | None:

@@ -284,3 +284,31 @@ def test_kv_cache_settings_from_flags_file_and_environment(tmp_path, monkeypatch
     assert (serving.kv_block_size, serving.prefix_caching) == (32, False)
     with pytest.raises(SystemExit):
         _up("--prefix-caching", "maybe")
+
+
+def test_default_routing_policies_with_parameters_and_per_domain_from_every_source(tmp_path, monkeypatch, capsys):
+    flags = _up(
+        "--routing-policy",
+        "delta_gap(delta=0.25)",
+        "--domain-routing-policies",
+        "legal=restrict(top_n=4,alpha=1) ; code=confidence_k",
+    )
+    serving = settings_from_args(ServingConfig, flags)
+    assert serving.routing_policy == "delta_gap(delta=0.25)"
+    assert serving.domain_routing_policies == {"legal": "restrict(top_n=4,alpha=1)", "code": "confidence_k"}
+    assert ServingConfig().domain_routing_policies == {}
+    path = _file(
+        tmp_path,
+        {"router": {"routingPolicy": "confidence_k(k_max=3)", "domainRoutingPolicies": {"legal/contract": "restrict"}}},
+    )
+    from_file = settings_from_args(ServingConfig, _up("--config", path))
+    assert from_file.routing_policy == "confidence_k(k_max=3)"
+    assert from_file.domain_routing_policies == {"legal/contract": "restrict"}
+    monkeypatch.setenv("EXPERTMESH_DOMAIN_ROUTING_POLICIES", "medical=sticky(sticky_strength=1)")
+    from_env = settings_from_args(ServingConfig, _up("--config", path))
+    assert from_env.domain_routing_policies == {"medical": "sticky(sticky_strength=1)"}
+    monkeypatch.delenv("EXPERTMESH_DOMAIN_ROUTING_POLICIES")
+    line = _one_error_line(capsys, ["up", "--domain-routing-policies", "legal"])
+    assert "--domain-routing-policies: expected DOMAIN=POLICY;DOMAIN=POLICY, got 'legal'" in line, line
+    line = _one_error_line(capsys, ["up", "--domain-routing-policies", "legal=exact;legal=prefer"])
+    assert "--domain-routing-policies: domain 'legal' is given twice" in line, line

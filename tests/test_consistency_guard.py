@@ -13,6 +13,7 @@ from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.models.tiny import MOE_ARCHITECTURES
 from expertmesh.router.policy.gate_hook import GateBias
 from expertmesh.router.policy.routing_policy import STOCK, RequestRouting, parse_policy, step_routing
+from expertmesh.router.policy.token_rules import RoutingState
 from expertmesh.serving.consistency_guard import (
     Check,
     EmbeddingScorer,
@@ -169,3 +170,51 @@ def test_a_rolled_back_token_is_computed_again_widened_and_the_others_are_untouc
     assert abs(guarded[1][0] - plain[1][0]) > 1e-4, "the widening moved the first token's logits (else no test)"
     _, all_checked, rollbacks = run(_guarded(1.0, 64))
     assert rollbacks == 6, "every new token failed its check once; a recomputed one is kept unchecked"
+
+
+def test_a_rolled_back_token_under_sticky_starts_from_its_predecessors_trace():
+    """sticky's trace lives in the request's RoutingState: the engine's first new token is rolled back (threshold
+    1, one regeneration), its predecessor's position computed again widened from the trace before it, and the
+    answer equals a hand-driven forward that carries one state through prompt, the widened position and decode."""
+    model = _model("mixtral")
+    gate_bias = GateBias(model)
+    K, E = model.config.num_experts_per_tok, next(iter(gate_bias.num_experts.values()))
+    sticky = RequestRouting(parse_policy("sticky", {"sticky_strength": 4.0, "sticky_decay": 0.9}, K, E))
+    prompt = (5, 17, 99, 3, 42, 7)
+    engine = Engine(model, None, _LocalDispatcher(gate_bias), EngineLimits(8, 8), max_context=64).start()
+    try:
+        request = GenerationRequest(
+            "s",
+            prompt,
+            max_new_tokens=6,
+            stop_at_eos=False,
+            routing=sticky,
+            consistency_guard=_guarded(1.0, 1),
+            logprobs=0,
+        )
+        guarded = engine.submit(request)
+        events = list(guarded)
+        assert guarded.output.rollbacks == 1
+    finally:
+        engine.stop()
+
+    def oracle(state: RoutingState | None) -> tuple[list[int], list[float]]:
+        """The greedy tokens and their log-probabilities; ``state`` None: none kept, each step's trace from zeros."""
+        cache, out, logprobs, P = DynamicCache(config=model.config), [], [], len(prompt)
+        with torch.no_grad():
+            with gate_bias.routing(step_routing([(sticky, P - 1)], first_t=[1 - P], states=[state])):
+                model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache)
+            last, widen = prompt[-1], [widened_k(K)]
+            for t in range(6):
+                with gate_bias.routing(step_routing([(sticky, 1)], first_t=[t], widen=widen, states=[state])):
+                    logits = model(input_ids=torch.tensor([[last]]), past_key_values=cache).logits
+                last, widen = int(logits[0, -1].argmax()), [0]
+                out.append(last)
+                logprobs.append(float(logits[0, -1].float().log_softmax(-1)[last]))
+        return out, logprobs
+
+    tokens, logprobs = oracle(RoutingState())
+    assert _tokens(events) == tokens
+    assert _logprobs(events) == pytest.approx(logprobs, abs=1e-5)
+    _, stateless = oracle(None)
+    assert max(abs(a - b) for a, b in zip(stateless, logprobs)) > 1e-4, "the trace across steps counts (else no test)"

@@ -309,3 +309,162 @@ def test_the_consistency_guard_over_both_apis_rolls_back_and_refuses_what_it_can
         timeout=60,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "consistency_guard.threshold", bad.text
+
+
+#: confidence_k, adaptive_k, noisy_topk and sticky, alone and together, as a gRPC client sends them
+NEW_RULES = [
+    pb.RoutingPolicy(name="confidence_k", k_max=3),
+    pb.RoutingPolicy(name="adaptive_k", queue_slo_ms=0),  # always at its floor: top-1
+    pb.RoutingPolicy(name="adaptive_k"),  # nothing queued: top-k
+    pb.RoutingPolicy(name="noisy_topk", noise_scale=1.0),
+    pb.RoutingPolicy(name="sticky", sticky_strength=2.0, sticky_decay=0.3),
+    pb.RoutingPolicy(name="confidence_k+noisy_topk+sticky", k_min=1, k_max=2),
+]
+
+
+def test_confidence_k_adaptive_k_noisy_topk_and_sticky_over_grpc(served):
+    _, _, target, _ = served
+    with grpc.insecure_channel(target) as channel:
+        listed = pb_grpc.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).routing_policies
+    policies = {p.name: {q.name: q for q in p.parameters} for p in listed}
+    assert set(policies["confidence_k"]) == {"k_min", "k_max"}
+    assert policies["confidence_k"]["k_min"].rule == "confidence_k"  # k_min is read by decay_k and adaptive_k too
+    k_max = policies["confidence_k"]["k_max"]
+    assert (k_max.default_value, k_max.min, k_max.max, k_max.integer) == (2, 1, 3, True)  # top-k 2 (+1) of 4
+    assert set(policies["adaptive_k"]) == {"k_min", "queue_slo_ms"} and policies["adaptive_k"]["k_min"].max == 4
+    assert set(policies["noisy_topk"]) == {"noise_scale"}
+    assert set(policies["sticky"]) == {"sticky_strength", "sticky_decay"}
+    assert "restrict+adaptive_k+capacity+noisy_topk+sticky" in policies
+    with Client(target, timeout=120) as client:
+        for policy in NEW_RULES:
+            assert len(_tokens(client, "def reverse(items): return", routing_policy=policy, domain="code")) == 6, policy
+        # noisy_topk is seeded per request: the sampling seed, else the request id; the same request, the same answer
+        noisy = pb.RoutingPolicy(name="noisy_topk", noise_scale=3.0)
+        sampled = {"routing_policy": noisy, "temperature": 0.8, "seed": 17}
+        assert _tokens(client, "The court held that", **sampled) == _tokens(client, "The court held that", **sampled)
+        named = {"routing_policy": noisy, "request_id": "noisy-1"}
+        assert _tokens(client, "The court held that", **named) == _tokens(client, "The court held that", **named)
+        for kwargs, field in (
+            ({"routing_policy": pb.RoutingPolicy(name="confidence_k", k_max=5)}, "routing_policy.k_max"),
+            ({"routing_policy": pb.RoutingPolicy(name="confidence_k", k_min=3)}, "routing_policy.k_min"),
+            ({"routing_policy": pb.RoutingPolicy(name="adaptive_k", k_min=3)}, "routing_policy.k_min"),
+            ({"routing_policy": pb.RoutingPolicy(name="adaptive_k", queue_slo_ms=-5)}, "routing_policy.queue_slo_ms"),
+            ({"routing_policy": pb.RoutingPolicy(name="noisy_topk", noise_scale=9)}, "routing_policy.noise_scale"),
+            ({"routing_policy": pb.RoutingPolicy(name="sticky", sticky_decay=1.5)}, "routing_policy.sticky_decay"),
+            ({"routing_policy": pb.RoutingPolicy(name="sticky", k_max=2)}, "routing_policy.k_max"),
+            ({"routing_policy": "adaptive_k+decay_k"}, "routing_policy.name"),
+        ):
+            details = _refused(client, "Hello there", **kwargs)
+            assert details.startswith(field + ":"), (kwargs, details)
+
+
+def test_confidence_k_adaptive_k_noisy_topk_and_sticky_over_http(served):
+    plane, apis, _, _ = served
+    url = f"{apis.http.url}/v1/completions"
+    body = {"model": plane.checkpoint.path.name, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    for policy in (
+        {"name": "confidence_k", "k_max": 3},
+        {"name": "adaptive_k", "queue_slo_ms": 0, "k_min": 1},
+        {"name": "noisy_topk", "noise_scale": 1.0},
+        {"name": "sticky", "sticky_strength": 2.0, "sticky_decay": 0.3},
+        "confidence_k+noisy_topk+sticky",
+    ):
+        ok = httpx2.post(url, json={**body, "routing_policy": policy}, timeout=60)
+        assert ok.status_code == 200, (policy, ok.text)
+        assert ok.json()["usage"]["completion_tokens"] >= 1
+    noisy = {**body, "routing_policy": {"name": "noisy_topk", "noise_scale": 3.0}, "temperature": 0.8, "seed": 5}
+    first, second = (httpx2.post(url, json=noisy, timeout=60) for _ in range(2))
+    assert first.status_code == 200 and first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
+    for policy, param in (
+        ({"name": "confidence_k", "k_max": 2**40}, "routing_policy.k_max"),
+        ({"name": "confidence_k", "k_max": 7}, "routing_policy.k_max"),
+        ({"name": "sticky", "sticky_decay": 2.0}, "routing_policy.sticky_decay"),
+        ({"name": "noisy_topk", "noise_scale": -1.0}, "routing_policy.noise_scale"),
+        ({"name": "adaptive_k", "queue_slo_ms": "soon"}, "routing_policy.queue_slo_ms"),
+    ):
+        bad = httpx2.post(url, json={**body, "routing_policy": policy}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
+def test_policy_eval_measures_the_new_rules_and_adaptive_k_at_its_floor(served, tmp_path, capsys):
+    plane, _, target, redis_url = served
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    common = ["--queries", str(queries), "--target", target, "--max-tokens", "4", "--json"]
+    capsys.readouterr()
+    # adaptive_k is measured at its floor (SLO 0: top-1 here) and recorded under a key without the SLO
+    argv = ["policy", "eval", "--policy", "adaptive_k", "--queue-slo-ms", "800", *common, "--state-url", redis_url]
+    assert main(argv) == 0
+    floor = json.loads(capsys.readouterr().out)
+    assert floor["policy"] == "adaptive_k(k_min=1)" and floor["recorded"] == redis_url
+    assert floor["overall"]["kl"] > 0 and floor["overall"]["saved_params_per_token"] > 0
+    for argv, key in (
+        (["--policy", "confidence_k", "--k-max", "3"], "confidence_k(k_min=1,k_max=3)"),
+        (["--policy", "noisy_topk", "--noise-scale", "1"], "noisy_topk(noise_scale=1)"),
+        (["--policy", "sticky", "--sticky-strength", "2"], "sticky(sticky_strength=2,sticky_decay=0.5)"),
+    ):
+        assert main(["policy", "eval", *argv, *common]) == 0
+        measured = json.loads(capsys.readouterr().out)
+        assert measured["policy"] == key and measured["overall"]["positions"] > 0
+        assert measured["overall"]["kl"] >= 0 and 0 <= measured["overall"]["top1_agreement"] <= 1
+    # the KL guard holds adaptive_k by its floor's record, whatever SLO a request names
+    record = PolicyQuality("adaptive_k(k_min=1)", QualityFigures(2.0, 0.5, 0.5, 0.0, 10))
+    plane.store.save_policy_quality(record.policy, record.to_json().encode())
+    lenient = pb.RoutingPolicy(name="adaptive_k", queue_slo_ms=60_000)
+    with Client(target, timeout=60) as client:
+        for _ in range(200):  # routers re-read records every few seconds
+            try:
+                _tokens(client, "Hello", routing_policy=lenient)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "adaptive_k(k_min=1)" in err.details()
+                break
+        else:
+            pytest.fail("the floor's recorded KL never made the router refuse adaptive_k")
+
+
+def test_the_servers_default_policy_takes_parameters_and_each_domain_its_own_default(served, monkeypatch):
+    """A router started with a default policy with parameters and per-domain defaults (what --routing-policy,
+    --domain-routing-policies and the chart's values set): a request that names no policy gets its domain's
+    default (its own, or classified), else the server's, with the configured parameters; ListModels says so."""
+    plane, _, _, _ = served
+    monkeypatch.delenv("EXPERTMESH_STATE_URL", raising=False)
+    store = open_store("memory://")
+    assert store.publish_routing_table(plane.store.routing_table())
+    for group, address in plane.store.endpoints().items():
+        store.set_endpoint(group, address)
+    config = ServingConfig(
+        port=0,
+        http_port=0,
+        max_new_tokens_cap=32,
+        routing_policy="delta_gap(delta=0)",
+        domain_routing_policies={"legal": "adaptive_k(queue_slo_ms=0)", "code": "confidence_k(k_max=3)"},
+    )
+    with DataPlane.attach(DataPlaneConfig(model=plane.checkpoint.path, state_url="memory://"), store=store) as embedded:
+        apis = start_apis(embedded, config)
+        try:
+            target = f"127.0.0.1:{apis.grpc.port}"
+            with grpc.insecure_channel(target) as channel:
+                listed = pb_grpc.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30)
+            assert listed.default_routing_policy == "delta_gap"
+            assert listed.default_routing_policy_spec == "delta_gap(delta=0,weight_boost=1.2)"
+            assert dict(listed.domain_routing_policies) == {
+                "legal": "adaptive_k(k_min=1,queue_slo_ms=0)",
+                "code": "confidence_k(k_min=1,k_max=3)",
+            }
+            prompt = "The court held that"
+            with Client(target, timeout=120) as client:
+                for domain, named in (
+                    ("legal/contract", pb.RoutingPolicy(name="adaptive_k", queue_slo_ms=0)),
+                    ("medical", pb.RoutingPolicy(name="delta_gap", delta=0)),
+                    ("code", pb.RoutingPolicy(name="confidence_k", k_max=3)),
+                ):
+                    by_default = _tokens(client, prompt, domain=domain)
+                    assert by_default == _tokens(client, prompt, routing_policy=named, domain=domain), domain
+                # no domain: classified, then its domain's default
+                assert len(_tokens(client, "def reverse(items): return")) == 6
+            url = f"{apis.http.url}/v1/completions"
+            body = {"model": plane.checkpoint.path.name, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            answer = httpx2.post(url, json={**body, "domain": "legal", "ignore_eos": True}, timeout=60)
+            assert answer.status_code == 200, answer.text
+        finally:
+            apis.drain_and_stop()

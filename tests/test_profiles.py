@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from expertmesh.classifier import default_classifier
 from expertmesh.cli.main import build_parser, main
 from expertmesh.config.settings import ServingConfig, settings_from_args
-from expertmesh.contracts.errors import InvalidRequest
+from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.contracts.load_window import LoadSnapshot, LoadWindow
 from expertmesh.router.policy.profiles import (
     ProfileFileError,
@@ -301,3 +301,61 @@ def test_a_load_window_counts_at_most_max_domains_apart():
     snap = window.snapshot()
     assert len(snap.domain_load) == load_window.MAX_DOMAINS + 1  # the cap, and "code" for the rest
     assert snap.domain_load["code"][0].sum() == 10 * 2
+
+
+def test_configured_defaults_carry_parameters_and_each_domain_may_have_its_own():
+    store = open_store("memory://")
+    save_profiles(store, build_profiles(_loads(), LAYERS))
+    classifier, texts = default_classifier(), []
+
+    class Counted:
+        domains = classifier.domains
+
+        def classify(self, text):
+            texts.append(text)
+            return classifier.classify(text)
+
+    router = RequestRouter(
+        2,
+        4,
+        LAYERS,
+        "delta_gap(delta=0.3)",
+        store,
+        kl_bound=0.1,
+        classifier=Counted,
+        domain_policies={"legal": "restrict(top_n=2)", "code": "confidence_k(k_max=3)"},
+    )
+    assert router.default.spec == "delta_gap(delta=0.3,weight_boost=1.2)"
+    assert {d: p.spec for d, p in router.domain_defaults.items()} == {
+        "legal": "restrict(top_n=2)",
+        "code": "confidence_k(k_min=1,k_max=3)",
+    }
+    query = "Write a Python function that parses a JSON file and returns a dict"
+
+    def resolve(routing_policy=None, domain=None, text=query):
+        return router.resolve(routing_policy, domain, lambda: text)
+
+    code = resolve()  # no policy, no domain: classified (code), then code's default
+    assert texts == [query] and code.domain == "code" and code.policy.key == "confidence_k(k_min=1,k_max=3)"
+    legal = resolve(domain="legal/contract")  # a domain below legal: legal's default, not classified again
+    assert legal.policy.name == "restrict" and legal.policy.top_n == 2 and len(texts) == 1
+    assert resolve(domain="medical").policy.key == "delta_gap(delta=0.3,weight_boost=1.2)"  # the server's
+    assert resolve(text=None).policy.key == "delta_gap(delta=0.3,weight_boost=1.2)"  # token ids: the server's
+    # a policy without a name is the default with the parameters the request sets in place of the configured
+    assert resolve(pb.RoutingPolicy(weight_boost=1.5), domain="medical").policy.key == (
+        "delta_gap(delta=0.3,weight_boost=1.5)"
+    )
+    assert resolve(pb.RoutingPolicy(top_n=3), domain="legal").policy.top_n == 3
+    with pytest.raises(InvalidRequest, match="^routing_policy.threshold: is a parameter of dynamic_k"):
+        resolve(pb.RoutingPolicy(threshold=0.1), domain="legal")
+    named = resolve(pb.RoutingPolicy(name="dynamic_k"))  # a named policy: no default to choose, no classifying
+    assert named.domain is None and len(texts) == 1
+    # a bad configured policy or domain stops the server at start, naming the setting and the field
+    for default, domains, expected in (
+        ("delta_gap(delta=2)", {}, r"--routing-policy.*routing_policy\.delta: must be a number in \[0, 1\]"),
+        ("delta_gap(delta=)", {}, r"routing_policy\.delta: expected delta=NUMBER"),
+        ("exact", {"legal": "bogus"}, r"--domain-routing-policies.*domain 'legal'.*routing_policy\.name"),
+        ("exact", {"astrology": "exact"}, r"--domain-routing-policies.*unknown domain 'astrology'"),
+    ):
+        with pytest.raises(ExpertMeshError, match=expected):
+            RequestRouter(2, 4, LAYERS, default, store, 0.1, classifier=Counted, domain_policies=domains)

@@ -14,7 +14,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from expertmesh.models.checkpoint import experts_modules
 from expertmesh.models.tiny import CONFIG_BUILDERS, MOE_ARCHITECTURES
-from expertmesh.router.policy.gate_hook import GateBias
+from expertmesh.router.policy.gate_hook import GateBias, widest_k
 from expertmesh.router.policy.routing_policy import (
     PARAMETER_NAMES,
     KRules,
@@ -23,15 +23,29 @@ from expertmesh.router.policy.routing_policy import (
     apply_k_rules,
     capacity_route,
     decayed_k,
+    gate_scores,
     parse_policy,
     policy_names,
     prefer_bias,
     restrict_bias,
+    seeded,
     step_routing,
     temper,
     token_k,
     top2_gap,
     widen_rows,
+)
+from expertmesh.router.policy.token_rules import (
+    QueueSignal,
+    RoutingState,
+    StickySequence,
+    adaptive_narrow,
+    confidence_alpha,
+    confidence_k,
+    gate_confidence,
+    gumbel_noise,
+    request_seed,
+    sticky_scan,
 )
 from expertmesh.serving.engine import Engine, EngineLimits
 from expertmesh.serving.events import FinishEvent, TokenEvent
@@ -460,3 +474,290 @@ def test_exact_requests_stay_token_identical_beside_policy_requests(arch):
     tokens = [[t for e in ev if isinstance(e, TokenEvent) for t in e.token_ids] for ev in events]
     assert tokens[0] == stock_greedy(model, exact.prompt_ids, 8)
     assert all(len(t) == 8 for t in tokens[1:])
+
+
+# -- confidence_k, adaptive_k, noisy_topk, sticky (router/policy/token_rules.py) --------------------
+
+
+def test_the_new_rules_parse_with_their_bounds_and_name_the_bad_field():
+    policy = parse_policy("sticky+confidence_k+noisy_topk", {"k_max": 3}, top_k=2, num_experts=8)
+    assert policy.name == "confidence_k+noisy_topk+sticky"
+    params = "k_min=1,k_max=3,noise_scale=0.1,sticky_strength=0.5,sticky_decay=0.5"
+    assert policy.key == f"confidence_k+noisy_topk+sticky({params})"
+    assert parse_policy("confidence_k", {}, 2, 8).k_max == 2  # the architecture's top-k
+    adaptive = parse_policy("adaptive_k", {"queue_slo_ms": 250, "k_min": 2}, 4, 8)
+    assert adaptive.queue_slo_ms == 250 and adaptive.key == "adaptive_k(k_min=2)"  # the record is of its floor
+    assert {"confidence_k", "adaptive_k", "prefer+adaptive_k+capacity+noisy_topk+sticky"} <= set(policy_names())
+    assert not {"decay_k+confidence_k", "dynamic_k+adaptive_k"} & set(policy_names())
+    cases = [
+        ("confidence_k+decay_k", {}, "routing_policy.name"),
+        ("adaptive_k+confidence_k", {}, "routing_policy.name"),
+        ("delta_gap+adaptive_k", {}, "routing_policy.name"),
+        ("confidence_k", {"k_max": 0}, "routing_policy.k_max"),
+        ("confidence_k", {"k_max": 4}, "routing_policy.k_max"),  # above top-k + 1, what an expert group takes
+        ("confidence_k", {"k_max": 1.5}, "routing_policy.k_max"),
+        ("confidence_k", {"k_min": 3}, "routing_policy.k_min"),  # above k_max (default top-k 2)
+        ("confidence_k", {"k_min": 3, "k_max": 2}, "routing_policy.k_min"),
+        ("adaptive_k", {"k_min": 3}, "routing_policy.k_min"),  # above the architecture's top-k
+        ("adaptive_k", {"queue_slo_ms": -1}, "routing_policy.queue_slo_ms"),
+        ("adaptive_k", {"queue_slo_ms": math.inf}, "routing_policy.queue_slo_ms"),
+        ("noisy_topk", {"noise_scale": -0.1}, "routing_policy.noise_scale"),
+        ("noisy_topk", {"noise_scale": 5}, "routing_policy.noise_scale"),
+        ("noisy_topk", {"k_max": 2}, "routing_policy.k_max"),  # not a parameter of its rules
+        ("sticky", {"sticky_strength": math.nan}, "routing_policy.sticky_strength"),
+        ("sticky", {"sticky_decay": 1.0}, "routing_policy.sticky_decay"),
+        ("sticky", {"noise_scale": 1.0}, "routing_policy.noise_scale"),
+        ("delta_gap", {"k_min": 1}, "routing_policy.k_min"),
+    ]
+    for name, given, field in cases:
+        with pytest.raises(PolicyError) as err:
+            parse_policy(name, given, top_k=2, num_experts=8)
+        assert err.value.field == field, (name, given, str(err.value))
+    with pytest.raises(PolicyError, match="decay_k or confidence_k or adaptive_k"):
+        parse_policy("delta_gap", {"k_min": 1}, 2, 8)
+
+
+def test_confidence_is_one_minus_normalised_entropy_and_sets_k_within_its_bounds():
+    E = 4
+    flat, sure = torch.full((E,), 0.25), torch.tensor([1.0, 0.0, 0.0, 0.0])
+    mid = torch.tensor([0.7, 0.1, 0.1, 0.1])
+    conf = gate_confidence(torch.stack([flat, sure, mid]))
+    h = -(0.7 * math.log(0.7) + 3 * 0.1 * math.log(0.1))
+    assert conf.tolist() == [pytest.approx(0.0, abs=1e-12), 1.0, pytest.approx(1 - h / math.log(E))]
+    assert gate_confidence(torch.tensor([[2.0, 2.0, 0.0, 0.0]]))[0] == pytest.approx(0.5)  # sigmoid scores, normalised
+    alpha = confidence_alpha(torch.tensor([0.0, 0.5, 1.0]))
+    assert alpha.tolist() == pytest.approx([0.5, 0.5 + 0.3 * math.log2(1.5), 0.8])
+    # k = min(k_max, max(k_min, round(k_max / (2 alpha)))), halves up
+    c = torch.tensor([0.0, 0.4, 0.5, 1.0])
+    assert confidence_k(c, torch.ones(4), torch.full((4,), 2)).tolist() == [2, 2, 1, 1]  # 2, 1.6, 1.48, 1.25
+    assert confidence_k(torch.tensor([0.0, 1.0]), torch.ones(2), torch.full((2,), 8)).tolist() == [8, 5]
+    assert confidence_k(torch.tensor([1.0]), torch.full((1,), 3), torch.full((1,), 4)).tolist() == [3]  # 2.5 -> 3
+    assert confidence_k(torch.tensor([1.0]), torch.full((1,), 4), torch.full((1,), 4)).tolist() == [4]  # k_min floor
+    rng = torch.Generator().manual_seed(0)
+    c = torch.rand(200, generator=rng, dtype=torch.float64)
+    k_min, k_max = torch.randint(1, 3, (200,), generator=rng), torch.randint(3, 9, (200,), generator=rng)
+    k = confidence_k(c, k_min, k_max)
+    assert ((k >= k_min) & (k <= k_max)).all() and k.dtype == torch.int64
+    # surer never means more experts
+    order = torch.argsort(c)
+    k = confidence_k(c[order], torch.ones(200), torch.full((200,), 8))
+    assert (k[1:] <= k[:-1]).all()
+    # token_k reads the confidence only for confidence_k's tokens; the others keep the gate's top-k
+    rules = KRules(
+        delta=torch.full((2,), math.inf),
+        weight_boost=torch.ones(2),
+        threshold=torch.zeros(2),
+        k_min=torch.ones(2, dtype=torch.long),
+        k_max=torch.tensor([4, 0]),
+    )
+    assert token_k(torch.zeros(2), rules, top_k=2, widest=8, confidence=torch.tensor([0.0, 1.0])).tolist() == [4, 2]
+    assert token_k(torch.zeros(2), rules, top_k=2, widest=3, confidence=torch.tensor([0.0, 1.0])).tolist() == [3, 2]
+
+
+def test_adaptive_k_narrows_past_the_slo_comes_back_and_never_goes_below_its_floor():
+    assert adaptive_narrow(QueueSignal(0, 0.0), 100) == 0
+    assert [adaptive_narrow(QueueSignal(3, w), 100) for w in (0.1, 0.15, 0.2, 0.25, 2.0)] == [0, 1, 1, 2, 19]
+    assert adaptive_narrow(QueueSignal(), 0) == math.inf  # SLO 0: always the floor (what policy eval measures)
+    policy = parse_policy("adaptive_k", {"queue_slo_ms": 100, "k_min": 2}, 4, 8)
+    other = parse_policy("delta_gap", {}, 4, 8)
+    parts = [(RequestRouting(policy), 2), (None, 1), (RequestRouting(other), 1)]
+
+    def ks(wait):
+        step = step_routing(parts, queue=QueueSignal(5, wait))
+        return token_k(torch.ones(4), step.k_rules, top_k=4, widest=8).tolist()
+
+    assert ks(0.0) == [4, 4, 4, 4]  # no queue: the architecture's top-k
+    assert ks(0.15) == [3, 3, 4, 4]  # past the SLO: one fewer, for adaptive_k's tokens only
+    assert ks(0.25) == [2, 2, 4, 4]
+    assert ks(60.0) == [2, 2, 4, 4]  # never below k_min
+    assert ks(0.05) == [4, 4, 4, 4]  # and back as soon as the queue waits less
+    assert step_routing(parts).k_rules.narrow is None  # no signal: nothing queued, no narrowing
+    floor = parse_policy("adaptive_k", {"queue_slo_ms": 0}, 4, 8)
+    step = step_routing([(RequestRouting(floor), 3)])
+    assert token_k(torch.ones(3), step.k_rules, top_k=4, widest=8).tolist() == [1, 1, 1]
+
+
+def test_gumbel_noise_is_a_pure_function_of_seed_position_and_layer():
+    seed, t = torch.tensor([7, 7, 8, 7]), torch.tensor([-3, 5, 5, 5])
+    noise = gumbel_noise(seed, t, layer=2, num_experts=6)
+    assert noise.shape == (4, 6) and noise.dtype == torch.float32 and torch.isfinite(noise).all()
+    # the same token's noise in any batch, alone or beside others
+    assert torch.equal(gumbel_noise(seed[1:2], t[1:2], 2, 6), noise[1:2])
+    assert torch.equal(gumbel_noise(seed.flip(0), t.flip(0), 2, 6), noise.flip(0))
+    assert not torch.equal(noise[1], noise[2])  # another seed
+    assert not torch.equal(noise[1], noise[0])  # another position
+    assert not torch.equal(gumbel_noise(seed, t, 3, 6), noise)  # another layer
+    many = gumbel_noise(torch.full((4000,), 3), torch.arange(4000), 0, 8)
+    assert many.mean().item() == pytest.approx(0.5772, abs=0.03)  # Euler-Mascheroni: Gumbel's mean
+    assert many.std().item() == pytest.approx(math.pi / math.sqrt(6), abs=0.05)
+    assert request_seed(42, "x") == request_seed(42, "y") == 42
+    assert request_seed(None, "req-1") == request_seed(None, "req-1") != request_seed(None, "req-2")
+    assert 0 <= request_seed(2**64 - 1, "") < 2**63
+    routing = RequestRouting(parse_policy("noisy_topk", {}, 2, 8))
+    assert seeded(routing, 9, "a").seed == 9 and seeded(routing, None, "a").seed == request_seed(None, "a")
+    plain = RequestRouting(parse_policy("delta_gap", {}, 2, 8))
+    assert seeded(plain, 9, "a") is plain and seeded(None, 9, "a") is None
+    step = step_routing([(None, 2), (seeded(routing, 9, "a"), 3)], first_t=[0, -1])
+    assert step.noise.scale.tolist() == [0, 0] + [pytest.approx(0.1)] * 3
+    assert step.noise.seed.tolist()[2:] == [9, 9, 9] and step.noise.t.tolist()[2:] == [-1, 0, 1]
+
+
+def test_sticky_leans_on_earlier_tokens_experts_with_a_decaying_trace():
+    E = 4
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 0.0, 2.0, 1.9], [0.0, 0.0, 0.0, 0.0]])
+    one = [StickySequence(0, 3, 0, strength=1.0, decay=0.0)]
+    bias = sticky_scan(logits, one, layer=0, top_k=2)
+    # decay 0: a token's bias is strength on exactly the previous token's top-2 by biased logit
+    assert bias.tolist() == [[0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1]]
+    slow = sticky_scan(logits, [StickySequence(0, 3, 0, strength=2.0, decay=0.5)], 0, 2)
+    # m1 = 0.5 onehot{0, 1}; token 1 biased: {2: 2.0, 3: 1.9, 0: 1, 1: 1} -> {2, 3}; m2 = 0.25 {0, 1} + 0.5 {2, 3}
+    assert slow.tolist() == [[0, 0, 0, 0], [1, 1, 0, 0], [0.5, 0.5, 1, 1]]
+    assert (slow <= 2.0).all()  # bounded by the strength
+    strong = sticky_scan(logits, [StickySequence(0, 3, 0, strength=4.0, decay=0.0)], 0, 2)
+    assert strong[1].tolist() == [4, 4, 0, 0]  # token 1 now keeps {0, 1} (4 > 2), so token 2 leans on them too
+    assert strong[2].tolist() == [4, 4, 0, 0]
+    # two sequences side by side do not see each other; other rows get no bias
+    two = [StickySequence(0, 2, 0, 1.0, 0.0), StickySequence(3, 4, 0, 1.0, 0.0)]
+    both = sticky_scan(torch.cat([logits[:2], torch.zeros(1, E), logits[2:]]), two, 0, 2)
+    assert both[3].abs().sum() == 0 and both[2].abs().sum() == 0 and both[1].tolist() == [1, 1, 0, 0]
+
+
+def test_sticky_state_carries_across_steps_and_a_recomputed_position_starts_from_the_one_before():
+    torch.manual_seed(3)
+    logits = torch.randn(6, 5)
+    whole = sticky_scan(logits, [StickySequence(0, 6, -3, 1.5, 0.6)], layer=1, top_k=2)
+    state = RoutingState()
+    first = sticky_scan(logits[:4], [StickySequence(0, 4, -3, 1.5, 0.6, state)], 1, 2)
+    second = sticky_scan(logits[4:], [StickySequence(0, 2, 1, 1.5, 0.6, state)], 1, 2)
+    assert torch.allclose(torch.cat([first, second]), whole)  # chunked as the scheduler may: the same biases
+    assert set(state.traces) == {0, 1, 2}  # what the step started from and its last two
+    # the consistency guard computes t 2 again: it starts from t 1's trace, as the first time
+    again = sticky_scan(logits[5:], [StickySequence(0, 1, 2, 1.5, 0.6, state)], 1, 2)
+    assert torch.allclose(again, whole[5:])
+    assert torch.equal(state.before(99, 1, 5), torch.zeros(5))  # nothing kept: zeros
+    routing = RequestRouting(parse_policy("sticky", {"sticky_strength": 2.0}, 2, 5))
+    step = step_routing([(None, 2), (routing, 3)], first_t=[0, -2], states=[None, state])
+    assert step.sticky == (StickySequence(2, 5, -2, 2.0, 0.5, state),) and step.noise is None
+
+
+def _gate_logits(model, ids, gate_bias, step):
+    """layer -> the gate's logits [T, E] (the linear's, before any policy), and what ``_route`` gives."""
+    logits, handles = {}, []
+    for layer, gate in gate_bias.gates.items():
+        handles.append(gate.register_forward_hook(lambda _m, _a, out, layer=layer: logits.__setitem__(layer, out[0])))
+    try:
+        return logits, _route(model, ids, gate_bias, step)[0]
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_confidence_k_adaptive_k_noisy_topk_and_sticky_on_every_architecture(arch):
+    model = _model(arch)
+    gate_bias = GateBias(model)
+    ids = torch.randint(3, 100, (1, 24), generator=torch.Generator().manual_seed(1))
+    stock_logits, stock = _gate_logits(model, ids, gate_bias, None)
+    E = next(iter(gate_bias.num_experts.values()))
+    K = next(iter(stock.values()))[0].shape[1]
+    first = min(stock)
+    gate = gate_bias.gates[first]
+    sigmoid = hasattr(gate, "e_score_correction_bias")
+    mine = slice(10, 24)  # tokens 0..9 are an exact request's, 10..23 the policy's
+
+    def run(name, given, **kwargs):
+        policy = parse_policy(name, given, K, E)
+        step = step_routing([(None, 10), (seeded(RequestRouting(policy), 5, "r"), 14)], **kwargs)
+        routed = _route(model, ids, gate_bias, step)[0]
+        index, weights = routed[first]
+        # the exact request's tokens keep the stock gate's choice and weights, bit for bit
+        assert torch.equal(index[:10, :K], stock[first][0][:10]), (arch, name)
+        assert torch.equal(weights[:10, :K], stock[first][1][:10]), (arch, name)
+        assert (index[:10, K:] == E).all() and (weights[mine][index[mine] >= E] == 0).all(), (arch, name)
+        return routed, index[mine], weights[mine]
+
+    # confidence_k: each token's k from its gate's entropy, within [k_min, k_max] and what the gate can choose
+    k_max = min(K + 1, E)
+    _, index, _ = run("confidence_k", {"k_max": k_max})
+    confidence = gate_confidence(gate_scores(stock_logits[first], sigmoid)[mine, :E])
+    expected = confidence_k(confidence, torch.ones(14), torch.full((14,), k_max)).clamp(max=widest_k(gate, E))
+    assert (index < E).sum(dim=1).tolist() == expected.tolist(), arch
+    _, index, weights = run("confidence_k", {"k_max": K, "k_min": K})  # k_min = k_max = top-k: the stock choice
+    assert torch.equal(index, stock[first][0][mine]) and torch.equal(weights, stock[first][1][mine]), arch
+    # adaptive_k: nothing queued, the stock gate bit for bit; at its floor (SLO 0) and past an SLO, fewer experts
+    _, index, weights = run("adaptive_k", {"queue_slo_ms": 100}, queue=QueueSignal(0, 0.0))
+    assert torch.equal(index, stock[first][0][mine]) and torch.equal(weights, stock[first][1][mine]), arch
+    _, index, _ = run("adaptive_k", {"queue_slo_ms": 0})
+    assert ((index < E).sum(dim=1) == 1).all(), arch
+    _, index, _ = run("adaptive_k", {"queue_slo_ms": 100}, queue=QueueSignal(4, 0.15))
+    assert ((index < E).sum(dim=1) == max(1, K - 1)).all(), arch
+    # noisy_topk: the same seed routes the same way; a strong noise moves choices; k and normalisation stay
+    routed, index, weights = run("noisy_topk", {"noise_scale": 4.0})
+    again, _, _ = run("noisy_topk", {"noise_scale": 4.0})
+    assert all(torch.equal(routed[layer][0], again[layer][0]) for layer in routed), arch
+    assert not torch.equal(index, stock[first][0][mine]) and ((index < E).sum(dim=1) == K).all(), arch
+    total = _architecture_sum(gate)
+    if total is not None:
+        assert torch.allclose(weights.sum(dim=1), torch.full((14,), total), atol=1e-5), arch
+    # sticky: consecutive tokens share more experts than the stock gate's do
+    _, index, _ = run("sticky", {"sticky_strength": 4.0, "sticky_decay": 0.0})
+
+    def shared(idx):
+        return sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(idx[1:], idx[:-1]))
+
+    assert shared(index) > shared(stock[first][0][mine]), arch
+    # everything at once, beside the exact request
+    run(
+        "prefer+confidence_k+noisy_topk+sticky",
+        {"k_max": k_max, "noise_scale": 1.0, "sticky_strength": 1.0},
+    )
+    run("restrict+adaptive_k+capacity+noisy_topk+sticky", {"queue_slo_ms": 0})
+
+
+def _serve(engine, requests):
+    """Each request's generated tokens, all submitted before the engine starts (one batch)."""
+    seqs = [engine.submit(r) for r in requests]
+    engine.start()
+    try:
+        events = [list(s) for s in seqs]
+    finally:
+        engine.stop()
+    for e in events:
+        assert isinstance(e[-1], FinishEvent), e[-1]
+    return [[t for e in ev if isinstance(e, TokenEvent) for t in e.token_ids] for ev in events]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_the_new_rules_in_the_engine_leave_exact_identical_and_noise_reproducible(arch):
+    model = _model(arch)
+    gate_bias = GateBias(model)
+    K, E = model.config.num_experts_per_tok, next(iter(gate_bias.num_experts.values()))
+
+    def request(request_id, prompt, name="exact", given=None, seed=None):
+        routing = RequestRouting(parse_policy(name, given or {}, K, E))
+        return GenerationRequest(
+            request_id,
+            prompt,
+            max_new_tokens=8,
+            stop_at_eos=False,
+            routing=seeded(routing, seed, request_id),
+        )
+
+    exact = request("exact", (5, 6, 7, 8))
+    noisy = request("noisy", (9, 10, 11), "noisy_topk", {"noise_scale": 2.0}, seed=11)
+    others = [
+        exact,
+        noisy,
+        request("conf", (12, 13), "confidence_k", {"k_max": K + 1}),
+        request("sticky", (14, 15, 16), "sticky", {"sticky_strength": 2.0}),
+        request("adaptive", (17, 18, 19, 20), "adaptive_k", {"queue_slo_ms": 0}),
+    ]
+    tokens = _serve(Engine(model, None, _LocalDispatcher(gate_bias), EngineLimits(8, 8), max_context=64), others)
+    assert tokens[0] == stock_greedy(model, exact.prompt_ids, 8)
+    assert all(len(t) == 8 for t in tokens[1:])
+    # the noisy request alone, under another id but the same seed: the same noise, hence the same answer
+    alone = _serve(
+        Engine(model, None, _LocalDispatcher(gate_bias), EngineLimits(8, 8), max_context=64),
+        [request("noisy-again", (9, 10, 11), "noisy_topk", {"noise_scale": 2.0}, seed=11)],
+    )
+    assert alone[0] == tokens[1]

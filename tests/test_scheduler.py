@@ -202,3 +202,19 @@ def test_a_request_the_pool_can_never_hold_is_refused_before_it_queues():
     s, _ = scheduler(blocks=2)
     with pytest.raises(InvalidRequest, match="need 3 KV blocks of 4 tokens; the KV pool"):
         s.kv.check_fits(GenerationRequest("big", tuple(range(8)), max_new_tokens=4), max_context=64)
+
+
+def test_each_plan_carries_the_queue_left_after_admission_for_adaptive_k():
+    s, clock = scheduler(max_active=1)
+    a, b, c = request("a", [5, 6]), request("b", [7, 8]), request("c", [9])
+    for r, arrived in ((a, 99.0), (b, 99.5), (c, 99.8)):
+        r.arrival_time = arrived
+        s.add_request(r)
+    plan = step(s)
+    assert plan.queue.queued == 2 and plan.queue.oldest_wait_s == pytest.approx(0.5)  # b waited since 99.5
+    clock.now += 1.0
+    assert step(s).queue.oldest_wait_s == pytest.approx(1.5)
+    s.finish(a)
+    s.finish(b)
+    s.finish(c)
+    assert step(s).queue == type(plan.queue)(0, 0.0)  # nothing waits

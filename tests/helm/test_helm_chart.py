@@ -513,6 +513,44 @@ def test_loop_and_routing_values_render_into_the_settings_the_code_reads(helm, m
     )
 
 
+def test_default_routing_policies_with_parameters_and_per_domain_render_into_the_serving_config(
+    helm, monkeypatch, tmp_path
+):
+    from expertmesh.config.settings import ServingConfig, read_config_file
+
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        "router:\n"
+        "  routingPolicy: restrict+delta_gap(top_n=4,delta=0.2)\n"
+        "  domainRoutingPolicies:\n"
+        "    legal: restrict(top_n=4)\n"
+        "    code/python: confidence_k(k_max=3)\n"
+    )
+    res = helm(*template_args(values))
+    assert res.returncode == 0, res.stderr
+    router = one(res.docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0]
+    env = {k: v["value"] for k, v in env_of(router).items() if "value" in v}
+    assert env["EXPERTMESH_DOMAIN_ROUTING_POLICIES"] == "code/python=confidence_k(k_max=3);legal=restrict(top_n=4)"
+    for name in ("EXPERTMESH_ROUTING_POLICY", "EXPERTMESH_DOMAIN_ROUTING_POLICIES"):
+        monkeypatch.setenv(name, env[name])
+    config = ServingConfig()  # what the router reads from that environment
+    assert config.routing_policy == "restrict+delta_gap(top_n=4,delta=0.2)"
+    assert config.domain_routing_policies == {"legal": "restrict(top_n=4)", "code/python": "confidence_k(k_max=3)"}
+    # the same values file as a --config file gives the same settings
+    monkeypatch.delenv("EXPERTMESH_ROUTING_POLICY")
+    monkeypatch.delenv("EXPERTMESH_DOMAIN_ROUTING_POLICIES")
+    file = read_config_file(values)
+    assert file.values["domain_routing_policies"] == config.domain_routing_policies
+    assert file.keys["routing_policy"] == "router.routingPolicy"
+    assert "EXPERTMESH_DOMAIN_ROUTING_POLICIES" not in env_of(
+        one(helm(*template_args(None)).docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"][
+            "containers"
+        ][0]
+    )
+    for bad in ("router.routingPolicy=delta_gap(delta=x)", "router.domainRoutingPolicies.legal=bad policy"):
+        assert helm(*template_args(None), "--set", bad).returncode != 0, bad
+
+
 def test_loop_settings_are_the_config_fields_and_nothing_else(helm):
     from expertmesh.orchestrator.drift.config import DriftConfig
     from expertmesh.orchestrator.health.config import HealthConfig

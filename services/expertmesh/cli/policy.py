@@ -6,7 +6,8 @@ KL(exact || policy) of the next-token distributions (nats per position), top-1 a
 agreement, and routed-expert parameters per token the policy saves (from the router's expert choices by
 domain during each scoring pass; other traffic of the same domain on that router meanwhile would count
 too). With a shared state store (``--state-url``, or ``EXPERTMESH_STATE_URL``) the result is recorded
-there, where routers' quality guard reads it.
+there, where routers' quality guard reads it. ``adaptive_k`` is measured at its floor (``queue_slo_ms`` 0,
+whatever ``--queue-slo-ms`` says), the narrowest it serves, and recorded under a key without the SLO.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ _PARAMETERS = (
     "k_min",
     "tau",
     "capacity_factor",
+    "k_max",
+    "noise_scale",
+    "sticky_strength",
+    "sticky_decay",
+    "queue_slo_ms",
 )
 
 

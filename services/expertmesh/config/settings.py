@@ -237,7 +237,16 @@ class ServingConfig(BaseSettings):
     )
     routing_policy: str = Field(
         "exact",
-        description="routing policy of requests that name none (exact, prefer, restrict, delta_gap, dynamic_k, or a+b)",
+        description="routing policy of requests that name none, with its parameters if any: a name (exact, prefer, "
+        "restrict, delta_gap, dynamic_k, confidence_k, ..., or a+b) or name(param=value,...), e.g. "
+        "'restrict+delta_gap(top_n=4,delta=0.2)'",
+    )
+    domain_routing_policies: Annotated[dict[str, str], NoDecode] = Field(
+        {},
+        description="per query domain, the routing policy of its requests that name none, in place of "
+        "routing_policy (a domain of the classifier's taxonomy, or one level below it; a request without a domain "
+        "is classified when any is set): DOMAIN=POLICY;DOMAIN=POLICY in a flag or the environment, e.g. "
+        "'legal=restrict(top_n=4);code=confidence_k', a mapping in a config file",
     )
     policy_kl_bound: float = Field(
         0.1,
@@ -266,6 +275,26 @@ class ServingConfig(BaseSettings):
         le=GUARD_REGENERATIONS_LIMIT,
         description="consistency guard: most tokens computed again per request",
     )
+
+    @field_validator("domain_routing_policies", mode="before")
+    @classmethod
+    def _domain_policies(cls, value):
+        """``DOMAIN=POLICY;DOMAIN=POLICY`` (flags, the environment) or a mapping (a config file, Helm values)."""
+        if isinstance(value, str):
+            pairs = [p.strip() for p in value.split(";") if p.strip()]
+            bad = [p for p in pairs if "=" not in p.split("(")[0]]
+            if bad:
+                raise ValueError(f"expected DOMAIN=POLICY;DOMAIN=POLICY, got {bad[0][:64]!r}")
+            value = {}
+            for domain, policy in (p.split("=", 1) for p in pairs):
+                if domain.strip() in value:
+                    raise ValueError(f"domain {domain.strip()[:64]!r} is given twice")
+                value[domain.strip()] = policy.strip()
+        if isinstance(value, dict):
+            for domain, policy in value.items():
+                if not isinstance(domain, str) or not domain.strip() or not isinstance(policy, str):
+                    raise ValueError(f"expected domain -> policy text, got {domain!r}: {policy!r}")
+        return value
 
 
 class TlsConfig(BaseSettings):
@@ -418,6 +447,8 @@ HELM_KEYS: dict[tuple[str, ...], str] = {
     ("router", "http", "port"): "http_port",
     ("expertGroups", "numCpus"): "group_num_cpus",
     ("redis", "external", "url"): "state_url",
+    ("router", "routingPolicy"): "routing_policy",
+    ("router", "domainRoutingPolicies"): "domain_routing_policies",
 }
 #: Helm switches: when false, the setting under them stays unset (``router.http.enabled: false``).
 HELM_SWITCHES: dict[tuple[str, ...], str] = {("router", "http", "enabled"): "http_port"}
@@ -527,6 +558,10 @@ def _flag_kind(annotation: Any) -> dict[str, Any]:
         return {"choices": list(typing.get_args(annotation))}
     if annotation is bool:  # the field's validator reads the word
         return {"choices": ["true", "false"]}
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) is dict:  # the field's validator reads the text
+        return {"type": str}
     return {"type": annotation}
 
 
@@ -639,6 +674,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_flag(parser, ServingConfig, "http_max_body_bytes")
     add_setting_flag(parser, ServingConfig, "metrics_port")
     add_setting_flag(parser, ServingConfig, "routing_policy")
+    add_setting_flag(parser, ServingConfig, "domain_routing_policies")
     add_setting_flag(parser, ServingConfig, "profiles")
     add_setting_flag(parser, ServingConfig, "consistency_guard")
     add_setting_flag(parser, ServingConfig, "consistency_threshold")

@@ -104,6 +104,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
             plane.store,
             config.policy_kl_bound,
             guard_default=guard_default(config, info.top_k),
+            domain_policies=config.domain_routing_policies,
         ),
     )
     return InferenceServer(servicer, engine, config).start()

@@ -28,6 +28,7 @@ from expertmesh.infra.telemetry.setup import tracer
 from expertmesh.router.dispatch.step_choices import StepChoices
 from expertmesh.router.dispatch.step_context import StepContext
 from expertmesh.router.policy.routing_policy import StepRouting, step_routing
+from expertmesh.router.policy.token_rules import QueueSignal
 from expertmesh.serving.forward import Chunk, MaskSpec, forward_alone, forward_packed, pack
 from expertmesh.serving.graph_capture import CAPTURES, choose_capture
 from expertmesh.serving.input_buffers import InputBuffers, plan_for
@@ -118,6 +119,8 @@ class ModelRunner:
         self.capture = CAPTURES[choose_capture(model.device)]
         #: steps that reached the model
         self.steps = 0
+        #: the scheduler's queue at the running step's start (adaptive_k reads it)
+        self._queue = QueueSignal()
         log.info("model runner: %s", ", ".join(f"{k} {v}" for k, v in self.describe().items()))
 
     def describe(self) -> dict[str, object]:
@@ -136,6 +139,7 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         chunks = plan.chunks
+        self._queue = plan.queue
         try:
             self._dispatcher.begin_step()
         except ExpertMeshError as err:
@@ -164,13 +168,14 @@ class ModelRunner:
             choices=StepChoices(tokens, detail) if self._keep_choices or any(detail) else None,
         )
 
-    @staticmethod
-    def _routing(chunks: list[ScheduledChunk]) -> StepRouting | None:
+    def _routing(self, chunks: list[ScheduledChunk]) -> StepRouting | None:
         return step_routing(
             [(c.request.params.routing, len(c.token_ids)) for c in chunks],
             # the answer index of each chunk's first token (what decay_k counts from; at most 0 in the prompt)
             [c.start + 1 - c.request.num_prompt_tokens for c in chunks],
             [c.request.widen for c in chunks],
+            queue=self._queue,
+            states=[c.request.routing_state for c in chunks],
         )
 
     def _span(self, chunk: ScheduledChunk, step_size: int) -> trace.Span:

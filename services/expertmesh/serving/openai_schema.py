@@ -114,6 +114,11 @@ class RoutingPolicyBody(BaseModel):
     k_min: int | None = Field(None, ge=0, le=2**32 - 1)
     tau: float | None = None
     capacity_factor: float | None = None
+    k_max: int | None = Field(None, ge=0, le=2**32 - 1)
+    noise_scale: float | None = None
+    sticky_strength: float | None = None
+    sticky_decay: float | None = None
+    queue_slo_ms: float | None = None
     force: bool = False
 
 

@@ -27,6 +27,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from expertmesh.router.policy.routing_policy import RequestRouting
+from expertmesh.router.policy.token_rules import RoutingState
 from expertmesh.serving.consistency_guard import GuardSpec
 from expertmesh.serving.events import FINAL_EVENTS, Event
 from expertmesh.serving.grammar import CompiledGrammar
@@ -111,6 +112,8 @@ class Request:
     prompt_logprobs_sent: bool = False
     #: experts its next step's tokens choose (the consistency guard's widening after a rollback; 0: its rules')
     widen: int = 0
+    #: its routing across steps (sticky's trace), read and written by each step through its StepRouting
+    routing_state: RoutingState = field(default_factory=RoutingState)
     #: the output processor's state of it (its sampler, grammar, text, guard, scores so far)
     output: "OutputState | Any" = None
     #: the caller's trace context: this request's step spans belong to its trace

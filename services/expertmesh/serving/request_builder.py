@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from expertmesh.config.settings import ServingConfig
 from expertmesh.contracts.errors import InvalidRequest
-from expertmesh.router.policy.routing_policy import RequestRouting
+from expertmesh.router.policy.routing_policy import RequestRouting, seeded
 from expertmesh.serving.grammar import CompiledGrammar, Grammars, GrammarSpec
 from expertmesh.serving.request import GenerationRequest, ScoreSpec
 from expertmesh.serving.request_routing import RequestRouter
@@ -159,6 +159,8 @@ class RequestBuilder:
             if problem:
                 raise _refused("routing_trace", problem)
         routing = self._resolve(spec.routing_policy, spec.domain, spec.prompt_ids, spec.prompt_text)
+        # noisy_topk's seed: the request's (every choice of it routes alike), else its id's hash
+        routing = seeded(routing, spec.sampling.seed, request_id)
         guard = self._consistency_guard(spec.consistency_guard, routing)
         grammar = self._grammar(spec.grammar)
         base = GenerationRequest(
@@ -209,7 +211,7 @@ class RequestBuilder:
             prompt_ids=tuple(spec.prompt_ids),
             deadline=spec.deadline,
             score=spec.score,
-            routing=self._resolve(spec.routing_policy, spec.domain, spec.prompt_ids, spec.prompt_text),
+            routing=self._score_routing(spec),
             cache_salt=spec.cache_salt,
             client=spec.client,
         )
@@ -299,6 +301,10 @@ class RequestBuilder:
             return None
         decode = self._decode
         return self._routing.resolve(policy, domain, lambda: text if text is not None else decode and decode(ids))
+
+    def _score_routing(self, spec: ScoreRequestSpec) -> RequestRouting | None:
+        # a Score call has neither seed nor id: noisy_topk's seed is the hash of "" (the same for every call)
+        return seeded(self._resolve(spec.routing_policy, spec.domain, spec.prompt_ids, spec.prompt_text), None, "")
 
     def _consistency_guard(self, message: pb.ConsistencyGuard | None, routing: RequestRouting | None):
         if self._routing is None:

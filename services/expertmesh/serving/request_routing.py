@@ -1,7 +1,8 @@
-"""A request's routing, decided before it reaches the engine: its policy (the request's or the server's
-default), its domain (the client's, or the query classifier's when the policy needs one and none was
-given), the per-layer biases its bias rule adds (from the domain's capability profile), and the quality
-guard. Anything wrong is an ``InvalidRequest`` naming the field.
+"""A request's routing, decided before it reaches the engine: its policy (the request's, else its domain's
+default, else the server's: each configured with its parameters, ``routing_policy.parse_policy_spec``), its
+domain (the client's, or the query classifier's when the policy needs one, or when per-domain defaults are
+set and the request names neither), the per-layer biases its bias rule adds (from the domain's capability
+profile), and the quality guard. Anything wrong is an ``InvalidRequest`` naming the field.
 
 Profiles and quality records are read from the state store by a thread of their own (``PolicyRecords``)
 every ``refresh_s`` seconds, never on a request's thread or under a lock a request takes: a request costs
@@ -16,7 +17,7 @@ import logging
 import re
 import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -33,6 +34,7 @@ from expertmesh.router.policy.routing_policy import (
     RoutingPolicy,
     parameters,
     parse_policy,
+    parse_policy_spec,
     policy_names,
     prefer_bias,
     restrict_bias,
@@ -132,19 +134,27 @@ class RequestRouter:
         classifier: Callable[[], object] | None = None,
         refresh_s: float = 5.0,
         guard_default: GuardSpec | None = None,
+        domain_policies: Mapping[str, str] | None = None,
     ):
-        """``classifier``: returns the query classifier (called on first need; default: the trained default).
-        ``guard_default``: the consistency guard of non-exact requests that ask for none (None: off)."""
+        """``default_policy``: the policy of requests that name none, as ``parse_policy_spec`` reads it
+        (``delta_gap(delta=0.2)``). ``domain_policies``: domain -> the same, in its place for that domain's
+        requests (and the domains below it). ``classifier``: returns the query classifier (called on first need;
+        default: the trained default). ``guard_default``: the consistency guard of non-exact requests that ask for
+        none (None: off)."""
         self.top_k, self.num_experts, self.moe_layers = top_k, num_experts, tuple(moe_layers)
-        try:
-            self.default = parse_policy(default_policy, {}, top_k, num_experts, "routing_policy")
-        except PolicyError as err:
-            raise ExpertMeshError(
-                f"the server's default routing policy (--routing-policy, EXPERTMESH_ROUTING_POLICY): {err}"
-            ) from None
+        self.default = self._configured(default_policy, "--routing-policy, EXPERTMESH_ROUTING_POLICY")
         self._kl_bound = kl_bound
         self.guard_default = guard_default
         self._classifier_factory = classifier
+        where = "--domain-routing-policies, EXPERTMESH_DOMAIN_ROUTING_POLICIES"
+        #: domain -> its requests' default policy (in place of ``default``)
+        self.domain_defaults: dict[str, RoutingPolicy] = {}
+        for domain, spec in (domain_policies or {}).items():
+            try:
+                self._check_domain(domain)
+            except InvalidRequest as err:
+                raise ExpertMeshError(f"the per-domain routing policies ({where}): {err}") from None
+            self.domain_defaults[domain] = self._configured(spec, f"{where}: domain {domain!r}")
         #: None without a store: no profiles, no quality records
         self._records = PolicyRecords(store, refresh_s) if store is not None else None
 
@@ -170,6 +180,20 @@ class RequestRouter:
             spec = self.guard_default
         return None if routing is None or routing.policy.is_exact else spec
 
+    def _configured(self, spec: str, where: str) -> RoutingPolicy:
+        """A configured default policy, or an ExpertMeshError at start naming the setting (``where``)."""
+        try:
+            return parse_policy_spec(spec, self.top_k, self.num_experts, "routing_policy")
+        except PolicyError as err:
+            raise ExpertMeshError(f"the server's default routing policy ({where}): {err}") from None
+
+    def default_for(self, domain: str | None) -> RoutingPolicy:
+        """The default policy of a request of ``domain``: its own, else its top level's
+        (``legal/contract`` -> ``legal``), else the server's."""
+        if domain is None:
+            return self.default
+        return self.domain_defaults.get(domain) or self.domain_defaults.get(domain.split("/")[0]) or self.default
+
     # -- what ListModels reports ------------------------------------------------------------
 
     def catalogue(self) -> list[pb.RoutingPolicyInfo]:
@@ -185,7 +209,7 @@ class RequestRouter:
                     parameters=[
                         pb.RoutingParameter(
                             name=p.name,
-                            rule=p.rule,
+                            rule=p.rule_in(rules),
                             default_value=p.default,
                             min=p.low,
                             max=p.high,
@@ -193,7 +217,7 @@ class RequestRouter:
                             description=p.description,
                         )
                         for p in params
-                        if p.rule in rules
+                        if p.rule_in(rules) is not None
                     ],
                 )
             )
@@ -207,10 +231,13 @@ class RequestRouter:
         """The routing of a request that asked for policy ``message`` and ``domain`` (None: the server's
         default policy; classified when the policy needs a domain), or None: stock gate, no domain.
         ``prompt_text`` gives the prompt as text for the classifier (None when there is none)."""
-        policy = self._policy(message)
         if domain is not None:
             self._check_domain(domain)
-        elif policy.needs_domain:
+        elif self.domain_defaults and (message is None or not message.name):
+            text = prompt_text()  # its domain chooses its default policy (a token-id prompt: the server's)
+            domain = self._classify(self.default, text) if text else None
+        policy = self._policy(message, self.default_for(domain))
+        if domain is None and policy.needs_domain:
             domain = self._classify(policy, prompt_text())
         if not policy.is_exact and not (message is not None and message.force):
             problem = guard_problem(self._quality().get(policy.key), self._kl_bound)
@@ -219,12 +246,16 @@ class RequestRouter:
         routing = RequestRouting(policy, domain, self._biases(policy, domain) if policy.needs_domain else {})
         return None if routing.is_plain else routing
 
-    def _policy(self, message: pb.RoutingPolicy | None) -> RoutingPolicy:
+    def _policy(self, message: pb.RoutingPolicy | None, default: RoutingPolicy) -> RoutingPolicy:
+        """The request's policy: ``message`` (None: ``default``); one without a name is ``default`` with the
+        parameters it sets in place of the configured ones."""
         if message is None:
-            return self.default
+            return default
         given = {p: float(getattr(message, p)) for p in PARAMETER_NAMES if message.HasField(p)}
+        if not message.name:
+            given = {**default.active(), **given}
         try:
-            return parse_policy(message.name or self.default.name, given, self.top_k, self.num_experts)
+            return parse_policy(message.name or default.name, given, self.top_k, self.num_experts)
         except PolicyError as err:
             raise InvalidRequest(str(err), field=err.field) from None
 

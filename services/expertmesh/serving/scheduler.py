@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from expertmesh.contracts.errors import Overloaded
+from expertmesh.router.policy.token_rules import QueueSignal
 from expertmesh.serving.events import Failure
 from expertmesh.serving.kv_cache_manager import KVCacheManager
 from expertmesh.serving.request import Request, RequestStatus
@@ -77,6 +78,8 @@ class SchedulerOutput:
     aborted: list[tuple[Request, Failure, str]] = field(default_factory=list)
     #: requests scheduled for the first time (their queue time ends now)
     first_scheduled: list[Request] = field(default_factory=list)
+    #: the queue after admission: what adaptive_k narrows by
+    queue: QueueSignal = QueueSignal()
 
     @property
     def num_tokens(self) -> int:
@@ -153,7 +156,9 @@ class Scheduler:
         )
         chunks = [self._chunk(r, n) for r, n in zip(self.running, tokens) if n]
         kind = step_kind([c.request.decoding for c in chunks])
-        return SchedulerOutput(chunks, kind, preempted, aborted, first)
+        now = self._clock()
+        queue = QueueSignal(len(self.waiting), max((now - r.arrival_time for r in self.waiting), default=0.0))
+        return SchedulerOutput(chunks, kind, preempted, aborted, first, queue)
 
     def _abort_cancelled_and_expired(self) -> list[tuple[Request, Failure, str]]:
         now, out = self._clock(), []

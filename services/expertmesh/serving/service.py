@@ -96,6 +96,7 @@ class InferenceServicer:
             None,
             config.policy_kl_bound,
             guard_default=guard_default(config, info.top_k),
+            domain_policies=config.domain_routing_policies,
         )
         #: every bound of a request, shared with the HTTP API
         self.builder = RequestBuilder(
@@ -351,6 +352,8 @@ class InferenceServicer:
             models=[info],
             routing_policies=self.routing.catalogue(),
             default_routing_policy=self.routing.default.name,
+            default_routing_policy_spec=self.routing.default.spec,
+            domain_routing_policies={d: p.spec for d, p in self.routing.domain_defaults.items()},
         )
 
     def GetLoadStats(self, request: pb.LoadStatsRequest, context) -> pb.LoadStatsResponse:

@@ -174,6 +174,8 @@ def policy_request(
         flag = "--policy" if err.field.endswith(".name") else "--" + err.field.rsplit(".", 1)[1].replace("_", "-")
         raise InvalidRequest(f"{flag}: {str(err).split(': ', 1)[1]}") from None
     wanted = pb.RoutingPolicy(name=policy.name, force=True, **{k: v for k, v in policy.active().items()})
+    if "adaptive_k" in policy.rules:
+        wanted.queue_slo_ms = 0  # measured at its floor, the narrowest it serves (its key leaves the SLO out)
     return info, policy, wanted
 
 

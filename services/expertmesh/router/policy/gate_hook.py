@@ -18,8 +18,11 @@ object's for the duration of ``routing``.
 Two sources of bias add up: ``set`` (the whole router's, per layer: quarantined
 experts) and ``routing`` (one forward's per-token routing policies,
 ``routing_policy.StepRouting``); a step's ``gate_temperature`` divides the same
-logits first. A step with k rules (``delta_gap``, ``dynamic_k``, ``decay_k``) or
-``capacity`` also has the gate's top-k transformed after its forward: every
+logits first, and ``noisy_topk``'s noise then ``sticky``'s bias (computed token by
+token from those logits, ``token_rules.sticky_scan``) are added last. A step with
+k rules (``delta_gap``, ``dynamic_k``, ``decay_k``, ``confidence_k``,
+``adaptive_k``) or ``capacity`` also has the gate's top-k transformed after its
+forward: every
 gate class keeps ``top_k`` and returns ``(logits, weights, index)``, so the
 tokens that need another k are gated once more with that ``top_k``, by the
 architecture's own selection (and the same logits transform), and capacity
@@ -34,7 +37,7 @@ slots, so the output is the same as if it had not been chosen.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -51,16 +54,24 @@ from expertmesh.router.policy.routing_policy import (
     token_k,
     top2_gap,
 )
+from expertmesh.router.policy.token_rules import gate_confidence, gumbel_noise, sticky_scan
 
 
 class _BiasFirstLinear(TorchFunctionMode):
     """Transforms the output of the first ``F.linear`` it sees, the gate's logits: divided by
-    ``temperature`` ([T]; 1: untouched) first, then plus ``bias`` ([E] or [T, E])."""
+    ``temperature`` ([T]; 1: untouched) first, then plus ``bias`` ([E] or [T, E]), then ``then`` (logits
+    [T, E'] -> logits: noise and sticky)."""
 
-    def __init__(self, bias: torch.Tensor | None, temperature: torch.Tensor | None = None):
+    def __init__(
+        self,
+        bias: torch.Tensor | None,
+        temperature: torch.Tensor | None = None,
+        then: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         super().__init__()
         self._bias = bias
         self._temperature = temperature
+        self._then = then
         self._done = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -74,6 +85,8 @@ class _BiasFirstLinear(TorchFunctionMode):
                 if out.shape[-1] == bias.shape[-1] + 1:  # a skip class after the experts (Zaya): left as it is
                     bias = F.pad(bias, (0, 1))
                 out = out + bias
+            if self._then is not None:
+                out = self._then(out)
         return out
 
 
@@ -106,6 +119,14 @@ def find_gates(model: nn.Module) -> dict[int, nn.Module]:
     return gates
 
 
+def _add_rows(logits: torch.Tensor, rows: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """logits [T, E'] with ``extra`` [R, E] added to the first E columns of ``rows`` [R]; other rows bit for bit."""
+    out = logits.clone()
+    E = extra.shape[1]
+    out[rows, :E] = logits[rows, :E] + extra.to(logits.device, logits.dtype)
+    return out
+
+
 def widest_k(gate: nn.Module, num_experts: int) -> int:
     """The most experts ``gate`` can choose per token: group-limited gates (DeepSeek-V3) choose only
     within their ``topk_group`` best groups."""
@@ -126,6 +147,11 @@ class GateBias:
         self.gates = find_gates(model)
         experts = experts_modules(model)
         self.num_experts = {layer: experts[layer][1].num_experts for layer in self.gates}
+        config_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None) or 1
+        #: the experts each gate chooses per token (sticky's trace follows that many)
+        self.top_k = {layer: int(getattr(gate, "top_k", None) or config_k) for layer, gate in self.gates.items()}
+        #: the noise and sticky bias [T, E] the running forward's gate at that layer added (for ``_gate_again``)
+        self._added: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer, gate in self.gates.items():
             gate.register_forward_pre_hook(lambda _m, _a, layer=layer: self._enter(layer))
             gate.register_forward_hook(lambda *_: self._exit(), always_call=True)
@@ -135,10 +161,12 @@ class GateBias:
     def routing(self, step: StepRouting | None) -> Iterator[None]:
         """Within this block, the model's forward applies ``step``'s per-token policies (None: none)."""
         self._step = step
+        self._added = {}
         try:
             yield
         finally:
             self._step = None
+            self._added = {}
 
     def set(self, biases: Mapping[int, torch.Tensor]) -> None:
         """layer -> bias [num_experts] (or [tokens, num_experts]) from the next gate forward on."""
@@ -163,10 +191,36 @@ class GateBias:
 
     def _enter(self, layer: int) -> None:
         bias, temperature = self._bias(layer), self._temperature()
-        mode = _BiasFirstLinear(bias, temperature) if bias is not None or temperature is not None else None
-        if mode is not None:
+        step = self._step
+        then = None
+        if step is not None and (step.noise is not None or step.sticky):
+            then = lambda logits: self._noise_and_sticky(layer, logits)  # noqa: E731
+        mode = None
+        if bias is not None or temperature is not None or then is not None:
+            mode = _BiasFirstLinear(bias, temperature, then)
             mode.__enter__()
         self._mode = mode
+
+    def _noise_and_sticky(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
+        """The gate's logits [T, E'] (temperature and bias applied) plus noisy_topk's noise and sticky's bias
+        on the rows that have them; what was added is kept for ``_gate_again``."""
+        step, E = self._step, self.num_experts[layer]
+        added = torch.zeros(logits.shape[0], E)
+        touched = torch.zeros(logits.shape[0], dtype=torch.bool)
+        if step.noise is not None:
+            rows = (step.noise.scale > 0).nonzero().squeeze(1)  # [R]
+            noise = gumbel_noise(step.noise.seed[rows], step.noise.t[rows], layer, E)  # [R, E]
+            added[rows] = noise * step.noise.scale[rows, None]
+            touched[rows] = True
+            logits = _add_rows(logits, rows, added[rows])
+        if step.sticky:
+            bias = sticky_scan(logits[:, :E], step.sticky, layer, self.top_k[layer]).cpu()  # [T, E]
+            rows = torch.cat([torch.arange(s.start, s.end) for s in step.sticky])
+            added[rows] = added[rows] + bias[rows]
+            touched[rows] = True
+            logits = _add_rows(logits, rows, bias[rows])
+        self._added[layer] = (touched, added)
+        return logits
 
     def _exit(self) -> None:
         mode = self._mode
@@ -190,7 +244,8 @@ class GateBias:
             rules = step.k_rules
             gap = top2_gap(scores)  # [T]
             top_k = getattr(gate, "top_k", index.shape[1])
-            k = token_k(gap, rules, top_k, widest_k(gate, num_experts))  # [T]
+            confidence = gate_confidence(scores[:, :num_experts]) if rules.needs_confidence else None  # [T]
+            k = token_k(gap, rules, top_k, widest_k(gate, num_experts), confidence)  # [T]
             if not hasattr(gate, "top_k"):  # a gate that cannot be asked for another k keeps its own
                 k = torch.full_like(k, top_k)
             regated = []
@@ -210,20 +265,26 @@ class GateBias:
 
     def _gate_again(self, gate: nn.Module, layer: int, hidden: torch.Tensor, tokens: int, rows: torch.Tensor, k: int):
         """The gate's own (index [W, k], weights [W, k]) for the tokens ``rows`` [W] of its input ``hidden``,
-        with the forward's bias and temperature on those rows."""
+        with the forward's bias, temperature, noise and sticky bias on those rows."""
         hidden = hidden.reshape(tokens, -1)[rows]  # [W, H]
         bias, temperature = self._bias(layer), self._temperature()
         if bias is not None and bias.dim() == 2:
             bias = bias[rows]
         if temperature is not None:
             temperature = temperature[rows]
+        then = None
+        if layer in self._added:
+            touched, added = self._added[layer]
+            mine = touched[rows.cpu()].nonzero().squeeze(1)  # [W'] of the W rows
+            extra = added[rows.cpu()][mine]  # [W', E]
+            then = lambda logits: _add_rows(logits, mine, extra)  # noqa: E731
         old_k = gate.top_k
         gate.top_k = k
         try:
-            if bias is None and temperature is None:
+            if bias is None and temperature is None and then is None:
                 _, weights, index = gate.forward(hidden)
             else:
-                with _BiasFirstLinear(bias, temperature):
+                with _BiasFirstLinear(bias, temperature, then):
                     _, weights, index = gate.forward(hidden)
         finally:
             gate.top_k = old_k

@@ -13,37 +13,63 @@ A policy is ``exact`` (the stock gate, untouched: the default) or a ``+``-joined
   widen when torn); a token that widens is never narrowed. ``decay_k`` instead sets each token's k from
   its place in the answer: ``round(max(k_min, k_start * decay**t))`` (halves round up), t the index of the
   answer token the position predicts (0 for every prompt position, so a prompt is read with ``k_start``).
-  A k rule that asks for more experts than the architecture's top-k gets the architecture's own top-(k),
-  its normalisation included; fewer (decay_k) likewise, at most the experts the gate can choose.
+  ``confidence_k`` sets it from the gate's confidence (``token_rules``: ``1 - H / log E``, the report's
+  ``alpha = min(1, max(0.1, 0.5 + 0.3 log2(1 + confidence)))``): ``min(k_max, max(k_min, round(k_max /
+  (2 alpha))))`` (halves round up): k_max for a flat gate, about 5/8 of it for a sure one. ``adaptive_k``
+  narrows under load: the gate's top-k less one expert per ``queue_slo_ms`` the oldest queued request has
+  waited past the first (the scheduler's queue signal at the step's start), never below ``k_min``, back to
+  top-k as soon as the queue waits less; ``queue_slo_ms`` 0 holds it at ``k_min``, which is what ``policy
+  eval`` measures and the quality guard's record is filed under (its key leaves ``queue_slo_ms`` out), so the
+  guard bounds its narrowest. decay_k, confidence_k and adaptive_k each set k: at most one, with neither
+  confidence rule. A k rule that asks for more experts than the architecture's top-k gets the architecture's
+  own top-(k), its normalisation included; fewer likewise, at most the experts the gate can choose.
 - *gate modifiers*, with any of the above: ``gate_temperature`` divides the gate's logits by ``tau`` before
   the architecture's score function (then any bias is added); ``capacity`` lets an expert take at most
   ``ceil(capacity_factor * slots / E)`` of one step's slots at a layer (slots: the valid choices of the
   step's tokens that have the rule; tokens of one factor share a cap), moving overflow to the token's
-  next-best expert with room (tokens in order, then each token's choices by gate score).
+  next-best expert with room (tokens in order, then each token's choices by gate score); ``noisy_topk`` adds
+  ``noise_scale`` times Gumbel noise to the logits, from a counter hash of (the request's seed, t, layer,
+  expert) (``token_rules.gumbel_noise``; the seed is the request's sampling seed, else a hash of its id), so
+  the same request is routed the same way in any batch; ``sticky`` adds ``sticky_strength`` times the
+  sequence's trace of the experts its earlier tokens chose at that layer (the previous token's weigh
+  ``1 - sticky_decay``, each older one ``sticky_decay`` times less), token by token (``token_rules.sticky_scan``)
+  from the request's ``RoutingState``.
 
-Bias and temperature act on logits before the architecture's own selection (``gate_hook``); k rules
+Bias, temperature, noise and sticky act on logits before the architecture's own selection (``gate_hook``); k rules
 transform its top-k afterwards, so a token's choice may have a varying number of valid slots: the rest
 carry the skip sentinel ``num_experts`` with weight 0, which the dispatch plan and the load window skip.
 
 In a serving step every token carries its own request's rules (``StepRouting``); tokens of ``exact``
-requests get a zero bias, temperature 1 and no k or capacity rule, so their routing is bit-identical to
-the stock gate's.
+requests get a zero bias, temperature 1, no noise, no trace and no k or capacity rule, so their routing is
+bit-identical to the stock gate's.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import torch
 
+from expertmesh.models.hosted_experts import TOP_K_ALLOWANCE
+from expertmesh.router.policy.token_rules import (
+    QueueSignal,
+    RoutingState,
+    StickySequence,
+    adaptive_narrow,
+    confidence_k,
+    request_seed,
+)
+
 EXACT = "exact"
 BIAS_RULES = ("prefer", "restrict")
-#: confidence rules (combine with each other) and decay_k, which combines with neither
-K_RULES = ("delta_gap", "dynamic_k", "decay_k")
+#: confidence rules (combine with each other), and the rules that set k (at most one, with neither confidence rule)
+K_RULES = ("delta_gap", "dynamic_k", "decay_k", "confidence_k", "adaptive_k")
 CONFIDENCE_RULES = ("delta_gap", "dynamic_k")
-MODIFIERS = ("gate_temperature", "capacity")
+SET_K_RULES = ("decay_k", "confidence_k", "adaptive_k")
+MODIFIERS = ("gate_temperature", "capacity", "noisy_topk", "sticky")
 RULES = BIAS_RULES + K_RULES + MODIFIERS
 
 
@@ -66,6 +92,18 @@ class Parameter:
     high: float
     description: str
     integer: bool = False
+    #: other rules that read it (k_min: the floor of every rule that sets k)
+    also: tuple[str, ...] = ()
+    #: part of the policy's key (what a quality record is filed under); False: it changes only when a rule acts
+    in_key: bool = True
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        return (self.rule, *self.also)
+
+    def rule_in(self, rules) -> str | None:
+        """The rule of ``rules`` that reads it, or None."""
+        return next((r for r in self.rules if r in rules), None)
 
 
 def parameters(top_k: int, num_experts: int) -> tuple[Parameter, ...]:
@@ -96,14 +134,50 @@ def parameters(top_k: int, num_experts: int) -> tuple[Parameter, ...]:
             integer=True,
         ),
         Parameter("decay", "decay_k", 0.92, 0.01, 1.0, "factor on k per answer token"),
-        Parameter("k_min", "decay_k", 1.0, 1.0, float(num_experts), "fewest experts per token", integer=True),
+        Parameter(
+            "k_min",
+            "decay_k",
+            1.0,
+            1.0,
+            float(num_experts),
+            "fewest experts per token",
+            integer=True,
+            also=("confidence_k", "adaptive_k"),
+        ),
         Parameter("tau", "gate_temperature", 0.85, 0.05, 4.0, "divides the gate's logits (below 1: sharper)"),
         Parameter("capacity_factor", "capacity", 1.25, 1.0, 8.0, "an expert's most slots per step, in fair shares"),
+        Parameter(
+            "k_max",
+            "confidence_k",
+            float(max(1, min(top_k, num_experts))),
+            1.0,
+            float(max(1, min(num_experts, top_k + TOP_K_ALLOWANCE))),  # what an expert group takes per token
+            "experts per token of a flat gate (confidence 0); fewer as the gate is surer",
+            integer=True,
+        ),
+        Parameter("noise_scale", "noisy_topk", 0.1, 0.0, 4.0, "factor on the Gumbel noise added to the gate's logits"),
+        Parameter(
+            "sticky_strength", "sticky", 0.5, 0.0, 4.0, "largest bias (logit units) toward earlier tokens' experts"
+        ),
+        Parameter(
+            "sticky_decay", "sticky", 0.5, 0.0, 0.99, "share of the trace an older token keeps (0: the previous only)"
+        ),
+        Parameter(
+            "queue_slo_ms",
+            "adaptive_k",
+            500.0,
+            0.0,
+            600_000.0,
+            "queue wait past which k narrows, one expert per further SLO (0: always at k_min)",
+            in_key=False,
+        ),
     )
 
 
 #: every parameter's name, as the gRPC RoutingPolicy message and the HTTP body spell it
 PARAMETER_NAMES = tuple(p.name for p in parameters(2, 8))
+#: the parameters left out of a policy's key
+_UNKEYED = frozenset(p.name for p in parameters(2, 8) if not p.in_key)
 
 
 DESCRIPTIONS = {
@@ -115,6 +189,10 @@ DESCRIPTIONS = {
     "decay_k": "k_start experts per token, times decay per answer token, at least k_min",
     "gate_temperature": "the gate's logits divided by tau before its own selection",
     "capacity": "an expert takes at most capacity_factor fair shares of a step; overflow to the next best",
+    "confidence_k": "k from the gate's confidence: round(k_max / (2 alpha)), at least k_min",
+    "adaptive_k": "top-k less one expert per queue_slo_ms the queue waits past it, at least k_min",
+    "noisy_topk": "Gumbel noise (times noise_scale) on the gate's logits, seeded per request",
+    "sticky": "a bias toward the experts earlier tokens chose at the layer, decaying with age",
 }
 
 
@@ -133,6 +211,11 @@ class RoutingPolicy:
     k_min: int = 1
     tau: float = 0.85
     capacity_factor: float = 1.25
+    k_max: int = 2
+    noise_scale: float = 0.1
+    sticky_strength: float = 0.5
+    sticky_decay: float = 0.5
+    queue_slo_ms: float = 500.0
 
     @property
     def name(self) -> str:
@@ -148,24 +231,31 @@ class RoutingPolicy:
 
     def active(self) -> dict[str, float]:
         """The parameters its rules use: name -> value."""
-        return {p: getattr(self, p) for p in PARAMETER_NAMES if _RULE_OF[p] in self.rules}
+        return {p: getattr(self, p) for p in PARAMETER_NAMES if _RULES_OF[p] & self.rules}
+
+    @property
+    def spec(self) -> str:
+        """Name and every active parameter, e.g. ``adaptive_k(k_min=1,queue_slo_ms=500)``: what
+        ``parse_policy_spec`` reads back (a server's configured defaults are written so)."""
+        params = ",".join(f"{k}={v:g}" for k, v in self.active().items())
+        return f"{self.name}({params})" if params else self.name
 
     @property
     def key(self) -> str:
         """Name and active parameters, e.g. ``prefer+delta_gap(alpha=1,delta=0.18,weight_boost=1.2)``: what
-        a quality record is filed under."""
-        params = ",".join(f"{k}={v:g}" for k, v in self.active().items())
+        a quality record is filed under (adaptive_k's ``queue_slo_ms`` left out: the record is of its floor)."""
+        params = ",".join(f"{k}={v:g}" for k, v in self.active().items() if k not in _UNKEYED)
         return f"{self.name}({params})" if params else self.name
 
 
-_RULE_OF = {p.name: p.rule for p in parameters(2, 8)}
+_RULES_OF = {p.name: frozenset(p.rules) for p in parameters(2, 8)}
 
 
 def policy_names() -> tuple[str, ...]:
     """Every accepted name: exact, then each combination of at most one bias rule, the confidence rules
-    (either or both) or decay_k, and any of the gate modifiers; rules in ``RULES`` order."""
-    k_sets = [(), ("delta_gap",), ("dynamic_k",), CONFIDENCE_RULES, ("decay_k",)]
-    modifier_sets = [(), ("gate_temperature",), ("capacity",), MODIFIERS]
+    (either or both) or one rule that sets k, and any of the gate modifiers; rules in ``RULES`` order."""
+    k_sets = [(), ("delta_gap",), ("dynamic_k",), CONFIDENCE_RULES, *((r,) for r in SET_K_RULES)]
+    modifier_sets = [tuple(m for i, m in enumerate(MODIFIERS) if bits >> i & 1) for bits in range(2 ** len(MODIFIERS))]
     names = [EXACT]
     for bias in ((), *((b,) for b in BIAS_RULES)):
         names += ["+".join(bias + ks + ms) for ks in k_sets for ms in modifier_sets if bias or ks or ms]
@@ -186,8 +276,13 @@ def parse_policy(
         )
     if len(set(rules) & set(BIAS_RULES)) > 1:
         raise PolicyError(f"{field_prefix}.name", "prefer and restrict do not combine: choose one bias rule")
-    if "decay_k" in rules and set(rules) & set(CONFIDENCE_RULES):
-        raise PolicyError(f"{field_prefix}.name", "decay_k does not combine with delta_gap or dynamic_k")
+    setting = [r for r in SET_K_RULES if r in rules]
+    if len(setting) > 1 or (setting and set(rules) & set(CONFIDENCE_RULES)):
+        raise PolicyError(
+            f"{field_prefix}.name",
+            f"{' and '.join(setting)} {'each set' if len(setting) > 1 else 'sets'} k: it does not combine with "
+            "decay_k, confidence_k, adaptive_k, delta_gap or dynamic_k",
+        )
     values = {}
     for p in parameters(top_k, num_experts):
         if p.name not in given:
@@ -195,16 +290,56 @@ def parse_policy(
             continue
         value = given[p.name]
         where = f"{field_prefix}.{p.name}"
-        if p.rule not in rules:
-            raise PolicyError(where, f"is a parameter of {p.rule}, which policy {name!r} does not use")
+        if p.rule_in(rules) is None:
+            owners = " or ".join(p.rules)
+            raise PolicyError(where, f"is a parameter of {owners}, which policy {name!r} does not use")
         if not math.isfinite(value) or not p.low <= value <= p.high or (p.integer and value != int(value)):
             kind = "an integer" if p.integer else "a number"
             raise PolicyError(where, f"must be {kind} in [{p.low:g}, {p.high:g}], got {value:g}")
         values[p.name] = int(value) if p.integer else float(value)
-    if values["k_min"] > values["k_start"]:
-        where = f"{field_prefix}.{'k_min' if 'k_min' in given else 'k_start'}"
-        raise PolicyError(where, f"k_min ({values['k_min']}) must not exceed k_start ({values['k_start']})")
+    for rule, bound, limit in (
+        ("decay_k", "k_start", values["k_start"]),
+        ("confidence_k", "k_max", values["k_max"]),
+        ("adaptive_k", "the architecture's top-k", top_k),
+    ):
+        if rule in rules and values["k_min"] > limit:
+            where = f"{field_prefix}.{'k_min' if 'k_min' in given or rule == 'adaptive_k' else bound}"
+            raise PolicyError(where, f"k_min ({values['k_min']}) must not exceed {bound} ({limit})")
     return RoutingPolicy(rules=frozenset(rules), **values)
+
+
+#: ``name`` or ``name(param=value, ...)``
+_SPEC = re.compile(r"\s*([A-Za-z_+]*)\s*(?:\((.*)\))?\s*", re.DOTALL)
+
+
+def parse_policy_spec(spec: str, top_k: int, num_experts: int, field_prefix: str = "routing_policy") -> RoutingPolicy:
+    """A policy written with its parameters, ``name`` or ``name(param=value, ...)`` as ``RoutingPolicy.spec``
+    writes it (a server's configured defaults: ``restrict+delta_gap(top_n=4,delta=0.2)``; '' means exact) ->
+    a RoutingPolicy, or PolicyError naming the field (``routing_policy.delta``), as ``parse_policy``."""
+    shown = repr(spec[:64]) + ("..." if len(spec) > 64 else "")
+    match = _SPEC.fullmatch(spec)
+    if match is None:
+        raise PolicyError(field_prefix, f"expected a policy name or name(param=value, ...), got {shown}")
+    name, inner = match.groups()
+    given: dict[str, float] = {}
+    for part in (inner or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if key not in PARAMETER_NAMES:
+            raise PolicyError(
+                f"{field_prefix}.{key[:32] or '?'}",
+                f"unknown parameter in {shown}; parameters: {', '.join(PARAMETER_NAMES)}",
+            )
+        if key in given:
+            raise PolicyError(f"{field_prefix}.{key}", f"given twice in {shown}")
+        try:
+            given[key] = float(value) if sep else math.nan
+        except ValueError:
+            given[key] = math.nan
+        if math.isnan(given[key]):
+            raise PolicyError(f"{field_prefix}.{key}", f"expected {key}=NUMBER in {shown}")
+    return parse_policy(name, given, top_k, num_experts, field_prefix)
 
 
 # -- bias rules ------------------------------------------------------------------------------
@@ -233,12 +368,20 @@ def restrict_bias(share: torch.Tensor, top_n: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KRules:
-    """Per token of a forward: which k rules apply. Off is delta = inf, threshold = 0, k = 0."""
+    """Per token of a forward: which k rules apply. Off is delta = inf, threshold = 0, k = 0, k_max = 0,
+    narrow = 0."""
 
     delta: torch.Tensor  # [T] float32
     weight_boost: torch.Tensor  # [T] float32
     threshold: torch.Tensor  # [T] float32
     k: torch.Tensor | None = None  # [T] int64: decay_k's experts per token (unclamped); 0: the gate's top-k
+    k_min: torch.Tensor | None = None  # [T] int64: confidence_k's and adaptive_k's floor
+    k_max: torch.Tensor | None = None  # [T] int64: confidence_k's k_max; 0: not confidence_k
+    narrow: torch.Tensor | None = None  # [T] float64: adaptive_k's experts fewer than top-k (inf: to k_min); 0: none
+
+    @property
+    def needs_confidence(self) -> bool:
+        return self.k_max is not None and bool((self.k_max > 0).any())
 
     @property
     def any_widen(self) -> bool:
@@ -271,12 +414,21 @@ def decayed_k(t: torch.Tensor, k_start: torch.Tensor, decay: torch.Tensor, k_min
     return torch.floor(k + 0.5).long()
 
 
-def token_k(gap: torch.Tensor, rules: KRules, top_k: int, widest: int) -> torch.Tensor:
-    """Experts each token chooses [T] int64, in 1..widest: decay_k's k (else the gate's top_k), plus one for
-    the tokens ``widen_rows`` picks, at most ``widest`` (the most the gate can choose, ``gate_hook.widest_k``)."""
+def token_k(
+    gap: torch.Tensor, rules: KRules, top_k: int, widest: int, confidence: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Experts each token chooses [T] int64, in 1..widest: decay_k's k, confidence_k's (from ``confidence``
+    [T], ``token_rules.gate_confidence``; needed when ``rules.needs_confidence``) or adaptive_k's (top_k less
+    its narrowing, at least k_min), else the gate's top_k; plus one for the tokens ``widen_rows`` picks; at
+    most ``widest`` (the most the gate can choose, ``gate_hook.widest_k``)."""
     k = torch.full(gap.shape, top_k, dtype=torch.long)
     if rules.k is not None:
         k = torch.where(rules.k > 0, rules.k, k)
+    if rules.needs_confidence:
+        k = torch.where(rules.k_max > 0, confidence_k(confidence, rules.k_min, rules.k_max), k)
+    if rules.narrow is not None:
+        narrowed = torch.maximum(rules.k_min.double(), top_k - rules.narrow.double()).clamp(max=top_k).long()
+        k = torch.where(rules.narrow > 0, narrowed, k)
     k = k + widen_rows(gap, rules).long()
     return k.clamp(1, max(widest, 1))
 
@@ -393,11 +545,13 @@ def capacity_route(
 
 @dataclass(frozen=True)
 class RequestRouting:
-    """One request's routing: its policy, its domain, and the per-layer biases its bias rule adds."""
+    """One request's routing: its policy, its domain, the per-layer biases its bias rule adds, and noisy_topk's
+    seed (``seeded``)."""
 
     policy: RoutingPolicy = RoutingPolicy()
     domain: str | None = None
     biases: Mapping[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E]
+    seed: int = 0
 
     @property
     def is_plain(self) -> bool:
@@ -405,8 +559,25 @@ class RequestRouting:
         return self.policy.is_exact and self.domain is None
 
 
+def seeded(routing: RequestRouting | None, seed: int | None, request_id: str) -> RequestRouting | None:
+    """``routing`` with noisy_topk's seed from the request's sampling ``seed`` or, without one, ``request_id``
+    (``token_rules.request_seed``); unchanged when it has no noisy_topk."""
+    if routing is None or "noisy_topk" not in routing.policy.rules:
+        return routing
+    return replace(routing, seed=request_seed(seed, request_id))
+
+
 #: ``step_routing``'s ``widen`` for a sequence whose tokens take the stock gate, none of its policy's rules
 STOCK = -1
+
+
+@dataclass(frozen=True)
+class Noise:
+    """noisy_topk per token of a forward."""
+
+    scale: torch.Tensor  # [T] float32 noise_scale; 0: none
+    seed: torch.Tensor  # [T] int64 its request's seed
+    t: torch.Tensor  # [T] int64 its place relative to the answer (``token_rules``' glossary)
 
 
 @dataclass(frozen=True)
@@ -420,12 +591,16 @@ class StepRouting:
     domains: tuple[str, ...]
     temperature: torch.Tensor | None = None  # [T] float32 tau, 1: none; None: no token has one
     capacity: torch.Tensor | None = None  # [T] float32 capacity_factor, 0: none; None: no token has one
+    noise: Noise | None = None  # None: no token has noisy_topk
+    sticky: tuple[StickySequence, ...] = ()  # the sequences with sticky, by their rows
 
 
 def step_routing(
     parts: Sequence[tuple[RequestRouting | None, int]],
     first_t: Sequence[int] | None = None,
     widen: Sequence[int] | None = None,
+    queue: QueueSignal | None = None,
+    states: Sequence[RoutingState | None] | None = None,
 ) -> StepRouting | None:
     """(routing, tokens) of each sequence in the step, in packing order -> the step's StepRouting, or
     None when every sequence is plain (then the forward is the stock one). ``first_t``: per sequence, the
@@ -433,7 +608,9 @@ def step_routing(
     the tokens generated so far when decoding), which decay_k reads; None: each sequence's tokens are a
     whole prompt (all at t 0). ``widen``: per sequence, the experts its tokens choose whatever its k rules say
     (0: its rules decide; ``STOCK``: the stock gate, none of its rules), with no narrowing: the consistency
-    guard's recomputed tokens (``serving.consistency_guard``)."""
+    guard's recomputed tokens (``serving.consistency_guard``). ``queue``: the scheduler's queue at the step's
+    start, which adaptive_k reads (None: nothing queued). ``states``: per sequence, its ``RoutingState``, which
+    sticky reads and writes (None: none kept, each step's trace starts from zeros)."""
     widen = list(widen or [0] * len(parts))
     routings = [
         RequestRouting(domain=r.domain) if r is not None and w == STOCK else r or RequestRouting()
@@ -450,6 +627,11 @@ def step_routing(
     def uses(rule: str) -> list[bool]:
         return [rule in r.policy.rules for r in routings]
 
+    # each token's place relative to the answer: what decay_k, noisy_topk and sticky read
+    starts = torch.repeat_interleave(torch.tensor(list(first_t or [1 - n for _, n in parts]), dtype=torch.long), counts)
+    offsets = torch.arange(len(starts)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    answer_t = starts + offsets  # [T]
+
     biases = {}
     for layer in sorted({layer for r in routings for layer in r.biases}):
         zero = torch.zeros_like(next(r.biases[layer] for r in routings if layer in r.biases))
@@ -459,11 +641,8 @@ def step_routing(
     if any(r.policy.rules & set(K_RULES) for r in routings) or any(widen):
         k = None
         if any(uses("decay_k")):
-            starts = torch.repeat_interleave(torch.tensor(list(first_t or [1 - n for _, n in parts])), counts)  # [T]
-            offsets = torch.arange(len(starts)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-            t = (starts + offsets).clamp(min=0)  # [T] each token's answer index
             k = decayed_k(
-                t,
+                answer_t.clamp(min=0),  # [T] each token's answer index
                 per_token([r.policy.k_start for r in routings], torch.float64),
                 per_token([r.policy.decay for r in routings], torch.float64),
                 per_token([r.policy.k_min for r in routings], torch.float64),
@@ -471,24 +650,60 @@ def step_routing(
             k = torch.where(per_token([float(u) for u in uses("decay_k")]) > 0, k, 0)
         delta = [r.policy.delta if u else math.inf for r, u in zip(routings, uses("delta_gap"))]
         threshold = [r.policy.threshold if u else 0.0 for r, u in zip(routings, uses("dynamic_k"))]
+        k_max = [r.policy.k_max if u else 0 for r, u in zip(routings, uses("confidence_k"))]
+        signal = queue or QueueSignal()
+        narrow = [
+            adaptive_narrow(signal, r.policy.queue_slo_ms) if u else 0.0 for r, u in zip(routings, uses("adaptive_k"))
+        ]
         if any(widen):
             forced = per_token([float(w) for w in widen], torch.float64).long()  # [T]
             k = forced if k is None else torch.where(forced > 0, forced, k)
             delta = [math.inf if w else d for d, w in zip(delta, widen)]
             threshold = [0.0 if w else t for t, w in zip(threshold, widen)]
+            k_max = [0 if w else m for m, w in zip(k_max, widen)]
+            narrow = [0.0 if w else n for n, w in zip(narrow, widen)]
+        setting = any(k_max) or any(narrow)
         k_rules = KRules(
             delta=per_token(delta),
             weight_boost=per_token([r.policy.weight_boost for r in routings]),
             threshold=per_token(threshold),
             k=k,
+            k_min=per_token([float(r.policy.k_min) for r in routings], torch.float64).long() if setting else None,
+            k_max=per_token([float(m) for m in k_max], torch.float64).long() if any(k_max) else None,
+            narrow=per_token(narrow, torch.float64) if any(narrow) else None,
         )
     temperature = capacity = None
     if any(uses("gate_temperature")):
         temperature = per_token([r.policy.tau if u else 1.0 for r, u in zip(routings, uses("gate_temperature"))])
     if any(uses("capacity")):
         capacity = per_token([r.policy.capacity_factor if u else 0.0 for r, u in zip(routings, uses("capacity"))])
+    noise = None
+    if any(uses("noisy_topk")):
+        noise = Noise(
+            scale=per_token([r.policy.noise_scale if u else 0.0 for r, u in zip(routings, uses("noisy_topk"))]),
+            seed=torch.repeat_interleave(torch.tensor([r.seed for r in routings], dtype=torch.long), counts),
+            t=answer_t,
+        )
+    sticky = []
+    ends = torch.cumsum(counts, 0).tolist()
+    for i, (r, used) in enumerate(zip(routings, uses("sticky"))):
+        if used and int(counts[i]) > 0:
+            start = ends[i] - int(counts[i])
+            state = states[i] if states is not None else None
+            sticky.append(
+                StickySequence(
+                    start, ends[i], int(answer_t[start]), r.policy.sticky_strength, r.policy.sticky_decay, state
+                )
+            )
     domains = tuple(sorted({r.domain for r in routings if r.domain is not None}))
     ids = [domains.index(r.domain) if r.domain is not None else -1 for r in routings]
     return StepRouting(
-        biases, k_rules, torch.repeat_interleave(torch.tensor(ids), counts), domains, temperature, capacity
+        biases,
+        k_rules,
+        torch.repeat_interleave(torch.tensor(ids), counts),
+        domains,
+        temperature,
+        capacity,
+        noise,
+        tuple(sticky),
     )

@@ -313,14 +313,19 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, cau
     return torch.cat(out)  # [T, H, d]
 
 
-@pytest.mark.parametrize("kernel", ["per-sequence", "flash-varlen"])
+@pytest.mark.parametrize("kernel", ["per-sequence", "batched-decode", "flash-varlen"])
 @pytest.mark.parametrize(
-    "arch, overrides", [("mixtral", {"sliding_window": 5}), ("qwen2_moe", {})], ids=["sliding", "full"]
+    "arch, overrides",
+    [("mixtral", {"sliding_window": 5}), ("qwen2_moe", {}), ("gpt_oss", {})],
+    ids=["sliding", "full", "eager-sinks"],
 )
-def test_both_kernels_keep_the_tokens_stock(tiny_checkpoints, monkeypatch, arch, overrides, kernel):
-    """Each kernel on an sdpa model with and without a sliding window; flash-varlen's inputs
-    (cu_seqlens, layouts, window) against a torch model of flash-attn's contract (flash-attn is not
-    installed here)."""
+def test_every_kernel_keeps_the_tokens_stock(tiny_checkpoints, monkeypatch, arch, overrides, kernel):
+    """Each kernel on an sdpa model with and without a sliding window, and (not flash-varlen, which takes no
+    attention sinks) on an eager model with sinks; flash-varlen's inputs (cu_seqlens, layouts, window) against a
+    torch model of flash-attn's contract (flash-attn is not installed here). The requests' prompts differ in
+    length, so batched-decode's decode rows are padded and masked."""
+    if kernel == "flash-varlen" and arch == "gpt_oss":
+        pytest.skip("flash-varlen is chosen for sdpa models only (choose_backend); GPT-OSS's sinks need eager")
 
     from expertmesh.serving import paged_attention
 
@@ -328,11 +333,22 @@ def test_both_kernels_keep_the_tokens_stock(tiny_checkpoints, monkeypatch, arch,
     model = AutoModelForCausalLM.from_pretrained(
         tiny_checkpoints(arch, **overrides), experts_implementation="batched_mm"
     ).eval()
+    batches = []
+    of = paged_attention.DecodeBatch.of
+    monkeypatch.setattr(
+        paged_attention.DecodeBatch, "of", classmethod(lambda cls, *a: batches.append(of(*a)) or batches[-1])
+    )
     engine = _engine(model, 64, max_step_tokens=8)
     engine.runner.mask_spec = dataclasses.replace(engine.runner.mask_spec, kernel=kernel)
-    tokens, _ = _run(engine, GREEDY)
-    for r in GREEDY:
+    uneven = [
+        GenerationRequest(f"u{n}", tuple(range(3 + n, 3 + 2 * n)), max_new_tokens=14, stop_at_eos=False)
+        for n in (2, 5, 9, 12)
+    ]
+    tokens, _ = _run(engine, uneven)
+    for r in uneven:
         assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
+    if kernel == "batched-decode":  # it ran, and on decode rows of different lengths
+        assert any(b.mask is not None and len(b.sequences) > 1 for b in batches)
 
 
 def test_the_varlen_kernel_only_where_it_computes_the_models_attention(monkeypatch):
@@ -343,12 +359,14 @@ def test_the_varlen_kernel_only_where_it_computes_the_models_attention(monkeypat
     cuda, cpu, half = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
     monkeypatch.setattr(paged_attention, "flash_varlen", lambda: _reference_varlen)
     assert choose_kernel(cuda, "sdpa", False, half) == "flash-varlen"
-    assert choose_kernel(cpu, "sdpa", False, half) == "per-sequence"
-    assert choose_kernel(cuda, "eager", False, half) == "per-sequence", "eager models may have sinks (GPT-OSS)"
+    assert choose_kernel(cpu, "sdpa", False, half) == "batched-decode"
+    assert choose_kernel(cpu, "eager", False, torch.float32) == "batched-decode"
+    assert choose_kernel(cuda, "eager", False, half) == "batched-decode", "eager models may have sinks (GPT-OSS)"
     assert choose_kernel(cuda, "sdpa", True, half) == "per-sequence", "MLA expands its latents"
-    assert choose_kernel(cuda, "sdpa", False, torch.float32) == "per-sequence", "flash-attn takes half precision only"
+    assert choose_kernel(cpu, "sdpa", True, torch.float32) == "per-sequence", "MLA expands its latents"
+    assert choose_kernel(cuda, "sdpa", False, torch.float32) == "batched-decode", "flash-attn takes half precision only"
     monkeypatch.setattr(paged_attention, "flash_varlen", lambda: None)
-    assert choose_kernel(cuda, "sdpa", False, half) == "per-sequence", "not installed"
+    assert choose_kernel(cuda, "sdpa", False, half) == "batched-decode", "not installed"
 
 
 def test_a_prompt_under_another_routing_policy_shares_no_blocks():

@@ -4,6 +4,7 @@ domain` as a user runs them, and the trained default query classifier; and the e
 way to profiles: `profile build --out FILE`, then a router over an in-process store started with them."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx2
@@ -468,3 +469,25 @@ def test_the_servers_default_policy_takes_parameters_and_each_domain_its_own_def
             assert answer.status_code == 200, answer.text
         finally:
             apis.drain_and_stop()
+
+
+def test_decay_k_at_its_default_and_widest_is_served_by_the_groups_and_wider_is_refused(served):
+    """decay_k's k_start is bounded by what an expert group takes per token (top-k + 1): its default and its
+    widest are served by the real group processes, beside an exact request, and one wider is refused as the
+    request's own INVALID_ARGUMENT. Before, the default (4 on this top-2 model) was sent to the groups, which
+    refused the whole step's Dispatch: every request in that step failed."""
+    _, _, target, _ = served
+    with grpc.insecure_channel(target) as channel:
+        listed = pb_grpc.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).routing_policies
+    k_start = {q.name: q for p in listed if p.name == "decay_k" for q in p.parameters}["k_start"]
+    assert (k_start.default_value, k_start.max) == (3, 3)  # top-k 2 + 1, of 4 experts
+    with Client(target, timeout=120) as client:
+        exact = _tokens(client, "The court held that")
+        with ThreadPoolExecutor(2) as pool:
+            beside = pool.submit(_tokens, client, "The court held that")
+            assert len(_tokens(client, "def reverse(items): return", routing_policy="decay_k")) == 6
+            assert beside.result() == exact
+        widest = pb.RoutingPolicy(name="decay_k", k_start=3, decay=1.0)
+        assert len(_tokens(client, "def reverse(items): return", routing_policy=widest)) == 6
+        details = _refused(client, "Hello", routing_policy=pb.RoutingPolicy(name="decay_k", k_start=4))
+        assert details.startswith("routing_policy.k_start:"), details

@@ -87,6 +87,7 @@ def test_parse_fills_defaults_and_names_the_bad_field():
         ("decay_k+dynamic_k", {}, "routing_policy.name"),  # two rules that each decide k
         ("decay_k", {"k_start": 0}, "routing_policy.k_start"),
         ("decay_k", {"k_start": 9}, "routing_policy.k_start"),  # above E
+        ("decay_k", {"k_start": 4}, "routing_policy.k_start"),  # above top-k + 1: no expert group takes it
         ("decay_k", {"k_start": 2.5}, "routing_policy.k_start"),
         ("decay_k", {"decay": 0.0}, "routing_policy.decay"),
         ("decay_k", {"decay": 1.01}, "routing_policy.decay"),
@@ -111,6 +112,7 @@ def test_parse_fills_defaults_and_names_the_bad_field():
         and decay.key == "decay_k+capacity(k_start=3,decay=0.5,k_min=1,capacity_factor=1.25)"
     )
     assert parse_policy("decay_k", {}, 2, 3).k_start == 3  # default 4, clamped to E
+    assert parse_policy("decay_k", {}, 2, 8).k_start == 3  # and to top-k + 1, what an expert group takes
     assert parse_policy("gate_temperature", {}, 2, 8).tau == 0.85
 
 
@@ -265,10 +267,10 @@ def test_a_step_of_plain_requests_has_no_routing_and_others_get_per_token_rows()
     assert step.domains == ("code", "legal") and step.domain_ids.tolist() == [-1, -1, 0, 0, 0, 1]
     assert step.temperature is None and step.capacity is None and step.k_rules.k is None
     # decay_k reads each token's answer index: a prompt chunk of 3 (its last predicts t 0) and a decode token
-    decay = RequestRouting(parse_policy("decay_k+gate_temperature", {"k_start": 4, "decay": 0.5}, 2, 8))
+    decay = RequestRouting(parse_policy("decay_k+gate_temperature", {"k_start": 3, "decay": 0.5}, 2, 8))
     capped = RequestRouting(parse_policy("capacity", {"capacity_factor": 2.0}, 2, 8))
     step = step_routing([(decay, 3), (None, 1), (decay, 1), (capped, 2)], first_t=[-2, 0, 2, 5])
-    assert step.k_rules.k.tolist() == [4, 4, 4, 0, 1, 0, 0]  # t 0, 0, 0 -> 4; t 2 -> round(1.0) = 1
+    assert step.k_rules.k.tolist() == [3, 3, 3, 0, 1, 0, 0]  # t 0, 0, 0 -> 3; t 2 -> round(0.75) = 1
     assert step.temperature.tolist() == [pytest.approx(0.85)] * 3 + [1.0, pytest.approx(0.85), 1.0, 1.0]
     assert step.capacity.tolist() == [0.0] * 5 + [2.0, 2.0]
     assert step.k_rules.delta.isinf().all() and not step.k_rules.any_widen
@@ -454,7 +456,7 @@ def test_exact_requests_stay_token_identical_beside_policy_requests(arch):
         (14, 15, 16),
         max_new_tokens=8,
         stop_at_eos=False,
-        routing=RequestRouting(parse_policy("decay_k+gate_temperature", {"k_start": E, "decay": 0.7}, K, E)),
+        routing=RequestRouting(parse_policy("decay_k+gate_temperature", {"k_start": K + 1, "decay": 0.7}, K, E)),
     )
     capped = GenerationRequest(
         "capped",

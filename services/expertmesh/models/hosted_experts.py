@@ -39,6 +39,7 @@ from expertmesh.infra.finite import all_finite, finite_rows
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.models.expert_rows import matches_stock, rows_forward
 from expertmesh.models.fingerprint import fingerprint
+from expertmesh.models.weight_layout import input_major, prefers_input_major
 
 #: Columns of expert_ids a Dispatch may carry beyond the model's top-k: the router's
 #: dynamic top-k may widen a token's choice by one expert.
@@ -51,6 +52,15 @@ SMALL_RECORD_ROWS = 64
 #: How ``inject_fault`` corrupts an expert: ``scale`` multiplies its weights by a factor (outputs
 #: change but stay finite: the quiet kind), ``nan`` overwrites them with NaN.
 FaultKind = Literal["scale", "nan"]
+
+
+def _stored(stacked: torch.Tensor, module: nn.Module, device: torch.device) -> torch.Tensor:
+    """``stacked`` as the group keeps it: a module that multiplies by [E, out, in] weights (``is_transposed``
+    false: Mixtral, Qwen, OLMoE...) gets them input-major where the device prefers it (``weight_layout``);
+    GPT-OSS's are [in, out] already, and 1-D/2-D parameters (biases) stay as they are."""
+    if stacked.dim() != 3 or getattr(module, "is_transposed", None) is not False or not prefers_input_major(device):
+        return stacked
+    return input_major(stacked)
 
 
 @dataclass
@@ -274,7 +284,8 @@ class HostedExperts:
                 getattr(old.module, name)[old_row[e]] if e in old_row else fresh[name][new_ids.index(e)].to(self.device)
                 for e in ids
             ]
-            module._parameters[name] = nn.Parameter(torch.stack(rows), requires_grad=False)  # [len(ids), ...]
+            stacked = _stored(torch.stack(rows), module, self.device)  # [len(ids), ...]
+            module._parameters[name] = nn.Parameter(stacked, requires_grad=False)
         module.num_experts = len(ids)
         local_of = torch.full((self.spec.num_experts,), -1, dtype=torch.long)
         local_of[ids] = torch.arange(len(ids))

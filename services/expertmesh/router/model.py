@@ -15,6 +15,7 @@ from torch import nn
 
 from expertmesh.contracts.errors import CheckpointError
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.models.weight_layout import input_major, prefers_input_major
 from expertmesh.router.dispatch.dispatcher import LayerDispatcher
 from expertmesh.router.dispatch.experts_impl import IMPLEMENTATION
 
@@ -50,7 +51,19 @@ def build_router_model(
     model.to(device)  # read on the host first: safetensors and the fp32 rules above work there
     model.requires_grad_(False)
     model.eval()
+    _lay_out_head(model, device)
     return model
+
+
+def _lay_out_head(model: nn.Module, device: torch.device) -> None:
+    """The LM head's weight input-major where the device prefers it (``weight_layout``): every decode step reads
+    all of it for a few rows. Not when it is tied to the input embeddings, whose lookups read it by rows."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or not prefers_input_major(device) or getattr(head, "weight", None) is None:
+        return
+    if embeddings is not None and head.weight.data_ptr() == embeddings.weight.data_ptr():
+        return
+    head.weight = nn.Parameter(input_major(head.weight.detach()), requires_grad=False)
 
 
 def bind_dispatcher(model: nn.Module, dispatcher: LayerDispatcher) -> nn.Module:

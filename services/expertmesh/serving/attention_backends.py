@@ -8,6 +8,8 @@ layer of the step then calls its ``attend``.
 Backends (``ATTENTION_BACKENDS``, keyed by ``AttentionKernel``):
 - ``per-sequence``: each sequence's past gathered from its blocks, attended with the model's own attention (sdpa
   or its eager function); every device, every model.
+- ``batched-decode``: as ``per-sequence``, with the step's decode rows (one query each) in one padded call per
+  layer (``paged_attention.DecodeBatch``); every device, every model but those caching latents.
 - ``flash-varlen``: flash-attn's varlen kernel over the gathered pasts, one call per layer; CUDA, half precision,
   plain sdpa models (``paged_attention``'s docstring says why only there).
 A backend that reads the pool through the block tables themselves (FlashInfer's paged kernels, vLLM's CPU
@@ -32,6 +34,7 @@ from expertmesh.serving.paged_attention import (
     AttentionKernel,
     SequenceRows,
     StepAttention,
+    batched_decode_attend,
     flash_varlen_attend,
     per_sequence_attend,
 )
@@ -136,6 +139,11 @@ class PerSequenceBackend(_GatheredPasts):
     attend = staticmethod(per_sequence_attend)
 
 
+class BatchedDecodeBackend(_GatheredPasts):
+    name: AttentionKernel = "batched-decode"
+    attend = staticmethod(batched_decode_attend)
+
+
 class FlashVarlenBackend(_GatheredPasts):
     name: AttentionKernel = "flash-varlen"
     attend = staticmethod(flash_varlen_attend)
@@ -143,6 +151,7 @@ class FlashVarlenBackend(_GatheredPasts):
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "per-sequence": PerSequenceBackend(),
+    "batched-decode": BatchedDecodeBackend(),
     "flash-varlen": FlashVarlenBackend(),
 }
 assert set(ATTENTION_BACKENDS) == set(get_args(AttentionKernel)), "every backend the type names, and no other"
@@ -150,7 +159,8 @@ assert set(ATTENTION_BACKENDS) == set(get_args(AttentionKernel)), "every backend
 
 def choose_backend(device: torch.device, implementation: str, latent: bool, dtype: torch.dtype) -> AttentionKernel:
     """``flash-varlen`` where it computes what the model's own attention does (CUDA, sdpa, no latent expansion,
-    half precision, flash-attn importable), else ``per-sequence``."""
+    half precision, flash-attn importable); else ``batched-decode``, or ``per-sequence`` for a model whose cache
+    holds latents (expanded per sequence)."""
     if (
         device.type == "cuda"
         and implementation == "sdpa"
@@ -159,4 +169,4 @@ def choose_backend(device: torch.device, implementation: str, latent: bool, dtyp
         and paged_attention.flash_varlen() is not None
     ):
         return "flash-varlen"
-    return "per-sequence"
+    return "per-sequence" if latent else "batched-decode"

@@ -176,3 +176,27 @@ class PackedCache:
 
     def past_offsets(self) -> list[int]:
         return self._offsets
+
+    def padded_slots(self, sequences: list[int], firsts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """The slots of step sequences ``sequences`` from positions ``firsts`` to their ends, right-padded with each
+        one's last slot, [B, L]; and each one's length."""
+        spans = []
+        for sequence, first in zip(sequences, firsts):
+            start, end, base = self._offsets[sequence], self._offsets[sequence + 1], self._bases[sequence]
+            if first < base:
+                raise ValueError(
+                    f"position {first} of step sequence {sequence} is in a block it gave back (from {base} on)"
+                )
+            spans.append((start + first - base, end))
+        lengths = [end - start for start, end in spans]
+        width = max(lengths)
+        # index [B, L] into read_slots: each row its own span, then its last slot again
+        offsets = torch.arange(width)[None, :].clamp_max(torch.tensor(lengths)[:, None] - 1)  # [B, L]
+        index = torch.tensor([start for start, _ in spans])[:, None] + offsets
+        return self._read[index.to(self._read.device)], lengths
+
+    def padded_pasts(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s two tensors at ``slots`` [B, L], [B, h, L, d] each (one gather for the B sequences)."""
+        batch, width = slots.shape
+        first, second = self._pool.read(layer, slots.reshape(-1))  # [1, h, B*L, d] each
+        return tuple(t[0].unflatten(1, (batch, width)).transpose(0, 1) for t in (first, second))

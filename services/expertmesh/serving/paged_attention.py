@@ -18,6 +18,12 @@ step's pasts side by side. A module that expands its cached latents after ``cach
 
 Kernels (the attention backends' ``attend``, ``attention_backends``, chosen once per model):
 - ``per-sequence``: the loop above, over each sequence's gathered blocks; every device, every model.
+- ``batched-decode``: the loop above for the sequences that feed several tokens (prefill chunks), and the
+  step's *decode rows* (sequences feeding one token, which need no mask but their length) in one call per
+  layer: their pasts gathered side by side, right-padded to the longest, the padding masked
+  (``DecodeBatch``). A decode step of B sequences then costs a layer one gather and one attention call instead
+  of B of each: the per-call overhead was most of a decode step's attention on CPU. Every device; not for
+  models whose cache holds latents (``expand_kv``), which the loop expands per sequence.
 - ``flash-varlen``: flash-attn's ``flash_attn_varlen_func``, one call per layer for all the step's
   sequences over their gathered pasts (bottom-right causal, its ``window_size`` for sliding layers);
   on CUDA, when flash-attn is importable, for plain sdpa models in half precision (no attention
@@ -47,6 +53,8 @@ __all__ = [
     "AttentionKernel",
     "SequenceRows",
     "StepAttention",
+    "DecodeBatch",
+    "batched_decode_attend",
     "flash_varlen_attend",
     "per_sequence_attend",
 ]
@@ -57,7 +65,7 @@ STEP = "expertmesh_step"
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-AttentionKernel = Literal["per-sequence", "flash-varlen"]
+AttentionKernel = Literal["per-sequence", "batched-decode", "flash-varlen"]
 
 
 class PastReader(Protocol):
@@ -71,6 +79,14 @@ class PastReader(Protocol):
 
     def past_offsets(self) -> list[int]:
         """Where each sequence's past begins in ``pasts``, and their total: [B + 1]."""
+
+    def padded_pasts(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s two cached tensors at ``slots`` [B, L] (pool slots, from ``padded_slots``), [B, h, L, d]
+        each."""
+
+    def padded_slots(self, sequences: list[int], firsts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """The pool slots of step sequences ``sequences`` from positions ``firsts`` to their ends, right-padded
+        with each one's last slot, [B, L]; and each one's length."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,8 @@ class StepAttention:
     attend: Callable[..., torch.Tensor] = lambda *args: per_sequence_attend(*args)
     #: (sequence, kind) -> (first key position, mask [1, 1, n, L]); the same for every layer of a kind
     _masks: dict[tuple[int, str], tuple[int, torch.Tensor]] = field(default_factory=dict)
+    #: kind -> the step's decode rows on layers of that kind (``decode_batch``), built at the first such layer
+    _decode: dict[str, "DecodeBatch | None"] = field(default_factory=dict)
 
     def first_key(self, rows: SequenceRows, kind: str) -> int:
         return max(0, rows.start - self.window + 1) if kind == SLIDING else 0
@@ -137,6 +155,40 @@ class StepAttention:
             self._masks[key] = first, formatted[None, None].to(self.device)
         return self._masks[key]
 
+    def decode_batch(self, kind: str) -> "DecodeBatch | None":
+        """The step's decode rows on a ``kind`` layer in one padded batch (built once a step), or None when fewer
+        than two sequences feed a single token (the loop costs the same then)."""
+        if kind not in self._decode:
+            decoding = [i for i, rows in enumerate(self.sequences) if rows.n == 1]
+            self._decode[kind] = DecodeBatch.of(self, decoding, kind) if len(decoding) > 1 else None
+        return self._decode[kind]
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The step's single-query sequences of one layer kind, side by side (B of them, L the longest key range).
+
+    Padding keys are each sequence's own last key, masked out; a batch whose key ranges are all as long has no
+    mask, like a lone decoding sequence's call."""
+
+    sequences: list[int]  # [B] step sequence indices, ascending
+    rows: torch.Tensor  # [B] each one's query row among the step's T tokens
+    slots: torch.Tensor  # [B, L] pool slots of each one's key range, right-padded
+    mask: torch.Tensor | None  # [B, 1, 1, L]: boolean (sdpa) or additive (eager); None without padding
+
+    @classmethod
+    def of(cls, step: "StepAttention", sequences: list[int], kind: str) -> "DecodeBatch":
+        firsts = [step.first_key(step.sequences[i], kind) for i in sequences]
+        slots, lengths = step.cache.padded_slots(sequences, firsts)  # [B, L]
+        mask = None
+        if min(lengths) != slots.shape[1]:
+            allowed = torch.arange(slots.shape[1])[None, :] < torch.tensor(lengths)[:, None]  # [B, L]
+            if step.implementation == "eager":  # added to the scores
+                allowed = torch.where(allowed, torch.zeros((), dtype=step.dtype), torch.finfo(step.dtype).min)
+            mask = allowed[:, None, None, :].to(step.device)
+        rows = torch.tensor([step.sequences[i].offset for i in sequences], device=step.device)
+        return cls(sequences, rows, slots, mask)
+
 
 def _inner(module: torch.nn.Module, implementation: str):
     """The model's own attention function for one sequence."""
@@ -160,6 +212,34 @@ def per_sequence_attend(
         q = query[:, :, rows.offset : rows.offset + rows.n]  # [1, H, n, d]
         attended, _ = attend(module, q, keys, values, mask, **kwargs)  # [1, n, H, dv]
         out.append(attended)
+    return torch.cat(out, dim=1)
+
+
+def batched_decode_attend(
+    module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict
+) -> torch.Tensor:
+    """query [1, H, T, d] -> [1, T, H, dv]: the decode rows in one padded call (``DecodeBatch``), every other
+    sequence as ``per_sequence_attend`` does it."""
+    batch = step.decode_batch(kind)
+    if batch is None:
+        return per_sequence_attend(module, query, step, kind, kwargs)
+    layer = module.layer_idx
+    attend = _inner(module, step.implementation)
+    keys, values = step.cache.padded_pasts(layer, batch.slots)  # [B, h, L, d] each
+    q = query[0][:, batch.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]
+    decoded, _ = attend(module, q, keys, values, batch.mask, **kwargs)  # [B, 1, H, dv]
+    out: list[torch.Tensor] = []
+    taken = dict(zip(batch.sequences, decoded.split(1)))  # sequence -> [1, 1, H, dv]
+    for i, rows in enumerate(step.sequences):
+        if i in taken:
+            out.append(taken[i])
+            continue
+        first, mask = step.mask(i, kind)
+        past_first, past_second = step.cache.past(layer, i, first)  # [1, h, L, d] each
+        attended, _ = attend(
+            module, query[:, :, rows.offset : rows.offset + rows.n], past_first, past_second, mask, **kwargs
+        )
+        out.append(attended)  # [1, n, H, dv]
     return torch.cat(out, dim=1)
 
 

@@ -108,6 +108,7 @@ class Parameter:
 
 def parameters(top_k: int, num_experts: int) -> tuple[Parameter, ...]:
     """Every rule's parameters for a model with ``num_experts`` experts chosen ``top_k`` at a time."""
+    widest = max(1, min(num_experts, top_k + TOP_K_ALLOWANCE))  # experts per token an expert group takes
     return (
         Parameter(
             "alpha", "prefer", 1.0, 0.0, 4.0, "largest bias (logit units) toward strong / away from weak experts"
@@ -127,9 +128,9 @@ def parameters(top_k: int, num_experts: int) -> tuple[Parameter, ...]:
         Parameter(
             "k_start",
             "decay_k",
-            float(min(4, num_experts)),
+            float(min(4, widest)),
             1.0,
-            float(num_experts),
+            float(widest),  # an expert group refuses a Dispatch wider than this: the whole step would fail
             "experts per token at t = 0",
             integer=True,
         ),
@@ -151,7 +152,7 @@ def parameters(top_k: int, num_experts: int) -> tuple[Parameter, ...]:
             "confidence_k",
             float(max(1, min(top_k, num_experts))),
             1.0,
-            float(max(1, min(num_experts, top_k + TOP_K_ALLOWANCE))),  # what an expert group takes per token
+            float(widest),  # what an expert group takes per token
             "experts per token of a flat gate (confidence 0); fewer as the gate is surer",
             integer=True,
         ),

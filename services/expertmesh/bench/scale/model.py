@@ -7,7 +7,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ModelShape", "Costs", "DEEPSEEK_V3", "QUICK_MODEL", "diurnal", "zipf_popularity", "expert_load"]
+__all__ = [
+    "ModelShape",
+    "Costs",
+    "DEEPSEEK_V3",
+    "QUICK_MODEL",
+    "day_tokens",
+    "diurnal",
+    "zipf_popularity",
+    "expert_load",
+]
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,14 @@ class Costs:
 def diurnal(hour: float) -> float:
     """Traffic at ``hour`` of the day over the peak (peak at 14:00, trough 0.1 at 02:00)."""
     return 0.55 + 0.45 * math.cos(2 * math.pi * (hour - 14.0) / 24.0)
+
+
+def day_tokens(routers: int, router_tokens_s: float, hours: float) -> float:
+    """Tokens ``routers`` routers feed from 00:00 over ``hours`` hours at ``diurnal`` traffic, each
+    ``router_tokens_s`` a second at the peak: the integral of ``diurnal`` in closed form."""
+    w = 2 * math.pi / 24.0
+    peak_hours = 0.55 * hours + 0.45 / w * (math.sin(w * (hours - 14.0)) - math.sin(w * -14.0))
+    return routers * router_tokens_s * 3600.0 * peak_hours
 
 
 def zipf_popularity(

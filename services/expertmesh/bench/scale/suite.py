@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from expertmesh.bench.cost import check_price, per_million_tokens
 from expertmesh.bench.report import BenchError, format_table, machine, parse_int_list, write_json
-from expertmesh.bench.scale.model import DEEPSEEK_V3, QUICK_MODEL, Costs
+from expertmesh.bench.scale.model import DEEPSEEK_V3, QUICK_MODEL, Costs, day_tokens
 from expertmesh.infra.console import progress
 
 if TYPE_CHECKING:  # the simulation imports numpy and the router's modules: not at `expertmesh --help`
@@ -41,6 +42,13 @@ def add_command(bench_commands) -> None:
         "--quick",
         action="store_true",
         help=f"a small model ({QUICK_MODEL.moe_layers} layers x {QUICK_MODEL.num_experts} experts): seconds, for CI",
+    )
+    p.add_argument(
+        "--price-per-hour",
+        type=float,
+        metavar="USD",
+        help="US dollars per GPU-hour: each case's cost per million tokens over its simulated day (its GPUs for "
+        "the day over the tokens its routers fed; default: not priced)",
     )
     p.add_argument("--out", default="bench-scale.json", help="JSON results (default bench-scale.json)")
     p.add_argument("--plots", type=Path, help="directory for balancedness.png and moves.png (needs matplotlib)")
@@ -77,6 +85,7 @@ def cases(
 def _main(args: argparse.Namespace) -> int:
     from expertmesh.bench.scale.run import run_case
 
+    check_price(args.price_per_hour)  # before a day of simulation, not after
     if args.merge:
         if args.gpus or args.routers or args.quick:
             raise BenchError("--merge reports earlier runs: it takes no --gpus, --routers or --quick")
@@ -99,7 +108,12 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _report(out: dict, args: argparse.Namespace, write: bool = True) -> int:
+    price = check_price(getattr(args, "price_per_hour", None))
     print(table(out["results"]))
+    if price is not None:
+        for result in out["results"]:
+            result["cost"] = day_cost(result, price)
+        print(cost_lines(out["results"], price))
     if write:
         write_json(args.out, out)
     if args.plots is not None:
@@ -127,6 +141,28 @@ def merged(paths: list[str]) -> dict:
         results += cases_in
         runs.append({"path": str(path), **{k: doc.get(k) for k in ("machine", "loadavg_start", "loadavg")}})
     return {"benchmark": "scale", "merged_from": runs, "results": results}
+
+
+def day_cost(result: dict, price_per_gpu_hour: float) -> dict:
+    """A case's simulated day priced: its GPUs for the day, the tokens its routers fed (at ``Costs``' peak
+    rate and the diurnal curve), and US dollars per million tokens."""
+    case = result["case"]
+    tokens = day_tokens(case["routers"], Costs().router_tokens_s, case["hours"])
+    dollars = case["gpus"] * price_per_gpu_hour * case["hours"]
+    return {
+        "usd_per_gpu_hour": price_per_gpu_hour,
+        "usd": dollars,
+        "tokens": tokens,
+        "usd_per_million_tokens": per_million_tokens(dollars / case["hours"], tokens / (case["hours"] * 3600.0)),
+    }
+
+
+def cost_lines(results: list[dict], price_per_gpu_hour: float) -> str:
+    return f"cost at ${price_per_gpu_hour:.2f} per GPU-hour over the simulated day: " + "; ".join(
+        f"{r['case']['gpus']} GPUs {r['case']['routers']} routers ${r['cost']['usd_per_million_tokens']:.2f} "
+        f"per million tokens ({r['cost']['tokens'] / 1e9:.2f} G tokens)"
+        for r in results
+    )
 
 
 def _loadavg() -> str | None:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
+from expertmesh.bench.cost import check_price
 from expertmesh.bench.platform import add_platform_arguments
 from expertmesh.bench.report import check_positive, parse_int_list, print_and_write
 from expertmesh.bench.serve.options import Options, check_modes
@@ -106,6 +107,13 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated routing policies the guard run measures (default delta_gap,restrict)",
     )
     p.add_argument(
+        "--price-per-hour",
+        type=float,
+        metavar="USD",
+        help="US dollars an hour of this machine: each run's (and each sweep point's) cost per million output "
+        "tokens beside its tok/s (default: not priced)",
+    )
+    p.add_argument(
         "--redundant",
         type=int,
         help="place the experts of the platform started here by their load before the timed runs: calibration "
@@ -153,6 +161,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         guard_recompute=args.guard_recompute,
         redundant=args.redundant,
         baselines=tuple(b.strip() for b in args.baseline.split(",") if b.strip()),
+        price_per_hour=check_price(args.price_per_hour),
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
+from expertmesh.bench.cost import per_million_tokens
 from expertmesh.bench.platform import device_summary
 from expertmesh.bench.report import machine, model_summary, options_summary, torch_threads
 from expertmesh.bench.serve.baselines import BASELINES
@@ -211,4 +212,7 @@ def _result(inputs: _Inputs, threads: int, measured: _Measured) -> dict:
         result["placement"] = measured.placement
     if measured.runner:
         result["runner"] = measured.runner
+    if options.price_per_hour is not None:
+        for run in result["runs"]:
+            run["usd_per_million_output_tokens"] = per_million_tokens(options.price_per_hour, run["tokens_per_s"])
     return result

@@ -42,6 +42,9 @@ class Options:
     redundant: int | None = None
     #: what the platform is compared with (``baselines.BASELINES``), in this order; ``generate`` first when given
     baselines: tuple[str, ...] = ("generate",)
+    #: US dollars an hour of the machine both sides run on: each run's cost per million output tokens (None: not
+    #: priced; ``bench.cost``)
+    price_per_hour: float | None = None
 
 
 def check_modes(options: Options) -> None:

@@ -160,5 +160,10 @@ def sweep_point(clients: int, result: dict) -> dict:
         "kv_usage_peak": kv.get("usage_peak"),
         "preemptions": kv.get("preemptions"),
         "same_answers": None if result["agreement"] is None else result["agreement"]["passed"],
+        # US dollars per million output tokens (--price-per-hour; None: not priced)
+        "usd_per_million_output_tokens": {
+            "platform": platform.get("usd_per_million_output_tokens"),
+            "vllm": of(vllm, "usd_per_million_output_tokens"),
+        },
         "result": result,
     }

@@ -41,7 +41,19 @@ def table(result: dict) -> str:
         )
     if "classifier" in result:
         lines.append(_classifier_line(result["classifier"]))
+    if result["setup"].get("price_per_hour") is not None:
+        lines.append(_cost_line(result))
     return "\n".join(lines)
+
+
+def _cost_line(result: dict) -> str:
+    """Each run's US dollars per million output tokens at the machine's price (``--price-per-hour``)."""
+    costs = "; ".join(
+        f"{r['name']} "
+        + ("-" if r["usd_per_million_output_tokens"] is None else f"${r['usd_per_million_output_tokens']:.2f}")
+        for r in result["runs"]
+    )
+    return f"cost per million output tokens at ${result['setup']['price_per_hour']:.2f}/hour: {costs}"
 
 
 def _title(model: dict, setup: dict) -> str:
@@ -115,6 +127,7 @@ def sweep_table(result: dict) -> str:
     setup = result["points"][0]["result"]["setup"]
     best_of = isinstance(setup["threads"], list)
     with_vllm = any(p.get("vllm_tokens_per_s") is not None for p in result["points"])
+    priced = setup.get("price_per_hour") is not None
     rows = [
         [
             p["clients"],
@@ -134,6 +147,8 @@ def sweep_table(result: dict) -> str:
                 if with_vllm
                 else ()
             ),
+            *((p["usd_per_million_output_tokens"]["platform"],) if priced else ()),
+            *((p["usd_per_million_output_tokens"]["vllm"],) if priced and with_vllm else ()),
         ]
         for p in result["points"]
     ]
@@ -148,6 +163,9 @@ def sweep_table(result: dict) -> str:
     headers += ["vLLM tok/s", "ratio to vLLM", "TTFT p50 ms", "vLLM TTFT p50 ms"] if with_vllm else []
     formats = ["d", ".1f", ".1f", ".2f", ".1f", ".1f", ".2f", ".2f", ".1f", "d", "", *(("d", "d") if best_of else ())]
     formats += [".1f", ".2f", ".0f", ".0f"] if with_vllm else []
+    if priced:
+        headers += ["platform $/M tok"] + (["vLLM $/M tok"] if with_vllm else [])
+        formats += [".2f"] + ([".2f"] if with_vllm else [])
     body = format_table(headers, rows, formats)
     placed = [(p["clients"], p["result"]["placement"]) for p in result["points"] if "placement" in p["result"]]
     if placed:

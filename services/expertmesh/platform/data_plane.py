@@ -304,6 +304,7 @@ def _deploy_groups(
             state_url=None if config.state_url.startswith("memory://") else config.state_url,
             deployment=config.deployment,
             table_after=table_after,
+            warm_up=config.warm_up,
             # a GPU plan's group: its GPUs, island and NUMA node; any other: one GPU where the cluster has them
             **({"num_gpus": gpus} | (deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {})),
         )

@@ -83,6 +83,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         ),
         max_context=info.max_context,
         model_fingerprint=plane.checkpoint.spec.fingerprint,
+        warm_up=plane.config.warm_up,
     )
     register_kv_metrics(engine.kv_usage, info.name)
     register_protocol_metrics(engine.load, engine.kv_usage, info.name)

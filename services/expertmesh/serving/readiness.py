@@ -1,6 +1,8 @@
 """Whether this router can serve a request right now: the body of ``GET /health``.
 
-Ready means: not draining; a routing table is in use; every expert of that
+Ready means: not draining; the engine's warm-up is over (``serving.warmup``: the
+report carries its state and seconds; a failed one is *degraded*, the router serves
+cold); a routing table is in use; every expert of that
 table has a replica whose group answers its ``grpc.health.v1`` check as
 SERVING; and every group holds the experts the table lists on it (its
 ``Describe``): a table that lists an expert on a group that unloaded it is an
@@ -54,6 +56,9 @@ class HealthReport(BaseModel):
     #: the KV pool's blocks held and in all (None under the per-sequence fallback, which has none)
     kv_blocks_used: int | None = None
     kv_blocks_total: int | None = None
+    #: the engine's warm-up: pending, running, done, failed or off; and the seconds it took (None: not over, or off)
+    warm_up: str = "done"
+    warm_up_seconds: float | None = None
 
     @property
     def ready(self) -> bool:
@@ -153,6 +158,11 @@ class Readiness:
         reasons: list[str] = []
         degraded: list[str] = []
         groups: dict[str, GroupState] = {}
+        warm = self._engine.warm_up_state
+        if not warm.finished:
+            reasons.append(f"the router is warming up ({warm.detail or 'not begun'})")
+        elif warm.status == "failed":
+            degraded.append(f"the warm-up failed ({warm.error}): the first requests run cold")
         problem = self._watcher.store_problem
         if problem is not None:
             what = f"the state store is unreachable: {problem}"
@@ -179,6 +189,8 @@ class Readiness:
             queued_requests=queued,
             kv_blocks_used=None if kv is None else kv.blocks_used,
             kv_blocks_total=None if kv is None else kv.blocks_total,
+            warm_up=warm.status,
+            warm_up_seconds=warm.seconds,
         )
 
     def _degraded_gauge(self, _options: CallbackOptions) -> list[Observation]:

@@ -405,17 +405,32 @@ class InferenceServer:
         )
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self.port = self._grpc.port
+        self._serving_lock = threading.Lock()
+        self._draining = False
         if config.health_port is not None:
             self._grpc.serve_plaintext_health(config.health_port)
 
     def start(self) -> "InferenceServer":
+        """Serve; grpc.health.v1 says NOT_SERVING until the engine's warm-up is over (requests sent meanwhile
+        wait for it in the queue)."""
         self.engine.start()
-        self._grpc.start((SERVICE_NAME,))
+        warm = self.engine.warmed.is_set()
+        self._grpc.start((SERVICE_NAME,), serving=warm)
+        if not warm:
+            threading.Thread(target=self._serving_once_warm, name="expertmesh-warm-up-wait", daemon=True).start()
         return self
+
+    def _serving_once_warm(self) -> None:
+        self.engine.warmed.wait()
+        with self._serving_lock:
+            if not self._draining:
+                self._grpc.set_serving(True, (SERVICE_NAME,))
 
     def drain_and_stop(self) -> bool:
         """Stop taking requests, let in-flight ones finish (up to the drain timeout), then stop."""
-        self._grpc.set_serving(False, (SERVICE_NAME,))
+        with self._serving_lock:
+            self._draining = True
+            self._grpc.set_serving(False, (SERVICE_NAME,))
         drained = self.engine.drain(self._config.drain_timeout_s)
         self._grpc.stop()
         self.engine.stop()

@@ -243,6 +243,8 @@ def test_up_reports_its_warm_up_and_its_metrics_count_no_request_until_one_comes
         assert body["warm_up"] == "done" and body["warm_up_seconds"] > 0
         served.up.wait_for_stderr(r"warm-up took \S+s: a prompt chunk of \d+ tokens")
         assert not any(_counted(served.url).values()), "the warm-up is no request, step or group call"
+        metrics = httpx2.get(f"{served.url}/metrics", timeout=30).text
+        assert re.search(r"^expertmesh_router_weights_changed(\{[^}]*\})? 0(\.0)?$", metrics, re.M), "item 5's gauge"
         with Client(served.up.target, timeout=120) as client:
             list(client.generate([5, 6, 7, 8], max_new_tokens=3, stop_at_eos=False))
         counted = _counted(served.url)

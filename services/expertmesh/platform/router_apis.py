@@ -156,7 +156,7 @@ def start_apis(plane: DataPlane, config: ServingConfig) -> RouterApis:
     from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
 
     info = model_info(plane)
-    readiness = Readiness(plane.watcher, server.engine)
+    readiness = Readiness(plane.watcher, server.engine, weights=plane.weights)
     model = ServedModel(info.name, info.vocab_size, info.max_context, len(info.moe_layers))
     adapter = OpenAIAdapter(server.engine, load_tokenizer(plane.checkpoint.path), model, config, server.routing)
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 
 import httpx2
-import pytest
 import torch
 from torch import nn
 
@@ -135,12 +134,9 @@ def test_checked_on_demand_when_the_periodic_check_is_off(checkpoint, group, mon
         try:
             assert _health(url).json()["router_weights"] == "not_checked", "no thread checks"
             asked = httpx2.post(f"{url}/health/weights", timeout=30)
-            assert asked.status_code == 503 and asked.json() == {
-                "status": "changed",
-                "changed": [name],
-                "tensors": plane.weights.tensors,
-                "seconds": pytest.approx(asked.json()["seconds"]),
-            }
+            answer = asked.json()
+            assert asked.status_code == 503 and answer.pop("seconds") >= 0
+            assert answer == {"status": "changed", "changed": [name], "tensors": plane.weights.tensors}
             body = _health(url).json()
             assert body["status"] == "not_ready" and body["router_weights_changed"] == [name]
         finally:

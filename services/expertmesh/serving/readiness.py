@@ -41,6 +41,7 @@ from expertmesh.infra.telemetry.setup import meter
 from expertmesh.router.dispatch.table_watcher import TableWatcher
 from expertmesh.router.weight_check import MIN_GAP_S, WeightCheck, WeightWatch
 from expertmesh.serving.engine import Engine
+from expertmesh.serving.warmup import WarmUpStatus
 from expertmesh.v1 import experts_pb2, experts_pb2_grpc
 
 GroupState = Literal["serving", "not_serving", "unreachable", "no_endpoint"]
@@ -60,7 +61,7 @@ class HealthReport(BaseModel):
     kv_blocks_used: int | None = None
     kv_blocks_total: int | None = None
     #: the engine's warm-up: pending, running, done, failed or off; and the seconds it took (None: not over, or off)
-    warm_up: str = "done"
+    warm_up: WarmUpStatus = "done"
     warm_up_seconds: float | None = None
     #: the router's own weights at the latest check: unchanged since load, changed (named), or not checked yet
     router_weights: Literal["unchanged", "changed", "not_checked"] = "not_checked"

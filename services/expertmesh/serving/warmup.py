@@ -23,7 +23,7 @@ from typing import Literal
 
 from expertmesh.serving.input_buffers import MIN_BUCKET
 
-__all__ = ["WarmUpPlan", "WarmUpState", "plan_warm_up"]
+__all__ = ["WarmUpPlan", "WarmUpState", "WarmUpStatus", "plan_warm_up"]
 
 #: pending: the engine has not begun it; running; done; failed (the engine serves anyway, cold); off (the setting)
 WarmUpStatus = Literal["pending", "running", "done", "failed", "off"]

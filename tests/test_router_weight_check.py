@@ -13,12 +13,15 @@ import logging
 
 import httpx2
 import torch
+from grpc_health.v1.health_pb2 import HealthCheckResponse
 from torch import nn
 
 from expertmesh.config.settings import DataPlaneConfig, read_config_file
 from expertmesh.router.weight_check import WeightWatch, changed_tensors, router_tensors, tensor_fingerprints
 from helpers import wait_for
-from test_warm_up import checkpoint, group, served_router  # noqa: F401 (fixtures)
+from test_warm_up import _grpc_health, checkpoint, group, served_router  # noqa: F401 (fixtures)
+
+SERVING, NOT_SERVING = HealthCheckResponse.SERVING, HealthCheckResponse.NOT_SERVING
 
 
 def _flip_bit(tensor: torch.Tensor) -> None:
@@ -121,9 +124,11 @@ def test_a_bit_flipped_in_a_running_routers_layernorm_turns_health_not_ready_nam
         assert any(name in reason and "weights changed" in reason for reason in body["reasons"]), body["reasons"]
         asked = httpx2.post(f"{url}/health/weights", timeout=30)
         assert asked.status_code == 503 and asked.json()["changed"] == [name]
+        assert _grpc_health(apis.grpc.port) == NOT_SERVING, "the gRPC probes see it too"
 
         _flip_bit(tensor)  # as loaded again: the next check finds nothing
         wait_for(lambda: _health(url).status_code == 200, "/health to turn ready again")
+        assert _grpc_health(apis.grpc.port) == SERVING
 
 
 def test_checked_on_demand_when_the_periodic_check_is_off(checkpoint, group, monkeypatch):  # noqa: F811

@@ -108,7 +108,12 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
             domain_policies=config.domain_routing_policies,
         ),
     )
-    return InferenceServer(servicer, engine, config).start()
+    server = InferenceServer(servicer, engine, config)
+    # the router's weights changed since load: NOT_SERVING for the gRPC probes too, as /health says
+    plane.weights.on_change.append(
+        lambda check: server.set_unfit(f"weights changed: {', '.join(check.changed)}" if check.changed else None)
+    )
+    return server.start()
 
 
 def _load_profiles_file(plane: DataPlane, path: Path, moe_layers: tuple[int, ...], num_experts: int) -> None:

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -97,6 +97,8 @@ class WeightWatch:
         self._checking = threading.Lock()  # one check at a time; only checks take it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: called with each check whose changed tensors differ from the last one's (the gRPC health's hook)
+        self.on_change: list[Callable[[WeightCheck], None]] = []
         meter().create_observable_gauge(
             "expertmesh.router.weights_changed",
             callbacks=[self._gauge],
@@ -128,6 +130,9 @@ class WeightWatch:
             elif not changed and last is not None and last.changed:
                 log.warning("the router's weights match their fingerprints at load again")
             self.last = check
+            if last is None or last.changed != check.changed:  # in the lock: the hooks hear the checks in order
+                for call in self.on_change:
+                    call(check)
             return check
 
     def start(self) -> "WeightWatch":

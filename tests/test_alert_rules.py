@@ -30,7 +30,7 @@ def promtool():
 def test_the_rules_check(promtool):
     result = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 14 rules found" in result.stdout
+    assert "SUCCESS: 15 rules found" in result.stdout
 
 
 def test_every_metric_the_rules_read_is_one_the_platform_exports():
@@ -80,6 +80,8 @@ def _tests() -> list[dict]:
         {"series": DEGRADED + '{layer="1",fallback="next_best"}', "values": "0+5x60"},
         {"series": 'expertmesh_group_circuit_open{group="g1"}', "values": "1x60"},
         {"series": 'expertmesh_group_circuit_open{group="g0"}', "values": "0x60"},
+        {"series": 'expertmesh_router_weights_changed{instance="r1"}', "values": "0 0 1x58"},
+        {"series": 'expertmesh_router_weights_changed{instance="r0"}', "values": "0x60"},
         # TTFT: every first token between 1 and 10 s (p99 ~9.9 s); ITL: every gap between 0.5 and 5 s
         {"series": 'expertmesh_time_to_first_token_seconds_bucket{le="1"}', "values": "0x60"},
         {"series": 'expertmesh_time_to_first_token_seconds_bucket{le="10"}', "values": "0+10x60"},
@@ -126,6 +128,8 @@ def _tests() -> list[dict]:
                 alerts("ExpertmeshExpertQuarantined", "3m", {"severity": "critical", "layer": "1", "expert": "2"}),
                 alerts("ExpertmeshDegradedTokens", "30m", warning),
                 alerts("ExpertmeshCircuitOpen", "30m", {**warning, "group": "g1"}),
+                alerts("ExpertmeshRouterWeightsChanged", "2m"),  # changed at 2m: not for a minute yet
+                alerts("ExpertmeshRouterWeightsChanged", "30m", {"severity": "critical", "instance": "r1"}),
                 alerts("ExpertmeshTimeToFirstTokenHigh", "30m", warning),
                 alerts("ExpertmeshInterTokenLatencyHigh", "30m", warning),
                 alerts("ExpertmeshRoutingEntropyCollapse", "30m"),  # even layers: no collapse

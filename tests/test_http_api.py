@@ -46,6 +46,7 @@ from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
 from expertmesh.serving.openai_schema import Prompt
 from expertmesh.serving.readiness import Readiness
 from expertmesh.serving.request import GenerationRequest
+from expertmesh.serving.warmup import WarmUpState
 from helpers import serving_http
 
 MODEL = "tiny"
@@ -123,6 +124,8 @@ class ScriptedEngine:
 
     def kv_usage(self):
         return None  # as under the per-sequence fallback: no pool
+
+    warm_up_state = WarmUpState("done", 0.0)
 
 
 class FakeProbe:

@@ -36,7 +36,7 @@ def add_command(commands) -> None:
     # the data plane's settings, with their precedence: flags > EXPERTMESH_* > --config file > defaults
     add_config_argument(p)
     add_setting_flag(p, DataPlaneConfig, "model", default_note="the embedded tiny model")
-    for name in ("revision", "placement", "groups", "dtype"):
+    for name in ("revision", "placement", "groups", "dtype", "warm_up"):
         add_setting_flag(p, DataPlaneConfig, name)
     p.add_argument("--host", help="address to bind (default 127.0.0.1); 0.0.0.0 advertises this host's IP")
     p.add_argument("--port", type=int, help="port to bind (default: any free one, printed)")
@@ -79,6 +79,7 @@ def group_spec(args: argparse.Namespace) -> GroupSpec:
         "state_url": None if config.state_url.startswith("memory://") else config.state_url,
         "deployment": config.deployment,
         "budget_bytes": args.budget_bytes,
+        "warm_up": config.warm_up,
     }
     return GroupSpec(
         name=args.group,

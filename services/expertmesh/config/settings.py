@@ -152,6 +152,19 @@ class DataPlaneConfig(BaseSettings):
         description="real hidden states a router keeps per MoE layer (a reservoir, published every load_publish_s) for "
         "the health monitor to probe experts with; 0: none (the monitor probes with seeded inputs)",
     )
+    warm_up: bool = Field(
+        True,
+        description="before reporting ready, run a short warm-up: the router's engine a prefill chunk and a decode "
+        "step through its model (no expert group called, nothing counted), each expert group one compute per held "
+        "layer at a decode and a prefill size (no statistics recorded); its time is in the log, /health and Describe",
+    )
+    router_weight_check_s: float = Field(
+        300.0,
+        ge=0,
+        description="how often a router checks its own weights (attention, norms, gates, embeddings, LM head) against "
+        "their fingerprints at load, in a thread of its own; a changed tensor makes it not ready, named in /health. "
+        "0: only at load and on demand (POST /health/weights)",
+    )
     quarantine_fallback: Literal["next_best", "renormalise"] = Field(
         "next_best",
         description="an expert whose every replica is quarantined: the gate picks the next-best expert in its slot, "
@@ -449,6 +462,8 @@ HELM_KEYS: dict[tuple[str, ...], str] = {
     ("redis", "external", "url"): "state_url",
     ("router", "routingPolicy"): "routing_policy",
     ("router", "domainRoutingPolicies"): "domain_routing_policies",
+    ("router", "warmUp"): "warm_up",
+    ("router", "weightCheckSeconds"): "router_weight_check_s",
 }
 #: Helm switches: when false, the setting under them stays unset (``router.http.enabled: false``).
 HELM_SWITCHES: dict[tuple[str, ...], str] = {("router", "http", "enabled"): "http_port"}

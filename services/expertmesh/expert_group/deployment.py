@@ -179,6 +179,7 @@ class GroupsAppArgs(BaseModel):
     budget_bytes: int | None = Field(
         None, ge=1, description="bytes of expert weights each group may hold; unset: unlimited"
     )
+    warm_up: bool = Field(True, description="each group runs its warm-up before it serves (HostedExperts.warm_up)")
 
 
 def build_app(args: dict):
@@ -208,6 +209,7 @@ def build_app(args: dict):
                 state_url=config.state_url,
                 deployment=config.deployment,
                 budget_bytes=config.budget_bytes,
+                warm_up=config.warm_up,
             )
             for i, name in enumerate(sorted(placement.groups))
         ]

@@ -60,6 +60,8 @@ class GroupSpec:
     #: restarted after live moves takes back what they gave it, not ``pairs``. The deployer sets it to the
     #: store's version before its own first table; None: any stored table of the model that lists the group
     table_after: int | None = None
+    #: run one compute per held layer at a decode and a prefill size before serving (``HostedExperts.warm_up``)
+    warm_up: bool = True
 
 
 def start_pairs(spec: GroupSpec, table, model) -> tuple[tuple[int, int], ...]:
@@ -168,7 +170,14 @@ class RunningGroup:
             self.hosted = HostedExperts(checkpoint, getattr(torch, spec.dtype), self.device, spec.budget_bytes)
             self.hosted.load(list(pairs))
             self.pairs = pairs
-            self.server, port = start_server(spec.name, self.hosted, host=spec.host, port=spec.port)
+            #: seconds the warm-up took (None: off); it runs before the server listens, so nothing is served cold
+            self.warm_up_s = self.hosted.warm_up() if spec.warm_up else None
+            if self.warm_up_s is not None:
+                layers = len({layer for layer, _ in pairs})
+                log.info("expert group %s: warm-up of its %d layers took %.3fs", spec.name, layers, self.warm_up_s)
+            self.server, port = start_server(
+                spec.name, self.hosted, host=spec.host, port=spec.port, warm_up_s=self.warm_up_s
+            )
             self.address = f"{advertise() if spec.host in ('0.0.0.0', '::') else spec.host}:{port}"
             if store is not None:
                 from expertmesh.expert_group.registration import EndpointRegistration

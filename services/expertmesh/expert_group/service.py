@@ -112,8 +112,11 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
         hosted: HostedExperts,
         max_concurrent_dispatch: int = MAX_CONCURRENT_DISPATCH,
         faults: FaultInjectionConfig | None = None,
+        warm_up_s: float | None = None,
     ):
+        """``warm_up_s``: what the group's warm-up took before it served (None: it ran none), for Describe."""
         self.group = group
+        self.warm_up_s = warm_up_s
         self.hosted = hosted
         self.max_concurrent_dispatch = max_concurrent_dispatch
         #: whether InjectFault is accepted; read once, at start (default: the environment's)
@@ -271,6 +274,7 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
             peak_rss_bytes=_peak_rss_bytes(),
             transports_offered=offered(self.transports),
             model_fingerprint=self.hosted.spec.fingerprint,
+            warm_up_seconds=self.warm_up_s or 0.0,
         )
 
     @guarded
@@ -400,8 +404,10 @@ def start_server(
     max_concurrent_dispatch: int = MAX_CONCURRENT_DISPATCH,
     tls: TlsConfig | None = None,
     admin: AdminAuthConfig | None = None,
+    warm_up_s: float | None = None,
 ) -> tuple[GroupServer, int]:
-    """Serve ``hosted`` as group ``group`` (see GroupServer); returns (server, bound TCP port)."""
-    servicer = ExpertGroupServicer(group, hosted, max_concurrent_dispatch)
+    """Serve ``hosted`` as group ``group`` (see GroupServer); returns (server, bound TCP port). ``warm_up_s``:
+    what its warm-up took (``HostedExperts.warm_up``, run before: the server reports SERVING only after it)."""
+    servicer = ExpertGroupServicer(group, hosted, max_concurrent_dispatch, warm_up_s=warm_up_s)
     server = GroupServer(servicer, host, port, workers, tls=tls, admin=admin).start()
     return server, server.port

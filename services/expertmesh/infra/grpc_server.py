@@ -113,10 +113,11 @@ class GrpcServer:
         self._health_server.start()
         return bound
 
-    def start(self, services: tuple[str, ...] = ()) -> "GrpcServer":
-        """Start serving and report SERVING for the server ("") and ``services``."""
+    def start(self, services: tuple[str, ...] = (), serving: bool = True) -> "GrpcServer":
+        """Start serving and report SERVING for the server ("") and ``services`` (NOT_SERVING with ``serving``
+        False, until ``set_serving``: a router warming up)."""
         self.server.start()
-        self.set_serving(True, services)
+        self.set_serving(serving, services)
         return self
 
     def set_serving(self, serving: bool, services: tuple[str, ...] = ()) -> None:

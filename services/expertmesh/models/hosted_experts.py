@@ -19,6 +19,11 @@ the weights changed in memory since (``inject_fault`` makes that happen on purpo
 for the chaos tests). A reload (``load(..., reload=True)``) reads
 held experts from disk again, swapped in the same way: the health monitor's
 repair, with no moment at which the expert is missing.
+
+``warm_up`` runs each held layer's compute once at a decode size and once at a prefill size
+(``warm_up_calls``), before the group reports ready: the first Dispatch does not pay for first-call
+allocation and kernel selection. It records nothing (``stats`` stay as they were), so the health
+monitor reads the same statistics as without it.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from __future__ import annotations
 import copy
 import math
 import threading
+import time
 from dataclasses import dataclass, replace
 from functools import cached_property
 from types import MappingProxyType
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +54,10 @@ TOP_K_ALLOWANCE = 1
 MAX_ROWS = 1 << 20
 #: Calls of up to this many (token, expert) rows (decode steps) keep their statistics in plain Python
 SMALL_RECORD_ROWS = 64
+
+#: Tokens of the warm-up's calls per held layer: a decode-sized call (at most SMALL_RECORD_ROWS rows at any top-k
+#: up to 8: the plain-Python path) and a prefill-sized one (the batched path)
+WARM_UP_TOKENS = (8, 256)
 
 #: How ``inject_fault`` corrupts an expert: ``scale`` multiplies its weights by a factor (outputs
 #: change but stay finite: the quiet kind), ``nan`` overwrites them with NaN.
@@ -331,10 +341,31 @@ class HostedExperts:
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise InvalidRequest(f"{name} holds {bad} non-finite values (NaN or Inf)")
 
+    def warm_up(self, tokens: Sequence[int] = WARM_UP_TOKENS) -> float:
+        """One ``compute`` per held layer and per size in ``tokens``, through the same paths a Dispatch takes,
+        recording no statistics; returns the seconds it took."""
+        started = time.perf_counter()
+        layers = self._layers
+        generator = torch.Generator().manual_seed(0)
+        top_k = min(self.spec.top_k or 1, self.spec.num_experts)
+        for layer, held in sorted(layers.items()):
+            for n in tokens:
+                hidden, ids, weights = warm_up_call(held.ids, n, top_k, self.spec.hidden_size, generator)
+                self.compute(layer, hidden.to(self.dtype), ids, weights, record=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
     def compute(
-        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        record: bool = True,
     ) -> torch.Tensor:
-        """hidden [T, H], expert_ids [T, K] (global ids, -1 = empty), weights [T, K] -> partial sums [T, H]."""
+        """hidden [T, H], expert_ids [T, K] (global ids, -1 = empty), weights [T, K] -> partial sums [T, H].
+        ``record=False``: the experts' statistics stay as they were (the warm-up's calls)."""
         self._check_request(hidden, expert_ids, weights)
         layers = self._layers  # the one snapshot this call uses
         held = layers.get(layer)
@@ -343,7 +374,7 @@ class HostedExperts:
 
         hidden = hidden.to(self.device, self.dtype)
         if expert_ids.numel() <= SMALL_RECORD_ROWS:  # a decode step: plain Python beats a dozen tiny ops
-            return self._compute_small(layer, held, hidden, expert_ids, weights)
+            return self._compute_small(layer, held, hidden, expert_ids, weights, record)
         token_idx, slot, local = self._pairs(layer, held, expert_ids)  # [S] each: one row per (token, expert) pair
         partial = torch.zeros_like(hidden)  # [T, H]
         if token_idx.numel():
@@ -353,11 +384,18 @@ class HostedExperts:
                 # no sentinels (GPT-OSS's has no slot for one) and computes every pair exactly once.
                 rows = held.module(hidden[token_idx], local.unsqueeze(1), row_weights.unsqueeze(1))  # [S, H]
                 partial.index_add_(0, token_idx, rows.to(partial.dtype))
-            self._record(held, local, row_weights, rows)
+            if record:
+                self._record(held, local, row_weights, rows)
         return partial
 
     def _compute_small(
-        self, layer: int, held: _LayerExperts, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+        self,
+        layer: int,
+        held: _LayerExperts,
+        hidden: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        record: bool = True,
     ) -> torch.Tensor:
         """``compute`` of a decode-sized call: the same rows in the same order, planned in plain Python, and
         through ``expert_rows.rows_forward`` where that gives the module's own bits (``rows_fast``)."""
@@ -383,7 +421,8 @@ class HostedExperts:
                 local_rows = torch.tensor(local, dtype=torch.long, device=self.device).unsqueeze(1)  # [S, 1]
                 rows = held.module(hidden[token_idx], local_rows, row_weights)
             partial.index_add_(0, token_idx, rows.to(partial.dtype))
-        self._record_small(held, local, [abs(w) for w in picked], rows)
+        if record:
+            self._record_small(held, local, [abs(w) for w in picked], rows)
         return partial
 
     def _pairs(
@@ -461,3 +500,19 @@ class HostedExperts:
         with self._stats_lock:
             for i, (rows_n, bad, k, mu, sq) in zip(hit.tolist(), table):
                 held.stats[held.ids[i]].merge(int(rows_n), int(bad), int(k), mu, sq)
+
+
+def warm_up_call(
+    held: Sequence[int], tokens: int, top_k: int, hidden_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One warm-up call of ``tokens`` tokens over the ``held`` experts of a layer: (hidden [T, H] float32 from
+    ``generator``, expert_ids [T, K] int64, routing weights [T, K] of 1/K). Token t chooses held experts
+    t, t+1, ... (cycling), so every held expert computes once the call has at least len(held) / K tokens;
+    K = min(top_k, len(held)), no expert twice in a row.
+
+    Example: held (4, 6, 9), tokens 2, top_k 2 -> expert_ids [[4, 6], [6, 9]]."""
+    k = max(1, min(top_k, len(held)))
+    hidden = torch.randn(tokens, hidden_size, generator=generator)  # [T, H]
+    ids = torch.tensor([[held[(t + j) % len(held)] for j in range(k)] for t in range(tokens)], dtype=torch.long)
+    weights = torch.full((tokens, k), 1.0 / k)  # [T, K]
+    return hidden, ids, weights

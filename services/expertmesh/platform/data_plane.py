@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from expertmesh.router.dispatch.table_watcher import TableWatcher
     from expertmesh.router.reporting.hidden_sample import SamplePublisher
     from expertmesh.router.reporting.load_publisher import LoadPublisher
+    from expertmesh.router.weight_check import WeightWatch
 
 
 def _check_reachable(address: str) -> None:
@@ -130,10 +131,15 @@ class DataPlane:
     _publisher: "LoadPublisher" = field(init=False)
     #: publishes the router's hidden-state sample (None: sampling off)
     _samples: "SamplePublisher | None" = field(init=False)
+    #: the router's own weights, fingerprinted at load and checked every ``router_weight_check_s``
+    weights: "WeightWatch" = field(init=False)
 
     def __post_init__(self) -> None:
         # The in-process store too: an orchestrator embedded in this process (`up --orchestrator`) reads it.
         from expertmesh.router.reporting.load_publisher import LoadPublisher
+        from expertmesh.router.weight_check import WeightWatch
+
+        self.weights = WeightWatch(self.model, self.config.router_weight_check_s).start()
 
         self._publisher = LoadPublisher(self.store, self.dispatcher.load_window, self.config.load_publish_s).start()
         self._samples = None
@@ -207,6 +213,7 @@ class DataPlane:
         return not self.config.state_url.startswith("memory://")
 
     def close(self) -> None:
+        self.weights.stop()
         self._publisher.stop()
         if self._samples is not None:
             self._samples.stop()
@@ -304,6 +311,7 @@ def _deploy_groups(
             state_url=None if config.state_url.startswith("memory://") else config.state_url,
             deployment=config.deployment,
             table_after=table_after,
+            warm_up=config.warm_up,
             # a GPU plan's group: its GPUs, island and NUMA node; any other: one GPU where the cluster has them
             **({"num_gpus": gpus} | (deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {})),
         )

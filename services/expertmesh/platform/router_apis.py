@@ -83,6 +83,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         ),
         max_context=info.max_context,
         model_fingerprint=plane.checkpoint.spec.fingerprint,
+        warm_up=plane.config.warm_up,
     )
     register_kv_metrics(engine.kv_usage, info.name)
     register_protocol_metrics(engine.load, engine.kv_usage, info.name)
@@ -107,7 +108,12 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
             domain_policies=config.domain_routing_policies,
         ),
     )
-    return InferenceServer(servicer, engine, config).start()
+    server = InferenceServer(servicer, engine, config)
+    # the router's weights changed since load: NOT_SERVING for the gRPC probes too, as /health says
+    plane.weights.on_change.append(
+        lambda check: server.set_unfit(f"weights changed: {', '.join(check.changed)}" if check.changed else None)
+    )
+    return server.start()
 
 
 def _load_profiles_file(plane: DataPlane, path: Path, moe_layers: tuple[int, ...], num_experts: int) -> None:
@@ -155,7 +161,7 @@ def start_apis(plane: DataPlane, config: ServingConfig) -> RouterApis:
     from expertmesh.serving.openai_adapter import OpenAIAdapter, ServedModel
 
     info = model_info(plane)
-    readiness = Readiness(plane.watcher, server.engine)
+    readiness = Readiness(plane.watcher, server.engine, weights=plane.weights)
     model = ServedModel(info.name, info.vocab_size, info.max_context, len(info.moe_layers))
     adapter = OpenAIAdapter(server.engine, load_tokenizer(plane.checkpoint.path), model, config, server.routing)
     try:

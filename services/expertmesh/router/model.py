@@ -6,9 +6,14 @@ parameters; then the non-expert weights are read from the checkpoint, keeping
 transformers' fp32 rules for gates in bf16 (``build_router_model``). The model's
 experts calls reach the expert groups once it is bound to a dispatcher
 (``bind_dispatcher``), which is built after it (it takes the model's gate bias).
+``experts_answered_by`` lends those calls to a stand-in for a while: the engine's warm-up answers them
+with zeros (``ZeroExperts``), so no group is called and nothing the dispatcher counts changes.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -71,5 +76,37 @@ def bind_dispatcher(model: nn.Module, dispatcher: LayerDispatcher) -> nn.Module:
     the serving engine's step holds it."""
     for _, module in experts_modules(model).values():
         module._expertmesh_dispatcher = dispatcher
-    model.register_forward_pre_hook(lambda *_: dispatcher.on_forward())
+    model._expertmesh_dispatcher = dispatcher
+    model.register_forward_pre_hook(lambda module, *_: module._expertmesh_dispatcher.on_forward())
     return model
+
+
+class ZeroExperts:
+    """A stand-in for the dispatcher whose every experts call sums to zero: the forward runs every kernel of
+    the router's own (embeddings, attention, norms, gates, shared experts, LM head) and no expert group's."""
+
+    def experts(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.zeros_like(hidden)  # [T, H]
+
+    def on_forward(self) -> None:
+        pass
+
+
+@contextmanager
+def experts_answered_by(model: nn.Module, stand_in) -> Iterator[None]:
+    """Within: the experts calls (and forward boundaries) of ``model``, if bound (``bind_dispatcher``), go to
+    ``stand_in`` rather than its dispatcher; a model computing its experts itself is left as it is. The
+    caller must be the model's only user meanwhile (the engine's thread, before it serves)."""
+    holders = [module for _, module in experts_modules(model).values() if hasattr(module, "_expertmesh_dispatcher")]
+    if hasattr(model, "_expertmesh_dispatcher"):
+        holders.append(model)
+    own = [holder._expertmesh_dispatcher for holder in holders]
+    for holder in holders:
+        holder._expertmesh_dispatcher = stand_in
+    try:
+        yield
+    finally:
+        for holder, dispatcher in zip(holders, own):
+            holder._expertmesh_dispatcher = dispatcher

@@ -10,7 +10,8 @@ The parts (each module's docstring has its glossary): ``request`` (what was aske
 prefix cache, or the per-sequence fallback's caches), ``model_runner`` (the model and its device, the step's
 context for the router), ``output_processor`` (sampling and everything after it), ``events`` (what a caller
 hears). This module only wires them and runs the loop: requests join and leave, and the routing table may switch
-version, only at a step boundary.
+version, only at a step boundary. Before its first step the loop runs the warm-up (``warmup``: a prompt chunk and a
+decode step through the model runner, nothing counted), unless switched off; ``warm_up_state`` says where it is.
 
 The step's attention lets each query see only its own sequence's past, and every other layer works row by row,
 so a request's tokens are what they would be if it were served alone: in float32 greedy output is
@@ -39,6 +40,7 @@ from expertmesh.serving.output_processor import OutputProcessor
 from expertmesh.serving.request import GenerationRequest, Request
 from expertmesh.serving.scheduler import Scheduler, SchedulerLimits
 from expertmesh.serving.step_tally import StepTally
+from expertmesh.serving.warmup import WarmUpState, plan_warm_up
 
 __all__ = ["Engine", "EngineLimits"]
 
@@ -80,9 +82,11 @@ class Engine:
         max_context: int,
         packed: bool = True,
         model_fingerprint: str = "",
+        warm_up: bool = True,
     ):
         """``packed=False`` runs the per-sequence fallback even for a model the packed step can take.
-        ``model_fingerprint``: the checkpoint's, part of every prefix-cache key (``kv_blocks.PrefixScope``)."""
+        ``model_fingerprint``: the checkpoint's, part of every prefix-cache key (``kv_blocks.PrefixScope``).
+        ``warm_up``: run the warm-up before the first step (``warmup``)."""
         self.limits = limits
         self.max_context = max_context
         mask_spec = MaskSpec.of(model)
@@ -122,6 +126,10 @@ class Engine:
         self._resets = _PrefixResets()
         self._thread = threading.Thread(target=self._loop, name="expertmesh-engine", daemon=True)
         self._kv_usage = self.kv.usage([])  # the empty pool, reported before the first step
+        #: where the warm-up stands; replaced whole (read by /health from other threads)
+        self.warm_up_state = WarmUpState() if warm_up else WarmUpState("off", detail="switched off")
+        #: set once the warm-up is over (done, failed or off)
+        self.warmed = threading.Event()
 
     @staticmethod
     def _kv_manager(
@@ -218,7 +226,37 @@ class Engine:
 
     # -- the loop ----------------------------------------------------------------------
 
+    def _warm_up(self) -> None:
+        """The warm-up, on the engine's thread before its first step (see ``warmup``); a failure is logged and
+        reported, and the engine serves anyway (its first requests cold)."""
+        if self.warm_up_state.status == "off":
+            self.warmed.set()
+            return
+        limits = self.limits
+        free = self.kv.available() if self.batching.packed else None
+        plan = plan_warm_up(limits.max_step_tokens, limits.max_active, self.max_context, self.kv.block_size, free)
+        if plan is None:
+            self.warm_up_state = WarmUpState("done", 0.0, "none: no prompt chunk and decode step fit the KV pool")
+            self.warmed.set()
+            return
+        n = plan.decode_sequences
+        detail = f"a prompt chunk of {plan.prefill_tokens} tokens, a decode step of {n} sequence{'s' * (n > 1)}"
+        self.warm_up_state = WarmUpState("running", detail=detail)
+        started = time.perf_counter()
+        try:
+            self.runner.warm_up(plan)
+        except Exception as err:
+            seconds = time.perf_counter() - started
+            log.exception("warm-up failed after %.3fs (%s); serving without it", seconds, detail)
+            self.warm_up_state = WarmUpState("failed", seconds, detail, f"{type(err).__name__}: {err}")
+        else:
+            seconds = time.perf_counter() - started
+            log.info("warm-up took %.3fs: %s", seconds, detail)
+            self.warm_up_state = WarmUpState("done", seconds, detail)
+        self.warmed.set()
+
     def _loop(self) -> None:
+        self._warm_up()
         while True:
             with self._cond:
                 resets = self._resets

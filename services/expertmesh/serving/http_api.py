@@ -8,6 +8,7 @@ Starlette app over the same engine as the gRPC API.
 | ``GET /v1/models``, ``/v1/models/{model}`` | the one model this router serves |
 | ``GET /health`` | readiness (``readiness``): 200 when ready, else 503 with the reasons |
 | ``GET /health/live`` | 200 while the process answers (liveness) |
+| ``POST /health/weights`` | check the router's own weights now: 200 unchanged since load, else 503 naming them |
 | ``GET /metrics`` | Prometheus text of this process's OpenTelemetry meters |
 
 A generation asks for its routing trace with the body field ``routing_trace: true`` or the header
@@ -112,6 +113,7 @@ class HttpApi:
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/health/live", self._live, methods=["GET"]),
+                Route("/health/weights", self._check_weights, methods=["POST"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
             ],
             middleware=[Middleware(ResponseCounter)],
@@ -330,6 +332,19 @@ class HttpApi:
     async def _health(self, request: Request) -> Response:
         report = await run_in_threadpool(self._readiness.report)  # store and group checks block
         return JSONResponse(report.model_dump(mode="json"), status_code=200 if report.ready else 503)
+
+    async def _check_weights(self, request: Request) -> Response:
+        """Check the router's own weights now (``Readiness.check_weights``); 200 when they match their
+        fingerprints at load, 503 naming the changed tensors."""
+        check = await run_in_threadpool(self._readiness.check_weights)
+        if check is None:
+            return JSONResponse({"status": "not_checked", "changed": []})
+        body = {
+            "status": "unchanged" if check.ok else "changed",
+            "changed": list(check.changed),
+            "tensors": check.tensors,
+        }
+        return JSONResponse({**body, "seconds": check.seconds}, status_code=200 if check.ok else 503)
 
     async def _live(self, request: Request) -> Response:
         return JSONResponse({"status": "alive"})

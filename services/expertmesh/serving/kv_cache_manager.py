@@ -22,8 +22,9 @@ Glossary (the pool's: ``serving.kv_blocks``)
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -274,6 +275,17 @@ class PagedKVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
+
+    @contextmanager
+    def scratch(self, blocks: int) -> Iterator[list[int]]:
+        """``blocks`` blocks of the pool for a forward no request owns (the engine's warm-up), given back when the
+        block exits: no request holds them, no counter counts them, none is offered to the prefix cache. Taken
+        at a step boundary on the engine's thread, before it serves: no cached prefix is evicted then."""
+        taken = self.pool.allocate(blocks)
+        try:
+            yield taken
+        finally:
+            self.pool.release(taken)
 
 
 class DynamicKVCacheManager:

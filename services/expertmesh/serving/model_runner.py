@@ -8,6 +8,10 @@ Two ways to run a step, chosen once for the model (``Batching``): *packed*, one 
 step (``forward.forward_packed``: each MoE layer dispatches once with all the step's tokens); or the *per-sequence*
 fallback, each chunk's own forward on its own cache, for a model the packed step cannot take.
 
+``warm_up`` runs a ``warmup.WarmUpPlan`` through the same packing, buffers, capture and forward before the
+engine serves, with the experts calls answered by zeros (``router.model.ZeroExperts``) and KV blocks lent by the
+pool for its while: no step counted, no group called, nothing recorded.
+
 A step that fails (its forward raised: an expert group down, a deadline passed in a dispatch; the routing table
 unreadable at its start) fails every chunk of it, each with the error; under the per-sequence fallback a chunk's
 own forward fails that chunk alone.
@@ -22,11 +26,13 @@ from typing import Protocol
 
 import torch
 from opentelemetry import trace
+from transformers import DynamicCache
 
 from expertmesh.contracts.errors import ExpertMeshError, GroupUnavailable
 from expertmesh.infra.telemetry.setup import tracer
 from expertmesh.router.dispatch.step_choices import StepChoices
 from expertmesh.router.dispatch.step_context import StepContext
+from expertmesh.router.model import ZeroExperts, experts_answered_by
 from expertmesh.router.policy.routing_policy import StepRouting, step_routing
 from expertmesh.router.policy.token_rules import QueueSignal
 from expertmesh.serving.forward import Chunk, MaskSpec, forward_alone, forward_packed, pack
@@ -35,6 +41,7 @@ from expertmesh.serving.input_buffers import InputBuffers, plan_for
 from expertmesh.serving.kv_cache_manager import KVCacheManager
 from expertmesh.serving.request import request_span
 from expertmesh.serving.scheduler import Rows, ScheduledChunk, SchedulerOutput
+from expertmesh.serving.warmup import WarmUpPlan
 
 __all__ = ["Batching", "ModelRunner", "ModelRunnerOutput", "StepDispatcher", "batching_of"]
 
@@ -151,6 +158,40 @@ class ModelRunner:
         if self.batching.packed:
             return self._packed(chunks)
         return self._alone(chunks)
+
+    # -- the warm-up ------------------------------------------------------------------------------
+
+    def warm_up(self, plan: WarmUpPlan) -> None:
+        """``plan``'s prompt chunk, then its decode step, through this runner's path (see the module); raises
+        what a forward raises. The engine's thread, before it serves: the model's only user."""
+        vocab = self.model.config.get_text_config().vocab_size
+        prompt = tuple(i % vocab for i in range(plan.prefill_tokens))
+        with experts_answered_by(self.model, ZeroExperts()), torch.no_grad():
+            if self.batching.packed:
+                self._warm_packed(plan, prompt)
+            else:
+                cache = DynamicCache(config=self.model.config)
+                forward_alone(self.model, Chunk(cache, prompt, 0, Rows.LAST))
+                forward_alone(self.model, Chunk(cache, prompt[:1], plan.prefill_tokens, Rows.LAST))
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def _warm_packed(self, plan: WarmUpPlan, prompt: tuple[int, ...]) -> None:
+        with self._kv.scratch(plan.blocks) as blocks:
+            past, own = blocks[: plan.prefill_tokens // self._kv.block_size], blocks[-plan.decode_sequences :]
+            self._warm_forward([Chunk(past, prompt, 0, Rows.LAST)])
+            decode = [
+                Chunk([*past, block], (prompt[i % len(prompt)],), len(prompt), Rows.LAST) for i, block in enumerate(own)
+            ]
+            self._warm_forward(decode)
+
+    def _warm_forward(self, chunks: list[Chunk]) -> None:
+        """One packed forward of ``chunks`` as ``_packed`` runs it, the logits' greedy tokens and rows to the host."""
+        batch = pack(chunks, self.mask_spec, self._kv.tensors)
+        inputs = self.buffers.load(batch.input_ids, batch.positions, batch.logit_rows)
+        bucket = self.buffers.bucket(batch.positions.shape[0])
+        rows = self.capture.run(bucket, lambda: forward_packed(self.model, batch, inputs))  # [R, V]
+        rows.argmax(-1).cpu(), rows.float().cpu()
 
     # -- the step's context -----------------------------------------------------------------------
 

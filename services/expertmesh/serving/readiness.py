@@ -1,6 +1,10 @@
 """Whether this router can serve a request right now: the body of ``GET /health``.
 
-Ready means: not draining; a routing table is in use; every expert of that
+Ready means: not draining; the router's own weights match their fingerprints at load
+(``router.weight_check``: the latest check, periodic or asked for with ``check_weights``;
+a changed tensor is named in the reasons); the engine's warm-up is over (``serving.warmup``: the
+report carries its state and seconds; a failed one is *degraded*, the router serves
+cold); a routing table is in use; every expert of that
 table has a replica whose group answers its ``grpc.health.v1`` check as
 SERVING; and every group holds the experts the table lists on it (its
 ``Describe``): a table that lists an expert on a group that unloaded it is an
@@ -35,7 +39,9 @@ from expertmesh.infra.group_channels import group_channel
 from expertmesh.infra.security import from_env
 from expertmesh.infra.telemetry.setup import meter
 from expertmesh.router.dispatch.table_watcher import TableWatcher
+from expertmesh.router.weight_check import MIN_GAP_S, WeightCheck, WeightWatch
 from expertmesh.serving.engine import Engine
+from expertmesh.serving.warmup import WarmUpStatus
 from expertmesh.v1 import experts_pb2, experts_pb2_grpc
 
 GroupState = Literal["serving", "not_serving", "unreachable", "no_endpoint"]
@@ -54,6 +60,12 @@ class HealthReport(BaseModel):
     #: the KV pool's blocks held and in all (None under the per-sequence fallback, which has none)
     kv_blocks_used: int | None = None
     kv_blocks_total: int | None = None
+    #: the engine's warm-up: pending, running, done, failed or off; and the seconds it took (None: not over, or off)
+    warm_up: WarmUpStatus = "done"
+    warm_up_seconds: float | None = None
+    #: the router's own weights at the latest check: unchanged since load, changed (named), or not checked yet
+    router_weights: Literal["unchanged", "changed", "not_checked"] = "not_checked"
+    router_weights_changed: list[str] = []
 
     @property
     def ready(self) -> bool:
@@ -121,9 +133,12 @@ class Readiness:
         engine: Engine,
         probe: GroupProbe | None = None,
         cache_s: float = 1.0,
+        weights: WeightWatch | None = None,
     ):
         """``watcher``: the router's table watcher (its view, whether the store answers its rounds, and the
-        address the router dials for each group)."""
+        address the router dials for each group). ``weights``: the check of the router's own weights (None: not
+        checked)."""
+        self._weights = weights
         self._watcher = watcher
         self._engine = engine
         self._probe = probe or GroupProbe()
@@ -146,6 +161,16 @@ class Readiness:
             self._last = (time.monotonic(), report)
             return report
 
+    def check_weights(self) -> WeightCheck | None:
+        """Check the router's weights now (one finished within ``MIN_GAP_S`` answers instead); the next report
+        says what it found. None: no weights to check."""
+        if self._weights is None:
+            return None
+        check = self._weights.check(MIN_GAP_S)
+        with self._lock:
+            self._last = None
+        return check
+
     def _check(self) -> HealthReport:
         active, queued = self._engine.load()
         kv = self._engine.kv_usage()
@@ -153,6 +178,20 @@ class Readiness:
         reasons: list[str] = []
         degraded: list[str] = []
         groups: dict[str, GroupState] = {}
+        weights = self._weights.last if self._weights is not None else None
+        if weights is not None and weights.changed:
+            shown = ", ".join(weights.changed[:5]) + (
+                f" and {len(weights.changed) - 5} more" if len(weights.changed) > 5 else ""
+            )
+            reasons.append(
+                f"the router's weights changed since they were loaded ({shown}): its answers cannot be trusted; "
+                "restart it"
+            )
+        warm = self._engine.warm_up_state
+        if not warm.finished:
+            reasons.append(f"the router is warming up ({warm.detail or 'not begun'})")
+        elif warm.status == "failed":
+            degraded.append(f"the warm-up failed ({warm.error}): the first requests run cold")
         problem = self._watcher.store_problem
         if problem is not None:
             what = f"the state store is unreachable: {problem}"
@@ -179,6 +218,10 @@ class Readiness:
             queued_requests=queued,
             kv_blocks_used=None if kv is None else kv.blocks_used,
             kv_blocks_total=None if kv is None else kv.blocks_total,
+            warm_up=warm.status,
+            warm_up_seconds=warm.seconds,
+            router_weights="not_checked" if weights is None else "changed" if weights.changed else "unchanged",
+            router_weights_changed=list(weights.changed) if weights is not None else [],
         )
 
     def _degraded_gauge(self, _options: CallbackOptions) -> list[Observation]:

@@ -405,17 +405,44 @@ class InferenceServer:
         )
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self.port = self._grpc.port
+        self._serving_lock = threading.Lock()
+        self._draining = False
+        #: why grpc.health.v1 says NOT_SERVING besides warming up and draining (``set_unfit``): e.g. the router's
+        #: weights changed since load
+        self._unfit: str | None = None
         if config.health_port is not None:
             self._grpc.serve_plaintext_health(config.health_port)
 
     def start(self) -> "InferenceServer":
+        """Serve; grpc.health.v1 says NOT_SERVING until the engine's warm-up is over (requests sent meanwhile
+        wait for it in the queue), while ``set_unfit`` says so, and once draining."""
         self.engine.start()
-        self._grpc.start((SERVICE_NAME,))
+        self._grpc.start((SERVICE_NAME,), serving=self._serving())
+        if not self.engine.warmed.is_set():
+            threading.Thread(target=self._serving_once_warm, name="expertmesh-warm-up-wait", daemon=True).start()
         return self
+
+    def _serving(self) -> bool:
+        return self.engine.warmed.is_set() and self._unfit is None and not self._draining
+
+    def _update_serving(self) -> None:
+        with self._serving_lock:
+            self._grpc.set_serving(self._serving(), (SERVICE_NAME,))
+
+    def _serving_once_warm(self) -> None:
+        self.engine.warmed.wait()
+        self._update_serving()
+
+    def set_unfit(self, why: str | None) -> None:
+        """grpc.health.v1 NOT_SERVING for ``why`` (None: no longer), as /health's reasons say it: the gRPC probes
+        of a router without the HTTP API see what its readiness sees."""
+        self._unfit = why
+        self._update_serving()
 
     def drain_and_stop(self) -> bool:
         """Stop taking requests, let in-flight ones finish (up to the drain timeout), then stop."""
-        self._grpc.set_serving(False, (SERVICE_NAME,))
+        self._draining = True
+        self._update_serving()
         drained = self.engine.drain(self._config.drain_timeout_s)
         self._grpc.stop()
         self.engine.stop()

@@ -61,6 +61,7 @@ PROMETHEUS_METRICS = frozenset(
         "expertmesh_requests_running",
         "expertmesh_gate_top1_probability_bucket",
         "expertmesh_gate_top2_margin_bucket",
+        "expertmesh_router_weights_changed",
     }
 )
 

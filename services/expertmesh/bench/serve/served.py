@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,6 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 from expertmesh.bench.platform import started
 from expertmesh.bench.report import BenchError
+from expertmesh.bench.serve.clients import stream_clients
 from expertmesh.bench.serve.stats import TimedRequest, decode_steps, summary
 from expertmesh.bench.serve.workload import prompts
 from expertmesh.infra.console import bar, progress
@@ -127,43 +127,30 @@ def _warm_up(target: str, prompt, extras: dict) -> None:
 
 
 def _stream_all(target: str, options: Options, work: list, extras: list[dict]) -> list[TimedRequest]:
-    """The timed requests: N client threads, started together, each streaming its R requests in turn."""
+    """The timed requests: ``clients.stream_clients`` with a gRPC client each."""
     import grpc
 
     from expertmesh.client import Client
 
-    n, m = options.clients, options.max_new_tokens
-    records: list[list[TimedRequest]] = [[] for _ in range(n)]
-    errors: list[str] = []
-    barrier = threading.Barrier(n)
-
-    def one_client(c: int) -> None:
+    def stream(client: Client, i: int, timed: TimedRequest) -> None:
         try:
-            with Client(target, timeout=600) as client:
-                barrier.wait()
-                for r in range(options.requests_per_client):
-                    i = r * n + c
-                    request = TimedRequest(time.perf_counter(), i)
-                    records[c].append(request)
-                    for chunk in client.generate(work[i], max_new_tokens=m, stop_at_eos=False, **extras[i]):
-                        if chunk.token_ids:
-                            request.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
-                            request.ids.extend(chunk.token_ids)
-                    done.update()
+            for chunk in client.generate(
+                work[i], max_new_tokens=options.max_new_tokens, stop_at_eos=False, **extras[i]
+            ):
+                if chunk.token_ids:
+                    timed.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+                    timed.ids.extend(chunk.token_ids)
         except grpc.RpcError as err:
-            errors.append(f"{err.code().name}: {err.details()}")
-        except threading.BrokenBarrierError:
-            pass
+            raise BenchError(f"a streaming request to {target} failed: {err.code().name}: {err.details()}") from None
 
-    threads = [threading.Thread(target=one_client, args=(c,), name=f"bench-client-{c}") for c in range(n)]
-    with bar(n * options.requests_per_client, "bench serve: requests", unit="request") as done:  # on a terminal
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    if errors:
-        raise BenchError(f"a streaming request to {target} failed: {errors[0]}")
-    return [r for rs in records for r in rs]
+    with bar(options.clients * options.requests_per_client, "bench serve: requests", unit="request") as done:
+        return stream_clients(
+            options.clients,
+            options.requests_per_client,
+            stream,
+            connect=lambda: Client(target, timeout=600),
+            finished=done.update,
+        )
 
 
 def _engine_steps(before: dict, after: dict) -> dict:

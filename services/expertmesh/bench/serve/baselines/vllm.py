@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from expertmesh.bench.report import BenchError
 from expertmesh.bench.serve.baselines.base import BaselineRun, BaselineSetup, Load
+from expertmesh.bench.serve.clients import stream_clients
 from expertmesh.bench.serve.stats import TimedRequest
 from expertmesh.infra.console import progress
 
@@ -102,27 +102,18 @@ class VllmServer:
         n, r, m = load.clients, load.requests_per_client, load.max_new_tokens
         progress(f"bench serve: vLLM, {n} streaming clients x {r} requests")
         self._request(work[0], 2, 0)  # warm-up
-        requests: list[TimedRequest | None] = [None] * (n * r)
-        errors: list[str] = []
-
-        def client(c: int) -> None:
-            for i in range(c, n * r, n):
-                try:
-                    requests[i] = self._request(work[i], m, i)
-                except BenchError as err:
-                    errors.append(str(err))
-                    return
-
-        threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise BenchError(f"vLLM failed {len(errors)} request(s): {errors[0]}")
-        return [BaselineRun(f"vLLM ({n} streaming clients)", n, [q for q in requests if q is not None])]
+        try:
+            requests = stream_clients(n, r, lambda _, i, timed: self._stream(work[i], m, timed))
+        except BenchError as err:
+            raise BenchError(f"vLLM failed a request: {err}") from None
+        return [BaselineRun(f"vLLM ({n} streaming clients)", n, requests)]
 
     def _request(self, prompt: list[int], max_tokens: int, index: int) -> TimedRequest:
+        timed = TimedRequest(time.perf_counter(), index)
+        self._stream(prompt, max_tokens, timed)
+        return timed
+
+    def _stream(self, prompt: list[int], max_tokens: int, timed: TimedRequest) -> None:
         body = {
             "model": SERVED_NAME,
             "prompt": prompt,
@@ -135,7 +126,6 @@ class VllmServer:
         request = urllib.request.Request(
             f"{self._url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
-        timed = TimedRequest(time.perf_counter(), index)
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
                 for raw in response:
@@ -155,7 +145,6 @@ class VllmServer:
             raise BenchError(f"vLLM: {err}") from None
         if timed.tokens != max_tokens:
             raise BenchError(f"vLLM streamed {timed.tokens} tokens of {max_tokens} (ignore_eos was set)")
-        return timed
 
 
 def _context_length(model: Path) -> int | None:

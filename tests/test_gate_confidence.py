@@ -52,8 +52,17 @@ def test_a_forward_records_each_layers_histograms(arch):
     with torch.no_grad():
         model(input_ids=torch.arange(3, 15)[None])  # 12 tokens
     points = _points(reader)
-    assert {name for name, _ in points} == {"expertmesh.gate.top1_probability", "expertmesh.gate.top2_margin"}
+    assert {name for name, _ in points} == {
+        "expertmesh.gate.top1_probability",
+        "expertmesh.gate.top2_margin",
+        "expertmesh.gate.duration",
+    }
     assert {layer for _, layer in points} == set(gate_bias.gates)
+    for layer in gate_bias.gates:  # one gate forward each, timed (how long: never asserted)
+        assert (
+            points[("expertmesh.gate.duration", layer)].count == 1
+            and points[("expertmesh.gate.duration", layer)].sum > 0
+        )
     for layer, logits in seen.items():
         top1, margin = confidence(gate_scores(logits, sigmoid=arch == "deepseek_v3"))
         for name, values in (("expertmesh.gate.top1_probability", top1), ("expertmesh.gate.top2_margin", margin)):
@@ -71,4 +80,6 @@ def test_a_long_prefill_records_a_bounded_sample():
     record_gate_confidence(gate_bias, MeterProvider(metric_readers=[reader]).get_meter("test"))
     with torch.no_grad():
         model(input_ids=torch.randint(3, 100, (1, 200)))
-    assert all(p.count == MAX_TOKENS_RECORDED for p in _points(reader).values())
+    points = _points(reader)
+    assert all(p.count == MAX_TOKENS_RECORDED for (name, _), p in points.items() if name != "expertmesh.gate.duration")
+    assert all(p.count == 1 for (name, _), p in points.items() if name == "expertmesh.gate.duration")  # one forward

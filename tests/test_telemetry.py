@@ -150,6 +150,14 @@ def test_metrics_match_the_routing(run):
     assert len(balanced) == 2 and all(0 < p.as_double <= 1 for p in balanced)
     entropy = _latest(r, "expertmesh.layer.routing_entropy").gauge.data_points
     assert all(0 < p.as_double <= 2.0 for p in entropy)  # log2(4 experts)
+    # each finished sequence's consecutive token pairs, per layer: T - 1 for T = prompt + new tokens - 1 routed
+    transitions = _latest(r, "expertmesh.routing.transitions").sum.data_points
+    pairs = sum(len(p) + NEW_TOKENS - 2 for p in PROMPTS)
+    assert sorted((p.attributes[0].value.int_value, p.as_int) for p in transitions) == [(0, pairs), (1, pairs)]
+    oscillating = _latest(r, "expertmesh.routing.oscillations").sum.data_points
+    assert all(0 <= p.as_int <= pairs for p in oscillating) and len(oscillating) == 2
+    gate = _latest(r, "expertmesh.gate.duration").histogram.data_points
+    assert len(gate) == 2 and all(p.count > 0 for p in gate)  # every step ran each layer's gate once
 
 
 def test_prometheus_text_and_json_request_logs(run):

@@ -28,6 +28,7 @@ import torch
 from expertmesh.contracts.errors import ExpertMeshError
 from expertmesh.infra.telemetry.setup import meter
 from expertmesh.router.dispatch import step_choices
+from expertmesh.router.reporting.routing_dynamics import RoutingDynamics
 from expertmesh.serving.consistency_guard import Check, Scorers
 from expertmesh.serving.events import (
     ErrorEvent,
@@ -91,6 +92,7 @@ class OutputProcessor:
         self._eos = eos
         self.max_context = max_context
         self._load_window = load_window
+        self._dynamics = RoutingDynamics(load_window.num_experts) if load_window is not None else None
         self._scorers = Scorers()
         self.guard_stats = GuardStats()
         self._guard_checks = meter().create_counter(
@@ -342,13 +344,11 @@ class OutputProcessor:
         query length), then let them go."""
         state, window = request.output, self._load_window
         if window is not None and state.routed:
+            experts = step_choices.concat_steps(state.routed, window.num_experts)  # [L, T, K]
             window.record_sequence(
-                state.routed_layers,
-                step_choices.concat_steps(state.routed, window.num_experts),  # [L, T, K]
-                state.routed_from,
-                request.num_tokens,
-                request.num_prompt_tokens,
+                state.routed_layers, experts, state.routed_from, request.num_tokens, request.num_prompt_tokens
             )
+            self._dynamics.record(state.routed_layers, experts, state.routed_from, request.num_tokens)
         state.routed = []
 
 

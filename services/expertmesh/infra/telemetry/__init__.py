@@ -62,6 +62,10 @@ PROMETHEUS_METRICS = frozenset(
         "expertmesh_gate_top1_probability_bucket",
         "expertmesh_gate_top2_margin_bucket",
         "expertmesh_router_weights_changed",
+        "expertmesh_gate_duration_seconds_bucket",
+        "expertmesh_routing_transitions_total",
+        "expertmesh_routing_oscillations_total",
+        "expertmesh_routing_experts_per_token_bucket",
     }
 )
 

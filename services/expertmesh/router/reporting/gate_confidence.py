@@ -6,6 +6,10 @@ routed), in a forward hook on every gate; labelled by layer only.
 - ``expertmesh.gate.top1_probability`` {layer}: the top-1 score: a softmax probability, or the sigmoid
   score of sigmoid gates (DeepSeek-V3), in [0, 1]
 - ``expertmesh.gate.top2_margin`` {layer}: top-1 minus top-2 score, in [0, 1]
+- ``expertmesh.gate.duration`` {layer}: seconds of one forward of the gate (its logits and selection, a
+  routing policy's rules included, these histograms' own work not): the field report's gate time apart from
+  the step's. On a GPU the time the host took to launch it (kernels run asynchronously), on CPU the
+  computation itself.
 
 A forward of more than ``MAX_TOKENS_RECORDED`` tokens (a long prefill) records an evenly spaced
 ``MAX_TOKENS_RECORDED`` of them, so a step costs a bounded number of observations per layer.
@@ -13,6 +17,7 @@ A forward of more than ``MAX_TOKENS_RECORDED`` tokens (a long prefill) records a
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -63,7 +68,17 @@ def record_gate_confidence(gate_bias: GateBias, metrics_meter=None) -> None:
         explicit_bucket_boundaries_advisory=BOUNDARIES,
     )
 
+    duration = m.create_histogram(
+        "expertmesh.gate.duration",
+        unit="s",
+        description="seconds of one forward of a MoE layer's gate",
+        explicit_bucket_boundaries_advisory=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+    )
+    started: dict[int, float] = {}  # layer -> when its gate's forward began (the engine's thread is its only caller)
+
     def observe(gate: nn.Module, layer: int, out) -> None:
+        if layer in started:
+            duration.record(time.perf_counter() - started.pop(layer), {"layer": layer})
         logits = out[0] if isinstance(out, tuple) else out
         if not isinstance(logits, torch.Tensor) or logits.shape[-1] < 2:
             return
@@ -76,4 +91,7 @@ def record_gate_confidence(gate_bias: GateBias, metrics_meter=None) -> None:
             margin.record(value, attributes)
 
     for layer, gate in gate_bias.gates.items():
+        gate.register_forward_pre_hook(
+            lambda _module, _args, layer=layer: started.__setitem__(layer, time.perf_counter())
+        )
         gate.register_forward_hook(lambda module, _args, out, layer=layer: observe(module, layer, out))

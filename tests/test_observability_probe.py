@@ -357,3 +357,65 @@ def test_probe_and_heatmap_against_a_running_platform(platform, capsys, tmp_path
         assert main(argv if positions == "relative" else [*argv, "--positions", positions]) == 0
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"by {positions} position" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bias_audit_against_a_running_platform(platform, capsys, tmp_path):
+    """`probe --labels`: one value's prompts all the same text, so (one greedy token each: the prompt's last
+    position) its tokens take the same two experts in every layer, 50 % each: deliberately skewed, flagged."""
+    skewed = "The history of the Roman Empire begins with"
+    mixed = [p for p in remote.PROMPTS if p != skewed][:5]
+    lines = [{"text": skewed, "labels": {"topic": "history", "region": "EU" if i % 2 else "US"}} for i in range(4)]
+    lines += [{"text": p, "labels": {"topic": "mixed", "region": "EU" if i % 2 else "US"}} for i, p in enumerate(mixed)]
+    path = tmp_path / "labels.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    with remote.Router(platform) as router:
+        (alone,) = router.trace([skewed], 1)  # the skewed prompt's one traced token, by itself
+    (token,) = alone
+    chosen = {layer: sorted(experts) for layer, experts in token}
+
+    argv = ["probe", "--target", platform, "--labels", str(path), "--max-tokens", "1", "--concurrency", "1"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    L, E, k = len(report["moe_layers"]), report["num_experts"], report["top_k"]
+    assert report["prompts"] == 9 and report["threshold"] == 0.4 and report["share_ceiling"] == 1 / k == 0.5
+    exact = report["runs"]["exact"]
+    history = exact["dimensions"]["topic"]["history"]
+    assert (history["prompts"], history["tokens"]) == (4, 4)
+    assert history["activations"] == [4 * k] * L  # every slot of every traced token served
+    flagged = {(f["layer"], f["expert"]) for f in exact["flags"] if f["value"] == "history"}
+    assert flagged == {(layer, e) for layer in report["moe_layers"] for e in chosen[layer]}
+    assert all(f["share"] == 0.5 for f in exact["flags"] if f["value"] == "history")
+    for dimension in exact["dimensions"].values():
+        for value in dimension.values():
+            assert len(value["share"]) == L and all(sum(row) == pytest.approx(1.0) for row in value["share"])
+            assert all(len(row) == E for row in value["share"])
+    assert set(exact["disparity"]) == {"region", "topic"} and report["parity"] is None
+
+    # a policy beside exact: its own run, flags and the parity difference, as JSON and as the table
+    # a policy beside exact (noisy_topk: Gumbel noise on the gate, seeded per request, so it moves some choices
+    # and reproducibly): its own run, flags and the parity difference, as JSON and as the table
+    assert main([*argv, "--max-tokens", "3", "--policy", "noisy_topk", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["runs"]) == ["exact", "noisy_topk"]
+    moved = False
+    for dimension, values in report["runs"]["exact"]["dimensions"].items():
+        for value, counts in values.items():
+            noisy = report["runs"]["noisy_topk"]["dimensions"][dimension][value]
+            assert counts["activations"] == noisy["activations"] == [counts["tokens"] * k] * L  # k kept
+            moved |= counts["share"] != noisy["share"]
+    assert moved
+    parity = report["parity"]
+    assert parity["policy"] == "noisy_topk" and set(parity["dimensions"]) == {"region", "topic"}
+    for spread in parity["dimensions"].values():
+        assert 0 <= spread["difference"] <= 2 and spread["values"] == 2
+    assert max(spread["difference"] for spread in parity["dimensions"].values()) > 0
+    assert main([*argv, "--policy", "noisy_topk", "--threshold", "0.3"]) == 0
+    table = capsys.readouterr().out
+    assert "topic, under exact" in table and "topic, under noisy_topk" in table
+    assert "flagged under exact:" in table and "above 30.0%" in table
+    assert "demographic parity difference of noisy_topk against exact" in table
+
+    assert main([*argv, "--policy", "no_such_policy"]) == 2
+    err = capsys.readouterr().err
+    assert "routing policy 'no_such_policy'" in err and "INVALID_ARGUMENT" in err and f"{path} line 1" in err

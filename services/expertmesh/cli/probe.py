@@ -10,6 +10,9 @@ parameters per token of the finished sequences, overall and per query-length
 bucket. ``--requests 0`` sends nothing and reports the
 router's whole load window (sampling the existing traffic). A table by default,
 JSON with ``--json``. Definitions: ``expertmesh.observability.sparsity``.
+
+``--labels FILE`` runs the bias audit instead (``expertmesh.cli.bias_audit``): each expert's share of each
+label value's activations, concentrations over ``--threshold``, and ``--policy``'s parity against exact.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from expertmesh.cli import bias_audit
 from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.observability.sparsity import DEFAULT_RARE_THRESHOLD, SparsityReport, active_spread, analyse
 
@@ -54,6 +58,7 @@ def add_command(commands) -> None:
         default=DEFAULT_RARE_THRESHOLD,
         help=f"utilisation below which a used expert counts as rarely used (default {DEFAULT_RARE_THRESHOLD})",
     )
+    bias_audit.add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.set_defaults(run=_main)
 
@@ -91,6 +96,9 @@ def _main(args) -> int:
     from expertmesh.contracts.load_window import query_bucket_labels  # (torch: not while building the parser)
     from expertmesh.observability import remote
 
+    bias_audit.check_arguments(args)
+    if args.labels is not None:
+        return bias_audit.run(args)
     prompts = check_traffic_arguments(args)
     if not 0 <= args.rare_threshold <= 1:
         raise InvalidRequest(f"--rare-threshold must be between 0 and 1, got {args.rare_threshold}")

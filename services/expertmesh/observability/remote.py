@@ -1,6 +1,6 @@
 """The I/O of ``expertmesh probe`` and ``expertmesh heatmap``: what a router says
 about its model (``ListModels``) and its routing (``GetLoadStats``), and the
-probe's own traffic (``Generate``).
+probe's own traffic (``Generate``; with routing traces for the bias audit, ``Router.trace``).
 
 The router's load counts are cumulative over its sliding window, so a command
 that sends traffic reads the counts before and after and uses the difference
@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -207,6 +207,51 @@ class Router:
             rest = list(pool.map(one, range(1, requests)))
         usage = first + rest
         return Traffic(requests, sum(p for p, _ in usage), sum(c for _, c in usage), time.monotonic() - start)
+
+    def trace(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int,
+        policy: str = "exact",
+        concurrency: int = 4,
+        names: Sequence[str] = (),
+    ) -> Iterator[list[list[tuple[int, list[int]]]]]:
+        """Each prompt's routing under ``policy`` (forced past the router's quality guard): greedy, no stop at
+        EOS, with its routing trace; per prompt, in order, per traced token, ``(decoder layer, experts that
+        served it)`` per MoE layer (a slot no group served is left out). Yielded as they come, so a caller that
+        counts them holds few at a time. ``names[i]`` names prompt i in errors."""
+        from expertmesh.client import generate_request
+
+        def one(i: int) -> list[list[tuple[int, list[int]]]]:
+            request = generate_request(
+                prompts[i],
+                max_new_tokens=max_new_tokens,
+                temperature=0.0,
+                stop_at_eos=False,
+                routing_trace=True,
+                routing_policy=pb.RoutingPolicy(name=policy, force=policy != "exact"),
+                request_id=f"probe-labels-{policy}-{i}",
+            )
+            tokens = []
+            try:
+                for response in self._stub.Generate(request, timeout=None):
+                    event = response.WhichOneof("event")
+                    routing = response.delta.routing if event == "delta" else ()
+                    if event == "finished":
+                        routing = response.finished.routing
+                    for t in routing:
+                        tokens.append([(r.layer, [e for e, g in zip(r.experts, r.groups) if g]) for r in t.layers])
+            except grpc.RpcError as err:
+                name = names[i] if i < len(names) else f"prompt {i + 1}"
+                what = f"generate under routing policy {policy!r} ({name})"
+                raise _rpc_error(self.target, what, err) from None
+            return tokens
+
+        pool = ThreadPoolExecutor(max(1, concurrency))
+        try:
+            yield from pool.map(one, range(len(prompts)))
+        finally:  # on an error (or a caller that stops early) the prompts not yet sent are not sent
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _request(prompt, max_new_tokens: int, seed: int, request_id: str) -> pb.GenerateRequest:

@@ -150,3 +150,27 @@ def test_bench_placement_quick(tmp_path, capsys):
 def test_bench_unwritable_out_is_an_input_error(tmp_path, capsys):
     assert main(["bench", "placement", "--quick", "--out", str(tmp_path / "no" / "dir.json")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_plan_incremental_starts_from_a_placement_on_other_gpus(files, capsys):
+    """GPU 11 leaves the topology and GPU 12 joins it: --incremental re-homes 11's replicas, uses only the new
+    topology's GPUs, and keeps what it can of the current placement (every replica it did not have to move)."""
+    tmp, stats, topo = files
+    first, second = tmp / "a.json", tmp / "b.json"
+    assert _plan(stats, topo, first, "--redundant", "4") == 0
+    changed = tmp / "topo2.yaml"
+    changed.write_text(TOPO.replace("{id: 11, memory_gb: 80}", "{id: 12, memory_gb: 80}"))
+    capsys.readouterr()
+    assert _plan(stats, changed, second, "--redundant", "4", "--current", str(first), "--incremental") == 0
+    assert "incremental:" in capsys.readouterr().out
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    kept = moved = 0
+    for la, lb in zip(a["layers"], b["layers"]):
+        for ea, eb in zip(la["experts"], lb["experts"]):
+            before, after = {r["gpu"] for r in ea["replicas"]}, {r["gpu"] for r in eb["replicas"]}
+            assert after <= {0, 1, 2, 3, 10, 12} and sum(r["share"] for r in eb["replicas"]) == pytest.approx(1.0)
+            kept += len(before & after)
+            moved += len(after - before)
+    assert kept > moved  # most replicas stay where they were
+    assert _plan(stats, changed, second, "--redundant", "4", "--incremental") == 2
+    assert "--incremental re-plans from a placement: give it with --current" in capsys.readouterr().err

@@ -60,6 +60,12 @@ def add_commands(commands, bench_commands) -> None:
         "--min-gain", type=float, default=0.0, help="keep a current layer within this balancedness of the plan"
     )
     p.add_argument(
+        "--incremental",
+        action="store_true",
+        help="with --current: start from it (its GPUs may differ from the topology's: GPUs added or removed), "
+        "repair each layer with the fewest moves and re-plan only the layers still below the plan's balancedness",
+    )
+    p.add_argument(
         "--balance-tolerance", type=float, default=0.0, help="relative max-load slack traded for island locality"
     )
     p.add_argument(
@@ -139,7 +145,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if missing:
         raise InputError(f"plan needs {', '.join(missing)} (or `plan memory` for the memory model)")
     from expertmesh.bench.placement import format_rows
-    from expertmesh.contracts.gpu_plan import parse_placement_json, placement_to_dict
+    from expertmesh.contracts.gpu_plan import parse_placement_json, placement_gpu_ids, placement_to_dict
     from expertmesh.orchestrator.placement.planner import PlanOptions, plan
     from expertmesh.orchestrator.placement.quality import summarize
     from expertmesh.orchestrator.placement.stats import parse_stats_json
@@ -149,10 +155,13 @@ def run_plan(args: argparse.Namespace) -> int:
     sites = topo.sites()
     gpu_ids = tuple(s.gpu.id for s in sites)
     current = None
+    if args.incremental and not args.current:
+        raise InputError("--incremental re-plans from a placement: give it with --current")
     if args.current:
-        current = parse_placement_json(
-            disc.read_text(args.current, "current placement"), gpu_ids, stats.num_layers, stats.num_experts
-        )
+        text = disc.read_text(args.current, "current placement")
+        # incremental: the current placement's own GPUs (some may have left the topology, some be new there)
+        current_ids = placement_gpu_ids(text) if args.incremental else gpu_ids
+        current = parse_placement_json(text, current_ids, stats.num_layers, stats.num_experts)
     if not 0.0 <= args.min_gain <= 1.0:
         raise InputError(f"--min-gain must be between 0 and 1, got {args.min_gain}")
     if args.balance_tolerance < 0:
@@ -166,7 +175,14 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     affinity = _affinity(args)
     start = time.perf_counter()
-    result = plan(stats, topo, options, current, affinity)
+    if args.incremental:
+        from expertmesh.orchestrator.placement.incremental import carry, replan
+
+        result = replan(stats, topo, options, current, affinity)
+        previous_shares = carry(current, gpu_ids)  # [L, E, G] on the topology's GPUs
+    else:
+        result = plan(stats, topo, options, current, affinity)
+        previous_shares = None if current is None else current.shares
     seconds = time.perf_counter() - start
     result.placement.check(result.slots_per_gpu)
     if args.model:
@@ -178,7 +194,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     island = np.array([s.island for s in sites])
     node = np.array([s.node for s in sites])
-    before = None if current is None else current.shares
+    before = previous_shares
     rows = [
         ("planner", summarize(stats.load, stats.coactivation, island, node, result.placement.shares, before, seconds)),
         ("eplb", summarize(stats.load, stats.coactivation, island, node, result.baseline.shares, before)),
@@ -186,7 +202,13 @@ def run_plan(args: argparse.Namespace) -> int:
     print(
         f"{stats.num_layers} layers x {stats.num_experts} experts onto {len(gpu_ids)} GPUs,"
         f" {args.redundant} redundant, {result.slots_per_gpu} slots per GPU"
-        + (f", {result.layers_kept} layers kept as current" if current is not None else "")
+        + (f", {result.layers_kept} layers kept as current" if current is not None and not args.incremental else "")
+        + (
+            f", incremental: {len(result.layers_replanned)} layers re-planned in full, "
+            f"{int(result.moved.sum())} replicas copied to GPUs that did not hold them"
+            if args.incremental
+            else ""
+        )
     )
     print(format_rows(rows))
     if affinity is not None:

@@ -148,6 +148,31 @@ def placement_from_dict(doc: Any, gpu_ids: tuple[int, ...], num_layers: int, num
     return placement
 
 
+def placement_gpu_ids(text: str) -> tuple[int, ...]:
+    """The GPU ids a placement file's replicas name, ascending (a file that is not one: ``PlacementError``, as
+    ``parse_placement_json`` says it)."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlacementError(f"placement file is not valid JSON: {err}") from None
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    if not isinstance(layers, list):
+        raise PlacementError("placement file must be a JSON object with a 'layers' list")
+    return tuple(
+        sorted(
+            {
+                r["gpu"]
+                for entry in layers
+                if isinstance(entry, dict) and isinstance(entry.get("experts"), list)
+                for ex in entry["experts"]
+                if isinstance(ex, dict) and isinstance(ex.get("replicas"), list)
+                for r in ex["replicas"]
+                if isinstance(r, dict) and isinstance(r.get("gpu"), int) and not isinstance(r.get("gpu"), bool)
+            }
+        )
+    )
+
+
 def parse_placement_json(text: str, gpu_ids: tuple[int, ...], num_layers: int, num_experts: int) -> Placement:
     try:
         doc = json.loads(text)

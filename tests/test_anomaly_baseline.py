@@ -1,5 +1,6 @@
 """Rolling 3-sigma baselines (router/reporting/anomaly.py) on constructed series: quiet in band, a breach on a jump,
-nothing during warm-up, the anomaly ends after ``recovery`` normal observations, breaches kept out of the baseline."""
+nothing during warm-up, an anomaly only after ``persistence`` breaches in a row, the anomaly ends after
+``recovery`` normal observations, breaches kept out of the baseline."""
 
 import math
 
@@ -13,7 +14,7 @@ def _feed(baseline: Baseline, values):
 
 
 def test_the_module_example():
-    b = Baseline(BaselineConfig(window=4, warm_up=4, recovery=2))
+    b = Baseline(BaselineConfig(window=4, warm_up=4, persistence=1, recovery=2))
     _feed(b, [0.5, 0.6, 0.5, 0.6])
     assert b.mean_std() == pytest.approx((0.55, 0.05))
     jump = b.observe(0.1)
@@ -46,7 +47,7 @@ def test_warm_up_suppresses_a_breach():
 
 
 def test_the_anomaly_lasts_until_recovery_normal_observations_in_a_row():
-    b = Baseline(BaselineConfig(window=16, warm_up=8, recovery=3))
+    b = Baseline(BaselineConfig(window=16, warm_up=8, persistence=1, recovery=3))
     _feed(b, [0.5, 0.52] * 8)
     verdicts = _feed(b, [0.1, 0.51, 0.51, 0.1, 0.51, 0.51, 0.51, 0.51])
     assert [v.breach for v in verdicts] == [True, False, False, True, False, False, False, False]
@@ -56,12 +57,21 @@ def test_the_anomaly_lasts_until_recovery_normal_observations_in_a_row():
 
 
 def test_breaches_stay_out_of_the_baseline_so_a_shifted_level_stays_anomalous():
-    b = Baseline(BaselineConfig(window=16, warm_up=8, recovery=2))
+    b = Baseline(BaselineConfig(window=16, warm_up=8, persistence=1, recovery=2))
     _feed(b, [0.5, 0.52] * 8)
     before = b.mean_std()
     verdicts = _feed(b, [0.1] * 100)
     assert all(v.breach and v.active for v in verdicts)
     assert b.mean_std() == before
+
+
+def test_an_anomaly_starts_after_persistence_breaches_in_a_row():
+    b = Baseline(BaselineConfig(window=16, warm_up=8, persistence=3, recovery=1))
+    _feed(b, [0.5, 0.52] * 8)
+    verdicts = _feed(b, [0.1, 0.1, 0.51, 0.1, 0.1, 0.1, 0.1])  # a run of two, broken; then a run of four
+    assert [v.breach for v in verdicts] == [True, True, False, True, True, True, True]
+    assert [v.active for v in verdicts] == [False, False, False, False, False, True, True]
+    assert [v.started for v in verdicts] == [False] * 5 + [True, False]
 
 
 def test_a_constant_series_needs_more_than_a_rounding_step_to_breach():
@@ -85,7 +95,7 @@ def test_a_missing_observation_is_not_judged():
 
 
 def test_the_detector_keeps_one_baseline_per_signal():
-    d = AnomalyDetector(BaselineConfig(window=8, warm_up=4, recovery=1))
+    d = AnomalyDetector(BaselineConfig(window=8, warm_up=4, persistence=1, recovery=1))
     for _ in range(8):
         d.observe({"a": 0.5, "b": 0.2})
     verdicts = d.observe({"a": 0.5, "b": 0.9})
@@ -96,7 +106,8 @@ def test_the_detector_keeps_one_baseline_per_signal():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"window": 1}, {"warm_up": 1}, {"window": 4, "warm_up": 5}, {"sigma": 0}, {"recovery": 0}]
+    "kwargs",
+    [{"window": 1}, {"warm_up": 1}, {"window": 4, "warm_up": 5}, {"sigma": 0}, {"persistence": 0}, {"recovery": 0}],
 )
 def test_a_config_that_cannot_work_is_refused(kwargs):
     with pytest.raises(ValueError):

@@ -9,11 +9,13 @@ Glossary
   anomaly cannot teach the baseline that it is normal.
 - *warm-up*: until the baseline holds ``warm_up`` observations nothing breaches.
 - *band*: ``mean ± sigma · max(std, min_std)``; ``min_std`` keeps a constant series from breaching on a rounding step.
-- *breach*: an observation outside the band. The first breach starts an *anomaly*; it ends after ``recovery``
+- *breach*: an observation outside the band. ``persistence`` consecutive breaches start an *anomaly* (as
+  ``for:`` in an alert rule: one odd step, a lone long prompt, is not one); it ends after ``recovery``
   consecutive in-band observations.
 
-Example: ``Baseline(BaselineConfig(window=4, warm_up=4, recovery=2))`` fed 0.5, 0.6, 0.5, 0.6 (mean 0.55, std
-0.05, band 0.40..0.70) then 0.1: a breach, the anomaly starts; then 0.5, 0.6: it ends on the second.
+Example: ``Baseline(BaselineConfig(window=4, warm_up=4, persistence=1, recovery=2))`` fed 0.5, 0.6, 0.5, 0.6
+(mean 0.55, std 0.05, band 0.40..0.70) then 0.1: a breach, the anomaly starts; then 0.5, 0.6: it ends on the
+second.
 
 A level that stays shifted (a workload that moved for good) keeps its anomaly on: it never enters the baseline.
 """
@@ -33,14 +35,15 @@ class BaselineConfig:
     window: int = 256  # in-band observations the mean and std are taken over
     warm_up: int = 32  # observations the baseline needs before anything breaches (<= window)
     sigma: float = 3.0  # k of mean ± k·std
+    persistence: int = 3  # consecutive breaches that start an anomaly
     recovery: int = 8  # consecutive in-band observations that end an anomaly
     min_std: float = 1e-3  # floor under std in the band (signals here lie in [0, 1])
 
     def __post_init__(self) -> None:
         if self.window < 2 or not 2 <= self.warm_up <= self.window:
             raise ValueError(f"need 2 <= warm_up <= window, got warm_up {self.warm_up}, window {self.window}")
-        if self.sigma <= 0 or self.recovery < 1 or self.min_std < 0:
-            raise ValueError("sigma > 0, recovery >= 1 and min_std >= 0")
+        if self.sigma <= 0 or self.persistence < 1 or self.recovery < 1 or self.min_std < 0:
+            raise ValueError("need sigma > 0, persistence >= 1, recovery >= 1 and min_std >= 0")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Baseline:
         self._sum = self._squares = 0.0
         self.active = False
         self._normal_run = 0  # consecutive in-band observations while active
+        self._breach_run = 0  # consecutive breaches
 
     @property
     def warm(self) -> bool:
@@ -94,9 +98,11 @@ class Baseline:
         started = ended = False
         if breach:
             self._normal_run = 0
-            started = not self.active
-            self.active = True
+            self._breach_run += 1
+            if not self.active and self._breach_run >= c.persistence:
+                self.active = started = True
         else:
+            self._breach_run = 0
             self._add(value)
             if self.active:
                 self._normal_run += 1

@@ -115,6 +115,8 @@ class AnomalyMonitor:
         was_exact = self.exact_routing
         verdicts = self.detector.observe(values)
         for v in verdicts:
+            if v.signal not in self._active:  # the counter's series from 0 at a signal's first step, for increase()
+                self._started.add(0, _labels(v.signal))
             if v.started:
                 self._started.add(1, _labels(v.signal))
                 log.warning(

@@ -295,7 +295,7 @@ class ServingConfig(BaseSettings):
         "none",
         description="what the router does while a MoE layer's mean gate confidence is anomaly_sigma standard "
         "deviations off its rolling baseline: none (a warning, the expertmesh_anomaly_active gauge), or "
-        "exact_routing (every request is also routed exactly until it ends)",
+        "exact_routing (every request is routed exactly until it ends)",
     )
     anomaly_sigma: float = Field(
         3.0,

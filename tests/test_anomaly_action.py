@@ -126,8 +126,9 @@ def test_a_gate_confidence_anomaly_routes_every_request_exactly_while_it_lasts(m
 def test_with_action_none_the_anomaly_is_reported_and_nothing_else():
     model = _model("mixtral")
     gate_bias = GateBias(model)
-    monitor = AnomalyMonitor(gate_bias, CONFIG, "none", MeterProvider().get_meter("test"))
-    for _ in range(CONFIG.warm_up):  # the same prompt every step: a narrow band
+    config = BaselineConfig(window=8, warm_up=4, persistence=2)
+    monitor = AnomalyMonitor(gate_bias, config, "none", MeterProvider().get_meter("test"))
+    for _ in range(config.warm_up):  # the same prompt every step: a narrow band
         monitor.begin_step()
         with torch.no_grad():
             model(input_ids=torch.tensor([[5, 6, 7, 8]]))

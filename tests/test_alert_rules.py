@@ -30,7 +30,7 @@ def promtool():
 def test_the_rules_check(promtool):
     result = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 15 rules found" in result.stdout
+    assert "SUCCESS: 17 rules found" in result.stdout
 
 
 def test_every_metric_the_rules_read_is_one_the_platform_exports():
@@ -39,7 +39,7 @@ def test_every_metric_the_rules_read_is_one_the_platform_exports():
     used = set(re.findall(r"\bexpertmesh_[a-z_]+", exprs))
     exported = PROMETHEUS_METRICS | ORCHESTRATOR_PROMETHEUS_METRICS | {DEGRADED}
     assert used <= exported, used - exported
-    assert "expertmesh_group_circuit_open" in used and DEGRADED in used
+    assert "expertmesh_group_circuit_open" in used and DEGRADED in used and "expertmesh_anomaly_active" in used
 
 
 def _counter(per_minute: list[float]) -> str:
@@ -82,6 +82,16 @@ def _tests() -> list[dict]:
         {"series": 'expertmesh_group_circuit_open{group="g0"}', "values": "0x60"},
         {"series": 'expertmesh_router_weights_changed{instance="r1"}', "values": "0 0 1x58"},
         {"series": 'expertmesh_router_weights_changed{instance="r0"}', "values": "0x60"},
+        # anomalies: r1's layer 0 from 2m on; its layer 1 flaps minute by minute (never 2 minutes on); r0's KV
+        *(
+            {
+                "series": f'expertmesh_anomaly_active{{signal="gate_confidence",layer="{layer}",instance="r1"}}',
+                "values": v,
+            }
+            for layer, v in (("0", "0 0 1x58"), ("1", " ".join("1" if i % 2 else "0" for i in range(61))))
+        ),
+        {"series": 'expertmesh_anomaly_active{signal="kv_fragmentation",instance="r0"}', "values": "0x5 1x55"},
+        {"series": 'expertmesh_anomaly_active{signal="kv_fragmentation",instance="r1"}', "values": "0x60"},
         # TTFT: every first token between 1 and 10 s (p99 ~9.9 s); ITL: every gap between 0.5 and 5 s
         {"series": 'expertmesh_time_to_first_token_seconds_bucket{le="1"}', "values": "0x60"},
         {"series": 'expertmesh_time_to_first_token_seconds_bucket{le="10"}', "values": "0+10x60"},
@@ -130,6 +140,10 @@ def _tests() -> list[dict]:
                 alerts("ExpertmeshCircuitOpen", "30m", {**warning, "group": "g1"}),
                 alerts("ExpertmeshRouterWeightsChanged", "2m"),  # changed at 2m: not for a minute yet
                 alerts("ExpertmeshRouterWeightsChanged", "30m", {"severity": "critical", "instance": "r1"}),
+                alerts("ExpertmeshGateConfidenceAnomaly", "3m"),  # on at 2m: not for 2 minutes yet
+                alerts("ExpertmeshGateConfidenceAnomaly", "30m", {**warning, "instance": "r1", "layer": "0"}),
+                alerts("ExpertmeshKVFragmentationAnomaly", "10m"),  # on at 5m: not for 10 minutes yet
+                alerts("ExpertmeshKVFragmentationAnomaly", "30m", {**warning, "instance": "r0"}),
                 alerts("ExpertmeshTimeToFirstTokenHigh", "30m", warning),
                 alerts("ExpertmeshInterTokenLatencyHigh", "30m", warning),
                 alerts("ExpertmeshRoutingEntropyCollapse", "30m"),  # even layers: no collapse

@@ -551,6 +551,30 @@ def test_default_routing_policies_with_parameters_and_per_domain_render_into_the
         assert helm(*template_args(None), "--set", bad).returncode != 0, bad
 
 
+def test_the_anomaly_action_renders_into_the_serving_config(helm, monkeypatch, tmp_path):
+    from expertmesh.config.settings import ServingConfig, read_config_file
+
+    values = tmp_path / "values.yaml"
+    values.write_text("router:\n  anomalyAction: exact_routing\n  anomalySigma: 4.5\n")
+    res = helm(*template_args(values))
+    assert res.returncode == 0, res.stderr
+    router = one(res.docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0]
+    env = {k: v["value"] for k, v in env_of(router).items() if "value" in v}
+    for name in ("EXPERTMESH_ANOMALY_ACTION", "EXPERTMESH_ANOMALY_SIGMA"):
+        monkeypatch.setenv(name, env[name])
+    config = ServingConfig()  # what the router reads from that environment
+    assert (config.anomaly_action, config.anomaly_sigma) == ("exact_routing", 4.5)
+    assert read_config_file(values).values["anomaly_action"] == "exact_routing"
+    defaults = env_of(
+        one(helm(*template_args(None)).docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"][
+            "containers"
+        ][0]
+    )
+    assert defaults["EXPERTMESH_ANOMALY_ACTION"]["value"] == "none"
+    for bad in ("router.anomalyAction=circuit_break", "router.anomalySigma=0"):
+        assert helm(*template_args(None), "--set", bad).returncode != 0, bad
+
+
 def test_loop_settings_are_the_config_fields_and_nothing_else(helm):
     from expertmesh.orchestrator.drift.config import DriftConfig
     from expertmesh.orchestrator.health.config import HealthConfig
@@ -576,7 +600,7 @@ def test_alert_rules_render_as_a_prometheus_rule_only_when_asked(helm, render):
     # the same rules as the plain-Prometheus file, word for word (their {{ $labels }} templates untouched by Helm)
     assert rule["spec"] == yaml.safe_load((CHART / "files" / "expertmesh-alerts.yaml").read_text())
     alerts = [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
-    assert len(alerts) == 11 and "{{ $labels.layer }}" in json.dumps(rule["spec"])
+    assert len(alerts) == 13 and "{{ $labels.layer }}" in json.dumps(rule["spec"])
 
 
 # -- OpenTelemetry -----------------------------------------------------------------------------

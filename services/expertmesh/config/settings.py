@@ -39,6 +39,8 @@ class ConfigError(ExpertMeshError):
 
 #: How a router reaches expert groups (``expertmesh.router.transport.base``).
 TransportName = Literal["auto", "grpc", "grpc-unary"]
+#: what a router does while an anomaly lasts (``router.reporting.anomaly_monitor``)
+AnomalyAction = Literal["none", "exact_routing"]
 #: what ``router_device`` (and ``bench dispatch --device``) may say
 DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 DEVICE_NAMES = "a device is auto, cpu, cuda or cuda:N"
@@ -289,6 +291,19 @@ class ServingConfig(BaseSettings):
         description="consistency guard: most tokens computed again per request",
     )
 
+    anomaly_action: AnomalyAction = Field(
+        "none",
+        description="what the router does while a MoE layer's mean gate confidence is anomaly_sigma standard "
+        "deviations off its rolling baseline: none (a warning, the expertmesh_anomaly_active gauge), or "
+        "exact_routing (every request is routed exactly until it ends)",
+    )
+    anomaly_sigma: float = Field(
+        3.0,
+        gt=0,
+        description="standard deviations off the rolling baseline (per step: gate confidence per MoE layer, KV "
+        "fragmentation) that make an anomaly",
+    )
+
     @field_validator("domain_routing_policies", mode="before")
     @classmethod
     def _domain_policies(cls, value):
@@ -463,6 +478,8 @@ HELM_KEYS: dict[tuple[str, ...], str] = {
     ("router", "routingPolicy"): "routing_policy",
     ("router", "domainRoutingPolicies"): "domain_routing_policies",
     ("router", "warmUp"): "warm_up",
+    ("router", "anomalyAction"): "anomaly_action",
+    ("router", "anomalySigma"): "anomaly_sigma",
     ("router", "weightCheckSeconds"): "router_weight_check_s",
 }
 #: Helm switches: when false, the setting under them stays unset (``router.http.enabled: false``).
@@ -694,3 +711,5 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_flag(parser, ServingConfig, "consistency_guard")
     add_setting_flag(parser, ServingConfig, "consistency_threshold")
     add_setting_flag(parser, ServingConfig, "consistency_max_regenerations")
+    add_setting_flag(parser, ServingConfig, "anomaly_action")
+    add_setting_flag(parser, ServingConfig, "anomaly_sigma")

@@ -13,6 +13,8 @@ from expertmesh.config.settings import ServingConfig
 from expertmesh.infra.console import progress
 from expertmesh.platform.data_plane import DataPlane
 from expertmesh.router.policy.profiles import ProfileFileError, fit_problem, read_profiles_file, save_profiles
+from expertmesh.router.reporting.anomaly import BaselineConfig
+from expertmesh.router.reporting.anomaly_monitor import AnomalyMonitor
 from expertmesh.router.reporting.metrics import register_router_metrics
 from expertmesh.serving.engine import Engine, EngineLimits
 from expertmesh.serving.kv_metrics import register_kv_metrics
@@ -84,6 +86,9 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         max_context=info.max_context,
         model_fingerprint=plane.checkpoint.spec.fingerprint,
         warm_up=plane.config.warm_up,
+        anomalies=AnomalyMonitor(
+            plane.dispatcher.gate_bias, BaselineConfig(sigma=config.anomaly_sigma), config.anomaly_action
+        ),
     )
     register_kv_metrics(engine.kv_usage, info.name)
     register_protocol_metrics(engine.load, engine.kv_usage, info.name)

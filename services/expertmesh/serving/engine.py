@@ -31,6 +31,7 @@ from opentelemetry import context as otel_context
 
 from expertmesh.contracts.errors import ShuttingDown
 from expertmesh.infra.telemetry.setup import meter
+from expertmesh.router.reporting.anomaly_monitor import AnomalyMonitor
 from expertmesh.serving.events import Failure
 from expertmesh.serving.forward import SLIDING, MaskSpec
 from expertmesh.serving.grammar import Grammars
@@ -83,11 +84,14 @@ class Engine:
         packed: bool = True,
         model_fingerprint: str = "",
         warm_up: bool = True,
+        anomalies: AnomalyMonitor | None = None,
     ):
         """``packed=False`` runs the per-sequence fallback even for a model the packed step can take.
         ``model_fingerprint``: the checkpoint's, part of every prefix-cache key (``kv_blocks.PrefixScope``).
-        ``warm_up``: run the warm-up before the first step (``warmup``)."""
+        ``warm_up``: run the warm-up before the first step (``warmup``). ``anomalies``: fed at every step boundary
+        (gate confidence, KV fragmentation); while its ``exact_routing`` holds, steps route every token exactly."""
         self.limits = limits
+        self.anomalies = anomalies
         self.max_context = max_context
         mask_spec = MaskSpec.of(model)
         self.batching: Batching = batching_of(mask_spec, packed)
@@ -297,7 +301,13 @@ class Engine:
         if not plan.chunks:
             return
         started = time.perf_counter()
-        out = self.runner.execute(plan)
+        anomalies = self.anomalies
+        if anomalies is not None:
+            anomalies.begin_step()
+        out = self.runner.execute(plan, exact_routing=anomalies is not None and anomalies.exact_routing)
+        if anomalies is not None and out.reached_model:  # judged before the step's tokens go out
+            usage = self._kv_usage  # the pool as this step was scheduled (None: no pool)
+            anomalies.end_step(usage.fragmentation if usage is not None else None)
         outcomes = self.outputs.process(plan, out)
         with self._cond:
             self.scheduler.update_from_output(plan, outcomes, out.step_epoch, out.degraded)

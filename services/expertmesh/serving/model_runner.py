@@ -128,6 +128,8 @@ class ModelRunner:
         self.steps = 0
         #: the scheduler's queue at the running step's start (adaptive_k reads it)
         self._queue = QueueSignal()
+        #: the running step routes every token exactly (``execute``'s ``exact_routing``)
+        self._exact = False
         log.info("model runner: %s", ", ".join(f"{k} {v}" for k, v in self.describe().items()))
 
     def describe(self) -> dict[str, object]:
@@ -144,9 +146,13 @@ class ModelRunner:
             "greedy_tokens_chosen": "on the device" if self.batching.packed else "on the host",
         }
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, plan: SchedulerOutput, exact_routing: bool = False) -> ModelRunnerOutput:
+        """``exact_routing``: every token of the step takes the stock gate, whatever its request's policy (the
+        anomaly monitor's fallback, ``router.reporting.anomaly_monitor``); the step spans of requests that asked
+        for another policy say so (``expertmesh.routing.exact_fallback``)."""
         chunks = plan.chunks
         self._queue = plan.queue
+        self._exact = exact_routing
         try:
             self._dispatcher.begin_step()
         except ExpertMeshError as err:
@@ -217,19 +223,20 @@ class ModelRunner:
             [c.request.widen for c in chunks],
             queue=self._queue,
             states=[c.request.routing_state for c in chunks],
+            exact=self._exact,
         )
 
     def _span(self, chunk: ScheduledChunk, step_size: int) -> trace.Span:
         """This request's share of the step, in its request's trace."""
-        return tracer().start_span(
-            "expertmesh.step",
-            context=chunk.request.trace_context,
-            attributes={
-                "expertmesh.step": self.steps,
-                "expertmesh.tokens": len(chunk.token_ids),
-                "expertmesh.batch": step_size,
-            },
-        )
+        attributes = {
+            "expertmesh.step": self.steps,
+            "expertmesh.tokens": len(chunk.token_ids),
+            "expertmesh.batch": step_size,
+        }
+        routing = chunk.request.params.routing
+        if self._exact and routing is not None and not routing.policy.is_exact:
+            attributes["expertmesh.routing.exact_fallback"] = True  # its own policy set aside for this step
+        return tracer().start_span("expertmesh.step", context=chunk.request.trace_context, attributes=attributes)
 
     def _chunk(self, chunk: ScheduledChunk) -> Chunk:
         return Chunk(self._kv.cache_of(chunk.request), chunk.token_ids, chunk.start, chunk.rows)

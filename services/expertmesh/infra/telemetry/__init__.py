@@ -66,6 +66,8 @@ PROMETHEUS_METRICS = frozenset(
         "expertmesh_routing_transitions_total",
         "expertmesh_routing_oscillations_total",
         "expertmesh_routing_experts_per_token_bucket",
+        "expertmesh_anomaly_active",
+        "expertmesh_anomalies_total",
     }
 )
 

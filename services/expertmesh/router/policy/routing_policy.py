@@ -602,6 +602,7 @@ def step_routing(
     widen: Sequence[int] | None = None,
     queue: QueueSignal | None = None,
     states: Sequence[RoutingState | None] | None = None,
+    exact: bool = False,
 ) -> StepRouting | None:
     """(routing, tokens) of each sequence in the step, in packing order -> the step's StepRouting, or
     None when every sequence is plain (then the forward is the stock one). ``first_t``: per sequence, the
@@ -611,8 +612,9 @@ def step_routing(
     (0: its rules decide; ``STOCK``: the stock gate, none of its rules), with no narrowing: the consistency
     guard's recomputed tokens (``serving.consistency_guard``). ``queue``: the scheduler's queue at the step's
     start, which adaptive_k reads (None: nothing queued). ``states``: per sequence, its ``RoutingState``, which
-    sticky reads and writes (None: none kept, each step's trace starts from zeros)."""
-    widen = list(widen or [0] * len(parts))
+    sticky reads and writes (None: none kept, each step's trace starts from zeros). ``exact``: every sequence's
+    tokens take the stock gate, whatever its policy (the anomaly monitor's fallback); domains are still counted."""
+    widen = [STOCK] * len(parts) if exact else list(widen or [0] * len(parts))
     routings = [
         RequestRouting(domain=r.domain) if r is not None and w == STOCK else r or RequestRouting()
         for (r, _), w in zip(parts, widen)

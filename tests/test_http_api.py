@@ -93,6 +93,8 @@ class ScriptedEngine:
         self.refuse: Exception | None = None
         self.script = self.hello
         self.submitted: list[ScriptedSequence] = []
+        self.warmed = threading.Event()  # as the engine's after its warm-up: the gRPC server waits on it
+        self.warmed.set()
 
     @staticmethod
     def hello(request, seq):

@@ -81,8 +81,8 @@ def _run(model, requests, corrupt=None, packed=True):
     engine = Engine(model, None, FlakyStoreDispatcher(down=0), EngineLimits(4, 4), max_context=64, packed=packed)
     execute, vocab = engine.runner.execute, model.config.vocab_size
 
-    def corrupting(plan):  # the runner's output, as a broken expert's logits would make it
-        out = execute(plan)
+    def corrupting(plan, **kwargs):  # the runner's output, as a broken expert's logits would make it
+        out = execute(plan, **kwargs)
         logits, sampled = list(out.logits), list(out.sampled) or [None] * len(plan.chunks)
         for i, chunk in enumerate(plan.chunks):
             request = chunk.request

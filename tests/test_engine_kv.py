@@ -419,8 +419,8 @@ def test_a_failed_sequence_leaves_nothing_in_the_prefix_cache(model):
     engine = _engine(model, 32)
     execute, vocab = engine.runner.execute, model.config.vocab_size
 
-    def corrupting(plan):  # every row of the step's logits NaN (a token chosen on the device: its row broken)
-        out = execute(plan)
+    def corrupting(plan, **kwargs):  # every row of the step's logits NaN (a token chosen on the device: its row broken)
+        out = execute(plan, **kwargs)
         rows = [
             r if r is not None else torch.zeros(1, vocab) if t is not None else None
             for r, t in zip(out.logits, out.sampled)

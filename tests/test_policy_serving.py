@@ -56,6 +56,18 @@ def _tokens(client, prompt, **kwargs):
     return [t for c in chunks for t in c.token_ids]
 
 
+def _refused_once_read(client, policy, detail: str, never: str) -> None:
+    """``policy`` is refused (INVALID_ARGUMENT naming ``detail``) once the router has read a quality record just
+    saved: routers re-read records every few seconds, so it is asked again until then (``never`` if it never is)."""
+    for _ in range(200):
+        try:
+            _tokens(client, "Hello", routing_policy=policy)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in err.details()
+            return
+    pytest.fail(never)
+
+
 def _refused(client, prompt, **kwargs) -> str:
     with pytest.raises(grpc.RpcError) as err:
         _tokens(client, prompt, **kwargs)
@@ -202,14 +214,7 @@ def test_the_quality_guard_refuses_a_recorded_bad_policy_unless_forced(served):
     plane.store.save_policy_quality(record.policy, record.to_json().encode())
     policy = pb.RoutingPolicy(name="delta_gap", delta=0.3)
     with Client(target, timeout=60) as client:
-        for _ in range(200):  # routers re-read records every few seconds
-            try:
-                _tokens(client, "Hello", routing_policy=policy)
-            except grpc.RpcError as err:
-                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "routing_policy" in err.details()
-                break
-        else:
-            pytest.fail("the recorded KL never made the router refuse the policy")
+        _refused_once_read(client, policy, "routing_policy", "the recorded KL never made the router refuse the policy")
         forced = pb.RoutingPolicy(name="delta_gap", delta=0.3, force=True)
         assert len(_tokens(client, "Hello", routing_policy=forced)) == 6
         assert len(_tokens(client, "Hello", routing_policy=pb.RoutingPolicy(name="delta_gap", delta=0.2))) == 6
@@ -413,14 +418,9 @@ def test_policy_eval_measures_the_new_rules_and_adaptive_k_at_its_floor(served, 
     plane.store.save_policy_quality(record.policy, record.to_json().encode())
     lenient = pb.RoutingPolicy(name="adaptive_k", queue_slo_ms=60_000)
     with Client(target, timeout=60) as client:
-        for _ in range(200):  # routers re-read records every few seconds
-            try:
-                _tokens(client, "Hello", routing_policy=lenient)
-            except grpc.RpcError as err:
-                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "adaptive_k(k_min=1)" in err.details()
-                break
-        else:
-            pytest.fail("the floor's recorded KL never made the router refuse adaptive_k")
+        _refused_once_read(
+            client, lenient, "adaptive_k(k_min=1)", "the floor's recorded KL never made the router refuse adaptive_k"
+        )
 
 
 def test_the_servers_default_policy_takes_parameters_and_each_domain_its_own_default(served, monkeypatch):

@@ -1,5 +1,6 @@
 """The decode-sized rows path of an expert group (``models.expert_rows``): the same bits as the stock
-experts module, on every verified architecture, or the stock module itself.
+experts module, on every verified architecture, or the stock module itself (torch's own products, the ``blas``
+linear kernel; the packed kernel's products are ``test_linear_kernels``').
 
 Real transformers checkpoints (tiny, random weights, built with transformers' own config classes); no
 stand-ins."""
@@ -31,7 +32,7 @@ def _calls(spec, seed: int):
 def _mixtral_layer(tiny_checkpoints) -> tuple[Checkpoint, HostedExperts, int]:
     """A group holding every expert of the tiny Mixtral's first MoE layer."""
     checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
-    hosted = HostedExperts(checkpoint)
+    hosted = HostedExperts(checkpoint, linear_kernel="blas")  # torch's own products: the stock module's bits
     layer = checkpoint.spec.moe_layers[0]
     hosted.load([(layer, e) for e in range(checkpoint.spec.num_experts)])
     return checkpoint, hosted, layer
@@ -46,7 +47,7 @@ def test_rows_path_gives_the_stock_modules_bits(tiny_checkpoints, arch, dtype, m
     checkpoint = Checkpoint(tiny_checkpoints(arch))
     spec = checkpoint.spec
     pairs = [(layer, e) for layer in spec.moe_layers for e in range(spec.num_experts)]
-    fast, stock = HostedExperts(checkpoint, dtype=dtype), HostedExperts(checkpoint, dtype=dtype)
+    fast, stock = (HostedExperts(checkpoint, dtype=dtype, linear_kernel="blas") for _ in range(2))
     fast.load(pairs)
     stock.load(pairs)
     assert all(fast._layers[layer].rows_fast for layer in spec.moe_layers)

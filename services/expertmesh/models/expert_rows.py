@@ -13,7 +13,9 @@ module (``use_experts_implementation``: ``has_gate``, ``has_bias``, ``is_transpo
 
 A description is not the module's code: ``matches_stock`` runs both on rows of the loaded weights and
 says whether they agree bit for bit. A layer whose module they do not agree on (an architecture whose
-eager loop computes another way, a class without the interface) keeps the stock forward.
+eager loop computes another way, a class without the interface) keeps the stock forward. Given packed weights
+(``linear_kernels.PackedRows`` per stacked weight), the products run on their kernel instead (the same
+operations in the same order; the products' last bits are that kernel's).
 
 Glossary
 - *row*: one (token, expert) pair of a call, the unit ``HostedExperts.compute`` hands the module
@@ -23,26 +25,38 @@ Glossary
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
+
+from expertmesh.infra.row_sums import add_rows
+from expertmesh.models.linear_kernels import PackedRows
 
 __all__ = ["rows_forward", "matches_stock"]
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """x [n, in] through one expert's weight: [in, out] when ``transposed`` (x @ W), else [out, in]."""
-    return x @ weight if transposed else nn.functional.linear(x, weight)
+def _project(
+    module: nn.Module, name: str, expert: int, x: torch.Tensor, packs: Mapping[str, PackedRows] | None
+) -> torch.Tensor:
+    """x [n, in] through local expert ``expert``'s matrix of the stacked weight ``name``: its packed copy when
+    given, else the stored [in, out] when the module is ``is_transposed`` (x @ W), [out, in] otherwise."""
+    if packs is not None:
+        return packs[name].row(expert).linear(x)
+    weight = getattr(module, name)[expert]
+    return x @ weight if module.is_transposed else nn.functional.linear(x, weight)
 
 
-def _expert(module: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
+def _expert(
+    module: nn.Module, expert: int, x: torch.Tensor, packs: Mapping[str, PackedRows] | None = None
+) -> torch.Tensor:
     """x [n, H] -> [n, H] through local expert ``expert``, unweighted."""
-    transposed = module.is_transposed
     first = "gate_up_proj" if module.has_gate else "up_proj"
-    h = _project(x, getattr(module, first)[expert], transposed)  # [n, 2I] or [n, I]
+    h = _project(module, first, expert, x, packs)  # [n, 2I] or [n, I]
     if module.has_bias:
         h = h + getattr(module, f"{first}_bias")[expert]
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [n, I]
-    out = _project(h, module.down_proj[expert], transposed)  # [n, H]
+    out = _project(module, "down_proj", expert, h, packs)  # [n, H]
     if module.has_bias:
         out = out + module.down_proj_bias[expert]
     if module.has_post_expert_norm:
@@ -50,19 +64,29 @@ def _expert(module: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rows_forward(module: nn.Module, hidden: torch.Tensor, local: list[int], weights: torch.Tensor) -> torch.Tensor:
+def rows_forward(
+    module: nn.Module,
+    hidden: torch.Tensor,
+    local: list[int],
+    weights: torch.Tensor,
+    packs: Mapping[str, PackedRows] | None = None,
+) -> torch.Tensor:
     """hidden [S, H], ``local`` [S] (each row's local expert), weights [S, 1] -> each row through its expert,
-    weighted, [S, H]: what ``module(hidden, local as [S, 1], weights)`` returns for rows of top-k 1."""
+    weighted, [S, H]: what ``module(hidden, local as [S, 1], weights)`` returns for rows of top-k 1 (its products
+    by ``packs``' kernel when given)."""
     out = torch.zeros_like(hidden)  # [S, H]
-    for expert in sorted(set(local)):  # the stock loop's order: experts ascending, each one's rows in order
-        picked = [i for i, e in enumerate(local) if e == expert]
+    rows_of: dict[int, list[int]] = {}
+    for i, e in enumerate(local):
+        rows_of.setdefault(e, []).append(i)
+    for expert in sorted(rows_of):  # the stock loop's order: experts ascending, each one's rows in order
+        picked = rows_of[expert]
         if len(picked) == 1:  # the usual decode case: views of the one row, no index tensor to build and gather by
             i = picked[0]
-            out[i : i + 1] += (_expert(module, expert, hidden[i : i + 1]) * weights[i : i + 1]).to(out.dtype)
+            out[i : i + 1] += (_expert(module, expert, hidden[i : i + 1], packs) * weights[i : i + 1]).to(out.dtype)
             continue
         rows = torch.tensor(picked, device=hidden.device)  # [n]
-        current = _expert(module, expert, hidden[rows]) * weights[rows]  # [n, H]
-        out.index_add_(0, rows, current.to(out.dtype))
+        current = _expert(module, expert, hidden[rows], packs) * weights[rows]  # [n, H]
+        add_rows(out, rows, current)
     return out
 
 

@@ -42,9 +42,11 @@ from torch import nn
 
 from expertmesh.contracts.errors import InvalidRequest, NotHosted, OverBudget
 from expertmesh.infra.finite import all_finite, finite_rows
+from expertmesh.infra.row_sums import add_rows
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.models.expert_rows import matches_stock, rows_forward
 from expertmesh.models.fingerprint import fingerprint
+from expertmesh.models.linear_kernels import LinearKernel, PackedRows, choose_linear_kernel
 from expertmesh.models.weight_layout import input_major, prefers_input_major
 
 #: Columns of expert_ids a Dispatch may carry beyond the model's top-k: the router's
@@ -123,8 +125,11 @@ class _LayerExperts:
     stats: Mapping[int, OutputStats]
     #: global id -> its weight fingerprint when its rows were read from disk; carried like ``stats``
     fingerprints: Mapping[int, str]
-    #: decode-sized calls go through ``expert_rows.rows_forward`` (it matched the module's forward at build)
+    #: calls go through ``expert_rows.rows_forward`` (it matched the module's forward at build)
     rows_fast: bool = False
+    #: stacked weight name -> its experts' packed copies, where ``rows_forward`` multiplies by the
+    #: ``onednn-packed`` kernel (``linear_kernels``); None: the products are torch's own
+    packs: Mapping[str, PackedRows] | None = None
 
     @cached_property
     def local_index(self) -> Mapping[int, int]:
@@ -145,11 +150,14 @@ class HostedExperts:
         device: str = "cpu",
         budget_bytes: int | None = None,
         max_rows: int = MAX_ROWS,
+        linear_kernel: LinearKernel | None = None,
     ):
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         self.dtype = dtype
         self.device = torch.device(device)
+        #: what the experts' products run on (``linear_kernels``; None: the device's best)
+        self.linear_kernel = linear_kernel or choose_linear_kernel(self.device, dtype)
         #: most bytes of expert weights held at once; None = unlimited
         self.budget_bytes = budget_bytes
         self.max_rows = max_rows
@@ -305,7 +313,11 @@ class HostedExperts:
         )
         prints = {e: old.fingerprints[e] if e in old_row else fingerprint(built.rows_of(e)) for e in ids}
         fast = matches_stock(module, self.spec.hidden_size, self.dtype, self.device)
-        return replace(built, fingerprints=MappingProxyType(prints), rows_fast=fast)
+        packs = None
+        if fast and self.linear_kernel == "onednn-packed":
+            first = "gate_up_proj" if module.has_gate else "up_proj"
+            packs = {name: PackedRows(getattr(module, name), module.is_transposed) for name in (first, "down_proj")}
+        return replace(built, fingerprints=MappingProxyType(prints), rows_fast=fast, packs=packs)
 
     # -- compute -------------------------------------------------------------------------
 
@@ -380,10 +392,14 @@ class HostedExperts:
         if token_idx.numel():
             row_weights = weights.to(self.device)[token_idx, slot]  # [S]
             with torch.no_grad():
-                # Each (token, expert) pair is its own row with top-k 1, so the stock eager loop sees
-                # no sentinels (GPT-OSS's has no slot for one) and computes every pair exactly once.
-                rows = held.module(hidden[token_idx], local.unsqueeze(1), row_weights.unsqueeze(1))  # [S, H]
-                partial.index_add_(0, token_idx, rows.to(partial.dtype))
+                if held.packs is not None:  # the stock loop's operations, its products on the packed kernel
+                    pairs = hidden[token_idx], local.tolist(), row_weights.unsqueeze(1)  # [S, H], [S], [S, 1]
+                    rows = rows_forward(held.module, *pairs, held.packs)  # [S, H]
+                else:
+                    # Each (token, expert) pair is its own row with top-k 1, so the stock eager loop sees
+                    # no sentinels (GPT-OSS's has no slot for one) and computes every pair exactly once.
+                    rows = held.module(hidden[token_idx], local.unsqueeze(1), row_weights.unsqueeze(1))  # [S, H]
+                add_rows(partial, token_idx, rows)
             if record:
                 self._record(held, local, row_weights, rows)
         return partial
@@ -416,11 +432,11 @@ class HostedExperts:
         row_weights = torch.tensor(picked, dtype=weights.dtype, device=self.device).unsqueeze(1)  # [S, 1]
         with torch.no_grad():
             if held.rows_fast:
-                rows = rows_forward(held.module, hidden[token_idx], local, row_weights)  # [S, H]
+                rows = rows_forward(held.module, hidden[token_idx], local, row_weights, held.packs)  # [S, H]
             else:
                 local_rows = torch.tensor(local, dtype=torch.long, device=self.device).unsqueeze(1)  # [S, 1]
                 rows = held.module(hidden[token_idx], local_rows, row_weights)
-            partial.index_add_(0, token_idx, rows.to(partial.dtype))
+            add_rows(partial, token_idx, rows)
         if record:
             self._record_small(held, local, [abs(w) for w in picked], rows)
         return partial

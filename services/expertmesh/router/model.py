@@ -20,14 +20,20 @@ from torch import nn
 
 from expertmesh.contracts.errors import CheckpointError
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.models.linear_kernels import LinearKernel, choose_linear_kernel, pack_linears
 from expertmesh.models.weight_layout import input_major, prefers_input_major
 from expertmesh.router.dispatch.dispatcher import LayerDispatcher
 from expertmesh.router.dispatch.experts_impl import IMPLEMENTATION
 
 
 def build_router_model(
-    checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device = torch.device("cpu")
+    checkpoint: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device = torch.device("cpu"),
+    linear_kernel: LinearKernel | None = None,
 ) -> nn.Module:
+    """The router's model of ``checkpoint`` on ``device``; its ``nn.Linear`` products on ``linear_kernel``
+    (``linear_kernels``; None: the device's best)."""
     model = checkpoint.skeleton(IMPLEMENTATION, dtype)
     for layer, (_, module) in experts_modules(model).items():
         for name in checkpoint.spec.expert_params:
@@ -56,13 +62,17 @@ def build_router_model(
     model.to(device)  # read on the host first: safetensors and the fp32 rules above work there
     model.requires_grad_(False)
     model.eval()
-    _lay_out_head(model, device)
+    kernel = linear_kernel or choose_linear_kernel(device, dtype)
+    if kernel == "blas":
+        _lay_out_head(model, device)
+    pack_linears(model, kernel)  # attention, shared experts, gates and the head: every step reads them all
     return model
 
 
 def _lay_out_head(model: nn.Module, device: torch.device) -> None:
-    """The LM head's weight input-major where the device prefers it (``weight_layout``): every decode step reads
-    all of it for a few rows. Not when it is tied to the input embeddings, whose lookups read it by rows."""
+    """The LM head's weight input-major where the device prefers it (``weight_layout``) and torch's own kernel
+    multiplies by it: every decode step reads all of it for a few rows. Not when it is tied to the input
+    embeddings, whose lookups read it by rows."""
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or not prefers_input_major(device) or getattr(head, "weight", None) is None:
         return

@@ -80,6 +80,7 @@ from expertmesh.contracts.errors import (
 )
 from expertmesh.contracts.load_window import LoadWindow
 from expertmesh.infra.finite import all_finite
+from expertmesh.infra.row_sums import add_rows
 from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.router.dispatch.circuit import BreakerState, CircuitBreakers
 from expertmesh.router.dispatch.degraded import StockChoice
@@ -781,4 +782,4 @@ def _add_rows(out: torch.Tensor, tokens: torch.Tensor, partial: torch.Tensor) ->
     where its transport left it (host memory, or the router's GPU over CUDA IPC)."""
     if tokens.device != out.device:
         tokens, partial = tokens.to(out.device), partial.to(out.device)
-    out.index_add_(0, tokens, partial)
+    add_rows(out, tokens, partial)

@@ -1,0 +1,129 @@
+"""The linear kernels (``models.linear_kernels``): the packed kernel computes what ``nn.functional.linear`` does
+(to float32 rounding), follows its weight through in-place writes, and replaces a model's ``nn.Linear`` modules
+without changing their parameters; the router's model and a group's experts compute on it where it is chosen.
+
+Real oneDNN kernels of the installed torch and real transformers checkpoints (tiny, random weights); the one
+thing faked is the device a weight says it is on (a meta tensor stands in for a GPU's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.hosted_experts import HostedExperts
+from expertmesh.models.linear_kernels import (
+    PackedLinear,
+    PackedRows,
+    PackedWeight,
+    choose_linear_kernel,
+    pack_linears,
+)
+from expertmesh.router.model import ZeroExperts, bind_dispatcher, build_router_model
+
+pytestmark = pytest.mark.skipif(
+    choose_linear_kernel(torch.device("cpu"), torch.float32) != "onednn-packed",
+    reason="this torch is built without oneDNN: the packed kernel is never chosen",
+)
+
+
+def test_the_packed_kernel_is_chosen_for_cpu_float_weights_only():
+    assert choose_linear_kernel(torch.device("cpu"), torch.float32) == "onednn-packed"
+    assert choose_linear_kernel(torch.device("cpu"), torch.bfloat16) == "onednn-packed"
+    assert choose_linear_kernel(torch.device("cpu"), torch.float16) == "blas"
+    assert choose_linear_kernel(torch.device("cuda", 0), torch.float32) == "blas"
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 100])
+def test_packed_products_are_linears_with_any_rows_and_strides(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(rows, 32, generator=g)
+    packed = PackedWeight(weight)
+    torch.testing.assert_close(packed.linear(x, bias), nn.functional.linear(x, weight, bias))
+    transposed = torch.randn(32, 48, generator=g)  # [in, out] seen as [out, in]: a GPT-OSS-style stored weight
+    torch.testing.assert_close(PackedWeight(transposed.t()).linear(x), x @ transposed)
+    batched = torch.randn(2, rows, 32, generator=g)  # [B, T, in], as a model's hidden states
+    torch.testing.assert_close(packed.linear(batched), nn.functional.linear(batched, weight))
+
+
+def test_a_packed_copy_follows_in_place_writes_to_its_weight():
+    """A fault injected or a hot update writes a weight in place: the next product uses the new values,
+    through a view of a stacked weight too."""
+    g = torch.Generator().manual_seed(0)
+    stacked = torch.randn(3, 16, 8, generator=g)  # [E, out, in]
+    rows = PackedRows(stacked, transposed=False)
+    x = torch.randn(2, 8, generator=g)
+    before = rows.row(1).linear(x)
+    torch.testing.assert_close(before, x @ stacked[1].t())
+    stacked[1].mul_(2.0)
+    torch.testing.assert_close(rows.row(1).linear(x), 2.0 * before)
+    stacked.fill_(float("nan"))
+    assert rows.row(0).linear(x).isnan().all()
+
+
+def test_pack_linears_keeps_every_parameter_and_the_state_dict():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4, bias=False)))
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        expected = model(x)
+        assert pack_linears(model, "onednn-packed") == 2
+        assert pack_linears(model, "onednn-packed") == 0  # already packed: nothing to replace
+        torch.testing.assert_close(model(x), expected)
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    assert all(p is params[name] for name, p in model.named_parameters())  # the same tensors, the same names
+    assert list(model.state_dict()) == keys
+    assert pack_linears(nn.Sequential(nn.Linear(2, 2)), "blas") == 0
+
+
+def test_a_packed_linear_follows_a_replaced_parameter():
+    """A load with ``assign=True`` replaces the parameter object itself: the packed copy is made again."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    pack_linears(model, "onednn-packed")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model(x)
+        model[0].weight = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+        torch.testing.assert_close(model(x), model[0].bias.expand(2, 4))
+
+
+def test_the_router_model_computes_on_the_kernel_it_is_given(tiny_checkpoints):
+    """Every ``nn.Linear`` of the router's model (attention, gates, head) packed on CPU; its logits those of
+    the same model on torch's own kernel, to float32 rounding."""
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    packed = build_router_model(checkpoint, torch.float32)
+    plain = build_router_model(checkpoint, torch.float32, linear_kernel="blas")
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    ids = torch.randint(
+        0, checkpoint.config.get_text_config().vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        logits = [bind_dispatcher(m, ZeroExperts())(input_ids=ids).logits for m in (packed, plain)]  # [1, 12, V]
+    torch.testing.assert_close(logits[0], logits[1])
+
+
+def test_a_groups_experts_compute_on_the_packed_kernel_and_a_fault_reaches_them(tiny_checkpoints):
+    """A group's decode- and prefill-sized calls on the packed kernel agree with torch's own to float32
+    rounding; an injected fault changes what the packed copies compute (they follow the weights)."""
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    spec = checkpoint.spec
+    layer = spec.moe_layers[0]
+    pairs = [(layer, e) for e in range(spec.num_experts)]
+    packed, plain = HostedExperts(checkpoint), HostedExperts(checkpoint, linear_kernel="blas")
+    packed.load(pairs)
+    plain.load(pairs)
+    assert packed._layers[layer].packs is not None and plain._layers[layer].packs is None
+    g = torch.Generator().manual_seed(0)
+    for tokens in (2, 40):  # the small path and the tensor path
+        hidden = torch.randn(tokens, spec.hidden_size, generator=g)
+        ids = torch.stack([torch.randperm(spec.num_experts, generator=g)[: spec.top_k] for _ in range(tokens)])
+        weights = torch.rand(ids.shape, generator=g)
+        mine = packed.compute(layer, hidden, ids, weights)
+        torch.testing.assert_close(mine, plain.compute(layer, hidden, ids, weights))
+    packed.inject_fault(layer, int(ids[0, 0]), "nan")
+    assert packed.compute(layer, hidden[:1], ids[:1], weights[:1]).isnan().all()

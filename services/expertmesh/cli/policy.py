@@ -217,9 +217,8 @@ def _candidate(pb, name: str, params: list[str], force: bool):
             number = float(value)
         except ValueError:
             raise InvalidRequest(f"--param {key}: {value!r} is not a number") from None
-        integer = (
-            message.DESCRIPTOR.fields_by_name[key].cpp_type == message.DESCRIPTOR.fields_by_name[key].CPPTYPE_UINT32
-        )
+        field = message.DESCRIPTOR.fields_by_name[key]
+        integer = field.cpp_type == field.CPPTYPE_UINT32  # top_n, k_start, k_min, k_max
         if integer and (number != int(number) or number < 0):
             raise InvalidRequest(f"--param {key}: takes a whole number, got {value!r}")
         setattr(message, key, int(number) if integer else number)

@@ -138,26 +138,20 @@ class CanaryControl:
         default), and its ticket (None: no canary runs, or ``explicit``: it names its own policy)."""
         with self._lock:
             status = self._status
-            if status.state is not CanaryState.RUNNING:
-                return None, None
-            arm = arm_for(key, status.spec.share, explicit)
+            arm = arm_for(key, status.spec.share, explicit) if status.state is CanaryState.RUNNING else None
             if arm is None:
                 return None, None
             policy = status.spec.candidate if arm == CANDIDATE else status.baseline
-            tally = status.tallies[arm]
-            self._status = _with_tally(status, arm, replace(tally, requests=tally.requests + 1))
-            generation = self._generation
+            every = 0 if policy.is_exact else status.spec.sample_every  # exact agrees with itself: nothing to sample
+            ticket = CanaryTicket(arm, policy.name, every, self, self._generation)
+            self._add(ticket, requests=1)
         self._requests.add(1, {"arm": arm, "policy": policy.name})
-        every = 0 if policy.is_exact else status.spec.sample_every  # exact agrees with itself: nothing to sample
-        return (policy if arm == CANDIDATE else None), CanaryTicket(arm, policy.name, every, self, generation)
+        return (policy if arm == CANDIDATE else None), ticket
 
     def _finished(self, ticket: CanaryTicket, seconds: float) -> None:
         self._duration.record(seconds, {"arm": ticket.arm, "policy": ticket.policy})
         with self._lock:
-            if ticket.generation == self._generation:
-                tally = self._status.tallies[ticket.arm]
-                tally = replace(tally, finished=tally.finished + 1, seconds=tally.seconds + seconds)
-                self._status = _with_tally(self._status, ticket.arm, tally)
+            self._add(ticket, finished=1, seconds=seconds)
 
     def _sampled(self, ticket: CanaryTicket, agreed: bool) -> None:
         labels = {"arm": ticket.arm, "policy": ticket.policy}
@@ -165,20 +159,23 @@ class CanaryControl:
         if agreed:
             self._agreeing.add(1, labels)
         with self._lock:
-            status = self._status
-            if ticket.generation != self._generation:
-                return
-            tally = status.tallies[ticket.arm]
-            tally = replace(tally, samples=tally.samples + 1, agreeing=tally.agreeing + agreed)
-            status = _with_tally(status, ticket.arm, tally)
-            reason = (
-                judge(status.spec, tally) if ticket.arm == CANDIDATE and status.state is CanaryState.RUNNING else None
-            )
+            tally = self._add(ticket, samples=1, agreeing=int(agreed))
+            running = tally is not None and ticket.arm == CANDIDATE and self._status.state is CanaryState.RUNNING
+            reason = judge(self._status.spec, tally) if running else None
             if reason:
-                status = replace(status, state=CanaryState.AUTO_STOPPED, reason=reason)
-            self._status = status
+                self._status = replace(self._status, state=CanaryState.AUTO_STOPPED, reason=reason)
         if reason:
             log.warning("canary auto-stopped: %s; requests take the server's default again", reason)
+
+    def _add(self, ticket: CanaryTicket, **more: float) -> ArmTally | None:
+        """(Under ``_lock``) ``more`` added to the figures of the ticket's arm when its canary is the current one
+        (a request of an earlier one adds nothing); the new figures, or None."""
+        if ticket.generation != self._generation:
+            return None
+        tally = self._status.tallies[ticket.arm]
+        tally = replace(tally, **{name: getattr(tally, name) + value for name, value in more.items()})
+        self._status = replace(self._status, tallies={**self._status.tallies, ticket.arm: tally})
+        return tally
 
     # -- metrics ---------------------------------------------------------------------------------
 
@@ -198,7 +195,3 @@ class CanaryControl:
         if state is None:
             return []
         return [Observation(float(s is state), {"state": s.value}) for s in CanaryState]
-
-
-def _with_tally(status: CanaryStatus, arm: str, tally: ArmTally) -> CanaryStatus:
-    return replace(status, tallies={**status.tallies, arm: tally})

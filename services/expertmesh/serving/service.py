@@ -30,7 +30,6 @@ from expertmesh.contracts import wire
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.infra.grpc_server import GrpcServer
 from expertmesh.infra.telemetry.setup import meter, tracer
-from expertmesh.router.policy.canary import ARMS
 from expertmesh.serving.canary import CANARY_KEY, CanaryStatus
 from expertmesh.serving.consistency_guard import GuardError, GuardSpec
 from expertmesh.serving.engine import Engine
@@ -413,7 +412,7 @@ def canary_message(status: CanaryStatus) -> pb.CanaryStatus:
                 sampled_tokens=t.samples,
                 agreeing_tokens=t.agreeing,
             )
-            for arm, t in ((arm, status.tallies[arm]) for arm in ARMS)
+            for arm, t in status.tallies.items()  # baseline, then candidate
         ],
     )
 

@@ -106,6 +106,10 @@ class FaultInjectionDisabled(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECON
     """InjectFault on a group that was not started with fault injection enabled."""
 
 
+class CanaryRefused(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
+    """A canary action that does not fit the canary's state (a start while one runs, a promote with none)."""
+
+
 class MigrationNotFound(ExpertMeshError, code=grpc.StatusCode.NOT_FOUND):
     """No migration with that id is in the state store."""
 

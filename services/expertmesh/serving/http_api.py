@@ -48,6 +48,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from expertmesh.config.settings import ServingConfig
 from expertmesh.infra.telemetry.setup import meter, tracer
 from expertmesh.serving.async_events import ChoiceEvents
+from expertmesh.serving.canary import CANARY_KEY
 from expertmesh.serving.events import ErrorEvent, Event, FinishEvent, PromptLogprobsEvent, TokenEvent, TokenLogprob
 from expertmesh.serving.openai_adapter import (
     ChatShapes,
@@ -157,10 +158,19 @@ class HttpApi:
         try:
             traced = wants_trace(body, request.headers.get(TRACE_HEADER))
             client = request.client.host if request.client is not None else ""
+            canary_key = request.headers.get(CANARY_KEY, "")
             # Off the event loop: building may tokenize, classify and compile a grammar, and no stream, no
             # /health/live may wait for it.
             generations = await run_in_threadpool(
-                self._in_span, span, self._adapter.generation_requests, body, ids, shapes.id, traced, client
+                self._in_span,
+                span,
+                self._adapter.generation_requests,
+                body,
+                ids,
+                shapes.id,
+                traced,
+                client,
+                canary_key,
             )
             with trace.use_span(span, end_on_exit=False):
                 echo = Echo(self._adapter.echo_text(body, ids), []) if body.echoes else None

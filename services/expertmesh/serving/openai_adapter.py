@@ -183,12 +183,18 @@ class OpenAIAdapter:
     # -- generation ----------------------------------------------------------------------
 
     def generation_requests(
-        self, body: GenerationFields, prompt_ids: list[int], request_id: str, routing_trace: bool, client: str
+        self,
+        body: GenerationFields,
+        prompt_ids: list[int],
+        request_id: str,
+        routing_trace: bool,
+        client: str,
+        canary_key: str = "",
     ) -> list[GenerationRequest]:
         """The engine's request of each of the body's ``n`` choices, built and bounded by the request builder the
         gRPC API uses (a refusal is a 400 naming the field as this body spells it). ``routing_trace``: the
-        body's or the header's ask for one. Blocking (the tokenizer, the classifier, the grammar compiler):
-        called off the event loop."""
+        body's or the header's ask for one. ``canary_key``: the header's (else the body's ``user``). Blocking (the
+        tokenizer, the classifier, the grammar compiler): called off the event loop."""
         routing_policy = None
         if body.routing_policy is not None:
             routing_policy = pb.RoutingPolicy(**body.routing_policy.model_dump(exclude_none=True))
@@ -225,6 +231,7 @@ class OpenAIAdapter:
                 routing_trace=routing_trace,
                 cache_salt=body.cache_salt or "",
                 client=client,
+                canary_key=canary_key or body.user or "",
                 names=body.field_names,
             )
             return self.builder.build(spec)

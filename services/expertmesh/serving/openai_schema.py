@@ -221,6 +221,8 @@ class GenerationFields(BaseModel):
     routing_trace: bool | None = None
     #: vLLM's extra: shares prefix-cached KV blocks only with requests of the same salt (bounded by the builder)
     cache_salt: str | None = None
+    #: OpenAI's end-user id: a canary's key when the x-expertmesh-canary-key header is absent (``serving.canary``)
+    user: str | None = None
 
     _check_stop = field_validator("stop")(_stop_limits)
     _check_cap = field_validator("max_tokens")(_within_cap)

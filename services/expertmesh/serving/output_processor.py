@@ -11,7 +11,9 @@ finishes: relative positions, experts per token by query length).
 
 A request whose own logits or sampling fail, fails alone (its error event); the others of its step keep their
 tokens. A consistency-guard rollback discards the new token: the position that predicted it goes through the
-next step again (``Request.widen``: with its MoE layers widened).
+next step again (``Request.widen``: with its MoE layers widened). A canary's sample (``serving.canary``) takes the
+same way twice (a shadow recompute): the position with the stock gate, the two rows' top-1 tokens compared, then
+with the arm's own policy again, so that its KV is the arm's; the token the arm chose is the one kept.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from expertmesh.contracts.errors import ExpertMeshError
 from expertmesh.infra.telemetry.setup import meter
 from expertmesh.router.dispatch import step_choices
+from expertmesh.router.policy.routing_policy import STOCK
 from expertmesh.router.reporting.routing_dynamics import RoutingDynamics
 from expertmesh.serving.consistency_guard import Check, Scorers
 from expertmesh.serving.events import (
@@ -75,6 +78,9 @@ class OutputState:
     routed_layers: tuple[int, ...] = ()
     #: the routing of the forward that chose its next token (a routing trace's next entry)
     next_routing: tuple = ()
+    #: a canary sample being computed again: the arm's logits row [V] that chose the token, the token, its routing
+    #: (kept at the end), and whether the exact recompute was compared already (then the arm's own is under way)
+    shadow: tuple[torch.Tensor, int, tuple, bool] | None = None
 
 
 @dataclass
@@ -122,7 +128,7 @@ class OutputProcessor:
         discarded is checked anew), and its prompt's scores and expert choices from position 0."""
         state: OutputState = request.output
         state.scored, state.distribution, state.prompt_scores = [], [], []
-        state.routed, state.next_routing = [], ()
+        state.routed, state.next_routing, state.shadow = [], (), None
         request.widen = 0
 
     def fail(self, request: Request, failure: Failure, message: str) -> None:
@@ -209,11 +215,24 @@ class OutputProcessor:
             request.events.put(PromptLogprobsEvent((first, *state.prompt_scores)))
             state.prompt_scores, request.prompt_logprobs_sent = [], True
         row = logits[-1] if logits is not None else None  # [V]
+        if state.shadow is not None:  # a canary sample's recompute: exact's, compared, then the arm's own again
+            arm_row, arm_token, arm_routing, compared = state.shadow
+            if not compared:
+                params.canary.sample(int(row.argmax()) == int(arm_row.argmax()))
+                state.shadow = (arm_row, arm_token, arm_routing, True)
+                self._recompute(request, 0)
+                return ChunkOutcome(computed=True, rolled_back=True)
+            state.shadow, state.next_routing = None, arm_routing
+            return self._append(request, arm_row, arm_token)
         if token is None:
             token = self._choose(request, row)
         if request.widen:  # computed again after a rollback: kept as it is
             request.widen = 0
         elif params.consistency_guard is not None and self._rolls_back(request, row, token):
+            return ChunkOutcome(computed=True, rolled_back=True)
+        elif params.canary is not None and params.canary.samples(len(request.output_token_ids)):
+            state.shadow = (row, token, state.next_routing, False)
+            self._recompute(request, STOCK)
             return ChunkOutcome(computed=True, rolled_back=True)
         return self._append(request, row, token)
 
@@ -247,6 +266,8 @@ class OutputProcessor:
             request.events.put(delta)
         if reason is None:
             return ChunkOutcome(computed=True)
+        if params.canary is not None:
+            params.canary.finished(time.monotonic() - request.arrival_time)
         self._record_sequence(request)
         request.events.put(FinishEvent(reason, request.num_prompt_tokens, count, unlisted, unlisted_routing))
         return ChunkOutcome(computed=True, finished=True)
@@ -315,10 +336,17 @@ class OutputProcessor:
                 "expertmesh.consistency.rollback",
                 {"token": token, "score": score, "position": request.num_tokens, "widen_to": guard.widen_to},
             )
+        self._recompute(request, guard.widen_to)
+        return True
+
+    @staticmethod
+    def _recompute(request: Request, widen: int) -> None:
+        """The position that predicted ``request``'s discarded token goes through its next step again, its experts
+        per token ``widen`` (``STOCK``: the stock gate)."""
+        state = request.output
         if state.routed:  # the load window's record of that position: its recomputation replaces it
             state.routed[-1] = state.routed[-1][:, :-1]
-        request.widen = guard.widen_to
-        return True
+        request.widen = widen
 
     # -- the expert choices ------------------------------------------------------------------------
 

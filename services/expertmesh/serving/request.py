@@ -28,6 +28,7 @@ from opentelemetry import trace
 
 from expertmesh.router.policy.routing_policy import RequestRouting
 from expertmesh.router.policy.token_rules import RoutingState
+from expertmesh.serving.canary import CanaryTicket
 from expertmesh.serving.consistency_guard import GuardSpec
 from expertmesh.serving.events import FINAL_EVENTS, Event
 from expertmesh.serving.grammar import CompiledGrammar
@@ -79,6 +80,9 @@ class GenerationRequest:
     cache_salt: str = ""
     #: who asked (the APIs' client key): sequence slots are shared fairly between clients
     client: str = ""
+    #: its arm of the running canary (``serving.canary``: latency, and its sampled tokens computed again with
+    #: exact routing); None: in none
+    canary: CanaryTicket | None = None
 
     @property
     def score_only(self) -> bool:
@@ -148,7 +152,7 @@ class Request:
     @property
     def greedy_only(self) -> bool:
         """Its next token is its logits' argmax and nothing else reads them (no controls, grammar, log-probabilities,
-        guard or prompt rows): the model runner may choose it where the logits are (on the device)."""
+        guard, canary sample or prompt rows): the model runner may choose it where the logits are (on the device)."""
         params = self.params
         return (
             params.sampling.temperature == 0
@@ -156,6 +160,7 @@ class Request:
             and params.grammar is None
             and params.logprobs is None
             and params.consistency_guard is None
+            and not (params.canary is not None and params.canary.samples(len(self.output_token_ids)))
             and not self.needs_prompt_rows
         )
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from expertmesh.config.settings import ServingConfig
 from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.router.policy.routing_policy import RequestRouting, seeded
+from expertmesh.serving.canary import CanaryTicket
 from expertmesh.serving.grammar import CompiledGrammar, Grammars, GrammarSpec
 from expertmesh.serving.request import GenerationRequest, ScoreSpec
 from expertmesh.serving.request_routing import RequestRouter
@@ -102,6 +103,8 @@ class RequestSpec:
     deadline: float | None = None
     #: who asked (``RequestBuilder.client_key``): each client's fair share of sequence slots
     client: str = ""
+    #: its key for a canary's arm (the client's canary key or OpenAI ``user``; "": its request id)
+    canary_key: str = ""
     names: Mapping[str, str] = field(default_factory=dict)
 
     def name(self, what: str) -> str:
@@ -158,7 +161,9 @@ class RequestBuilder:
             problem = trace_problem(max_new, spec.n, self._model.moe_layers, self._config.max_routing_trace_entries)
             if problem:
                 raise _refused("routing_trace", problem)
-        routing = self._resolve(spec.routing_policy, spec.domain, spec.prompt_ids, spec.prompt_text)
+        routing, canary = self._resolve(
+            spec.routing_policy, spec.domain, spec.prompt_ids, spec.prompt_text, spec.canary_key or request_id
+        )
         # noisy_topk's seed: the request's (every choice of it routes alike), else its id's hash
         routing = seeded(routing, spec.sampling.seed, request_id)
         guard = self._consistency_guard(spec.consistency_guard, routing)
@@ -180,6 +185,7 @@ class RequestBuilder:
             routing_trace=spec.routing_trace,
             cache_salt=spec.cache_salt,
             client=spec.client,
+            canary=canary,
         )
         if spec.n == 1:
             return [base]
@@ -293,18 +299,28 @@ class RequestBuilder:
     # -- what needs the router ------------------------------------------------------------------
 
     def _resolve(
-        self, policy: pb.RoutingPolicy | None, domain: str | None, ids: tuple[int, ...], text: str | None
-    ) -> RequestRouting | None:
+        self,
+        policy: pb.RoutingPolicy | None,
+        domain: str | None,
+        ids: tuple[int, ...],
+        text: str | None,
+        canary_key: str | None = None,
+    ) -> tuple[RequestRouting | None, CanaryTicket | None]:
+        """Its routing and canary ticket (``canary_key`` None: in no canary)."""
         if self._routing is None:
             if policy is not None or domain is not None:
                 raise _refused("routing_policy", "this server takes no routing policies or domains")
-            return None
+            return None, None
         decode = self._decode
-        return self._routing.resolve(policy, domain, lambda: text if text is not None else decode and decode(ids))
+        return self._routing.route(
+            policy, domain, lambda: text if text is not None else decode and decode(ids), canary_key
+        )
 
     def _score_routing(self, spec: ScoreRequestSpec) -> RequestRouting | None:
-        # a Score call has neither seed nor id: noisy_topk's seed is the hash of "" (the same for every call)
-        return seeded(self._resolve(spec.routing_policy, spec.domain, spec.prompt_ids, spec.prompt_text), None, "")
+        # a Score call has neither seed nor id: noisy_topk's seed is the hash of "" (the same for every call); in
+        # no canary (it generates nothing to compare)
+        routing, _ = self._resolve(spec.routing_policy, spec.domain, spec.prompt_ids, spec.prompt_text)
+        return seeded(routing, None, "")
 
     def _consistency_guard(self, message: pb.ConsistencyGuard | None, routing: RequestRouting | None):
         if self._routing is None:

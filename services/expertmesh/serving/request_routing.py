@@ -2,7 +2,8 @@
 default, else the server's: each configured with its parameters, ``routing_policy.parse_policy_spec``), its
 domain (the client's, or the query classifier's when the policy needs one, or when per-domain defaults are
 set and the request names neither), the per-layer biases its bias rule adds (from the domain's capability
-profile), and the quality guard. Anything wrong is an ``InvalidRequest`` naming the field.
+profile), the quality guard, and its canary arm (``serving.canary``: a request that takes the server's default may
+take a canary's candidate in its place). Anything wrong is an ``InvalidRequest`` naming the field.
 
 Profiles and quality records are read from the state store by a thread of their own (``PolicyRecords``)
 every ``refresh_s`` seconds, never on a request's thread or under a lock a request takes: a request costs
@@ -21,8 +22,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
+from expertmesh.contracts.errors import CanaryRefused, ExpertMeshError, InvalidRequest
 from expertmesh.infra.telemetry.setup import tracer
+from expertmesh.router.policy.canary import CanaryError, CanaryState, canary_spec
 from expertmesh.router.policy.profiles import DomainProfile, load_profiles, lookup
 from expertmesh.router.policy.quality import PolicyQuality, guard_problem
 from expertmesh.router.policy.routing_policy import (
@@ -39,6 +41,7 @@ from expertmesh.router.policy.routing_policy import (
     prefer_bias,
     restrict_bias,
 )
+from expertmesh.serving.canary import CanaryControl, CanaryStatus, CanaryTicket
 from expertmesh.serving.consistency_guard import GuardError, GuardSpec
 from expertmesh.store import StateStore
 from expertmesh.v1 import inference_pb2 as pb
@@ -157,6 +160,8 @@ class RequestRouter:
             self.domain_defaults[domain] = self._configured(spec, f"{where}: domain {domain!r}")
         #: None without a store: no profiles, no quality records
         self._records = PolicyRecords(store, refresh_s) if store is not None else None
+        #: the canary of the server's default policy (none until the RouterAdmin API starts one)
+        self.canary = CanaryControl()
 
     def consistency_guard(
         self, message: pb.ConsistencyGuard | None, routing: RequestRouting | None
@@ -230,23 +235,41 @@ class RequestRouter:
     ) -> RequestRouting | None:
         """The routing of a request that asked for policy ``message`` and ``domain`` (None: the server's
         default policy; classified when the policy needs a domain), or None: stock gate, no domain.
-        ``prompt_text`` gives the prompt as text for the classifier (None when there is none)."""
+        ``prompt_text`` gives the prompt as text for the classifier (None when there is none). In no canary."""
+        return self.route(message, domain, prompt_text, None)[0]
+
+    def route(
+        self,
+        message: pb.RoutingPolicy | None,
+        domain: str | None,
+        prompt_text: Callable[[], str | None],
+        canary_key: str | None,
+    ) -> tuple[RequestRouting | None, CanaryTicket | None]:
+        """``resolve``'s routing, and the request's canary ticket: with ``canary_key`` (None: in no canary), a
+        request that takes the server's default (no policy of its own, no domain default) is in the running
+        canary's arm of that key, and in the candidate arm takes the candidate in place of the default."""
         if domain is not None:
             self._check_domain(domain)
         elif self.domain_defaults and (message is None or not message.name):
             text = prompt_text()  # its domain chooses its default policy (a token-id prompt: the server's)
             domain = self._classify(self.default, text) if text else None
-        policy = self._policy(message, self.default_for(domain))
+        default, ticket, candidate = self.default_for(domain), None, None
+        if canary_key is not None and default is self.default:
+            candidate, ticket = self.canary.assign(canary_key, explicit=_names_policy(message))
+        policy = candidate or self._policy(message, default)
         if domain is None and policy.needs_domain:
             domain = self._classify(policy, prompt_text())
-        if not policy.is_exact and not (message is not None and message.force):
+        # a candidate's record was checked when its canary started
+        if candidate is None and not policy.is_exact and not (message is not None and message.force):
             problem = guard_problem(self._quality().get(policy.key), self._kl_bound)
             if problem:
                 raise InvalidRequest(f"routing_policy: {problem}", field="routing_policy")
         routing = RequestRouting(policy, domain, self._biases(policy, domain) if policy.needs_domain else {})
-        return None if routing.is_plain else routing
+        return (None if routing.is_plain else routing), ticket
 
-    def _policy(self, message: pb.RoutingPolicy | None, default: RoutingPolicy) -> RoutingPolicy:
+    def _policy(
+        self, message: pb.RoutingPolicy | None, default: RoutingPolicy, field_prefix: str = "routing_policy"
+    ) -> RoutingPolicy:
         """The request's policy: ``message`` (None: ``default``); one without a name is ``default`` with the
         parameters it sets in place of the configured ones."""
         if message is None:
@@ -255,9 +278,55 @@ class RequestRouter:
         if not message.name:
             given = {**default.active(), **given}
         try:
-            return parse_policy(message.name or default.name, given, self.top_k, self.num_experts)
+            return parse_policy(message.name or default.name, given, self.top_k, self.num_experts, field_prefix)
         except PolicyError as err:
             raise InvalidRequest(str(err), field=err.field) from None
+
+    # -- the canary (the RouterAdmin API) --------------------------------------------------------
+
+    def start_canary(
+        self,
+        candidate: pb.RoutingPolicy,
+        share: float,
+        min_agreement: float | None = None,
+        min_samples: int | None = None,
+        sample_every: int | None = None,
+    ) -> CanaryStatus:
+        """Start a canary of ``candidate`` (checked as a request's policy is, its recorded quality too unless it
+        says ``force``) against the server's default now; InvalidRequest naming the setting, CanaryRefused while
+        one runs."""
+        if not candidate.name:
+            raise InvalidRequest("candidate.name: name the candidate policy, e.g. delta_gap", field="candidate.name")
+        policy = self._policy(candidate, self.default, "candidate")
+        try:
+            spec = canary_spec(policy, share, min_agreement, min_samples, sample_every)
+        except CanaryError as err:
+            raise InvalidRequest(str(err), field=err.field) from None
+        if not candidate.force:
+            problem = guard_problem(self._quality().get(policy.key), self._kl_bound)
+            if problem:
+                raise InvalidRequest(f"candidate: {problem} (force starts it anyway)", field="candidate")
+        started = self.canary.start(spec, self.default)
+        if started.spec is not spec:
+            raise CanaryRefused(f"a canary of {started.spec.candidate.spec} is running; promote or stop it first")
+        return started
+
+    def end_canary(self, promote: bool) -> CanaryStatus:
+        """Promote the running canary (its candidate becomes the server's default) or stop it; CanaryRefused
+        when none runs."""
+        status = self.canary.running()
+        if status is None:
+            raise CanaryRefused(f"no canary is running (state: {_state_name(self.canary.status().state)})")
+        if promote:
+            reason = f"{status.spec.candidate.spec} is the server's default routing policy (was {self.default.spec})"
+            ended = self.canary.end(CanaryState.PROMOTED, reason)
+            if ended is not None:
+                self.default = status.spec.candidate
+        else:
+            ended = self.canary.end(CanaryState.STOPPED, "stopped by an operator")
+        if ended is None:  # it ended meanwhile (auto-stopped)
+            raise CanaryRefused(f"no canary is running (state: {_state_name(self.canary.status().state)})")
+        return ended
 
     def _classifier(self):
         if self._classifier_factory is None:
@@ -328,3 +397,12 @@ class RequestRouter:
 
     def _quality(self) -> dict[str, PolicyQuality]:
         return self._records.current()[1] if self._records is not None else {}
+
+
+def _names_policy(message: pb.RoutingPolicy | None) -> bool:
+    """Whether a request's ``routing_policy`` is its own: a name, or parameters in place of the default's."""
+    return message is not None and (bool(message.name) or any(message.HasField(p) for p in PARAMETER_NAMES))
+
+
+def _state_name(state: CanaryState | None) -> str:
+    return state.value if state is not None else "none started"

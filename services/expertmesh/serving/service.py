@@ -30,6 +30,7 @@ from expertmesh.contracts import wire
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.infra.grpc_server import GrpcServer
 from expertmesh.infra.telemetry.setup import meter, tracer
+from expertmesh.serving.canary import CANARY_KEY, CanaryStatus
 from expertmesh.serving.consistency_guard import GuardError, GuardSpec
 from expertmesh.serving.engine import Engine
 from expertmesh.serving.events import FINAL_EVENTS, ErrorEvent, Event, FinishEvent, ScoreEvent, TokenEvent
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 
 SERVICE_NAME = "expertmesh.v1.Inference"
+#: the router's own admin calls (an admin identity, ``security.admin_auth``)
+ADMIN_SERVICE_NAME = "expertmesh.v1.RouterAdmin"
 _FINISH = {
     "length": pb.FINISH_REASON_LENGTH,
     "stop": pb.FINISH_REASON_STOP,
@@ -159,6 +162,7 @@ class InferenceServicer:
             cache_salt=request.cache_salt,
             deadline=None if remaining is None else time.monotonic() + remaining,
             client=client_key(context),
+            canary_key=dict(context.invocation_metadata() or ()).get(CANARY_KEY, ""),
         )
         return self.builder.build(spec)
 
@@ -364,6 +368,54 @@ class InferenceServicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first_row: {err}")
         return pb.LoadStatsResponse(stats_json=page, next_row=next_row)
 
+    def Canary(self, request: pb.CanaryRequest, context) -> pb.CanaryStatus:
+        """The RouterAdmin API: start, promote or stop the canary of the default policy, or its status."""
+        try:
+            if request.action == pb.CANARY_START:
+                status = self.routing.start_canary(
+                    request.candidate,
+                    request.share,
+                    request.min_agreement if request.HasField("min_agreement") else None,
+                    request.min_samples if request.HasField("min_samples") else None,
+                    request.sample_every if request.HasField("sample_every") else None,
+                )
+            elif request.action in (pb.CANARY_PROMOTE, pb.CANARY_STOP):
+                status = self.routing.end_canary(promote=request.action == pb.CANARY_PROMOTE)
+            else:
+                status = self.routing.canary.status()
+        except ExpertMeshError as err:
+            context.abort(err.code, str(err))
+        return canary_message(status)
+
+
+def canary_message(status: CanaryStatus) -> pb.CanaryStatus:
+    if status.state is None:
+        return pb.CanaryStatus()
+    spec = status.spec
+    policies = {"baseline": status.baseline.spec, "candidate": spec.candidate.spec}
+    return pb.CanaryStatus(
+        state=status.state.value,
+        reason=status.reason,
+        candidate=spec.candidate.spec,
+        baseline=status.baseline.spec,
+        share=spec.share,
+        min_agreement=spec.min_agreement,
+        min_samples=spec.min_samples,
+        sample_every=spec.sample_every,
+        arms=[
+            pb.CanaryArm(
+                arm=arm,
+                policy=policies[arm],
+                requests=t.requests,
+                finished=t.finished,
+                mean_latency_s=t.mean_seconds or 0.0,
+                sampled_tokens=t.samples,
+                agreeing_tokens=t.agreeing,
+            )
+            for arm, t in status.tallies.items()  # baseline, then candidate
+        ],
+    )
+
 
 class InferenceServer:
     """The gRPC server of a router: Inference + health + reflection."""
@@ -400,10 +452,22 @@ class InferenceServer:
                             response_serializer=pb.LoadStatsResponse.SerializeToString,
                         ),
                     },
-                )
+                ),
+                grpc.method_handlers_generic_handler(
+                    ADMIN_SERVICE_NAME,
+                    {
+                        "Canary": grpc.unary_unary_rpc_method_handler(
+                            servicer.Canary,
+                            request_deserializer=pb.CanaryRequest.FromString,
+                            response_serializer=pb.CanaryStatus.SerializeToString,
+                        ),
+                    },
+                ),
             ]
         )
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
         self.port = self._grpc.port
         self._serving_lock = threading.Lock()
         self._draining = False

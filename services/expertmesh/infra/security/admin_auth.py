@@ -42,6 +42,8 @@ ADMIN_METHODS = (
     # overwrites weights (test-only, and refused anyway unless the group enables it)
     "/expertmesh.v1.ExpertGroup/InjectFault",
     "/expertmesh.v1.Admin/",
+    # a router's own: its canary of the default routing policy
+    "/expertmesh.v1.RouterAdmin/",
 )
 _BEARER = "bearer "
 

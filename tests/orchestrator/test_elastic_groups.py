@@ -310,3 +310,41 @@ def test_no_launcher_lists_but_refuses_changes(mesh):
     finally:
         controller.close()
         runner.close()
+
+
+def test_the_admin_api_the_cli_and_the_kubectl_plugin(mesh, capsys):
+    from expertmesh.cli.kubectl_plugin import main as kubectl_main
+    from expertmesh.cli.main import main as cli_main
+    from expertmesh.orchestrator.admin import start_orchestrator
+    from expertmesh.v1 import admin_pb2 as pb
+    from expertmesh.v1 import admin_pb2_grpc as pb_grpc
+
+    launcher = Launcher(mesh)
+    orchestrator = start_orchestrator(mesh.store, "127.0.0.1", 0, launcher=launcher)
+    admin = f"127.0.0.1:{orchestrator.server.port}"
+    channel = grpc.insecure_channel(admin)
+    try:
+        stub = pb_grpc.AdminStub(channel)
+        for call, request, code, message in [
+            (stub.AddGroup, pb.AddGroupRequest(name="g0"), grpc.StatusCode.INVALID_ARGUMENT, "exists already"),
+            (stub.RemoveGroup, pb.RemoveGroupRequest(name="g9"), grpc.StatusCode.NOT_FOUND, "no running expert"),
+            (stub.GetGroup, pb.GetGroupRequest(name="g9"), grpc.StatusCode.NOT_FOUND, "no expert group 'g9'"),
+        ]:
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request, timeout=10)
+            assert refused.value.code() is code and message in refused.value.details()
+        capsys.readouterr()
+        assert cli_main(["groups", "add", "--name", "g2", "--wait", "--admin", admin]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("group g2 starting\n") and "\ng2    serving  " in out, out
+        assert kubectl_main(["groups", "list", "--admin", admin]) == 0
+        listed = capsys.readouterr().out.splitlines()
+        assert listed[0].split() == ["NAME", "PHASE", "EXPERTS", "ADDRESS", "PID", "MOVES", "REASON"]
+        assert [line.split()[:2] for line in listed[1:]] == [["g0", "serving"], ["g1", "serving"], ["g2", "serving"]]
+        assert cli_main(["groups", "remove", "g0", "--wait", "--admin", admin]) == 0
+        assert "\ng0    stopped  0 " in capsys.readouterr().out
+        status = stub.GetGroup(pb.GetGroupRequest(name="g0"), timeout=10)
+        assert status.phase == pb.GROUP_PHASE_STOPPED and status.exit_code == 0 and status.experts == 0
+    finally:
+        channel.close()
+        orchestrator.stop()

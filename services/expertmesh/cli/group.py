@@ -33,7 +33,7 @@ def add_command(commands) -> None:
         "group", aliases=["groups"], help="expert groups: serve one as a plain process; add, remove, list them live"
     )
     sub = group.add_subparsers(dest="group_command", required=True, metavar="COMMAND")
-    _add_elastic_commands(sub)
+    add_elastic_commands(sub)
     p = sub.add_parser("serve", help="serve one expert group as a plain process (the gRPC server Ray Serve runs)")
     p.add_argument(
         "--group", required=True, help="the group to serve, as the placement names it (g0, g1, ... with --groups)"
@@ -63,7 +63,8 @@ def add_command(commands) -> None:
     p.set_defaults(run=_main)
 
 
-def _add_elastic_commands(sub) -> None:
+def add_elastic_commands(sub) -> None:
+    """``add``, ``remove`` and ``list`` under ``sub`` (here and in the kubectl plugin)."""
     import os
 
     default_admin = os.environ.get("EXPERTMESH_ADMIN_ADDRESS", "127.0.0.1:50052")  # as admin_client's

@@ -225,13 +225,13 @@ class GroupController:
             log.warning("expert group %s: %s (it keeps running; remove it again to retry)", name, record.reason)
             return
         self._update(name, registered_at=self._clock(), bytes_moved=copied)
-        self._store.remove_endpoint(name)
         launcher = self._need_launcher()
         try:
             code = launcher.stop(name) if name in launcher.running() else None  # None: it never started
         except Exception as err:
             self._update(name, GroupPhase.FAILED, reason=f"drained, but its process did not stop: {err}")
             return
+        self._store.remove_endpoint(name)  # after the stop: a group registering itself again would undo it
         record = self._records[name]
         self._update(
             name,

@@ -155,9 +155,11 @@ def test_groups_added_and_removed_under_streaming_load_fail_nothing_and_change_n
     assert problems == []
     after = groups()
     channel.close()
+    assert after["g1"].pid == before["g1"].pid, "nothing else restarts: g1 is the process it was"
     assert sorted(n for n, g in after.items() if apb.GroupPhase.Name(g.phase) == "GROUP_PHASE_SERVING") == ["g1", "g2"]
     assert sum(g.experts for g in after.values()) == 2 * 8  # every (layer, expert) pair, each once
     timings["requests"] = sum(completed.values())
+    assert up.proc.poll() is None  # and the router's process serves on
     for key, value in timings.items():
         record_property(key, value)
     print(f"\nelastic groups timings (shared 2-core machine): {timings}")

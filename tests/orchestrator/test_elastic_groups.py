@@ -299,6 +299,15 @@ def test_refusals_leave_everything_as_it_was(mesh, controller):
     assert mesh.store.routing_table() == before and controller.launcher.stopped == []
 
 
+def test_a_group_whose_experts_fit_nowhere_else_is_not_removed(mesh, controller):
+    mesh.groups["g1"].hosted.budget_bytes = 1  # less than it holds already: no room for one more expert
+    before = mesh.store.routing_table()
+    with pytest.raises(GroupChangeRefused, match=r"cannot be placed: group g1 would need .* MiB more .* budget"):
+        controller.remove("g0")
+    assert mesh.store.routing_table() == before and controller.get("g0").phase is GroupPhase.SERVING
+    assert controller.launcher.stopped == []
+
+
 def test_no_launcher_lists_but_refuses_changes(mesh):
     runner = MigrationRunner(mesh.store, MigrationExecutor(mesh.store, **FAST))
     controller = GroupController(mesh.store, runner.submit, None)

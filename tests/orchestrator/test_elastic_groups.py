@@ -17,7 +17,7 @@ from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.admin import MigrationRunner
 from expertmesh.orchestrator.drift.state import ExpertLoad
 from expertmesh.orchestrator.elastic.controller import GroupController, GroupRequest
-from expertmesh.orchestrator.elastic.plan import Step, fits, plan_change, steps_for
+from expertmesh.orchestrator.elastic.plan import Step, fits, plan_change, size, steps_for
 from expertmesh.orchestrator.elastic.state import (
     GroupPhase,
     GroupRecord,
@@ -141,6 +141,7 @@ def test_fits_counts_what_each_group_gains_against_its_free_budget():
     plan = plan_change(_two_groups(), [], ("g0", "g1", "g2"), top_k=2, expert_bytes=1 << 20)
     assert fits(plan, {"g0": None, "g1": None, "g2": None}, 1 << 20) is None  # no budget: unlimited
     assert fits(plan, {"g2": 8 << 20}, 1 << 20) is None
+    assert [size(n) for n in (0, 1023, 1536, 3 << 20, 5 << 30)] == ["0 B", "1023 B", "1.5 KiB", "3.0 MiB", "5.0 GiB"]
     why = fits(plan, {"g2": 3 << 20}, 1 << 20)
     assert why == "group g2 would need 8.0 MiB more for expert weights and has 3.0 MiB free in its budget"
     drain = [(Step(0, 0, MOVE, "g0", "g1"),), (Step(0, 1, MOVE, "g0", "g1"),)]
@@ -302,10 +303,37 @@ def test_refusals_leave_everything_as_it_was(mesh, controller):
 def test_a_group_whose_experts_fit_nowhere_else_is_not_removed(mesh, controller):
     mesh.groups["g1"].hosted.budget_bytes = 1  # less than it holds already: no room for one more expert
     before = mesh.store.routing_table()
-    with pytest.raises(GroupChangeRefused, match=r"cannot be placed: group g1 would need .* MiB more .* budget"):
+    why = "cannot be placed: group g1 would need 96.0 KiB more for expert weights and has 0 B free in its budget"
+    with pytest.raises(GroupChangeRefused, match=why):
         controller.remove("g0")
     assert mesh.store.routing_table() == before and controller.get("g0").phase is GroupPhase.SERVING
     assert controller.launcher.stopped == []
+
+
+def test_a_fill_that_cannot_finish_fails_with_the_reason_and_the_group_can_still_be_removed(tiny_checkpoints):
+    mesh = start_mesh(open_store("memory://"), tiny_checkpoints("mixtral"), target_budget=1)  # g2 holds nothing
+    mesh.store.remove_endpoint("g2")
+    runner = MigrationRunner(mesh.store, MigrationExecutor(mesh.store, **FAST))
+    launcher = Launcher(mesh)
+    controller = GroupController(mesh.store, runner.submit, launcher, poll_s=0.01)
+    try:
+        before = mesh.store.routing_table()
+        controller.add(GroupRequest("g2"))
+        failed = _done(controller, "g2", GroupPhase.SERVING)
+        assert failed.phase is GroupPhase.FAILED and failed.reason.startswith("filling stopped: ")
+        assert "the experts cannot be placed: group g2 would need " in failed.reason, failed.reason
+        assert "B free in its budget; add a group or raise its budget first" in failed.reason
+        assert mesh.store.routing_table().replicas == before.replicas  # every pair served where it was
+        assert mesh.held("g2") == set()
+        controller.remove("g2")
+        removed = _done(controller, "g2", GroupPhase.STOPPED)
+        assert removed.phase is GroupPhase.STOPPED and launcher.stopped == ["g2"]
+        assert "g2" not in mesh.store.endpoints() and set(mesh.store.routing_table().groups()) == {"g0", "g1"}
+    finally:
+        controller.close()
+        runner.close()
+        for group in mesh.groups.values():
+            group.server.stop(0)
 
 
 def test_no_launcher_lists_but_refuses_changes(mesh):

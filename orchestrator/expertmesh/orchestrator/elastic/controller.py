@@ -207,7 +207,7 @@ class GroupController:
             GroupPhase.SERVING,
             bytes_moved=copied,
             finished_at=self._clock(),
-            reason=f"filled by {record.moves_done} moves ({copied / 2**20:.1f} MiB copied) in "
+            reason=f"filled by {record.moves_done} moves ({plan_mod.size(copied)} copied) in "
             f"{self._clock() - record.requested_at:.1f} s",
         )
         log.info("expert group %s: %s", name, self._records[name].reason)
@@ -238,7 +238,7 @@ class GroupController:
             GroupPhase.STOPPED,
             exit_code=code,
             finished_at=self._clock(),
-            reason=f"drained by {record.moves_done} moves ({copied / 2**20:.1f} MiB copied) and stopped "
+            reason=f"drained by {record.moves_done} moves ({plan_mod.size(copied)} copied) and stopped "
             f"(exit status {code}) {self._clock() - record.requested_at:.1f} s after the request"
             if code is not None
             else "removed (its process had not started)",

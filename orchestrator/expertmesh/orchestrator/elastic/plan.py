@@ -34,7 +34,7 @@ from expertmesh.orchestrator.placement.incremental import replan
 from expertmesh.orchestrator.placement.planner import PlanOptions
 from expertmesh.orchestrator.placement.stats import LoadStats
 
-__all__ = ["GroupPlan", "Step", "fits", "plan_change", "steps_for"]
+__all__ = ["GroupPlan", "Step", "fits", "plan_change", "size", "steps_for"]
 
 #: a layer the repair leaves within this balancedness of the full plan's is kept: fewer weights copied
 MIN_GAIN = 0.05
@@ -158,7 +158,15 @@ def fits(plan: GroupPlan, free_bytes: Mapping[str, int | None], expert_bytes: in
         free = free_bytes.get(group)
         if free is not None and gained[group] > free:
             return (
-                f"group {group} would need {gained[group] / 2**20:.1f} MiB more for expert weights and has "
-                f"{max(free, 0) / 2**20:.1f} MiB free in its budget"
+                f"group {group} would need {size(gained[group])} more for expert weights and has "
+                f"{size(max(free, 0))} free in its budget"
             )
     return None
+
+
+def size(n: int) -> str:
+    """Bytes for a person: ``size(3 << 20)`` is "3.0 MiB"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"

@@ -385,3 +385,24 @@ def test_the_admin_api_the_cli_and_the_kubectl_plugin(mesh, capsys):
     finally:
         channel.close()
         orchestrator.stop()
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (dict(island="nvl-1"), "--island and --node place a group on a Ray cluster or Kubernetes"),
+        (dict(node="w1"), "--island and --node place a group on a Ray cluster or Kubernetes"),
+        (dict(gpus=2), "one GPU at most, not 2"),
+        (dict(gpus=1), "this host has no CUDA GPU"),
+    ],
+)
+def test_the_embedded_platform_refuses_placements_it_cannot_make(request_, message):
+    import torch
+
+    from expertmesh.platform.group_processes import ProcessGroups
+
+    if request_.get("gpus") == 1 and torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    with pytest.raises(GroupChangeRefused, match=message):
+        ProcessGroups([]).check(**request_)
+    ProcessGroups([]).check()  # CPU, anywhere on this host: fine

@@ -107,6 +107,11 @@ class ProcessGroups:
             )
         if gpus > 1:
             raise GroupChangeRefused(f"a group process computes on one GPU at most, not {gpus}: use --gpus 1 or 0")
+        if gpus and not self._gpu:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise GroupChangeRefused("--gpus 1: this host has no CUDA GPU; leave --gpus out to compute on CPU")
 
     def start(self, name: str, gpus: int = 0, island: str = "", node: str = "") -> tuple[str, int]:
         """One more group, empty (``group serve --empty``): the orchestrator fills it by live moves."""

@@ -184,7 +184,7 @@ def test_a_group_the_placement_does_not_have_is_a_one_line_error(tiny_checkpoint
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "expertmesh group: error: the placement has no group 'g7'; its groups: g0, g1"
+        "expertmesh group: error: the placement has no group 'g7'; its groups: g0, g1 (--empty: start it holding none)"
     )
 
 

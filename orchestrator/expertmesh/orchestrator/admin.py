@@ -1,6 +1,7 @@
 """The orchestrator's admin gRPC service (``expertmesh.v1.Admin``): migrations on demand,
-drift scans (``orchestrator.drift``), and expert health (``orchestrator.health``: the
-listing, quarantine and release, answered by the ``HealthMonitor`` the caller passes in).
+drift scans (``orchestrator.drift``), expert health (``orchestrator.health``: the
+listing, quarantine and release, answered by the ``HealthMonitor`` the caller passes in),
+and expert groups added and removed live (``orchestrator.elastic``, through the platform's launcher).
 
 ``MigrationRunner`` runs submitted migrations in the background, at most
 ``max_concurrent`` at once, through the one ``MigrationExecutor`` every caller
@@ -34,6 +35,8 @@ from expertmesh.orchestrator.control_loop import ControlLoop, Manager
 from expertmesh.orchestrator.drift import api as drift_api
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.controller import DriftController, DriftRecord
+from expertmesh.orchestrator.elastic.controller import GroupController, GroupLauncher, GroupRequest
+from expertmesh.orchestrator.elastic.state import GroupRecord
 from expertmesh.orchestrator.health import api as health_api
 from expertmesh.orchestrator.health.monitor import HealthMonitor
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
@@ -92,6 +95,25 @@ def to_proto(m: Migration) -> pb.Migration:
             for h in m.history
         ],
         initiator=m.initiator,
+    )
+
+
+def group_to_proto(record: GroupRecord, experts: int = 0) -> pb.ExpertGroupStatus:
+    return pb.ExpertGroupStatus(
+        name=record.name,
+        phase=pb.GroupPhase.Value(f"GROUP_PHASE_{record.phase.name}"),
+        address=record.address,
+        pid=record.pid,
+        reason=record.reason,
+        experts=experts,
+        requested_at=record.requested_at,
+        registered_at=record.registered_at,
+        first_listed_at=record.first_listed_at,
+        finished_at=record.finished_at,
+        moves_planned=record.moves_planned,
+        moves_done=record.moves_done,
+        bytes_moved=record.bytes_moved,
+        exit_code=record.exit_code,
     )
 
 
@@ -188,8 +210,10 @@ class AdminServicer(pb_grpc.AdminServicer):
         drift: DriftController,
         health: HealthMonitor | None = None,
         max_watch_streams: int = MAX_WATCH_STREAMS,
+        groups: GroupController | None = None,
     ):
         self._runner = runner
+        self._groups = groups if groups is not None else GroupController(store, runner.submit, None)
         self._store = store
         self._poll = watch_poll_s
         self._drift = drift
@@ -276,6 +300,32 @@ class AdminServicer(pb_grpc.AdminServicer):
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReplicaHealthList:
         return health_api.to_proto(self._monitor().release(request.layer, request.expert, request.group or None))
 
+    def _group_status(self, record: GroupRecord) -> pb.ExpertGroupStatus:
+        table = self._store.routing_table()
+        experts = len(table.placement().groups.get(record.name, ())) if table is not None else 0
+        return group_to_proto(record, experts)
+
+    @guarded
+    def AddGroup(self, request: pb.AddGroupRequest, context) -> pb.ExpertGroupStatus:
+        record = self._groups.add(GroupRequest(request.name or None, request.gpus, request.island, request.node))
+        return self._group_status(record)
+
+    @guarded
+    def RemoveGroup(self, request: pb.RemoveGroupRequest, context) -> pb.ExpertGroupStatus:
+        return self._group_status(self._groups.remove(request.name))
+
+    @guarded
+    def GetGroup(self, request: pb.GetGroupRequest, context) -> pb.ExpertGroupStatus:
+        return self._group_status(self._groups.get(request.name))
+
+    @guarded
+    def ListGroups(self, request: pb.ListGroupsRequest, context) -> pb.ListGroupsResponse:
+        table = self._store.routing_table()
+        held = table.placement().groups if table is not None else {}
+        return pb.ListGroupsResponse(
+            groups=[group_to_proto(r, len(held.get(r.name, ()))) for r in self._groups.records()]
+        )
+
 
 @dataclass
 class Orchestrator:
@@ -286,12 +336,14 @@ class Orchestrator:
     drift: DriftController
     health: HealthMonitor | None
     loop: ControlLoop
+    groups: GroupController
 
     def stop(self) -> None:
-        """Stop the loop, then the admin API, then the migrations (those running finish first)."""
+        """Stop the loop, then the admin API, then group changes and the migrations (those running finish first)."""
         self.loop.stop()
         self.server.set_serving(False)
         self.server.stop()
+        self.groups.close()
         self.drift.close()
         if self.health is not None:
             self.health.close()
@@ -311,13 +363,15 @@ def start_orchestrator(
     managers: Sequence[Manager] = (),
     model_fingerprint: str = "",
     max_watch_streams: int = MAX_WATCH_STREAMS,
+    launcher: GroupLauncher | None = None,
 ) -> Orchestrator:
     """The admin gRPC server with the Admin service, its runner resuming half-done migrations, and
     the control loop stepping ``managers`` plus the drift controller (``drift``, default the
     environment's ``EXPERTMESH_DRIFT_*``) and the health monitor when they are enabled. ``health``
     also answers the health RPCs (without it they are FAILED_PRECONDITION).
     ``on_drift_decision``: called with each drift decision (cluster mode: ``kube.drift_objects``).
-    ``model_fingerprint``: the deployment's checkpoint's; migrations place no expert on a group of another."""
+    ``model_fingerprint``: the deployment's checkpoint's; migrations place no expert on a group of another.
+    ``launcher``: starts and stops groups for AddGroup / RemoveGroup (None: they are refused)."""
     executor = MigrationExecutor(store, drain_timeout_s=drain_timeout_s, model_fingerprint=model_fingerprint)
     runner = MigrationRunner(store, executor, max_concurrent)
     controller = DriftController(
@@ -326,7 +380,10 @@ def start_orchestrator(
     if not 0 < max_watch_streams < ADMIN_WORKERS:
         raise ValueError(f"max_watch_streams must be between 1 and {ADMIN_WORKERS - 1}, got {max_watch_streams}")
     server = GrpcServer("admin", host, port, workers=ADMIN_WORKERS)
-    servicer = AdminServicer(runner, store, drift=controller, health=health, max_watch_streams=max_watch_streams)
+    groups = GroupController(store, runner.submit, launcher)
+    servicer = AdminServicer(
+        runner, store, drift=controller, health=health, max_watch_streams=max_watch_streams, groups=groups
+    )
     pb_grpc.add_AdminServicer_to_server(servicer, server.server)
     server.start((SERVICE_NAME,))
     runner.resume()
@@ -335,4 +392,4 @@ def start_orchestrator(
         steps.append(Manager("drift", controller.config.scan_interval_s, controller.update))
     if health is not None and health.config.enabled:
         steps.append(Manager("health", health.config.interval_s, health.update))
-    return Orchestrator(server, runner, controller, health, ControlLoop(steps).start())
+    return Orchestrator(server, runner, controller, health, ControlLoop(steps).start(), groups)

@@ -75,25 +75,10 @@ def started(config: DataPlaneConfig, groups_as: str, bench: str) -> Iterator[Dat
 def _group_processes(config: DataPlaneConfig, bench: str):
     """``expertmesh group serve`` processes for the contiguous split, and an in-process store that lists
     them and their routing table (as ``DataPlane.start`` publishes it): neither Ray nor Redis."""
-    import torch
-
-    from expertmesh.contracts import group_map as placement_mod
-    from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
-    from expertmesh.models.checkpoint import Checkpoint
-    from expertmesh.platform.group_processes import start_groups
+    from expertmesh.platform.group_processes import start_process_groups
     from expertmesh.store import open_store
 
-    spec = Checkpoint(config.model).spec
-    placement = placement_mod.contiguous(spec, config.groups)
-    args = ["--model", str(config.model), "--groups", str(config.groups), "--dtype", config.dtype]
-    if torch.device(config.router_device).type == "cuda":  # the groups compute beside the router, on its GPU
-        args.append("--gpu")
     progress(f"bench {bench}: starting {config.groups} expert groups as plain processes (expertmesh group serve)")
-    groups = start_groups(sorted(placement.groups), args)
     store = open_store("memory://")
-    for name, group in groups.items():
-        store.set_endpoint(name, group.address)
-    store.publish_routing_table(
-        RoutingTable.from_placement(placement, spec.num_experts, version=1, model=ModelIdentity.of(spec))
-    )
-    return groups, store
+    groups = start_process_groups(config.model_copy(update={"state_url": "memory://", "placement": None}), store)
+    return groups.groups, store

@@ -13,6 +13,11 @@ first (``kubectl port-forward svc/<release>-expertmesh-redis 6379``) and pass
 ``--state-url rediss://localhost:6379/0`` (or set ``EXPERTMESH_STATE_URL``; the Redis user,
 password file and CA come from ``EXPERTMESH_REDIS_*`` as everywhere: ``RedisAuthConfig``).
 
+``groups list|add|remove`` are ``expertmesh groups`` through the orchestrator's admin API
+(port-forward it: ``kubectl port-forward svc/<release>-expertmesh-orchestrator 50052``). An
+orchestrator that cannot start groups (Kubernetes, until the chart's ExpertGroup knob) lists
+them and refuses add and remove with FAILED_PRECONDITION.
+
 Exit codes as ``expertmesh``: 0 done, 1 a migration that ended Failed (or did not
 end within ``--timeout``) with ``--wait``, 2 bad input or an unreachable API (one line).
 """
@@ -65,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--layer", type=int, help="only this MoE layer")
     e.add_argument("-o", "--output", choices=["table", "json"], default="table")
     e.set_defaults(run=run_experts)
+
+    from expertmesh.cli import group as group_cli  # the same subcommands as `expertmesh groups`
+
+    g = commands.add_parser("groups", help="expert groups: list them, add or remove one live (admin API)")
+    group_cli.add_elastic_commands(g.add_subparsers(dest="group_command", required=True, metavar="COMMAND"))
     return parser
 
 

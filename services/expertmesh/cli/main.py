@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         argcomplete.autocomplete(parser)  # returns at once unless the shell is asking for completions
     args = parser.parse_args(argv)
-    server = args.command in SERVER_COMMANDS
+    server = args.command in SERVER_COMMANDS and getattr(args, "group_command", "serve") == "serve"
     log_format = args.log_format or os.environ.get("EXPERTMESH_LOG_FORMAT") or ("json" if server else "text")
     configure_logging(log_format, args.verbose, server)
     set_quiet(args.quiet)

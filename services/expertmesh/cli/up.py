@@ -39,6 +39,14 @@ def add_command(commands) -> None:
         help="--router-only: seconds to wait for a routing table (default: %(default)s)",
     )
     parser.add_argument(
+        "--groups-as",
+        choices=("ray", "process"),
+        default="ray",
+        help="expert groups as Ray Serve deployments, or as plain `expertmesh group serve` processes on this host "
+        "(no Ray; with --orchestrator, groups can be added and removed live: `expertmesh groups add`) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--orchestrator",
         action="store_true",
         help="also run the orchestrator's admin API in this process (live migrations: `expertmesh migrate`) "
@@ -97,10 +105,15 @@ def _main(args: argparse.Namespace) -> int:
     )
     if telemetry.prometheus_port is not None:
         progress(f"Prometheus metrics on :{telemetry.prometheus_port}/metrics")
+    processes = None
     if args.router_only:
         if data_config.state_url.startswith("memory://"):
             raise InputError("--router-only needs a shared --state-url (redis://host:port/db) with a routing table")
+        if args.groups_as == "process":
+            raise InputError("--router-only starts no groups: leave --groups-as out")
         plane = DataPlane.attach(data_config, wait_s=args.wait_for_table)
+    elif args.groups_as == "process":
+        plane, processes = _process_plane(data_config)
     else:
         plane = DataPlane.start(data_config)
     _set_router_threads(data_config, plane, local_groups=not (args.router_only or data_config.ray_address))
@@ -123,6 +136,7 @@ def _main(args: argparse.Namespace) -> int:
                 health=monitor,
                 managers=_table_keeper(plane, monitor),
                 model_fingerprint=plane.checkpoint.spec.fingerprint,
+                launcher=processes,  # groups added and removed live: as processes like those started here
             )
             progress(f"orchestrator admin gRPC on {serving_config.host}:{orchestrator.server.port}")
         apis = start_apis(plane, serving_config)
@@ -142,10 +156,39 @@ def _main(args: argparse.Namespace) -> int:
     finally:
         if orchestrator is not None:
             orchestrator.stop()
-        progress("stopping expert groups and Ray")
-        plane.close()
+        if processes is None:
+            progress("stopping expert groups and Ray")
+            plane.close()
+        else:
+            progress("stopping the expert group processes")
+            plane.close()
+            processes.stop_all()
         telemetry.shutdown()
     return 0
+
+
+def _process_plane(config):
+    """The router over ``config.groups`` plain group processes (``platform.group_processes``), no Ray: the
+    plane and the processes (the orchestrator's launcher). The store is the config's (in-process by default)."""
+    from expertmesh.infra.console import progress
+    from expertmesh.platform.data_plane import DataPlane
+    from expertmesh.platform.group_processes import start_process_groups
+    from expertmesh.store import open_store
+
+    store = open_store(config.state_url, config.deployment)
+    progress("starting the expert groups as processes (expertmesh group serve)")
+    try:
+        processes = start_process_groups(config, store)
+    except BaseException:
+        store.close()
+        raise
+    try:
+        plane = DataPlane.attach(config, store=store)
+    except BaseException:
+        processes.stop_all()
+        raise
+    progress("data plane ready: " + ", ".join(f"{g}@{a}" for g, (a, _) in sorted(processes.running().items())))
+    return plane, processes
 
 
 def _set_router_threads(config, plane, local_groups: bool) -> None:

@@ -98,6 +98,15 @@ class MigrationRefused(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION
     """A migration cannot start or go on as asked: the expert, a group or the routing table does not allow it."""
 
 
+class GroupChangeRefused(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
+    """An expert group cannot be added or removed now: the last group, experts that fit nowhere else, a change
+    in flight, or a platform that cannot start groups."""
+
+
+class GroupNotFound(ExpertMeshError, code=grpc.StatusCode.NOT_FOUND):
+    """No expert group of that name is known to the orchestrator."""
+
+
 class QuarantineRefused(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """A quarantine or release cannot be done as asked: the expert, the group or its state does not allow it."""
 

@@ -1,5 +1,7 @@
 """Expert groups as child processes of this one (``expertmesh group serve``), for callers
-that want them without Ray: the dispatch benchmark (``--groups-as process``) and tests."""
+that want them without Ray: ``expertmesh up --groups-as process``, the benchmarks
+(``--groups-as process``) and tests. ``ProcessGroups`` is also the orchestrator's
+launcher there (``orchestrator.elastic``): it starts a new group empty and stops one."""
 
 from __future__ import annotations
 
@@ -9,9 +11,14 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from expertmesh.contracts.errors import GroupUnavailable
+from expertmesh.contracts.errors import GroupChangeRefused, GroupUnavailable
 from expertmesh.expert_group.runtime import BANNER
+
+if TYPE_CHECKING:
+    from expertmesh.config.settings import DataPlaneConfig
+    from expertmesh.store import StateStore
 
 
 @dataclass
@@ -65,5 +72,101 @@ def start_groups(names: list[str], args: list[str], env: dict[str, str] | None =
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        raise
+    return groups
+
+
+class ProcessGroups:
+    """The group processes of one platform, started with the same ``group serve`` arguments; the launcher
+    ``orchestrator.elastic`` adds and removes groups through (``running``, ``start``, ``stop``)."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, gpu: bool = False):
+        self._args = args
+        self._env = env
+        self._gpu = gpu
+        self._lock = threading.Lock()
+        self.groups: dict[str, GroupProcess] = {}
+
+    def start_all(self, names: list[str]) -> dict[str, GroupProcess]:
+        """The platform's first groups, each with its share of the placement."""
+        started = start_groups(names, [*self._args, *(["--gpu"] if self._gpu else [])], self._env)
+        with self._lock:
+            self.groups.update(started)
+        return started
+
+    def running(self) -> dict[str, tuple[str, int]]:
+        with self._lock:
+            return {n: (g.address, g.proc.pid) for n, g in self.groups.items() if g.proc.poll() is None}
+
+    def check(self, gpus: int = 0, island: str = "", node: str = "") -> None:
+        """Refuse what a group process on this host cannot be (GroupChangeRefused)."""
+        if island or node:
+            raise GroupChangeRefused(
+                "--island and --node place a group on a Ray cluster or Kubernetes; the embedded platform runs "
+                "its groups as processes on this host: leave them out"
+            )
+        if gpus > 1:
+            raise GroupChangeRefused(f"a group process computes on one GPU at most, not {gpus}: use --gpus 1 or 0")
+        if gpus and not self._gpu:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise GroupChangeRefused("--gpus 1: this host has no CUDA GPU; leave --gpus out to compute on CPU")
+
+    def start(self, name: str, gpus: int = 0, island: str = "", node: str = "") -> tuple[str, int]:
+        """One more group, empty (``group serve --empty``): the orchestrator fills it by live moves."""
+        self.check(gpus, island, node)
+        args = [*self._args, "--empty", *(["--gpu"] if gpus or self._gpu else [])]
+        group = start_groups([name], args, self._env)[name]
+        with self._lock:
+            self.groups[name] = group
+        return group.address, group.proc.pid
+
+    def stop(self, name: str) -> int:
+        with self._lock:
+            group = self.groups.pop(name, None)
+        if group is None:
+            raise GroupUnavailable(f"no group process {name!r} runs here")
+        return group.stop()
+
+    def stop_all(self) -> None:
+        with self._lock:
+            groups, self.groups = self.groups, {}
+        for group in groups.values():
+            group.stop()
+
+
+def start_process_groups(config: "DataPlaneConfig", store: "StateStore") -> ProcessGroups:
+    """``config.groups`` ``expertmesh group serve`` processes for the contiguous split of the model's experts,
+    their endpoints and first routing table in ``store`` (as ``DataPlane.start`` publishes them for Ray Serve
+    groups). With a shared store the groups also register themselves there."""
+    from expertmesh.contracts import group_map as placement_mod
+    from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
+    from expertmesh.infra.devices import router_device
+    from expertmesh.models.checkpoint import Checkpoint
+
+    spec = Checkpoint(config.model).spec
+    if config.placement is not None:
+        placement = placement_mod.load(config.placement, spec)
+    else:
+        placement = placement_mod.contiguous(spec, config.groups)
+    placement_mod.validate(placement, spec)
+    args = ["--model", str(config.model), "--dtype", config.dtype]
+    args += ["--placement", str(config.placement)] if config.placement is not None else ["--groups", str(config.groups)]
+    if not config.state_url.startswith("memory://"):
+        args += ["--state-url", config.state_url, "--deployment", store.namespace.removeprefix("expertmesh:")]
+    gpu = router_device(config.router_device).type == "cuda"  # the groups compute beside the router, on its GPU
+    groups = ProcessGroups(args, gpu=gpu)
+    groups.start_all(sorted(placement.groups))
+    try:
+        for name, group in groups.groups.items():
+            store.set_endpoint(name, group.address)
+        table = RoutingTable.from_placement(
+            placement, spec.num_experts, version=store.routing_table_version() + 1, model=ModelIdentity.of(spec)
+        )
+        if not store.publish_routing_table(table):
+            raise RuntimeError("another writer changed the routing table while the groups started; retry")
+    except BaseException:
+        groups.stop_all()
         raise
     return groups

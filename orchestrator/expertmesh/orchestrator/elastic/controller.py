@@ -1,0 +1,308 @@
+"""Adds and removes expert groups: the I/O around ``state`` and ``plan``.
+
+``GroupController.add`` checks the request, starts the group through the platform's
+``GroupLauncher`` (empty; it registers), plans the moves that fill it and runs them through
+the ``MigrationRunner`` every other mover uses (each one make before break). ``remove``
+checks that its experts fit elsewhere, runs the moves that drain it, makes sure no routing
+table names it any more, then has the launcher stop its process. One change at a time; each
+runs in a thread of its own and its record (``GroupRecord``) says where it stands.
+
+Records live in this process (a restarted orchestrator knows the groups from the store's
+endpoints, as SERVING, and any half-done migration is resumed by the runner as usual).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from expertmesh.contracts.errors import ExpertMeshError, GroupChangeRefused, GroupNotFound
+from expertmesh.orchestrator.drift.observe import Observer
+from expertmesh.orchestrator.elastic import plan as plan_mod
+from expertmesh.orchestrator.elastic.state import GroupPhase, GroupRecord, checked_add, checked_remove
+from expertmesh.orchestrator.migration.state import Migration, MigrationMode, Phase, load
+from expertmesh.store import StateStore
+
+__all__ = ["GroupController", "GroupLauncher", "GroupRequest"]
+
+log = logging.getLogger(__name__)
+
+#: migration phases at which a router may already send the target tokens (its make edit is published)
+_LISTED = (Phase.CONFIRMING, Phase.RETIRING, Phase.DRAINING, Phase.UNLOADING, Phase.SUCCEEDED)
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    name: str | None = None
+    gpus: int = 0
+    island: str = ""
+    node: str = ""
+
+
+class GroupLauncher(Protocol):
+    """Starts and stops expert groups on one platform (the embedded one: ``platform.group_processes``)."""
+
+    def running(self) -> dict[str, tuple[str, int]]:
+        """name -> (address, pid) of every group it runs now."""
+        ...
+
+    def check(self, gpus: int, island: str, node: str) -> None:
+        """Raise GroupChangeRefused for a placement this platform cannot make (before anything starts)."""
+        ...
+
+    def start(self, name: str, gpus: int, island: str, node: str) -> tuple[str, int]:
+        """Start an empty group ``name``; returns (address, pid) once it serves. Raises an ExpertMeshError
+        with a line a person can act on."""
+        ...
+
+    def stop(self, name: str) -> int:
+        """Stop group ``name`` gracefully; its exit status."""
+        ...
+
+
+class _Failed(Exception):
+    """A change's moves cannot all finish; the message says which and why."""
+
+
+class GroupController:
+    def __init__(
+        self,
+        store: StateStore,
+        submit: Callable[..., Migration],
+        launcher: GroupLauncher | None,
+        *,
+        clock: Callable[[], float] = time.time,
+        poll_s: float = 0.1,
+    ):
+        """``submit``: ``MigrationRunner.submit``. ``launcher``: None where this orchestrator cannot start groups
+        (it then lists them, and refuses adds and removes)."""
+        self._store = store
+        self._submit = submit
+        self._launcher = launcher
+        self._clock = clock
+        self._poll_s = poll_s
+        self._lock = threading.Lock()
+        self._records: dict[str, GroupRecord] = {}
+        self._threads: list[threading.Thread] = []
+        self._closing = threading.Event()
+        self._observer = Observer(store)
+        for name, (address, pid) in (launcher.running() if launcher else {}).items():
+            self._records[name] = GroupRecord(name, GroupPhase.SERVING, address=address, pid=pid)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def records(self) -> list[GroupRecord]:
+        """Every group known: those this controller tracks, and any other the store lists (as SERVING)."""
+        endpoints = self._store.endpoints()
+        with self._lock:
+            for name, address in endpoints.items():
+                if name not in self._records:
+                    self._records[name] = GroupRecord(name, GroupPhase.SERVING, address=address)
+            return sorted(self._records.values(), key=lambda r: r.name)
+
+    def get(self, name: str) -> GroupRecord:
+        for record in self.records():
+            if record.name == name:
+                return record
+        raise GroupNotFound(f"no expert group {name!r}; the groups: {', '.join(r.name for r in self.records())}")
+
+    # -- changes ------------------------------------------------------------------------------
+
+    def _need_launcher(self) -> GroupLauncher:
+        if self._launcher is None:
+            raise GroupChangeRefused(
+                "this orchestrator cannot start or stop expert groups: run the platform with "
+                "`expertmesh up --orchestrator --groups-as process` (Ray Serve and Kubernetes groups: not yet)"
+            )
+        return self._launcher
+
+    def add(self, request: GroupRequest) -> GroupRecord:
+        """Check, record STARTING and start the change in the background; its record now."""
+        self._need_launcher().check(request.gpus, request.island, request.node)
+        self.records()  # the store's groups known first: a name it lists is taken
+        with self._lock:
+            name = checked_add(request.name, self._records, self._store.endpoints())
+            record = GroupRecord(name, GroupPhase.STARTING, requested_at=self._clock())
+            self._records[name] = record
+        self._spawn(f"add-{name}", lambda: self._run_add(name, request))
+        return record
+
+    def remove(self, name: str) -> GroupRecord:
+        """Check (the experts must fit elsewhere), plan, record DRAINING and drain in the background."""
+        self._need_launcher()
+        self.records()
+        with self._lock:
+            record = checked_remove(name, self._records, self._store.routing_table())
+            # planned inside the lock: a second change cannot start between the check and DRAINING
+            change = self._planned(groups_after=lambda groups: sorted(groups - {name}))
+            record = record.entering(
+                GroupPhase.DRAINING,
+                requested_at=self._clock(),
+                reason="",
+                moves_planned=change.moves,
+                moves_done=0,
+                registered_at=0.0,
+                first_listed_at=0.0,
+                finished_at=0.0,
+            )
+            self._records[name] = record
+        self._spawn(f"remove-{name}", lambda: self._run_remove(name, change))
+        return record
+
+    def _planned(self, groups_after: Callable[[set[str]], list[str]]) -> plan_mod.GroupPlan:
+        """The plan over the groups ``groups_after`` makes of the table's (and every registered one's),
+        refused when it does not fit the groups' memory budgets."""
+        seen = self._observer.observe()
+        groups = set(seen.table.groups()) | {
+            r.name for r in self._records.values() if r.phase in (GroupPhase.SERVING, GroupPhase.FILLING)
+        }
+        expert_bytes = max((g.expert_bytes for g in seen.groups), default=0)
+        top_k = seen.top_k or 1
+        change = plan_mod.plan_change(seen.table, seen.loads, groups_after(groups), top_k, expert_bytes)
+        free = {g.group: (g.budget_bytes - g.weight_bytes if g.budget_bytes else None) for g in seen.groups}
+        why = plan_mod.fits(change, free, expert_bytes)
+        if why is not None:
+            raise GroupChangeRefused(f"the experts cannot be placed: {why}; add a group or raise its budget first")
+        return change
+
+    def _spawn(self, what: str, work: Callable[[], None]) -> None:
+        thread = threading.Thread(target=work, name=f"expertmesh-group-{what}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _update(self, name: str, phase: GroupPhase | None = None, **changes) -> GroupRecord:
+        with self._lock:
+            record = self._records[name]
+            record = record.entering(phase, **changes) if phase is not None else replace(record, **changes)
+            self._records[name] = record
+            return record
+
+    def _run_add(self, name: str, request: GroupRequest) -> None:
+        try:
+            address, pid = self._need_launcher().start(name, request.gpus, request.island, request.node)
+        except Exception as err:  # ExpertMeshError: the launcher's words; anything else: a bug, still reported
+            log.warning("expert group %s did not start: %s", name, err)
+            self._update(name, GroupPhase.FAILED, reason=f"did not start: {err}", finished_at=self._clock())
+            return
+        self._store.set_endpoint(name, address)  # it registers itself with a shared store too; same write
+        self._update(name, GroupPhase.FILLING, address=address, pid=pid, registered_at=self._clock())
+        try:
+            with self._lock:
+                change = self._planned(groups_after=lambda groups: sorted(groups | {name}))
+            self._update(name, moves_planned=change.moves)
+            copied = self._run_steps(name, change)
+        except Exception as err:  # a bug too must not leave the group FILLING, which would block every change
+            if not isinstance(err, (_Failed, ExpertMeshError, ConnectionError)):
+                log.exception("filling expert group %s", name)
+            record = self._update(name, GroupPhase.FAILED, reason=f"filling stopped: {err}", finished_at=self._clock())
+            log.warning("expert group %s: %s (it keeps serving what it holds)", name, record.reason)
+            return
+        record = self._records[name]
+        self._update(
+            name,
+            GroupPhase.SERVING,
+            bytes_moved=copied,
+            finished_at=self._clock(),
+            reason=f"filled by {record.moves_done} moves ({plan_mod.size(copied)} copied) in "
+            f"{self._clock() - record.requested_at:.1f} s",
+        )
+        log.info("expert group %s: %s", name, self._records[name].reason)
+
+    def _run_remove(self, name: str, change: plan_mod.GroupPlan) -> None:
+        try:
+            copied = self._run_steps(name, change)
+            table = self._store.routing_table()
+            if table is not None and name in table.groups():
+                raise _Failed(f"routing table v{table.version} still lists it (another mover put experts there)")
+        except Exception as err:  # as in _run_add
+            if not isinstance(err, (_Failed, ExpertMeshError, ConnectionError)):
+                log.exception("draining expert group %s", name)
+            record = self._update(name, GroupPhase.FAILED, reason=f"draining stopped: {err}", finished_at=self._clock())
+            log.warning("expert group %s: %s (it keeps running; remove it again to retry)", name, record.reason)
+            return
+        self._update(name, registered_at=self._clock(), bytes_moved=copied)
+        launcher = self._need_launcher()
+        try:
+            code = launcher.stop(name) if name in launcher.running() else None  # None: it never started
+        except Exception as err:
+            self._update(name, GroupPhase.FAILED, reason=f"drained, but its process did not stop: {err}")
+            return
+        self._store.remove_endpoint(name)  # after the stop: a group registering itself again would undo it
+        record = self._records[name]
+        self._update(
+            name,
+            GroupPhase.STOPPED,
+            exit_code=code,
+            finished_at=self._clock(),
+            reason=f"drained by {record.moves_done} moves ({plan_mod.size(copied)} copied) and stopped "
+            f"(exit status {code}) {self._clock() - record.requested_at:.1f} s after the request"
+            if code is not None
+            else "removed (its process had not started)",
+        )
+        log.info("expert group %s: %s", name, self._records[name].reason)
+
+    def _run_steps(self, name: str, change: plan_mod.GroupPlan) -> int:
+        """Run the plan's migrations, each pair's in order, the pairs side by side (the runner bounds how many
+        run at once); stop submitting at the first that does not succeed. Returns the bytes copied."""
+        queues = [list(steps) for steps in change.steps]
+        active: dict[str, int] = {}  # migration id -> its pair's queue
+        failure: str | None = None
+        copied = 0
+        while True:
+            if failure is None:
+                for q, steps in enumerate(queues):
+                    if not steps or q in active.values():
+                        continue
+                    step = steps.pop(0)
+                    try:
+                        migration = self._submit(
+                            step.layer,
+                            step.expert,
+                            target=step.target,
+                            source=step.source,
+                            mode=step.mode,
+                            initiator=f"group:{name}",
+                        )
+                    except ExpertMeshError as err:
+                        failure = f"layer {step.layer} expert {step.expert}: {err}"
+                        break
+                    active[migration.id] = q
+            if not active and (failure is not None or not any(queues)):
+                break
+            if self._closing.wait(self._poll_s):
+                raise _Failed("the orchestrator is stopping")
+            for migration_id in list(active):
+                migration = load(self._store, migration_id)
+                self._note_listed(name, migration)
+                if not migration.phase.terminal:
+                    continue
+                del active[migration_id]
+                copied += migration.bytes_loaded
+                if migration.phase is Phase.SUCCEEDED:
+                    self._update(name, moves_done=self._records[name].moves_done + 1)
+                elif failure is None:
+                    failure = f"{migration.describe()} ended {migration.phase}: {migration.reason}"
+        if failure is not None:
+            raise _Failed(failure)
+        return copied
+
+    def _note_listed(self, name: str, migration: Migration) -> None:
+        record = self._records[name]
+        if (
+            not record.first_listed_at
+            and migration.target == name
+            and migration.mode is not MigrationMode.EVICT
+            and migration.phase in _LISTED
+        ):
+            self._update(name, first_listed_at=self._clock())
+
+    def close(self) -> None:
+        """Stop the changes under way at their next poll (their migrations finish in the runner)."""
+        self._closing.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        self._observer.close()

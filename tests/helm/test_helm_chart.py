@@ -457,6 +457,7 @@ def test_external_redis_tls_password_from_secret(render):
 
 def test_loop_and_routing_values_render_into_the_settings_the_code_reads(helm, monkeypatch, tmp_path):
     from expertmesh.config.settings import DataPlaneConfig, ServingConfig
+    from expertmesh.orchestrator.capacity.config import CapacityConfig
     from expertmesh.orchestrator.drift.config import DriftConfig
     from expertmesh.orchestrator.health.config import HealthConfig
 
@@ -474,6 +475,10 @@ def test_loop_and_routing_values_render_into_the_settings_the_code_reads(helm, m
         "orchestrator.healthMonitor.enabled=true",
         "--set",
         "orchestrator.healthMonitor.settings.kl_suspect=0.02",
+        "--set",
+        "orchestrator.capacity.enabled=true",
+        "--set",
+        "orchestrator.capacity.settings.replicate_below=0.8",
         "--set",
         "router.routingPolicy=restrict+delta_gap",
         "--set",
@@ -495,6 +500,8 @@ def test_loop_and_routing_values_render_into_the_settings_the_code_reads(helm, m
     drift, health = DriftConfig(), HealthConfig()  # what the orchestrator reads from that environment
     assert (drift.enabled, drift.scan_interval_s, drift.dry_run) == (True, 120.0, True)
     assert (health.enabled, health.kl_suspect) == (True, 0.02)
+    capacity = CapacityConfig()
+    assert (capacity.enabled, capacity.replicate_below) == (True, 0.8)
     assert ServingConfig().routing_policy == "restrict+delta_gap"
     assert DataPlaneConfig(model="/m").hidden_sample_tokens == 256
     assert env["EXPERTMESH_PROFILES"] == "/etc/expertmesh/profiles/profiles.json"
@@ -510,6 +517,7 @@ def test_loop_and_routing_values_render_into_the_settings_the_code_reads(helm, m
     assert (
         default_env["EXPERTMESH_DRIFT_ENABLED"]["value"] == "false"
         and default_env["EXPERTMESH_HEALTH_ENABLED"]["value"] == "false"
+        and default_env["EXPERTMESH_CAPACITY_ENABLED"]["value"] == "false"
     )
 
 
@@ -576,11 +584,12 @@ def test_the_anomaly_action_renders_into_the_serving_config(helm, monkeypatch, t
 
 
 def test_loop_settings_are_the_config_fields_and_nothing_else(helm):
+    from expertmesh.orchestrator.capacity.config import CapacityConfig
     from expertmesh.orchestrator.drift.config import DriftConfig
     from expertmesh.orchestrator.health.config import HealthConfig
 
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["orchestrator"]["properties"]
-    for key, cls in (("drift", DriftConfig), ("healthMonitor", HealthConfig)):
+    for key, cls in (("drift", DriftConfig), ("healthMonitor", HealthConfig), ("capacity", CapacityConfig)):
         names = schema[key]["properties"]["settings"]["propertyNames"]["enum"]
         assert set(names) == set(cls.model_fields) - {"enabled"}, key
     bad = helm(*template_args(None), "--set", "orchestrator.drift.settings.scan_every=5")

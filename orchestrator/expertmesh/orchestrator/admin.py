@@ -31,6 +31,8 @@ import grpc
 
 from expertmesh.contracts.errors import QuarantineRefused
 from expertmesh.infra.grpc_server import GrpcServer, guarded
+from expertmesh.orchestrator.capacity.config import CapacityConfig
+from expertmesh.orchestrator.capacity.controller import CapacityController
 from expertmesh.orchestrator.control_loop import ControlLoop, Manager
 from expertmesh.orchestrator.drift import api as drift_api
 from expertmesh.orchestrator.drift.config import DriftConfig
@@ -337,6 +339,7 @@ class Orchestrator:
     health: HealthMonitor | None
     loop: ControlLoop
     groups: GroupController
+    capacity: CapacityController | None = None
 
     def stop(self) -> None:
         """Stop the loop, then the admin API, then group changes and the migrations (those running finish first)."""
@@ -345,6 +348,8 @@ class Orchestrator:
         self.server.stop()
         self.groups.close()
         self.drift.close()
+        if self.capacity is not None:
+            self.capacity.close()
         if self.health is not None:
             self.health.close()
         self.runner.close()
@@ -359,6 +364,7 @@ def start_orchestrator(
     drain_timeout_s: float = 60.0,
     drift: DriftConfig | None = None,
     health: HealthMonitor | None = None,
+    capacity: CapacityConfig | None = None,
     on_drift_decision: Callable[[DriftRecord], None] | None = None,
     managers: Sequence[Manager] = (),
     model_fingerprint: str = "",
@@ -371,7 +377,9 @@ def start_orchestrator(
     also answers the health RPCs (without it they are FAILED_PRECONDITION).
     ``on_drift_decision``: called with each drift decision (cluster mode: ``kube.drift_objects``).
     ``model_fingerprint``: the deployment's checkpoint's; migrations place no expert on a group of another.
-    ``launcher``: starts and stops groups for AddGroup / RemoveGroup (None: they are refused)."""
+    ``launcher``: starts and stops groups for AddGroup / RemoveGroup (None: they are refused).
+    ``capacity``: the capacity controller's settings (default the environment's ``EXPERTMESH_CAPACITY_*``; off
+    unless enabled); its group advice goes to the groups above where a launcher can start them."""
     executor = MigrationExecutor(store, drain_timeout_s=drain_timeout_s, model_fingerprint=model_fingerprint)
     runner = MigrationRunner(store, executor, max_concurrent)
     controller = DriftController(
@@ -392,4 +400,15 @@ def start_orchestrator(
         steps.append(Manager("drift", controller.config.scan_interval_s, controller.update))
     if health is not None and health.config.enabled:
         steps.append(Manager("health", health.config.interval_s, health.update))
-    return Orchestrator(server, runner, controller, health, ControlLoop(steps).start(), groups)
+    capacity = capacity if capacity is not None else CapacityConfig()
+    sizer = None
+    if capacity.enabled:
+        sizer = CapacityController(
+            store,
+            runner.submit,
+            capacity,
+            add_group=(lambda: groups.add(GroupRequest()).name) if launcher is not None else None,
+            remove_group=(lambda name: groups.remove(name).name) if launcher is not None else None,
+        )
+        steps.append(Manager("capacity", capacity.scan_interval_s, sizer.update))
+    return Orchestrator(server, runner, controller, health, ControlLoop(steps).start(), groups, sizer)

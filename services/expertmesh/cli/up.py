@@ -59,6 +59,7 @@ def add_command(commands) -> None:
         help="--orchestrator: admin gRPC port, 0 picks one (default: %(default)s)",
     )
     try:
+        from expertmesh.orchestrator.capacity.config import add_capacity_argument
         from expertmesh.orchestrator.drift.config import add_drift_argument
         from expertmesh.orchestrator.health.config import add_health_argument
     except ImportError:  # a data-plane-only install has no orchestrator
@@ -66,6 +67,7 @@ def add_command(commands) -> None:
     else:
         add_drift_argument(parser)
         add_health_argument(parser)
+        add_capacity_argument(parser)
     parser.set_defaults(run=_main)
 
 
@@ -83,13 +85,17 @@ def _main(args: argparse.Namespace) -> int:
         read_profiles_file(serving_config.profiles)  # likewise a bad profiles file (its fit to the model: at start)
     data_config = data_plane_config(args)
     if args.orchestrator:
+        from expertmesh.orchestrator.capacity.config import capacity_config
         from expertmesh.orchestrator.drift.config import drift_config
         from expertmesh.orchestrator.health.config import health_config
 
         drift = drift_config(args)  # a bad EXPERTMESH_DRIFT_* setting fails here, before anything starts
         health_settings = health_config(args)  # likewise EXPERTMESH_HEALTH_*
+        capacity = capacity_config(args)  # and EXPERTMESH_CAPACITY_*
     elif getattr(args, "drift", None):
         raise InputError("--drift runs in the orchestrator: add --orchestrator")
+    elif getattr(args, "capacity", None):
+        raise InputError("--capacity runs in the orchestrator: add --orchestrator")
     elif getattr(args, "health_monitor", None):
         raise InputError("--health-monitor runs in the orchestrator: add --orchestrator")
 
@@ -134,6 +140,7 @@ def _main(args: argparse.Namespace) -> int:
                 args.admin_port,
                 drift=drift,
                 health=monitor,
+                capacity=capacity,
                 managers=_table_keeper(plane, monitor),
                 model_fingerprint=plane.checkpoint.spec.fingerprint,
                 launcher=processes,  # groups added and removed live: as processes like those started here

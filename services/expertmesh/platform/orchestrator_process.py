@@ -21,6 +21,7 @@ import threading
 from expertmesh.config.settings import DataPlaneConfig, add_config_argument, add_setting_flag
 from expertmesh.contracts.errors import InputError
 from expertmesh.models.resolve import data_plane_config
+from expertmesh.orchestrator.capacity.config import add_capacity_argument, capacity_config
 from expertmesh.orchestrator.drift.config import add_drift_argument, drift_config
 from expertmesh.orchestrator.health.config import add_health_argument, health_config
 
@@ -47,6 +48,7 @@ def add_command(commands) -> None:
     p.add_argument("--interval", type=float, default=5.0, help="seconds between reconcile rounds")
     add_migration_arguments(p)
     add_drift_argument(p)
+    add_capacity_argument(p)
     add_health_argument(p)
     add_kube_arguments(p)
     p.set_defaults(run=run)
@@ -114,6 +116,7 @@ def run(args) -> int:
     checkpoint = Checkpoint(config.model)
     spec = checkpoint.spec
     drift_settings = drift_config(args)  # a bad EXPERTMESH_DRIFT_* setting fails here, before anything starts
+    capacity_settings = capacity_config(args)  # likewise EXPERTMESH_CAPACITY_*
     health_settings = health_config(args)  # likewise EXPERTMESH_HEALTH_*
     connection = kube_connection(args)
     store = open_store(config.state_url, config.deployment)
@@ -146,6 +149,7 @@ def run(args) -> int:
         drain_timeout_s=args.migration_drain_timeout,
         drift=drift_settings,
         health=health,
+        capacity=capacity_settings,
         # In cluster mode every move drift starts is also an ExpertMigration object.
         on_drift_decision=DriftObjects(ExpertMigrationApi(connection), namespace) if connection else None,
         managers=[Manager("placement", args.interval, reconcile)],

@@ -29,6 +29,9 @@ from expertmesh.contracts.errors import ExpertMeshError
 from expertmesh.contracts.gpu_plan import Placement
 from expertmesh.contracts.load_window import LoadSnapshot
 from expertmesh.contracts.routing_table import RoutingTable
+from expertmesh.orchestrator.capacity.config import CapacityConfig
+from expertmesh.orchestrator.capacity.policy import Action, CapacityState
+from expertmesh.orchestrator.capacity.policy import decide as capacity_decide
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.policy import decide
 from expertmesh.orchestrator.drift.state import DriftState, ExpertLoad, GroupSample, Observation
@@ -37,7 +40,7 @@ from expertmesh.orchestrator.health import policy as health_policy
 from expertmesh.orchestrator.health.config import HealthConfig
 from expertmesh.orchestrator.health.state import Check, ReplicaId, ReplicaRecord
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
-from expertmesh.orchestrator.migration.state import Phase, load, load_all
+from expertmesh.orchestrator.migration.state import MigrationMode, Phase, load, load_all
 from expertmesh.orchestrator.placement.planner import PlanOptions, plan
 from expertmesh.orchestrator.placement.quality import layer_balancedness
 from expertmesh.orchestrator.placement.stats import LoadStats
@@ -73,10 +76,12 @@ class Case:
     ops_window_s: float = 60.0
     #: the routers' load windows (``LoadWindow.window_s``): the tokens a scan sees
     load_window_s: float = 600.0
+    #: the capacity controller beside drift (replicas of hot experts, cold ones retired); None: drift alone
+    capacity: CapacityConfig | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.model.name} {self.gpus} GPUs {self.routers} routers"
+        return f"{self.model.name} {self.gpus} GPUs {self.routers} routers" + (" +capacity" if self.capacity else "")
 
 
 def _topology(gpus: int):
@@ -224,6 +229,8 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
         at(min(h * HOUR, end), "hour")
 
     state = DriftState()
+    capacity_state, capacity_due = CapacityState(), 0.0
+    capacity_actions: Counter = Counter()
     unhosted = 0
     decide_wall: list[float] = []
     refused = Counter()
@@ -307,6 +314,29 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
                     refused[type(err).__name__] += 1
                     continue
                 at(t + costs.rpc_s, "step", m.id)
+            if case.capacity is not None and t >= capacity_due:
+                capacity_due = t + case.capacity.scan_interval_s
+                started = time.perf_counter()
+                capacity_scan, capacity_state = capacity_decide(obs, capacity_state, case.capacity)
+                decide_wall[-1] += time.perf_counter() - started
+                for d in capacity_scan.decisions:
+                    capacity_actions[d.action.value] += 1
+                    if d.action not in (Action.REPLICATE, Action.RETIRE):
+                        continue  # group advice: counted; the simulated cluster's GPUs are fixed
+                    replicate = d.action is Action.REPLICATE
+                    try:
+                        m = executor.submit(
+                            d.layer,
+                            d.expert,
+                            target=d.group if replicate else None,
+                            source=None if replicate else d.group,
+                            mode=MigrationMode.REPLICATE if replicate else MigrationMode.EVICT,
+                            initiator=f"capacity:{d.action.value}",
+                        )
+                    except ExpertMeshError as err:
+                        refused[type(err).__name__] += 1
+                        continue
+                    at(t + costs.rpc_s, "step", m.id)
         elif kind == "hour":
             current = orch.routing_table()
             shares = table_shares(current, groups, model.moe_layers, model.num_experts)
@@ -355,6 +385,7 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
             "hours": case.hours,
             "redundant": redundant,
             "min_gain": case.min_gain,
+            "capacity": case.capacity is not None,
         },
         "planner": {"first_plan_wall_s": plan_wall_s, "first_plan_cpu_s": plan_cpu_s, **replan},
         "drift": {
@@ -368,6 +399,8 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
                 m.phase.value for m in records if m.phase is not Phase.SUCCEEDED and m.phase.terminal
             ),
             "refused": dict(refused),
+            #: the capacity controller's decisions by action (replicate, retire, add_group, remove_group)
+            "capacity_decisions": dict(capacity_actions),
             "moves_per_hour": len(done) / case.hours,
             "bytes_moved_per_hour": sum(m.bytes_loaded for m in done) / case.hours,
         },

@@ -50,6 +50,12 @@ def add_command(bench_commands) -> None:
         help="US dollars per GPU-hour: each case's cost per million tokens over its simulated day (its GPUs for "
         "the day over the tokens its routers fed; default: not priced)",
     )
+    p.add_argument(
+        "--capacity",
+        action="store_true",
+        help="each case also with the capacity controller beside drift (replicas of hot experts, cold ones "
+        "retired; its default settings), one more row per case",
+    )
     p.add_argument("--out", default="bench-scale.json", help="JSON results (default bench-scale.json)")
     p.add_argument("--plots", type=Path, help="directory for balancedness.png and moves.png (needs matplotlib)")
     p.add_argument(
@@ -63,9 +69,16 @@ def add_command(bench_commands) -> None:
 
 
 def cases(
-    gpus: list[int], routers: list[int], hours: float, quick: bool, seed: int, min_gain: float = 0.01
+    gpus: list[int],
+    routers: list[int],
+    hours: float,
+    quick: bool,
+    seed: int,
+    min_gain: float = 0.01,
+    capacity: bool = False,
 ) -> list["Case"]:
     from expertmesh.bench.scale.run import Case
+    from expertmesh.orchestrator.capacity.config import CapacityConfig
 
     model = QUICK_MODEL if quick else DEEPSEEK_V3
     costs = Costs(budget_bytes=QUICK_BUDGET_EXPERTS * model.expert_bytes) if quick else Costs()
@@ -79,7 +92,13 @@ def cases(
             )
     if not 0.0 <= min_gain <= 1.0:
         raise BenchError(f"--min-gain must be between 0 and 1, got {min_gain}")
-    return [Case(model, g, r, hours, seed=seed, costs=costs, min_gain=min_gain) for g in gpus for r in routers]
+    controllers = [None, CapacityConfig(enabled=True)] if capacity else [None]
+    return [
+        Case(model, g, r, hours, seed=seed, costs=costs, min_gain=min_gain, capacity=c)
+        for g in gpus
+        for r in routers
+        for c in controllers
+    ]
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -97,7 +116,7 @@ def _main(args: argparse.Namespace) -> int:
     gpus = parse_int_list(args.gpus or ("4,8" if args.quick else "64,256"), "--gpus")
     routers = parse_int_list(args.routers or ("2,4" if args.quick else "16,128"), "--routers")
     results = []
-    todo = cases(gpus, routers, args.hours, args.quick, args.seed, args.min_gain)
+    todo = cases(gpus, routers, args.hours, args.quick, args.seed, args.min_gain, args.capacity)
     out = {"benchmark": "scale", "machine": machine(), "loadavg_start": _loadavg(), "results": results}
     for i, case in enumerate(todo):
         progress(f"bench scale: {case.name}, {case.hours:g} simulated hours (case {i + 1} of {len(todo)})")
@@ -180,7 +199,8 @@ def table(results: list[dict]) -> str:
         store, health, planner = r["store"], r["health"], r["planner"]
         rows.append(
             [
-                f"{r['case']['gpus']} GPUs {r['case']['routers']} routers",
+                f"{r['case']['gpus']} GPUs {r['case']['routers']} routers"
+                + (" +capacity" if r["case"].get("capacity") else ""),
                 planner["first_plan_wall_s"],
                 planner.get("first_plan_cpu_s"),
                 _pair(planner, "day_end", "wall_s", ".2f"),
@@ -224,7 +244,7 @@ def table(results: list[dict]) -> str:
             "moves/h",
             "GB moved/h",
             "bal. static",
-            "bal. drift",
+            "bal. drift (+capacity)",
             "peak mem",
             "all routers s (sim)",
             "store ops/s",

@@ -122,6 +122,8 @@ def test_observation_reads_describe_busy_time_and_summed_load_windows(mesh):
         int(6.5 * mesh.unit),
         mesh.unit,
     )
+    # the memory each group measured where it computes (here: its process's resident bytes against the host's)
+    assert all(0 < s.memory_used_bytes < s.memory_total_bytes for s in first.groups)
     assert samples["g1"].weight_bytes == 2 * mesh.unit
     loads = {(e.layer, e.expert): e.tokens for e in first.loads}
     assert loads == {(layer, e): LOAD[row, e] for row, layer in enumerate((0, 1)) for e in range(4)}

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.drift.config import DriftConfig
-from expertmesh.orchestrator.drift.policy import busy_fraction, decide
+from expertmesh.orchestrator.drift.policy import busy_fraction, decide, memory_level
 from expertmesh.orchestrator.drift.rebalance import LayerLoads
 from expertmesh.orchestrator.drift.state import (
     BusySample,
@@ -132,6 +133,36 @@ def test_fires_on_the_third_consecutive_scan_above_the_high_watermark():
     assert all(d.trigger is Trigger.HIGH_WATERMARK and d.hold is None for d in scans[5].decisions)
     assert len(moves(scans[5])) == 2
     assert state.scans_above["a"] == 0  # it fired: judged afresh once the moves show
+
+
+def test_measured_memory_fills_a_group_its_budget_does_not():
+    """Group a's weights are at 30 % of its budget, but the memory measured where it computes (another process on
+    its GPU, say) is at 95 %: it fires on the third scan, as one above the watermark by its weights would; with
+    ``measured_memory`` off only the weights count. Group c's measured memory keeps it from being a target."""
+
+    def observed(scan: int) -> Observation:
+        obs = observe(scan, {"a": 0.3, "b": 0.2, "c": 0.0})
+        measured = {"a": (95, 100), "b": (10, 100), "c": (50, 100)}
+        groups = tuple(replace(g, memory_used_bytes=measured[g.group][0], memory_total_bytes=100) for g in obs.groups)
+        return replace(obs, groups=groups)
+
+    for cfg, fires in ((config(), True), (config(measured_memory=False), False)):
+        state, scans = DriftState(), []
+        for scan in (1, 2, 3):
+            result, state = decide(observed(scan), state, cfg, 2)
+            scans.append(result)
+        a = [u for u in scans[-1].groups if u.group == "a"][0]
+        assert (a.memory == pytest.approx(0.95 if fires else 0.3)) and (a.scans_above == (3 if fires else 0))
+        assert bool(moves(scans[-1])) is fires
+        assert all(m.target == "b" for m in moves(scans[-1]))  # c: 50 % measured, above the low watermark
+
+
+def test_memory_level_is_the_larger_of_budget_and_measurement():
+    assert memory_level(GroupSample("g", 30, 100, 0.0, 10)) == 0.3
+    assert memory_level(GroupSample("g", 30, 100, 0.0, 10, 80, 100)) == 0.8
+    assert memory_level(GroupSample("g", 30, 100, 0.0, 10, 80, 100), measured=False) == 0.3
+    assert memory_level(GroupSample("g", 30, 0, 0.0, 10, 20, 100)) == 0.2  # no budget: the measurement alone
+    assert memory_level(GroupSample("g", 30, 0, 0.0, 10)) is None  # neither: unbounded, as before
 
 
 def test_exactly_at_the_high_watermark_is_not_above_it():

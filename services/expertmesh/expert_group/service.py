@@ -56,6 +56,7 @@ from expertmesh.contracts.errors import (
 )
 from expertmesh.expert_group.busy import BusyClock
 from expertmesh.expert_group.transport_use import TransportUse, offered
+from expertmesh.infra import device_memory
 from expertmesh.infra.group_channels import CHANNEL_OPTIONS
 from expertmesh.infra.grpc_server import GrpcServer, guarded
 from expertmesh.infra.security import from_env
@@ -243,6 +244,7 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
 
     @guarded
     def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
+        memory = device_memory.measure(self.hosted.device)
         return pb.DescribeResponse(
             group=self.group,
             model_type=self.hosted.spec.model_type,
@@ -275,6 +277,8 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
             transports_offered=offered(self.transports),
             model_fingerprint=self.hosted.spec.fingerprint,
             warm_up_seconds=self.warm_up_s or 0.0,
+            memory_used_bytes=memory.used_bytes,
+            memory_total_bytes=memory.total_bytes,
         )
 
     @guarded

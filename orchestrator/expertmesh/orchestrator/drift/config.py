@@ -41,6 +41,11 @@ class DriftConfig(BaseSettings):
         description="keep a layer whose balancedness is within this of the planner's (`plan --min-gain`)",
     )
     dry_run: bool = Field(False, description="decide and record, but never start a migration")
+    measured_memory: bool = Field(
+        True,
+        description="a group's memory level is also its measured memory in use over its size (Describe: the GPU's "
+        "used / total, or the process's resident bytes over its container's limit), when that is higher",
+    )
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> "DriftConfig":

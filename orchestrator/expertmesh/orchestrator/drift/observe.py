@@ -51,6 +51,8 @@ class Observer:
                     budget_bytes=view.budget_bytes,
                     busy_seconds=view.busy_seconds,
                     expert_bytes=view.weight_bytes // len(view.pairs) if view.pairs else 0,
+                    memory_used_bytes=view.memory_used_bytes,
+                    memory_total_bytes=view.memory_total_bytes,
                 )
             )
         published = self._store.loads().values()

@@ -50,6 +50,18 @@ def busy_fraction(previous: BusySample | None, now: BusySample) -> float | None:
     return min(1.0, (now.seconds - previous.seconds) / (now.at - previous.at))
 
 
+def memory_level(sample: GroupSample, measured: bool = True) -> float | None:
+    """How full a group's memory is: its weights over their budget, or the memory measured where it computes over
+    that memory's size when ``measured`` and higher (another process on the GPU, activations, the KV of a
+    co-located router: what runs out first); None with neither."""
+    levels = []
+    if sample.budget_bytes:
+        levels.append(sample.weight_bytes / sample.budget_bytes)
+    if measured and sample.memory_total_bytes > 0:
+        levels.append(sample.memory_used_bytes / sample.memory_total_bytes)
+    return max(levels, default=None)
+
+
 def window_tokens(obs: Observation) -> float:
     """Tokens in the load windows: the busiest layer's expert loads over top-k."""
     per_layer: dict[int, float] = defaultdict(float)
@@ -120,7 +132,7 @@ def _utilisation(
         busy[s.group] = BusySample(s.busy_seconds, obs.at)
         u = GroupUtilisation(
             group=s.group,
-            memory=s.weight_bytes / s.budget_bytes if s.budget_bytes else None,
+            memory=memory_level(s, config.measured_memory),
             busy=busy_fraction(state.busy.get(s.group), busy[s.group]),
             weight_bytes=s.weight_bytes,
             budget_bytes=s.budget_bytes,

@@ -27,6 +27,9 @@ class GroupSample:
     busy_seconds: float
     #: bytes of one of its experts' weights (experts of one model are all alike); 0 when it holds none
     expert_bytes: int
+    #: memory measured where it computes: bytes in use and the device's (or container's) size; 0: not measured
+    memory_used_bytes: int = 0
+    memory_total_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ class Decision:
 @dataclass(frozen=True)
 class GroupUtilisation:
     group: str
-    #: weight_bytes / budget_bytes; None without a budget
+    #: the larger of weight_bytes / budget_bytes and the measured memory in use / its size (``DriftConfig.
+    #: measured_memory``); None with neither a budget nor a measurement
     memory: float | None
     #: busy fraction since the previous scan; None on the first scan or after a restart
     busy: float | None

@@ -71,6 +71,9 @@ class GroupView:
     transport_calls: dict[str, int] = field(default_factory=dict)
     #: the fingerprint of the checkpoint the group's experts come from ("" from a group that does not say)
     model_fingerprint: str = ""
+    #: memory measured where the group computes (Describe's memory_used_bytes / memory_total_bytes; 0: not measured)
+    memory_used_bytes: int = 0
+    memory_total_bytes: int = 0
 
     def holds(self, pair: Pair) -> bool:
         return pair in self.pairs
@@ -160,6 +163,8 @@ class GroupChannels:
             pid=r.pid,
             transport_calls={t.transport: t.calls for t in r.transports},
             model_fingerprint=r.model_fingerprint,
+            memory_used_bytes=r.memory_used_bytes,
+            memory_total_bytes=r.memory_total_bytes,
         )
 
     def load(self, group: str, pair: Pair) -> Loaded:

@@ -127,3 +127,30 @@ def test_a_groups_experts_compute_on_the_packed_kernel_and_a_fault_reaches_them(
         torch.testing.assert_close(mine, plain.compute(layer, hidden, ids, weights))
     packed.inject_fault(layer, int(ids[0, 0]), "nan")
     assert packed.compute(layer, hidden[:1], ids[:1], weights[:1]).isnan().all()
+
+
+def test_a_fault_torch_does_not_see_still_changes_the_fingerprint(tiny_checkpoints):
+    """A write through ``.data`` (a memory fault's stand-in) bypasses the version counter: the stored weights and
+    the packed copy the products use are then apart, and the fingerprint says so whichever of them changed."""
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    spec = checkpoint.spec
+    layer = spec.moe_layers[0]
+    hosted = HostedExperts(checkpoint)
+    hosted.load([(layer, e) for e in range(spec.num_experts)])
+    hosted.warm_up()  # every expert's products made once: their packed copies exist
+    held = hosted._layers[layer]
+
+    def now() -> str:
+        (_, _, at_load, current), *_ = hosted.fingerprints([(layer, 0)])
+        return current if current != at_load else "as loaded"
+
+    assert now() == "as loaded"
+    loaded = held.module.down_proj.data[0].clone()
+    held.module.down_proj.data[0].mul_(3.0)  # the stored rows change; the packed copy still computes the old ones
+    assert now() != "as loaded"
+    held.module.down_proj.data[0].copy_(loaded)  # back as loaded
+    assert now() == "as loaded"
+    # the copy the products use changes (its memory is oneDNN's: the fault stood in for by another copy's values)
+    copy = held.packs["down_proj"].row(0)
+    copy._packed = torch.ops.mkldnn._reorder_linear_weight(held.module.down_proj[0] * 2.0, 8)
+    assert now() != "as loaded"

@@ -81,6 +81,26 @@ def test_a_tensor_replaced_whole_is_read_as_it_is_now():
     assert watch.check().changed == ("norm.weight",)
 
 
+def test_a_packed_copy_apart_from_its_weight_is_named():
+    """A weight whose products read a oneDNN-packed copy (``linear_kernels.PackedLinear``): a fault in that copy,
+    which the state dict's fingerprints do not read, is named as the copy; a write to the weight torch did not see
+    (the copy still computes the old values) names both."""
+    from expertmesh.models.linear_kernels import pack_linears
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    pack_linears(model, "onednn-packed")
+    watch = WeightWatch(model, interval_s=0)
+    with torch.no_grad():
+        model(torch.randn(2, 4))  # the first product makes the copy
+    assert watch.check().ok
+    model[0]._weight._packed = torch.ops.mkldnn._reorder_linear_weight(model[0].weight.detach() * 2, 8)
+    assert watch.check().changed == ("0.weight (packed copy)",)
+    model[0]._weight._packed = torch.ops.mkldnn._reorder_linear_weight(model[0].weight.detach(), 8)
+    assert watch.check().ok
+    model[0].weight.data.mul_(2)  # not seen by the version counter: the copy keeps the old values
+    assert watch.check().changed == ("0.weight", "0.weight (packed copy)")
+
+
 def test_an_on_demand_check_within_the_gap_answers_with_the_last_one():
     model = Tiny()
     watch = WeightWatch(model, interval_s=0)

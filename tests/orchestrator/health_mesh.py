@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from expertmesh.contracts.group_map import GroupPlacement
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.expert_group.service import start_server
@@ -77,14 +79,16 @@ def running(path: Path, store: StateStore | None = None) -> Iterator[Mesh]:
 def corrupt(
     mesh: Mesh, group: str, pair: tuple[int, int], scale: float = 3.0, at: tuple[int, int] | None = None
 ) -> None:
-    """The injected fault: scale the expert's down projection in the group's memory, in place
-    (only the element ``at`` of it when given)."""
+    """The injected fault: scale the expert's down projection in the group's memory, in place (only the element
+    ``at`` of it when given), where its products read it: a write torch sees, so a packed copy of the weights
+    (``models.linear_kernels``) is made again from them."""
     held = mesh.hosted[group]._layers[pair[0]]
-    rows = held.module.down_proj.data[held.ids.index(pair[1])]  # [H, I]
-    if at is None:
-        rows.mul_(scale)
-    else:
-        rows[at].mul_(scale)
+    with torch.no_grad():
+        rows = held.module.down_proj[held.ids.index(pair[1])]  # [H, I]
+        if at is None:
+            rows.mul_(scale)
+        else:
+            rows[at].mul_(scale)
 
 
 def drift_only(mesh: Mesh, group: str, pair: tuple[int, int], scale: float = 3.0) -> None:

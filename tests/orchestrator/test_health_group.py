@@ -32,9 +32,11 @@ def group(tiny_checkpoints):
 
 
 def overwrite(hosted: HostedExperts, layer: int, expert: int, delta: float) -> None:
-    """The injected fault: add ``delta`` to one weight of the expert, in place in the group's memory."""
+    """The injected fault: add ``delta`` to one weight of the expert, in place in the group's memory where its
+    products read it (a write torch sees: a packed copy, ``models.linear_kernels``, is made again from it)."""
     held = hosted._layers[layer]
-    held.module.down_proj.data[held.ids.index(expert), 0, 0] += delta
+    with torch.no_grad():
+        held.module.down_proj[held.ids.index(expert), 0, 0] += delta
 
 
 def prints(stub, pairs=()) -> dict[tuple[int, int], tuple[str, str]]:

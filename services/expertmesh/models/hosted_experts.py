@@ -141,6 +141,19 @@ class _LayerExperts:
         row = self.ids.index(expert)
         return {name: param[row] for name, param in self.module.named_parameters()}
 
+    def fingerprint_now(self, expert: int) -> str:
+        """The fingerprint of the expert's weights as its products use them: its stored rows, with any packed copy
+        that no longer equals them in its place (``linear_kernels``: a fault in either copy changes it)."""
+        stored = self.rows_of(expert)
+        now = fingerprint(stored)
+        if self.packs is not None and now == self.fingerprints.get(expert):
+            row = self.ids.index(expert)
+            computed = {name: rows.computed(row) for name, rows in self.packs.items()}
+            apart = {n: c for n, c in computed.items() if c is not None and not torch.equal(c, stored[n])}
+            if apart:  # the stored rows are as loaded, the computed ones are not
+                return fingerprint({**stored, **apart})
+        return now
+
 
 class HostedExperts:
     def __init__(
@@ -202,7 +215,7 @@ class HostedExperts:
         missing = [p for p in wanted if p[0] not in layers or p[1] not in layers[p[0]].ids]
         if missing:
             raise NotHosted(f"(layer, expert) {missing[:5]} are not held by this group")
-        return [(layer, e, layers[layer].fingerprints[e], fingerprint(layers[layer].rows_of(e))) for layer, e in wanted]
+        return [(layer, e, layers[layer].fingerprints[e], layers[layer].fingerprint_now(e)) for layer, e in wanted]
 
     def expert_stats(self) -> list[tuple[int, int, OutputStats]]:
         """(layer, expert, a copy of its statistics) for every hosted expert."""

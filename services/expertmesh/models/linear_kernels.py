@@ -26,9 +26,12 @@ The products' last bits may differ from ``blas``'s, as they already do with the 
 
 A packed copy follows its weight: it keeps the version counter torch bumps on every in-place write (a view's
 writes included), and is made again when the weight has moved on, so a weight overwritten in place (a fault
-injected, a hot update) is computed with its new values. ``PackedLinear`` keeps the ``nn.Linear`` it replaces'
-own parameters (same names, same tensors: state dicts, fingerprints and weight checks see no change) and holds the
-packed copy beside them, outside the state dict.
+injected, a hot update) is computed with its new values. A write torch does not see (through ``.data``, or
+a memory fault) leaves the two apart: a group's fingerprints therefore read the packed copies back
+(``PackedRows.computed``), so a fault in either copy shows as a fingerprint that changed.
+``PackedLinear`` keeps the ``nn.Linear`` it replaces' own parameters (same names, same tensors: state dicts
+see no change) and holds the packed copy beside them, outside the state dict; the router's weight check reads
+that copy back too (``PackedLinear.computed_weight``).
 
 Shapes: x [..., in], W [out, in] (a view of any strides), bias [out]; a stacked weight [E, out, in].
 """
@@ -103,6 +106,15 @@ class PackedRows:
         self._transposed = transposed
         self._rows: dict[int, PackedWeight] = {}
 
+    def computed(self, expert: int) -> torch.Tensor | None:
+        """The values local expert ``expert``'s products use now, in the stack's orientation (its packed copy read
+        back); None before its first product. What a fingerprint of the computed weights reads."""
+        packed = self._rows.get(expert)
+        if packed is None or packed._packed is None:
+            return None
+        dense = packed._packed.to_dense()  # [out, in]
+        return dense.t() if self._transposed else dense
+
     def row(self, expert: int) -> PackedWeight:
         """Local expert ``expert``'s matrix as [out, in] (a view: in-place writes to the stack reach it)."""
         packed = self._rows.get(expert)
@@ -122,6 +134,11 @@ class PackedLinear(nn.Linear):
         self.weight = linear.weight
         self.bias = linear.bias
         self._weight = PackedWeight(self.weight)
+
+    def computed_weight(self) -> torch.Tensor | None:
+        """The values its products use now, [out, in] (the packed copy read back); None before its first one."""
+        packed = self._weight._packed
+        return None if packed is None or self._weight.weight is not self.weight else packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._weight.weight is not self.weight:  # the parameter itself replaced (a load with assign=True)

@@ -12,7 +12,8 @@ Glossary
 - *tensor*: a parameter or persistent buffer of the router's model, by its ``state_dict`` name; a tensor tied to
   another (an LM head sharing the embeddings) is checked once, under its first name.
 - *changed*: its fingerprint now differs from the one taken at load (a stray write, a bit flip, a hot update that
-  overwrote a LayerNorm).
+  overwrote a LayerNorm), or the packed copy its products read (``linear_kernels``) no longer equals it
+  (``copies_apart``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from torch import nn
 
 from expertmesh.infra.telemetry.setup import meter
 from expertmesh.models.fingerprint import fingerprint
+from expertmesh.models.linear_kernels import PackedLinear
 
-__all__ = ["WeightCheck", "WeightWatch", "changed_tensors", "tensor_fingerprints"]
+__all__ = ["WeightCheck", "WeightWatch", "changed_tensors", "copies_apart", "tensor_fingerprints"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,19 @@ def router_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def tensor_fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """name -> the fingerprint of that tensor alone (``models.fingerprint``), where it lives."""
     return {name: fingerprint({name: t}) for name, t in tensors.items()}
+
+
+def copies_apart(model: nn.Module) -> list[str]:
+    """The weights whose packed copy (``linear_kernels.PackedLinear``: what the products read) no longer equals the
+    parameter, named ``<module>.weight (packed copy)``: a fault in the copy the fingerprints of the state dict do not
+    read, or a write torch did not see in the parameter."""
+    return sorted(
+        f"{name}.weight (packed copy)"
+        for name, module in model.named_modules()
+        if isinstance(module, PackedLinear)
+        and (computed := module.computed_weight()) is not None
+        and not torch.equal(computed, module.weight.detach())
+    )
 
 
 def changed_tensors(at_load: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
@@ -119,7 +134,10 @@ class WeightWatch:
                 return last
             started = time.perf_counter()
             # the model's tensors as they are now: one replaced whole (``param.data = ...``) is read, not the old one
-            changed = tuple(changed_tensors(self._at_load, tensor_fingerprints(router_tensors(self._model))))
+            changed = tuple(
+                changed_tensors(self._at_load, tensor_fingerprints(router_tensors(self._model)))
+                + copies_apart(self._model)
+            )
             check = WeightCheck(changed, len(self._at_load), time.time(), time.perf_counter() - started)
             if changed and (last is None or last.changed != changed):
                 log.error(

@@ -35,6 +35,7 @@ from expertmesh.orchestrator.drift import api as drift_api
 from expertmesh.orchestrator.drift.config import DriftConfig
 from expertmesh.orchestrator.drift.controller import DriftController, DriftRecord
 from expertmesh.orchestrator.health import api as health_api
+from expertmesh.orchestrator.health.anomalies import AnomalyRounds
 from expertmesh.orchestrator.health.monitor import HealthMonitor
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
 from expertmesh.orchestrator.migration.state import OPERATOR, Migration, MigrationMode, Phase, load, load_all
@@ -335,4 +336,6 @@ def start_orchestrator(
         steps.append(Manager("drift", controller.config.scan_interval_s, controller.update))
     if health is not None and health.config.enabled:
         steps.append(Manager("health", health.config.interval_s, health.update))
+        if health.config.anomaly_rounds:  # early rounds on routers' anomaly records (health.anomalies)
+            steps.append(Manager("health-anomalies", health.config.anomaly_poll_s, AnomalyRounds(health, store).update))
     return Orchestrator(server, runner, controller, health, ControlLoop(steps).start())

@@ -30,7 +30,7 @@ def promtool():
 def test_the_rules_check(promtool):
     result = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 17 rules found" in result.stdout
+    assert "SUCCESS: 18 rules found" in result.stdout
 
 
 def test_every_metric_the_rules_read_is_one_the_platform_exports():
@@ -90,6 +90,9 @@ def _tests() -> list[dict]:
             }
             for layer, v in (("0", "0 0 1x58"), ("1", " ".join("1" if i % 2 else "0" for i in range(61))))
         ),
+        # load share: r0's layer 2 from 10m on, its layer 3 on for 3 minutes only (under the rule's 5)
+        {"series": 'expertmesh_anomaly_active{signal="load_share",layer="2",instance="r0"}', "values": "0x10 1x50"},
+        {"series": 'expertmesh_anomaly_active{signal="load_share",layer="3",instance="r0"}', "values": "0x10 1x3 0x47"},
         {"series": 'expertmesh_anomaly_active{signal="kv_fragmentation",instance="r0"}', "values": "0x5 1x55"},
         {"series": 'expertmesh_anomaly_active{signal="kv_fragmentation",instance="r1"}', "values": "0x60"},
         # TTFT: every first token between 1 and 10 s (p99 ~9.9 s); ITL: every gap between 0.5 and 5 s
@@ -142,6 +145,8 @@ def _tests() -> list[dict]:
                 alerts("ExpertmeshRouterWeightsChanged", "30m", {"severity": "critical", "instance": "r1"}),
                 alerts("ExpertmeshGateConfidenceAnomaly", "3m"),  # on at 2m: not for 2 minutes yet
                 alerts("ExpertmeshGateConfidenceAnomaly", "30m", {**warning, "instance": "r1", "layer": "0"}),
+                alerts("ExpertmeshLoadShareAnomaly", "14m"),  # on at 10m: not for 5 minutes yet
+                alerts("ExpertmeshLoadShareAnomaly", "30m", {**warning, "instance": "r0", "layer": "2"}),
                 alerts("ExpertmeshKVFragmentationAnomaly", "10m"),  # on at 5m: not for 10 minutes yet
                 alerts("ExpertmeshKVFragmentationAnomaly", "30m", {**warning, "instance": "r0"}),
                 alerts("ExpertmeshTimeToFirstTokenHigh", "30m", warning),

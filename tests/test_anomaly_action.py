@@ -32,7 +32,7 @@ def test_the_actions_are_the_settings_literal():
 
     from expertmesh.config.settings import AnomalyAction, ServingConfig
 
-    assert ACTIONS == get_args(AnomalyAction) == ("none", "exact_routing")
+    assert ACTIONS == get_args(AnomalyAction) == ("none", "exact_routing", "health_round", "exact_routing+health_round")
     assert ServingConfig().anomaly_action == "none" and ServingConfig().anomaly_sigma == 3.0
     with pytest.raises(ValueError):
         AnomalyMonitor(None, CONFIG, "circuit_break", MeterProvider().get_meter("x"))

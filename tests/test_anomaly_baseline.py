@@ -112,3 +112,52 @@ def test_the_detector_keeps_one_baseline_per_signal():
 def test_a_config_that_cannot_work_is_refused(kwargs):
     with pytest.raises(ValueError):
         BaselineConfig(**kwargs)
+
+
+# -- VectorBaseline: Baseline's rules element by element ---------------------------------------------------------
+
+
+def test_the_vector_baseline_judges_each_element_as_a_scalar_baseline_would():
+    """Random series with jumps (some lasting, some one step), gaps (nan) and levels that move for good: every
+    verdict of every element equals what its own ``Baseline`` says."""
+    import numpy as np
+
+    from expertmesh.router.reporting.anomaly import VectorBaseline
+
+    config = BaselineConfig(window=16, warm_up=6, sigma=3.0, persistence=2, recovery=3)
+    rng = np.random.default_rng(7)
+    n, steps = 12, 400
+    series = 0.25 + 0.01 * rng.standard_normal((steps, n))
+    for i in range(n):  # a jump of a few steps, somewhere, per element; a lasting one for two of them
+        start = int(rng.integers(20, steps - 40))
+        series[start : start + int(rng.integers(1, 12)), i] += 0.2
+    series[300:, 3] += 0.3
+    series[rng.random((steps, n)) < 0.05] = np.nan
+    vector = VectorBaseline(n, config)
+    scalars = [Baseline(config, str(i)) for i in range(n)]
+    started = 0
+    for row in series:
+        v = vector.observe(row)
+        for i, baseline in enumerate(scalars):
+            s = baseline.observe(row[i])
+            assert (v.breach[i], v.active[i], v.started[i], v.ended[i]) == (s.breach, s.active, s.started, s.ended)
+            if math.isfinite(row[i]) and not math.isnan(s.mean):  # (a gap reports the baseline so far)
+                assert v.mean[i] == pytest.approx(s.mean) and v.std[i] == pytest.approx(s.std, abs=1e-9)
+            started += s.started
+    assert started >= n, "the series did start anomalies"
+    assert vector.active[3], "a level moved for good stays anomalous"
+
+
+def test_the_vector_baseline_example_and_its_shape_check():
+    import numpy as np
+
+    from expertmesh.router.reporting.anomaly import VectorBaseline
+
+    b = VectorBaseline(2, BaselineConfig(window=4, warm_up=4, persistence=1, recovery=2))
+    for value in (0.5, 0.6, 0.5, 0.6):
+        b.observe(np.array([value, value]))
+    jump = b.observe(np.array([0.1, 0.55]))
+    assert jump.breach.tolist() == [True, False] and jump.started.tolist() == [True, False]
+    assert jump.mean == pytest.approx([0.55, 0.55]) and jump.std == pytest.approx([0.05, 0.05])
+    with pytest.raises(ValueError):
+        b.observe(np.zeros(3))

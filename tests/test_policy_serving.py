@@ -4,6 +4,7 @@ domain` as a user runs them, and the trained default query classifier; and the e
 way to profiles: `profile build --out FILE`, then a router over an in-process store started with them."""
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -491,3 +492,34 @@ def test_decay_k_at_its_default_and_widest_is_served_by_the_groups_and_wider_is_
         assert len(_tokens(client, "def reverse(items): return", routing_policy=widest)) == 6
         details = _refused(client, "Hello", routing_policy=pb.RoutingPolicy(name="decay_k", k_start=4))
         assert details.startswith("routing_policy.k_start:"), details
+
+
+def test_the_health_round_action_wires_the_load_window_and_the_store(served, monkeypatch):
+    """``anomaly_action: health_round`` as serve_plane wires it: the router's anomaly monitor reads its
+    dispatcher's load window (the load-share signal) and hands anomaly records to a publisher that writes the
+    router's store (a second router over the same groups, on a memory:// store of its own)."""
+    from expertmesh.router.reporting.anomaly_monitor import AnomalyMonitor
+    from expertmesh.store import AnomalyRecord
+
+    plane, _, _, _ = served
+    monkeypatch.delenv("EXPERTMESH_STATE_URL", raising=False)
+    store = open_store("memory://")
+    assert store.publish_routing_table(plane.store.routing_table())
+    for group, address in plane.store.endpoints().items():
+        store.set_endpoint(group, address)
+    with DataPlane.attach(DataPlaneConfig(model=plane.checkpoint.path, state_url="memory://"), store=store) as embedded:
+        server = serve_plane(embedded, ServingConfig(port=0, max_new_tokens_cap=32, anomaly_action="health_round"))
+        try:
+            monitor: AnomalyMonitor = server.engine.anomalies
+            assert monitor._load is embedded.dispatcher.load_window and monitor._publish is not None
+            with Client(f"127.0.0.1:{server.port}", timeout=120) as client:
+                assert len(_tokens(client, "def reverse(items): return")) == 6
+            monitor._publish(AnomalyRecord("", 0, "load_share", 0, ((0, 1),), 1.0, 0.6, 0.25, 0.02, 3.0))
+            deadline = time.monotonic() + 60
+            while not store.anomalies():
+                assert time.monotonic() < deadline, "the router's publisher never wrote the record"
+                time.sleep(0.05)
+            (record,) = store.anomalies()
+            assert record.seq == 1 and record.pairs == ((0, 1),) and record.router_id
+        finally:
+            server.drain_and_stop()

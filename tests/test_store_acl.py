@@ -69,6 +69,8 @@ CALLS = {
     "profiles": ("profiles", "read", lambda s: s.profiles()),
     "save_policy_quality": ("policy_quality", "write", lambda s: s.save_policy_quality("exact", b"{}")),
     "policy_quality": ("policy_quality", "read", lambda s: s.policy_quality()),
+    "publish_anomalies": ("anomalies", "write", lambda s: s.publish_anomalies("r1", [])),
+    "anomalies": ("anomalies", "read", lambda s: s.anomalies()),
 }
 
 

@@ -609,7 +609,7 @@ def test_alert_rules_render_as_a_prometheus_rule_only_when_asked(helm, render):
     # the same rules as the plain-Prometheus file, word for word (their {{ $labels }} templates untouched by Helm)
     assert rule["spec"] == yaml.safe_load((CHART / "files" / "expertmesh-alerts.yaml").read_text())
     alerts = [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
-    assert len(alerts) == 13 and "{{ $labels.layer }}" in json.dumps(rule["spec"])
+    assert len(alerts) == 14 and "{{ $labels.layer }}" in json.dumps(rule["spec"])
 
 
 # -- OpenTelemetry -----------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from expertmesh.orchestrator.drift.controller import DriftController, DriftRecor
 from expertmesh.orchestrator.elastic.controller import GroupController, GroupLauncher, GroupRequest
 from expertmesh.orchestrator.elastic.state import GroupRecord
 from expertmesh.orchestrator.health import api as health_api
+from expertmesh.orchestrator.health.anomalies import AnomalyRounds
 from expertmesh.orchestrator.health.monitor import HealthMonitor
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
 from expertmesh.orchestrator.migration.state import OPERATOR, Migration, MigrationMode, Phase, load, load_all
@@ -400,6 +401,8 @@ def start_orchestrator(
         steps.append(Manager("drift", controller.config.scan_interval_s, controller.update))
     if health is not None and health.config.enabled:
         steps.append(Manager("health", health.config.interval_s, health.update))
+        if health.config.anomaly_rounds:  # early rounds on routers' anomaly records (health.anomalies)
+            steps.append(Manager("health-anomalies", health.config.anomaly_poll_s, AnomalyRounds(health, store).update))
     capacity = capacity if capacity is not None else CapacityConfig()
     sizer = None
     if capacity.enabled:

@@ -39,8 +39,9 @@ class ConfigError(ExpertMeshError):
 
 #: How a router reaches expert groups (``expertmesh.router.transport.base``).
 TransportName = Literal["auto", "grpc", "grpc-unary"]
-#: what a router does while an anomaly lasts (``router.reporting.anomaly_monitor``)
-AnomalyAction = Literal["none", "exact_routing"]
+#: what a router does on an anomaly (``router.reporting.anomaly_monitor``): exact routing while a gate-confidence
+#: anomaly lasts, a record asking the health monitor for an early round on the implicated experts, or both
+AnomalyAction = Literal["none", "exact_routing", "health_round", "exact_routing+health_round"]
 #: what ``router_device`` (and ``bench dispatch --device``) may say
 DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 DEVICE_NAMES = "a device is auto, cpu, cuda or cuda:N"
@@ -293,9 +294,11 @@ class ServingConfig(BaseSettings):
 
     anomaly_action: AnomalyAction = Field(
         "none",
-        description="what the router does while a MoE layer's mean gate confidence is anomaly_sigma standard "
-        "deviations off its rolling baseline: none (a warning, the expertmesh_anomaly_active gauge), or "
-        "exact_routing (every request is routed exactly until it ends)",
+        description="what the router does on an anomaly (a signal anomaly_sigma standard deviations off its rolling "
+        "baseline): none (a warning, the expertmesh_anomaly_active gauge); exact_routing (every request is routed "
+        "exactly while a MoE layer's gate confidence is anomalous); health_round (a load-share or gate-confidence "
+        "anomaly asks the orchestrator's health monitor for an early round on the implicated experts); or "
+        "exact_routing+health_round",
     )
     anomaly_sigma: float = Field(
         3.0,

@@ -15,6 +15,7 @@ from expertmesh.platform.data_plane import DataPlane
 from expertmesh.router.policy.profiles import ProfileFileError, fit_problem, read_profiles_file, save_profiles
 from expertmesh.router.reporting.anomaly import BaselineConfig
 from expertmesh.router.reporting.anomaly_monitor import AnomalyMonitor
+from expertmesh.router.reporting.anomaly_publisher import AnomalyPublisher
 from expertmesh.router.reporting.metrics import register_router_metrics
 from expertmesh.serving.engine import Engine, EngineLimits
 from expertmesh.serving.kv_metrics import register_kv_metrics
@@ -71,6 +72,8 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         _load_profiles_file(plane, config.profiles, tuple(info.moe_layers), info.num_experts)
     register_router_metrics(plane.dispatcher, info.dense_parameters, info.parameters_per_expert)
     tokenizer = load_tokenizer(plane.checkpoint.path)
+    # health_round: anomaly records to the store, for the health monitor (a daemon thread that sleeps between them)
+    publisher = AnomalyPublisher(plane.store).start() if "health_round" in config.anomaly_action else None
     engine = Engine(
         plane.model,
         tokenizer,
@@ -87,7 +90,11 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
         model_fingerprint=plane.checkpoint.spec.fingerprint,
         warm_up=plane.config.warm_up,
         anomalies=AnomalyMonitor(
-            plane.dispatcher.gate_bias, BaselineConfig(sigma=config.anomaly_sigma), config.anomaly_action
+            plane.dispatcher.gate_bias,
+            BaselineConfig(sigma=config.anomaly_sigma),
+            config.anomaly_action,
+            load=plane.dispatcher.load_window,
+            publish=publisher.submit if publisher is not None else None,
         ),
     )
     register_kv_metrics(engine.kv_usage, info.name)

@@ -29,6 +29,8 @@ refuses to publish one model's table over another's, ``StoreCollision``):
   layer (``state.samples`` bytes [rows, H], ``router.hidden_sample``); the health monitor probes with it
 - ``health_probes``         hash: layer -> the probe input the health monitor pinned for it
   (``expertmesh.orchestrator.health.probes``; opaque here)
+- ``anomalies``             hash: router id -> JSON list of its latest ``AnomalyRecord``s (the router keeps the
+  last few and rewrites its field whole); the health monitor runs an early round on the experts they name
 
 Who may read and write each key is declared once, in ``store.access.LAYOUT``; a Redis gives each component a
 user with exactly those rights (``expertmesh store acl``), and the store refuses a key the layout lacks.
@@ -40,7 +42,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Protocol
 
 from expertmesh.contracts.errors import StoreCollision
@@ -87,6 +89,40 @@ class QuarantinedReplica:
     @property
     def key(self) -> str:
         return replica_key(self.layer, self.expert, self.group)
+
+
+@dataclass(frozen=True)
+class AnomalyRecord:
+    """An anomaly a router's monitor started (``router.reporting.anomaly_monitor``), as it asks the health monitor
+    for an early round on the experts it implicates.
+
+    Example: ``AnomalyRecord("r1", 3, "load_share", 1, ((1, 2),), 1.7e9, 0.61, 0.25, 0.02, 3.0)``: router r1's third
+    record, layer 1 expert 2 took 61% of the layer's tokens against a baseline of 25% ± 2%.
+    """
+
+    router_id: str
+    #: the router's count of its records, from 1; the health monitor acts on each (router, seq) once
+    seq: int
+    #: "load_share" or "gate_confidence"
+    signal: str
+    #: the MoE layer (the model's layer index, as the routing table's)
+    layer: int
+    #: (layer, expert) pairs implicated: the experts whose load share left its baseline; for a gate-confidence
+    #: anomaly the layer's experts (the most loaded ones, capped)
+    pairs: tuple[tuple[int, int], ...]
+    #: wall-clock seconds (time.time()) the anomaly started
+    at: float
+    value: float
+    mean: float
+    std: float
+    sigma: float
+
+    def describe(self) -> str:
+        """One line: which router saw what."""
+        return (
+            f"router {self.router_id}: {self.signal} of layer {self.layer} = {self.value:.4g}, off its baseline "
+            f"{self.mean:.4g} ± {self.sigma:g} × {self.std:.4g}"
+        )
 
 
 def _record(cls, raw: bytes, key: str, field_name: str):
@@ -286,6 +322,36 @@ class StateStore:
 
     def health_probes(self) -> dict[str, bytes]:
         return self._kv.hgetall(self._key("health_probes"))
+
+    # -- anomaly records ---------------------------------------------------------------------
+    # Written by routers (anomaly_action health_round), read by the health monitor.
+
+    def publish_anomalies(self, router_id: str, records) -> None:
+        """``router_id``'s latest ``AnomalyRecord``s, replacing those it published before."""
+        self._kv.hset(self._key("anomalies"), router_id, json.dumps([asdict(r) for r in records]).encode())
+
+    def anomalies(self) -> list[AnomalyRecord]:
+        """Every router's published anomaly records (an unreadable one skipped, logged), by router then seq."""
+        out = []
+        for router, raw in sorted(self._kv.hgetall(self._key("anomalies")).items()):
+            try:
+                items = json.loads(raw)
+                if not isinstance(items, list):
+                    raise ValueError("not a list")
+            except ValueError as err:
+                log.warning("skipping unreadable anomalies record %r: %s", router[:64], err)
+                continue
+            for item in items:
+                record = _record(AnomalyRecord, json.dumps(item).encode(), "anomalies", router)
+                if record is None:
+                    continue
+                try:
+                    pairs = tuple((int(layer), int(expert)) for layer, expert in record.pairs)
+                except (TypeError, ValueError) as err:
+                    log.warning("skipping an anomaly record of %r with bad pairs: %s", router[:64], err)
+                    continue
+                out.append(replace(record, pairs=pairs))
+        return sorted(out, key=lambda r: (r.router_id, r.seq))
 
     # -- routing-policy data ---------------------------------------------------------------
     # Written by `expertmesh profile build` and `expertmesh policy eval`, read by routers.

@@ -4,9 +4,9 @@ keys the store uses: ``StateStore`` refuses to touch a key ``LAYOUT`` does not d
 
 Glossary
 - *role*: the component a Redis user is for (``Role``). Routers read the routing table, endpoints, profiles,
-  policy-quality records and quarantines, and write their heartbeats, load windows and hidden-state samples;
-  expert groups read the table and write their registration (``endpoints``); the orchestrator reads every key
-  and writes the rest. Operators' commands that write the store (``profile build --state-url``, ``policy
+  policy-quality records and quarantines, and write their heartbeats, load windows, hidden-state samples and
+  anomaly records; expert groups read the table and write their registration (``endpoints``); the orchestrator
+  reads every key and writes the rest. Operators' commands that write the store (``profile build --state-url``, ``policy
   eval``, ``kubectl expertmesh``) use the orchestrator's user.
 - *key*: one name under the deployment's prefix ``expertmesh:<deployment>:`` (``StoreKey.name``); a name ending
   in ``:*`` is a family (``hidden_samples:<layer>``).
@@ -82,6 +82,7 @@ LAYOUT: tuple[StoreKey, ...] = (
     _key("health", HASH, set(), {ORCHESTRATOR}),
     _key("hidden_samples:*", HASH, {ORCHESTRATOR}, {ROUTER}),
     _key("health_probes", HASH, set(), {ORCHESTRATOR}),
+    _key("anomalies", HASH, {ORCHESTRATOR}, {ROUTER}),
 )
 
 #: Redis commands each kind of access uses (``store._redis.RedisBackend``): a compare-and-set of strings is

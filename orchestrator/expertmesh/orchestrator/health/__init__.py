@@ -8,7 +8,8 @@ distances between replicas: pure), ``policy`` (findings, the state machine and
 the routing-table edit: pure), ``sampling`` (which layers a round probes within
 ``round_probe_rows``: pure), ``reference`` (an expert's output computed here
 from the checkpoint with stock transformers), ``monitor`` (the I/O: one round,
-the operator's quarantine and release, the loop, the gauges), ``config``
+the operator's quarantine and release, the loop, the gauges), ``anomalies``
+(early rounds on the experts routers' anomaly records implicate), ``config``
 (``EXPERTMESH_HEALTH_*``), ``api`` (records as the admin API's messages) and
 ``cli`` (``expertmesh experts``, ``quarantine``, ``release``).
 

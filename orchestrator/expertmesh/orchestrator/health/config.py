@@ -67,6 +67,21 @@ class HealthConfig(BaseSettings):
         description="repair replicas the monitor quarantined at its next check (operator quarantines wait for release)",
     )
 
+    anomaly_rounds: bool = Field(
+        True,
+        description="run an early round on the experts a router's anomaly record implicates (routers with "
+        "anomaly_action health_round write them; `health.anomalies`)",
+    )
+    anomaly_poll_s: float = Field(2.0, gt=0, description="seconds between reads of the routers' anomaly records")
+    anomaly_cooldown_s: float = Field(
+        300.0,
+        ge=0,
+        description="seconds after an early round on an expert before another anomaly may start one on it",
+    )
+    anomaly_max_age_s: float = Field(
+        600.0, gt=0, description="anomaly records older than this are not acted on (read late, or at a restart)"
+    )
+
     @model_validator(mode="after")
     def _kl_ordered(self) -> "HealthConfig":
         if self.kl_suspect >= self.kl_quarantine:

@@ -4,7 +4,8 @@ every replica, judge (``policy``), pin a fresh probe input where one is due
 routing table ``policy.plan_table`` asks for, the
 records, and the ``quarantine`` entries routers read. ``quarantine`` and
 ``release`` are the operator's commands; ``start`` runs a round every
-``interval_s`` in a thread.
+``interval_s`` in a thread. ``update(only=pairs)`` is an early round on those
+experts' replicas alone (``anomalies``: what routers' anomaly records ask for).
 
 Probing scales with the model: each group gets one Dispatch per layer for all of
 its experts' probe rows (split only to stay under ``probe_batch_bytes``), and
@@ -46,7 +47,7 @@ import logging
 import operator
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -137,19 +138,38 @@ class HealthMonitor:
 
     # -- one round ----------------------------------------------------------------------------
 
-    def update(self) -> HealthRound:
-        """One round. No routing table in the store, or the store unreachable, raises."""
+    def update(self, only: Collection[Pair] | None = None, cause: str = "") -> HealthRound:
+        """One round. No routing table in the store, or the store unreachable, raises.
+
+        ``only``: an early round (``anomalies``): the replicas of these (layer, expert) pairs alone, all of them
+        whatever ``round_probe_rows`` says, judged and settled as in any round (repairs due among them too); the
+        layers' probes are not refreshed (that needs every replica of a layer). ``cause``: why, on the span."""
+        wanted = None if only is None else frozenset(only)
         with self._round_lock, tracer().start_as_current_span("expertmesh.health.round") as span:
+            if cause:
+                span.set_attribute("expertmesh.health.cause", cause)
             now = self._clock()
             table = self._table()
             observed, unreachable = self._observe()
             with self._state_lock:
                 before = self._forget_unheld(self._records_now(), observed)
             records = dict(before)
-            due = [rid for rid, r in records.items() if policy.wants_repair(r, self.config) and rid.group in observed]
+            due = [
+                rid
+                for rid, r in records.items()
+                if policy.wants_repair(r, self.config)
+                and rid.group in observed
+                and (wanted is None or rid.pair in wanted)
+            ]
             targets = self._targets(table, records, observed)
-            layers = set(sampling.layers_for_round(targets, records, self.config.tokens, self.config.round_probe_rows))
-            targets = [rid for rid in targets if rid.layer in layers]
+            if wanted is None:
+                layers = set(
+                    sampling.layers_for_round(targets, records, self.config.tokens, self.config.round_probe_rows)
+                )
+                targets = [rid for rid in targets if rid.layer in layers]
+            else:
+                targets = [rid for rid in targets if rid.pair in wanted]
+                layers = {rid.layer for rid in targets}
             span.set_attribute("expertmesh.health.layers", len(layers))
             inputs = self._probes(sorted(layers), observed)
             found: dict[ReplicaId, tuple[Finding, ...]] = {}
@@ -157,7 +177,8 @@ class HealthMonitor:
                 judged = records.get(rid) or ReplicaRecord(rid, since=now)
                 after, found[rid] = policy.judge(judged, check, self.config)
                 records[rid] = self._note(judged, after, span)
-            self._refresh_probes(inputs, targets, records, found, observed, now)
+            if wanted is None:
+                self._refresh_probes(inputs, targets, records, found, observed, now)
             for rid in due:
                 if policy.wants_repair(records[rid], self.config):
                     view = observed[rid.group].view

@@ -17,11 +17,11 @@ that differ from the same prompt served before any move (both must be 0).
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from expertmesh.bench.looping import LoopingClients
 from expertmesh.bench.report import (
     BenchError,
     add_load_arguments,
@@ -78,58 +78,6 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Traffic:
-    """N clients streaming the same prompts over and over; token arrival times and any failure."""
-
-    def __init__(self, target: str, prompts: list[list[int]], reference: list[list[int]], max_new_tokens: int):
-        self._target = target
-        self._prompts = prompts
-        self._reference = reference
-        self._m = max_new_tokens
-        self.stop = threading.Event()
-        #: (arrival time, gap to the previous token of the same request) per streamed token after the first
-        self.gaps: list[tuple[float, float]] = []
-        self.requests = 0
-        self.failed: list[str] = []
-        self.differing = 0
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(len(prompts))]
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def join(self) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join()
-
-    def _client(self, i: int) -> None:
-        import grpc
-
-        from expertmesh.client import Client
-
-        with Client(self._target, timeout=600) as client:
-            while not self.stop.is_set():
-                tokens, last, gaps = [], None, []
-                try:
-                    for chunk in client.generate(self._prompts[i], max_new_tokens=self._m, stop_at_eos=False):
-                        now = time.perf_counter()
-                        if chunk.token_ids and last is not None:
-                            gaps.append((now, (now - last) / len(chunk.token_ids)))
-                        if chunk.token_ids:
-                            last = now
-                        tokens += chunk.token_ids
-                except grpc.RpcError as err:
-                    with self._lock:
-                        self.failed.append(f"{err.code().name}: {err.details()}")
-                    continue
-                with self._lock:
-                    self.gaps += gaps
-                    self.requests += 1
-                    self.differing += tokens != self._reference[i]
-
-
 def _moves(spec, groups: list[str], placement, count: int) -> list[tuple[int, int, str, str]]:
     """(layer, expert, source, target) for ``count`` moves: each expert to the next group, then back."""
     owner = {pair: group for group, pairs in placement.groups.items() for pair in pairs}
@@ -175,9 +123,9 @@ def run(options: Options) -> dict:
                 ]
                 for p in prompts
             ]
-        traffic = _Traffic(target, prompts, reference, options.max_new_tokens)
+        traffic = LoopingClients(target, prompts, reference, options.max_new_tokens)
         progress(f"bench migration: {options.clients} streaming clients; {options.quiet_seconds:.0f}s with no move")
-        traffic.start()
+        traffic.grow(options.clients)
         time.sleep(options.quiet_seconds)
         windows, records = [], []
         for n, (layer, expert, source, target_group) in enumerate(
@@ -195,7 +143,7 @@ def run(options: Options) -> dict:
                 f"layer {layer} expert {expert} {source} -> {target_group}"
             )
         time.sleep(options.quiet_seconds)
-        traffic.join()
+        traffic.stop()
         server.drain_and_stop()
     finally:
         executor.close()
@@ -233,7 +181,7 @@ def run(options: Options) -> dict:
         },
     }
     if traffic.failed:
-        result["requests"]["first_failure"] = traffic.failed[0]
+        result["requests"]["first_failure"] = traffic.failed[0][2]
     return result
 
 

@@ -22,6 +22,7 @@ from expertmesh.orchestrator.placement.memory import DTYPE_BYTES
 
 
 def add_commands(commands, bench_commands) -> None:
+    from expertmesh.bench import elastic as bench_elastic
     from expertmesh.bench import migration as bench_migration
     from expertmesh.bench.chaos import suite as bench_chaos
     from expertmesh.bench.scale import suite as bench_scale
@@ -103,6 +104,7 @@ def add_commands(commands, bench_commands) -> None:
     m.set_defaults(run=run_plan_memory)
 
     bench_migration.add_command(bench_commands)
+    bench_elastic.add_command(bench_commands)
     bench_chaos.add_command(bench_commands)
     bench_scale.add_command(bench_commands)
     b = bench_commands.add_parser(

@@ -123,6 +123,31 @@ def test_a_gate_confidence_anomaly_routes_every_request_exactly_while_it_lasts(m
         engine.stop()
 
 
+def test_a_gate_whose_margin_narrows_at_the_same_top_1_score_is_an_anomaly_that_acts():
+    """The gate's second signal: the top-1 score stays at 0.5 while the runner-up closes in (top-1 minus top-2 from
+    ~0.3 to 0.05): gate confidence stays in band, the margin leaves its baseline, and exact routing follows it."""
+    monitor = AnomalyMonitor(None, CONFIG, "exact_routing", MeterProvider().get_meter("test"))
+    random = torch.Generator().manual_seed(0)
+
+    def step(second: float) -> None:
+        p = torch.tensor([0.5, second] + [(0.5 - second) / 6] * 6).repeat(4, 1)  # [T=4, E=8], softmax of log p is p
+        p[:, 2:] *= 1 + 0.05 * torch.rand(4, 6, generator=random)  # a little noise below the top two
+        monitor.begin_step()
+        monitor._gate(0, torch.log(p / p.sum(-1, keepdim=True) * 1.0), sigmoid=False)
+        monitor.end_step()
+
+    for i in range(CONFIG.warm_up + 4):
+        step(0.2 + 0.01 * (i % 3))
+    assert monitor.detector.baselines["gate_margin/0"].warm and not monitor.exact_routing
+    for _ in range(CONFIG.persistence):
+        step(0.45)
+    assert monitor._active["gate_margin/0"] and not monitor._active["gate_confidence/0"]
+    assert monitor.exact_routing and monitor.gate_anomalies() == [0]
+    for _ in range(CONFIG.recovery):
+        step(0.21)
+    assert not monitor.exact_routing
+
+
 def test_with_action_none_the_anomaly_is_reported_and_nothing_else():
     model = _model("mixtral")
     gate_bias = GateBias(model)

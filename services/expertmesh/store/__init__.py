@@ -103,7 +103,7 @@ class AnomalyRecord:
     router_id: str
     #: the router's count of its records, from 1; the health monitor acts on each (router, seq) once
     seq: int
-    #: "load_share" or "gate_confidence"
+    #: "load_share", "gate_confidence" or "gate_margin"
     signal: str
     #: the MoE layer (the model's layer index, as the routing table's)
     layer: int

@@ -6,6 +6,8 @@ per-sequence fallback's several forwards make one step):
 - ``gate_confidence`` {layer}: the mean top-1 gate score of the step's tokens at that MoE layer, from a forward
   hook on every gate (the scores as the tokens were routed, as ``gate_confidence``'s histograms read them): a
   sum and a count per layer per step, moved to the host once at the step's end
+- ``gate_margin`` {layer}: likewise the mean top-1 minus top-2 gate score (``gate_confidence``'s
+  ``top2_margin``): a gate that still picks one expert but no longer by much is unsure too
 - ``kv_fragmentation``: the KV pool's fragmentation when the step was scheduled (``KVUsage.fragmentation``)
 - ``load_share`` {layer, expert}: every ``load_share_every`` steps, each expert's share of its layer's tokens
   since the last observation, from the counts the router's load window already keeps (``LoadWindow.since_start``:
@@ -18,12 +20,13 @@ load_share: any expert of the layer's), else 0 (layer absent for kv_fragmentatio
 ``expertmesh_anomalies_total`` {signal, layer}, anomalies started (for load_share: one per expert).
 
 Actions (``ServingConfig.anomaly_action``): ``exact_routing`` makes ``exact_routing`` true while any layer's
-gate-confidence anomaly lasts; the engine then builds every step's routing exact (``step_routing(exact=True)``),
-whatever policy its requests asked for, and back when the last one ends. ``health_round``: a load-share or
-gate-confidence anomaly that starts is handed to ``publish`` as an ``AnomalyRecord`` naming the implicated
-(layer, expert) pairs (the experts whose share moved; for gate confidence the layer's most loaded experts, at most
-``max_pairs``), which the health monitor answers with an early round on them (``AnomalyPublisher`` writes it to the
-store). ``exact_routing+health_round``: both. ``none``: report only.
+gate-confidence or gate-margin anomaly lasts; the engine then builds every step's routing exact
+(``step_routing(exact=True)``), whatever policy its requests asked for, and back when the last one ends.
+``health_round``: a load-share, gate-confidence or gate-margin anomaly that starts is handed to ``publish`` as an
+``AnomalyRecord`` naming the implicated (layer, expert) pairs (the experts whose share moved; for the gate's
+signals the layer's most loaded experts, at most ``max_pairs``), which the health monitor answers with an early
+round on them (``AnomalyPublisher`` writes it to the store). ``exact_routing+health_round``: both. ``none``: report
+only.
 """
 
 from __future__ import annotations
@@ -44,13 +47,24 @@ from expertmesh.router.policy.routing_policy import gate_scores
 from expertmesh.router.reporting.anomaly import AnomalyDetector, BaselineConfig, VectorBaseline, Verdict
 from expertmesh.store import AnomalyRecord
 
-__all__ = ["ACTIONS", "GATE_CONFIDENCE", "KV_FRAGMENTATION", "LOAD_SHARE", "AnomalyAction", "AnomalyMonitor"]
+__all__ = [
+    "ACTIONS",
+    "GATE_CONFIDENCE",
+    "GATE_MARGIN",
+    "KV_FRAGMENTATION",
+    "LOAD_SHARE",
+    "AnomalyAction",
+    "AnomalyMonitor",
+]
 
 log = logging.getLogger(__name__)
 
 #: the actions, as the setting's type spells them (``ServingConfig.anomaly_action``)
 ACTIONS: tuple[str, ...] = get_args(AnomalyAction)
 GATE_CONFIDENCE = "gate_confidence"
+GATE_MARGIN = "gate_margin"
+#: the signals of how sure a layer's gate is: an anomaly of either is a gate anomaly (exact routing, health rounds)
+GATE_SIGNALS = (GATE_CONFIDENCE, GATE_MARGIN)
 KV_FRAGMENTATION = "kv_fragmentation"
 LOAD_SHARE = "load_share"
 
@@ -129,9 +143,9 @@ class AnomalyMonitor:
         return "exact_routing" in self.action and self.gate_anomalies() != []
 
     def gate_anomalies(self) -> list[int]:
-        """The MoE layers whose gate confidence is anomalous now."""
+        """The MoE layers whose gate confidence or margin is anomalous now."""
         return sorted(
-            int(k.partition("/")[2]) for k, on in self._active.items() if on and k.startswith(GATE_CONFIDENCE)
+            {int(k.partition("/")[2]) for k, on in self._active.items() if on and k.partition("/")[0] in GATE_SIGNALS}
         )
 
     def begin_step(self) -> None:
@@ -143,13 +157,16 @@ class AnomalyMonitor:
         layers = sorted(self._step)
         values: dict[str, float] = {}
         if layers:
-            sums = torch.stack([self._step[layer][0].float().cpu() for layer in layers]).tolist()
-            for layer, total in zip(layers, sums):
-                values[_key(GATE_CONFIDENCE, layer)] = total / self._step[layer][1]
+            sums = torch.stack([self._step[layer][0].float().cpu() for layer in layers]).tolist()  # [layers, 2]
+            for layer, (top1, margin) in zip(layers, sums):
+                tokens = self._step[layer][1]
+                values[_key(GATE_CONFIDENCE, layer)] = top1 / tokens
+                values[_key(GATE_MARGIN, layer)] = margin / tokens
         if kv_fragmentation is not None:
             values[KV_FRAGMENTATION] = float(kv_fragmentation)
         self._step = {}
         was_exact = self.exact_routing
+        gate_before = set(self.gate_anomalies())  # a layer's gate anomaly is one, whichever signal starts it
         verdicts = self.detector.observe(values)
         for v in verdicts:
             if v.signal not in self._active:  # the counter's series from 0 at a signal's first step, for increase()
@@ -168,9 +185,10 @@ class AnomalyMonitor:
                 log.info("anomaly over: %s back within its baseline (%.4f, mean %.4f)", v.signal, v.value, v.mean)
         self._active = {**self._active, **{v.signal: v.active for v in verdicts}}
         for v in verdicts:
-            if v.started and v.signal.startswith(GATE_CONFIDENCE):
-                layer = int(v.signal.partition("/")[2])
-                self._record(GATE_CONFIDENCE, layer, self._busiest(layer), v.value, v.mean, v.std)
+            signal, _, layer = v.signal.partition("/")
+            if v.started and signal in GATE_SIGNALS and int(layer) not in gate_before:
+                gate_before.add(int(layer))  # one record a layer, when its first gate signal starts
+                self._record(signal, int(layer), self._busiest(int(layer)), v.value, v.mean, v.std)
         self._steps += 1
         if self._load is not None and self._steps % self._load_every == 0:
             self._observe_load()
@@ -281,9 +299,10 @@ class AnomalyMonitor:
         if not isinstance(logits, torch.Tensor) or logits.shape[-1] < 2 or logits.numel() == 0:
             return
         scores = gate_scores(logits.detach().reshape(-1, logits.shape[-1]), sigmoid)  # [T, E]
-        top1 = scores.float().max(dim=-1).values.sum()
+        top2 = scores.float().topk(2, dim=-1).values  # [T, 2]
+        sums = torch.stack((top2[:, 0].sum(), (top2[:, 0] - top2[:, 1]).sum()))  # [2]: top-1, margin
         total, tokens = self._step.get(layer, (0.0, 0))
-        self._step[layer] = (top1 + total, tokens + scores.shape[0])
+        self._step[layer] = (sums + total, tokens + scores.shape[0])
 
     def _observe_active(self, options: CallbackOptions):
         return [Observation(1 if on else 0, _labels(key)) for key, on in sorted(self._active.items())]

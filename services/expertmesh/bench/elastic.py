@@ -539,7 +539,7 @@ def _measure(options: Options, up: _Platform, admin: _Admin, prompts, reference)
         traffic.stop()
 
     phases = summarize(windows, traffic.gaps, traffic.completed, traffic.failed)
-    result = {
+    return {
         "benchmark": "elastic",
         "phases": phases,
         "p99_during_change_over_before": {p["phase"]: p["p99_over_before"] for p in phases if p["change"]},
@@ -547,12 +547,5 @@ def _measure(options: Options, up: _Platform, admin: _Admin, prompts, reference)
         "remove": remove_figures(removed, process_ended),
         "groups_before": before,
         "groups_after": after,
-        "requests": {
-            "completed": traffic.requests,
-            "failed": len(traffic.failed),
-            "differing_from_stock": traffic.differing,
-        },
+        "requests": traffic.request_figures("differing_from_stock"),
     }
-    if traffic.failed:
-        result["requests"]["first_failure"] = traffic.failed[0][2]
-    return result

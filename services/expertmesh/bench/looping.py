@@ -59,6 +59,14 @@ class LoopingClients:
     def differing(self) -> int:
         return sum(c.differs for c in self.completed)
 
+    def request_figures(self, differing_key: str) -> dict:
+        """The run's requests for a report: completed, failed, those whose tokens differ from the reference (under
+        ``differing_key``), and the first failure's message when there was one."""
+        figures = {"completed": self.requests, "failed": len(self.failed), differing_key: self.differing}
+        if self.failed:
+            figures["first_failure"] = self.failed[0][2]
+        return figures
+
     def grow(self, n: int) -> LoopingClients:
         """Start the next ``n`` clients."""
         first = len(self._running)

@@ -160,7 +160,7 @@ def run(options: Options) -> dict:
     def itl(values):
         return {"tokens": len(values), "p50": 1e3 * percentile(values, 50), "p99": 1e3 * percentile(values, 99)}
 
-    result = {
+    return {
         "benchmark": "migration",
         "model": model_summary(checkpoint),
         "setup": {**options_summary(options), "machine": machine(), "platform": "in-process expertmesh up"},
@@ -174,15 +174,8 @@ def run(options: Options) -> dict:
             "bytes_loaded_mean": sum(m.bytes_loaded for m in records) / len(records),
             "table_versions": [m.table_version for m in records],
         },
-        "requests": {
-            "completed": traffic.requests,
-            "failed": len(traffic.failed),
-            "differing_from_reference": traffic.differing,
-        },
+        "requests": traffic.request_figures("differing_from_reference"),
     }
-    if traffic.failed:
-        result["requests"]["first_failure"] = traffic.failed[0][2]
-    return result
 
 
 def table(result: dict) -> str:

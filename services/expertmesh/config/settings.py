@@ -633,6 +633,13 @@ def settings_from_args(settings: type[S], args: argparse.Namespace, fallback: Ma
     return load_settings(settings, file, given, getattr(args, "setting_flags", None) or {}, fallback)
 
 
+def add_loop_flag(parser: argparse.ArgumentParser, flag: str, settings: type[BaseSettings], help: str) -> None:
+    """A control loop's on-switch (``--drift``, ``--health-monitor``, ``--capacity``): unset unless given, so that
+    ``loop_settings`` leaves ``enabled`` to the environment; ``help`` ends with where its settings come from."""
+    prefix = settings.model_config.get("env_prefix", "")
+    parser.add_argument(flag, action="store_true", default=None, help=f"{help} (settings: {prefix}*)")
+
+
 def loop_settings(settings: type[S], switched_on: bool) -> S:
     """A control loop's ``settings`` from the environment alone, ``enabled`` when its flag was given
     (``switched_on``); a bad setting is one InvalidRequest line naming its variable."""

@@ -58,6 +58,10 @@ LINEAR_KERNELS: tuple[LinearKernel, ...] = get_args(LinearKernel)
 
 #: rows the packed layout is chosen for (oneDNN's hint; any number of rows computes with it): a decode step's
 PACK_ROWS_HINT = 8
+#: a product of fewer rows is computed on this many (zeros below, cut off after): oneDNN's kernels for one or two
+#: rows read a packed weight slower than its kernel for four (an expert's [3584, 512] at 1 or 2 rows: 12-15 GB/s,
+#: padded to 4: 16-18 GB/s; one thread, this project's host); the extra rows cost no more weight reads
+MIN_ROWS = 4
 
 
 def _onednn_available() -> bool:
@@ -92,6 +96,11 @@ class PackedWeight:
         """x [..., in] -> [..., out]: ``nn.functional.linear(x, weight, bias)`` by the packed kernel."""
         if x.dtype != self.weight.dtype:  # what linear would refuse: let it say so
             return nn.functional.linear(x, self.weight, bias)
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if 0 < rows < MIN_ROWS:  # [rows, in] -> [MIN_ROWS, in]: see MIN_ROWS
+            padded = x.new_zeros(MIN_ROWS, x.shape[1])
+            padded[:rows] = x
+            return torch.ops.mkldnn._linear_pointwise(padded, self.packed(), bias, "none", [], "")[:rows]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed(), bias, "none", [], "")
 
 

@@ -10,7 +10,7 @@ import argparse
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from expertmesh.config.settings import loop_settings
+from expertmesh.config.settings import add_loop_flag, loop_settings
 
 __all__ = ["CapacityConfig", "add_capacity_argument", "capacity_config"]
 
@@ -60,12 +60,8 @@ class CapacityConfig(BaseSettings):
 
 
 def add_capacity_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--capacity",
-        action="store_true",
-        default=None,
-        help="run the capacity controller: replicas of hot experts, cold ones retired, groups advised "
-        "(settings: EXPERTMESH_CAPACITY_*)",
+    add_loop_flag(
+        parser, "--capacity", CapacityConfig, "run the capacity controller: replicas of hot experts, cold ones retired"
     )
 
 

@@ -10,7 +10,7 @@ import argparse
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from expertmesh.config.settings import loop_settings
+from expertmesh.config.settings import add_loop_flag, loop_settings
 
 
 class DriftConfig(BaseSettings):
@@ -58,12 +58,7 @@ class DriftConfig(BaseSettings):
 
 
 def add_drift_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--drift",
-        action="store_true",
-        default=None,
-        help="run the drift controller: move experts off groups that stay full (settings: EXPERTMESH_DRIFT_*)",
-    )
+    add_loop_flag(parser, "--drift", DriftConfig, "run the drift controller: move experts off groups that stay full")
 
 
 def drift_config(args: argparse.Namespace) -> DriftConfig:

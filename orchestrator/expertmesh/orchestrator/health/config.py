@@ -13,7 +13,7 @@ import argparse
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from expertmesh.config.settings import loop_settings
+from expertmesh.config.settings import add_loop_flag, loop_settings
 
 
 class HealthConfig(BaseSettings):
@@ -93,13 +93,11 @@ class HealthConfig(BaseSettings):
 
 
 def add_health_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add_loop_flag(
+        parser,
         "--health-monitor",
-        dest="health_monitor",
-        action="store_true",
-        default=None,
-        help="run the expert health monitor: probe every replica, quarantine and repair bad ones "
-        "(settings: EXPERTMESH_HEALTH_*)",
+        HealthConfig,
+        "run the expert health monitor: probe every replica, quarantine and repair bad ones",
     )
 
 

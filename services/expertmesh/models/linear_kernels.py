@@ -60,7 +60,8 @@ LINEAR_KERNELS: tuple[LinearKernel, ...] = get_args(LinearKernel)
 PACK_ROWS_HINT = 8
 #: a product of fewer rows is computed on this many (zeros below, cut off after): oneDNN's kernels for one or two
 #: rows read a packed weight slower than its kernel for four (an expert's [3584, 512] at 1 or 2 rows: 12-15 GB/s,
-#: padded to 4: 16-18 GB/s; one thread, this project's host); the extra rows cost no more weight reads
+#: padded to 4: 16-18 GB/s; one thread, this project's host); the extra rows cost no more weight reads. End to end,
+#: 8 clients of 64-token prompts and 256-token answers: 92.1 / 95.8 -> 95.8 / 102.7 tok/s, groups' CPU -11 %
 MIN_ROWS = 4
 
 

@@ -101,7 +101,9 @@ class VllmServer:
     def runs(self, work: list[list[int]], load: Load) -> list[BaselineRun]:
         n, r, m = load.clients, load.requests_per_client, load.max_new_tokens
         progress(f"bench serve: vLLM, {n} streaming clients x {r} requests")
-        self._request(work[0], 2, 0)  # warm-up
+        # Warm-up on a prompt no timed request shares a block with (vLLM caches prefixes by default: its first timed
+        # request, the same prompt, would find itself cached), as the platform's cache is emptied after its own.
+        self._request(list(reversed(work[0])), 2, 0)
         try:
             requests = stream_clients(n, r, lambda _, i, timed: self._stream(work[i], m, timed))
         except BenchError as err:

@@ -60,6 +60,13 @@ def add_command(commands) -> None:
         help="start holding no experts, whatever the placement says (a group added live: the orchestrator "
         "fills it by moves) (default: off)",
     )
+    p.add_argument(
+        "--quiet-start",
+        action="store_true",
+        help="import the code and read the checkpoint in a thread at the lowest CPU priority, so a group started "
+        "beside busy ones takes only idle CPU until it serves; it then serves at normal priority (`expertmesh "
+        "groups add` starts groups so) (default: off)",
+    )
     p.set_defaults(run=_main)
 
 
@@ -187,6 +194,17 @@ def _run_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _imported_and(work, args: argparse.Namespace):
+    """``work(args)`` after importing what serving a group needs (torch, transformers, the group's service)."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import expertmesh.expert_group.service  # noqa: F401
+    import expertmesh.models.hosted_experts  # noqa: F401
+
+    return work(args)
+
+
 def group_spec(args: argparse.Namespace) -> GroupSpec:
     """The group ``args`` describe, checked against the checkpoint; unset flags keep GroupSpec's defaults."""
     from expertmesh.contracts import group_map as placement_mod
@@ -230,7 +248,15 @@ def group_spec(args: argparse.Namespace) -> GroupSpec:
 
 
 def _main(args: argparse.Namespace) -> int:
-    spec = group_spec(args)
+    if args.quiet_start:
+        import numpy  # noqa: F401  (here, at normal priority: its BLAS starts worker threads as it loads)
+
+        from expertmesh.infra.cpu_priority import at_lowest_priority
+
+        # the imports and the checkpoint's reading (3-4 CPU s); the threads that serve start below, at normal priority
+        spec = at_lowest_priority(lambda: _imported_and(group_spec, args), name="expertmesh-group-start")
+    else:
+        spec = group_spec(args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -114,9 +114,10 @@ class ProcessGroups:
                 raise GroupChangeRefused("--gpus 1: this host has no CUDA GPU; leave --gpus out to compute on CPU")
 
     def start(self, name: str, gpus: int = 0, island: str = "", node: str = "") -> tuple[str, int]:
-        """One more group, empty (``group serve --empty``): the orchestrator fills it by live moves."""
+        """One more group, empty (``group serve --empty``): the orchestrator fills it by live moves. It starts
+        quietly (``--quiet-start``): its imports take only the CPU the serving processes leave idle."""
         self.check(gpus, island, node)
-        args = [*self._args, "--empty", *(["--gpu"] if gpus or self._gpu else [])]
+        args = [*self._args, "--empty", "--quiet-start", *(["--gpu"] if gpus or self._gpu else [])]
         group = start_groups([name], args, self._env)[name]
         with self._lock:
             self.groups[name] = group

@@ -48,6 +48,8 @@ CALLS = {
     "endpoints": ("endpoints", "read", lambda s: s.endpoints()),
     "publish_load": ("load", "write", lambda s: s.publish_load("r1", b"x")),
     "loads": ("load", "read", lambda s: s.loads()),
+    "publish_load_detail": ("load_detail", "write", lambda s: s.publish_load_detail("r1", b"x")),
+    "load_details": ("load_detail", "read", lambda s: s.load_details()),
     "publish_router_heartbeat": ("routers", "write", lambda s: s.publish_router_heartbeat(RouterHeartbeat("r1", 1, 0))),
     "remove_router_heartbeat": ("routers", "write", lambda s: s.remove_router_heartbeat("r9")),
     "router_heartbeats": ("routers", "read", lambda s: s.router_heartbeats()),

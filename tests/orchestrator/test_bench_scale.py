@@ -77,7 +77,7 @@ def test_simulated_groups_load_unload_and_budget():
 
 def _window_ops(routers: int) -> dict:
     backend = CountingBackend()
-    fleet = RouterFleet(StateStore(backend.view("routers")), routers, Costs(), window_bytes=b"x" * 100)
+    fleet = RouterFleet(StateStore(backend.view("routers")), routers, Costs(), pulse_bytes=b"x" * 100)
     fleet.run_window(0.0, 20.0)
     return dict(backend.counts["routers"].ops)
 
@@ -87,6 +87,32 @@ def test_router_store_ops_grow_linearly_in_routers():
     assert two == {kind: 2 * n for kind, n in one.items()}
     # per router and second: 4 version GETs + 4 quarantine HGETALLs, a heartbeat, a tenth of a load window
     assert one == {"get": 8 * 80, "hgetall": 8 * 80, "hset": 8 * 20 + 8 * 2}
+
+
+def _cycle(detail_bytes: bytes) -> tuple[CountingBackend, StateStore, RouterFleet]:
+    backend = CountingBackend()
+    store = StateStore(backend.view("routers"))
+    fleet = RouterFleet(store, 7, Costs(), pulse_bytes=b"p" * 10, detail_bytes=detail_bytes, detail_every=6)
+    fleet.run_window(0.0, 60.0)  # one cycle of details: 6 pulses 10 s apart a router
+    return backend, store, fleet
+
+
+def test_fleet_writes_each_routers_detail_once_a_cycle():
+    plain, _, _ = _cycle(b"")
+    backend, store, fleet = _cycle(b"d" * 1000)
+    assert backend.counts["routers"].ops["hset"] - plain.counts["routers"].ops["hset"] == 7
+    assert backend.counts["routers"].bytes_in - plain.counts["routers"].bytes_in == 7 * 1000
+    assert set(store.load_details()) == set(store.loads()) == set(fleet.ids)
+
+
+def test_quick_run_reports_store_bytes_before_and_after(quick_runs):
+    store = quick_runs[4]["store"]
+    assert store["load_pulse_bytes"] < store["load_detail_bytes"] < store["load_window_bytes"]
+    assert store["router_bytes_in_s"] < store["router_bytes_in_s_before"]
+    assert store["scan_reads_bytes"] == 4 * store["load_pulse_bytes"]
+    assert store["scan_reads_bytes_before"] == 4 * store["load_window_bytes"]
+    assert {"scan_decode_wall_s", "scan_decode_wall_s_before", "detail_decode_wall_s"} <= set(store)
+    assert "was (whole windows)" in table([quick_runs[4]])
 
 
 def test_serve_delays_are_within_one_poll():

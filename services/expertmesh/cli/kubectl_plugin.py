@@ -28,7 +28,6 @@ import argparse
 import os
 import sys
 import time
-from functools import reduce
 
 from expertmesh.contracts.errors import ExpertMeshError, InvalidRequest
 from expertmesh.orchestrator.kube.api import ExpertMigrationApi, WatchExpired, connect, create_migration_object
@@ -193,10 +192,11 @@ def run_experts(args) -> int:
         raise InvalidRequest(f"no routing table in {args.state_url} yet; are the expert groups up?")
     load = {}
     if published:
-        from expertmesh.contracts.load_window import LoadSnapshot  # numpy and torch: only when there is load to read
+        from expertmesh.contracts.load_report import summed_pulses  # numpy and torch: only when there is load
 
-        total = reduce(lambda a, b: a + b, (LoadSnapshot.from_bytes(v) for v in published.values()))
-        load = {layer: tuple(float(x) for x in total.load[row]) for row, layer in enumerate(total.moe_layers)}
+        total = summed_pulses(published)
+        if total is not None:
+            load = {layer: tuple(float(x) for x in total.load[row]) for row, layer in enumerate(total.moe_layers)}
     rows = expert_rows(table, load, args.layer, out_of_service)
     print((render_json if args.output == "json" else render_table)(table, rows, len(published)))
     return 0

@@ -1,14 +1,14 @@
 """``expertmesh stats export``: the routers' expert load, as the stats file of ``expertmesh plan``.
 
 From one router over gRPC (``--target``, the embedded default) or from every
-router that publishes to a shared state store (``--state-url``), summed.
+router that publishes to a shared state store (``--state-url``), summed: each router's window as of its last
+detail (``contracts.load_report``), at most ``DETAIL_EVERY`` load publishes old.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from functools import reduce
 from pathlib import Path
 
 import grpc
@@ -34,15 +34,16 @@ def add_command(commands) -> None:
 
 def _export(args) -> int:
     if args.state_url:
-        from expertmesh.contracts.load_window import LoadSnapshot
+        from expertmesh.contracts.load_report import summed_details
         from expertmesh.store import open_store
 
         store = open_store(args.state_url)
-        published = store.loads()
+        published = store.load_details()
         store.close()
-        if not published:
+        total = summed_details(published)
+        if total is None:
             raise GroupUnavailable(f"no router has published load statistics to {args.state_url} yet")
-        stats = reduce(lambda a, b: a + b, (LoadSnapshot.from_bytes(v) for v in published.values())).to_stats_dict()
+        stats = total.to_stats_dict()
         source = f"{len(published)} routers"
     else:
         from expertmesh.client import Client

@@ -27,8 +27,9 @@ Glossary
   ``h`` experts over all MoE layers together (``h <= L * (top_k + 1)``; active
   parameters per token = dense + ``h`` x parameters per expert).
 
-Stored (per router, in the state store) as an ``.npz`` without pickles, so
-routers, the orchestrator and ``expertmesh stats export`` read the same bytes.
+A snapshot's bytes (``to_bytes``) are an ``.npz`` without pickles, so routers, the orchestrator and
+``expertmesh stats export`` read the same bytes; what a router publishes to the state store, and how often,
+is ``contracts.load_report``'s (the load alone often, the whole snapshot rarely).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 import torch
+
+from expertmesh.contracts.count_codec import pack_coactivation, pack_counts, unpack_coactivation, unpack_counts
 
 #: domains counted apart at most: the published window's size must not grow with what clients send
 MAX_DOMAINS = 256
@@ -91,40 +94,42 @@ class LoadSnapshot:
             object.__setattr__(self, "relative_load", np.zeros((len(self.moe_layers), 0, self.num_experts)))
 
     def to_bytes(self) -> bytes:
+        """The ``.npz`` (no pickles) of the whole snapshot: counts packed exactly (``count_codec``)."""
         buf = io.BytesIO()
         np.savez_compressed(
             buf,
             moe_layers=np.array(self.moe_layers, dtype=np.int64),
             shape=np.array([self.num_experts, self.top_k, self.max_context], dtype=np.int64),
-            load=self.load,
-            coactivation=self.coactivation,
-            position_load=self.position_load,
+            load=pack_counts(self.load),
+            **pack_coactivation(self.coactivation),
+            position_load=pack_counts(self.position_load),
             domains=np.array(sorted(self.domain_load), dtype=str),
-            domain_load=np.stack([self.domain_load[d] for d in sorted(self.domain_load)])
+            domain_load=pack_counts(np.stack([self.domain_load[d] for d in sorted(self.domain_load)]))
             if self.domain_load
             else np.zeros((0, *self.load.shape)),
-            relative_load=self.relative_load,
-            experts_per_token=self.experts_per_token,
+            relative_load=pack_counts(self.relative_load),
+            experts_per_token=pack_counts(self.experts_per_token),
             query_length_edges=np.array(self.query_length_edges, dtype=np.int64),
         )
         return buf.getvalue()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "LoadSnapshot":
+        """What ``to_bytes`` wrote, or an older router's window (dense float64 arrays, fewer of them)."""
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             num_experts, top_k, max_context = (int(v) for v in z["shape"])
             return cls(
                 tuple(int(v) for v in z["moe_layers"]),
                 num_experts,
                 top_k,
-                z["load"],
-                z["coactivation"],
-                z["position_load"],
+                unpack_counts(z["load"]),
+                unpack_coactivation(z, num_experts),
+                unpack_counts(z["position_load"]),
                 max_context,
                 # routers from before domains (or per-sequence statistics) were counted publish no such arrays
-                dict(zip((str(d) for d in z["domains"]), z["domain_load"])) if "domains" in z else {},
-                z["relative_load"] if "relative_load" in z else np.zeros((0, 0, 0)),
-                z["experts_per_token"] if "experts_per_token" in z else np.zeros((0, 0)),
+                dict(zip((str(d) for d in z["domains"]), unpack_counts(z["domain_load"]))) if "domains" in z else {},
+                unpack_counts(z["relative_load"]) if "relative_load" in z else np.zeros((0, 0, 0)),
+                unpack_counts(z["experts_per_token"]) if "experts_per_token" in z else np.zeros((0, 0)),
                 tuple(int(v) for v in z["query_length_edges"]) if "query_length_edges" in z else QUERY_LENGTH_EDGES,
             )
 
@@ -310,10 +315,19 @@ class LoadWindow:
         with self._lock:
             return self._since_start.copy()
 
+    def _live(self) -> np.ndarray:
+        """[buckets] bool: the buckets within the window now (call under the lock)."""
+        current = int(self._clock() // self._bucket_s)
+        return (self._epoch >= 0) & (self._epoch > current - len(self._epoch))
+
+    def load(self) -> np.ndarray:
+        """[L, E] float64 tokens per expert over the window: the snapshot's ``load`` without summing the rest."""
+        with self._lock:
+            return self._load[self._live()].sum(axis=0, dtype=np.float64)
+
     def snapshot(self) -> LoadSnapshot:
         with self._lock:
-            current = int(self._clock() // self._bucket_s)
-            live = (self._epoch >= 0) & (self._epoch > current - len(self._epoch))
+            live = self._live()
             return LoadSnapshot(
                 self.moe_layers,
                 self.num_experts,

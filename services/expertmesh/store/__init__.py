@@ -13,7 +13,10 @@ refuses to publish one model's table over another's, ``StoreCollision``):
 - ``routing_table:version`` its version alone, so routers poll cheaply
 - ``placement``             hash: ``digest`` -> the placement file last applied to the table
 - ``endpoints``             hash: group name -> "host:port" of its gRPC server
-- ``load``                  hash: router id -> its load window (``router.load_window`` .npz bytes)
+- ``load``                  hash: router id -> the load of its window (a ``contracts.load_report`` pulse, .npz
+  bytes), rewritten every ``load_publish_s``
+- ``load_detail``           hash: router id -> its whole load window (``LoadSnapshot.to_bytes``), rewritten every
+  ``load_report.DETAIL_EVERY`` pulses
 - ``routers``               hash: router id -> JSON ``RouterHeartbeat`` (the routing-table version
   it serves and when it last said so); migrations drain on it
 - ``migrations``            hash: migration id -> the orchestrator's JSON migration record
@@ -245,7 +248,15 @@ class StateStore:
         self._kv.hset(self._key("load"), router_id, data)
 
     def loads(self) -> dict[str, bytes]:
+        """router id -> its latest pulse (``load_report.summed_pulses`` adds them up)."""
         return self._kv.hgetall(self._key("load"))
+
+    def publish_load_detail(self, router_id: str, data: bytes) -> None:
+        self._kv.hset(self._key("load_detail"), router_id, data)
+
+    def load_details(self) -> dict[str, bytes]:
+        """router id -> its latest detail (``load_report.summed_details`` adds them up)."""
+        return self._kv.hgetall(self._key("load_detail"))
 
     # -- router heartbeats ------------------------------------------------------------
 

@@ -74,6 +74,7 @@ LAYOUT: tuple[StoreKey, ...] = (
     # groups register themselves; the orchestrator's embedded form (`up`) registers the groups it starts
     _key("endpoints", HASH, {ROUTER}, {GROUP, ORCHESTRATOR}),
     _key("load", HASH, {ORCHESTRATOR}, {ROUTER}),
+    _key("load_detail", HASH, {ORCHESTRATOR}, {ROUTER}),
     _key("routers", HASH, {ORCHESTRATOR}, {ROUTER}),
     _key("migrations", HASH, set(), {ORCHESTRATOR}),
     _key("quarantine", HASH, {ROUTER}, {ORCHESTRATOR}),

@@ -1,5 +1,5 @@
 """The drift controller's I/O: one ``Observation`` from the state store (routing
-table, endpoints, the routers' load windows, migration records) and every group's
+table, endpoints, the routers' load pulses, migration records) and every group's
 Describe (weights, budget, busy seconds).
 
 A group that does not answer is left out of the observation and logged: it is
@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from functools import reduce
 
 from expertmesh.contracts.errors import MigrationRefused
-from expertmesh.contracts.load_window import LoadSnapshot
+from expertmesh.contracts.load_report import LoadPulse, summed_pulses
 from expertmesh.orchestrator.drift.state import ExpertLoad, GroupSample, Observation
 from expertmesh.orchestrator.migration.group_calls import GroupCallFailed, GroupChannels
 from expertmesh.orchestrator.migration.state import load_all
@@ -55,10 +54,7 @@ class Observer:
                     memory_total_bytes=view.memory_total_bytes,
                 )
             )
-        published = self._store.loads().values()
-        snapshot = (
-            reduce(lambda a, b: a + b, (LoadSnapshot.from_bytes(raw) for raw in published)) if published else None
-        )
+        snapshot = summed_pulses(self._store.loads())  # the load alone: no co-activation decoded
         return Observation(
             at=self._clock(),
             table=table,
@@ -69,7 +65,7 @@ class Observer:
         )
 
 
-def expert_loads(snapshot: LoadSnapshot) -> tuple[ExpertLoad, ...]:
+def expert_loads(snapshot: LoadPulse) -> tuple[ExpertLoad, ...]:
     """Rows of the windows are MoE layers in order; the routing table names layers by index."""
     return tuple(
         ExpertLoad(layer, expert, float(snapshot.load[row, expert]))

@@ -262,12 +262,11 @@ class Target:
 
 def pick_expert(platform, target_share: float) -> Target:
     """The (layer, expert) whose share of the tokens routed so far is nearest ``target_share``."""
-    from expertmesh.contracts.load_window import LoadSnapshot
+    from expertmesh.contracts.load_report import summed_pulses
 
-    snapshots = [LoadSnapshot.from_bytes(raw) for raw in platform.store.loads().values()]
-    if not snapshots:
+    total = summed_pulses(platform.store.loads())
+    if total is None:
         raise BenchError("the router has published no expert load yet")
-    total = sum(snapshots[1:], snapshots[0])
     tokens = total.load.sum(axis=1) / max(total.top_k, 1)  # [L]: tokens routed per MoE layer
     shares = {
         (layer, e): float(total.load[i, e] / tokens[i])

@@ -13,6 +13,7 @@ waits in wall time.
 from __future__ import annotations
 
 import heapq
+import io
 import math
 import time
 from collections import Counter, defaultdict
@@ -27,6 +28,7 @@ from expertmesh.bench.scale.planning import planner_figures
 from expertmesh.bench.scale.simulated import Clock, CountingBackend, ParsedTableStore, RouterFleet, SimulatedGroups
 from expertmesh.contracts.errors import ExpertMeshError
 from expertmesh.contracts.gpu_plan import Placement
+from expertmesh.contracts.load_report import DETAIL_EVERY, LoadPulse
 from expertmesh.contracts.load_window import LoadSnapshot
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.capacity.config import CapacityConfig
@@ -72,8 +74,9 @@ class Case:
     health: HealthConfig = field(default_factory=HealthConfig)
     #: migrations in flight at once (the runner's ``max_concurrent``)
     max_moves: int = 4
-    #: simulated seconds of router traffic whose store calls are counted one by one
-    ops_window_s: float = 60.0
+    #: simulated seconds of router traffic whose store calls are counted one by one: a whole cycle of load
+    #: details (``DETAIL_EVERY`` publishes 10 s apart), in which every router writes exactly one
+    ops_window_s: float = DETAIL_EVERY * 10.0
     #: the routers' load windows (``LoadWindow.window_s``): the tokens a scan sees
     load_window_s: float = 600.0
     #: the capacity controller beside drift (replicas of hot experts, cold ones retired); None: drift alone
@@ -123,18 +126,64 @@ def _table_from_shares(shares: np.ndarray, gpu_ids: tuple[int, ...]) -> RoutingT
     return RoutingTable(version=1, num_experts=shares.shape[1], replicas=replicas, shares=split)
 
 
-def window_snapshot(model: ModelShape, stats: LoadStats) -> bytes:
-    """A load window as a router publishes it (``LoadSnapshot.to_bytes``), at the model's shape."""
-    snap = LoadSnapshot(
+def router_window(model: ModelShape, popularity: np.ndarray, tokens: float, seed: int = 0) -> LoadSnapshot:
+    """One router's window of ``tokens`` tokens as its ``LoadWindow`` counts them: whole counts, Poisson around
+    the expected load [L, E], co-activation [L, E, E] (symmetric) and position load [L, P, E] of ``_stats``."""
+    rng = np.random.default_rng(seed)
+    expected = _stats(model, popularity, tokens)
+    upper = np.triu(rng.poisson(expected.coactivation), 1)  # [L, E, E]
+    bins = 16
+    return LoadSnapshot(
         moe_layers=tuple(range(model.moe_layers)),
         num_experts=model.num_experts,
         top_k=model.top_k,
-        load=stats.load,
-        coactivation=stats.coactivation,
-        position_load=np.zeros((model.moe_layers, 16, model.num_experts)),
+        load=rng.poisson(expected.load).astype(np.float64),
+        coactivation=(upper + upper.transpose(0, 2, 1)).astype(np.float64),
+        position_load=rng.poisson(np.repeat(expected.load[:, None, :] / bins, bins, axis=1)).astype(np.float64),
         max_context=4096,
     )
-    return snap.to_bytes()
+
+
+def whole_window_bytes(snap: LoadSnapshot) -> bytes:
+    """``snap`` as routers wrote it every interval before pulses (``contracts.load_report``): every array dense
+    float64 in one ``.npz``; ``LoadSnapshot.from_bytes`` still reads it."""
+    buf = io.BytesIO()
+    np.savez_compressed(
+        buf,
+        moe_layers=np.array(snap.moe_layers, dtype=np.int64),
+        shape=np.array([snap.num_experts, snap.top_k, snap.max_context], dtype=np.int64),
+        load=snap.load,
+        coactivation=snap.coactivation,
+        position_load=snap.position_load,
+        domains=np.array([], dtype=str),
+        domain_load=np.zeros((0, *snap.load.shape)),
+        relative_load=snap.relative_load,
+        experts_per_token=snap.experts_per_token,
+        query_length_edges=np.array(snap.query_length_edges, dtype=np.int64),
+    )
+    return buf.getvalue()
+
+
+def _wall(decode, data: bytes) -> float:
+    started = time.perf_counter()
+    decode(data)
+    return time.perf_counter() - started
+
+
+def load_records(model: ModelShape, popularity: np.ndarray, tokens: float) -> dict:
+    """What one router writes of a window of ``tokens`` tokens, before pulses and now (bytes), and what reading it
+    costs (measured wall seconds): a control loop's scan decodes one per router, ``stats export`` one detail."""
+    snap = router_window(model, popularity, tokens)
+    whole, detail = whole_window_bytes(snap), snap.to_bytes()
+    pulse = LoadPulse(snap.moe_layers, snap.num_experts, snap.top_k, snap.load).to_bytes()
+    return {
+        "whole": whole,
+        "pulse": pulse,
+        "detail": detail,
+        "whole_decode_wall_s": _wall(LoadSnapshot.from_bytes, whole),
+        "pulse_decode_wall_s": _wall(LoadPulse.from_bytes, pulse),
+        "detail_decode_wall_s": _wall(LoadSnapshot.from_bytes, detail),
+    }
 
 
 class _Versions:
@@ -204,11 +253,10 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
         for name in names:
             held[name].add(pair)
     sim = SimulatedGroups(model, costs, held, clock)
-    snapshot = window_snapshot(model, stats0)
-    started = time.perf_counter()
-    LoadSnapshot.from_bytes(snapshot)
-    window_decode_wall_s = time.perf_counter() - started  # the drift observer decodes one per router per scan
-    fleet = RouterFleet(StateStore(backend.view("routers")), case.routers, costs, window_bytes=snapshot)
+    # one router's window at the day's peak, as it publishes it now and as it did before pulses
+    windows = load_records(model, popularity(0.0), costs.router_tokens_s * case.load_window_s)
+    router_store = StateStore(backend.view("routers"))
+    fleet = RouterFleet(router_store, case.routers, costs, pulse_bytes=windows["pulse"], detail_bytes=windows["detail"])
     versions = _Versions(case.routers)
     versions.publish(1, 0.0, fleet.serve_delays(0.0, table_bytes))
     executor = MigrationExecutor(
@@ -368,9 +416,14 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
     orchestrator_bytes_out_s = orchestrator.bytes_out / max(end, 1.0)
 
     # -- steady-state store traffic: the fleet's calls, one by one, over a simulated window --------
+    router_counts = backend.counts["routers"]
+    backend.reset()  # first as before pulses: every router writing its whole window each interval
+    RouterFleet(router_store, case.routers, costs, pulse_bytes=windows["whole"]).run_window(
+        clock.now, case.ops_window_s, known=orch.routing_table_version()
+    )
+    router_bytes_in_s_before = router_counts.bytes_in / case.ops_window_s
     backend.reset()
     fleet.run_window(clock.now, case.ops_window_s, known=orch.routing_table_version())
-    router_counts = backend.counts["routers"]
     router_ops_s = router_counts.total() / case.ops_window_s
 
     final = orch.routing_table()
@@ -422,14 +475,25 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
             "router_ops_s": router_ops_s,
             "router_ops_s_by_kind": {k: v / case.ops_window_s for k, v in sorted(router_counts.ops.items())},
             "router_bytes_in_s": router_counts.bytes_in / case.ops_window_s,
+            #: the same, had every router written its whole window every interval (before pulses)
+            "router_bytes_in_s_before": router_bytes_in_s_before,
             "router_bytes_out_s": router_counts.bytes_out / case.ops_window_s,
             "orchestrator_ops_s": orchestrator_ops_s,
             "orchestrator_bytes_out_s": orchestrator_bytes_out_s,
             "ops_s": router_ops_s + orchestrator_ops_s,
             "ops_s_per_router": router_ops_s / case.routers,
-            "load_window_bytes": len(snapshot),
-            "scan_reads_bytes": len(snapshot) * case.routers,
-            "scan_decode_wall_s": window_decode_wall_s * case.routers,
+            #: one router's peak window: its pulse (every interval), its detail (every DETAIL_EVERY), whole (before)
+            "load_pulse_bytes": len(windows["pulse"]),
+            "load_detail_bytes": len(windows["detail"]),
+            "detail_every": DETAIL_EVERY,
+            "load_window_bytes": len(windows["whole"]),
+            #: what a drift or capacity scan reads and decodes: every router's pulse (before: its whole window)
+            "scan_reads_bytes": len(windows["pulse"]) * case.routers,
+            "scan_reads_bytes_before": len(windows["whole"]) * case.routers,
+            "scan_decode_wall_s": windows["pulse_decode_wall_s"] * case.routers,
+            "scan_decode_wall_s_before": windows["whole_decode_wall_s"] * case.routers,
+            #: what ``stats export`` decodes: every router's detail
+            "detail_decode_wall_s": windows["detail_decode_wall_s"] * case.routers,
         },
         "health": health,
         "hours": hours,

@@ -1,6 +1,6 @@
 """The simulated I/O of the scale simulation: a clock, a state backend that counts operations,
 expert groups behind the migration executor's group-channel interface, and a fleet of routers
-whose polls, heartbeats and load-window publishes hit the store on the simulated clock."""
+whose polls, heartbeats and load publishes hit the store on the simulated clock."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from expertmesh.bench.scale.model import Costs, ModelShape
+from expertmesh.contracts.load_report import DETAIL_EVERY
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.migration.group_calls import GroupCallFailed, GroupView, Loaded
 from expertmesh.orchestrator.migration.plan import Canary, Pair
@@ -198,8 +199,11 @@ class SimulatedGroups:
 class RouterFleet:
     """``count`` routers polling the store every ``poll_s`` (version GET + quarantine HGETALL, the table
     GET when the version changed), heartbeating every ``heartbeat_s`` and on every switch, publishing a
-    load window of ``window_bytes`` every ``load_publish_s``. Router ``r``'s polls fall at
-    ``(r + 0.5) / count`` of a poll interval, so the fleet's polls are spread evenly (deterministic)."""
+    load pulse of ``pulse_bytes`` every ``load_publish_s`` and, when ``detail_bytes`` are given, the detail
+    before every ``detail_every``-th pulse (``contracts.load_report``). Router ``r``'s polls fall at
+    ``(r + 0.5) / count`` of a poll interval, and its details at that fraction of ``detail_every`` pulses, so
+    the fleet's calls are spread evenly (deterministic). Before pulses a router wrote its whole window every
+    interval: ``pulse_bytes`` = those bytes, no ``detail_bytes``."""
 
     def __init__(
         self,
@@ -210,13 +214,16 @@ class RouterFleet:
         poll_s: float = 0.25,
         heartbeat_s: float = 1.0,
         load_publish_s: float = 10.0,
-        window_bytes: bytes = b"",
+        pulse_bytes: bytes = b"",
+        detail_bytes: bytes = b"",
+        detail_every: int = DETAIL_EVERY,
     ):
         self.store, self.count, self.costs = store, count, costs
         self.poll_s, self.heartbeat_s, self.load_publish_s = poll_s, heartbeat_s, load_publish_s
-        self.window_bytes = window_bytes
+        self.pulse_bytes, self.detail_bytes, self.detail_every = pulse_bytes, detail_bytes, detail_every
         self.ids = [f"router-{r}" for r in range(count)]
         self.phase = (np.arange(count) + 0.5) / count  # [R] fraction of an interval
+        self.detail_offset = (self.phase * detail_every).astype(np.int64)  # [R] pulses each wrote before, mod K
 
     def serve_delays(self, published_at: float, table_bytes: int) -> np.ndarray:
         """[R] simulated seconds from a publish at ``published_at`` until each router steps with it."""
@@ -242,6 +249,7 @@ class RouterFleet:
                     t += interval
         events.sort()
         seen = {rid: known for rid in self.ids}
+        pulses = self.detail_offset.copy()  # [R] each router's pulses so far, counted from its phase
         for t, kind, r in events:
             rid = self.ids[r]
             if kind == 0:
@@ -253,4 +261,7 @@ class RouterFleet:
             elif kind == 1:
                 self.store.publish_router_heartbeat(RouterHeartbeat(rid, seen[rid], t))
             else:
-                self.store.publish_load(rid, self.window_bytes)
+                if self.detail_bytes and pulses[r] % self.detail_every == 0:
+                    self.store.publish_load_detail(rid, self.detail_bytes)
+                self.store.publish_load(rid, self.pulse_bytes)
+                pulses[r] += 1

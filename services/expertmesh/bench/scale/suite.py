@@ -221,6 +221,9 @@ def table(results: list[dict]) -> str:
                 store["ops_s"],
                 store["ops_s_per_router"],
                 store["router_bytes_in_s"] / 1e6,
+                _get(store, "router_bytes_in_s_before", 1e6),
+                store["scan_decode_wall_s"],
+                _get(store, "scan_decode_wall_s_before"),
                 health["probe_bytes"] / 1e9,
                 health["probe_sim_s"],
                 health["summarise_wall_s"] + health["judge_wall_s"],
@@ -250,6 +253,9 @@ def table(results: list[dict]) -> str:
             "store ops/s",
             "ops/s/router",
             "store MB/s in",
+            "was (whole windows)",
+            "scan decode s (wall)",
+            "was",
             "probe GB",
             "probe s (sim)",
             "health CPU s (wall)",
@@ -271,7 +277,10 @@ def table(results: list[dict]) -> str:
             ".3f",
             ".0f",
             ".2f",
-            ".1f",
+            ".3f",
+            ".3f",
+            ".3f",
+            ".2f",
             ".1f",
             ".1f",
             ".1f",
@@ -280,6 +289,12 @@ def table(results: list[dict]) -> str:
             "",
         ],
     )
+
+
+def _get(figures: dict, key: str, unit: float = 1.0) -> float | None:
+    """``figures[key] / unit``; None (``-``) in runs made before the figure was."""
+    value = figures.get(key)
+    return None if value is None else value / unit
 
 
 def _sampled(sampled: dict | None) -> list:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from expertmesh.bench.elastic import Window, add_figures, p99_ratio, remove_figures, summarize, table
+from expertmesh.bench.elastic import Window, add_figures, median_of, p99_ratio, remove_figures, summarize, table
 from expertmesh.bench.looping import Completion
 from expertmesh.cli.main import main
 from expertmesh.models.tiny import make_tiny_checkpoint
@@ -86,9 +86,12 @@ def test_group_figures_come_from_the_records():
     assert removed["exit_code"] == 0 and removed["process_ended"]
 
 
-def test_table():
-    phases = summarize(WINDOWS, GAPS, COMPLETED, FAILED)
-    result = {
+def _result(cycles: list[dict]) -> dict:
+    ratios = {
+        kind: [next(p["p99_over_before"] for p in c["phases"] if p["phase"].startswith(kind + " ")) for c in cycles]
+        for kind in ("add", "remove")
+    }
+    return {
         "model": {"model_type": "mixtral", "path": "/m/tiny", "moe_layers": 2, "num_experts": 8},
         "setup": {
             "groups": 2,
@@ -99,13 +102,24 @@ def test_table():
             "machine": {"cpus": 2},
             "load_average": {"start": 3.94, "end": 4.1},
         },
-        "phases": phases,
-        "p99_during_change_over_before": {p["phase"]: p["p99_over_before"] for p in phases if p["change"]},
-        "add": add_figures(_record(), 4.2, 8),
-        "remove": remove_figures(_record(name="g0", phase="stopped", experts=0, exit_code=0), True),
+        "cycles": cycles,
+        "p99_during_change_over_before": ratios,
+        "p99_median": {kind: median_of(values) for kind, values in ratios.items()},
         "requests": {"completed": 3, "failed": 1, "differing_from_stock": 1},
     }
-    lines = table(result).splitlines()
+
+
+def _one_cycle(windows=WINDOWS, gaps=GAPS) -> dict:
+    return {
+        "phases": summarize(windows, gaps, COMPLETED, FAILED),
+        "add": add_figures(_record(), 4.2, 8),
+        "remove": remove_figures(_record(name="g0", phase="stopped", experts=0, exit_code=0), True),
+    }
+
+
+def test_table():
+    cycle = _one_cycle()
+    lines = table(_result([cycle])).splitlines()
     assert "2 CPUs, load average 3.9 at the start, 4.1 at the end" in lines[0]
     assert lines[1].split() == [
         "phase", "clients", "s", "requests", "failed", "changed", "ITL", "p50", "ms", "ITL", "p99", "ms", "p99", "vs",
@@ -118,9 +132,31 @@ def test_table():
     assert "add g2: first token through it 4.2 s after the add (target <= 30 s), listed 3.5 s, serving 6.0 s" in text
     assert "8/8 moves, 3.0 MiB copied" in text
     assert "remove g0: drained 2.0 s after the request, stopped 4.0 s after its drain (target <= 10 s)" in text
-    assert "ITL p99 during a change over before it: add g2 1.51x (target <= 1.2x)" in text
+    assert "ITL p99 during a change over before it: add 1.51x; remove - (target <= 1.2x)" in text
     assert text.endswith("3 completed, 1 failed, 1 with tokens different from stock transformers (targets: 0, 0)")
-    assert not any(math.isnan(p["seconds"]) for p in phases)
+    assert not any(math.isnan(p["seconds"]) for p in cycle["phases"])
+
+
+def test_cycles_each_get_their_table_and_the_target_is_read_on_the_median():
+    # the second cycle's add: 60 ms against a 20 ms baseline (3.00x); the third's 20 against 20 (1.00x)
+    second = _one_cycle(gaps=[(1.0, 0.020), (15.0, 0.060)])
+    third = _one_cycle(gaps=[(1.0, 0.020), (15.0, 0.020)])
+    result = _result([_one_cycle(), second, third])
+    assert result["p99_during_change_over_before"]["add"] == pytest.approx([1.5075, 3.0, 1.0], abs=1e-3)
+    assert result["p99_median"] == {"add": pytest.approx(1.5075, abs=1e-3), "remove": None}
+    text = table(result)
+    assert [line for line in text.splitlines() if line.startswith("cycle ")] == [
+        "cycle 1 of 3",
+        "cycle 2 of 3",
+        "cycle 3 of 3",
+    ]
+    assert "add 1.51x, 3.00x, 1.00x (median 1.51x); remove -, -, - (median -) (target <= 1.2x, on the median)" in text
+
+
+def test_median_of():
+    assert median_of([1.0, None, 3.0, 2.0]) == 2.0
+    assert median_of([4.0, 1.0]) == 2.5
+    assert median_of([None]) is None and median_of([]) is None
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +176,7 @@ def checkpoint(tmp_path_factory):
         (["--phase-seconds", "0"], "--phase-seconds must be a number of seconds > 0, got 0.0"),
         (["--heartbeat", "nan"], "--heartbeat must be a number of seconds > 0, got nan"),
         (["--timeout", "-1"], "--timeout must be > 0, got -1.0"),
+        (["--cycles", "0"], "--cycles must be 1 to 20, got 0"),
         (["--prompt-tokens", "40", "--max-new-tokens", "40"], f"at most the model's context of {CONTEXT} tokens"),
     ],
 )

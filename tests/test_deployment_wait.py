@@ -56,3 +56,45 @@ def test_gives_up_at_the_timeout_naming_the_last_status(monkeypatch):
     _script(monkeypatch, (ApplicationStatus.DELETING, ""))
     with pytest.raises(TimeoutError, match=r"did not stop within 0s \(Serve status: DELETING\)"):
         deployment._wait_for_app(lambda app: app.status == ApplicationStatus.NOT_STARTED, "stop", 0.05)
+
+
+def _spec(name):
+    return deployment.GroupSpec(name=name, model_path="/m", pairs=())
+
+
+def test_a_group_added_that_fails_is_taken_out_again_and_the_others_keep_their_versions(monkeypatch):
+    """``GroupsApp.add``: Serve's DEPLOY_FAILED raises with its message, after the application is handed back
+    to the groups that ran, under their own versions (so their replicas are left alone)."""
+    runs = []
+    monkeypatch.setattr(deployment, "_run", lambda specs, versions: runs.append(([s.name for s in specs], versions)))
+    _script(monkeypatch, (ApplicationStatus.DEPLOYING, ""), (ApplicationStatus.DEPLOY_FAILED, "g2 raised"))
+    app = deployment.GroupsApp()
+    app.specs, app._versions = {"g0": _spec("g0"), "g1": _spec("g1")}, {"g0": "v0", "g1": "v1"}
+    with pytest.raises(RuntimeError, match="failed: g2 raised"):
+        app.add(_spec("g2"), timeout_s=5.0)
+    (added, versions), (back, back_versions) = runs
+    assert added == ["g0", "g1", "g2"] and versions["g0"] == "v0" and versions["g1"] == "v1"
+    assert back == ["g0", "g1"] and back_versions == {"g0": "v0", "g1": "v1"}
+    assert sorted(app.specs) == ["g0", "g1"]
+
+
+def test_a_group_removed_waits_until_serve_no_longer_lists_its_deployment(monkeypatch):
+    runs = []
+    monkeypatch.setattr(deployment, "_run", lambda specs, versions: runs.append(versions))
+    listed = [["directory", "group-g0", "group-g1"]] * 3 + [["directory", "group-g1"]]
+    asked = []
+
+    def app_status():
+        asked.append(1)
+        names = listed[min(len(asked), len(listed)) - 1]
+        return SimpleNamespace(
+            app_status=SimpleNamespace(status=ApplicationStatus.RUNNING, message=""),
+            deployment_statuses=[SimpleNamespace(name=n, status="HEALTHY") for n in names],
+        )
+
+    monkeypatch.setattr(deployment, "app_status", app_status)
+    monkeypatch.setattr(deployment, "STATUS_POLL_S", 0.001)
+    app = deployment.GroupsApp()
+    app.specs, app._versions = {"g0": _spec("g0"), "g1": _spec("g1")}, {"g0": "v0", "g1": "v1"}
+    app.remove("g0", timeout_s=5.0)
+    assert runs == [{"g1": "v1"}] and len(asked) == 4 and list(app.specs) == ["g1"]

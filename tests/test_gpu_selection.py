@@ -104,7 +104,10 @@ def test_a_gpu_plan_on_a_gpu_cluster_asks_each_group_for_its_gpus_island_and_num
     placement, layout = data_plane._group_map(config, checkpoint.spec)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 2.0, "expertmesh.io/island-a": 1.0})
     deployed = []
-    monkeypatch.setattr(deployment, "deploy", lambda specs: deployed.extend(specs) or {s.name: "h:1" for s in specs})
+    monkeypatch.setattr(
+        deployment, "deploy", lambda specs, versions=None: deployed.extend(specs) or {s.name: "h:1" for s in specs}
+    )
     data_plane._deploy_groups(config, checkpoint, placement, layout, open_store("memory://"))
     (spec,) = deployed
     assert (spec.name, spec.num_gpus, spec.resources, spec.numa) == ("n0-a", 2, {"expertmesh.io/island-a": 1}, 1)
+    assert spec.budget_bytes == layout.hardware["n0-a"].expert_budget_bytes  # the GPU plan's memory, less overhead

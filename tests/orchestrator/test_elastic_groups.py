@@ -341,7 +341,8 @@ def test_no_launcher_lists_but_refuses_changes(mesh):
     controller = GroupController(mesh.store, runner.submit, None)
     try:
         assert [r.name for r in controller.records()] == ["g0", "g1"]
-        with pytest.raises(GroupChangeRefused, match="--groups-as process"):
+        # no launcher: a router alone over a Kubernetes RayService's groups (`up` runs one for its own groups)
+        with pytest.raises(GroupChangeRefused, match="`expertmesh up --orchestrator`.* Kubernetes RayService: not yet"):
             controller.add(GroupRequest())
         assert GroupChangeRefused.code is grpc.StatusCode.FAILED_PRECONDITION
     finally:

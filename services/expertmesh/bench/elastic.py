@@ -1,7 +1,9 @@
 """``expertmesh bench elastic``: an expert group added and another removed under streaming load.
 
 Platform: ``expertmesh up --orchestrator --groups-as process`` as a child process (``--groups`` group
-processes, the in-process store, the admin API), as a person runs it. Load: ``--clients`` N looping
+processes, the in-process store, the admin API), as a person runs it; with ``--groups-as ray`` the default
+``expertmesh up --orchestrator`` (the groups are Ray Serve deployments of a local Ray; an added group is one
+more deployment, a removed one's deployment is deleted). Load: ``--clients`` N looping
 streaming greedy clients (``looping``), each request ``--prompt-tokens`` P tokens in, ``--max-new-tokens``
 M out, every answer compared token by token with stock transformers ``generate`` (greedy, float32, the
 same prompts), computed here first.
@@ -78,6 +80,10 @@ class Options:
     #: times the phases run on the one platform (the ITL target is read on the median over them)
     cycles: int = 1
     heartbeat_s: float = 0.2
+    #: how ``up`` runs the groups: "process" (``group serve`` processes) or "ray" (Ray Serve deployments)
+    groups_as: str = "process"
+    #: --groups-as ray: a Ray cluster for ``up`` to join (``--ray-address``) instead of starting a local one
+    ray_address: str | None = None
     #: seconds any one wait (a change, a phase's answers, the platform's start) may take before the run fails
     timeout_s: float = 600.0
 
@@ -99,7 +105,13 @@ def add_command(bench_commands) -> None:
     p = bench_commands.add_parser(
         "elastic", help="an expert group added and another removed under streaming load, with a load step"
     )
-    add_load_arguments(p, groups=2, groups_help="expert groups at the start (group processes)")
+    add_load_arguments(p, groups=2, groups_help="expert groups at the start")
+    p.add_argument(
+        "--groups-as",
+        choices=("process", "ray"),
+        default="process",
+        help="the platform's groups as `group serve` processes or as Ray Serve deployments (default: %(default)s)",
+    )
     p.add_argument("--step-clients", type=int, default=4, help="clients added for the load step (default 4)")
     p.add_argument("--prompt-tokens", type=int, default=8, help="prompt tokens per request (default 8)")
     p.add_argument("--phase-seconds", type=float, default=8.0, help="seconds of each phase with no change (default 8)")
@@ -132,6 +144,7 @@ def checked_options(args: argparse.Namespace) -> Options:
         phase_seconds=args.phase_seconds,
         cycles=args.cycles,
         heartbeat_s=args.heartbeat,
+        groups_as=args.groups_as,
         timeout_s=args.timeout,
     )
     from expertmesh.models.checkpoint import Checkpoint
@@ -265,7 +278,8 @@ def table(result: dict) -> str:
     cycles = result["cycles"]
     title = (
         f"{model['model_type']} {Path(model['path']).name}: {model['moe_layers']} MoE layers x "
-        f"{model['num_experts']} experts; {setup['groups']} groups as processes; {setup['clients']} streaming "
+        f"{model['num_experts']} experts; {setup['groups']} groups as {_AS[setup.get('groups_as', 'process')]}; "
+        f"{setup['clients']} streaming "
         f"clients (+{setup['step_clients']} in the load step), {setup['prompt_tokens']} + {setup['max_new_tokens']} "
         f"tokens; {setup['machine']['cpus']} CPUs, load average {load['start']:.1f} at the start, "
         f"{load['end']:.1f} at the end"
@@ -326,6 +340,10 @@ def _cycle_table(cycle: dict) -> str:
         f"{_s(remove['to_stopped_s'])} in all; {remove['moves']}/{remove['moves_planned']} moves, "
         f"{size(remove['bytes_moved'])} copied"
     )
+
+
+#: how the table's title says the groups run
+_AS = {"process": "processes", "ray": "Ray Serve deployments"}
 
 
 # -- the run ----------------------------------------------------------------------------------------------
@@ -391,8 +409,9 @@ def _start_platform(options: Options) -> _Platform:
     from expertmesh.bench.chaos.platform import Child
 
     argv = ["up", "--model", str(options.model), "--groups", str(options.groups), "--dtype", "float32"]
-    argv += ["--groups-as", "process", "--orchestrator", "--port", "0", "--admin-port", "0"]
+    argv += ["--groups-as", options.groups_as, "--orchestrator", "--port", "0", "--admin-port", "0"]
     argv += ["--max-active", str(max(32, options.clients + options.step_clients))]
+    argv += ["--ray-address", options.ray_address] if options.ray_address else []
     child = Child("up", argv, {"EXPERTMESH_HEARTBEAT_S": str(options.heartbeat_s)}).start()
     try:
         target = child.wait_for(r"expertmesh is serving \S+ on (\S+:\d+) ", options.timeout_s).group(1)
@@ -493,6 +512,17 @@ def _timed_phase(
     return Window(name, traffic.active, start, time.perf_counter(), before)
 
 
+def _ended(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process ``pid`` (on this host) has ended, or does within ``within_s`` (a Ray Serve replica's
+    worker exits just after Serve has stopped the replica)."""
+    deadline = time.monotonic() + within_s
+    while pid and Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _prompts(vocab: int, count: int, tokens: int) -> list[list[int]]:
     import torch
 
@@ -510,7 +540,10 @@ def run(options: Options) -> dict:
     prompts = _prompts(vocab, options.clients + options.step_clients, options.prompt_tokens)
     progress(f"bench elastic: stock transformers generate of {len(prompts)} prompts (the reference)")
     reference = stock_reference(checkpoint.path, prompts, options.max_new_tokens)
-    progress(f"bench elastic: starting expertmesh up --orchestrator --groups-as process ({options.groups} groups)")
+    progress(
+        f"bench elastic: starting expertmesh up --orchestrator --groups-as {options.groups_as} "
+        f"({options.groups} groups)"
+    )
     up = _start_platform(options)
     try:
         admin = _Admin(up.admin, options.timeout_s)
@@ -528,7 +561,7 @@ def run(options: Options) -> dict:
         **options_summary(options),
         "machine": machine(),
         "load_average": {"start": load_start, "end": os.getloadavg()[0]},
-        "platform": "expertmesh up --orchestrator --groups-as process (a child process)",
+        "platform": f"expertmesh up --orchestrator --groups-as {options.groups_as} (a child process)",
     }
     return result
 
@@ -598,7 +631,7 @@ def _cycle(options: Options, admin: _Admin, traffic: LoopingClients) -> dict:
     windows.append(Window(f"remove {victim}", traffic.active, started, time.perf_counter(), "step up", True))
     if removed["phase"] != "stopped":
         raise BenchError(f"group {victim} ended {removed['phase']}: {removed['reason']}")
-    process_ended = not pid or not Path(f"/proc/{pid}").exists()
+    process_ended = _ended(pid)
 
     traffic.shrink(options.step_clients)
     windows.append(_timed_phase("step down", traffic, options, "baseline"))

@@ -43,13 +43,14 @@ def add_command(commands) -> None:
         choices=("ray", "process"),
         default="ray",
         help="expert groups as Ray Serve deployments, or as plain `expertmesh group serve` processes on this host "
-        "(no Ray; with --orchestrator, groups can be added and removed live: `expertmesh groups add`) "
-        "(default: %(default)s)",
+        "(no Ray); either way, with --orchestrator groups can be added and removed live (`expertmesh groups add`, "
+        "`groups remove`) (default: %(default)s)",
     )
     parser.add_argument(
         "--orchestrator",
         action="store_true",
-        help="also run the orchestrator's admin API in this process (live migrations: `expertmesh migrate`) "
+        help="also run the orchestrator's admin API in this process (live migrations: `expertmesh migrate`; "
+        "expert groups added and removed live: `expertmesh groups add|remove|list`, on Ray Serve or as processes) "
         "(default: off)",
     )
     parser.add_argument(
@@ -143,7 +144,7 @@ def _main(args: argparse.Namespace) -> int:
                 capacity=capacity,
                 managers=_table_keeper(plane, monitor),
                 model_fingerprint=plane.checkpoint.spec.fingerprint,
-                launcher=processes,  # groups added and removed live: as processes like those started here
+                launcher=_launcher(plane, processes),
             )
             progress(f"orchestrator admin gRPC on {serving_config.host}:{orchestrator.server.port}")
         apis = start_apis(plane, serving_config)
@@ -172,6 +173,19 @@ def _main(args: argparse.Namespace) -> int:
             processes.stop_all()
         telemetry.shutdown()
     return 0
+
+
+def _launcher(plane, processes):
+    """What the orchestrator adds and removes groups through, as the platform runs them: group processes, or
+    deployments of the plane's Ray Serve groups application; None for a router alone (Kubernetes: the
+    RayService's groups are not this process's to change)."""
+    if processes is not None:
+        return processes
+    if plane.groups_app is None:
+        return None
+    from expertmesh.platform.ray_groups import RayGroups
+
+    return RayGroups(plane)
 
 
 def _process_plane(config):

@@ -12,7 +12,10 @@ dials those servers directly, so the data path skips Serve's proxy.
 computes on its GPU, otherwise on CPU.
 
 Two ways in: ``deploy(specs)`` from a driver (``expertmesh up``, ``verify``),
-which collects the addresses through the directory; and ``build_app(args)``, the
+which collects the addresses through the directory (``GroupsApp`` as ``up`` runs it:
+then a group added or removed live is a redeploy with one deployment more or less,
+each group under a version of its own, so the others keep their replicas); and
+``build_app(args)``, the
 Serve application builder a KubeRay RayService names in ``serveConfigV2``
 (``import_path: expertmesh.expert_group.deployment:build_app``). There each
 replica listens on ``port_base + i`` (group ``i`` in name order, so
@@ -24,8 +27,10 @@ store heals without restarts.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -54,6 +59,9 @@ class ExpertGroupReplica:
     def address(self) -> str:
         return self._group.address
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def __del__(self):
         group = getattr(self, "_group", None)
         if group is not None:
@@ -68,6 +76,12 @@ class GroupDirectory:
 
     async def addresses(self) -> dict[str, str]:
         return {name: await handle.address.remote() for name, handle in self._groups.items()}
+
+    async def replicas(self) -> dict[str, tuple[str, int]]:
+        """group name -> (gRPC address, the replica's pid)"""
+        return {
+            name: (await handle.address.remote(), await handle.pid.remote()) for name, handle in self._groups.items()
+        }
 
 
 def actor_options(spec: GroupSpec) -> dict:
@@ -106,6 +120,29 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
+def cluster_nodes() -> list[dict]:
+    """The Ray cluster's alive nodes: ``{"id", "ip", "host", "resources"}`` each (its total resources)."""
+    import ray
+
+    return [
+        {
+            "id": node["NodeID"],
+            "ip": node["NodeManagerAddress"],
+            "host": node["NodeManagerHostname"],
+            "resources": dict(node["Resources"]),
+        }
+        for node in ray.nodes()
+        if node["Alive"]
+    ]
+
+
+def free_resources() -> dict[str, float]:
+    """The Ray cluster's resources not reserved by any actor or task now."""
+    import ray
+
+    return dict(ray.available_resources())
+
+
 #: Serve waits this long, then again while Serve-routed calls are in flight, before it stops a replica
 #: (default 2 s). The only such calls here are the directory's address lookups; the data path is the
 #: group's own gRPC server, which drains itself when the replica stops (``RunningGroup.stop``). So a
@@ -118,8 +155,11 @@ SHUTDOWN_WAIT_LOOP_S = 0.1
 HEALTH_CHECK_PERIOD_S = 1.0
 
 
-def application(specs: list[GroupSpec]):
-    """The Serve application: one deployment per group behind the directory ingress."""
+def application(specs: list[GroupSpec], versions: dict[str, str] | None = None):
+    """The Serve application: one deployment per group behind the directory ingress. ``versions``: group name
+    -> the version its deployment runs under (``GroupsApp``); unset, Serve picks a new one at every deploy
+    (which restarts every replica of a redeployed application)."""
+    pinned = versions or {}
     groups = {
         spec.name: serve.deployment(ExpertGroupReplica)
         .options(
@@ -128,6 +168,9 @@ def application(specs: list[GroupSpec]):
             ray_actor_options=actor_options(spec),
             graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
             health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            # Serve's public options no longer take a version (it then picks a random one per deploy); its
+            # internal flag still passes one, and an unchanged version is what leaves a replica running.
+            **({"version": pinned[spec.name], "_internal": True} if spec.name in pinned else {}),
         )
         .bind(spec)
         for spec in specs
@@ -145,15 +188,89 @@ STATUS_POLL_S = 0.05
 DEPLOY_TIMEOUT_S = 600.0
 
 
-def deploy(specs: list[GroupSpec]) -> dict[str, str]:
+def deploy(specs: list[GroupSpec], versions: dict[str, str] | None = None) -> dict[str, str]:
     """Deploy (or update) every group; blocks until all serve. Returns group -> gRPC address."""
-    serve.start(proxy_location="Disabled")
-    target = serve.RunTarget(
-        application(specs), name=APP_NAME, route_prefix=None, logging_config={"log_level": "WARNING"}
-    )
-    (handle,) = serve.run_many([target], wait_for_applications_running=False)
+    handle = _run(specs, versions)
     _wait_for_app(lambda app: app.status == ApplicationStatus.RUNNING, "start", DEPLOY_TIMEOUT_S)
     return handle.addresses.remote().result()
+
+
+def _run(specs: list[GroupSpec], versions: dict[str, str] | None):
+    """The groups application of ``specs`` handed to Serve (not waited for); the directory's handle."""
+    serve.start(proxy_location="Disabled")
+    target = serve.RunTarget(
+        application(specs, versions), name=APP_NAME, route_prefix=None, logging_config={"log_level": "WARNING"}
+    )
+    (handle,) = serve.run_many([target], wait_for_applications_running=False)
+    return handle
+
+
+#: seconds a group added live may take to serve (Ray placing it, its worker starting, its warm-up)
+ADD_TIMEOUT_S = 300.0
+#: seconds a group removed live may take until Serve has stopped its replica and dropped its deployment
+REMOVE_TIMEOUT_S = 120.0
+
+
+class GroupsApp:
+    """The groups application as this driver deployed it, changed one group at a time.
+
+    Each group's deployment runs under a version of its own, new at each ``deploy`` (a later ``up`` against
+    the same Ray cluster still starts fresh replicas), kept while it runs: redeploying the application with
+    one group more (``add``) or less (``remove``) leaves every other group's replica running (only the
+    directory, whose arguments change, restarts). Not thread-safe: one change at a time (the orchestrator's
+    group controller makes one at a time)."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, GroupSpec] = {}
+        self._versions: dict[str, str] = {}
+
+    def deploy(self, specs: list[GroupSpec]) -> dict[str, str]:
+        """The platform's first groups (as ``deploy``): group -> gRPC address."""
+        versions = {spec.name: uuid.uuid4().hex for spec in specs}
+        addresses = deploy(specs, versions)
+        self.specs, self._versions = {spec.name: spec for spec in specs}, versions
+        return addresses
+
+    def replicas(self) -> dict[str, tuple[str, int]]:
+        """group -> (gRPC address, pid) of every group of the application, as its replicas report them."""
+        return serve.get_app_handle(APP_NAME).replicas.remote().result(timeout_s=120)
+
+    def add(self, spec: GroupSpec, timeout_s: float = ADD_TIMEOUT_S) -> tuple[str, int]:
+        """One more group deployment; returns (address, pid) once it serves. A group that fails or does not
+        serve within ``timeout_s`` is taken out again (the others keep running) and raises RuntimeError
+        (Serve's message) or TimeoutError."""
+        if spec.name in self.specs:
+            raise ValueError(f"the groups application has a group {spec.name!r} already")
+        specs = [*self.specs.values(), spec]
+        versions = {**self._versions, spec.name: uuid.uuid4().hex}
+        deployment = f"group-{spec.name}"
+        handle = _run(specs, versions)
+        try:
+            _wait_for_change(
+                lambda deployments: deployments.get(deployment) == "HEALTHY", f"serve {spec.name}", timeout_s
+            )
+        except BaseException:
+            _run(list(self.specs.values()), self._versions)  # back to the groups that ran, untouched
+            raise
+        self.specs, self._versions = {s.name: s for s in specs}, versions
+        return handle.replicas.remote().result(timeout_s=120)[spec.name]
+
+    def remove(self, name: str, timeout_s: float = REMOVE_TIMEOUT_S) -> None:
+        """Redeploy without group ``name``; returns once Serve has stopped its replica (``RunningGroup.stop``:
+        its gRPC server drains) and no longer lists its deployment."""
+        if name not in self.specs:
+            raise KeyError(name)
+        specs = [s for s in self.specs.values() if s.name != name]
+        versions = {n: v for n, v in self._versions.items() if n != name}
+        _run(specs, versions)
+        self.specs, self._versions = {s.name: s for s in specs}, versions  # Serve's target from now on
+        deployment = f"group-{name}"
+        _wait_for_change(lambda deployments: deployment not in deployments, f"stop {name}", timeout_s)
+
+
+def _wait_for_change(done, doing: str, timeout_s: float) -> None:
+    """After a redeploy: until the application runs again and ``done(deployment name -> status)``."""
+    _wait_for_app(lambda app: app.status == ApplicationStatus.RUNNING, doing, timeout_s, deployments_done=done)
 
 
 class GroupsAppArgs(BaseModel):
@@ -239,13 +356,16 @@ def app_status():
     return _get_global_client().get_serve_status(APP_NAME)
 
 
-def _wait_for_app(done, doing: str, timeout_s: float) -> None:
-    """Polls the groups application's status until ``done(status)``; a failed deployment
-    raises with Serve's message."""
+def _wait_for_app(done, doing: str, timeout_s: float, deployments_done=None) -> None:
+    """Polls the groups application's status until ``done(status)`` (and ``deployments_done(deployment
+    name -> status)``, if given); a failed deployment raises with Serve's message."""
     deadline = time.monotonic() + timeout_s
     while True:
-        app = app_status().app_status
-        if done(app):
+        overview = app_status()
+        app = overview.app_status
+        if done(app) and (
+            deployments_done is None or deployments_done({d.name: d.status for d in overview.deployment_statuses})
+        ):
             return
         if app.status == ApplicationStatus.DEPLOY_FAILED:
             raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message}")

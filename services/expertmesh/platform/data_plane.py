@@ -34,6 +34,7 @@ from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.store import StateStore, open_store
 
 if TYPE_CHECKING:
+    from expertmesh.expert_group.deployment import GroupsApp
     from expertmesh.router.dispatch.dispatcher import LayerDispatcher
     from expertmesh.router.dispatch.heartbeat import Heartbeat
     from expertmesh.router.dispatch.table_watcher import TableWatcher
@@ -128,6 +129,9 @@ class DataPlane:
     addresses: dict[str, str]
     _started_ray: bool
     _owns_groups: bool = True
+    #: the groups' Ray Serve application as ``start`` deployed it (None: attached), which the orchestrator's
+    #: launcher adds groups to and removes them from (``platform.ray_groups``); ``addresses`` follows it
+    groups_app: "GroupsApp | None" = None
     _publisher: "LoadPublisher" = field(init=False)
     #: publishes the router's hidden-state sample (None: sampling off)
     _samples: "SamplePublisher | None" = field(init=False)
@@ -160,13 +164,25 @@ class DataPlane:
         placement, layout = _group_map(config, checkpoint.spec)
         store = open_store(config.state_url, config.deployment)
         started_ray = _start_ray(config)
-        addresses = _deploy_groups(config, checkpoint, placement, layout, store)
+        addresses, groups_app = _deploy_groups(config, checkpoint, placement, layout, store)
         _publish_first_table(store, placement, checkpoint.spec, layout)
         dispatcher, heartbeat, watcher, model = _router(checkpoint, store, config, device, _serve_directory(store))
         progress(
             f"data plane ready in {time.monotonic() - t0:.1f}s: " + ", ".join(f"{g}@{a}" for g, a in addresses.items())
         )
-        return cls(config, checkpoint, placement, store, model, dispatcher, heartbeat, watcher, addresses, started_ray)
+        return cls(
+            config,
+            checkpoint,
+            placement,
+            store,
+            model,
+            dispatcher,
+            heartbeat,
+            watcher,
+            addresses,
+            started_ray,
+            groups_app=groups_app,
+        )
 
     @classmethod
     def attach(cls, config: DataPlaneConfig, wait_s: float = 300.0, store: StateStore | None = None) -> "DataPlane":
@@ -285,10 +301,34 @@ def _start_ray(config: DataPlaneConfig) -> bool:
     return config.ray_address is None
 
 
+def group_spec(config: DataPlaneConfig, checkpoint: Checkpoint, name: str, pairs, table_after: int, **hardware):
+    """The ``GroupSpec`` of group ``name`` holding ``pairs`` on Ray Serve, as this platform runs its groups;
+    ``hardware``: its GPUs, custom resources, NUMA node and budget where the GPU plan (or the add) says."""
+    from expertmesh.expert_group import deployment
+
+    fields = dict(
+        name=name,
+        model_path=str(checkpoint.path.resolve()),
+        pairs=tuple(pairs),
+        dtype=config.dtype,
+        host=config.group_host,
+        num_cpus=config.group_num_cpus,
+        inherited_env={**telemetry.propagation_env(), **security.propagation_env()},
+        budget_bytes=config.group_budget_bytes,
+        # a shared store: the groups register themselves too, so a flushed store lists them again
+        state_url=None if config.state_url.startswith("memory://") else config.state_url,
+        deployment=config.deployment,
+        table_after=table_after,
+        warm_up=config.warm_up,
+    )
+    return deployment.GroupSpec(**(fields | hardware))
+
+
 def _deploy_groups(
     config: DataPlaneConfig, checkpoint: Checkpoint, placement: GroupPlacement, layout, store: StateStore
-) -> dict[str, str]:
-    """One Ray Serve deployment per group of ``placement``, loaded; their addresses, also in the store."""
+) -> tuple[dict[str, str], "GroupsApp"]:
+    """One Ray Serve deployment per group of ``placement``, loaded; their addresses, also in the store, and
+    the application they run in (which adds and removes groups later: ``platform.ray_groups``)."""
     from expertmesh.expert_group import deployment
 
     spec = checkpoint.spec
@@ -296,36 +336,24 @@ def _deploy_groups(
     gpus = 1 if has_gpus else 0
     # the table published after these start is the first one they follow when Serve restarts them
     table_after = store.routing_table_version()
-    specs = [
-        deployment.GroupSpec(
-            name=name,
-            model_path=str(checkpoint.path.resolve()),
-            pairs=pairs,
-            dtype=config.dtype,
-            host=config.group_host,
-            num_cpus=config.group_num_cpus,
-            inherited_env={**telemetry.propagation_env(), **security.propagation_env()},
-            # unset: a group placed on GPUs holds what their memory does, less the memory model's overhead
-            budget_bytes=config.group_budget_bytes or (layout.hardware[name].expert_budget_bytes if layout else None),
-            # a shared store: the groups register themselves too, so a flushed store lists them again
-            state_url=None if config.state_url.startswith("memory://") else config.state_url,
-            deployment=config.deployment,
-            table_after=table_after,
-            warm_up=config.warm_up,
-            # a GPU plan's group: its GPUs, island and NUMA node; any other: one GPU where the cluster has them
-            **({"num_gpus": gpus} | (deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {})),
-        )
-        for name, pairs in placement.groups.items()
-    ]
+    specs = []
+    for name, pairs in placement.groups.items():
+        # a GPU plan's group: its GPUs, island and NUMA node; any other: one GPU where the cluster has them
+        hardware = {"num_gpus": gpus} | (deployment.hardware_binding(layout.hardware[name], has_gpus) if layout else {})
+        # unset: a group placed on GPUs holds what their memory does, less the memory model's overhead
+        if layout and not config.group_budget_bytes:
+            hardware["budget_bytes"] = layout.hardware[name].expert_budget_bytes
+        specs.append(group_spec(config, checkpoint, name, pairs, table_after, **hardware))
     progress(
         f"starting {len(specs)} expert groups on Ray Serve for {spec.model_type} "
         f"({len(spec.moe_layers)} MoE layers x {spec.num_experts} experts, {'GPU' if gpus else 'CPU'})"
     )
+    app = deployment.GroupsApp()
     with deployment.groups_loading(len(specs)):  # a bar on a terminal
-        addresses = deployment.deploy(specs)
+        addresses = app.deploy(specs)
     for group, address in addresses.items():
         store.set_endpoint(group, address)
-    return addresses
+    return addresses, app
 
 
 def _publish_first_table(store: StateStore, placement: GroupPlacement, spec, layout) -> None:

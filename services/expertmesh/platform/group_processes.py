@@ -102,8 +102,8 @@ class ProcessGroups:
         """Refuse what a group process on this host cannot be (GroupChangeRefused)."""
         if island or node:
             raise GroupChangeRefused(
-                "--island and --node place a group on a Ray cluster or Kubernetes; the embedded platform runs "
-                "its groups as processes on this host: leave them out"
+                "--island and --node place a group on a Ray cluster or Kubernetes; `up --groups-as process` runs "
+                "its groups as processes on this host: leave them out (or run the groups on Ray)"
             )
         if gpus > 1:
             raise GroupChangeRefused(f"a group process computes on one GPU at most, not {gpus}: use --gpus 1 or 0")

@@ -15,9 +15,11 @@ lifecycle
     evicted off it, make before break) -> STOPPED (no table names it, its process ended).
     FAILED: a change that could not finish; the reason says what is left where.
 launcher
-    What starts and stops a group on this platform (``controller.GroupLauncher``): plain
-    processes on the embedded platform (``platform.group_processes``). The orchestrator
-    never starts a process itself.
+    What starts and stops a group on this platform (``controller.GroupLauncher``): a
+    deployment of the Ray Serve groups application (``platform.ray_groups``, the default
+    ``up``) or a plain process (``platform.group_processes``, ``up --groups-as process``).
+    The orchestrator never starts a process itself; a Kubernetes RayService's groups have
+    no launcher yet (adds and removes are refused there).
 change
     One add or remove; one runs at a time per orchestrator.
 """

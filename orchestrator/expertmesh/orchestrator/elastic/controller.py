@@ -44,7 +44,8 @@ class GroupRequest:
 
 
 class GroupLauncher(Protocol):
-    """Starts and stops expert groups on one platform (the embedded one: ``platform.group_processes``)."""
+    """Starts and stops expert groups on one platform: Ray Serve deployments (``platform.ray_groups``, the
+    default ``up``) or group processes (``platform.group_processes``, ``up --groups-as process``)."""
 
     def running(self) -> dict[str, tuple[str, int]]:
         """name -> (address, pid) of every group it runs now."""
@@ -60,7 +61,7 @@ class GroupLauncher(Protocol):
         ...
 
     def stop(self, name: str) -> int:
-        """Stop group ``name`` gracefully; its exit status."""
+        """Stop group ``name`` gracefully; its exit status (0 for a Serve deployment Serve has stopped)."""
         ...
 
 
@@ -116,7 +117,8 @@ class GroupController:
         if self._launcher is None:
             raise GroupChangeRefused(
                 "this orchestrator cannot start or stop expert groups: run the platform with "
-                "`expertmesh up --orchestrator --groups-as process` (Ray Serve and Kubernetes groups: not yet)"
+                "`expertmesh up --orchestrator` (groups on Ray Serve, or --groups-as process); the groups of a "
+                "Kubernetes RayService: not yet"
             )
         return self._launcher
 

@@ -11,14 +11,13 @@ def test_a_group_computes_with_its_whole_cpus_and_at_least_one_thread(num_cpus, 
 
 
 @pytest.mark.parametrize(
-    "setting, cpus, local, threads",
+    "setting, cpus, threads",
     [
-        (0, 2, 2, 1),  # the embedded default on 2 cores: 2 groups of 1 thread leave none: at least 1
-        (0, 2, 4, 1),  # more group threads than cores: still 1
-        (0, 16, 2, 14),  # a big host: what the groups leave
-        (0, 16, 0, 16),  # --router-only / --ray-address: the groups run elsewhere
-        (3, 2, 2, 3),  # set: as set, even oversubscribed
+        (0, 2, 2),  # the embedded default on 2 cores: both (its local groups compute while it waits)
+        (0, 16, 16),  # a big host: all of them
+        (0, 0, 1),  # no CPU reported: still 1
+        (3, 2, 3),  # set: as set, even oversubscribed
     ],
 )
-def test_the_router_takes_what_its_local_groups_leave_unless_set(setting, cpus, local, threads):
-    assert router_threads(setting, cpus, local) == threads
+def test_the_router_computes_on_every_core_unless_set(setting, cpus, threads):
+    assert router_threads(setting, cpus) == threads

@@ -123,7 +123,7 @@ def _main(args: argparse.Namespace) -> int:
         plane, processes = _process_plane(data_config)
     else:
         plane = DataPlane.start(data_config)
-    _set_router_threads(data_config, plane, local_groups=not (args.router_only or data_config.ray_address))
+    _set_router_threads(data_config)
     # After Ray's start: its core worker installs a SIGTERM handler of its own that would exit without draining.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -212,20 +212,19 @@ def _process_plane(config):
     return plane, processes
 
 
-def _set_router_threads(config, plane, local_groups: bool) -> None:
-    """The router's torch intra-op threads (``router_threads``; auto: the CPUs its local groups leave)."""
+def _set_router_threads(config) -> None:
+    """The router's torch intra-op threads (``router_threads``; auto: every CPU of the host, see ``cpu_threads``)."""
     import os
 
     import torch
 
     from expertmesh.infra.console import progress
-    from expertmesh.infra.cpu_threads import group_threads, router_threads
+    from expertmesh.infra.cpu_threads import router_threads
 
     cpus = len(os.sched_getaffinity(0))
-    groups = len(plane.placement.groups) if local_groups else 0
-    threads = router_threads(config.router_threads, cpus, groups * group_threads(config.group_num_cpus))
+    threads = router_threads(config.router_threads, cpus)
     torch.set_num_threads(threads)
-    how = "set" if config.router_threads else f"auto: {cpus} CPUs, {groups} expert groups on this host"
+    how = "set" if config.router_threads else f"auto: the host's {cpus} CPUs"
     progress(f"router: {threads} torch intra-op threads ({how})")
 
 

@@ -99,9 +99,8 @@ class DataPlaneConfig(BaseSettings):
         0,
         ge=0,
         le=4096,
-        description="torch intra-op threads of `expertmesh up`'s router; 0: auto, the host's CPUs less those the "
-        "expert groups it starts on this host compute with (at least 1), all of them with --router-only or "
-        "--ray-address",
+        description="torch intra-op threads of `expertmesh up`'s router; 0: auto, every CPU of the host (the router "
+        "and its local expert groups take turns each MoE layer, and idle OpenMP threads sleep)",
     )
     group_host: str = Field("127.0.0.1", description="address group gRPC servers bind; 0.0.0.0 in a cluster")
     group_budget_bytes: int | None = Field(

@@ -19,6 +19,22 @@ pytestmark = pytest.mark.slow
 CLIENTS, STEP = 3, 2
 
 
+def short_run(model, clients: int = CLIENTS, step: int = STEP, **changes) -> Options:
+    """A short ``bench elastic`` run of the tiny model for tests: a few clients, 1 s phases."""
+    return Options(
+        model=model,
+        groups=2,
+        clients=clients,
+        step_clients=step,
+        prompt_tokens=6,
+        max_new_tokens=8,
+        phase_seconds=1.0,
+        heartbeat_s=0.2,
+        timeout_s=300.0,
+        **changes,
+    )
+
+
 @pytest.fixture(scope="module")
 def model(tiny_checkpoints):
     return tiny_checkpoints("mixtral", num_local_experts=8)
@@ -28,18 +44,7 @@ def test_groups_added_and_removed_under_streaming_load_fail_nothing_and_change_n
     model, tmp_path, monkeypatch, record_property
 ):
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path / "home"))
-    options = Options(
-        model=model,
-        groups=2,
-        clients=CLIENTS,
-        step_clients=STEP,
-        prompt_tokens=6,
-        max_new_tokens=8,
-        phase_seconds=1.0,
-        heartbeat_s=0.2,
-        timeout_s=300.0,
-    )
-    result = run(options)
+    result = run(short_run(model))
     print("\n" + table(result))
 
     (cycle,) = result["cycles"]

@@ -16,8 +16,9 @@ import threading
 
 import pytest
 
-from expertmesh.bench.elastic import Options, run, table
+from expertmesh.bench.elastic import run, table
 from expertmesh.platform.ray_groups import ISLAND_PREFIX, RayNode, placement_refusal
+from test_elastic_groups_live import short_run
 
 CLIENTS, STEP = 2, 1
 
@@ -177,19 +178,7 @@ def test_ray_serve_groups_added_and_removed_under_streaming_load_fail_nothing_an
     model, tmp_path, monkeypatch, record_property, shared_ray_address
 ):
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path / "home"))
-    options = Options(
-        model=model,
-        groups=2,
-        clients=CLIENTS,
-        step_clients=STEP,
-        prompt_tokens=6,
-        max_new_tokens=8,
-        phase_seconds=1.0,
-        heartbeat_s=0.2,
-        groups_as="ray",
-        ray_address=shared_ray_address,
-        timeout_s=300.0,
-    )
+    options = short_run(model, CLIENTS, STEP, groups_as="ray", ray_address=shared_ray_address)
     watch = _ServeWatch()
     try:
         result = run(options)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from expertmesh.bench.scale.run import whole_window_bytes
 from expertmesh.contracts.count_codec import pack_coactivation, pack_counts, unpack_coactivation, unpack_counts
 from expertmesh.contracts.load_report import LoadPulse, summed_details, summed_pulses
 from expertmesh.contracts.load_window import MAX_DOMAINS, LoadSnapshot, LoadWindow
@@ -100,30 +101,11 @@ def test_coactivation_that_is_not_a_windows_is_stored_whole(change):
 # -- the snapshot's bytes (the detail) ----------------------------------------------------------------------
 
 
-def _legacy_bytes(snap: LoadSnapshot) -> bytes:
-    """A window as routers wrote it before pulses: every array dense float64."""
-    buf = io.BytesIO()
-    np.savez_compressed(
-        buf,
-        moe_layers=np.array(snap.moe_layers, dtype=np.int64),
-        shape=np.array([snap.num_experts, snap.top_k, snap.max_context], dtype=np.int64),
-        load=snap.load,
-        coactivation=snap.coactivation,
-        position_load=snap.position_load,
-        domains=np.array(sorted(snap.domain_load), dtype=str),
-        domain_load=np.stack([snap.domain_load[d] for d in sorted(snap.domain_load)]),
-        relative_load=snap.relative_load,
-        experts_per_token=snap.experts_per_token,
-        query_length_edges=np.array(snap.query_length_edges, dtype=np.int64),
-    )
-    return buf.getvalue()
-
-
 def test_snapshot_bytes_round_trip_exactly_and_read_older_routers_windows():
     snap = _window(1).snapshot()
     _assert_same(LoadSnapshot.from_bytes(snap.to_bytes()), snap)
-    _assert_same(LoadSnapshot.from_bytes(_legacy_bytes(snap)), snap)
-    assert len(snap.to_bytes()) < len(_legacy_bytes(snap))
+    _assert_same(LoadSnapshot.from_bytes(whole_window_bytes(snap)), snap)
+    assert len(snap.to_bytes()) < len(whole_window_bytes(snap))
 
 
 # -- pulses -----------------------------------------------------------------------------------------------
@@ -153,7 +135,7 @@ def test_a_pulse_reader_reads_a_whole_snapshot_without_decoding_its_coactivation
     with pytest.raises(ValueError):
         LoadSnapshot.from_bytes(broken)
     np.testing.assert_array_equal(LoadPulse.from_bytes(broken).load, snap.load)  # never touched the member
-    np.testing.assert_array_equal(LoadPulse.from_bytes(_legacy_bytes(snap)).load, snap.load)
+    np.testing.assert_array_equal(LoadPulse.from_bytes(whole_window_bytes(snap)).load, snap.load)
 
 
 def test_sums_over_routers_equal_the_sum_of_their_windows():

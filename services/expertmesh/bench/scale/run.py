@@ -155,8 +155,10 @@ def whole_window_bytes(snap: LoadSnapshot) -> bytes:
         load=snap.load,
         coactivation=snap.coactivation,
         position_load=snap.position_load,
-        domains=np.array([], dtype=str),
-        domain_load=np.zeros((0, *snap.load.shape)),
+        domains=np.array(sorted(snap.domain_load), dtype=str),
+        domain_load=np.stack([snap.domain_load[d] for d in sorted(snap.domain_load)])
+        if snap.domain_load
+        else np.zeros((0, *snap.load.shape)),
         relative_load=snap.relative_load,
         experts_per_token=snap.experts_per_token,
         query_length_edges=np.array(snap.query_length_edges, dtype=np.int64),

@@ -28,6 +28,8 @@ GPU_NODES = [
     RayNode("n3", "10.0.0.3", "gpu-2", {"CPU": 16, "GPU": 4, f"{ISLAND_PREFIX}nvl-1": 4}),
 ]
 GPU_FREE = {"CPU": 32, "GPU": 8, f"{ISLAND_PREFIX}nvl-0": 4, f"{ISLAND_PREFIX}nvl-1": 4}
+#: the GPU nodes under one host name, as nodes in containers or network namespaces of one machine have it
+SAME_HOST = [RayNode(n.id, n.ip, "box", n.resources) for n in GPU_NODES]
 
 
 @pytest.mark.parametrize(
@@ -41,6 +43,13 @@ GPU_FREE = {"CPU": 32, "GPU": 8, f"{ISLAND_PREFIX}nvl-0": 4, f"{ISLAND_PREFIX}nv
         (GPU_NODES, {**GPU_FREE, "GPU": 0}, dict(gpus=1), "has 0 of its 8 GPUs free and the group needs 1: remove"),
         ([CPU_NODE], {"CPU": 0.1}, dict(gpus=0), "has 0.1 of its 8 CPUs free and the group needs 0.25"),
         (GPU_NODES, {**GPU_FREE, f"{ISLAND_PREFIX}nvl-1": 0}, dict(gpus=1, island="nvl-1"), "island nvl-1's slots"),
+        (GPU_NODES, GPU_FREE, dict(node="w9"), r"its nodes: gpu-1 at 10.0.0.2, gpu-2 at 10.0.0.3\)$"),
+        (
+            SAME_HOST,
+            GPU_FREE,
+            dict(node="box"),
+            r"^--node box: 2 Ray nodes have that host name \(at 10.0.0.2, 10.0.0.3\); name one",
+        ),
     ],
 )
 def test_what_ray_cannot_place_is_refused_with_one_line(nodes, free, request_, message):
@@ -60,6 +69,7 @@ def test_what_ray_cannot_place_is_refused_with_one_line(nodes, free, request_, m
         ([CPU_NODE], {"CPU": 8}, dict(node="10.0.0.1")),
         (GPU_NODES, GPU_FREE, dict(gpus=1)),
         (GPU_NODES, GPU_FREE, dict(gpus=4, island="nvl-1", node="n3")),
+        (SAME_HOST, GPU_FREE, dict(node="10.0.0.3")),
     ],
 )
 def test_what_ray_can_place_passes(nodes, free, request_):
@@ -134,6 +144,22 @@ def test_a_group_added_on_a_gpu_cluster_gets_its_gpus_island_and_node_and_starts
     assert sorted(plane.groups_app.specs) == ["g2", "g3"]  # nothing started for a refusal
     assert launcher.stop("g2") == 0 and plane.addresses == {"g3": "10.0.0.3:5002"}
     assert sorted(launcher.running()) == ["g3"]
+
+
+def test_a_group_added_by_node_ip_where_nodes_share_a_host_name_is_pinned_to_that_ip(gpu_cluster, monkeypatch):
+    """Nodes of one machine's containers or network namespaces (the multi-node test bed) share a host name: the
+    group goes on the node of the IP given; the shared name, which names no one node, is refused."""
+    from expertmesh.contracts.errors import GroupChangeRefused
+    from expertmesh.expert_group import deployment
+
+    launcher, plane = gpu_cluster
+    nodes = [{"id": n.id, "ip": n.ip, "host": n.host, "resources": dict(n.resources)} for n in SAME_HOST]
+    monkeypatch.setattr(deployment, "cluster_nodes", lambda: nodes)
+    launcher.start("g2", node="10.0.0.3")
+    assert plane.groups_app.specs["g2"].resources == {"node:10.0.0.3": 0.001}
+    with pytest.raises(GroupChangeRefused, match="2 Ray nodes have that host name"):
+        launcher.check(node="box")
+    assert sorted(plane.groups_app.specs) == ["g2"]
 
 
 # -- live: expertmesh up --orchestrator with its groups on Ray Serve ------------------------------------

@@ -14,13 +14,18 @@ Then, on the same cluster, under load: a live migration of an expert from a grou
 a group on the other; a worker node lost whole (every process of its host killed); and that node
 started again (``ray start`` in its host, the same resources: to Ray a new node), where Serve places
 the group replica that waited for the node's island resource, the group registers its new address
-and the router, its routing table unchanged, finds it there and dispatches to it again. No failed
-and no wrong request in any of them.
+and the router, its routing table unchanged, finds it there and dispatches to it again. Last, an
+expert group added live on a named worker node (``expertmesh groups add --node <its IP> --wait``
+against ``up --orchestrator``'s admin API; each worker declares a GPU more than its island, so the
+node is the one named, not the only one with room): its Serve replica runs there, it registers that
+node's address, live moves fill it and the router dispatches tokens to it across the bridge; then a
+group on the other node removed (drained, its deployment gone from Serve); a ``--node`` no node has
+refused with one line. No failed and no wrong request in any of them.
 
 Marked ``multinode``, which ``make test`` deselects (``pytest -m multinode`` runs it, as root): three
 Ray nodes, Serve and ``up`` take 25-45 s to start on two cores before the first assertion, the
-module ~90-110 s in all (the node's return ~25 s of it), past the ~90 s a module may add to
-``make test``.
+module ~120-150 s in all (the node's return ~25 s of it, the group added and removed ~30 s), past the
+~90 s a module may add to ``make test``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -84,6 +90,9 @@ GPU_PLACEMENT = {
     ]
 }
 GROUP_NODE = {"gpu-0": "w1", "gpu-1": "w2"}
+#: GPUs each worker node declares beyond its topology's islands: room for a group added live on either
+#: (``groups add --node``), so the node it lands on is the one named, not the only one with a GPU free
+SPARE_GPUS = 1
 ROUTER_PORT = 50051
 ADMIN_PORT = 50052
 #: admin calls cross hosts (the client's migrate to the orchestrator, the orchestrator's loads to the groups)
@@ -128,9 +137,23 @@ class Bed:
     def json(self, host: str, code: str, *args: str, timeout: float = 120) -> object:
         return json.loads(self.python(host, code, *args, timeout=timeout).strip().splitlines()[-1])
 
+    def cli(self, host: str, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """``expertmesh argv`` inside ``host`` against the orchestrator's admin API on the head."""
+        return subprocess.run(
+            self.hosts.command(host, [sys.executable, "-m", "expertmesh.cli.main", *argv]),
+            capture_output=True,
+            text=True,
+            env={**self.ray.environ(), **ADMIN_ENV, "EXPERTMESH_ADMIN_ADDRESS": self.admin},
+            timeout=timeout,
+        )
+
+    @property
+    def admin(self) -> str:
+        return f"{self.hosts.address('head')}:{ADMIN_PORT}"
+
 
 #: inside the head: every node and every actor as the GCS knows them (ray.nodes(), and the actor table:
-#: the state API's list_actors needs the dashboard, which these nodes do not run)
+#: the state API's list_actors needs the dashboard, which these nodes do not run), and the resources free
 RAY_STATE = """
 import json, sys, ray
 ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
@@ -138,7 +161,7 @@ nodes = [{"id": n["NodeID"], "ip": n["NodeManagerAddress"], "alive": n["Alive"],
          for n in ray.nodes()]
 actors = [{"name": a["Name"], "class": a["ActorClassName"], "node": a["Address"]["NodeID"], "state": a["State"]}
           for a in ray._private.state.actors().values()]
-print(json.dumps({"nodes": nodes, "actors": actors}))
+print(json.dumps({"nodes": nodes, "actors": actors, "available": ray.available_resources()}))
 """
 
 #: inside the client host: greedy tokens from the router, what ListModels says of its transports, the store's endpoints
@@ -185,7 +208,10 @@ def bed(tmp_path_factory):
             stdout=subprocess.DEVNULL,
         )
         try:
-            ray.start(NodeSpec(num_cpus=0), island_nodes(topology_from_dict(TOPOLOGY)))
+            workers = island_nodes(topology_from_dict(TOPOLOGY))
+            ray.start(
+                NodeSpec(num_cpus=0), {n: replace(w, num_gpus=w.num_gpus + SPARE_GPUS) for n, w in workers.items()}
+            )
             print(f"[multinode] Ray cluster of 3 nodes up after {time.monotonic() - started:.1f} s", file=sys.stderr)
             state.up = subprocess.Popen(
                 hosts.command(
@@ -250,7 +276,7 @@ def test_the_ray_cluster_has_a_head_and_two_worker_nodes_at_their_hosts_addresse
     assert "GPU" not in alive[bed.hosts.address("head")]
     for node, island in (("w1", "nvl-w1"), ("w2", "nvl-w2")):
         resources = alive[bed.hosts.address(node)]
-        assert resources["GPU"] == 1 and resources[island_resource(island)] == 1
+        assert resources["GPU"] == 1 + SPARE_GPUS and resources[island_resource(island)] == 1
 
 
 def test_each_expert_group_runs_on_the_node_of_the_island_it_names(bed):
@@ -356,16 +382,8 @@ def test_a_live_migration_between_groups_on_two_nodes_under_load_fails_no_reques
     """Layer 0's expert 0 moves from gpu-0 (node w1) to gpu-1 (node w2) by the orchestrator's
     make-before-break migration while two clients generate: every request answers, and correctly."""
     load = Load(bed)
-    migrate = subprocess.run(
-        bed.hosts.command(
-            "client",
-            [sys.executable, "-m", "expertmesh.cli.main", "migrate", "--layer", "0", "--expert", "0"]
-            + ["--from", "gpu-0", "--to", "gpu-1", "--wait", "--admin", f"{bed.hosts.address('head')}:{ADMIN_PORT}"],
-        ),
-        capture_output=True,
-        text=True,
-        env={**bed.ray.environ(), **ADMIN_ENV},
-        timeout=300,
+    migrate = bed.cli(
+        "client", "migrate", "--layer", "0", "--expert", "0", "--from", "gpu-0", "--to", "gpu-1", "--wait"
     )
     counts = load.finish(after_s=2)
     print(f"[multinode] during the migration: {counts}", file=sys.stderr)
@@ -390,8 +408,9 @@ def test_a_lost_worker_node_fails_no_request_when_its_experts_have_replicas_on_t
 
 
 #: inside the client host: Describe of group argv[2] at the address the store lists for it, every half second
-#: until it answers (at most argv[3] seconds) and then until a router's stream has carried calls to it (at most
-#: argv[4] seconds more): when each first happened (seconds from the start) and the group's last answer or failure
+#: until it answers (at most argv[3] seconds) and then until a router's stream has carried calls to it and it has
+#: computed rows (at most argv[4] seconds more): when each first happened (seconds from the start) and the group's
+#: last answer or failure
 RETURNED = """
 import json, sys, time
 import grpc
@@ -412,10 +431,11 @@ while now() < (answer_in if seen["answered_s"] is None else seen["answered_s"] +
     else:
         calls = {t.transport: t.calls for t in r.transports}
         held = sorted([e.layer, e.expert] for e in r.experts)
-        seen.update(address=address, pid=r.pid, calls=calls, held=held, last="answered")
+        rows = sum(s.rows for s in r.expert_stats)
+        seen.update(address=address, pid=r.pid, calls=calls, rows=rows, held=held, last="answered")
         if seen["answered_s"] is None:
             seen["answered_s"] = now()
-        if calls.get("grpc-stream"):
+        if calls.get("grpc-stream") and rows:
             seen["called_s"] = now()
             break
     time.sleep(0.5)
@@ -471,4 +491,80 @@ def test_a_lost_worker_node_that_returns_gets_its_group_back_and_the_router_disp
         if "gpu-0" in groups
     )
     assert seen["held"] == listed and [0, 0] not in listed, seen
+    assert counts["sent"] > 0 and counts["failed"] == 0 and counts["wrong"] == 0, f"{counts}\n{bed.up_tail()}"
+
+
+#: inside the client host: the admin API's record of group argv[2] (GetGroup), as JSON
+GROUP_STATUS = """
+import json, sys
+from google.protobuf.json_format import MessageToDict
+from expertmesh.orchestrator.admin_client import call, connect
+from expertmesh.v1 import admin_pb2 as pb
+channel, stub = connect(sys.argv[1])
+with channel:
+    status = call(stub.GetGroup, pb.GetGroupRequest(name=sys.argv[2]))
+print(json.dumps(MessageToDict(status, preserving_proto_field_name=True)))
+"""
+
+#: inside the head: the deployments of the groups application as Serve's controller lists them
+SERVE_DEPLOYMENTS = """
+import json, sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+app = serve.status().applications.get("expertmesh-groups")
+print(json.dumps(sorted(app.deployments) if app else []))
+"""
+#: the worker node a group is added on by its IP, and the group on the other worker node removed after
+ADDED_ON, REMOVED = "w1", "gpu-1"
+
+
+def test_a_group_added_on_a_named_worker_node_under_load_serves_there_and_one_on_the_other_node_is_removed(bed):
+    """``expertmesh groups add --node <w1's IP> --wait`` from the client host under load: Ray places the new,
+    empty group's replica on w1 (its ``node:<ip>`` resource; w2 has a GPU free too), it registers w1's
+    address, live moves fill it and the router on the head dispatches tokens to it across the bridge; then
+    ``groups remove gpu-1`` (on w2) drains it and Serve drops its deployment. A ``--node`` no node has is
+    refused with one line. No request fails or changes."""
+    missing = bed.cli("client", "groups", "add", "--node", "w9", "--admin", bed.admin)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stdout + missing.stderr
+    assert "error: FAILED_PRECONDITION: --node w9: no alive node of the Ray cluster" in missing.stderr, missing.stderr
+    node_ip = bed.hosts.address(ADDED_ON)
+    load = Load(bed)
+    started = time.monotonic()
+    add = bed.cli("client", "groups", "add", "--node", node_ip, "--wait", "--admin", bed.admin)
+    add_s = time.monotonic() - started
+    assert add.returncode == 0, add.stdout + add.stderr + _ray_errors(bed.ray) + bed.up_tail()
+    name = add.stdout.split()[1]  # "group g0 starting"
+    status = bed.json("client", GROUP_STATUS, bed.admin, name)
+    seen = bed.json("client", RETURNED, bed.redis_url, name, "30", str(REUSE_TIMEOUT_S), timeout=REUSE_TIMEOUT_S + 90)
+    state = bed.json("head", RAY_STATE, bed.ray.address)
+    remove = bed.cli("client", "groups", "remove", REMOVED, "--wait", "--admin", bed.admin)
+    counts = load.finish(after_s=2)
+    since = {k: round(status.get(k, 0) - status["requested_at"], 1) for k in ("registered_at", "first_listed_at")}
+    print(
+        f"[multinode] groups add --node {node_ip}: {name} serving on {ADDED_ON} {since['registered_at']} s after "
+        f"the add, listed for tokens at {since['first_listed_at']} s, {status['reason']} (the command: "
+        f"{add_s:.1f} s); then {seen}; remove {REMOVED}: {remove.stdout.strip().splitlines()[-1]}; load: {counts}",
+        file=sys.stderr,
+    )
+    # the new group: its replica on w1 (Ray's actor table), its address w1's, tokens from the head to it
+    assert status["phase"] == "GROUP_PHASE_SERVING" and status["experts"] > 0, status
+    node_ip_of = {n["id"]: n["ip"] for n in state["nodes"] if n["alive"]}
+    replicas = [
+        node_ip_of.get(a["node"])
+        for a in state["actors"]
+        if a["state"] == "ALIVE" and a["name"].startswith("SERVE_REPLICA::") and f"#group-{name}#" in a["name"]
+    ]
+    assert replicas == [node_ip], state["actors"]
+    # there by the share of w1's own resource it asks for (w2 had a GPU free too)
+    assert state["available"][f"node:{node_ip}"] < 1, state["available"]
+    assert seen["address"].rsplit(":", 1)[0] == node_ip and status["address"] == seen["address"], (seen, status)
+    assert seen["called_s"] is not None and seen["rows"] > 0, f"{seen}\n{bed.up_tail()}"
+    assert seen["address"] in {remote for _, remote in bed.hosts.connections("head")}
+    # the removed group: drained, stopped, its deployment gone from Serve and its name from the table
+    assert remove.returncode == 0 and "stopped" in remove.stdout, remove.stdout + remove.stderr + bed.up_tail()
+    deployments = bed.json("head", SERVE_DEPLOYMENTS, bed.ray.address)
+    assert f"group-{REMOVED}" not in deployments and f"group-{name}" in deployments, deployments
+    replicas = bed.json("client", REPLICAS, bed.redis_url)
+    assert all(REMOVED not in groups for groups in replicas.values()), replicas
+    assert any(name in groups for groups in replicas.values()), replicas
     assert counts["sent"] > 0 and counts["failed"] == 0 and counts["wrong"] == 0, f"{counts}\n{bed.up_tail()}"

@@ -47,14 +47,17 @@ def placement_refusal(
     nodes: Sequence[RayNode], free: Mapping[str, float], *, gpus: int, island: str, node: str, num_cpus: float
 ) -> str | None:
     """Why Ray cannot place a group of ``gpus`` GPUs and ``num_cpus`` CPUs (on NVLink island ``island``, on
-    node ``node`` — an ID, IP or host name; empty: anywhere) given the cluster's ``nodes`` and its ``free``
-    resources now; None when it can. One line a person can act on."""
+    node ``node`` — an ID, IP or host name that one node has; empty: anywhere) given the cluster's ``nodes``
+    and its ``free`` resources now; None when it can. One line a person can act on."""
     where = nodes
     if node:
         where = [n for n in nodes if node in (n.id, n.ip, n.host)]
         if not where:
-            names = ", ".join(sorted(n.host or n.ip for n in nodes)) or "none"
+            names = ", ".join(sorted(f"{n.host} at {n.ip}" if n.host else n.ip for n in nodes)) or "none"
             return f"--node {node}: no alive node of the Ray cluster has that ID, IP or host name (its nodes: {names})"
+        if len(where) > 1:  # a host name that several nodes share (containers, network namespaces): not one node
+            ips = ", ".join(sorted(n.ip for n in where))
+            return f"--node {node}: {len(where)} Ray nodes have that host name (at {ips}); name one by its IP"
     if gpus and not any(n.resources.get("GPU", 0) for n in nodes):
         return f"--gpus {gpus}: the Ray cluster has no GPUs; leave --gpus out to compute on CPU"
     resource = f"{ISLAND_PREFIX}{island}"

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from expertmesh.bench.elastic import run, table
-from expertmesh.platform.ray_groups import ISLAND_PREFIX, RayNode, placement_refusal
+from expertmesh.platform.ray_groups import ISLAND_PREFIX, RayNode, placement_refusal, room_shortfall
 from test_elastic_groups_live import short_run
 
 CLIENTS, STEP = 2, 1
@@ -77,6 +77,35 @@ def test_what_ray_can_place_passes(nodes, free, request_):
     assert placement_refusal(nodes, free, **request_) is None
 
 
+@pytest.mark.parametrize(
+    ("free", "request_", "short"),
+    [
+        ({**GPU_FREE, "GPU": 0}, dict(gpus=1), "the Ray cluster has 0 of its 8 GPUs free and the group needs 1"),
+        (
+            {**GPU_FREE, "CPU": 0.1},
+            dict(gpus=1),
+            "the Ray cluster has 0.1 of its 32 CPUs free and the group needs 0.25",
+        ),
+        (
+            {**GPU_FREE, f"{ISLAND_PREFIX}nvl-1": 0},
+            dict(gpus=1, island="nvl-1"),
+            f"has 0 of its 4 island nvl-1's slots ({ISLAND_PREFIX}nvl-1) free and the group needs 1",
+        ),
+    ],
+)
+def test_room_lacking_now_is_a_shortfall_that_waiting_may_end_and_not_a_refusal(free, request_, short):
+    """What a node added or a group removed can end (room) is told apart from what nothing can (no such island,
+    no node that large): with the platform waiting for room, only the latter refuses."""
+    request_ = {"gpus": 0, "island": ""} | request_
+    assert short in room_shortfall(GPU_NODES, free, num_cpus=0.25, **request_)
+    assert short in placement_refusal(GPU_NODES, free, node="", num_cpus=0.25, **request_)  # refused by default
+    assert placement_refusal(GPU_NODES, free, node="", num_cpus=0.25, need_room_now=False, **request_) is None
+    assert room_shortfall(GPU_NODES, GPU_FREE, num_cpus=0.25, **request_) is None
+    whole = {"gpus": 8, "island": ""}  # no node has 8 GPUs: no room to wait for
+    why = placement_refusal(GPU_NODES, GPU_FREE, node="", num_cpus=0.25, need_room_now=False, **whole)
+    assert why is not None and "no Ray node has 8 GPU(s)" in why
+
+
 def test_the_island_resource_is_the_platforms():
     from expertmesh.expert_group.deployment import island_resource
 
@@ -89,8 +118,9 @@ class _App:
     def __init__(self):
         self.specs, self.removed = {}, []
 
-    def add(self, spec):
+    def add(self, spec, timeout_s=300.0):
         self.specs[spec.name] = spec
+        self.timeouts = [*getattr(self, "timeouts", []), timeout_s]
         return f"10.0.0.3:{5000 + len(self.specs)}", 4242
 
     def remove(self, name):
@@ -160,6 +190,24 @@ def test_a_group_added_by_node_ip_where_nodes_share_a_host_name_is_pinned_to_tha
     with pytest.raises(GroupChangeRefused, match="2 Ray nodes have that host name"):
         launcher.check(node="box")
     assert sorted(plane.groups_app.specs) == ["g2"]
+
+
+def test_a_group_without_room_now_waits_for_it_when_the_platform_waits(gpu_cluster, monkeypatch):
+    """``group_wait_for_room_s``: deployed all the same (its replica a pending demand the autoscaler sees), waited
+    for that long; without it, refused with the way out."""
+    from expertmesh.contracts.errors import GroupChangeRefused
+    from expertmesh.expert_group import deployment
+
+    launcher, plane = gpu_cluster
+    monkeypatch.setattr(deployment, "free_resources", lambda: {**GPU_FREE, "GPU": 0})
+    with pytest.raises(GroupChangeRefused, match=r"needs 1: remove a group first .*up --group-wait-for-room-s"):
+        launcher.check()
+    plane.config = plane.config.model_copy(update={"group_wait_for_room_s": 900.0})
+    launcher.check()  # no refusal: room may come
+    launcher.start("g2")
+    assert plane.groups_app.timeouts == [900.0]
+    with pytest.raises(GroupChangeRefused, match="--island nvl-9: no node of the Ray cluster declares it"):
+        launcher.check(island="nvl-9")  # what no room can fix is still refused
 
 
 # -- live: expertmesh up --orchestrator with its groups on Ray Serve ------------------------------------

@@ -24,7 +24,14 @@ def add_command(commands) -> None:
     parser = commands.add_parser("up", help="run the platform: expert groups, router and the Inference gRPC API")
     add_data_plane_arguments(parser)
     add_setting_flag(parser, DataPlaneConfig, "router_threads")
-    for name in ("hedge_calls", "hedge_delay_min_s", "hedge_delay_max_s", "warm_up", "router_weight_check_s"):
+    for name in (
+        "hedge_calls",
+        "hedge_delay_min_s",
+        "hedge_delay_max_s",
+        "warm_up",
+        "router_weight_check_s",
+        "group_wait_for_room_s",
+    ):
         add_setting_flag(parser, DataPlaneConfig, name)
     add_serving_arguments(parser)
     parser.add_argument(

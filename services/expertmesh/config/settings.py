@@ -95,6 +95,14 @@ class DataPlaneConfig(BaseSettings):
     )
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     group_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per expert group")
+    group_wait_for_room_s: float = Field(
+        0.0,
+        ge=0,
+        le=86400,
+        description="`groups add` on Ray where the cluster has no room free now: 0 refuses it; more deploys the "
+        "group anyway and waits this many seconds for Ray to place it (a pending demand the Ray / KubeRay "
+        "autoscaler adds a node for, or room another change frees)",
+    )
     router_threads: int = Field(
         0,
         ge=0,

@@ -11,6 +11,7 @@ island="", node="", num_cpus=0.25)`` -> ``"--gpus 1: the Ray cluster has no GPUs
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ from expertmesh.contracts.errors import GroupChangeRefused, GroupUnavailable
 if TYPE_CHECKING:
     from expertmesh.platform.data_plane import DataPlane
 
-__all__ = ["RayGroups", "RayNode", "placement_refusal"]
+log = logging.getLogger(__name__)
+
+__all__ = ["RayGroups", "RayNode", "placement_refusal", "room_shortfall"]
 
 #: the prefix of the Ray custom resource a node declares per NVLink island (``deployment.island_resource``)
 ISLAND_PREFIX = "expertmesh.io/island-"
@@ -44,11 +47,19 @@ def _fmt(n: float) -> str:
 
 
 def placement_refusal(
-    nodes: Sequence[RayNode], free: Mapping[str, float], *, gpus: int, island: str, node: str, num_cpus: float
+    nodes: Sequence[RayNode],
+    free: Mapping[str, float],
+    *,
+    gpus: int,
+    island: str,
+    node: str,
+    num_cpus: float,
+    need_room_now: bool = True,
 ) -> str | None:
     """Why Ray cannot place a group of ``gpus`` GPUs and ``num_cpus`` CPUs (on NVLink island ``island``, on
     node ``node`` — an ID, IP or host name that one node has; empty: anywhere) given the cluster's ``nodes``
-    and its ``free`` resources now; None when it can. One line a person can act on."""
+    and its ``free`` resources now (``need_room_now``; else only what no change of the free resources can fix);
+    None when it can. One line a person can act on."""
     where = nodes
     if node:
         where = [n for n in nodes if node in (n.id, n.ip, n.host)]
@@ -81,13 +92,29 @@ def placement_refusal(
             f"no Ray node{on} has {gpus} GPU(s) and {_fmt(num_cpus)} CPU(s) for the group "
             f"(the most GPUs on one: {_fmt(most)})"
         )
+    short = room_shortfall(nodes, free, gpus=gpus, island=island, num_cpus=num_cpus) if need_room_now else None
+    if short is not None:
+        return (
+            f"{short}: remove a group first (`expertmesh groups remove NAME`), or let the platform wait for room "
+            "(`up --group-wait-for-room-s`)"
+        )
+    return None
+
+
+def room_shortfall(
+    nodes: Sequence[RayNode], free: Mapping[str, float], *, gpus: int, island: str, num_cpus: float
+) -> str | None:
+    """What the cluster lacks free NOW for a group of ``gpus`` GPUs and ``num_cpus`` CPUs (on island ``island``),
+    one line; None when it has room. A shortfall, unlike ``placement_refusal``'s other reasons, is one that a
+    node added (the Ray autoscaler) or a group removed can end."""
+    resource = f"{ISLAND_PREFIX}{island}"
     for name, need in (("GPU", gpus), ("CPU", num_cpus), *(((resource, 1),) if island else ())):
         if need and free.get(name, 0) < need:
             total = sum(n.resources.get(name, 0) for n in nodes)
             what = f"island {island}'s slots ({resource})" if name == resource else f"{name}s"
             return (
                 f"the Ray cluster has {_fmt(free.get(name, 0))} of its {_fmt(total)} {what} free and the group "
-                f"needs {_fmt(need)}: remove a group first (`expertmesh groups remove NAME`)"
+                f"needs {_fmt(need)}"
             )
     return None
 
@@ -107,8 +134,9 @@ class RayGroups:
     def running(self) -> dict[str, tuple[str, int]]:
         return self._app.replicas()
 
-    def _binding(self, gpus: int, island: str, node: str) -> tuple[dict, str | None]:
-        """The new group's GroupSpec hardware fields, and why Ray cannot place them (None: it can)."""
+    def _binding(self, gpus: int, island: str, node: str) -> tuple[dict, str | None, str | None]:
+        """The new group's GroupSpec hardware fields, why Ray cannot place them (None: it can), and what the
+        cluster lacks free now (None: nothing), which the platform may wait out (``group_wait_for_room_s``)."""
         from expertmesh.expert_group import deployment
 
         nodes = [RayNode(n["id"], n["ip"], n["host"], n["resources"]) for n in deployment.cluster_nodes()]
@@ -116,39 +144,50 @@ class RayGroups:
         # 0: as the platform's groups run (one GPU each where the cluster has them)
         num_gpus = gpus or (1 if has_gpus else 0)
         num_cpus = self._plane.config.group_num_cpus
+        free = deployment.free_resources()
+        waits = self._plane.config.group_wait_for_room_s > 0
         why = placement_refusal(
-            nodes, deployment.free_resources(), gpus=num_gpus, island=island, node=node, num_cpus=num_cpus
+            nodes, free, gpus=num_gpus, island=island, node=node, num_cpus=num_cpus, need_room_now=not waits
         )
+        short = room_shortfall(nodes, free, gpus=num_gpus, island=island, num_cpus=num_cpus) if waits else None
         resources: dict[str, float] = {}
         if island:
             resources[deployment.island_resource(island)] = 1
         if node and why is None:
             ip = next(n.ip for n in nodes if node in (n.id, n.ip, n.host))
             resources[f"node:{ip}"] = NODE_SHARE
-        return {"num_gpus": num_gpus, "resources": resources}, why
+        return {"num_gpus": num_gpus, "resources": resources}, why, short
 
     def check(self, gpus: int = 0, island: str = "", node: str = "") -> None:
-        """Refuse what Ray cannot place now (GroupChangeRefused)."""
-        _, why = self._binding(gpus, island, node)
+        """Refuse what Ray cannot place (GroupChangeRefused): also what it has no room for now, unless the
+        platform waits for room."""
+        _, why, _ = self._binding(gpus, island, node)
         if why is not None:
             raise GroupChangeRefused(why)
 
     def start(self, name: str, gpus: int = 0, island: str = "", node: str = "") -> tuple[str, int]:
         """One more group deployment, empty: the orchestrator fills it by live moves. (address, pid) once it
-        serves."""
+        serves. Without room now (and ``group_wait_for_room_s`` set) it is deployed all the same: its replica
+        waits in Ray's queue, a resource demand the autoscaler sees, for that long at most."""
+        from expertmesh.expert_group.deployment import ADD_TIMEOUT_S
         from expertmesh.platform.data_plane import group_spec
 
-        hardware, why = self._binding(gpus, island, node)
+        hardware, why, short = self._binding(gpus, island, node)
         if why is not None:
             raise GroupChangeRefused(why)
         plane = self._plane
+        timeout_s = ADD_TIMEOUT_S
+        if short is not None:
+            timeout_s = max(ADD_TIMEOUT_S, plane.config.group_wait_for_room_s)
+            log.warning("expert group %s: %s; deployed anyway, waiting up to %.0f s for room", name, short, timeout_s)
         # a replica Serve restarts later loads what the tables published from now on list it with
         spec = group_spec(plane.config, plane.checkpoint, name, (), plane.store.routing_table_version(), **hardware)
         with self._lock:
             try:
-                address, pid = self._app.add(spec)
+                address, pid = self._app.add(spec, timeout_s=timeout_s)
             except (RuntimeError, TimeoutError) as err:  # Serve's message, or its wait ran out
-                raise GroupUnavailable(f"expert group {name} did not serve on Ray Serve: {err}") from None
+                waited = f" (no room for it in {timeout_s:.0f} s: {short})" if short is not None else ""
+                raise GroupUnavailable(f"expert group {name} did not serve on Ray Serve: {err}{waited}") from None
             plane.addresses[name] = address
         return address, pid
 

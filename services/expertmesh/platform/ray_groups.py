@@ -124,6 +124,9 @@ class RayGroups:
             resources[f"node:{ip}"] = NODE_SHARE
         return {"num_gpus": num_gpus, "resources": resources}, why
 
+    def check_stop(self, name: str) -> None:
+        """Any group can be stopped here."""
+
     def check(self, gpus: int = 0, island: str = "", node: str = "") -> None:
         """Refuse what Ray cannot place now (GroupChangeRefused)."""
         _, why = self._binding(gpus, island, node)

@@ -27,7 +27,14 @@ from expertmesh.orchestrator.admin import MigrationRunner
 from expertmesh.orchestrator.elastic.controller import GroupController, GroupRequest
 from expertmesh.orchestrator.elastic.state import GroupPhase
 from expertmesh.orchestrator.kube.api import connect
-from expertmesh.orchestrator.kube.groups import BUILDER, KubeRayGroups, serve_config
+from expertmesh.orchestrator.kube.groups import (
+    BUILDER,
+    KubeRayGroups,
+    added_app,
+    refusal,
+    serve_config,
+    serve_config_change,
+)
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
 from helpers import held_pairs, wait_for
 
@@ -170,6 +177,62 @@ class KubeRay:
             proc.wait()
 
 
+def _gpu_service(groups_on_island: int) -> dict:
+    """A GPU chart's RayService: groups g0.. on island ``a`` (2 slots), 2 GPUs each."""
+    service = rayservice("/models/m", "redis://r:6379/0", 50100)
+    config = serve_config(service)
+    (app,) = config["applications"]
+    names = [f"g{i}" for i in range(groups_on_island)]
+    app["args"] |= {"num_gpus": 2, "placement": {"groups": {n: {"*": [i]} for i, n in enumerate(names)}}}
+    res = {"expertmesh.io/island-a": 1}
+    app["deployments"] = app["deployments"][:1] + [
+        {"name": f"group-{n}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 1, "num_gpus": 2, "resources": res}}
+        for n in names
+    ]
+    service["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    island = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    island["rayStartParams"]["resources"] = '"{\\"expertmesh.io/island-a\\":4}"'
+    island["template"] = {
+        "spec": {"containers": [{"name": "ray-worker", "resources": {"limits": {"nvidia.com/gpu": 4}}}]}
+    }
+    return service
+
+
+def test_the_application_of_a_group_added_on_an_island_is_rendered_as_the_chart_renders_its_groups():
+    from ray.serve.schema import ServeDeploySchema
+
+    service = _gpu_service(1)
+    config = serve_config(service)
+    assert refusal(service, gpus=0, island="a", node="") is None
+    app = added_app(config, "g7", gpus=0, island="a")
+    (directory, deployment) = app["deployments"]
+    res = "expertmesh.io/island-a"
+    assert deployment == {
+        "name": "group-g7",
+        "num_replicas": 1,
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 2, "resources": {res: 1}},
+        "placement_group_bundles": [{"CPU": 1, res: 1, "GPU": 2}],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+    assert app["args"]["ports"] == {"g7": 50101} and app["args"]["resources"] == {"g7": {res: 1}}
+    changed = serve_config_change(config, add=app)
+    ServeDeploySchema.model_validate(changed)  # what Serve takes from KubeRay
+    assert added_app(changed, "g8", gpus=4, island="")["args"]["ports"] == {"g8": 50102}
+    assert serve_config_change(changed, remove="g7") == config
+    full = _gpu_service(2)
+    why = refusal(full, gpus=0, island="a", node="")
+    assert why == (
+        "--island a: its worker pod has 4 GPUs, 4 held by groups g0, g1, and the group needs 2; remove one first "
+        "(`expertmesh groups remove NAME`)"
+    )
+    assert refusal(_gpu_service(1), gpus=3, island="a", node="").startswith("--island a: its worker pod has 4 GPUs")
+    cpu = rayservice("/models/m", "redis://r:6379/0", 50100)  # island a: one slot
+    taken = serve_config_change(serve_config(cpu), add=added_app(serve_config(cpu), "g5", gpus=0, island="a"))
+    why = refusal(cpu, gpus=0, island="a", node="", config=taken)
+    assert why == "--island a: its 1 slot(s) hold groups g5; remove one first (`expertmesh groups remove NAME`)"
+    assert refusal(full, gpus=4, island="", node="") is None  # a GPU chart: any count; Ray places it or not
+
+
 @pytest.fixture
 def rayservice_api(api_server, kubeconfig, tiny_checkpoints, redis_url):
     api_server.call(api_server.fake.install_crd, RAYSERVICE_CRD)
@@ -247,3 +310,51 @@ def test_a_group_added_on_kubernetes_is_filled_and_removed_again(api_server, ray
             controller.close()
             runner.close()
             kuberay.close()
+
+
+@pytest.mark.slow
+def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
+    api_server, rayservice_api, kubeconfig, redis_url, tmp_path
+):
+    """``expertmesh orchestrator --kube --ray-service NAME`` (as the chart runs it): its admin API takes adds and
+    removes through the RayService, refusing what that RayService cannot take, each with one line."""
+    import os
+    import time
+
+    import grpc
+
+    from expertmesh.v1 import admin_pb2 as pb
+    from expertmesh.v1 import admin_pb2_grpc as pb_grpc
+    from helpers import orchestrator_argv
+
+    _, model, _ = rayservice_api
+    placement = tmp_path / "placement.yaml"
+    placement.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}, "g1": {"*": [2, 3]}}}))
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"} | {"KUBECONFIG": str(kubeconfig)}
+    admin_port = free_port_range(1)
+    with mesh_in_redis(redis_url, model):
+        argv = orchestrator_argv(redis_url, model, placement, "--kube", "--ray-service", SERVICE, admin_port=admin_port)
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        stderr: list[str] = []
+        threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{admin_port}")
+        try:
+            deadline = time.monotonic() + 120
+            while not any(f"as applications of RayService {SERVICE}" in line for line in stderr):
+                assert proc.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
+                time.sleep(0.1)
+            stub = pb_grpc.AdminStub(channel)
+            for call, request, message in [
+                (stub.AddGroup, pb.AddGroupRequest(gpus=1), "--gpus 1: the chart runs its expert groups on CPU"),
+                (stub.RemoveGroup, pb.RemoveGroupRequest(name="g0"), "g0 is one of the 2 groups of Serve application"),
+            ]:
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(request, timeout=30)
+                assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+                assert message in refused.value.details()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, "".join(stderr)[-3000:]
+        finally:
+            channel.close()
+            if proc.poll() is None:
+                proc.kill()

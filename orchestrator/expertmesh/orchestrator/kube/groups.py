@@ -102,14 +102,27 @@ def _island_capacity(service: dict) -> dict[str, int]:
     return out
 
 
-def _island_users(config: dict, island: str) -> list[str]:
+def _island_gpus(service: dict, island: str) -> float:
+    """The GPUs of island ``island``'s worker pod (its Ray container's ``nvidia.com/gpu`` limit)."""
+    for wg in ((service.get("spec") or {}).get("rayClusterConfig") or {}).get("workerGroupSpecs") or ():
+        if wg.get("groupName") == f"island-{island}":
+            containers = ((wg.get("template") or {}).get("spec") or {}).get("containers") or [{}]
+            return float(((containers[0].get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0))
+    return 0.0
+
+
+def _island_deployments(config: dict, island: str) -> list[dict]:
     resource = f"{ISLAND_PREFIX}{island}"
-    return sorted(
-        d["name"].removeprefix("group-")
+    return [
+        d
         for app in _apps(config)
         for d in app.get("deployments") or ()
         if resource in ((d.get("ray_actor_options") or {}).get("resources") or {})
-    )
+    ]
+
+
+def _island_users(config: dict, island: str) -> list[str]:
+    return sorted(d["name"].removeprefix("group-") for d in _island_deployments(config, island))
 
 
 def serve_config(service: dict) -> dict:
@@ -142,6 +155,16 @@ def refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | 
             return (
                 f"--island {island}: its {capacity[island]} slot(s) hold groups {', '.join(users)}; "
                 "remove one first (`expertmesh groups remove NAME`)"
+            )
+        need = gpus or float((main.get("args") or {}).get("num_gpus", 0) or 0)
+        used = sum(
+            float((d.get("ray_actor_options") or {}).get("num_gpus", 0)) for d in _island_deployments(config, island)
+        )
+        have = _island_gpus(service, island)
+        if gpu_chart and used + need > have:
+            return (
+                f"--island {island}: its worker pod has {have:g} GPUs, {used:g} held by groups {', '.join(users)}, "
+                f"and the group needs {need:g}; remove one first (`expertmesh groups remove NAME`)"
             )
     return None
 

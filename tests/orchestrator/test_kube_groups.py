@@ -358,3 +358,42 @@ def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
             channel.close()
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_a_group_serve_fails_is_taken_out_again_with_serves_message(api_server, rayservice_api, redis_url):
+    """KubeRay reports Serve's failure of the new application in the RayService's status: the start fails with
+    that message, and the application is taken out again (the chart's untouched all along)."""
+    from kubernetes import client as k8s
+
+    from expertmesh.contracts.errors import GroupUnavailable
+    from expertmesh.store import open_store
+
+    connection, _, _ = rayservice_api
+    store = open_store(redis_url)
+    launcher = KubeRayGroups(connection, SERVICE, store, poll_s=0.05, start_timeout_s=60)
+    original = serve_config(launcher.service())
+    custom = k8s.CustomObjectsApi(connection.client)
+
+    def fail_it() -> None:
+        wait_for(lambda: len(serve_config(launcher.service())["applications"]) == 2, "the new application", 30)
+        message = "replica raised OverBudget: 4 MiB over"
+        status = {"applicationStatuses": {"expertmesh-group-g9": {"status": "DEPLOY_FAILED", "message": message}}}
+        custom.patch_namespaced_custom_object_status(
+            "ray.io",
+            "v1",
+            NAMESPACE,
+            "rayservices",
+            SERVICE,
+            {"status": {"activeServiceStatus": status}},
+            _content_type="application/merge-patch+json",
+        )
+
+    kuberay = threading.Thread(target=fail_it, daemon=True)
+    kuberay.start()
+    try:
+        with pytest.raises(GroupUnavailable, match="DEPLOY_FAILED: replica raised OverBudget: 4 MiB over"):
+            launcher.start("g9")
+        kuberay.join(timeout=30)
+        assert serve_config(launcher.service()) == original
+    finally:
+        store.close()

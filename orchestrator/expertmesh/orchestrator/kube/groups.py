@@ -37,7 +37,7 @@ from expertmesh.contracts.errors import GroupChangeRefused, GroupUnavailable
 from expertmesh.orchestrator.kube.api import MERGE_PATCH, KubeApiError, KubeConnection, _calling
 from expertmesh.store import StateStore
 
-__all__ = ["KubeRayGroups", "added_app", "groups_of", "refusal", "serve_config_change"]
+__all__ = ["KubeRayGroups", "added_app", "app_failure", "groups_of", "refusal", "serve_config_change"]
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +224,18 @@ def stop_refusal(config: dict, name: str) -> str | None:
     return None
 
 
+def app_failure(service: dict, app: str) -> str | None:
+    """Serve's message when KubeRay reports application ``app`` as failed (``status.activeServiceStatus`` or
+    ``pendingServiceStatus``, ``applicationStatuses[app]``: DEPLOY_FAILED or UNHEALTHY); None otherwise."""
+    status = service.get("status") or {}
+    for which in ("activeServiceStatus", "pendingServiceStatus"):
+        apps = (status.get(which) or {}).get("applicationStatuses") or {}
+        state = apps.get(app) or {}
+        if state.get("status") in ("DEPLOY_FAILED", "UNHEALTHY"):
+            return f"Serve application {app} is {state['status']}: {state.get('message') or 'no message'}"
+    return None
+
+
 # -- the launcher ---------------------------------------------------------------------------------------
 
 
@@ -334,7 +346,10 @@ class KubeRayGroups:
             try:
                 address = self._wait(lambda: self._serving(name), f"serve {name}", self._start_timeout_s)
             except BaseException:
-                self._change(lambda config: serve_config_change(config, remove=name))
+                try:  # back to the groups that ran, untouched
+                    self._change(lambda config: serve_config_change(config, remove=name))
+                except Exception as err:
+                    log.warning("expert group %s: its application stays in RayService %s: %s", name, self.name, err)
                 raise
         return address, 0
 
@@ -353,8 +368,15 @@ class KubeRayGroups:
         return 0
 
     def _serving(self, name: str) -> str | None:
+        """The group's address once it registered and answers; raises when Serve failed its application (as
+        KubeRay reports it in the RayService's status)."""
         address = self._store.endpoints().get(name)
-        return address if address and _answers(address) else None
+        if address and _answers(address):
+            return address
+        why = app_failure(self.service(), f"{APP_PREFIX}{name}")
+        if why is not None:
+            raise GroupUnavailable(f"expert group {name} did not serve: {why}")
+        return None
 
     def _wait(self, done: Callable[[], object], doing: str, timeout_s: float):
         deadline = time.monotonic() + timeout_s

@@ -333,6 +333,9 @@ def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"} | {"KUBECONFIG": str(kubeconfig)}
     admin_port = free_port_range(1)
     with mesh_in_redis(redis_url, model):
+        missing = orchestrator_argv(redis_url, model, placement, "--kube", "--ray-service", "nope")
+        result = subprocess.run(missing, capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode != 0 and f"no RayService nope in namespace {NAMESPACE}" in result.stderr, result.stderr
         argv = orchestrator_argv(redis_url, model, placement, "--kube", "--ray-service", SERVICE, admin_port=admin_port)
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         stderr: list[str] = []

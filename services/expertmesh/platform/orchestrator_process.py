@@ -155,6 +155,7 @@ def run(args) -> int:
         from expertmesh.orchestrator.kube.groups import KubeRayGroups
 
         launcher = KubeRayGroups(connection, args.ray_service, store, namespace)
+        launcher.service()  # a RayService that is not there, or not ours to read, fails here with one line
     elif args.ray_service:
         log.warning("--ray-service %s without a Kubernetes connection (--kube): no groups added", args.ray_service)
     orchestrator = start_orchestrator(

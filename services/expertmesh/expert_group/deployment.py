@@ -19,9 +19,10 @@ each group under a version of its own, so the others keep their replicas); and
 Serve application builder a KubeRay RayService names in ``serveConfigV2``
 (``import_path: expertmesh.expert_group.deployment:build_app``). There each
 replica listens on ``port_base + i`` (group ``i`` in name order, so
-NetworkPolicies can name the ports) and registers its address in the shared
+NetworkPolicies can name the ports) or on its port in ``ports``, and registers its address in the shared
 state store itself, again every few seconds (``registration``), so a flushed
-store heals without restarts.
+store heals without restarts. A group added live on Kubernetes is an application of its own with
+``empty: [name]`` and its port in ``ports`` (``orchestrator.kube.groups``).
 """
 
 from __future__ import annotations

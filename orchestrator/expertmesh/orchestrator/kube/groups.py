@@ -68,9 +68,10 @@ def groups_of(app: dict) -> list[str]:
 
 
 def _main(config: dict) -> dict:
-    """The chart's groups application (the first expertmesh one that is not a group added live)."""
+    """The chart's groups application (the first expertmesh one that is not a group added live, else the first):
+    what a group added live takes its arguments and options from."""
     apps = _apps(config)
-    main = next((a for a in apps if not str(a.get("name", "")).startswith(APP_PREFIX)), None)
+    main = next((a for a in apps if not str(a.get("name", "")).startswith(APP_PREFIX)), apps[0] if apps else None)
     if main is None:
         raise GroupChangeRefused("the RayService's serveConfigV2 has no expertmesh groups application to add beside")
     return main

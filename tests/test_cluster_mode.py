@@ -253,3 +253,40 @@ def test_orchestrator_on_a_taken_admin_port_exits_2(tmp_path, redis_url):
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith(f"expertmesh orchestrator: error: cannot bind the admin gRPC server to 127.0.0.1:{port}")
+
+
+def test_each_group_keeps_its_version_and_port_when_another_group_changes(tmp_path):
+    """``build_app``'s versions and ports, per group from its own spec: a group added (even one whose name sorts
+    between others) or another group's experts changed leave a group's version and port as they were."""
+    from expertmesh.expert_group.deployment import GroupsAppArgs, group_specs, group_version
+
+    model = make_tiny_checkpoint("mixtral", tmp_path / "m")
+    base = {
+        "model": str(model),
+        "placement": {"groups": {"a": {"*": [0, 1]}, "b": {"*": [2, 3]}}},
+        "state_url": "redis://x",
+        "port_base": 50100,
+    }
+
+    def built(**changes) -> dict[str, tuple[int, str]]:
+        return {s.name: (s.port, group_version(s)) for s in group_specs(GroupsAppArgs.model_validate(base | changes))}
+
+    before = built()
+    assert before == built() and [port for port, _ in before.values()] == [50100, 50101]
+    assert before["a"][1] != before["b"][1]
+    added = built(empty=["a2"], ports={"a2": 50102})  # "a2" sorts between "a" and "b"
+    assert {n: added[n] for n in ("a", "b")} == before and added["a2"][0] == 50102
+    moved = built(placement={"groups": {"a": {"*": [0, 1, 2]}, "b": {"*": [2, 3]}}})
+    assert moved["b"] == before["b"] and moved["a"][0] == before["a"][0] and moved["a"][1] != before["a"][1]
+    assert built(resources={"b": {"expertmesh.io/island-x": 1}})["b"][1] != before["b"][1]
+    alone = built(placement=None, empty=["g9"], ports={"g9": 50107})  # an application of one group added live
+    assert list(alone) == ["g9"] and alone["g9"][0] == 50107
+    for changes, message in [
+        (dict(empty=["a"], ports={"a": 50109}), r"empty names groups that the placement has: \['a'\]"),
+        (dict(empty=["c"]), r"empty groups need their port in ports: \['c'\]"),
+        (dict(empty=["c"], ports={"c": 50101}), "two groups on one port"),
+        (dict(ports={"z": 1}), r"resources or ports name groups that the application does not have: \['z'\]"),
+        (dict(placement=None), "needs a placement or empty groups"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            built(**changes)

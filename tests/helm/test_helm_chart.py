@@ -238,8 +238,10 @@ def test_orchestrator_rbac_grants_only_what_it_uses(render):
         assert c[probe]["grpc"] == {"port": 50062}, probe
     (cr,) = by_kind(docs, "ClusterRole")
     assert cr["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
-    # What the ExpertMigration controller calls, nothing else: no RayService writes, no pods, no
-    # ConfigMaps (the placement is a volume).
+    # What the ExpertMigration controller calls, and the RayService's groups added live (get and patch of this
+    # release's RayService alone), nothing else: no pods, no ConfigMaps (the placement is a volume).
+    rayservice_name = rayservice(docs)["metadata"]["name"]
+    assert flags["--ray-service"] == rayservice_name
     (role,) = by_kind(docs, "Role")
     assert role["rules"] == [
         {
@@ -255,6 +257,12 @@ def test_orchestrator_rbac_grants_only_what_it_uses(render):
         },
         {"apiGroups": ["expertmesh.io"], "resources": ["expertquarantines/status"], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        {
+            "apiGroups": ["ray.io"],
+            "resources": ["rayservices"],
+            "resourceNames": [rayservice_name],
+            "verbs": ["get", "patch"],
+        },
     ]
     for kind, role_kind, role_name in (
         ("ClusterRoleBinding", "ClusterRole", cr["metadata"]["name"]),
@@ -266,6 +274,15 @@ def test_orchestrator_rbac_grants_only_what_it_uses(render):
     # Nobody else gets a token.
     accounts = {d["metadata"]["name"]: d for d in by_kind(docs, "ServiceAccount")}
     assert accounts[FULLNAME]["automountServiceAccountToken"] is False
+
+
+def test_no_live_groups_no_rayservice_access(helm):
+    res = helm(*template_args(None, "--set", "orchestrator.liveGroups=false"))
+    assert res.returncode == 0, res.stderr
+    args = one(res.docs, "Deployment", f"{FULLNAME}-orchestrator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--ray-service" not in args
+    (role,) = by_kind(res.docs, "Role")
+    assert all("ray.io" not in rule["apiGroups"] for rule in role["rules"])
 
 
 def test_placement_configmap_from_values(render):

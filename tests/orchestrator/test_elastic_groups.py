@@ -224,6 +224,9 @@ class Launcher:
         if self.refuse:
             raise GroupChangeRefused(self.refuse)
 
+    def check_stop(self, name):
+        pass
+
     def start(self, name, gpus, island, node):
         self.running_groups[name] = (self.mesh.groups["g2"].address, 4242)
         return self.running_groups[name]
@@ -341,8 +344,8 @@ def test_no_launcher_lists_but_refuses_changes(mesh):
     controller = GroupController(mesh.store, runner.submit, None)
     try:
         assert [r.name for r in controller.records()] == ["g0", "g1"]
-        # no launcher: a router alone over a Kubernetes RayService's groups (`up` runs one for its own groups)
-        with pytest.raises(GroupChangeRefused, match="`expertmesh up --orchestrator`.* Kubernetes RayService: not yet"):
+        # no launcher: an orchestrator beside groups it cannot start (`up` runs one for its own groups)
+        with pytest.raises(GroupChangeRefused, match="`expertmesh up --orchestrator`.* --ray-service NAME`"):
             controller.add(GroupRequest())
         assert GroupChangeRefused.code is grpc.StatusCode.FAILED_PRECONDITION
     finally:

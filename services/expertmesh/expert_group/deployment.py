@@ -19,13 +19,17 @@ each group under a version of its own, so the others keep their replicas); and
 Serve application builder a KubeRay RayService names in ``serveConfigV2``
 (``import_path: expertmesh.expert_group.deployment:build_app``). There each
 replica listens on ``port_base + i`` (group ``i`` in name order, so
-NetworkPolicies can name the ports) and registers its address in the shared
+NetworkPolicies can name the ports) or on its port in ``ports``, and registers its address in the shared
 state store itself, again every few seconds (``registration``), so a flushed
-store heals without restarts.
+store heals without restarts. A group added live on Kubernetes is an application of its own with
+``empty: [name]`` and its port in ``ports`` (``orchestrator.kube.groups``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -279,8 +283,15 @@ class GroupsAppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="checkpoint directory inside the Ray worker containers")
-    placement: dict[str, Any] = Field(
-        description="placement, as in a placement YAML: {groups: {name: {layer: [experts]}}}"
+    placement: dict[str, Any] | None = Field(
+        None,
+        description="placement, as in a placement YAML: {groups: {name: {layer: [experts]}}}; every expert hosted. "
+        "Unset: only ``empty`` groups (an application of one group added live)",
+    )
+    empty: list[str] = Field(
+        default_factory=list,
+        description="groups started holding no experts, not in the placement (added live: the orchestrator fills "
+        "them by moves); each needs its port in ``ports``",
     )
     dtype: str = "float32"
     state_url: str = Field(description="shared state store (redis://...) the groups register their addresses in")
@@ -288,7 +299,11 @@ class GroupsAppArgs(BaseModel):
         "default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="the deployment's keys in it"
     )
     host: str = "0.0.0.0"
-    port_base: int = Field(50100, ge=1, le=65000, description="group i (in name order) listens on port_base + i")
+    port_base: int = Field(
+        50100, ge=1, le=65000, description="group i of the placement (in name order) listens on port_base + i"
+    )
+    #: group name -> its port, over port_base + i: a group added live gets one no other group's shifts
+    ports: dict[str, int] = Field(default_factory=dict)
     num_cpus: float = 1.0
     num_gpus: float = 0
     #: group name -> Ray custom resources (e.g. its NVLink island)
@@ -299,38 +314,70 @@ class GroupsAppArgs(BaseModel):
     warm_up: bool = Field(True, description="each group runs its warm-up before it serves (HostedExperts.warm_up)")
 
 
-def build_app(args: dict):
-    """Serve application builder for RayService: validates everything before any replica starts."""
+def group_version(spec: GroupSpec) -> str:
+    """A deployment version derived from everything of ``spec`` its replica is started with: equal specs, equal
+    versions, so a redeploy through ``serve.run`` leaves a group whose spec did not change running.
+
+    Under a RayService (Serve's declarative API) Serve versions every deployment of an application by its
+    config's hash instead (import path, runtime env, ``args``): there a group added live is an application of
+    its own (``orchestrator.kube.groups``), so the others' configs, and replicas, stay as they were."""
+    fields = dataclasses.asdict(spec)
+    fields["pairs"] = [list(p) for p in spec.pairs]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def group_specs(config: GroupsAppArgs) -> list[GroupSpec]:
+    """The ``GroupSpec`` of every group ``config`` names, checked against the checkpoint (a bad placement, an
+    ``empty`` group the placement also has, a port missing or used twice: ValueError / PlacementError)."""
     from expertmesh.contracts import group_map as placement_mod
     from expertmesh.models.checkpoint import Checkpoint
 
-    config = GroupsAppArgs.model_validate(args)
     spec = Checkpoint(config.model).spec
-    placement = placement_mod.parse(config.placement, spec)
-    placement_mod.validate(placement, spec)
-    unknown = sorted(set(config.resources) - set(placement.groups))
+    groups: dict[str, tuple] = {}
+    if config.placement is not None:
+        placement = placement_mod.parse(config.placement, spec)
+        placement_mod.validate(placement, spec)
+        groups = dict(placement.groups)
+    elif not config.empty:
+        raise ValueError("the groups application needs a placement or empty groups")
+    ports = {name: config.port_base + i for i, name in enumerate(sorted(groups))}
+    both = sorted(set(config.empty) & set(groups))
+    if both:
+        raise ValueError(f"empty names groups that the placement has: {both}")
+    groups |= {name: () for name in config.empty}
+    unknown = sorted((set(config.resources) | set(config.ports)) - set(groups))
     if unknown:
-        raise ValueError(f"resources name groups that the placement does not have: {unknown}")
-    return application(
-        [
-            GroupSpec(
-                name=name,
-                model_path=config.model,
-                pairs=placement.groups[name],
-                dtype=config.dtype,
-                host=config.host,
-                num_cpus=config.num_cpus,
-                num_gpus=config.num_gpus,
-                port=config.port_base + i,
-                resources=config.resources.get(name, {}),
-                state_url=config.state_url,
-                deployment=config.deployment,
-                budget_bytes=config.budget_bytes,
-                warm_up=config.warm_up,
-            )
-            for i, name in enumerate(sorted(placement.groups))
-        ]
-    )
+        raise ValueError(f"resources or ports name groups that the application does not have: {unknown}")
+    ports |= config.ports
+    unported = sorted(set(groups) - set(ports))
+    if unported:
+        raise ValueError(f"empty groups need their port in ports: {unported}")
+    if len(set(ports.values())) < len(ports):
+        raise ValueError(f"two groups on one port: {dict(sorted(ports.items()))}")
+    return [
+        GroupSpec(
+            name=name,
+            model_path=config.model,
+            pairs=groups[name],
+            dtype=config.dtype,
+            host=config.host,
+            num_cpus=config.num_cpus,
+            num_gpus=config.num_gpus,
+            port=ports[name],
+            resources=config.resources.get(name, {}),
+            state_url=config.state_url,
+            deployment=config.deployment,
+            budget_bytes=config.budget_bytes,
+            warm_up=config.warm_up,
+        )
+        for name in sorted(groups)
+    ]
+
+
+def build_app(args: dict):
+    """Serve application builder for RayService: validates everything before any replica starts."""
+    specs = group_specs(GroupsAppArgs.model_validate(args))
+    return application(specs, {spec.name: group_version(spec) for spec in specs})
 
 
 def current_addresses() -> dict[str, str]:

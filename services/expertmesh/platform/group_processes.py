@@ -98,6 +98,9 @@ class ProcessGroups:
         with self._lock:
             return {n: (g.address, g.proc.pid) for n, g in self.groups.items() if g.proc.poll() is None}
 
+    def check_stop(self, name: str) -> None:
+        """Any group can be stopped here."""
+
     def check(self, gpus: int = 0, island: str = "", node: str = "") -> None:
         """Refuse what a group process on this host cannot be (GroupChangeRefused)."""
         if island or node:

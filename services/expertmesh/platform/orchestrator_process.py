@@ -7,14 +7,16 @@ placement file to the routing table when the file changes; with ``--drift`` (or
 ``EXPERTMESH_DRIFT_ENABLED``) drift scans; with ``--health-monitor`` (or
 ``EXPERTMESH_HEALTH_ENABLED``) health rounds over every replica. With ``--kube``
 (the default in a pod) the ExpertMigration controller runs too
-(``orchestrator.kube``). A bad placement at start-up is refused with one line; a
-bad edit later is logged and the last good table stays.
+(``orchestrator.kube``), and with ``--ray-service`` expert groups are added and removed live
+as applications of that RayService (``orchestrator.kube.groups``). A bad placement at start-up
+is refused with one line; a bad edit later is logged and the last good table stays.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 
@@ -73,6 +75,13 @@ def add_kube_arguments(parser) -> None:
         help="run the ExpertMigration and ExpertQuarantine controllers (default: when running in a Kubernetes pod)",
     )
     parser.add_argument("--kube-namespace", help="namespace whose ExpertMigrations it runs (default: the pod's)")
+    parser.add_argument(
+        "--ray-service",
+        default=os.environ.get("EXPERTMESH_RAY_SERVICE") or None,
+        help="the KubeRay RayService of the expert groups (in --kube-namespace): `expertmesh groups add|remove` "
+        "then add and remove groups as applications of its serveConfigV2 (env EXPERTMESH_RAY_SERVICE; the chart "
+        "passes it; default: none, adds and removes are refused)",
+    )
 
 
 def kube_connection(args):
@@ -141,6 +150,14 @@ def run(args) -> int:
         if table is not None:
             progress(f"orchestrator: published routing table version {table.version}")
 
+    launcher = None
+    if args.ray_service and connection is not None:
+        from expertmesh.orchestrator.kube.groups import KubeRayGroups
+
+        launcher = KubeRayGroups(connection, args.ray_service, store, namespace)
+        launcher.service()  # a RayService that is not there, or not ours to read, fails here with one line
+    elif args.ray_service:
+        log.warning("--ray-service %s without a Kubernetes connection (--kube): no groups added", args.ray_service)
     orchestrator = start_orchestrator(
         store,
         args.admin_host,
@@ -154,6 +171,7 @@ def run(args) -> int:
         on_drift_decision=DriftObjects(ExpertMigrationApi(connection), namespace) if connection else None,
         managers=[Manager("placement", args.interval, reconcile)],
         model_fingerprint=spec.fingerprint,
+        launcher=launcher,
     )
     reconciler.use_migrations(orchestrator.runner.submit)  # file edits from now on: live moves, make before break
     port = orchestrator.server.port
@@ -163,6 +181,8 @@ def run(args) -> int:
     quarantines = start_quarantine_controller(connection, health, namespace) if connection else None
     version = first.version if first else store.routing_table_version()
     progress(f"orchestrator: routing table version {version}; admin gRPC on {args.admin_host}:{port}")
+    if launcher is not None:
+        progress(f"orchestrator: adds and removes expert groups as applications of RayService {args.ray_service}")
     if kube is not None:
         progress(f"orchestrator: running ExpertMigrations of namespace {kube.namespace} (and its ExpertQuarantines)")
 

@@ -158,6 +158,9 @@ class RayGroups:
             resources[f"node:{ip}"] = NODE_SHARE
         return {"num_gpus": num_gpus, "resources": resources}, why, short
 
+    def check_stop(self, name: str) -> None:
+        """Any group can be stopped here."""
+
     def check(self, gpus: int = 0, island: str = "", node: str = "") -> None:
         """Refuse what Ray cannot place (GroupChangeRefused): also what it has no room for now, unless the
         platform waits for room."""

@@ -18,8 +18,8 @@ launcher
     What starts and stops a group on this platform (``controller.GroupLauncher``): a
     deployment of the Ray Serve groups application (``platform.ray_groups``, the default
     ``up``) or a plain process (``platform.group_processes``, ``up --groups-as process``).
-    The orchestrator never starts a process itself; a Kubernetes RayService's groups have
-    no launcher yet (adds and removes are refused there).
+    On Kubernetes: an application of one group added to the RayService's serveConfigV2
+    (``orchestrator.kube.groups``). The orchestrator never starts a process itself.
 change
     One add or remove; one runs at a time per orchestrator.
 """

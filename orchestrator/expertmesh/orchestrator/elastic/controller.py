@@ -45,7 +45,9 @@ class GroupRequest:
 
 class GroupLauncher(Protocol):
     """Starts and stops expert groups on one platform: Ray Serve deployments (``platform.ray_groups``, the
-    default ``up``) or group processes (``platform.group_processes``, ``up --groups-as process``)."""
+    default ``up``), group processes (``platform.group_processes``, ``up --groups-as process``) or the
+    applications of a KubeRay RayService (``orchestrator.kube.groups``, ``expertmesh orchestrator
+    --ray-service``)."""
 
     def running(self) -> dict[str, tuple[str, int]]:
         """name -> (address, pid) of every group it runs now."""
@@ -53,6 +55,10 @@ class GroupLauncher(Protocol):
 
     def check(self, gpus: int, island: str, node: str) -> None:
         """Raise GroupChangeRefused for a placement this platform cannot make (before anything starts)."""
+        ...
+
+    def check_stop(self, name: str) -> None:
+        """Raise GroupChangeRefused when group ``name`` cannot be stopped live here (before it is drained)."""
         ...
 
     def start(self, name: str, gpus: int, island: str, node: str) -> tuple[str, int]:
@@ -117,8 +123,8 @@ class GroupController:
         if self._launcher is None:
             raise GroupChangeRefused(
                 "this orchestrator cannot start or stop expert groups: run the platform with "
-                "`expertmesh up --orchestrator` (groups on Ray Serve, or --groups-as process); the groups of a "
-                "Kubernetes RayService: not yet"
+                "`expertmesh up --orchestrator` (groups on Ray Serve, or --groups-as process), or on Kubernetes "
+                "`expertmesh orchestrator --ray-service NAME` (the chart passes it)"
             )
         return self._launcher
 
@@ -134,8 +140,9 @@ class GroupController:
         return record
 
     def remove(self, name: str) -> GroupRecord:
-        """Check (the experts must fit elsewhere), plan, record DRAINING and drain in the background."""
-        self._need_launcher()
+        """Check (the platform can stop it, the experts must fit elsewhere), plan, record DRAINING and drain in
+        the background."""
+        self._need_launcher().check_stop(name)
         self.records()
         with self._lock:
             record = checked_remove(name, self._records, self._store.routing_table())

@@ -30,6 +30,9 @@ Modules, one job each:
     Its API calls and the level-triggered loop: a created object quarantines, a
     deleted one releases, every quarantine made elsewhere gets a mirror object,
     status and Events follow the replicas.
+``groups``
+    Expert groups added and removed live as Serve applications of the RayService's
+    ``serveConfigV2`` (``KubeRayGroups``, the orchestrator's launcher with ``--ray-service``).
 ``plugin``
     ``kubectl-expertmesh``: ``migrate`` (create an object, ``--wait`` follows it)
     and ``experts``.

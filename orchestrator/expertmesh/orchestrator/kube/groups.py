@@ -1,0 +1,393 @@
+"""Expert groups of a KubeRay ``RayService`` as the orchestrator's launcher (``orchestrator.elastic``).
+
+``KubeRayGroups.start`` adds a Serve application of one new, empty group to the RayService's
+``spec.serveConfigV2`` (``expertmesh-group-<name>``: the builder the chart's application names,
+``args.empty: [name]``, its own port, its island's resource and placement-group bundle as the chart
+renders them); KubeRay hands the config to Serve, whose replica starts the group, which registers its
+address in the state store: ``start`` returns once it is there and answers. ``stop`` takes that
+application out again and returns once the group's gRPC port no longer answers.
+
+Why an application per group: under a RayService Serve versions every deployment of an application by
+the hash of the application's config (import path, runtime env, ``args``), so a changed ``args`` restarts
+all of its groups. An application added or removed leaves the others' configs, and replicas, untouched.
+So a group of the chart's own application (several groups) is not removed live: ``check_stop`` refuses it.
+
+Every write is a JSON merge patch carrying the resourceVersion it was computed from (409 Conflict: read
+again, recompute; KubeRay writes the object too). ``serve_config_change`` and ``refusal`` are pure.
+
+Example: ``refusal(service, gpus=1, island="", node="")`` on a CPU chart -> ``"--gpus 1: the chart runs
+its expert groups on CPU (mode: cpu); leave --gpus out"``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import kubernetes
+import yaml
+from kubernetes.client.exceptions import ApiException
+
+from expertmesh.contracts.errors import GroupChangeRefused, GroupUnavailable
+from expertmesh.orchestrator.kube.api import MERGE_PATCH, KubeApiError, KubeConnection, _calling
+from expertmesh.store import StateStore
+
+__all__ = ["KubeRayGroups", "added_app", "app_failure", "groups_of", "refusal", "serve_config_change"]
+
+log = logging.getLogger(__name__)
+
+RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayservices"
+BUILDER = "expertmesh.expert_group.deployment:build_app"
+#: the application of one group added live
+APP_PREFIX = "expertmesh-group-"
+#: the Ray custom resource a worker group declares per NVLink island (``deployment.island_resource``)
+ISLAND_PREFIX = "expertmesh.io/island-"
+#: seconds a group added live may take until it serves (KubeRay, Serve placing it, its start)
+START_TIMEOUT_S = 600.0
+#: seconds a group removed may take until its port stops answering
+STOP_TIMEOUT_S = 300.0
+
+
+# -- the serve config, pure -------------------------------------------------------------------------
+
+
+def _apps(config: dict) -> list[dict]:
+    return [a for a in config.get("applications") or () if a.get("import_path") == BUILDER]
+
+
+def groups_of(app: dict) -> list[str]:
+    """The groups an expertmesh application of a serve config runs."""
+    args = app.get("args") or {}
+    placed = ((args.get("placement") or {}).get("groups") or {}).keys()
+    return sorted({*map(str, placed), *args.get("empty", ())})
+
+
+def _main(config: dict) -> dict:
+    """The chart's groups application (the first expertmesh one that is not a group added live, else the first):
+    what a group added live takes its arguments and options from."""
+    apps = _apps(config)
+    main = next((a for a in apps if not str(a.get("name", "")).startswith(APP_PREFIX)), apps[0] if apps else None)
+    if main is None:
+        raise GroupChangeRefused("the RayService's serveConfigV2 has no expertmesh groups application to add beside")
+    return main
+
+
+def _ports(config: dict) -> set[int]:
+    used: set[int] = set()
+    for app in _apps(config):
+        args = app.get("args") or {}
+        placed = sorted(((args.get("placement") or {}).get("groups") or {}).keys())
+        used |= {int(args.get("port_base", 50100)) + i for i in range(len(placed))}
+        used |= {int(p) for p in (args.get("ports") or {}).values()}
+    return used
+
+
+def _island_capacity(service: dict) -> dict[str, int]:
+    """island -> the slots its worker group declares (``rayStartParams.resources``, as the chart renders it)."""
+    out: dict[str, int] = {}
+    for wg in ((service.get("spec") or {}).get("rayClusterConfig") or {}).get("workerGroupSpecs") or ():
+        raw = str((wg.get("rayStartParams") or {}).get("resources", "") or "")
+        text = raw.strip().strip('"').replace('\\"', '"')
+        try:
+            declared = json.loads(text) if text else {}
+        except ValueError:
+            continue
+        for key, amount in declared.items():
+            if key.startswith(ISLAND_PREFIX):
+                out[key.removeprefix(ISLAND_PREFIX)] = int(amount)
+    return out
+
+
+def _island_gpus(service: dict, island: str) -> float:
+    """The GPUs of island ``island``'s worker pod (its Ray container's ``nvidia.com/gpu`` limit)."""
+    for wg in ((service.get("spec") or {}).get("rayClusterConfig") or {}).get("workerGroupSpecs") or ():
+        if wg.get("groupName") == f"island-{island}":
+            containers = ((wg.get("template") or {}).get("spec") or {}).get("containers") or [{}]
+            return float(((containers[0].get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0))
+    return 0.0
+
+
+def _island_deployments(config: dict, island: str) -> list[dict]:
+    resource = f"{ISLAND_PREFIX}{island}"
+    return [
+        d
+        for app in _apps(config)
+        for d in app.get("deployments") or ()
+        if resource in ((d.get("ray_actor_options") or {}).get("resources") or {})
+    ]
+
+
+def _island_users(config: dict, island: str) -> list[str]:
+    return sorted(d["name"].removeprefix("group-") for d in _island_deployments(config, island))
+
+
+def serve_config(service: dict) -> dict:
+    return yaml.safe_load((service.get("spec") or {}).get("serveConfigV2") or "") or {}
+
+
+def refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | None = None) -> str | None:
+    """Why the RayService cannot take a group of ``gpus`` GPUs on ``island`` (``node``: never, on Kubernetes a
+    group lands on its island's worker pod); None when it can. ``config``: its serve config, when not the
+    service's own. One line a person can act on."""
+    if node:
+        return "--node: on Kubernetes a group lands on a worker pod of its island; name --island instead"
+    config = serve_config(service) if config is None else config
+    try:
+        main = _main(config)
+    except GroupChangeRefused as err:
+        return str(err)
+    gpu_chart = float((main.get("args") or {}).get("num_gpus", 0) or 0) > 0
+    if gpus and not gpu_chart:
+        return f"--gpus {gpus}: the chart runs its expert groups on CPU (mode: cpu); leave --gpus out"
+    if island:
+        capacity = _island_capacity(service)
+        if island not in capacity:
+            return (
+                f"--island {island}: the RayService has no worker group for it (its islands: "
+                f"{', '.join(sorted(capacity)) or 'none'}); add it to expertGroups.islands and upgrade the chart"
+            )
+        users = _island_users(config, island)
+        if len(users) >= capacity[island]:
+            return (
+                f"--island {island}: its {capacity[island]} slot(s) hold groups {', '.join(users)}; "
+                "remove one first (`expertmesh groups remove NAME`)"
+            )
+        need = gpus or float((main.get("args") or {}).get("num_gpus", 0) or 0)
+        used = sum(
+            float((d.get("ray_actor_options") or {}).get("num_gpus", 0)) for d in _island_deployments(config, island)
+        )
+        have = _island_gpus(service, island)
+        if gpu_chart and used + need > have:
+            return (
+                f"--island {island}: its worker pod has {have:g} GPUs, {used:g} held by groups {', '.join(users)}, "
+                f"and the group needs {need:g}; remove one first (`expertmesh groups remove NAME`)"
+            )
+    return None
+
+
+def added_app(config: dict, name: str, *, gpus: int, island: str) -> dict:
+    """The Serve application of the empty group ``name``, beside the chart's: its arguments and options those
+    of the chart's groups, on the lowest port of the chart's range no group uses."""
+    main = _main(config)
+    base = dict(main.get("args") or {})
+    num_cpus = base.get("num_cpus", 1.0)
+    num_gpus = gpus or base.get("num_gpus", 0) or 0
+    used = _ports(config)
+    port = next(p for p in range(int(base.get("port_base", 50100)), 65536) if p not in used)
+    kept = ("model", "dtype", "state_url", "deployment", "host", "budget_bytes", "warm_up")
+    args = {k: base[k] for k in kept if k in base}
+    args |= {"empty": [name], "ports": {name: port}, "num_cpus": num_cpus, "num_gpus": num_gpus}
+    options: dict = {"num_cpus": num_cpus}
+    if num_gpus:
+        options["num_gpus"] = num_gpus
+    deployment: dict = {"name": f"group-{name}", "num_replicas": 1, "ray_actor_options": options}
+    if island:
+        resource = f"{ISLAND_PREFIX}{island}"
+        options["resources"] = {resource: 1}
+        args["resources"] = {name: {resource: 1}}
+        bundle = {"CPU": num_cpus, resource: 1, **({"GPU": num_gpus} if num_gpus else {})}
+        deployment |= {"placement_group_bundles": [bundle], "placement_group_strategy": "STRICT_PACK"}
+    return {
+        "name": f"{APP_PREFIX}{name}",
+        "route_prefix": None,
+        "import_path": BUILDER,
+        "args": args,
+        "deployments": [{"name": "directory", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}, deployment],
+    }
+
+
+def serve_config_change(config: dict, *, add: dict | None = None, remove: str | None = None) -> dict:
+    """``config`` with application ``add`` appended, or group ``remove``'s own application taken out."""
+    out = copy.deepcopy(config)
+    apps = out.setdefault("applications", [])
+    if add is not None:
+        apps.append(add)
+    if remove is not None:
+        out["applications"] = [a for a in apps if a.get("name") != f"{APP_PREFIX}{remove}"]
+    return out
+
+
+def stop_refusal(config: dict, name: str) -> str | None:
+    """Why group ``name`` cannot be stopped live (None: it can, or it does not run here)."""
+    for app in _apps(config):
+        groups = groups_of(app)
+        if name in groups and len(groups) > 1:
+            return (
+                f"group {name} is one of the {len(groups)} groups of Serve application {app.get('name')} (the chart's "
+                "expertGroups.groups): taking it out would restart all of them; only groups added live "
+                "(`expertmesh groups add`) are removed live on Kubernetes"
+            )
+    return None
+
+
+def app_failure(service: dict, app: str) -> str | None:
+    """Serve's message when KubeRay reports application ``app`` as failed (``status.activeServiceStatus`` or
+    ``pendingServiceStatus``, ``applicationStatuses[app]``: DEPLOY_FAILED or UNHEALTHY); None otherwise."""
+    status = service.get("status") or {}
+    for which in ("activeServiceStatus", "pendingServiceStatus"):
+        apps = (status.get(which) or {}).get("applicationStatuses") or {}
+        state = apps.get(app) or {}
+        if state.get("status") in ("DEPLOY_FAILED", "UNHEALTHY"):
+            return f"Serve application {app} is {state['status']}: {state.get('message') or 'no message'}"
+    return None
+
+
+# -- the launcher ---------------------------------------------------------------------------------------
+
+
+def _answers(address: str, timeout_s: float = 1.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class KubeRayGroups:
+    """The groups of RayService ``name`` in ``namespace`` as the launcher the orchestrator adds and removes
+    groups through (``running``, ``check``, ``check_stop``, ``start``, ``stop``)."""
+
+    def __init__(
+        self,
+        connection: KubeConnection,
+        name: str,
+        store: StateStore,
+        namespace: str | None = None,
+        *,
+        start_timeout_s: float = START_TIMEOUT_S,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
+        poll_s: float = 1.0,
+        attempts: int = 5,
+    ):
+        self.name = name
+        self.namespace = namespace or connection.namespace
+        self._custom = kubernetes.client.CustomObjectsApi(connection.client)
+        self._store = store
+        self._start_timeout_s, self._stop_timeout_s, self._poll_s = start_timeout_s, stop_timeout_s, poll_s
+        self._attempts = attempts
+        self._lock = threading.Lock()
+
+    # -- the object
+
+    def service(self) -> dict:
+        with _calling(f"get rayservices/{self.name}"):
+            try:
+                return self._custom.get_namespaced_custom_object(
+                    RAY_GROUP, RAY_VERSION, self.namespace, RAY_PLURAL, self.name
+                )
+            except ApiException as err:
+                if err.status == 404:
+                    raise GroupChangeRefused(
+                        f"no RayService {self.name} in namespace {self.namespace} (--ray-service)"
+                    ) from None
+                raise
+
+    def _change(self, edit: Callable[[dict], dict]) -> None:
+        """Write ``edit(serve config)`` as the serveConfigV2, guarded by the resourceVersion it was read at; on
+        409 Conflict read again and recompute."""
+        for _ in range(self._attempts):
+            service = self.service()
+            text = yaml.safe_dump(edit(serve_config(service)), sort_keys=False)
+            body = {
+                "metadata": {"resourceVersion": service["metadata"]["resourceVersion"]},
+                "spec": {"serveConfigV2": text},
+            }
+            with _calling(f"patch rayservices/{self.name}"):
+                try:
+                    self._custom.patch_namespaced_custom_object(
+                        RAY_GROUP, RAY_VERSION, self.namespace, RAY_PLURAL, self.name, body, _content_type=MERGE_PATCH
+                    )
+                    return
+                except ApiException as err:
+                    if err.status != 409:
+                        raise
+            log.info("rayservices/%s changed since it was read (409 Conflict); re-reading it", self.name)
+        raise KubeApiError(f"rayservices/{self.name} kept conflicting; gave up after {self._attempts} tries")
+
+    # -- the launcher protocol
+
+    def running(self) -> dict[str, tuple[str, int]]:
+        """name -> (address, 0) of every group the RayService's serveConfigV2 runs (address as registered, or
+        empty while it starts)."""
+        endpoints = self._store.endpoints()
+        config = serve_config(self.service())
+        return {g: (endpoints.get(g, ""), 0) for app in _apps(config) for g in groups_of(app)}
+
+    def check(self, gpus: int = 0, island: str = "", node: str = "") -> None:
+        why = refusal(self.service(), gpus=gpus, island=island, node=node)
+        if why is not None:
+            raise GroupChangeRefused(why)
+
+    def check_stop(self, name: str) -> None:
+        why = stop_refusal(serve_config(self.service()), name)
+        if why is not None:
+            raise GroupChangeRefused(why)
+
+    def start(self, name: str, gpus: int = 0, island: str = "", node: str = "") -> tuple[str, int]:
+        """Add group ``name``'s application; (address, 0) once the group registered and answers (its pid lives
+        in a pod: unknown here). One that does not serve in time is taken out again and raises."""
+        with self._lock:
+
+            def add(config: dict) -> dict:
+                if any(name in groups_of(app) for app in _apps(config)):
+                    raise GroupChangeRefused(f"the RayService runs a group {name!r} already")
+                why = refusal(service, gpus=gpus, island=island, node=node, config=config)
+                if why is not None:
+                    raise GroupChangeRefused(why)
+                return serve_config_change(config, add=added_app(config, name, gpus=gpus, island=island))
+
+            service = self.service()
+            self._change(add)
+            try:
+                address = self._wait(lambda: self._serving(name), f"serve {name}", self._start_timeout_s)
+            except BaseException:
+                try:  # back to the groups that ran, untouched
+                    self._change(lambda config: serve_config_change(config, remove=name))
+                except Exception as err:
+                    log.warning("expert group %s: its application stays in RayService %s: %s", name, self.name, err)
+                raise
+        return address, 0
+
+    def stop(self, name: str) -> int:
+        """Take group ``name``'s application out; 0 once its port no longer answers."""
+        with self._lock:
+            config = serve_config(self.service())
+            why = stop_refusal(config, name)
+            if why is not None:
+                raise GroupChangeRefused(why)
+            if not any(a.get("name") == f"{APP_PREFIX}{name}" for a in _apps(config)):
+                raise GroupUnavailable(f"no application of expert group {name!r} in RayService {self.name}")
+            address = self._store.endpoints().get(name, "")
+            self._change(lambda config: serve_config_change(config, remove=name))
+            self._wait(lambda: not address or not _answers(address), f"stop {name}", self._stop_timeout_s)
+        return 0
+
+    def _serving(self, name: str) -> str | None:
+        """The group's address once it registered and answers; raises when Serve failed its application (as
+        KubeRay reports it in the RayService's status)."""
+        address = self._store.endpoints().get(name)
+        if address and _answers(address):
+            return address
+        why = app_failure(self.service(), f"{APP_PREFIX}{name}")
+        if why is not None:
+            raise GroupUnavailable(f"expert group {name} did not serve: {why}")
+        return None
+
+    def _wait(self, done: Callable[[], object], doing: str, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = done()
+            if result:
+                return result
+            if time.monotonic() > deadline:
+                raise GroupUnavailable(
+                    f"expert group did not {doing} within {timeout_s:.0f} s of the RayService {self.name} change "
+                    f"(kubectl describe rayservice {self.name}; the Ray dashboard's Serve page says why)"
+                )
+            time.sleep(self._poll_s)

@@ -1,0 +1,402 @@
+"""Expert groups added and removed live on Kubernetes (``orchestrator.kube.groups.KubeRayGroups``): the
+launcher against the fake API server holding a RayService as the chart renders it (CPU mode, the tiny
+Mixtral's two groups, one NVLink-island worker group and the default pool), with Redis as the state store.
+
+No KubeRay and no Ray here: the test plays them. ``KubeRay`` below watches the RayService, checks each new
+serveConfigV2 with Ray Serve's own schema and code-version hash (what Serve would restart), and stands in for
+Serve's replica of a group added live by starting a real ``expertmesh group serve --group NAME --empty
+--state-url redis://...`` process on the application's port, and stopping it (SIGTERM) when the application
+is taken out. The chart's groups are the in-process groups of ``migration_mesh``; every move is a real
+make-before-break migration by the orchestrator's ``GroupController``."""
+
+from __future__ import annotations
+
+import copy
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import yaml
+from migration_mesh import FAST, PLACEMENT, mesh_in_redis
+
+from expertmesh.contracts.errors import GroupChangeRefused
+from expertmesh.infra.ports import free_port_range
+from expertmesh.orchestrator.admin import MigrationRunner
+from expertmesh.orchestrator.elastic.controller import GroupController, GroupRequest
+from expertmesh.orchestrator.elastic.state import GroupPhase
+from expertmesh.orchestrator.kube.api import connect
+from expertmesh.orchestrator.kube.groups import (
+    BUILDER,
+    KubeRayGroups,
+    added_app,
+    refusal,
+    serve_config,
+    serve_config_change,
+)
+from expertmesh.orchestrator.migration.executor import MigrationExecutor
+from helpers import held_pairs, wait_for
+
+NAMESPACE = "expertmesh"
+SERVICE = "expertmesh-rs"
+RESOURCE = "ray.io/v1/rayservices"
+#: a minimal RayService CRD: what the launcher reads and writes (KubeRay's own schema is far larger)
+RAYSERVICE_CRD = {
+    "spec": {
+        "group": "ray.io",
+        "names": {"kind": "RayService", "plural": "rayservices", "singular": "rayservice"},
+        "scope": "Namespaced",
+        "versions": [
+            {
+                "name": "v1",
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "required": ["rayClusterConfig"],
+                                "properties": {
+                                    "serveConfigV2": {"type": "string"},
+                                    "rayClusterConfig": {"type": "object"},
+                                },
+                            },
+                            "status": {"type": "object"},
+                        },
+                    }
+                },
+            }
+        ],
+    }
+}
+
+
+def rayservice(model: str, state_url: str, port_base: int) -> dict:
+    """The RayService the chart renders (templates/rayservice.yaml) for two groups in CPU mode."""
+    placement = {
+        g: {layer: sorted(e for lay, e in pairs if lay == layer) for layer in (0, 1)}
+        for g, pairs in PLACEMENT.groups.items()
+    }
+    app = {
+        "name": "expertmesh-groups",
+        "route_prefix": "/",
+        "import_path": BUILDER,
+        "args": {
+            "model": model,
+            "placement": {"groups": placement},
+            "dtype": "float32",
+            "state_url": state_url,
+            "host": "127.0.0.1",
+            "port_base": port_base,
+            "num_cpus": 1,
+            "num_gpus": 0,
+            "resources": {},
+        },
+        "deployments": [
+            {"name": "directory", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
+            *({"name": f"group-{g}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 1}} for g in placement),
+        ],
+    }
+    serve = {"proxy_location": "EveryNode", "http_options": {"host": "0.0.0.0", "port": 8000}, "applications": [app]}
+    island = '"{\\"expertmesh.io/island-a\\":1}"'  # rayStartParams.resources, quoted as the chart quotes it
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": SERVICE, "namespace": NAMESPACE},
+        "spec": {
+            "serveConfigV2": yaml.safe_dump(serve),
+            "rayClusterConfig": {
+                "rayVersion": "2.60.0",
+                "headGroupSpec": {"rayStartParams": {"num-cpus": "0"}, "template": {}},
+                "workerGroupSpecs": [
+                    {"groupName": "island-a", "replicas": 1, "rayStartParams": {"resources": island}, "template": {}},
+                    {"groupName": "workers", "replicas": 1, "rayStartParams": {}, "template": {}},
+                ],
+            },
+        },
+    }
+
+
+class KubeRay:
+    """Plays KubeRay and Ray Serve: each serveConfigV2 the RayService gets is checked as Serve checks it, and a
+    group's application that appears gets a real group process, one that disappears has its process stopped."""
+
+    def __init__(self, launcher: KubeRayGroups, model: str, state_url: str):
+        self._launcher, self._model, self._state_url = launcher, model, state_url
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.exit_codes: dict[str, int] = {}
+        #: application name -> every code version Serve gave it (a new one restarts all its deployments)
+        self.code_versions: dict[str, list[str]] = {}
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from ray.serve._private.deploy_utils import get_app_code_version
+        from ray.serve.schema import ServeDeploySchema
+
+        seen = None
+        while not self._stop.wait(0.05):
+            text = self._launcher.service()["spec"]["serveConfigV2"]
+            if text == seen:
+                continue
+            seen = text
+            try:
+                config = ServeDeploySchema.model_validate(yaml.safe_load(text))
+            except Exception as err:  # what Serve would answer KubeRay: the config is refused
+                self.errors.append(str(err))
+                continue
+            apps = {app.name: app for app in config.applications}
+            for name, app in apps.items():
+                versions = self.code_versions.setdefault(name, [])
+                version = get_app_code_version(app)
+                if not versions or versions[-1] != version:
+                    versions.append(version)
+                for group in app.args.get("empty", ()):
+                    if group not in self.processes:
+                        self._start(group, app.args["ports"][group])
+            live = {g for app in apps.values() for g in app.args.get("empty", ())}
+            for group in [g for g in self.processes if g not in live]:
+                proc = self.processes.pop(group)
+                proc.send_signal(signal.SIGTERM)
+                self.exit_codes[group] = proc.wait(timeout=60)
+
+    def _start(self, group: str, port: int) -> None:
+        argv = [sys.executable, "-m", "expertmesh.cli.main", "group", "serve", "--group", group, "--empty"]
+        argv += ["--model", self._model, "--state-url", self._state_url, "--host", "127.0.0.1", "--port", str(port)]
+        self.processes[group] = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for proc in self.processes.values():
+            proc.kill()
+            proc.wait()
+
+
+def _gpu_service(groups_on_island: int) -> dict:
+    """A GPU chart's RayService: groups g0.. on island ``a`` (2 slots), 2 GPUs each."""
+    service = rayservice("/models/m", "redis://r:6379/0", 50100)
+    config = serve_config(service)
+    (app,) = config["applications"]
+    names = [f"g{i}" for i in range(groups_on_island)]
+    app["args"] |= {"num_gpus": 2, "placement": {"groups": {n: {"*": [i]} for i, n in enumerate(names)}}}
+    res = {"expertmesh.io/island-a": 1}
+    app["deployments"] = app["deployments"][:1] + [
+        {"name": f"group-{n}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 1, "num_gpus": 2, "resources": res}}
+        for n in names
+    ]
+    service["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    island = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    island["rayStartParams"]["resources"] = '"{\\"expertmesh.io/island-a\\":4}"'
+    island["template"] = {
+        "spec": {"containers": [{"name": "ray-worker", "resources": {"limits": {"nvidia.com/gpu": 4}}}]}
+    }
+    return service
+
+
+def test_the_application_of_a_group_added_on_an_island_is_rendered_as_the_chart_renders_its_groups():
+    from ray.serve.schema import ServeDeploySchema
+
+    service = _gpu_service(1)
+    config = serve_config(service)
+    assert refusal(service, gpus=0, island="a", node="") is None
+    app = added_app(config, "g7", gpus=0, island="a")
+    (directory, deployment) = app["deployments"]
+    res = "expertmesh.io/island-a"
+    assert deployment == {
+        "name": "group-g7",
+        "num_replicas": 1,
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 2, "resources": {res: 1}},
+        "placement_group_bundles": [{"CPU": 1, res: 1, "GPU": 2}],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+    assert app["args"]["ports"] == {"g7": 50101} and app["args"]["resources"] == {"g7": {res: 1}}
+    changed = serve_config_change(config, add=app)
+    ServeDeploySchema.model_validate(changed)  # what Serve takes from KubeRay
+    assert added_app(changed, "g8", gpus=4, island="")["args"]["ports"] == {"g8": 50102}
+    assert serve_config_change(changed, remove="g7") == config
+    full = _gpu_service(2)
+    why = refusal(full, gpus=0, island="a", node="")
+    assert why == (
+        "--island a: its worker pod has 4 GPUs, 4 held by groups g0, g1, and the group needs 2; remove one first "
+        "(`expertmesh groups remove NAME`)"
+    )
+    assert refusal(_gpu_service(1), gpus=3, island="a", node="").startswith("--island a: its worker pod has 4 GPUs")
+    cpu = rayservice("/models/m", "redis://r:6379/0", 50100)  # island a: one slot
+    taken = serve_config_change(serve_config(cpu), add=added_app(serve_config(cpu), "g5", gpus=0, island="a"))
+    why = refusal(cpu, gpus=0, island="a", node="", config=taken)
+    assert why == "--island a: its 1 slot(s) hold groups g5; remove one first (`expertmesh groups remove NAME`)"
+    assert refusal(full, gpus=4, island="", node="") is None  # a GPU chart: any count; Ray places it or not
+
+
+@pytest.fixture
+def rayservice_api(api_server, kubeconfig, tiny_checkpoints, redis_url):
+    api_server.call(api_server.fake.install_crd, RAYSERVICE_CRD)
+    model = str(tiny_checkpoints("mixtral"))
+    port_base = free_port_range(4)
+    api_server.call(api_server.fake.put, RESOURCE, rayservice(model, redis_url, port_base))
+    return connect(str(kubeconfig)), model, port_base
+
+
+def _done(controller, name, phase):
+    return wait_for(
+        lambda: (r := controller.get(name)).phase in (phase, GroupPhase.FAILED) and r, f"{name} {phase}", 120
+    )
+
+
+def test_a_group_added_on_kubernetes_is_filled_and_removed_again(api_server, rayservice_api, redis_url):
+    connection, model, port_base = rayservice_api
+    with mesh_in_redis(redis_url, model) as mesh:
+        mesh.groups["g2"].server.stop(0)  # the mesh's spare group: not this platform's
+        mesh.store.remove_endpoint("g2")
+        launcher = KubeRayGroups(connection, SERVICE, mesh.store, poll_s=0.05, start_timeout_s=120, stop_timeout_s=60)
+        original = copy.deepcopy(serve_config(launcher.service()))
+        kuberay = KubeRay(launcher, model, redis_url)
+        runner = MigrationRunner(mesh.store, MigrationExecutor(mesh.store, **FAST))
+        controller = GroupController(mesh.store, runner.submit, launcher, poll_s=0.01)
+        try:
+            assert [(r.name, r.phase) for r in controller.records()] == [("g0", "serving"), ("g1", "serving")]
+            # KubeRay writes the object too: the launcher's first patch meets a newer resourceVersion (409)
+            api_server.call(
+                api_server.fake.interfere_once,
+                lambda request: request.method.value.upper() == "PATCH" and "rayservices" in str(request.url),
+                lambda doc: doc["metadata"].setdefault("labels", {}).update({"ray.io/serve": "true"}),
+            )
+            controller.add(GroupRequest("g3"))
+            added = _done(controller, "g3", GroupPhase.SERVING)
+            assert added.phase is GroupPhase.SERVING, added.reason
+            assert api_server.fake.conflicts == 1
+            assert added.address == f"127.0.0.1:{port_base + 2}"  # the first port of the chart's range left free
+            table = mesh.store.routing_table()
+            assert held_pairs(added.address) == set(table.placement().groups["g3"]) != set()
+            assert added.moves_done == added.moves_planned > 0
+            config = serve_config(launcher.service())
+            assert config["applications"][0] == original["applications"][0]  # the chart's application untouched
+            (app,) = config["applications"][1:]
+            assert app["name"] == "expertmesh-group-g3" and app["args"]["empty"] == ["g3"]
+            assert [d["name"] for d in app["deployments"]] == ["directory", "group-g3"]
+            assert set(launcher.running()) == {"g0", "g1", "g3"}
+
+            # what the RayService cannot take, refused before anything changes
+            for request, message in [
+                (dict(gpus=1), "--gpus 1: the chart runs its expert groups on CPU"),
+                (dict(island="b"), r"--island b: the RayService has no worker group for it \(its islands: a\)"),
+                (dict(node="n1"), "--node: on Kubernetes a group lands on a worker pod of its island"),
+            ]:
+                with pytest.raises(GroupChangeRefused, match=message):
+                    controller.add(GroupRequest(**request))
+            launcher.check(island="a")  # its slot is free
+            with pytest.raises(GroupChangeRefused, match="g0 is one of the 2 groups of Serve application expertmesh-"):
+                controller.remove("g0")
+            assert controller.get("g0").phase is GroupPhase.SERVING
+
+            removed = controller.remove("g3")
+            assert removed.phase is GroupPhase.DRAINING
+            removed = _done(controller, "g3", GroupPhase.STOPPED)
+            assert removed.phase is GroupPhase.STOPPED, removed.reason
+            assert removed.exit_code == 0  # its port stopped answering: its server has drained
+            assert wait_for(lambda: kuberay.exit_codes, "g3's process ended", 60) == {"g3": 0}
+            assert serve_config(launcher.service()) == original
+            table = mesh.store.routing_table()
+            assert set(table.groups()) == {"g0", "g1"} and "g3" not in mesh.store.endpoints()
+            assert set(table.replicas) == {(layer, e) for layer in range(2) for e in range(4)}
+            # Serve would never have restarted the chart's groups: their application kept its code version
+            assert len(kuberay.code_versions["expertmesh-groups"]) == 1 and kuberay.errors == []
+        finally:
+            controller.close()
+            runner.close()
+            kuberay.close()
+
+
+@pytest.mark.slow
+def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
+    api_server, rayservice_api, kubeconfig, redis_url, tmp_path
+):
+    """``expertmesh orchestrator --kube --ray-service NAME`` (as the chart runs it): its admin API takes adds and
+    removes through the RayService, refusing what that RayService cannot take, each with one line."""
+    import os
+    import time
+
+    import grpc
+
+    from expertmesh.v1 import admin_pb2 as pb
+    from expertmesh.v1 import admin_pb2_grpc as pb_grpc
+    from helpers import orchestrator_argv
+
+    _, model, _ = rayservice_api
+    placement = tmp_path / "placement.yaml"
+    placement.write_text(yaml.safe_dump({"groups": {"g0": {"*": [0, 1]}, "g1": {"*": [2, 3]}}}))
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"} | {"KUBECONFIG": str(kubeconfig)}
+    admin_port = free_port_range(1)
+    with mesh_in_redis(redis_url, model):
+        missing = orchestrator_argv(redis_url, model, placement, "--kube", "--ray-service", "nope")
+        result = subprocess.run(missing, capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode != 0 and f"no RayService nope in namespace {NAMESPACE}" in result.stderr, result.stderr
+        argv = orchestrator_argv(redis_url, model, placement, "--kube", "--ray-service", SERVICE, admin_port=admin_port)
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        stderr: list[str] = []
+        threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{admin_port}")
+        try:
+            deadline = time.monotonic() + 120
+            while not any(f"as applications of RayService {SERVICE}" in line for line in stderr):
+                assert proc.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
+                time.sleep(0.1)
+            stub = pb_grpc.AdminStub(channel)
+            for call, request, message in [
+                (stub.AddGroup, pb.AddGroupRequest(gpus=1), "--gpus 1: the chart runs its expert groups on CPU"),
+                (stub.RemoveGroup, pb.RemoveGroupRequest(name="g0"), "g0 is one of the 2 groups of Serve application"),
+            ]:
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(request, timeout=30)
+                assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+                assert message in refused.value.details()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, "".join(stderr)[-3000:]
+        finally:
+            channel.close()
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_a_group_serve_fails_is_taken_out_again_with_serves_message(api_server, rayservice_api, redis_url):
+    """KubeRay reports Serve's failure of the new application in the RayService's status: the start fails with
+    that message, and the application is taken out again (the chart's untouched all along)."""
+    from kubernetes import client as k8s
+
+    from expertmesh.contracts.errors import GroupUnavailable
+    from expertmesh.store import open_store
+
+    connection, _, _ = rayservice_api
+    store = open_store(redis_url)
+    launcher = KubeRayGroups(connection, SERVICE, store, poll_s=0.05, start_timeout_s=60)
+    original = serve_config(launcher.service())
+    custom = k8s.CustomObjectsApi(connection.client)
+
+    def fail_it() -> None:
+        wait_for(lambda: len(serve_config(launcher.service())["applications"]) == 2, "the new application", 30)
+        message = "replica raised OverBudget: 4 MiB over"
+        status = {"applicationStatuses": {"expertmesh-group-g9": {"status": "DEPLOY_FAILED", "message": message}}}
+        custom.patch_namespaced_custom_object_status(
+            "ray.io",
+            "v1",
+            NAMESPACE,
+            "rayservices",
+            SERVICE,
+            {"status": {"activeServiceStatus": status}},
+            _content_type="application/merge-patch+json",
+        )
+
+    kuberay = threading.Thread(target=fail_it, daemon=True)
+    kuberay.start()
+    try:
+        with pytest.raises(GroupUnavailable, match="DEPLOY_FAILED: replica raised OverBudget: 4 MiB over"):
+            launcher.start("g9")
+        kuberay.join(timeout=30)
+        assert serve_config(launcher.service()) == original
+    finally:
+        store.close()

@@ -56,6 +56,8 @@ CALLS = {
     "save_migration": ("migrations", "write", lambda s: s.save_migration("m1", b"{}")),
     "migration": ("migrations", "read", lambda s: s.migration("m1")),
     "migrations": ("migrations", "read", lambda s: s.migrations()),
+    "save_group_record": ("groups", "write", lambda s: s.save_group_record("g9", b"{}")),
+    "group_records": ("groups", "read", lambda s: s.group_records()),
     "set_quarantined": ("quarantine", "write", lambda s: s.set_quarantined(REPLICA)),
     "clear_quarantined": ("quarantine", "write", lambda s: s.clear_quarantined(9, 9, "g9")),
     "quarantined": ("quarantine", "read", lambda s: s.quarantined()),

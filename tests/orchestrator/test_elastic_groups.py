@@ -205,6 +205,15 @@ def test_lifecycle_transitions():
     assert [p for p in GroupPhase if p.in_flight] == [GroupPhase.STARTING, GroupPhase.FILLING, GroupPhase.DRAINING]
 
 
+def test_a_record_reads_back_as_it_was_written_and_a_foreign_one_is_refused():
+    record = GroupRecord("g3", GroupPhase.DRAINING, address="10.0.0.1:5", pid=7, moves_done=2, bytes_moved=9)
+    assert GroupRecord.from_json(record.to_json().encode()) == record
+    with pytest.raises(ValueError, match="not a group record"):
+        GroupRecord.from_json('{"name": "g3", "phase": "draining", "color": "red"}')
+    with pytest.raises(ValueError):
+        GroupRecord.from_json('{"name": "g3", "phase": "sleeping"}')
+
+
 # -- the controller over real groups ----------------------------------------------------------
 
 
@@ -337,6 +346,48 @@ def test_a_fill_that_cannot_finish_fails_with_the_reason_and_the_group_can_still
         runner.close()
         for group in mesh.groups.values():
             group.server.stop(0)
+
+
+def test_a_restarted_orchestrator_finishes_a_drain_the_last_one_left_half_done(mesh, controller, monkeypatch):
+    """The crash is emulated: the first controller records g0 DRAINING (in the store) and its drain never runs,
+    as when the orchestrator died right after; a second controller on the same store and groups resumes it."""
+    controller.add(GroupRequest("g2"))
+    assert _done(controller, "g2", GroupPhase.SERVING).phase is GroupPhase.SERVING
+    monkeypatch.setattr(controller, "_run_remove", lambda name, change: None)  # dies before its first move
+    controller.remove("g0")
+    assert GroupRecord.from_json(mesh.store.group_records()["g0"]).phase is GroupPhase.DRAINING
+    assert "g0" in mesh.store.routing_table().groups()
+    runner = MigrationRunner(mesh.store, MigrationExecutor(mesh.store, **FAST))
+    restarted = GroupController(mesh.store, runner.submit, controller.launcher, poll_s=0.01)
+    try:
+        assert restarted.get("g0").phase is GroupPhase.DRAINING  # its record, not a guess from the endpoints
+        assert restarted.get("g2").phase is GroupPhase.SERVING and restarted.get("g2").moves_done > 0
+        with pytest.raises(GroupChangeRefused, match="group g0 is draining"):
+            restarted.add(GroupRequest())  # one change at a time holds across the restart too
+        assert restarted.resume() == ["g0"]
+        removed = _done(restarted, "g0", GroupPhase.STOPPED)
+        assert removed.phase is GroupPhase.STOPPED, removed.reason
+        assert removed.moves_done == removed.moves_planned > 0 and controller.launcher.stopped == ["g0"]
+        assert "g0" not in mesh.store.routing_table().groups() and mesh.held("g0") == set()
+        assert GroupRecord.from_json(mesh.store.group_records()["g0"]).phase is GroupPhase.STOPPED
+    finally:
+        restarted.close()
+        runner.close()
+
+
+def test_a_start_the_last_orchestrator_left_without_a_running_group_fails_with_a_line(mesh):
+    mesh.store.save_group_record("g7", GroupRecord("g7", GroupPhase.STARTING, requested_at=1.0).to_json().encode())
+    mesh.store.save_group_record("g8", b"not json at all")  # another version's record: left out, logged
+    runner = MigrationRunner(mesh.store, MigrationExecutor(mesh.store, **FAST))
+    controller = GroupController(mesh.store, runner.submit, Launcher(mesh), poll_s=0.01)
+    try:
+        assert controller.resume() == ["g7"]
+        failed = controller.get("g7")
+        assert failed.phase is GroupPhase.FAILED and "the orchestrator restarted while it started" in failed.reason
+        assert "g8" not in [r.name for r in controller.records()]
+    finally:
+        controller.close()
+        runner.close()
 
 
 def test_no_launcher_lists_but_refuses_changes(mesh):

@@ -396,6 +396,7 @@ def start_orchestrator(
     pb_grpc.add_AdminServicer_to_server(servicer, server.server)
     server.start((SERVICE_NAME,))
     runner.resume()
+    groups.resume()  # after the runner: a half-done group change waits for its migrations to end first
     steps = list(managers)
     if controller.config.enabled:
         steps.append(Manager("drift", controller.config.scan_interval_s, controller.update))

@@ -21,6 +21,8 @@ refuses to publish one model's table over another's, ``StoreCollision``):
   it serves and when it last said so); migrations drain on it
 - ``migrations``            hash: migration id -> the orchestrator's JSON migration record
   (``expertmesh.orchestrator.migration.state``; opaque here)
+- ``groups``                hash: group name -> the orchestrator's JSON record of its last add or remove
+  (``expertmesh.orchestrator.elastic.state``; opaque here)
 - ``quarantine``            hash: ``"<layer>/<expert>/<group>"`` -> JSON ``QuarantinedReplica``: the
   replicas that must not receive tokens (the health monitor quarantined them, or
   has them on probation after a repair); routers read it
@@ -286,6 +288,17 @@ class StateStore:
     def migrations(self) -> dict[str, bytes]:
         """migration id -> record, every migration this deployment has run or is running."""
         return self._kv.hgetall(self._key("migrations"))
+
+    # -- expert group records ---------------------------------------------------------
+    # Opaque bytes, like migrations: the orchestrator's group changes (orchestrator.elastic), kept so that a
+    # restarted orchestrator finishes a change it left half done.
+
+    def save_group_record(self, name: str, record: bytes) -> None:
+        self._kv.hset(self._key("groups"), name, record)
+
+    def group_records(self) -> dict[str, bytes]:
+        """group name -> its record, every group added or removed through the orchestrator."""
+        return self._kv.hgetall(self._key("groups"))
 
     # -- quarantine ------------------------------------------------------------------
     # Written by the orchestrator's health monitor, read by routers.

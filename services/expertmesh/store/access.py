@@ -77,6 +77,7 @@ LAYOUT: tuple[StoreKey, ...] = (
     _key("load_detail", HASH, {ORCHESTRATOR}, {ROUTER}),
     _key("routers", HASH, {ORCHESTRATOR}, {ROUTER}),
     _key("migrations", HASH, set(), {ORCHESTRATOR}),
+    _key("groups", HASH, set(), {ORCHESTRATOR}),
     _key("quarantine", HASH, {ROUTER}, {ORCHESTRATOR}),
     _key("profiles", HASH, {ROUTER}, {ORCHESTRATOR}),
     _key("policy_quality", HASH, {ROUTER}, {ORCHESTRATOR}),

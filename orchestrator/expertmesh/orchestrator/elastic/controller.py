@@ -7,8 +7,11 @@ checks that its experts fit elsewhere, runs the moves that drain it, makes sure 
 table names it any more, then has the launcher stop its process. One change at a time; each
 runs in a thread of its own and its record (``GroupRecord``) says where it stands.
 
-Records live in this process (a restarted orchestrator knows the groups from the store's
-endpoints, as SERVING, and any half-done migration is resumed by the runner as usual).
+Records are kept in the state store (``groups``) at every change of one, so a restarted orchestrator
+(``resume``) finishes a change the last one left half done: a drain is planned again from the table as it
+is and run to the group's stop; a fill, once the group runs, is planned again and run; a start that never
+got a running group fails with a line saying so. The migrations a change had in flight are resumed by the
+runner as usual, and waited for first. Groups the store lists that no record names are SERVING.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from expertmesh.contracts.errors import ExpertMeshError, GroupChangeRefused, Gro
 from expertmesh.orchestrator.drift.observe import Observer
 from expertmesh.orchestrator.elastic import plan as plan_mod
 from expertmesh.orchestrator.elastic.state import GroupPhase, GroupRecord, checked_add, checked_remove
-from expertmesh.orchestrator.migration.state import Migration, MigrationMode, Phase, load
+from expertmesh.orchestrator.migration.state import Migration, MigrationMode, Phase, load, load_all
 from expertmesh.store import StateStore
 
 __all__ = ["GroupController", "GroupLauncher", "GroupRequest"]
@@ -97,8 +100,18 @@ class GroupController:
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
         self._observer = Observer(store)
-        for name, (address, pid) in (launcher.running() if launcher else {}).items():
+        running = launcher.running() if launcher else {}
+        for name, (address, pid) in running.items():
             self._records[name] = GroupRecord(name, GroupPhase.SERVING, address=address, pid=pid)
+        for name, raw in store.group_records().items():
+            try:
+                record = GroupRecord.from_json(raw)
+            except ValueError as err:  # another version's record: the group is known from the store anyway
+                log.warning("expert group %s: its stored record cannot be read (%s); left out", name, err)
+                continue
+            if name in running:  # the platform says where it runs now
+                record = replace(record, address=running[name][0], pid=running[name][1])
+            self._records[name] = record
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -135,7 +148,7 @@ class GroupController:
         with self._lock:
             name = checked_add(request.name, self._records, self._store.endpoints())
             record = GroupRecord(name, GroupPhase.STARTING, requested_at=self._clock())
-            self._records[name] = record
+            self._keep(record)
         self._spawn(f"add-{name}", lambda: self._run_add(name, request))
         return record
 
@@ -154,11 +167,12 @@ class GroupController:
                 reason="",
                 moves_planned=change.moves,
                 moves_done=0,
+                bytes_moved=0,
                 registered_at=0.0,
                 first_listed_at=0.0,
                 finished_at=0.0,
             )
-            self._records[name] = record
+            self._keep(record)
         self._spawn(f"remove-{name}", lambda: self._run_remove(name, change))
         return record
 
@@ -187,8 +201,17 @@ class GroupController:
         with self._lock:
             record = self._records[name]
             record = record.entering(phase, **changes) if phase is not None else replace(record, **changes)
-            self._records[name] = record
+            self._keep(record)
             return record
+
+    def _keep(self, record: GroupRecord) -> None:
+        """(Under ``_lock``) ``record`` is the group's, here and in the store: a restarted orchestrator
+        resumes from it. A store that cannot be written is logged; the change goes on."""
+        self._records[record.name] = record
+        try:
+            self._store.save_group_record(record.name, record.to_json().encode())
+        except ConnectionError as err:
+            log.warning("expert group %s: could not keep its record in the state store: %s", record.name, err)
 
     def _run_add(self, name: str, request: GroupRequest) -> None:
         try:
@@ -199,11 +222,16 @@ class GroupController:
             return
         self._store.set_endpoint(name, address)  # it registers itself with a shared store too; same write
         self._update(name, GroupPhase.FILLING, address=address, pid=pid, registered_at=self._clock())
+        self._fill(name)
+
+    def _fill(self, name: str) -> None:
+        """Plan the moves onto group ``name`` (FILLING) and run them; SERVING, or FAILED with the reason."""
         try:
+            self._await_own_migrations(name)
             with self._lock:
                 change = self._planned(groups_after=lambda groups: sorted(groups | {name}))
-            self._update(name, moves_planned=change.moves)
-            copied = self._run_steps(name, change)
+            self._update(name, moves_planned=self._records[name].moves_done + change.moves)
+            copied = self._records[name].bytes_moved + self._run_steps(name, change)
         except Exception as err:  # a bug too must not leave the group FILLING, which would block every change
             if not isinstance(err, (_Failed, ExpertMeshError, ConnectionError)):
                 log.exception("filling expert group %s", name)
@@ -223,7 +251,7 @@ class GroupController:
 
     def _run_remove(self, name: str, change: plan_mod.GroupPlan) -> None:
         try:
-            copied = self._run_steps(name, change)
+            copied = self._records[name].bytes_moved + self._run_steps(name, change)
             table = self._store.routing_table()
             if table is not None and name in table.groups():
                 raise _Failed(f"routing table v{table.version} still lists it (another mover put experts there)")
@@ -253,6 +281,62 @@ class GroupController:
             else "removed (its process had not started)",
         )
         log.info("expert group %s: %s", name, self._records[name].reason)
+
+    # -- after a restart -----------------------------------------------------------------------
+
+    def resume(self) -> list[str]:
+        """Finish, in the background, the changes a previous orchestrator left half done (records in the store
+        still STARTING, FILLING or DRAINING); returns their groups' names. Without a launcher they are left as
+        they are (nothing here could stop a drained group)."""
+        with self._lock:
+            pending = sorted((r for r in self._records.values() if r.phase.in_flight), key=lambda r: r.name)
+        if pending and self._launcher is None:
+            log.warning("expert groups %s were being changed, but this orchestrator cannot start or stop groups: "
+                        "left as they are", [r.name for r in pending])  # fmt: skip
+            return []
+        running = self._launcher.running() if pending else {}
+        for record in pending:
+            name = record.name
+            log.info("expert group %s: resuming the change a previous orchestrator left %s", name, record.phase)
+            if record.phase is GroupPhase.DRAINING:
+                self._spawn(f"remove-{name}", lambda n=name: self._resume_remove(n))
+            elif name in running:  # STARTING or FILLING, and it runs: fill it
+                if record.phase is GroupPhase.STARTING:
+                    address, pid = running[name]
+                    self._update(name, GroupPhase.FILLING, address=address, pid=pid, registered_at=self._clock())
+                self._spawn(f"add-{name}", lambda n=name: self._fill(n))
+            else:
+                self._update(
+                    name,
+                    GroupPhase.FAILED,
+                    finished_at=self._clock(),
+                    reason="the orchestrator restarted while it started, and it does not run: add it again",
+                )
+        return [r.name for r in pending]
+
+    def _resume_remove(self, name: str) -> None:
+        """The drain of ``name`` planned again from the table as it is now, then run to its stop."""
+        try:
+            self._await_own_migrations(name)
+            with self._lock:
+                change = self._planned(groups_after=lambda groups: sorted(groups - {name}))
+            done = self._records[name].moves_done
+            self._update(name, moves_planned=done + change.moves)
+        except Exception as err:  # as in _run_remove
+            if not isinstance(err, (_Failed, ExpertMeshError, ConnectionError)):
+                log.exception("draining expert group %s again", name)
+            self._update(name, GroupPhase.FAILED, reason=f"draining stopped: {err}", finished_at=self._clock())
+            return
+        self._run_remove(name, change)
+
+    def _await_own_migrations(self, name: str) -> None:
+        """Until no migration of this group's change (``initiator`` ``group:<name>``) is under way: after a
+        restart the runner resumes them, and a pair in flight cannot be moved again."""
+        while any(
+            m.initiator == f"group:{name}" and not m.phase.terminal for m in load_all(self._store)
+        ):  # fmt: skip
+            if self._closing.wait(self._poll_s):
+                raise _Failed("the orchestrator is stopping")
 
     def _run_steps(self, name: str, change: plan_mod.GroupPlan) -> int:
         """Run the plan's migrations, each pair's in order, the pairs side by side (the runner bounds how many

@@ -5,6 +5,7 @@ Example: ``checked_remove("g0", records, table)`` raises ``GroupChangeRefused`` 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -74,6 +75,18 @@ class GroupRecord:
         if phase not in TRANSITIONS[self.phase]:
             raise ValueError(f"group {self.name}: no transition from {self.phase} to {phase}")
         return replace(self, phase=phase, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps({**self.__dict__, "phase": self.phase.value}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "GroupRecord":
+        """Raises ValueError for a record this version cannot read (a field or phase it does not know)."""
+        fields = json.loads(raw)
+        try:
+            return cls(**{**fields, "phase": GroupPhase(fields["phase"])})
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"not a group record: {err}") from None
 
 
 def next_group_name(taken: Iterable[str]) -> str:

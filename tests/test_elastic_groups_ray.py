@@ -17,7 +17,8 @@ import threading
 import pytest
 
 from expertmesh.bench.elastic import run, table
-from expertmesh.platform.ray_groups import ISLAND_PREFIX, RayNode, placement_refusal, room_shortfall
+from expertmesh.contracts.topology import ISLAND_RESOURCE_PREFIX as ISLAND_PREFIX
+from expertmesh.platform.ray_groups import RayNode, placement_refusal, room_shortfall
 from test_elastic_groups_live import short_run
 
 CLIENTS, STEP = 2, 1
@@ -107,7 +108,7 @@ def test_room_lacking_now_is_a_shortfall_that_waiting_may_end_and_not_a_refusal(
 
 
 def test_the_island_resource_is_the_platforms():
-    from expertmesh.expert_group.deployment import island_resource
+    from expertmesh.contracts.topology import island_resource
 
     assert island_resource("nvl-3") == f"{ISLAND_PREFIX}nvl-3"
 

@@ -44,8 +44,7 @@ import yaml
 from expertmesh.bench.chaos.hosts import TestHosts, check_can_create, plan
 from expertmesh.bench.chaos.hosts_ray import HostsRayCluster, NodeSpec, island_nodes
 from expertmesh.bench.report import BenchError
-from expertmesh.contracts.topology import topology_from_dict
-from expertmesh.expert_group.deployment import island_resource
+from expertmesh.contracts.topology import island_resource, topology_from_dict
 from expertmesh.models.tiny import make_tiny_checkpoint
 from helpers import serving_address, stock_greedy
 

@@ -41,6 +41,17 @@ import yaml
 
 from expertmesh.contracts.errors import InputError
 
+#: the Ray custom resource a node declares for each NVLink island it has is this plus the island's name (the
+#: Helm chart's worker groups and ``ray start --resources`` set it; expert groups pinned to an island request 1)
+ISLAND_RESOURCE_PREFIX = "expertmesh.io/island-"
+
+
+def island_resource(island: str) -> str:
+    """The Ray custom resource of NVLink island ``island``: ``island_resource("nvl-0")`` is
+    ``"expertmesh.io/island-nvl-0"``."""
+    return f"{ISLAND_RESOURCE_PREFIX}{island}"
+
+
 # GPU feature discovery labels (NVIDIA GPU operator / k8s-device-plugin).
 LABEL_GPU_COUNT = "nvidia.com/gpu.count"
 LABEL_GPU_MEMORY_MIB = "nvidia.com/gpu.memory"

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.schema import ApplicationStatus
 
+from expertmesh.contracts.topology import island_resource
 from expertmesh.expert_group.runtime import GroupSpec, RunningGroup
 
 # At home in runtime (which needs no Ray); still importable from here.
@@ -95,11 +96,6 @@ def actor_options(spec: GroupSpec) -> dict:
     if spec.resources:
         options["resources"] = dict(spec.resources)
     return options
-
-
-def island_resource(island: str) -> str:
-    """The Ray custom resource a node declares for each NVLink island it has (the Helm chart sets it)."""
-    return f"expertmesh.io/island-{island}"
 
 
 def hardware_binding(hardware, has_gpus: bool) -> dict:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from expertmesh.contracts.errors import GroupChangeRefused, GroupUnavailable
+from expertmesh.contracts.topology import ISLAND_RESOURCE_PREFIX, island_resource
 
 if TYPE_CHECKING:
     from expertmesh.platform.data_plane import DataPlane
@@ -26,8 +27,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["RayGroups", "RayNode", "placement_refusal", "room_shortfall"]
 
-#: the prefix of the Ray custom resource a node declares per NVLink island (``deployment.island_resource``)
-ISLAND_PREFIX = "expertmesh.io/island-"
 #: the share of a node's own ``node:<ip>`` resource a group pinned to that node asks for
 NODE_SHARE = 0.001
 
@@ -71,10 +70,15 @@ def placement_refusal(
             return f"--node {node}: {len(where)} Ray nodes have that host name (at {ips}); name one by its IP"
     if gpus and not any(n.resources.get("GPU", 0) for n in nodes):
         return f"--gpus {gpus}: the Ray cluster has no GPUs; leave --gpus out to compute on CPU"
-    resource = f"{ISLAND_PREFIX}{island}"
+    resource = island_resource(island)
     if island:
         declared = sorted(
-            {k.removeprefix(ISLAND_PREFIX) for n in nodes for k in n.resources if k.startswith(ISLAND_PREFIX)}
+            {
+                k.removeprefix(ISLAND_RESOURCE_PREFIX)
+                for n in nodes
+                for k in n.resources
+                if k.startswith(ISLAND_RESOURCE_PREFIX)
+            }
         )
         if island not in declared:
             return (
@@ -107,7 +111,7 @@ def room_shortfall(
     """What the cluster lacks free NOW for a group of ``gpus`` GPUs and ``num_cpus`` CPUs (on island ``island``),
     one line; None when it has room. A shortfall, unlike ``placement_refusal``'s other reasons, is one that a
     node added (the Ray autoscaler) or a group removed can end."""
-    resource = f"{ISLAND_PREFIX}{island}"
+    resource = island_resource(island)
     for name, need in (("GPU", gpus), ("CPU", num_cpus), *(((resource, 1),) if island else ())):
         if need and free.get(name, 0) < need:
             total = sum(n.resources.get(name, 0) for n in nodes)
@@ -152,7 +156,7 @@ class RayGroups:
         short = room_shortfall(nodes, free, gpus=num_gpus, island=island, num_cpus=num_cpus) if waits else None
         resources: dict[str, float] = {}
         if island:
-            resources[deployment.island_resource(island)] = 1
+            resources[island_resource(island)] = 1
         if node and why is None:
             ip = next(n.ip for n in nodes if node in (n.id, n.ip, n.host))
             resources[f"node:{ip}"] = NODE_SHARE

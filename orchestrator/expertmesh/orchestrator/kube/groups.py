@@ -34,6 +34,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from expertmesh.contracts.errors import GroupChangeRefused, GroupUnavailable
+from expertmesh.contracts.topology import ISLAND_RESOURCE_PREFIX, island_resource
 from expertmesh.orchestrator.kube.api import MERGE_PATCH, KubeApiError, KubeConnection, _calling
 from expertmesh.store import StateStore
 
@@ -45,8 +46,6 @@ RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayservices"
 BUILDER = "expertmesh.expert_group.deployment:build_app"
 #: the application of one group added live
 APP_PREFIX = "expertmesh-group-"
-#: the Ray custom resource a worker group declares per NVLink island (``deployment.island_resource``)
-ISLAND_PREFIX = "expertmesh.io/island-"
 #: seconds a group added live may take until it serves (KubeRay, Serve placing it, its start)
 START_TIMEOUT_S = 600.0
 #: seconds a group removed may take until its port stops answering
@@ -98,8 +97,8 @@ def _island_capacity(service: dict) -> dict[str, int]:
         except ValueError:
             continue
         for key, amount in declared.items():
-            if key.startswith(ISLAND_PREFIX):
-                out[key.removeprefix(ISLAND_PREFIX)] = int(amount)
+            if key.startswith(ISLAND_RESOURCE_PREFIX):
+                out[key.removeprefix(ISLAND_RESOURCE_PREFIX)] = int(amount)
     return out
 
 
@@ -113,7 +112,7 @@ def _island_gpus(service: dict, island: str) -> float:
 
 
 def _island_deployments(config: dict, island: str) -> list[dict]:
-    resource = f"{ISLAND_PREFIX}{island}"
+    resource = island_resource(island)
     return [
         d
         for app in _apps(config)
@@ -187,7 +186,7 @@ def added_app(config: dict, name: str, *, gpus: int, island: str) -> dict:
         options["num_gpus"] = num_gpus
     deployment: dict = {"name": f"group-{name}", "num_replicas": 1, "ray_actor_options": options}
     if island:
-        resource = f"{ISLAND_PREFIX}{island}"
+        resource = island_resource(island)
         options["resources"] = {resource: 1}
         args["resources"] = {name: {resource: 1}}
         bundle = {"CPU": num_cpus, resource: 1, **({"GPU": num_gpus} if num_gpus else {})}

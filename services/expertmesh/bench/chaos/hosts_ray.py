@@ -37,8 +37,7 @@ from pathlib import Path
 
 from expertmesh.bench.chaos.hosts import TestHosts
 from expertmesh.bench.report import BenchError
-from expertmesh.contracts.topology import Topology
-from expertmesh.expert_group.deployment import island_resource
+from expertmesh.contracts.topology import Topology, island_resource
 
 __all__ = ["HEAD_PORT", "HostsRayCluster", "NodeSpec", "island_nodes", "start_argv"]
 

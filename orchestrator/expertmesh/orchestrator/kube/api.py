@@ -127,7 +127,7 @@ def _problem(err: ApiException) -> str:
 
 
 @contextmanager
-def _calling(what: str):
+def api_errors(what: str):
     """API errors other than those the caller handles, and unreachable servers, as KubeApiError."""
     try:
         yield
@@ -169,7 +169,7 @@ class CustomObjectApi(Generic[T, S]):
 
     def get(self, namespace: str, name: str) -> T | None:
         """The object, or None when it does not exist (any more)."""
-        with _calling(f"get {self.plural}/{name}"):
+        with api_errors(f"get {self.plural}/{name}"):
             try:
                 return type(self).parse(
                     self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, self.plural, name)
@@ -180,7 +180,7 @@ class CustomObjectApi(Generic[T, S]):
                 raise
 
     def create(self, namespace: str, body: dict) -> T:
-        with _calling(f"create {self.kind}"):
+        with api_errors(f"create {self.kind}"):
             return type(self).parse(
                 self._custom.create_namespaced_custom_object(GROUP, VERSION, namespace, self.plural, body)
             )
@@ -195,7 +195,7 @@ class CustomObjectApi(Generic[T, S]):
             if status == current.status:
                 return current
             body = {"metadata": {"resourceVersion": current.resource_version}, "status": status.to_dict()}
-            with _calling(f"update {self.plural}/{obj.name}/status"):
+            with api_errors(f"update {self.plural}/{obj.name}/status"):
                 try:
                     doc = self._custom.patch_namespaced_custom_object_status(
                         GROUP, VERSION, obj.namespace, self.plural, obj.name, body, _content_type=MERGE_PATCH
@@ -229,7 +229,7 @@ class ExpertMigrationApi(CustomObjectApi[ExpertMigration, MigrationStatus]):
     kind, plural, parse = KIND, PLURAL, ExpertMigration.from_dict
 
     def list(self, namespace: str) -> Listing:
-        with _calling(f"list {PLURAL}"):
+        with api_errors(f"list {PLURAL}"):
             doc = self._custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
         items = tuple(ExpertMigration.from_dict(item) for item in doc.get("items") or ())
         return Listing(items, str((doc.get("metadata") or {}).get("resourceVersion", "")))
@@ -241,7 +241,7 @@ class ExpertMigrationApi(CustomObjectApi[ExpertMigration, MigrationStatus]):
 
         Raises WatchExpired on 410 Gone. ``name`` watches one object (a field selector)."""
         options = {"field_selector": f"metadata.name={name}"} if name else {}
-        with _calling(f"watch {PLURAL}"):
+        with api_errors(f"watch {PLURAL}"):
             response = self._custom.list_namespaced_custom_object(
                 GROUP,
                 VERSION,
@@ -256,7 +256,7 @@ class ExpertMigrationApi(CustomObjectApi[ExpertMigration, MigrationStatus]):
                 **options,
             )
         try:
-            with _calling(f"watch {PLURAL}"):
+            with api_errors(f"watch {PLURAL}"):
                 for line in iter_resp_lines(response):
                     event = json.loads(line)
                     kind, body = event.get("type"), event.get("object") or {}
@@ -298,7 +298,7 @@ def record_event(
         "reportingInstance": socket.gethostname(),
     }
     try:
-        with _calling("create event"):
+        with api_errors("create event"):
             core.create_namespaced_event(namespace, body)
     except KubeApiError as err:
         log.warning("could not record event %s for %s/%s: %s", reason, namespace, name, err)

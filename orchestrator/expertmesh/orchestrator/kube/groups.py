@@ -35,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 
 from expertmesh.contracts.errors import GroupChangeRefused, GroupUnavailable
 from expertmesh.contracts.topology import ISLAND_RESOURCE_PREFIX, island_resource
-from expertmesh.orchestrator.kube.api import MERGE_PATCH, KubeApiError, KubeConnection, _calling
+from expertmesh.orchestrator.kube.api import MERGE_PATCH, KubeApiError, KubeConnection, api_errors
 from expertmesh.store import StateStore
 
 __all__ = ["KubeRayGroups", "added_app", "app_failure", "groups_of", "refusal", "serve_config_change"]
@@ -275,7 +275,7 @@ class KubeRayGroups:
     # -- the object
 
     def service(self) -> dict:
-        with _calling(f"get rayservices/{self.name}"):
+        with api_errors(f"get rayservices/{self.name}"):
             try:
                 return self._custom.get_namespaced_custom_object(
                     RAY_GROUP, RAY_VERSION, self.namespace, RAY_PLURAL, self.name
@@ -297,7 +297,7 @@ class KubeRayGroups:
                 "metadata": {"resourceVersion": service["metadata"]["resourceVersion"]},
                 "spec": {"serveConfigV2": text},
             }
-            with _calling(f"patch rayservices/{self.name}"):
+            with api_errors(f"patch rayservices/{self.name}"):
                 try:
                     self._custom.patch_namespaced_custom_object(
                         RAY_GROUP, RAY_VERSION, self.namespace, RAY_PLURAL, self.name, body, _content_type=MERGE_PATCH

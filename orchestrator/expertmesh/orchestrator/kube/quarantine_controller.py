@@ -35,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from expertmesh.contracts.errors import QuarantineRefused
 from expertmesh.orchestrator.health.monitor import HealthMonitor, ReplicaStatus
 from expertmesh.orchestrator.health.state import HealthState, Initiator
-from expertmesh.orchestrator.kube.api import CustomObjectApi, EventType, KubeApiError, KubeConnection, _calling
+from expertmesh.orchestrator.kube.api import CustomObjectApi, EventType, KubeApiError, KubeConnection, api_errors
 from expertmesh.orchestrator.kube.quarantine import (
     KIND,
     PLURAL,
@@ -64,12 +64,12 @@ class QuarantineApi(CustomObjectApi[ExpertQuarantine, QuarantineStatus]):
     kind, plural, parse = KIND, PLURAL, ExpertQuarantine.from_dict
 
     def list(self, namespace: str) -> list[ExpertQuarantine]:
-        with _calling(f"list {PLURAL}"):
+        with api_errors(f"list {PLURAL}"):
             doc = self._custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
         return [ExpertQuarantine.from_dict(item) for item in doc.get("items") or ()]
 
     def delete(self, obj: ExpertQuarantine) -> None:
-        with _calling(f"delete {PLURAL}/{obj.name}"):
+        with api_errors(f"delete {PLURAL}/{obj.name}"):
             try:
                 self._custom.delete_namespaced_custom_object(GROUP, VERSION, obj.namespace, PLURAL, obj.name)
             except ApiException as err:

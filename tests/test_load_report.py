@@ -10,10 +10,16 @@ import torch
 
 from expertmesh.bench.scale.run import whole_window_bytes
 from expertmesh.contracts.count_codec import pack_coactivation, pack_counts, unpack_coactivation, unpack_counts
-from expertmesh.contracts.load_report import LoadPulse, summed_details, summed_pulses
+from expertmesh.contracts.load_report import (
+    LoadPulse,
+    publish_interval_s,
+    stale_routers,
+    summed_details,
+    summed_pulses,
+)
 from expertmesh.contracts.load_window import MAX_DOMAINS, LoadSnapshot, LoadWindow
 from expertmesh.router.reporting.load_publisher import LoadPublisher
-from expertmesh.store import open_store
+from expertmesh.store import RouterHeartbeat, open_store
 
 
 class Clock:
@@ -113,11 +119,39 @@ def test_snapshot_bytes_round_trip_exactly_and_read_older_routers_windows():
 
 def test_pulse_round_trip_and_of_a_window():
     window = _window(2)
-    pulse = LoadPulse.of(window)
+    pulse = LoadPulse.of(window, 1.0e9)
     np.testing.assert_array_equal(pulse.load, window.snapshot().load)
     back = LoadPulse.from_bytes(pulse.to_bytes())
     assert (back.moe_layers, back.num_experts, back.top_k) == ((1, 3, 4), 8, 2)
+    assert (back.written_at, back.window_s) == (1.0e9, 600.0)
     np.testing.assert_array_equal(back.load, pulse.load)
+
+
+def test_a_record_older_than_two_windows_is_stale_and_left_out_and_an_unstamped_one_never():
+    now = 1.0e9
+    fresh = LoadPulse((0,), 2, 1, np.array([[1.0, 2.0]]), written_at=now - 1199.0, window_s=600.0)
+    gone = LoadPulse((0,), 2, 1, np.array([[50.0, 50.0]]), written_at=now - 1201.0, window_s=600.0)
+    unstamped = LoadPulse((0,), 2, 1, np.array([[3.0, 0.0]]))  # a router from before stamps
+    pulses = {"fresh": fresh.to_bytes(), "gone": gone.to_bytes(), "old": unstamped.to_bytes(), "bad": b"x"}
+    assert stale_routers(pulses, now) == ["gone"]
+    assert summed_pulses(pulses, now=now).load.tolist() == [[4.0, 2.0]]
+    assert summed_pulses(pulses).load.tolist() == [[54.0, 52.0]]  # no clock: every readable record
+    # details carry no stamp: a router's is left out with its stale pulse
+    snaps = {"fresh": _window(1).snapshot(), "gone": _window(2).snapshot()}
+    details = {r: s.to_bytes() for r, s in snaps.items()}
+    _assert_same(summed_details(details, pulses, now=now), snaps["fresh"])
+
+
+def test_publish_interval_keeps_the_fleet_within_its_budget_and_a_live_record_fresh():
+    budget = 512 * 1024
+    per_router = 100_000.0  # bytes a publish (DeepSeek-V3: a 38 KB pulse and a 60th of a 3.7 MB detail)
+    assert publish_interval_s(10.0, 1, per_router, budget, 600.0) == 10.0
+    for routers in (64, 128, 1024):
+        interval = publish_interval_s(10.0, routers, per_router, budget, 600.0)
+        assert routers * per_router / interval == pytest.approx(budget)  # the fleet writes its budget, no more
+    assert publish_interval_s(10.0, 10**5, per_router, budget, 600.0) == 300.0  # half the window at the most
+    assert publish_interval_s(10.0, 10**5, per_router, 0, 600.0) == 10.0  # no budget
+    assert publish_interval_s(10.0, 0, per_router, budget, 600.0) == 10.0
 
 
 def _with_broken_coactivation(snap: LoadSnapshot) -> bytes:
@@ -142,14 +176,14 @@ def test_sums_over_routers_equal_the_sum_of_their_windows():
     windows = [_window(seed) for seed in range(4)]
     snaps = [w.snapshot() for w in windows]
     expected = sum(snaps[1:], snaps[0])
-    pulses = {f"r{i}": LoadPulse.of(w).to_bytes() for i, w in enumerate(windows)}
+    pulses = {f"r{i}": LoadPulse.of(w, 1.0e9).to_bytes() for i, w in enumerate(windows)}
     np.testing.assert_array_equal(summed_pulses(pulses).load, expected.load)
     _assert_same(summed_details({f"r{i}": s.to_bytes() for i, s in enumerate(snaps)}), expected)
     assert summed_pulses({}) is None and summed_details({}) is None
 
 
 def test_unreadable_or_other_model_records_are_left_out(caplog):
-    good = LoadPulse.of(_window(4))
+    good = LoadPulse.of(_window(4), 1.0e9)
     other = LoadPulse((0,), 2, 1, np.ones((1, 2)))
     total = summed_pulses({"a": good.to_bytes(), "b": b"garbage", "c": other.to_bytes(), "d": good.to_bytes()})
     np.testing.assert_array_equal(total.load, 2 * good.load)
@@ -180,12 +214,27 @@ def test_publisher_cadence_and_a_late_reader_converges():
         if store.load_details().get(publisher._id) != before:
             details_at.append(n)
         # a reader starting now: the load is current after any publish
-        np.testing.assert_array_equal(summed_pulses(store.loads()).load, LoadPulse.of(window).load)
+        np.testing.assert_array_equal(summed_pulses(store.loads()).load, LoadPulse.of(window, 1.0e9).load)
         clock.now += 7  # buckets age out as time passes: a pulse is the window, not a running total
     assert details_at == [0, 3, 6]
     # the detail is the window as of its last publish; the last publish (a router's stop) makes it current
     publisher.publish(detail=True)
     _assert_same(summed_details(store.load_details()), window.snapshot())
+
+
+def test_publisher_spaces_its_publishes_by_the_routers_heartbeating_in_the_store():
+    store = open_store("memory://")
+    window = _window(3)
+    publisher = LoadPublisher(store, window, interval_s=10.0, detail_every=4, budget_bytes_s=1000.0)
+    publisher.publish()
+    per_publish = len(store.loads()[publisher._id]) + len(store.load_details()[publisher._id]) / 4
+    assert publisher.next_interval_s() == pytest.approx(max(10.0, per_publish / 1000.0))
+    for r in range(40):
+        store.publish_router_heartbeat(RouterHeartbeat(f"r{r}", 1, 0.0))
+    assert publisher.next_interval_s() == pytest.approx(min(300.0, max(10.0, 40 * per_publish / 1000.0)))
+    unbudgeted = LoadPublisher(store, window, interval_s=10.0)
+    unbudgeted.publish()
+    assert unbudgeted.next_interval_s() == 10.0
 
 
 def test_publisher_refuses_no_details():

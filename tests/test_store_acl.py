@@ -50,9 +50,11 @@ CALLS = {
     "loads": ("load", "read", lambda s: s.loads()),
     "publish_load_detail": ("load_detail", "write", lambda s: s.publish_load_detail("r1", b"x")),
     "load_details": ("load_detail", "read", lambda s: s.load_details()),
+    "remove_load": ("load", "write", lambda s: s.remove_load("r9")),  # and its detail: the same writers
     "publish_router_heartbeat": ("routers", "write", lambda s: s.publish_router_heartbeat(RouterHeartbeat("r1", 1, 0))),
     "remove_router_heartbeat": ("routers", "write", lambda s: s.remove_router_heartbeat("r9")),
     "router_heartbeats": ("routers", "read", lambda s: s.router_heartbeats()),
+    "router_count": ("routers", "read", lambda s: s.router_count()),
     "save_migration": ("migrations", "write", lambda s: s.save_migration("m1", b"{}")),
     "migration": ("migrations", "read", lambda s: s.migration("m1")),
     "migrations": ("migrations", "read", lambda s: s.migrations()),

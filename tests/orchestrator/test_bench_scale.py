@@ -89,6 +89,27 @@ def test_router_store_ops_grow_linearly_in_routers():
     assert one == {"get": 8 * 80, "hgetall": 8 * 80, "hset": 8 * 20 + 8 * 2}
 
 
+def _load_bytes_in_s(routers: int, budget_bytes_s: float) -> float:
+    """The fleet's load-window bytes a second into the store (heartbeats taken out) over 600 simulated s."""
+    backend = CountingBackend()
+    fleet = RouterFleet(
+        StateStore(backend.view("routers")), routers, Costs(), pulse_bytes=b"p" * 1000, budget_bytes_s=budget_bytes_s
+    )
+    fleet.run_window(0.0, 600.0)
+    beats = backend.counts["routers"].ops["hset"] - fleet.count * 600 / fleet.load_publish_s
+    heartbeat_bytes = backend.counts["routers"].bytes_in - 1000 * fleet.count * 600 / fleet.load_publish_s
+    assert beats == pytest.approx(routers * 600, rel=0.01) and heartbeat_bytes > 0
+    return (backend.counts["routers"].bytes_in - heartbeat_bytes) / 600
+
+
+def test_the_fleets_load_inflow_stops_growing_at_its_budget():
+    """Every router 1 KB every 10 s: 100 B/s each; a budget of 2 KB/s binds from 20 routers on."""
+    assert _load_bytes_in_s(10, 2000.0) == pytest.approx(1000.0)
+    assert _load_bytes_in_s(40, 2000.0) == pytest.approx(2000.0, rel=0.05)
+    assert _load_bytes_in_s(160, 2000.0) == pytest.approx(2000.0, rel=0.05)
+    assert _load_bytes_in_s(160, 0.0) == pytest.approx(16_000.0)  # no budget: linear
+
+
 def _cycle(detail_bytes: bytes) -> tuple[CountingBackend, StateStore, RouterFleet]:
     backend = CountingBackend()
     store = StateStore(backend.view("routers"))

@@ -194,7 +194,7 @@ def run_experts(args) -> int:
     if published:
         from expertmesh.contracts.load_report import summed_pulses  # numpy and torch: only when there is load
 
-        total = summed_pulses(published)
+        total = summed_pulses(published, now=time.time())
         if total is not None:
             load = {layer: tuple(float(x) for x in total.load[row]) for row, layer in enumerate(total.moe_layers)}
     rows = expert_rows(table, load, args.layer, out_of_service)

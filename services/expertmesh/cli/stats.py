@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -38,9 +39,9 @@ def _export(args) -> int:
         from expertmesh.store import open_store
 
         store = open_store(args.state_url)
-        published = store.load_details()
+        published, pulses = store.load_details(), store.loads()
         store.close()
-        total = summed_details(published)
+        total = summed_details(published, pulses, now=time.time())  # without routers gone for two windows
         if total is None:
             raise GroupUnavailable(f"no router has published load statistics to {args.state_url} yet")
         stats = total.to_stats_dict()

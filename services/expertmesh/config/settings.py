@@ -54,6 +54,11 @@ GUARD_MAX_REGENERATIONS = 8
 GUARD_REGENERATIONS_LIMIT = 64
 
 
+#: the routers' load-publish budget unless configured: at DeepSeek-V3's shape (about 100 KB a publish) it binds from
+#: about 50 routers on (``contracts.load_report``)
+LOAD_INFLOW_BUDGET_BYTES_S = 512 * 1024
+
+
 class DataPlaneConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EXPERTMESH_", extra="forbid")
 
@@ -154,6 +159,13 @@ class DataPlaneConfig(BaseSettings):
     )
     load_window_s: float = Field(600.0, gt=0, description="sliding window of the router's expert-load statistics")
     load_publish_s: float = Field(10.0, gt=0, description="how often a router writes its load window to a shared store")
+    load_inflow_budget_bytes_s: float = Field(
+        LOAD_INFLOW_BUDGET_BYTES_S,
+        ge=0,
+        description="bytes a second all routers together may write of their load windows to a shared store: each "
+        "router publishes every load_publish_s while the routers heartbeating there stay within it, less often as "
+        "they grow (at most every half load_window_s); 0: no budget",
+    )
     heartbeat_s: float = Field(1.0, gt=0, description="how often a router reports the routing-table version it serves")
     hidden_sample_tokens: int = Field(
         0,

@@ -200,6 +200,7 @@ class LoadWindow:
         self.moe_layers = tuple(moe_layers)
         self.num_experts = num_experts
         self.top_k = top_k
+        self.window_s = window_s
         self._row = {layer: i for i, layer in enumerate(self.moe_layers)}
         self._bucket_s = window_s / buckets
         self._clock = clock

@@ -145,7 +145,12 @@ class DataPlane:
 
         self.weights = WeightWatch(self.model, self.config.router_weight_check_s).start()
 
-        self._publisher = LoadPublisher(self.store, self.dispatcher.load_window, self.config.load_publish_s).start()
+        self._publisher = LoadPublisher(
+            self.store,
+            self.dispatcher.load_window,
+            self.config.load_publish_s,
+            budget_bytes_s=self.config.load_inflow_budget_bytes_s,
+        ).start()
         self._samples = None
         sampler = self.dispatcher.hidden_sampler
         if sampler is not None:

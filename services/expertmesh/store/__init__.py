@@ -14,7 +14,8 @@ refuses to publish one model's table over another's, ``StoreCollision``):
 - ``placement``             hash: ``digest`` -> the placement file last applied to the table
 - ``endpoints``             hash: group name -> "host:port" of its gRPC server
 - ``load``                  hash: router id -> the load of its window (a ``contracts.load_report`` pulse, .npz
-  bytes), rewritten every ``load_publish_s``
+  bytes), rewritten every ``load_publish_s`` (longer in a fleet past its inflow budget); the drift loop deletes
+  a router's record (and its detail) once stale
 - ``load_detail``           hash: router id -> its whole load window (``LoadSnapshot.to_bytes``), rewritten every
   ``load_report.DETAIL_EVERY`` pulses
 - ``routers``               hash: router id -> JSON ``RouterHeartbeat`` (the routing-table version
@@ -160,6 +161,8 @@ class KeyValueBackend(Protocol):
 
     def hgetall(self, key: str) -> dict[str, bytes]: ...
 
+    def hlen(self, key: str) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -253,6 +256,11 @@ class StateStore:
         """router id -> its latest pulse (``load_report.summed_pulses`` adds them up)."""
         return self._kv.hgetall(self._key("load"))
 
+    def remove_load(self, router_id: str) -> None:
+        """A router's pulse and detail gone (the drift loop's, once its pulse is stale: ``load_report``)."""
+        self._kv.hdel(self._key("load"), router_id)
+        self._kv.hdel(self._key("load_detail"), router_id)
+
     def publish_load_detail(self, router_id: str, data: bytes) -> None:
         self._kv.hset(self._key("load_detail"), router_id, data)
 
@@ -267,6 +275,11 @@ class StateStore:
 
     def remove_router_heartbeat(self, router_id: str) -> None:
         self._kv.hdel(self._key("routers"), router_id)
+
+    def router_count(self) -> int:
+        """Routers with a heartbeat here (a router that crashed counts until its record is cleared): what each
+        router spaces its load publishes by (``load_report.publish_interval_s``)."""
+        return self._kv.hlen(self._key("routers"))
 
     def router_heartbeats(self) -> dict[str, RouterHeartbeat]:
         records = (

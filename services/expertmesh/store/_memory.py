@@ -34,5 +34,9 @@ class MemoryBackend:
         with self._lock:
             return dict(self._hashes.get(key, {}))
 
+    def hlen(self, key: str) -> int:
+        with self._lock:
+            return len(self._hashes.get(key, {}))
+
     def close(self) -> None:
         pass

@@ -90,5 +90,9 @@ class RedisBackend:
     def hgetall(self, key: str) -> dict[str, bytes]:
         return {k.decode(): v for k, v in self._client.hgetall(key).items()}
 
+    @_translated
+    def hlen(self, key: str) -> int:
+        return int(self._client.hlen(key))
+
     def close(self) -> None:
         self._client.close()

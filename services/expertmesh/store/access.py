@@ -73,8 +73,8 @@ LAYOUT: tuple[StoreKey, ...] = (
     _key("placement", HASH, set(), {ORCHESTRATOR}),
     # groups register themselves; the orchestrator's embedded form (`up`) registers the groups it starts
     _key("endpoints", HASH, {ROUTER}, {GROUP, ORCHESTRATOR}),
-    _key("load", HASH, {ORCHESTRATOR}, {ROUTER}),
-    _key("load_detail", HASH, {ORCHESTRATOR}, {ROUTER}),
+    _key("load", HASH, {ORCHESTRATOR}, {ROUTER, ORCHESTRATOR}),  # the orchestrator deletes stale routers' records
+    _key("load_detail", HASH, {ORCHESTRATOR}, {ROUTER, ORCHESTRATOR}),
     _key("routers", HASH, {ORCHESTRATOR}, {ROUTER}),
     _key("migrations", HASH, set(), {ORCHESTRATOR}),
     _key("groups", HASH, set(), {ORCHESTRATOR}),
@@ -92,8 +92,8 @@ LAYOUT: tuple[StoreKey, ...] = (
 _COMMANDS = {
     (STRING, "read"): ("get",),
     (STRING, "write"): ("get", "watch", "unwatch", "multi", "mset", "exec"),
-    (HASH, "read"): ("hgetall",),
-    (HASH, "write"): ("hgetall", "hset", "hdel"),
+    (HASH, "read"): ("hgetall", "hlen"),
+    (HASH, "write"): ("hgetall", "hlen", "hset", "hdel"),
 }
 #: what every user may run: a health check and the database of its URL (redis-py's CLIENT SETINFO on connect
 #: may be refused: it carries on; the command is not known before Redis 7.2 either)

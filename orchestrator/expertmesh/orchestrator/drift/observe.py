@@ -5,6 +5,10 @@ Describe (weights, budget, busy seconds).
 A group that does not answer is left out of the observation and logged: it is
 then neither a source nor a target, and its consecutive-scan count starts again,
 since nobody knows what it did meanwhile.
+
+A router's load record that is stale (``contracts.load_report``: its router gone
+for two windows) is left out of the sum and deleted from the store, so routers
+that come and go (pods rescheduled under new names) leave nothing behind.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from expertmesh.contracts.errors import MigrationRefused
-from expertmesh.contracts.load_report import LoadPulse, summed_pulses
+from expertmesh.contracts.load_report import LoadPulse, stale_routers, summed_pulses
 from expertmesh.orchestrator.drift.state import ExpertLoad, GroupSample, Observation
 from expertmesh.orchestrator.migration.group_calls import GroupCallFailed, GroupChannels
 from expertmesh.orchestrator.migration.state import load_all
@@ -54,9 +58,15 @@ class Observer:
                     memory_total_bytes=view.memory_total_bytes,
                 )
             )
-        snapshot = summed_pulses(self._store.loads())  # the load alone: no co-activation decoded
+        now = self._clock()
+        pulses = self._store.loads()
+        for router in stale_routers(pulses, now):
+            log.info("drift: router %r has not published its load for two windows; its record is deleted", router[:64])
+            self._store.remove_load(router)
+            del pulses[router]
+        snapshot = summed_pulses(pulses)  # the load alone: no co-activation decoded
         return Observation(
-            at=self._clock(),
+            at=now,
             table=table,
             groups=tuple(samples),
             loads=expert_loads(snapshot) if snapshot is not None else (),

@@ -26,6 +26,7 @@ from expertmesh.bench.placement import grid_topology
 from expertmesh.bench.scale.model import Costs, ModelShape, diurnal, expert_load, zipf_popularity
 from expertmesh.bench.scale.planning import planner_figures
 from expertmesh.bench.scale.simulated import Clock, CountingBackend, ParsedTableStore, RouterFleet, SimulatedGroups
+from expertmesh.config.settings import LOAD_INFLOW_BUDGET_BYTES_S
 from expertmesh.contracts.errors import ExpertMeshError
 from expertmesh.contracts.gpu_plan import Placement
 from expertmesh.contracts.load_report import DETAIL_EVERY, LoadPulse
@@ -79,6 +80,8 @@ class Case:
     ops_window_s: float = DETAIL_EVERY * 10.0
     #: the routers' load windows (``LoadWindow.window_s``): the tokens a scan sees
     load_window_s: float = 600.0
+    #: the fleet's load-publish budget (``DataPlaneConfig.load_inflow_budget_bytes_s``); 0: none
+    load_inflow_budget_bytes_s: float = LOAD_INFLOW_BUDGET_BYTES_S
     #: the capacity controller beside drift (replicas of hot experts, cold ones retired); None: drift alone
     capacity: CapacityConfig | None = None
 
@@ -258,7 +261,15 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
     # one router's window at the day's peak, as it publishes it now and as it did before pulses
     windows = load_records(model, popularity(0.0), costs.router_tokens_s * case.load_window_s)
     router_store = StateStore(backend.view("routers"))
-    fleet = RouterFleet(router_store, case.routers, costs, pulse_bytes=windows["pulse"], detail_bytes=windows["detail"])
+    fleet = RouterFleet(
+        router_store,
+        case.routers,
+        costs,
+        pulse_bytes=windows["pulse"],
+        detail_bytes=windows["detail"],
+        budget_bytes_s=case.load_inflow_budget_bytes_s,
+        load_window_s=case.load_window_s,
+    )
     versions = _Versions(case.routers)
     versions.publish(1, 0.0, fleet.serve_delays(0.0, table_bytes))
     executor = MigrationExecutor(
@@ -479,6 +490,8 @@ def run_case(case: Case, progress=lambda text: None) -> dict:
             "router_bytes_in_s": router_counts.bytes_in / case.ops_window_s,
             #: the same, had every router written its whole window every interval (before pulses)
             "router_bytes_in_s_before": router_bytes_in_s_before,
+            #: seconds between one router's load publishes (10 s, or more where the fleet's budget binds)
+            "load_publish_s": fleet.load_publish_s,
             "router_bytes_out_s": router_counts.bytes_out / case.ops_window_s,
             "orchestrator_ops_s": orchestrator_ops_s,
             "orchestrator_bytes_out_s": orchestrator_bytes_out_s,

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from expertmesh.bench.scale.model import Costs, ModelShape
-from expertmesh.contracts.load_report import DETAIL_EVERY
+from expertmesh.contracts.load_report import DETAIL_EVERY, publish_interval_s
 from expertmesh.contracts.routing_table import RoutingTable
 from expertmesh.orchestrator.migration.group_calls import GroupCallFailed, GroupView, Loaded
 from expertmesh.orchestrator.migration.plan import Canary, Pair
@@ -95,6 +95,10 @@ class _CountingView:
         value = self._kv.hgetall(key)
         self._c.bytes_out += sum(len(v) for v in value.values())
         return value
+
+    def hlen(self, key: str) -> int:
+        self._c.ops["hlen"] += 1
+        return self._kv.hlen(key)
 
     def close(self) -> None:
         pass
@@ -203,7 +207,9 @@ class RouterFleet:
     before every ``detail_every``-th pulse (``contracts.load_report``). Router ``r``'s polls fall at
     ``(r + 0.5) / count`` of a poll interval, and its details at that fraction of ``detail_every`` pulses, so
     the fleet's calls are spread evenly (deterministic). Before pulses a router wrote its whole window every
-    interval: ``pulse_bytes`` = those bytes, no ``detail_bytes``."""
+    interval: ``pulse_bytes`` = those bytes, no ``detail_bytes``. Given the fleet's inflow budget, the routers
+    publish as the real ones do: ``load_publish_s`` apart, or further while ``count`` of them would exceed it
+    (``load_report.publish_interval_s``)."""
 
     def __init__(
         self,
@@ -217,10 +223,14 @@ class RouterFleet:
         pulse_bytes: bytes = b"",
         detail_bytes: bytes = b"",
         detail_every: int = DETAIL_EVERY,
+        budget_bytes_s: float = 0.0,
+        load_window_s: float = 600.0,
     ):
         self.store, self.count, self.costs = store, count, costs
-        self.poll_s, self.heartbeat_s, self.load_publish_s = poll_s, heartbeat_s, load_publish_s
+        self.poll_s, self.heartbeat_s = poll_s, heartbeat_s
         self.pulse_bytes, self.detail_bytes, self.detail_every = pulse_bytes, detail_bytes, detail_every
+        per_publish = len(pulse_bytes) + len(detail_bytes) / detail_every
+        self.load_publish_s = publish_interval_s(load_publish_s, count, per_publish, budget_bytes_s, load_window_s)
         self.ids = [f"router-{r}" for r in range(count)]
         self.phase = (np.arange(count) + 0.5) / count  # [R] fraction of an interval
         self.detail_offset = (self.phase * detail_every).astype(np.int64)  # [R] pulses each wrote before, mod K

@@ -245,7 +245,7 @@ def test_quiet_windows_hold(mesh, runner):
 def test_the_control_loop_scans_until_stopped(mesh):
     config = DriftConfig(**{**FAST, "enabled": True, "scan_interval_s": 0.05})
     orchestrator = start_orchestrator(mesh.store, "127.0.0.1", 0, drift=config)
-    assert [m.name for m in orchestrator.loop.managers] == ["drift"]
+    assert [m.name for m in orchestrator.loop.managers] == ["drift", "retention"]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(load_all(mesh.store)) < 2:
         time.sleep(0.05)

@@ -146,7 +146,7 @@ def test_an_anomaly_record_gets_the_faulty_expert_quarantined_before_the_regular
     orchestrator = start_orchestrator(mesh.store, "127.0.0.1", 0, drift=DriftConfig(), health=monitor)
     publisher = AnomalyPublisher(mesh.store, router="router-a").start()
     try:
-        assert [m.name for m in orchestrator.loop.managers] == ["health", "health-anomalies"]
+        assert [m.name for m in orchestrator.loop.managers] == ["health", "health-anomalies", "retention"]
         # the router's monitor, its load window fed constructed routing: 30 observations of even load
         window = LoadWindow((0, 1), 4, 2)
         baseline = BaselineConfig(window=64, warm_up=8, persistence=2)

@@ -44,6 +44,7 @@ from expertmesh.orchestrator.health.anomalies import AnomalyRounds
 from expertmesh.orchestrator.health.monitor import HealthMonitor
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
 from expertmesh.orchestrator.migration.state import OPERATOR, Migration, MigrationMode, Phase, load, load_all
+from expertmesh.orchestrator.retention import RecordRetention, RetentionConfig
 from expertmesh.store import StateStore
 from expertmesh.v1 import admin_pb2 as pb
 from expertmesh.v1 import admin_pb2_grpc as pb_grpc
@@ -371,6 +372,7 @@ def start_orchestrator(
     model_fingerprint: str = "",
     max_watch_streams: int = MAX_WATCH_STREAMS,
     launcher: GroupLauncher | None = None,
+    retention: RetentionConfig | None = None,
 ) -> Orchestrator:
     """The admin gRPC server with the Admin service, its runner resuming half-done migrations, and
     the control loop stepping ``managers`` plus the drift controller (``drift``, default the
@@ -380,7 +382,9 @@ def start_orchestrator(
     ``model_fingerprint``: the deployment's checkpoint's; migrations place no expert on a group of another.
     ``launcher``: starts and stops groups for AddGroup / RemoveGroup (None: they are refused).
     ``capacity``: the capacity controller's settings (default the environment's ``EXPERTMESH_CAPACITY_*``; off
-    unless enabled); its group advice goes to the groups above where a launcher can start them."""
+    unless enabled); its group advice goes to the groups above where a launcher can start them.
+    ``retention``: how long finished migration and group records stay in the store (default the environment's
+    ``EXPERTMESH_RETENTION_*``)."""
     executor = MigrationExecutor(store, drain_timeout_s=drain_timeout_s, model_fingerprint=model_fingerprint)
     runner = MigrationRunner(store, executor, max_concurrent)
     controller = DriftController(
@@ -405,6 +409,13 @@ def start_orchestrator(
         if health.config.anomaly_rounds:  # early rounds on routers' anomaly records (health.anomalies)
             steps.append(Manager("health-anomalies", health.config.anomaly_poll_s, AnomalyRounds(health, store).update))
     capacity = capacity if capacity is not None else CapacityConfig()
+    records = RecordRetention(
+        store,
+        retention if retention is not None else RetentionConfig(),
+        protect_s=max(controller.config.cooldown_s, capacity.cooldown_s),  # the scans read moves this recent
+        forget_group=groups.forget,
+    )
+    steps.append(Manager("retention", records.config.interval_s, records.update))
     sizer = None
     if capacity.enabled:
         sizer = CapacityController(

@@ -21,9 +21,10 @@ refuses to publish one model's table over another's, ``StoreCollision``):
 - ``routers``               hash: router id -> JSON ``RouterHeartbeat`` (the routing-table version
   it serves and when it last said so); migrations drain on it
 - ``migrations``            hash: migration id -> the orchestrator's JSON migration record
-  (``expertmesh.orchestrator.migration.state``; opaque here)
+  (``expertmesh.orchestrator.migration.state``; opaque here); finished ones deleted after a while
+  (``expertmesh.orchestrator.retention``)
 - ``groups``                hash: group name -> the orchestrator's JSON record of its last add or remove
-  (``expertmesh.orchestrator.elastic.state``; opaque here)
+  (``expertmesh.orchestrator.elastic.state``; opaque here); stopped ones deleted as migrations are
 - ``quarantine``            hash: ``"<layer>/<expert>/<group>"`` -> JSON ``QuarantinedReplica``: the
   replicas that must not receive tokens (the health monitor quarantined them, or
   has them on probation after a repair); routers read it
@@ -161,6 +162,8 @@ class KeyValueBackend(Protocol):
 
     def hgetall(self, key: str) -> dict[str, bytes]: ...
 
+    def hget(self, key: str, field: str) -> bytes | None: ...
+
     def hlen(self, key: str) -> int: ...
 
     def close(self) -> None: ...
@@ -295,8 +298,12 @@ class StateStore:
     def save_migration(self, migration_id: str, record: bytes) -> None:
         self._kv.hset(self._key("migrations"), migration_id, record)
 
+    def remove_migration(self, migration_id: str) -> None:
+        """A finished migration's record gone (the orchestrator's retention, once it is old enough)."""
+        self._kv.hdel(self._key("migrations"), migration_id)
+
     def migration(self, migration_id: str) -> bytes | None:
-        return self._kv.hgetall(self._key("migrations")).get(migration_id)
+        return self._kv.hget(self._key("migrations"), migration_id)
 
     def migrations(self) -> dict[str, bytes]:
         """migration id -> record, every migration this deployment has run or is running."""
@@ -308,6 +315,10 @@ class StateStore:
 
     def save_group_record(self, name: str, record: bytes) -> None:
         self._kv.hset(self._key("groups"), name, record)
+
+    def remove_group_record(self, name: str) -> None:
+        """A stopped group's record gone (the orchestrator's retention, once it is old enough)."""
+        self._kv.hdel(self._key("groups"), name)
 
     def group_records(self) -> dict[str, bytes]:
         """group name -> its record, every group added or removed through the orchestrator."""

@@ -34,6 +34,10 @@ class MemoryBackend:
         with self._lock:
             return dict(self._hashes.get(key, {}))
 
+    def hget(self, key: str, field: str) -> bytes | None:
+        with self._lock:
+            return self._hashes.get(key, {}).get(field)
+
     def hlen(self, key: str) -> int:
         with self._lock:
             return len(self._hashes.get(key, {}))

@@ -91,6 +91,10 @@ class RedisBackend:
         return {k.decode(): v for k, v in self._client.hgetall(key).items()}
 
     @_translated
+    def hget(self, key: str, field: str) -> bytes | None:
+        return self._client.hget(key, field)
+
+    @_translated
     def hlen(self, key: str) -> int:
         return int(self._client.hlen(key))
 

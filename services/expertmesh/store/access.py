@@ -92,8 +92,8 @@ LAYOUT: tuple[StoreKey, ...] = (
 _COMMANDS = {
     (STRING, "read"): ("get",),
     (STRING, "write"): ("get", "watch", "unwatch", "multi", "mset", "exec"),
-    (HASH, "read"): ("hgetall", "hlen"),
-    (HASH, "write"): ("hgetall", "hlen", "hset", "hdel"),
+    (HASH, "read"): ("hgetall", "hget", "hlen"),
+    (HASH, "write"): ("hgetall", "hget", "hlen", "hset", "hdel"),
 }
 #: what every user may run: a health check and the database of its URL (redis-py's CLIENT SETINFO on connect
 #: may be refused: it carries on; the command is not known before Redis 7.2 either)

@@ -393,6 +393,13 @@ class GroupController:
         ):
             self._update(name, first_listed_at=self._clock())
 
+    def forget(self, name: str) -> None:
+        """Drop a STOPPED group's record from memory (retention deleted it from the store); any other stays."""
+        with self._lock:
+            record = self._records.get(name)
+            if record is not None and record.phase is GroupPhase.STOPPED:
+                del self._records[name]
+
     def close(self) -> None:
         """Stop the changes under way at their next poll (their migrations finish in the runner)."""
         self._closing.set()

@@ -96,6 +96,12 @@ class _CountingView:
         self._c.bytes_out += sum(len(v) for v in value.values())
         return value
 
+    def hget(self, key: str, field: str) -> bytes | None:
+        self._c.ops["hget"] += 1
+        value = self._kv.hget(key, field)
+        self._c.bytes_out += len(value or b"")
+        return value
+
     def hlen(self, key: str) -> int:
         self._c.ops["hlen"] += 1
         return self._kv.hlen(key)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from expertmesh.contracts.errors import ExpertMeshError, GroupChangeRefused, GroupNotFound
+from expertmesh.contracts.errors import ExpertMeshError, GroupChangeRefused, GroupNotFound, MigrationNotFound
 from expertmesh.orchestrator.drift.observe import Observer
 from expertmesh.orchestrator.elastic import plan as plan_mod
 from expertmesh.orchestrator.elastic.state import GroupPhase, GroupRecord, checked_add, checked_remove
@@ -72,6 +72,14 @@ class GroupLauncher(Protocol):
     def stop(self, name: str) -> int:
         """Stop group ``name`` gracefully; its exit status (0 for a Serve deployment Serve has stopped)."""
         ...
+
+
+def _ended(store: StateStore, migration_id: str) -> bool:
+    """The migration's record is terminal, or gone (retention deletes only finished ones)."""
+    try:
+        return load(store, migration_id).phase.terminal
+    except MigrationNotFound:
+        return True
 
 
 class _Failed(Exception):
@@ -332,11 +340,12 @@ class GroupController:
     def _await_own_migrations(self, name: str) -> None:
         """Until no migration of this group's change (``initiator`` ``group:<name>``) is under way: after a
         restart the runner resumes them, and a pair in flight cannot be moved again."""
-        while any(
-            m.initiator == f"group:{name}" and not m.phase.terminal for m in load_all(self._store)
-        ):  # fmt: skip
+        # One scan of every record for the change's own, then only those polled (a record read by id).
+        waiting = [m.id for m in load_all(self._store) if m.initiator == f"group:{name}" and not m.phase.terminal]
+        while waiting:
             if self._closing.wait(self._poll_s):
                 raise _Failed("the orchestrator is stopping")
+            waiting = [mid for mid in waiting if not _ended(self._store, mid)]
 
     def _run_steps(self, name: str, change: plan_mod.GroupPlan) -> int:
         """Run the plan's migrations, each pair's in order, the pairs side by side (the runner bounds how many

@@ -1021,3 +1021,27 @@ def test_a_new_table_waits_for_the_step_in_flight_before_it_is_served_or_reporte
     assert switches == [1, 2]
     dispatcher.watcher.stop()
     dispatcher.close()
+
+
+def test_a_group_a_new_table_brings_is_prepared_before_the_table_is_served():
+    """The first call to a group added live used to ask it how to reach it and dial it on a serving step; the
+    watcher now does that (``Transport.prepare``) before it swaps the view in, once per group new to the table."""
+    store = open_store("memory://")
+    transport = transports.build("grpc-unary")
+    prepared = []
+
+    def prepare(group, timeout_s):
+        prepared.append((group, watcher.view.version if watcher.view else None))
+
+    transport.prepare = prepare
+    watcher = TableWatcher(store, LAYERS, transport, model=MODEL)
+    replicas = {(layer, e): ("g0",) for layer in LAYERS for e in range(4)}
+    store.publish_routing_table(RoutingTable(1, 4, replicas, model=MODEL))
+    watcher.refresh()
+    store.publish_routing_table(RoutingTable(2, 4, {**replicas, (1, 3): ("g0", "g1")}, model=MODEL))
+    watcher.refresh()
+    store.publish_routing_table(RoutingTable(3, 4, {**replicas, (1, 3): ("g1",)}, model=MODEL))
+    watcher.refresh()
+    assert watcher.view.version == 3
+    assert prepared == [("g0", None), ("g1", 1)]  # each before the view that brought it; g1 once
+    transport.close()

@@ -117,6 +117,39 @@ def test_describe_reports_the_transports_in_use_and_the_peak_memory(served):
         transport.close()
 
 
+def _use(address: str) -> dict:
+    with group_channel(address) as channel:
+        described = pb_grpc.ExpertGroupStub(channel).Describe(pb.DescribeRequest(), timeout=30)
+    return {u.transport: (u.connections, u.calls) for u in described.transports}
+
+
+def test_prepare_sets_up_the_first_calls_path_ahead_of_it_and_never_raises(tiny_checkpoints):
+    """What the table watcher does for a group a new routing table brings: the handshake and the connection made
+    before the table is served; the first call then takes that connection instead of dialling on a step."""
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    server, address = _group(checkpoint)
+    try:
+        for name, kind in (("auto", "shm"), ("grpc", "grpc-stream")):
+            transport = build(name)
+            transport.update({"g0": address, "gone": "127.0.0.1:1"})
+            try:
+                assert transport.kind("g0") == ""
+                transport.prepare("g0", 10.0)
+                assert transport.kind("g0") == kind
+                connections, calls = _use(address)[kind]
+                assert connections >= 1 and calls == 0
+                _call(transport, _request(checkpoint, 3, 0))
+                assert _use(address)[kind] == (connections, 1)  # the prepared connection carried it
+                started = time.monotonic()
+                transport.prepare("gone", 0.5)  # nobody there: logged at debug, the first call will say
+                transport.prepare("unknown", 0.5)  # no address at all
+                assert time.monotonic() - started < 5
+            finally:
+                transport.close()
+    finally:
+        server.stop(0)
+
+
 def test_a_group_without_same_host_paths_is_reached_by_its_tcp_stream(tiny_checkpoints):
     checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
     server, address = _group(checkpoint, same_host=False)

@@ -32,6 +32,9 @@ from expertmesh.store import StateStore
 
 log = logging.getLogger(__name__)
 
+#: the longest the watcher spends setting up the way to one group a new table brings (``Transport.prepare``)
+PREPARE_TIMEOUT_S = 2.0
+
 
 class TableWatcher:
     def __init__(
@@ -191,6 +194,10 @@ class TableWatcher:
             # as groups re-register, and its calls go on meanwhile.
             known = {g: self._transport.address(g) for g in view.groups}
             self._transport.update({g: a for g in view.groups if (a := endpoints.get(g) or known[g])})
+            # A group this table brings (one added live, a replica started): asked how to reach it and dialled
+            # here, before the table is served, so its first call on a step does not pay for that.
+            for group in sorted(set(view.groups) - set(current.groups if current is not None else ())):
+                self._transport.prepare(group, PREPARE_TIMEOUT_S)
             swapped = self._use(view)
         if swapped:
             self._switched(view)

@@ -64,6 +64,10 @@ class _Path(Protocol):
 
     def send(self, request: GroupRequest, timeout_s: float) -> PendingCall: ...
 
+    def prepare(self, deadline: float) -> None:
+        """What its first call would set up (a connection, a stream), done by ``deadline``; may raise."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -77,6 +81,9 @@ class _UnaryPath:
 
     def send(self, request: GroupRequest, timeout_s: float) -> PendingCall:
         return self._unary.send(self._group, request, timeout_s)
+
+    def prepare(self, deadline: float) -> None:
+        self._unary.prepare(self._group, deadline - time.monotonic())
 
     def close(self) -> None:
         pass
@@ -113,6 +120,17 @@ class _Route:
 
     def current(self) -> str:
         return next(p.name for i, p in enumerate(self.paths) if self.usable(i) or i == len(self.paths) - 1)
+
+    def prepare(self, deadline: float) -> None:
+        """The path calls would take now, set up (one that fails is skipped as a call would skip it)."""
+        for i, path in enumerate(self.paths):
+            if not self.usable(i) and i < len(self.paths) - 1:
+                continue
+            try:
+                path.prepare(deadline)
+                return
+            except PathBroken as err:
+                self.broke(i, err)
 
     def close(self) -> None:
         for path in self.paths:
@@ -204,6 +222,17 @@ class AutoTransport:
         if route is None:
             return self._unary.send(group, request, time_left(deadline, "the group was reached"))
         return self._send_on(route, 0, request, deadline)
+
+    def prepare(self, group: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            route = self._route(group, deadline)
+            if route is None:
+                self._unary.prepare(group, deadline - time.monotonic())
+            else:
+                route.prepare(deadline)
+        except Exception as err:  # the first call sets up what could not be now, within its own deadline
+            log.debug("expert group %s: nothing set up ahead of its first call: %s", group, err)
 
     def _send_on(self, route: _Route, start: int, request: GroupRequest, deadline: float) -> PendingCall:
         for i in range(start, len(route.paths)):

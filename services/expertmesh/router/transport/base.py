@@ -136,4 +136,10 @@ class Transport(Protocol):
         """Start one call; raises TransportError(UNAVAILABLE) when the group has no address."""
         ...
 
+    def prepare(self, group: str, timeout_s: float) -> None:
+        """Set up now what the first call to ``group`` would (asking the group how to reach it, a connection), so
+        that call does not pay for it on a serving step: the table watcher calls it for a group a new routing
+        table brings, before the table is served. Never raises: what it could not set up, the first call does."""
+        ...
+
     def close(self) -> None: ...

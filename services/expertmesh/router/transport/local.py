@@ -273,6 +273,13 @@ class LocalPath:
         self.name = conn.kind
         return _LocalPending(self, conn, call_id, offset, deadline)
 
+    def prepare(self, deadline: float) -> None:
+        """One connection dialled and idle, unless one is already (raises PathBroken as a first call would)."""
+        with self._lock:
+            if self._idle or self._closed:
+                return
+        self.release(_Connection(self._path, self._token, deadline))
+
     def _start(self, conn: _Connection, call_id: int, request: GroupRequest, use_cuda: bool, deadline: float) -> int:
         try:
             return conn.start(call_id, request, use_cuda, deadline)

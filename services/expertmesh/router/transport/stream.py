@@ -175,6 +175,12 @@ class StreamPath:
                 continue
         raise PathBroken("the dispatch stream ended twice while a call was being sent")
 
+    def prepare(self, deadline: float) -> None:
+        """The stream opened (a call opens it otherwise)."""
+        with self._lock:
+            if self._stream is None or not self._stream.alive:
+                self._stream = _Stream(self._channel, self._same_host)
+
     def close(self) -> None:
         with self._lock:
             stream, self._stream = self._stream, None

@@ -62,6 +62,16 @@ class GrpcTransport:
     def kind(self, group: str) -> str:
         return self.name
 
+    def prepare(self, group: str, timeout_s: float) -> None:
+        """The group's channel connected (a channel dials on its first call otherwise)."""
+        channel = self._clients.channel(group)
+        if channel is None:
+            return
+        try:
+            grpc.channel_ready_future(channel).result(timeout=max(timeout_s, 0.0))
+        except grpc.FutureTimeoutError:
+            pass  # the first call waits for it, within its own deadline
+
     def send(self, group: str, request: GroupRequest, timeout_s: float) -> PendingCall:
         stub = self._clients.stub(group)
         if stub is None:

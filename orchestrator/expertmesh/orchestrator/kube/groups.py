@@ -38,7 +38,15 @@ from expertmesh.contracts.topology import ISLAND_RESOURCE_PREFIX, island_resourc
 from expertmesh.orchestrator.kube.api import MERGE_PATCH, KubeApiError, KubeConnection, api_errors
 from expertmesh.store import StateStore
 
-__all__ = ["KubeRayGroups", "added_app", "app_failure", "groups_of", "refusal", "serve_config_change"]
+__all__ = [
+    "KubeRayGroups",
+    "added_app",
+    "app_failure",
+    "fixed_groups",
+    "groups_of",
+    "refusal",
+    "serve_config_change",
+]
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +232,12 @@ def stop_refusal(config: dict, name: str) -> str | None:
     return None
 
 
+def fixed_groups(config: dict) -> set[str]:
+    """The groups not added live: those of the chart's application(s), which change only with ``helm upgrade``
+    (an ExpertGroup never mirrors them)."""
+    return {g for app in _apps(config) if not str(app.get("name", "")).startswith(APP_PREFIX) for g in groups_of(app)}
+
+
 def app_failure(service: dict, app: str) -> str | None:
     """Serve's message when KubeRay reports application ``app`` as failed (``status.activeServiceStatus`` or
     ``pendingServiceStatus``, ``applicationStatuses[app]``: DEPLOY_FAILED or UNHEALTHY); None otherwise."""
@@ -327,6 +341,9 @@ class KubeRayGroups:
         why = stop_refusal(serve_config(self.service()), name)
         if why is not None:
             raise GroupChangeRefused(why)
+
+    def fixed_groups(self) -> set[str]:
+        return fixed_groups(serve_config(self.service()))
 
     def start(self, name: str, gpus: int = 0, island: str = "", node: str = "") -> tuple[str, int]:
         """Add group ``name``'s application; (address, 0) once the group registered and answers (its pid lives

@@ -7,7 +7,9 @@ serveConfigV2 with Ray Serve's own schema and code-version hash (what Serve woul
 Serve's replica of a group added live by starting a real ``expertmesh group serve --group NAME --empty
 --state-url redis://...`` process on the application's port, and stopping it (SIGTERM) when the application
 is taken out. The chart's groups are the in-process groups of ``migration_mesh``; every move is a real
-make-before-break migration by the orchestrator's ``GroupController``."""
+make-before-break migration by the orchestrator's ``GroupController``. ExpertGroup objects
+(``kube.group_objects_controller``) drive the same launcher: created and deleted on the fake API server (the
+chart's CRDs installed, real HTTP), as ``kubectl apply`` / ``delete`` would."""
 
 from __future__ import annotations
 
@@ -348,7 +350,8 @@ def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
     api_server, rayservice_api, kubeconfig, redis_url, tmp_path
 ):
     """``expertmesh orchestrator --kube --ray-service NAME`` (as the chart runs it): its admin API takes adds and
-    removes through the RayService, refusing what that RayService cannot take, each with one line."""
+    removes through the RayService, refusing what that RayService cannot take, each with one line, and so does
+    its ExpertGroup controller (the object stays Pending with the line)."""
     import os
     import time
 
@@ -386,6 +389,12 @@ def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
                     call(request, timeout=30)
                 assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
                 assert message in refused.value.details()
+            # its ExpertGroup controller runs too: an object the RayService cannot take waits, saying why
+            groups = ExpertGroupApi(connect(str(kubeconfig)))
+            groups.create(NAMESPACE, manifest("g7", GroupSpec(gpus=1)))
+            status = wait_for(lambda: (o := groups.get(NAMESPACE, "g7")).status.phase and o.status, "g7's status", 60)
+            assert (status.phase, status.reason) == ("Pending", "GroupChangeRefused"), status
+            assert "--gpus 1: the chart runs its expert groups on CPU" in status.message
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0, "".join(stderr)[-3000:]
         finally:

@@ -15,7 +15,7 @@ from conftest import NAMESPACE
 from expertmesh.contracts.errors import GroupChangeRefused, GroupNotFound
 from expertmesh.orchestrator.elastic.controller import GroupRequest
 from expertmesh.orchestrator.elastic.state import GroupPhase, GroupRecord
-from expertmesh.orchestrator.kube.api import connect
+from expertmesh.orchestrator.kube.api import KubeApiError, connect
 from expertmesh.orchestrator.kube.group_objects import (
     MAX_GPUS,
     Add,
@@ -268,3 +268,9 @@ def test_a_removal_refused_for_now_is_tried_again_after_the_object_is_gone(conne
     groups.records_["g5"] = rec("g5", GroupPhase.STOPPED)
     controller.sync_once()
     assert set(_statuses(api)) == {"g6"} and len(groups.calls) == 3
+
+
+@pytest.mark.parametrize("spec", [{"gpus": MAX_GPUS + 1}, {"island": "Island A"}, {"node": ""}])
+def test_the_api_server_refuses_a_spec_outside_the_schema_before_the_controller_sees_it(connection, spec):
+    with pytest.raises(KubeApiError, match="422"):
+        ExpertGroupApi(connection).create(NAMESPACE, manifest("g5", GroupSpec()) | {"spec": spec})

@@ -486,6 +486,8 @@ def test_expert_group_objects_add_and_remove_groups_and_mirror_those_added_anoth
         assert (listed["g0"].phase, listed["g0"].reason) == ("Refused", "ChartGroup")
         assert "helm upgrade" in listed["g0"].message
         assert _events(connection, bad) == _events(connection, "g0") == [("Warning", "Refused")]
+        assert {r.name for r in live.controller.records()} == {"g0", "g1", "g3"}, "the refused change nothing"
+        assert live.controller.get("g0").phase is GroupPhase.SERVING
 
         serving = _synced_until(objects, lambda o: o["g3"].status.phase in ("Serving", "Failed") and o["g3"], "g3")
         record = live.controller.get("g3")

@@ -119,13 +119,14 @@ class ExpertGroupController:
     def sync_once(self) -> None:
         objects = {o.name: o for o in self.api.list(self.namespace)}
         gone = {n: o for n, o in (self._seen | self._to_remove).items() if n not in objects}
-        self._to_remove = {}
+        retry: dict[str, ExpertGroup] = {}  # kept only once the pass ends: a pass cut short forgets no removal
         decided: dict[str, GroupObjectStatus] = {}  # statuses not from a record: Pending, Refused
         deleting: set[str] = set()
         for action in plan(objects.values(), self._groups.records(), gone.values(), self._fixed()):
             match action:
                 case Remove(name):
-                    self._remove(gone[name])
+                    if not self._remove(gone[name]):
+                        retry[name] = gone[name]
                 case Add(name, spec):
                     decided |= self._add(objects[name], spec)
                 case Refuse(name, reason, message):
@@ -146,7 +147,7 @@ class ExpertGroupController:
                 del objects[obj.name]
             else:
                 objects[obj.name] = written
-        self._seen = objects
+        self._seen, self._to_remove = objects, retry
 
     def _add(self, obj: ExpertGroup, spec: GroupSpec) -> dict[str, GroupObjectStatus]:
         """Ask for group ``obj.name``; {} once asked (its record says the rest), else its Pending status."""
@@ -159,16 +160,17 @@ class ExpertGroupController:
         log.info("%s/%s: adding expert group %s", self.namespace, obj.name, obj.name)
         return {}
 
-    def _remove(self, obj: ExpertGroup) -> None:
+    def _remove(self, obj: ExpertGroup) -> bool:
+        """Remove the group of deleted object ``obj``; False: refused for now, to try again next pass."""
         try:
             self._groups.remove(obj.name)
         except GroupNotFound:
-            return  # stopped already
+            return True  # stopped already
         except (ExpertMeshError, ConnectionError) as err:  # a change in flight: the next pass tries again
             log.info("%s/%s was deleted; its group's removal waits: %s", self.namespace, obj.name, err)
-            self._to_remove[obj.name] = obj
-            return
+            return False
         log.info("%s/%s was deleted: removing expert group %s", self.namespace, obj.name, obj.name)
+        return True
 
     def _report(self, obj: ExpertGroup, status: GroupObjectStatus) -> ExpertGroup | None:
         """Write ``status`` with an Event when the phase changes. None: the object is gone."""

@@ -39,9 +39,11 @@ from expertmesh.orchestrator.kube.groups import (
     BUILDER,
     KubeRayGroups,
     added_app,
+    fixed_groups,
     refusal,
     serve_config,
     serve_config_change,
+    stop_refusal,
 )
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
 from helpers import held_pairs, wait_for
@@ -227,6 +229,8 @@ def test_the_application_of_a_group_added_on_an_island_is_rendered_as_the_chart_
     ServeDeploySchema.model_validate(changed)  # what Serve takes from KubeRay
     assert added_app(changed, "g8", gpus=4, island="")["args"]["ports"] == {"g8": 50102}
     assert serve_config_change(changed, remove="g7") == config
+    assert fixed_groups(changed) == {"g0"} and stop_refusal(changed, "g7") is None
+    assert stop_refusal(changed, "g0").startswith("group g0 is the one group of Serve application expertmesh-groups")
     full = _gpu_service(2)
     why = refusal(full, gpus=0, island="a", node="")
     assert why == (

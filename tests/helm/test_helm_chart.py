@@ -238,8 +238,8 @@ def test_orchestrator_rbac_grants_only_what_it_uses(render):
         assert c[probe]["grpc"] == {"port": 50062}, probe
     (cr,) = by_kind(docs, "ClusterRole")
     assert cr["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
-    # What the ExpertMigration controller calls, and the RayService's groups added live (get and patch of this
-    # release's RayService alone), nothing else: no pods, no ConfigMaps (the placement is a volume).
+    # What the ExpertMigration controller calls, and the groups added live (get and patch of this release's
+    # RayService alone; ExpertGroups and their status), nothing else: no pods, no ConfigMaps (the placement: a volume).
     rayservice_name = rayservice(docs)["metadata"]["name"]
     assert flags["--ray-service"] == rayservice_name
     (role,) = by_kind(docs, "Role")
@@ -263,6 +263,8 @@ def test_orchestrator_rbac_grants_only_what_it_uses(render):
             "resourceNames": [rayservice_name],
             "verbs": ["get", "patch"],
         },
+        {"apiGroups": ["expertmesh.io"], "resources": ["expertgroups"], "verbs": ["get", "list", "create", "delete"]},
+        {"apiGroups": ["expertmesh.io"], "resources": ["expertgroups/status"], "verbs": ["patch"]},
     ]
     for kind, role_kind, role_name in (
         ("ClusterRoleBinding", "ClusterRole", cr["metadata"]["name"]),
@@ -276,13 +278,15 @@ def test_orchestrator_rbac_grants_only_what_it_uses(render):
     assert accounts[FULLNAME]["automountServiceAccountToken"] is False
 
 
-def test_no_live_groups_no_rayservice_access(helm):
+def test_no_live_groups_no_rayservice_or_expertgroup_access(helm):
     res = helm(*template_args(None, "--set", "orchestrator.liveGroups=false"))
     assert res.returncode == 0, res.stderr
     args = one(res.docs, "Deployment", f"{FULLNAME}-orchestrator")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--ray-service" not in args
     (role,) = by_kind(res.docs, "Role")
     assert all("ray.io" not in rule["apiGroups"] for rule in role["rules"])
+    # no launcher, no ExpertGroup controller: the objects would never act
+    assert all(not r.startswith("expertgroups") for rule in role["rules"] for r in rule["resources"])
 
 
 def test_placement_configmap_from_values(render):

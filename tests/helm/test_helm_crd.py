@@ -41,8 +41,12 @@ def test_helm_installs_the_crd_from_crds_before_the_templates(helm):
     assert res.returncode == 0, res.stderr
     docs = res.docs
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
-    assert [d["metadata"]["name"] for d in crds] == [f"{PLURAL}.{GROUP}", f"expertquarantines.{GROUP}"]
-    assert [docs.index(d) for d in crds] == [0, 1], "CRDs come first"
+    assert [d["metadata"]["name"] for d in crds] == [
+        f"expertgroups.{GROUP}",
+        f"{PLURAL}.{GROUP}",
+        f"expertquarantines.{GROUP}",
+    ]
+    assert [docs.index(d) for d in crds] == [0, 1, 2], "CRDs come first"
     plain = helm(*template_args(None))
     assert plain.returncode == 0 and "CustomResourceDefinition" not in plain.stdout, (
         "not a template: never upgraded or deleted"
@@ -179,7 +183,11 @@ def test_orchestrator_rbac_covers_exactly_the_calls_of_the_kube_package(render):
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
-        if resource in (PLURAL, f"{PLURAL}/status", "expertquarantines", "expertquarantines/status", "events", "nodes")
+        if resource
+        in (
+            *(PLURAL, f"{PLURAL}/status", "expertquarantines", "expertquarantines/status"),
+            *("expertgroups", "expertgroups/status", "events", "nodes"),
+        )
     }
     assert granted == {
         # the watch loop (list + watch), re-reads on conflict (get), the drift controller (create)
@@ -189,6 +197,9 @@ def test_orchestrator_rbac_covers_exactly_the_calls_of_the_kube_package(render):
         # the ExpertQuarantine controller: lists every pass, re-reads on conflict, creates and deletes mirrors
         *((GROUP, "expertquarantines", verb) for verb in ("get", "list", "create", "delete")),
         (GROUP, "expertquarantines/status", "patch"),
+        # the ExpertGroup controller (orchestrator.liveGroups, on by default): the same verbs, for its mirrors
+        *((GROUP, "expertgroups", verb) for verb in ("get", "list", "create", "delete")),
+        (GROUP, "expertgroups/status", "patch"),
         # one Event per phase change, never updated
         ("", "events", "create"),
         # node-label topology discovery

@@ -27,7 +27,7 @@ RESOURCE = "expertmesh.io/v1alpha1/expertmigrations"
 @pytest.fixture
 def api_server() -> Iterator[ApiServer]:
     server = ApiServer()
-    for crd in sorted(CRD_FILE.parent.glob("*.yaml")):  # ExpertMigration and ExpertQuarantine
+    for crd in sorted(CRD_FILE.parent.glob("*.yaml")):  # ExpertGroup, ExpertMigration and ExpertQuarantine
         server.call(server.fake.install_crd, yaml.safe_load(crd.read_text()))
     yield server
     server.close()

@@ -7,7 +7,9 @@ serveConfigV2 with Ray Serve's own schema and code-version hash (what Serve woul
 Serve's replica of a group added live by starting a real ``expertmesh group serve --group NAME --empty
 --state-url redis://...`` process on the application's port, and stopping it (SIGTERM) when the application
 is taken out. The chart's groups are the in-process groups of ``migration_mesh``; every move is a real
-make-before-break migration by the orchestrator's ``GroupController``."""
+make-before-break migration by the orchestrator's ``GroupController``. ExpertGroup objects
+(``kube.group_objects_controller``) drive the same launcher: created and deleted on the fake API server (the
+chart's CRDs installed, real HTTP), as ``kubectl apply`` / ``delete`` would."""
 
 from __future__ import annotations
 
@@ -16,10 +18,14 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
+import kubernetes
 import pytest
 import yaml
-from migration_mesh import FAST, PLACEMENT, mesh_in_redis
+from migration_mesh import FAST, PLACEMENT, Mesh, mesh_in_redis
 
 from expertmesh.contracts.errors import GroupChangeRefused
 from expertmesh.infra.ports import free_port_range
@@ -27,13 +33,17 @@ from expertmesh.orchestrator.admin import MigrationRunner
 from expertmesh.orchestrator.elastic.controller import GroupController, GroupRequest
 from expertmesh.orchestrator.elastic.state import GroupPhase
 from expertmesh.orchestrator.kube.api import connect
+from expertmesh.orchestrator.kube.group_objects import ExpertGroup, GroupSpec, manifest
+from expertmesh.orchestrator.kube.group_objects_controller import ExpertGroupApi, ExpertGroupController
 from expertmesh.orchestrator.kube.groups import (
     BUILDER,
     KubeRayGroups,
     added_app,
+    fixed_groups,
     refusal,
     serve_config,
     serve_config_change,
+    stop_refusal,
 )
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
 from helpers import held_pairs, wait_for
@@ -219,6 +229,8 @@ def test_the_application_of_a_group_added_on_an_island_is_rendered_as_the_chart_
     ServeDeploySchema.model_validate(changed)  # what Serve takes from KubeRay
     assert added_app(changed, "g8", gpus=4, island="")["args"]["ports"] == {"g8": 50102}
     assert serve_config_change(changed, remove="g7") == config
+    assert fixed_groups(changed) == {"g0"} and stop_refusal(changed, "g7") is None
+    assert stop_refusal(changed, "g0").startswith("group g0 is the one group of Serve application expertmesh-groups")
     full = _gpu_service(2)
     why = refusal(full, gpus=0, island="a", node="")
     assert why == (
@@ -248,8 +260,20 @@ def _done(controller, name, phase):
     )
 
 
-def test_a_group_added_on_kubernetes_is_filled_and_removed_again(api_server, rayservice_api, redis_url):
-    connection, model, port_base = rayservice_api
+@dataclass
+class LiveGroups:
+    mesh: Mesh
+    launcher: KubeRayGroups
+    kuberay: KubeRay
+    controller: GroupController
+    #: the RayService's serve config before any change
+    original: dict
+
+
+@contextmanager
+def live_groups(connection, model: str, redis_url: str) -> Iterator[LiveGroups]:
+    """The chart's two groups (``migration_mesh``, in Redis), the launcher on the fake RayService, ``KubeRay``
+    playing KubeRay and Serve, and the orchestrator's ``GroupController`` over them."""
     with mesh_in_redis(redis_url, model) as mesh:
         mesh.groups["g2"].server.stop(0)  # the mesh's spare group: not this platform's
         mesh.store.remove_endpoint("g2")
@@ -259,57 +283,70 @@ def test_a_group_added_on_kubernetes_is_filled_and_removed_again(api_server, ray
         runner = MigrationRunner(mesh.store, MigrationExecutor(mesh.store, **FAST))
         controller = GroupController(mesh.store, runner.submit, launcher, poll_s=0.01)
         try:
-            assert [(r.name, r.phase) for r in controller.records()] == [("g0", "serving"), ("g1", "serving")]
-            # KubeRay writes the object too: the launcher's first patch meets a newer resourceVersion (409)
-            api_server.call(
-                api_server.fake.interfere_once,
-                lambda request: request.method.value.upper() == "PATCH" and "rayservices" in str(request.url),
-                lambda doc: doc["metadata"].setdefault("labels", {}).update({"ray.io/serve": "true"}),
-            )
-            controller.add(GroupRequest("g3"))
-            added = _done(controller, "g3", GroupPhase.SERVING)
-            assert added.phase is GroupPhase.SERVING, added.reason
-            assert api_server.fake.conflicts == 1
-            assert added.address == f"127.0.0.1:{port_base + 2}"  # the first port of the chart's range left free
-            table = mesh.store.routing_table()
-            assert held_pairs(added.address) == set(table.placement().groups["g3"]) != set()
-            assert added.moves_done == added.moves_planned > 0
-            config = serve_config(launcher.service())
-            assert config["applications"][0] == original["applications"][0]  # the chart's application untouched
-            (app,) = config["applications"][1:]
-            assert app["name"] == "expertmesh-group-g3" and app["args"]["empty"] == ["g3"]
-            assert [d["name"] for d in app["deployments"]] == ["directory", "group-g3"]
-            assert set(launcher.running()) == {"g0", "g1", "g3"}
-
-            # what the RayService cannot take, refused before anything changes
-            for request, message in [
-                (dict(gpus=1), "--gpus 1: the chart runs its expert groups on CPU"),
-                (dict(island="b"), r"--island b: the RayService has no worker group for it \(its islands: a\)"),
-                (dict(node="n1"), "--node: on Kubernetes a group lands on a worker pod of its island"),
-            ]:
-                with pytest.raises(GroupChangeRefused, match=message):
-                    controller.add(GroupRequest(**request))
-            launcher.check(island="a")  # its slot is free
-            with pytest.raises(GroupChangeRefused, match="g0 is one of the 2 groups of Serve application expertmesh-"):
-                controller.remove("g0")
-            assert controller.get("g0").phase is GroupPhase.SERVING
-
-            removed = controller.remove("g3")
-            assert removed.phase is GroupPhase.DRAINING
-            removed = _done(controller, "g3", GroupPhase.STOPPED)
-            assert removed.phase is GroupPhase.STOPPED, removed.reason
-            assert removed.exit_code == 0  # its port stopped answering: its server has drained
-            assert wait_for(lambda: kuberay.exit_codes, "g3's process ended", 60) == {"g3": 0}
-            assert serve_config(launcher.service()) == original
-            table = mesh.store.routing_table()
-            assert set(table.groups()) == {"g0", "g1"} and "g3" not in mesh.store.endpoints()
-            assert set(table.replicas) == {(layer, e) for layer in range(2) for e in range(4)}
-            # Serve would never have restarted the chart's groups: their application kept its code version
-            assert len(kuberay.code_versions["expertmesh-groups"]) == 1 and kuberay.errors == []
+            yield LiveGroups(mesh, launcher, kuberay, controller, original)
         finally:
             controller.close()
             runner.close()
             kuberay.close()
+
+
+def test_a_group_added_on_kubernetes_is_filled_and_removed_again(api_server, rayservice_api, redis_url):
+    connection, model, port_base = rayservice_api
+    with live_groups(connection, model, redis_url) as live:
+        mesh, launcher, kuberay, controller, original = (
+            live.mesh,
+            live.launcher,
+            live.kuberay,
+            live.controller,
+            live.original,
+        )
+        assert [(r.name, r.phase) for r in controller.records()] == [("g0", "serving"), ("g1", "serving")]
+        # KubeRay writes the object too: the launcher's first patch meets a newer resourceVersion (409)
+        api_server.call(
+            api_server.fake.interfere_once,
+            lambda request: request.method.value.upper() == "PATCH" and "rayservices" in str(request.url),
+            lambda doc: doc["metadata"].setdefault("labels", {}).update({"ray.io/serve": "true"}),
+        )
+        controller.add(GroupRequest("g3"))
+        added = _done(controller, "g3", GroupPhase.SERVING)
+        assert added.phase is GroupPhase.SERVING, added.reason
+        assert api_server.fake.conflicts == 1
+        assert added.address == f"127.0.0.1:{port_base + 2}"  # the first port of the chart's range left free
+        table = mesh.store.routing_table()
+        assert held_pairs(added.address) == set(table.placement().groups["g3"]) != set()
+        assert added.moves_done == added.moves_planned > 0
+        config = serve_config(launcher.service())
+        assert config["applications"][0] == original["applications"][0]  # the chart's application untouched
+        (app,) = config["applications"][1:]
+        assert app["name"] == "expertmesh-group-g3" and app["args"]["empty"] == ["g3"]
+        assert [d["name"] for d in app["deployments"]] == ["directory", "group-g3"]
+        assert set(launcher.running()) == {"g0", "g1", "g3"}
+
+        # what the RayService cannot take, refused before anything changes
+        for request, message in [
+            (dict(gpus=1), "--gpus 1: the chart runs its expert groups on CPU"),
+            (dict(island="b"), r"--island b: the RayService has no worker group for it \(its islands: a\)"),
+            (dict(node="n1"), "--node: on Kubernetes a group lands on a worker pod of its island"),
+        ]:
+            with pytest.raises(GroupChangeRefused, match=message):
+                controller.add(GroupRequest(**request))
+        launcher.check(island="a")  # its slot is free
+        with pytest.raises(GroupChangeRefused, match="g0 is one of the 2 groups of Serve application expertmesh-"):
+            controller.remove("g0")
+        assert controller.get("g0").phase is GroupPhase.SERVING
+
+        removed = controller.remove("g3")
+        assert removed.phase is GroupPhase.DRAINING
+        removed = _done(controller, "g3", GroupPhase.STOPPED)
+        assert removed.phase is GroupPhase.STOPPED, removed.reason
+        assert removed.exit_code == 0  # its port stopped answering: its server has drained
+        assert wait_for(lambda: kuberay.exit_codes, "g3's process ended", 60) == {"g3": 0}
+        assert serve_config(launcher.service()) == original
+        table = mesh.store.routing_table()
+        assert set(table.groups()) == {"g0", "g1"} and "g3" not in mesh.store.endpoints()
+        assert set(table.replicas) == {(layer, e) for layer in range(2) for e in range(4)}
+        # Serve would never have restarted the chart's groups: their application kept its code version
+        assert len(kuberay.code_versions["expertmesh-groups"]) == 1 and kuberay.errors == []
 
 
 @pytest.mark.slow
@@ -317,7 +354,8 @@ def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
     api_server, rayservice_api, kubeconfig, redis_url, tmp_path
 ):
     """``expertmesh orchestrator --kube --ray-service NAME`` (as the chart runs it): its admin API takes adds and
-    removes through the RayService, refusing what that RayService cannot take, each with one line."""
+    removes through the RayService, refusing what that RayService cannot take, each with one line, and so does
+    its ExpertGroup controller (the object stays Pending with the line)."""
     import os
     import time
 
@@ -355,6 +393,12 @@ def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
                     call(request, timeout=30)
                 assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
                 assert message in refused.value.details()
+            # its ExpertGroup controller runs too: an object the RayService cannot take waits, saying why
+            groups = ExpertGroupApi(connect(str(kubeconfig)))
+            groups.create(NAMESPACE, manifest("g7", GroupSpec(gpus=1)))
+            status = wait_for(lambda: (o := groups.get(NAMESPACE, "g7")).status.phase and o.status, "g7's status", 60)
+            assert (status.phase, status.reason) == ("Pending", "GroupChangeRefused"), status
+            assert "--gpus 1: the chart runs its expert groups on CPU" in status.message
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0, "".join(stderr)[-3000:]
         finally:
@@ -400,3 +444,88 @@ def test_a_group_serve_fails_is_taken_out_again_with_serves_message(api_server, 
         assert serve_config(launcher.service()) == original
     finally:
         store.close()
+
+
+# -- ExpertGroup objects (kube.group_objects_controller) -------------------------------------------------------
+
+
+def _events(connection, name: str) -> list[tuple[str, str]]:
+    items = kubernetes.client.CoreV1Api(connection.client).list_namespaced_event(NAMESPACE).items
+    return [(e.type, e.reason) for e in sorted(items, key=lambda e: e.metadata.resource_version)
+            if e.involved_object.name == name]  # fmt: skip
+
+
+def _synced_until(objects: ExpertGroupController, done: Callable[[dict[str, ExpertGroup]], object], what: str):
+    """Passes (as the controller's thread makes them) until ``done(objects by name)``."""
+
+    def step():
+        objects.sync_once()
+        return done({o.name: o for o in objects.api.list(NAMESPACE)})
+
+    return wait_for(step, what, 120, poll_s=0.05)
+
+
+def test_expert_group_objects_add_and_remove_groups_and_mirror_those_added_another_way(
+    api_server, rayservice_api, redis_url
+):
+    """``kubectl apply`` of an ExpertGroup adds its group, the CLI's group gets a mirror, ``kubectl delete`` of
+    either drains and stops its group (the second removal waits for the first: one change at a time), and the
+    RayService's serve config is the chart's again; an object with a name no group may have, or a chart group's,
+    is Refused and changes nothing. Passes are driven with ``sync_once`` (the thread only repeats them)."""
+    connection, model, _ = rayservice_api
+    with live_groups(connection, model, redis_url) as live:
+        api = ExpertGroupApi(connection)
+        objects = ExpertGroupController(api, live.controller, live.launcher.fixed_groups, NAMESPACE)
+        objects.sync_once()
+        assert api.list(NAMESPACE) == [], "the chart's groups are never mirrored"
+
+        bad = "a-name-longer-than-the-forty-characters-a-group-name-has"
+        for name in ("g3", bad, "g0"):
+            api.create(NAMESPACE, manifest(name, GroupSpec()))
+        objects.sync_once()
+        listed = {o.name: o.status for o in api.list(NAMESPACE)}
+        assert listed["g3"].phase == "Starting"
+        assert (listed[bad].phase, listed[bad].reason) == ("Refused", "InvalidName")
+        assert "is no expert group name" in listed[bad].message
+        assert (listed["g0"].phase, listed["g0"].reason) == ("Refused", "ChartGroup")
+        assert "helm upgrade" in listed["g0"].message
+        assert _events(connection, bad) == _events(connection, "g0") == [("Warning", "Refused")]
+        assert {r.name for r in live.controller.records()} == {"g0", "g1", "g3"}, "the refused change nothing"
+        assert live.controller.get("g0").phase is GroupPhase.SERVING
+
+        serving = _synced_until(objects, lambda o: o["g3"].status.phase in ("Serving", "Failed") and o["g3"], "g3")
+        record = live.controller.get("g3")
+        assert serving.status.phase == "Serving", serving.status.message
+        assert serving.status.endpoint == record.address and serving.status.moves == f"{record.moves_done}/" + str(
+            record.moves_planned
+        )
+        shown = _events(connection, "g3")
+        assert shown[0] == ("Normal", "Starting") and shown[-1] == ("Normal", "Serving"), shown
+        assert len(set(shown)) == len(shown), "one Event per phase"
+        assert set(live.controller.get(n).phase for n in ("g0", "g1")) == {GroupPhase.SERVING}
+
+        live.controller.add(GroupRequest("g4"))  # `expertmesh groups add --name g4`
+        mirror = _synced_until(objects, lambda o: "g4" in o and o["g4"].status.phase == "Serving" and o["g4"], "g4")
+        assert mirror.mirror and mirror.spec == GroupSpec()
+
+        for name in ("g3", "g4"):
+            api.delete(next(o for o in api.list(NAMESPACE) if o.name == name))
+        objects.sync_once()
+        assert live.controller.get("g3").phase is GroupPhase.DRAINING
+        assert live.controller.get("g4").phase is GroupPhase.SERVING, "one change at a time: g4 waits"
+        _synced_until(
+            objects,
+            lambda _: all(
+                live.controller.get(n).phase in (GroupPhase.STOPPED, GroupPhase.FAILED) for n in ("g3", "g4")
+            ),
+            "g3 and g4 removed",
+        )
+        for name in ("g3", "g4"):
+            record = live.controller.get(name)
+            assert record.phase is GroupPhase.STOPPED, record.reason
+        assert serve_config(live.launcher.service()) == live.original
+        assert sorted(o.name for o in api.list(NAMESPACE)) == sorted([bad, "g0"]), "nothing mirrored again"
+        assert set(live.mesh.store.routing_table().groups()) == {"g0", "g1"}
+        assert live.kuberay.errors == [] and len(live.kuberay.code_versions["expertmesh-groups"]) == 1
+        objects.sync_once()
+        assert _events(connection, bad) == _events(connection, "g0") == [("Warning", "Refused")], "refused once"

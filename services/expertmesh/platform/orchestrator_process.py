@@ -8,7 +8,8 @@ placement file to the routing table when the file changes; with ``--drift`` (or
 ``EXPERTMESH_HEALTH_ENABLED``) health rounds over every replica. With ``--kube``
 (the default in a pod) the ExpertMigration controller runs too
 (``orchestrator.kube``), and with ``--ray-service`` expert groups are added and removed live
-as applications of that RayService (``orchestrator.kube.groups``). A bad placement at start-up
+as applications of that RayService (``orchestrator.kube.groups``), through the admin API or
+ExpertGroup objects (``orchestrator.kube.group_objects_controller``). A bad placement at start-up
 is refused with one line; a bad edit later is logged and the last good table stays.
 """
 
@@ -110,6 +111,7 @@ def run(args) -> int:
     from expertmesh.orchestrator.kube.api import ExpertMigrationApi
     from expertmesh.orchestrator.kube.controller import start_controller
     from expertmesh.orchestrator.kube.drift_objects import DriftObjects
+    from expertmesh.orchestrator.kube.group_objects_controller import start_group_objects_controller
     from expertmesh.orchestrator.kube.quarantine_controller import start_quarantine_controller
     from expertmesh.orchestrator.reconcile import Reconciler, what_runs
     from expertmesh.store import open_store
@@ -179,10 +181,18 @@ def run(args) -> int:
         orchestrator.server.serve_plaintext_health(args.health_port)
     kube = start_controller(connection, orchestrator.runner, store, namespace) if connection else None
     quarantines = start_quarantine_controller(connection, health, namespace) if connection else None
+    group_objects = None
+    if connection is not None and launcher is not None:  # ExpertGroups act through the launcher only
+        group_objects = start_group_objects_controller(
+            connection, orchestrator.groups, launcher.fixed_groups, namespace
+        )
     version = first.version if first else store.routing_table_version()
     progress(f"orchestrator: routing table version {version}; admin gRPC on {args.admin_host}:{port}")
     if launcher is not None:
-        progress(f"orchestrator: adds and removes expert groups as applications of RayService {args.ray_service}")
+        progress(
+            f"orchestrator: adds and removes expert groups as applications of RayService {args.ray_service} "
+            "(and its ExpertGroups)"
+        )
     if kube is not None:
         progress(f"orchestrator: running ExpertMigrations of namespace {kube.namespace} (and its ExpertQuarantines)")
 
@@ -192,6 +202,8 @@ def run(args) -> int:
     stop.wait()
     if quarantines is not None:  # before the monitor closes its group channels
         quarantines.stop()
+    if group_objects is not None:  # before the group controller stops its changes
+        group_objects.stop()
     orchestrator.stop()
     stop_observing()
     if kube is not None:  # after the runner: the migrations it finished on the way out are reported

@@ -21,5 +21,7 @@ launcher
     On Kubernetes: an application of one group added to the RayService's serveConfigV2
     (``orchestrator.kube.groups``). The orchestrator never starts a process itself.
 change
-    One add or remove; one runs at a time per orchestrator.
+    One add or remove; one runs at a time per orchestrator. Asked for through the admin API (the CLI, the
+    kubectl plugin), by the capacity controller, or on Kubernetes by an ExpertGroup object
+    (``orchestrator.kube.group_objects_controller``, which tries a refused one again).
 """

@@ -1,5 +1,5 @@
-"""Kubernetes face of the control plane: the ``ExpertMigration`` and
-``ExpertQuarantine`` custom resources (``expertmesh.io/v1alpha1``), their
+"""Kubernetes face of the control plane: the ``ExpertMigration``, ``ExpertQuarantine``
+and ``ExpertGroup`` custom resources (``expertmesh.io/v1alpha1``), their
 controllers inside ``expertmesh orchestrator``, and the ``kubectl expertmesh`` plugin.
 
 Every move, manual or automatic, is an object, so ``kubectl get expertmigrations``
@@ -33,6 +33,13 @@ Modules, one job each:
 ``groups``
     Expert groups added and removed live as Serve applications of the RayService's
     ``serveConfigV2`` (``KubeRayGroups``, the orchestrator's launcher with ``--ray-service``).
+``group_objects``
+    The ``ExpertGroup`` resource as typed Python, and what its controller does given the
+    objects and the group records (``plan``: add, remove, mirror, refuse, delete), pure.
+``group_objects_controller``
+    Its API calls and the level-triggered loop: a created object adds its group, a deleted one
+    removes it, a group added another way gets a mirror object, status and Events follow the
+    group's lifecycle; an add or removal refused for now is tried again every pass.
 ``plugin``
     ``kubectl-expertmesh``: ``migrate`` (create an object, ``--wait`` follows it)
     and ``experts``.

@@ -38,7 +38,15 @@ from expertmesh.contracts.topology import ISLAND_RESOURCE_PREFIX, island_resourc
 from expertmesh.orchestrator.kube.api import MERGE_PATCH, KubeApiError, KubeConnection, api_errors
 from expertmesh.store import StateStore
 
-__all__ = ["KubeRayGroups", "added_app", "app_failure", "groups_of", "refusal", "serve_config_change"]
+__all__ = [
+    "KubeRayGroups",
+    "added_app",
+    "app_failure",
+    "fixed_groups",
+    "groups_of",
+    "refusal",
+    "serve_config_change",
+]
 
 log = logging.getLogger(__name__)
 
@@ -212,16 +220,25 @@ def serve_config_change(config: dict, *, add: dict | None = None, remove: str | 
 
 
 def stop_refusal(config: dict, name: str) -> str | None:
-    """Why group ``name`` cannot be stopped live (None: it can, or it does not run here)."""
+    """Why group ``name`` cannot be stopped live (None: it can, or it does not run here): it is not in an
+    application of its own (one added live), but one of the chart's groups."""
     for app in _apps(config):
         groups = groups_of(app)
-        if name in groups and len(groups) > 1:
-            return (
-                f"group {name} is one of the {len(groups)} groups of Serve application {app.get('name')} (the chart's "
-                "expertGroups.groups): taking it out would restart all of them; only groups added live "
-                "(`expertmesh groups add`) are removed live on Kubernetes"
-            )
+        if name not in groups or str(app.get("name", "")).startswith(APP_PREFIX):
+            continue
+        shared = f"one of the {len(groups)} groups" if len(groups) > 1 else "the one group"
+        return (
+            f"group {name} is {shared} of Serve application {app.get('name')} (the chart's expertGroups.groups): "
+            "taking it out would restart all of them; only groups added live (`expertmesh groups add`) are "
+            "removed live on Kubernetes"
+        )
     return None
+
+
+def fixed_groups(config: dict) -> set[str]:
+    """The groups not added live, which the launcher cannot stop (``stop_refusal``): the chart's, which change only
+    with ``helm upgrade`` (an ExpertGroup never mirrors them)."""
+    return {g for app in _apps(config) for g in groups_of(app) if stop_refusal(config, g) is not None}
 
 
 def app_failure(service: dict, app: str) -> str | None:
@@ -327,6 +344,9 @@ class KubeRayGroups:
         why = stop_refusal(serve_config(self.service()), name)
         if why is not None:
             raise GroupChangeRefused(why)
+
+    def fixed_groups(self) -> set[str]:
+        return fixed_groups(serve_config(self.service()))
 
     def start(self, name: str, gpus: int = 0, island: str = "", node: str = "") -> tuple[str, int]:
         """Add group ``name``'s application; (address, 0) once the group registered and answers (its pid lives

@@ -31,12 +31,10 @@ from typing import Any
 
 from expertmesh.orchestrator.health.monitor import ReplicaStatus
 from expertmesh.orchestrator.health.state import HealthState
-from expertmesh.orchestrator.kube.resource import API_VERSION, _int, _optional_str, camel, rfc3339
+from expertmesh.orchestrator.kube.resource import API_VERSION, MIRROR_LABEL, _int, _optional_str, camel, rfc3339
 
 KIND = "ExpertQuarantine"
 PLURAL = "expertquarantines"
-#: label of the objects the controller made for a quarantine made elsewhere
-MIRROR_LABEL = "expertmesh.io/mirror"
 
 
 class State(StrEnum):

@@ -32,6 +32,9 @@ ORIGIN_LABEL = "expertmesh.io/origin"
 INITIATOR_ANNOTATION = "expertmesh.io/initiator"
 #: annotation naming a record that was submitted already: the object then only reports on it
 MIGRATION_ID_ANNOTATION = "expertmesh.io/migration-id"
+#: label of the objects a controller made for what was done another way (a quarantine, a group added by the
+#: CLI), so that ``kubectl get`` lists everything; deleting one undoes what it mirrors
+MIRROR_LABEL = "expertmesh.io/mirror"
 
 
 class Origin(StrEnum):

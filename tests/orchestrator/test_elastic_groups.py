@@ -26,7 +26,7 @@ from expertmesh.orchestrator.elastic.state import (
     next_group_name,
 )
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
-from expertmesh.orchestrator.migration.state import MigrationMode
+from expertmesh.orchestrator.migration.state import MigrationMode, load_all
 from expertmesh.store import open_store
 from helpers import wait_for
 
@@ -461,3 +461,28 @@ def test_the_embedded_platform_refuses_placements_it_cannot_make(request_, messa
     with pytest.raises(GroupChangeRefused, match=message):
         ProcessGroups([]).check(**request_)
     ProcessGroups([]).check()  # CPU, anywhere on this host: fine
+
+
+def test_a_change_keeps_no_more_migrations_in_flight_than_the_runner_runs(mesh):
+    """The whole plan used to be submitted at once: every record written and every pair checked in one burst,
+    on the process that serves. Now at most ``max_active`` of the change's migrations are in flight."""
+    runner = MigrationRunner(mesh.store, MigrationExecutor(mesh.store, **FAST), max_concurrent=2)
+    in_flight_at_submit = []
+
+    def submit(*args, **kwargs):
+        records = load_all(mesh.store)
+        in_flight_at_submit.append(sum(1 for m in records if m.initiator.startswith("group:") and not m.phase.terminal))
+        return runner.submit(*args, **kwargs)
+
+    controller = GroupController(mesh.store, submit, Launcher(mesh), poll_s=0.01, max_active=1)
+    try:
+        controller.add(GroupRequest("g2"))
+        added = _done(controller, "g2", GroupPhase.SERVING)
+        assert added.phase is GroupPhase.SERVING, added.reason
+        assert len(in_flight_at_submit) == added.moves_planned > 1
+        assert max(in_flight_at_submit) == 0  # each submitted once the one before it ended
+    finally:
+        controller.close()
+        runner.close()
+    with pytest.raises(ValueError):
+        GroupController(mesh.store, submit, None, max_active=0)

@@ -393,7 +393,7 @@ def start_orchestrator(
     if not 0 < max_watch_streams < ADMIN_WORKERS:
         raise ValueError(f"max_watch_streams must be between 1 and {ADMIN_WORKERS - 1}, got {max_watch_streams}")
     server = GrpcServer("admin", host, port, workers=ADMIN_WORKERS)
-    groups = GroupController(store, runner.submit, launcher)
+    groups = GroupController(store, runner.submit, launcher, max_active=runner.max_concurrent)
     servicer = AdminServicer(
         runner, store, drift=controller, health=health, max_watch_streams=max_watch_streams, groups=groups
     )

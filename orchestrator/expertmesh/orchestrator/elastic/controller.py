@@ -95,14 +95,19 @@ class GroupController:
         *,
         clock: Callable[[], float] = time.time,
         poll_s: float = 0.1,
+        max_active: int = 2,
     ):
         """``submit``: ``MigrationRunner.submit``. ``launcher``: None where this orchestrator cannot start groups
-        (it then lists them, and refuses adds and removes)."""
+        (it then lists them, and refuses adds and removes). ``max_active``: a change's migrations submitted and not
+        ended at once (the runner's ``max_concurrent``): the rest wait here, not as PENDING records."""
+        if max_active < 1:
+            raise ValueError(f"max_active must be at least 1, got {max_active}")
         self._store = store
         self._submit = submit
         self._launcher = launcher
         self._clock = clock
         self._poll_s = poll_s
+        self._max_active = max_active
         self._lock = threading.Lock()
         self._records: dict[str, GroupRecord] = {}
         self._threads: list[threading.Thread] = []
@@ -348,8 +353,8 @@ class GroupController:
             waiting = [mid for mid in waiting if not _ended(self._store, mid)]
 
     def _run_steps(self, name: str, change: plan_mod.GroupPlan) -> int:
-        """Run the plan's migrations, each pair's in order, the pairs side by side (the runner bounds how many
-        run at once); stop submitting at the first that does not succeed. Returns the bytes copied."""
+        """Run the plan's migrations, each pair's in order, the pairs side by side, ``max_active`` at once; stop
+        submitting at the first that does not succeed. Returns the bytes copied."""
         queues = [list(steps) for steps in change.steps]
         active: dict[str, int] = {}  # migration id -> its pair's queue
         failure: str | None = None
@@ -357,6 +362,11 @@ class GroupController:
         while True:
             if failure is None:
                 for q, steps in enumerate(queues):
+                    # As many as the runner runs: submitting the whole plan at once wrote every record and
+                    # checked every pair in one burst on the process that serves (the embedded orchestrator's
+                    # router), a step stall at the start of each change.
+                    if len(active) >= self._max_active:
+                        break
                     if not steps or q in active.values():
                         continue
                     step = steps.pop(0)

@@ -9,6 +9,7 @@ is done here (``save`` / ``load`` / ``load_all``).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
@@ -146,4 +147,11 @@ def load(store: StateStore, migration_id: str) -> Migration:
 
 def load_all(store: StateStore) -> list[Migration]:
     """Every stored migration, oldest first."""
-    return sorted((Migration.from_json(raw) for raw in store.migrations().values()), key=lambda m: (m.started_at, m.id))
+    return sorted((_parsed(raw) for raw in store.migrations().values()), key=lambda m: (m.started_at, m.id))
+
+
+@functools.lru_cache(maxsize=8192)
+def _parsed(raw: bytes) -> Migration:
+    """A record's bytes decoded once: every submit, scan and listing reads every record, and most of them are
+    finished and never change (``Migration`` is frozen, so one object serves every reader)."""
+    return Migration.from_json(raw)

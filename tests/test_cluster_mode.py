@@ -258,6 +258,7 @@ def test_orchestrator_on_a_taken_admin_port_exits_2(tmp_path, redis_url):
 def test_each_group_keeps_its_version_and_port_when_another_group_changes(tmp_path):
     """``build_app``'s versions and ports, per group from its own spec: a group added (even one whose name sorts
     between others) or another group's experts changed leave a group's version and port as they were."""
+    from expertmesh.contracts.errors import PlacementError
     from expertmesh.expert_group.deployment import GroupsAppArgs, group_specs, group_version
 
     model = make_tiny_checkpoint("mixtral", tmp_path / "m")
@@ -281,6 +282,11 @@ def test_each_group_keeps_its_version_and_port_when_another_group_changes(tmp_pa
     assert built(resources={"b": {"expertmesh.io/island-x": 1}})["b"][1] != before["b"][1]
     alone = built(placement=None, empty=["g9"], ports={"g9": 50107})  # an application of one group added live
     assert list(alone) == ["g9"] and alone["g9"][0] == 50107
+    # an application of one chart group (the chart renders one per group): only its own experts, its own port
+    one = dict(placement={"groups": {"b": {"*": [2, 3]}}}, ports={"b": 50101})
+    assert built(**one, placement_complete=False) == {"b": before["b"]}
+    with pytest.raises(PlacementError, match="the placement leaves 4 experts unhosted"):
+        built(**one)
     for changes, message in [
         (dict(empty=["a"], ports={"a": 50109}), r"empty names groups that the placement has: \['a'\]"),
         (dict(empty=["c"]), r"empty groups need their port in ports: \['c'\]"),

@@ -284,6 +284,11 @@ class GroupsAppArgs(BaseModel):
         description="placement, as in a placement YAML: {groups: {name: {layer: [experts]}}}; every expert hosted. "
         "Unset: only ``empty`` groups (an application of one group added live)",
     )
+    placement_complete: bool = Field(
+        True,
+        description="false: ``placement`` names only this application's groups (the chart renders an application "
+        "per group), so only what it names is checked here; every expert hosted is the chart's placement's check",
+    )
     empty: list[str] = Field(
         default_factory=list,
         description="groups started holding no experts, not in the placement (added live: the orchestrator fills "
@@ -332,7 +337,7 @@ def group_specs(config: GroupsAppArgs) -> list[GroupSpec]:
     groups: dict[str, tuple] = {}
     if config.placement is not None:
         placement = placement_mod.parse(config.placement, spec)
-        placement_mod.validate(placement, spec)
+        placement_mod.validate(placement, spec, complete=config.placement_complete)
         groups = dict(placement.groups)
     elif not config.empty:
         raise ValueError("the groups application needs a placement or empty groups")

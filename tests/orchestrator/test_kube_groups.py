@@ -168,16 +168,19 @@ class KubeRay:
                 version = get_app_code_version(app)
                 if not versions or versions[-1] != version:
                     versions.append(version)
-                for group in app.args.get("empty", ()):
-                    if group not in self.processes:
-                        self._start(group, app.args["ports"][group])
-            live = {g for app in apps.values() for g in app.args.get("empty", ())}
             placed = {g for app in apps.values() for g in ((app.args.get("placement") or {}).get("groups") or ())}
             if self.chart_groups is None:
                 self.chart_groups = placed
             for group in sorted(self.chart_groups - placed):
                 self._stop_chart_group(group)
             self.chart_groups &= placed
+            # a group added live, or a chart group's application back after its removal (`helm upgrade`): a
+            # process of its own (Serve's replica would load the chart's experts for it; no table lists them)
+            live = {g for app in apps.values() for g in [*app.args.get("empty", ()), *app.args.get("ports", {})]}
+            live -= self.chart_groups
+            for app in apps.values():
+                for group in sorted(set(app.args.get("ports", {})) & live - set(self.processes)):
+                    self._start(group, app.args["ports"][group])
             for group in [g for g in self.processes if g not in live]:
                 proc = self.processes.pop(group)
                 proc.send_signal(signal.SIGTERM)
@@ -406,6 +409,24 @@ def test_a_chart_group_is_drained_and_its_application_removed(api_server, rayser
         assert kuberay.code_versions["expertmesh-group-g1"] == kuberay.code_versions["expertmesh-group-g1"][:1]
         assert set(kuberay.code_versions) == {"expertmesh-group-g0", "expertmesh-group-g1"}
         assert kuberay.errors == []
+
+        # `helm upgrade` renders the chart's serveConfigV2 again: g0 comes back, listed by no routing table; the
+        # orchestrator knows it as serving again, so it is removed again like any group
+        custom = kubernetes.client.CustomObjectsApi(connection.client)
+        custom.patch_namespaced_custom_object(
+            "ray.io", "v1", NAMESPACE, "rayservices", SERVICE,
+            {"spec": {"serveConfigV2": yaml.safe_dump(original)}},
+            _content_type="application/merge-patch+json",
+        )  # fmt: skip
+        back = wait_for(lambda: (r := controller.get("g0")).phase is GroupPhase.SERVING and r, "g0 back", 60)
+        assert "no routing table lists it" in back.reason and launcher.fixed_groups() == {"g0", "g1"}
+        assert "g0" not in mesh.store.routing_table().groups()
+        assert kuberay.code_versions["expertmesh-group-g1"] == kuberay.code_versions["expertmesh-group-g1"][:1]
+        controller.remove("g0")
+        again = _done(controller, "g0", GroupPhase.STOPPED)
+        assert again.phase is GroupPhase.STOPPED and again.moves_planned == 0, again.reason
+        assert serve_config(launcher.service())["applications"] == original["applications"][1:]
+        assert wait_for(lambda: kuberay.exit_codes, "g0's process ended", 60) == {"g0": 0}
 
 
 @pytest.mark.slow

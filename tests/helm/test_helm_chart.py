@@ -1267,6 +1267,11 @@ def test_notes_tell_how_to_reach_the_grpc_api(helm, tmp_path):
     assert f"{FULLNAME}-router.{NAMESPACE}.svc.cluster.local:50051" in notes
     assert f"kubectl port-forward -n {NAMESPACE} svc/{FULLNAME}-router 50051:50051" in notes
     assert "grpc.health.v1.Health/Check" in notes
+    assert "expertmesh-group-<name>" not in notes, "the upgrade note only on upgrade"
+    res = helm(*args, "--is-upgrade")
+    assert res.returncode == 0, res.stderr
+    notes = yaml.safe_load(res.stdout)["data"]["notes"]
+    assert "Serve restarted every\ngroup once" in notes and "brings back a chart group removed live" in notes
 
 
 @pytest.mark.parametrize(

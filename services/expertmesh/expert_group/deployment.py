@@ -21,8 +21,9 @@ Serve application builder a KubeRay RayService names in ``serveConfigV2``
 replica listens on ``port_base + i`` (group ``i`` in name order, so
 NetworkPolicies can name the ports) or on its port in ``ports``, and registers its address in the shared
 state store itself, again every few seconds (``registration``), so a flushed
-store heals without restarts. A group added live on Kubernetes is an application of its own with
-``empty: [name]`` and its port in ``ports`` (``orchestrator.kube.groups``).
+store heals without restarts. On Kubernetes every group is an application of its own
+(``orchestrator.kube.groups.group_app``): the chart's with only its own experts in ``placement``
+(``placement_complete: false``) and its port in ``ports``, one added live with ``empty: [name]``.
 """
 
 from __future__ import annotations
@@ -320,8 +321,9 @@ def group_version(spec: GroupSpec) -> str:
     versions, so a redeploy through ``serve.run`` leaves a group whose spec did not change running.
 
     Under a RayService (Serve's declarative API) Serve versions every deployment of an application by its
-    config's hash instead (import path, runtime env, ``args``): there a group added live is an application of
-    its own (``orchestrator.kube.groups``), so the others' configs, and replicas, stay as they were."""
+    config's hash instead (import path, runtime env, ``args``): there every group is an application of its own
+    (``orchestrator.kube.groups``), so one added or removed leaves the others' configs, and replicas, as they
+    were."""
     fields = dataclasses.asdict(spec)
     fields["pairs"] = [list(p) for p in spec.pairs]
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]

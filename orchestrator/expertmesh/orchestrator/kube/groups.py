@@ -161,7 +161,7 @@ def refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | 
         main = _template(config)
     except GroupChangeRefused as err:
         return str(err)
-    gpu_chart = float((main.get("args") or {}).get("num_gpus", 0) or 0) > 0
+    gpu_chart = any(float((a.get("args") or {}).get("num_gpus", 0) or 0) > 0 for a in _apps(config))
     if gpus and not gpu_chart:
         return f"--gpus {gpus}: the chart runs its expert groups on CPU (mode: cpu); leave --gpus out"
     if island:

@@ -4,7 +4,7 @@ register themselves in a real redis-server, the ``expertmesh orchestrator``
 process publishing the routing table from a placement file it keeps watching,
 and ``expertmesh up --router-only`` serving from what the store holds. Only the
 Kubernetes API server and KubeRay operator are absent: Serve is driven
-directly with the same application and args."""
+directly with the same applications (one per group) and args."""
 
 import functools
 import os
@@ -24,9 +24,10 @@ from ray import serve
 from transformers import AutoModelForCausalLM
 
 from expertmesh.client import Client
-from expertmesh.expert_group.deployment import APP_NAME, build_app
+from expertmesh.expert_group.deployment import build_app
 from expertmesh.infra.ports import free_port_range
 from expertmesh.models.tiny import make_tiny_checkpoint
+from expertmesh.orchestrator.kube.groups import group_app
 from expertmesh.store import open_store
 from helpers import first_line, orchestrator_argv, serving_address, wait_for
 
@@ -69,23 +70,17 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, 
     placement_file = tmp_path / "placement.yaml"
     placement_file.write_text(yaml.safe_dump(_placement(hot_only=False)))
 
-    procs = []
+    procs, apps = [], []
     try:
         port_base = free_port_range(3)
-        serve.run(
-            build_app(
-                {
-                    "model": str(model),
-                    "placement": yaml.safe_load(placement_file.read_text()),
-                    "state_url": redis_url,
-                    "host": "127.0.0.1",
-                    "port_base": port_base,
-                    "num_cpus": 0.25,
-                }
-            ),
-            name=APP_NAME,
-            route_prefix=None,
-        )
+        # one application per group, as the chart renders serveConfigV2 (``group_app``; tests/helm checks the two)
+        placement = yaml.safe_load(placement_file.read_text())["groups"]
+        common = {"model": str(model), "state_url": redis_url, "host": "127.0.0.1", "port_base": port_base}
+        apps = [
+            group_app(g, common | {"num_cpus": 0.25}, port=port_base + i, gpus=0, island="", experts=placement[g])
+            for i, g in enumerate(sorted(placement))
+        ]
+        serve.run_many([serve.RunTarget(build_app(a["args"]), name=a["name"], route_prefix=None) for a in apps])
         endpoints = store.endpoints()
         assert endpoints == {g: f"127.0.0.1:{port_base + i}" for i, g in enumerate(["a", "b", "hot"])}
 
@@ -190,7 +185,8 @@ def test_groups_orchestrator_and_router_only_through_redis(tmp_path, redis_url, 
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-        serve.delete(APP_NAME)
+        for app in apps:
+            serve.delete(app["name"])
         store.close()
 
 
@@ -258,6 +254,7 @@ def test_orchestrator_on_a_taken_admin_port_exits_2(tmp_path, redis_url):
 def test_each_group_keeps_its_version_and_port_when_another_group_changes(tmp_path):
     """``build_app``'s versions and ports, per group from its own spec: a group added (even one whose name sorts
     between others) or another group's experts changed leave a group's version and port as they were."""
+    from expertmesh.contracts.errors import PlacementError
     from expertmesh.expert_group.deployment import GroupsAppArgs, group_specs, group_version
 
     model = make_tiny_checkpoint("mixtral", tmp_path / "m")
@@ -281,6 +278,11 @@ def test_each_group_keeps_its_version_and_port_when_another_group_changes(tmp_pa
     assert built(resources={"b": {"expertmesh.io/island-x": 1}})["b"][1] != before["b"][1]
     alone = built(placement=None, empty=["g9"], ports={"g9": 50107})  # an application of one group added live
     assert list(alone) == ["g9"] and alone["g9"][0] == 50107
+    # an application of one chart group (the chart renders one per group): only its own experts, its own port
+    one = dict(placement={"groups": {"b": {"*": [2, 3]}}}, ports={"b": 50101})
+    assert built(**one, placement_complete=False) == {"b": before["b"]}
+    with pytest.raises(PlacementError, match="the placement leaves 4 experts unhosted"):
+        built(**one)
     for changes, message in [
         (dict(empty=["a"], ports={"a": 50109}), r"empty names groups that the placement has: \['a'\]"),
         (dict(empty=["c"]), r"empty groups need their port in ports: \['c'\]"),

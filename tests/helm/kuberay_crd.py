@@ -118,7 +118,7 @@ def check_serve_config(text, where: str = "spec.serveConfigV2") -> tuple[dict | 
             errors.append(f"{at}.name: duplicate application {app.get('name')!r}")
         names.add(app.get("name"))
         prefix = app.get("route_prefix", "/")
-        if prefix in prefixes:
+        if prefix is not None and prefix in prefixes:  # None: no HTTP route (Serve allows many)
             errors.append(f"{at}.route_prefix: duplicate {prefix!r}")
         prefixes.add(prefix)
         if not re.match(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$", str(app.get("import_path", ""))):

@@ -44,10 +44,23 @@ def rayservice(docs):
     return rs
 
 
-def serve_app(docs):
+def serve_apps(docs) -> dict[str, dict]:
+    """group name -> its Serve application (the chart renders one per group)."""
     cfg = yaml.safe_load(rayservice(docs)["spec"]["serveConfigV2"])
-    (app,) = cfg["applications"]
-    return app
+    out = {}
+    for app in cfg["applications"]:
+        (group,) = app["args"]["placement"]["groups"]
+        out[group] = app
+    return out
+
+
+def shared_args(docs) -> dict:
+    """The args every group's application has alike (the chart's values)."""
+    from expertmesh.orchestrator.kube.groups import COMMON_ARGS
+
+    apps = serve_apps(docs).values()
+    (shared,) = {json.dumps({k: a["args"][k] for k in COMMON_ARGS if k in a["args"]}) for a in apps}
+    return json.loads(shared)
 
 
 def pod_templates(docs):
@@ -298,7 +311,7 @@ def test_placement_configmap_from_values(render):
             g["name"]: {str(k): v for k, v in g["experts"].items()} for g in values_of(name)["expertGroups"]["groups"]
         }
         assert placement == {"groups": want}
-        assert serve_app(docs)["args"]["placement"] == {"groups": want}
+        assert {g: a["args"]["placement"]["groups"][g] for g, a in serve_apps(docs).items()} == want
         vols = one(docs, "Deployment", f"{FULLNAME}-orchestrator")["spec"]["template"]["spec"]["volumes"]
         assert {"name": "placement", "configMap": {"name": cm["metadata"]["name"]}} in vols
 
@@ -307,20 +320,24 @@ def test_placement_configmap_from_values(render):
 
 
 @pytest.mark.parametrize("name", SETS)
-def test_serve_config_one_deployment_per_group(render, name):
+def test_serve_config_one_application_per_group(render, name):
+    """Every group is a Serve application of its own, the shape the orchestrator's launcher gives a group added
+    live (``group_app``), so one removed live leaves the others' code versions, and replicas, as they were."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeDeploySchema
+
+    from expertmesh.expert_group.deployment import GroupsAppArgs, build_app
+    from expertmesh.orchestrator.kube.groups import fixed_groups, group_app, serve_config_change, stop_refusal
+
     docs = render(name)
     values = values_of(name)
-    app = serve_app(docs)
-    _, errors = check_serve_config(rayservice(docs)["spec"]["serveConfigV2"])
+    text = rayservice(docs)["spec"]["serveConfigV2"]
+    cfg, errors = check_serve_config(text)
     assert errors == []
-    assert app["name"] == "expertmesh-groups"
-    assert app["import_path"] == "expertmesh.expert_group.deployment:build_app"
-    # what Ray Serve does with it (ray.serve's import_attr): the module imports and names the builder
-    module, attribute = app["import_path"].split(":")
-    from expertmesh.expert_group.deployment import build_app
-
-    assert getattr(importlib.import_module(module), attribute) is build_app
-    args = app["args"]
+    apps = serve_apps(docs)
+    groups = sorted(g["name"] for g in values["expertGroups"]["groups"])
+    assert sorted(apps) == groups and len(cfg["applications"]) == len(groups)
+    args = shared_args(docs)
     assert args["host"] == "0.0.0.0" and args["port_base"] == values["expertGroups"]["portBase"]
     assert args["model"] == values["model"]["path"] and args["dtype"] == values["model"]["dtype"]
     assert (
@@ -329,17 +346,40 @@ def test_serve_config_one_deployment_per_group(render, name):
             "EXPERTMESH_STATE_URL"
         ]["value"]
     )
-    deps = {d["name"]: d for d in app["deployments"]}
-    groups = [g["name"] for g in values["expertGroups"]["groups"]]
-    assert set(deps) == {"directory"} | {f"group-{g}" for g in groups}
-    assert deps["directory"]["ray_actor_options"]["num_cpus"] == 0
-    for g in groups:
-        assert deps[f"group-{g}"]["num_replicas"] == 1
+    experts = {g["name"]: {str(k): v for k, v in g["experts"].items()} for g in values["expertGroups"]["groups"]}
+    by_name = {g["name"]: g for g in values["expertGroups"]["groups"]}
+    gpu = values["mode"] == "gpu"
+    for i, g in enumerate(groups):
+        app = apps[g]
+        assert app["name"] == f"expertmesh-group-{g}" and app["route_prefix"] is None
+        # what Ray Serve does with it (ray.serve's import_attr): the module imports and names the builder
+        module, attribute = app["import_path"].split(":")
+        assert getattr(importlib.import_module(module), attribute) is build_app
+        GroupsAppArgs.model_validate(app["args"])
+        # Group i (name order) keeps port_base + i, as before one application per group: NetworkPolicies and
+        # dialled addresses stay.
+        assert app["args"]["ports"] == {g: args["port_base"] + i}
+        gpus = by_name[g].get("gpus", values["expertGroups"]["gpusPerGroup"]) if gpu else 0
+        island = by_name[g].get("island", "")
+        assert app == group_app(g, args, port=args["port_base"] + i, gpus=gpus, island=island, experts=experts[g])
+        assert [d["name"] for d in app["deployments"]] == ["directory", f"group-{g}"]
+        assert app["deployments"][0]["ray_actor_options"]["num_cpus"] == 0
     # Group i listens on port_base + i (i in name order): the NetworkPolicy range covers them all.
     np_ = one(docs, "NetworkPolicy", f"{FULLNAME}-expert-groups")
     ranges = [p for rule in np_["spec"]["ingress"] for p in rule.get("ports", []) if "endPort" in p]
     (rng,) = ranges
     assert rng["port"] == args["port_base"] and rng["endPort"] >= args["port_base"] + len(groups) - 1
+    # Any of them is removed live (the last one stays); the others' code versions, Ray's own hash, stay.
+    assert fixed_groups(cfg) == set(groups)
+    versions = {a.name: get_app_code_version(a) for a in ServeDeploySchema.model_validate(cfg).applications}
+    if len(groups) > 1:
+        assert stop_refusal(cfg, groups[0]) is None
+        after = ServeDeploySchema.model_validate(serve_config_change(cfg, remove=groups[0]))
+        assert {a.name: get_app_code_version(a) for a in after.applications} == {
+            n: v for n, v in versions.items() if n != f"expertmesh-group-{groups[0]}"
+        }
+    else:
+        assert "last expert group" in stop_refusal(cfg, groups[0])
 
 
 def test_gpu_placement_lands_each_group_on_its_node_and_island(render):
@@ -356,7 +396,7 @@ def test_gpu_placement_lands_each_group_on_its_node_and_island(render):
         for res, amount in parse_start_resources(wg["rayStartParams"].get("resources", "{}")).items():
             assert res not in provides, f"{res} declared by two worker groups"
             provides[res] = (wg, amount)
-    deps = {d["name"]: d for d in serve_app(docs)["deployments"]}
+    deps = {d["name"]: d for app in serve_apps(docs).values() for d in app["deployments"]}
     gpus_used: dict[str, int] = {}
     assert len(values["expertGroups"]["groups"]) == 8
     for group in values["expertGroups"]["groups"]:
@@ -383,7 +423,7 @@ def test_gpu_placement_lands_each_group_on_its_node_and_island(render):
         assert bundle == {"CPU": opts["num_cpus"], "GPU": gpus, res: 1}
         gpus_used[wg["groupName"]] = gpus_used.get(wg["groupName"], 0) + gpus
         # The serveConfigV2 args carry the same per-group resources.
-        assert serve_app(docs)["args"]["resources"][group["name"]] == {res: 1}
+        assert serve_apps(docs)[group["name"]]["args"]["resources"] == {group["name"]: {res: 1}}
     # 2 nodes x 2 islands, each island's 4 GPUs filled by its 2 groups.
     assert len(workers) == 4
     assert (
@@ -419,11 +459,11 @@ def test_gpu_workers_request_gpus_tolerate_taints_and_select_gpu_nodes(render, n
 def test_cpu_only_has_no_gpu_anything(render):
     docs = render("cpu-only")
     assert "nvidia.com" not in json.dumps(docs), "no GPU request, selector, affinity or toleration"
-    app = serve_app(docs)
-    assert app["args"]["num_gpus"] == 0
-    for d in app["deployments"]:
-        assert "num_gpus" not in d["ray_actor_options"]
-        assert "GPU" not in str(d.get("placement_group_bundles", ""))
+    for app in serve_apps(docs).values():
+        assert app["args"]["num_gpus"] == 0
+        for d in app["deployments"]:
+            assert "num_gpus" not in d["ray_actor_options"]
+            assert "GPU" not in str(d.get("placement_group_bundles", ""))
     workers = {wg["groupName"]: wg for wg in rayservice(docs)["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     assert set(workers) == {"island-local-a", "workers"}
     assert workers["workers"]["replicas"] == 2
@@ -443,7 +483,7 @@ def test_bundled_redis_statefulset_with_pvc(render):
     assert claim["metadata"]["name"] == "data" and claim["spec"]["resources"]["requests"]["storage"] == "2Gi"
     assert sts["spec"]["replicas"] == 1
     one(docs, "Service", f"{FULLNAME}-redis")
-    url = serve_app(docs)["args"]["state_url"]
+    url = shared_args(docs)["state_url"]
     assert url == f"rediss://{FULLNAME}-redis:6379/0"
     # cpu-only: same Redis on an emptyDir.
     sts = one(render("cpu-only"), "StatefulSet", f"{FULLNAME}-redis")
@@ -456,7 +496,7 @@ def test_external_redis_tls_password_from_secret(render):
     assert by_kind(docs, "StatefulSet") == []
     assert not [d for d in docs if d["metadata"]["name"].endswith("-redis")]
     url = "rediss://redis.data.svc.cluster.local:6380/0"
-    assert serve_app(docs)["args"]["state_url"] == url
+    assert shared_args(docs)["state_url"] == url
     for where, tpl in pod_templates(docs):
         c = tpl["spec"]["containers"][0]
         env = env_of(c)
@@ -1227,6 +1267,11 @@ def test_notes_tell_how_to_reach_the_grpc_api(helm, tmp_path):
     assert f"{FULLNAME}-router.{NAMESPACE}.svc.cluster.local:50051" in notes
     assert f"kubectl port-forward -n {NAMESPACE} svc/{FULLNAME}-router 50051:50051" in notes
     assert "grpc.health.v1.Health/Check" in notes
+    assert "expertmesh-group-<name>" not in notes, "the upgrade note only on upgrade"
+    res = helm(*args, "--is-upgrade")
+    assert res.returncode == 0, res.stderr
+    notes = yaml.safe_load(res.stdout)["data"]["notes"]
+    assert "Serve restarted every\ngroup once" in notes and "brings back a chart group removed live" in notes
 
 
 @pytest.mark.parametrize(

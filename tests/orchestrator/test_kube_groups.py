@@ -36,10 +36,10 @@ from expertmesh.orchestrator.kube.api import connect
 from expertmesh.orchestrator.kube.group_objects import ExpertGroup, GroupSpec, manifest
 from expertmesh.orchestrator.kube.group_objects_controller import ExpertGroupApi, ExpertGroupController
 from expertmesh.orchestrator.kube.groups import (
-    BUILDER,
     KubeRayGroups,
     added_app,
     fixed_groups,
+    group_app,
     refusal,
     serve_config,
     serve_config_change,
@@ -83,33 +83,32 @@ RAYSERVICE_CRD = {
 }
 
 
+def chart_apps(placement: dict, common: dict, *, gpus: float = 0, island: str = "") -> list[dict]:
+    """The applications the chart renders (templates/rayservice.yaml: one per group, group i of the name order on
+    ``port_base + i``; tests/helm checks the chart against ``group_app``)."""
+    base = common["port_base"]
+    return [
+        group_app(g, common, port=base + i, gpus=gpus, island=island, experts=placement[g])
+        for i, g in enumerate(sorted(placement))
+    ]
+
+
 def rayservice(model: str, state_url: str, port_base: int) -> dict:
     """The RayService the chart renders (templates/rayservice.yaml) for two groups in CPU mode."""
     placement = {
         g: {layer: sorted(e for lay, e in pairs if lay == layer) for layer in (0, 1)}
         for g, pairs in PLACEMENT.groups.items()
     }
-    app = {
-        "name": "expertmesh-groups",
-        "route_prefix": "/",
-        "import_path": BUILDER,
-        "args": {
-            "model": model,
-            "placement": {"groups": placement},
-            "dtype": "float32",
-            "state_url": state_url,
-            "host": "127.0.0.1",
-            "port_base": port_base,
-            "num_cpus": 1,
-            "num_gpus": 0,
-            "resources": {},
-        },
-        "deployments": [
-            {"name": "directory", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
-            *({"name": f"group-{g}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 1}} for g in placement),
-        ],
+    common = {
+        "model": model,
+        "dtype": "float32",
+        "state_url": state_url,
+        "host": "127.0.0.1",
+        "port_base": port_base,
+        "num_cpus": 1,
     }
-    serve = {"proxy_location": "EveryNode", "http_options": {"host": "0.0.0.0", "port": 8000}, "applications": [app]}
+    apps = chart_apps(placement, common)
+    serve = {"proxy_location": "EveryNode", "http_options": {"host": "0.0.0.0", "port": 8000}, "applications": apps}
     island = '"{\\"expertmesh.io/island-a\\":1}"'  # rayStartParams.resources, quoted as the chart quotes it
     return {
         "apiVersion": "ray.io/v1",
@@ -131,10 +130,14 @@ def rayservice(model: str, state_url: str, port_base: int) -> dict:
 
 class KubeRay:
     """Plays KubeRay and Ray Serve: each serveConfigV2 the RayService gets is checked as Serve checks it, and a
-    group's application that appears gets a real group process, one that disappears has its process stopped."""
+    group's application that appears gets a real group process, one that disappears has its process stopped (a
+    chart group's: ``stop_chart_group``, its in-process server)."""
 
-    def __init__(self, launcher: KubeRayGroups, model: str, state_url: str):
+    def __init__(self, launcher: KubeRayGroups, model: str, state_url: str, stop_chart_group: Callable[[str], None]):
         self._launcher, self._model, self._state_url = launcher, model, state_url
+        self._stop_chart_group = stop_chart_group
+        #: the chart's groups Serve runs (their servers are the mesh's)
+        self.chart_groups: set[str] | None = None
         self.processes: dict[str, subprocess.Popen] = {}
         self.exit_codes: dict[str, int] = {}
         #: application name -> every code version Serve gave it (a new one restarts all its deployments)
@@ -165,10 +168,19 @@ class KubeRay:
                 version = get_app_code_version(app)
                 if not versions or versions[-1] != version:
                     versions.append(version)
-                for group in app.args.get("empty", ()):
-                    if group not in self.processes:
-                        self._start(group, app.args["ports"][group])
-            live = {g for app in apps.values() for g in app.args.get("empty", ())}
+            placed = {g for app in apps.values() for g in ((app.args.get("placement") or {}).get("groups") or ())}
+            if self.chart_groups is None:
+                self.chart_groups = placed
+            for group in sorted(self.chart_groups - placed):
+                self._stop_chart_group(group)
+            self.chart_groups &= placed
+            # a group added live, or a chart group's application back after its removal (`helm upgrade`): a
+            # process of its own (Serve's replica would load the chart's experts for it; no table lists them)
+            live = {g for app in apps.values() for g in [*app.args.get("empty", ()), *app.args.get("ports", {})]}
+            live -= self.chart_groups
+            for app in apps.values():
+                for group in sorted(set(app.args.get("ports", {})) & live - set(self.processes)):
+                    self._start(group, app.args["ports"][group])
             for group in [g for g in self.processes if g not in live]:
                 proc = self.processes.pop(group)
                 proc.send_signal(signal.SIGTERM)
@@ -191,14 +203,9 @@ def _gpu_service(groups_on_island: int) -> dict:
     """A GPU chart's RayService: groups g0.. on island ``a`` (2 slots), 2 GPUs each."""
     service = rayservice("/models/m", "redis://r:6379/0", 50100)
     config = serve_config(service)
-    (app,) = config["applications"]
-    names = [f"g{i}" for i in range(groups_on_island)]
-    app["args"] |= {"num_gpus": 2, "placement": {"groups": {n: {"*": [i]} for i, n in enumerate(names)}}}
-    res = {"expertmesh.io/island-a": 1}
-    app["deployments"] = app["deployments"][:1] + [
-        {"name": f"group-{n}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 1, "num_gpus": 2, "resources": res}}
-        for n in names
-    ]
+    common = config["applications"][0]["args"]
+    placement = {f"g{i}": {"*": [i]} for i in range(groups_on_island)}
+    config["applications"] = chart_apps(placement, common, gpus=2, island="a")
     service["spec"]["serveConfigV2"] = yaml.safe_dump(config)
     island = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     island["rayStartParams"]["resources"] = '"{\\"expertmesh.io/island-a\\":4}"'
@@ -230,7 +237,22 @@ def test_the_application_of_a_group_added_on_an_island_is_rendered_as_the_chart_
     assert added_app(changed, "g8", gpus=4, island="")["args"]["ports"] == {"g8": 50102}
     assert serve_config_change(changed, remove="g7") == config
     assert fixed_groups(changed) == {"g0"} and stop_refusal(changed, "g7") is None
-    assert stop_refusal(changed, "g0").startswith("group g0 is the one group of Serve application expertmesh-groups")
+    # a chart group's application goes like one added live; the last group stays
+    assert stop_refusal(changed, "g0") is None
+    assert serve_config_change(changed, remove="g0")["applications"] == [app]
+    assert stop_refusal(config, "g0") == (
+        "group g0 is the RayService's last expert group; add another first (`expertmesh groups add`)"
+    )
+    # a release of the chart from before one application per group: its groups stay until helm upgrade
+    legacy = serve_config(_gpu_service(2))
+    shared = copy.deepcopy(legacy["applications"][0])
+    shared["name"] = "expertmesh-groups"
+    shared["args"]["placement"] = {"groups": {"g0": {"*": [0]}, "g1": {"*": [1]}}}
+    shared["deployments"] += legacy["applications"][1]["deployments"][1:]
+    legacy["applications"] = [shared]
+    assert fixed_groups(legacy) == {"g0", "g1"}
+    assert stop_refusal(legacy, "g1").startswith("group g1 is one of the 2 groups of Serve application expertmesh-gr")
+    assert "helm upgrade" in stop_refusal(legacy, "g1")
     full = _gpu_service(2)
     why = refusal(full, gpus=0, island="a", node="")
     assert why == (
@@ -279,7 +301,7 @@ def live_groups(connection, model: str, redis_url: str) -> Iterator[LiveGroups]:
         mesh.store.remove_endpoint("g2")
         launcher = KubeRayGroups(connection, SERVICE, mesh.store, poll_s=0.05, start_timeout_s=120, stop_timeout_s=60)
         original = copy.deepcopy(serve_config(launcher.service()))
-        kuberay = KubeRay(launcher, model, redis_url)
+        kuberay = KubeRay(launcher, model, redis_url, lambda g: mesh.groups[g].server.stop(1))
         runner = MigrationRunner(mesh.store, MigrationExecutor(mesh.store, **FAST))
         controller = GroupController(mesh.store, runner.submit, launcher, poll_s=0.01)
         try:
@@ -316,8 +338,8 @@ def test_a_group_added_on_kubernetes_is_filled_and_removed_again(api_server, ray
         assert held_pairs(added.address) == set(table.placement().groups["g3"]) != set()
         assert added.moves_done == added.moves_planned > 0
         config = serve_config(launcher.service())
-        assert config["applications"][0] == original["applications"][0]  # the chart's application untouched
-        (app,) = config["applications"][1:]
+        assert config["applications"][:2] == original["applications"]  # the chart's applications untouched
+        (app,) = config["applications"][2:]
         assert app["name"] == "expertmesh-group-g3" and app["args"]["empty"] == ["g3"]
         assert [d["name"] for d in app["deployments"]] == ["directory", "group-g3"]
         assert set(launcher.running()) == {"g0", "g1", "g3"}
@@ -331,9 +353,6 @@ def test_a_group_added_on_kubernetes_is_filled_and_removed_again(api_server, ray
             with pytest.raises(GroupChangeRefused, match=message):
                 controller.add(GroupRequest(**request))
         launcher.check(island="a")  # its slot is free
-        with pytest.raises(GroupChangeRefused, match="g0 is one of the 2 groups of Serve application expertmesh-"):
-            controller.remove("g0")
-        assert controller.get("g0").phase is GroupPhase.SERVING
 
         removed = controller.remove("g3")
         assert removed.phase is GroupPhase.DRAINING
@@ -345,8 +364,69 @@ def test_a_group_added_on_kubernetes_is_filled_and_removed_again(api_server, ray
         table = mesh.store.routing_table()
         assert set(table.groups()) == {"g0", "g1"} and "g3" not in mesh.store.endpoints()
         assert set(table.replicas) == {(layer, e) for layer in range(2) for e in range(4)}
-        # Serve would never have restarted the chart's groups: their application kept its code version
-        assert len(kuberay.code_versions["expertmesh-groups"]) == 1 and kuberay.errors == []
+        # Serve would never have restarted the chart's groups: their applications kept their code versions
+        assert {app: len(v) for app, v in kuberay.code_versions.items()} == {
+            "expertmesh-group-g0": 1,
+            "expertmesh-group-g1": 1,
+            "expertmesh-group-g3": 1,
+        }
+        assert kuberay.errors == []
+
+
+def test_a_chart_group_is_drained_and_its_application_removed(api_server, rayservice_api, redis_url):
+    """One of the chart's groups removed live: drained by live moves, then its application taken out of the
+    serveConfigV2; the other group's application keeps its code version (Serve never restarts it). The last group
+    is refused."""
+    connection, model, _ = rayservice_api
+    with live_groups(connection, model, redis_url) as live:
+        mesh, launcher, kuberay, controller, original = (
+            live.mesh,
+            live.launcher,
+            live.kuberay,
+            live.controller,
+            live.original,
+        )
+        wait_for(lambda: kuberay.chart_groups, "KubeRay saw the chart's groups", 30)
+        assert launcher.fixed_groups() == {"g0", "g1"}
+        launcher.check_stop("g0")
+        removed = controller.remove("g0")
+        assert removed.phase is GroupPhase.DRAINING
+        removed = _done(controller, "g0", GroupPhase.STOPPED)
+        assert removed.phase is GroupPhase.STOPPED, removed.reason
+        assert removed.exit_code == 0 and removed.moves_done == removed.moves_planned > 0
+        assert serve_config(launcher.service())["applications"] == original["applications"][1:]
+        assert kuberay.chart_groups == {"g1"}
+        table = mesh.store.routing_table()
+        assert set(table.groups()) == {"g1"} and "g0" not in mesh.store.endpoints()
+        assert set(table.replicas) == {(layer, e) for layer in range(2) for e in range(4)}
+        assert held_pairs(mesh.groups["g1"].address) == set(table.placement().groups["g1"])
+        with pytest.raises(GroupChangeRefused, match="last expert group"):
+            controller.remove("g1")
+        with pytest.raises(GroupChangeRefused, match="g1 is the RayService's last expert group"):
+            launcher.check_stop("g1")
+        assert controller.get("g1").phase is GroupPhase.SERVING
+        # Ray's own hash: g1's application had one code version all along (none of its replicas restarted)
+        assert kuberay.code_versions["expertmesh-group-g1"] == kuberay.code_versions["expertmesh-group-g1"][:1]
+        assert set(kuberay.code_versions) == {"expertmesh-group-g0", "expertmesh-group-g1"}
+        assert kuberay.errors == []
+
+        # `helm upgrade` renders the chart's serveConfigV2 again: g0 comes back, listed by no routing table; the
+        # orchestrator knows it as serving again, so it is removed again like any group
+        custom = kubernetes.client.CustomObjectsApi(connection.client)
+        custom.patch_namespaced_custom_object(
+            "ray.io", "v1", NAMESPACE, "rayservices", SERVICE,
+            {"spec": {"serveConfigV2": yaml.safe_dump(original)}},
+            _content_type="application/merge-patch+json",
+        )  # fmt: skip
+        back = wait_for(lambda: (r := controller.get("g0")).phase is GroupPhase.SERVING and r, "g0 back", 60)
+        assert "no routing table lists it" in back.reason and launcher.fixed_groups() == {"g0", "g1"}
+        assert "g0" not in mesh.store.routing_table().groups()
+        assert kuberay.code_versions["expertmesh-group-g1"] == kuberay.code_versions["expertmesh-group-g1"][:1]
+        controller.remove("g0")
+        again = _done(controller, "g0", GroupPhase.STOPPED)
+        assert again.phase is GroupPhase.STOPPED and again.moves_planned == 0, again.reason
+        assert serve_config(launcher.service())["applications"] == original["applications"][1:]
+        assert wait_for(lambda: kuberay.exit_codes, "g0's process ended", 60) == {"g0": 0}
 
 
 @pytest.mark.slow
@@ -387,7 +467,7 @@ def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
             stub = pb_grpc.AdminStub(channel)
             for call, request, message in [
                 (stub.AddGroup, pb.AddGroupRequest(gpus=1), "--gpus 1: the chart runs its expert groups on CPU"),
-                (stub.RemoveGroup, pb.RemoveGroupRequest(name="g0"), "g0 is one of the 2 groups of Serve application"),
+                (stub.AddGroup, pb.AddGroupRequest(island="b"), "--island b: the RayService has no worker group"),
             ]:
                 with pytest.raises(grpc.RpcError) as refused:
                     call(request, timeout=30)
@@ -422,7 +502,7 @@ def test_a_group_serve_fails_is_taken_out_again_with_serves_message(api_server, 
     custom = k8s.CustomObjectsApi(connection.client)
 
     def fail_it() -> None:
-        wait_for(lambda: len(serve_config(launcher.service())["applications"]) == 2, "the new application", 30)
+        wait_for(lambda: len(serve_config(launcher.service())["applications"]) == 3, "the new application", 30)
         message = "replica raised OverBudget: 4 MiB over"
         status = {"applicationStatuses": {"expertmesh-group-g9": {"status": "DEPLOY_FAILED", "message": message}}}
         custom.patch_namespaced_custom_object_status(
@@ -526,6 +606,6 @@ def test_expert_group_objects_add_and_remove_groups_and_mirror_those_added_anoth
         assert serve_config(live.launcher.service()) == live.original
         assert sorted(o.name for o in api.list(NAMESPACE)) == sorted([bad, "g0"]), "nothing mirrored again"
         assert set(live.mesh.store.routing_table().groups()) == {"g0", "g1"}
-        assert live.kuberay.errors == [] and len(live.kuberay.code_versions["expertmesh-groups"]) == 1
+        assert live.kuberay.errors == [] and {len(v) for v in live.kuberay.code_versions.values()} == {1}
         objects.sync_once()
         assert _events(connection, bad) == _events(connection, "g0") == [("Warning", "Refused")], "refused once"

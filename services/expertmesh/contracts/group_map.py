@@ -121,8 +121,9 @@ def load(path: str | Path, spec: MoESpec) -> GroupPlacement:
     return parse(data, spec)
 
 
-def validate(placement: GroupPlacement, spec: MoESpec) -> None:
-    """Raise PlacementError unless every logical expert is hosted and every named one exists."""
+def validate(placement: GroupPlacement, spec: MoESpec, *, complete: bool = True) -> None:
+    """Raise PlacementError unless every logical expert is hosted and every named one exists. ``complete=False``:
+    ``placement`` is a part of one (a RayService application of one group), so only what it names is checked."""
     moe_layers = set(spec.moe_layers)
     for name, pairs in placement.groups.items():
         if not pairs:
@@ -137,6 +138,8 @@ def validate(placement: GroupPlacement, spec: MoESpec) -> None:
                     f"group {name} names expert {expert} of layer {layer}, which does not exist "
                     f"(experts 0-{spec.num_experts - 1})"
                 )
+    if not complete:
+        return
     hosted = placement.hosts()
     unhosted = [pair for pair in spec.all_experts() if pair not in hosted]
     if unhosted:

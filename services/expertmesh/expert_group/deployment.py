@@ -21,8 +21,9 @@ Serve application builder a KubeRay RayService names in ``serveConfigV2``
 replica listens on ``port_base + i`` (group ``i`` in name order, so
 NetworkPolicies can name the ports) or on its port in ``ports``, and registers its address in the shared
 state store itself, again every few seconds (``registration``), so a flushed
-store heals without restarts. A group added live on Kubernetes is an application of its own with
-``empty: [name]`` and its port in ``ports`` (``orchestrator.kube.groups``).
+store heals without restarts. On Kubernetes every group is an application of its own
+(``orchestrator.kube.groups.group_app``): the chart's with only its own experts in ``placement``
+(``placement_complete: false``) and its port in ``ports``, one added live with ``empty: [name]``.
 """
 
 from __future__ import annotations
@@ -284,6 +285,11 @@ class GroupsAppArgs(BaseModel):
         description="placement, as in a placement YAML: {groups: {name: {layer: [experts]}}}; every expert hosted. "
         "Unset: only ``empty`` groups (an application of one group added live)",
     )
+    placement_complete: bool = Field(
+        True,
+        description="false: ``placement`` names only this application's groups (the chart renders an application "
+        "per group), so only what it names is checked here; every expert hosted is the chart's placement's check",
+    )
     empty: list[str] = Field(
         default_factory=list,
         description="groups started holding no experts, not in the placement (added live: the orchestrator fills "
@@ -315,8 +321,9 @@ def group_version(spec: GroupSpec) -> str:
     versions, so a redeploy through ``serve.run`` leaves a group whose spec did not change running.
 
     Under a RayService (Serve's declarative API) Serve versions every deployment of an application by its
-    config's hash instead (import path, runtime env, ``args``): there a group added live is an application of
-    its own (``orchestrator.kube.groups``), so the others' configs, and replicas, stay as they were."""
+    config's hash instead (import path, runtime env, ``args``): there every group is an application of its own
+    (``orchestrator.kube.groups``), so one added or removed leaves the others' configs, and replicas, as they
+    were."""
     fields = dataclasses.asdict(spec)
     fields["pairs"] = [list(p) for p in spec.pairs]
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -332,7 +339,7 @@ def group_specs(config: GroupsAppArgs) -> list[GroupSpec]:
     groups: dict[str, tuple] = {}
     if config.placement is not None:
         placement = placement_mod.parse(config.placement, spec)
-        placement_mod.validate(placement, spec)
+        placement_mod.validate(placement, spec, complete=config.placement_complete)
         groups = dict(placement.groups)
     elif not config.empty:
         raise ValueError("the groups application needs a placement or empty groups")

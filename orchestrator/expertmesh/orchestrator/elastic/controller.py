@@ -11,7 +11,8 @@ Records are kept in the state store (``groups``) at every change of one, so a re
 (``resume``) finishes a change the last one left half done: a drain is planned again from the table as it
 is and run to the group's stop; a fill, once the group runs, is planned again and run; a start that never
 got a running group fails with a line saying so. The migrations a change had in flight are resumed by the
-runner as usual, and waited for first. Groups the store lists that no record names are SERVING.
+runner as usual, and waited for first. Groups the store lists that no record names are SERVING, and so is a
+group STOPPED whose endpoint the store lists again (its platform started it again: a `helm upgrade`).
 """
 
 from __future__ import annotations
@@ -129,12 +130,28 @@ class GroupController:
     # -- reading ------------------------------------------------------------------------------
 
     def records(self) -> list[GroupRecord]:
-        """Every group known: those this controller tracks, and any other the store lists (as SERVING)."""
+        """Every group known: those this controller tracks, and any other the store lists (as SERVING), a
+        stopped one that registered again included."""
         endpoints = self._store.endpoints()
         with self._lock:
             for name, address in endpoints.items():
-                if name not in self._records:
+                record = self._records.get(name)
+                if record is None:
                     self._records[name] = GroupRecord(name, GroupPhase.SERVING, address=address)
+                elif record.phase is GroupPhase.STOPPED:
+                    # Its endpoint is removed after its stop, so its platform started it again: on Kubernetes a
+                    # `helm upgrade` renders a chart group removed live back. No routing table lists it; SERVING
+                    # again, so it can be removed again (or given experts by the next change's plan).
+                    log.info("expert group %s: registered again at %s after it was stopped", name, address)
+                    self._keep(
+                        GroupRecord(
+                            name,
+                            GroupPhase.SERVING,
+                            address=address,
+                            reason="started again after it was stopped (e.g. helm upgrade rendered it back); "
+                            "no routing table lists it",
+                        )
+                    )
             return sorted(self._records.values(), key=lambda r: r.name)
 
     def get(self, name: str) -> GroupRecord:

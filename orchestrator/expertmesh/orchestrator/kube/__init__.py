@@ -31,8 +31,8 @@ Modules, one job each:
     deleted one releases, every quarantine made elsewhere gets a mirror object,
     status and Events follow the replicas.
 ``groups``
-    Expert groups added and removed live as Serve applications of the RayService's
-    ``serveConfigV2`` (``KubeRayGroups``, the orchestrator's launcher with ``--ray-service``).
+    Expert groups, the chart's and those added live, each a Serve application of the RayService's
+    ``serveConfigV2``, added and removed live (``KubeRayGroups``, the orchestrator's launcher with ``--ray-service``).
 ``group_objects``
     The ``ExpertGroup`` resource as typed Python, and what its controller does given the
     objects and the group records (``plan``: add, remove, mirror, refuse, delete), pure.

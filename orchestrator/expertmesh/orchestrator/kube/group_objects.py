@@ -13,9 +13,11 @@ mirror
     lists every group added live; deleting it removes the group like a requested one. Its spec is empty: a
     group's record does not keep what it was asked with.
 
-The chart's own groups (``expertGroups.groups``: the launcher cannot stop them live) are never mirrored, and an
-object named after one is ``Refused``: they change with ``helm upgrade``, and an object whose deletion could not
-act would mislead.
+The chart's own groups (``expertGroups.groups``) are never mirrored, and an object named after one is
+``Refused``: ``helm upgrade`` owns them (it renders their applications again from the values, bringing back one
+removed live), so an object standing for one would say it is gone while the next upgrade brings it back. They are
+removed live with ``expertmesh groups remove`` (the admin API), which the launcher takes like any group's removal,
+and for good by lowering ``expertGroups.groups``.
 
 Status: ``phase`` is the group's lifecycle (``Starting``, ``Filling``, ``Serving``, ``Draining``, ``Stopped``,
 ``Failed``: ``elastic.state.GroupPhase``) with ``endpoint``, ``moves`` (done/planned) and the record's line in
@@ -235,8 +237,9 @@ def _problem(obj: ExpertGroup, fixed: Collection[str]) -> Refuse | None:
         return Refuse(
             obj.name,
             "ChartGroup",
-            f"group {obj.name} is one of the chart's groups (expertGroups.groups): change those with helm upgrade; "
-            "an ExpertGroup adds a group beside them under another name",
+            f"group {obj.name} is one of the chart's groups (expertGroups.groups): remove it live with `expertmesh "
+            f"groups remove {obj.name}`, for good by taking it out of expertGroups.groups (helm upgrade); an "
+            "ExpertGroup adds a group beside them under another name",
         )
     return None
 
@@ -251,8 +254,8 @@ def plan(
     first (the first add that passes is the pass's one change), then mirrors.
 
     ``objects``: as listed now. ``records``: ``GroupController.records()``. ``gone``: objects listed before and
-    absent now (deleted), with those whose removal was refused last pass. ``fixed``: the groups the launcher
-    cannot stop live (the chart's)."""
+    absent now (deleted), with those whose removal was refused last pass. ``fixed``: the chart's groups
+    (``KubeRayGroups.fixed_groups``), which no object stands for."""
     objects = sorted(objects, key=lambda o: (o.created, o.name))
     by_name = {r.name: r for r in records}
     live = {n: r for n, r in by_name.items() if r.phase is not GroupPhase.STOPPED}

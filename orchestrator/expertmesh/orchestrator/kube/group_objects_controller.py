@@ -86,7 +86,7 @@ class ExpertGroupController:
         namespace: str,
         poll_s: float = 2.0,
     ):
-        """``fixed``: the groups the launcher cannot stop live (``KubeRayGroups.fixed_groups``)."""
+        """``fixed``: the chart's groups (``KubeRayGroups.fixed_groups``), which no object stands for."""
         self.api = api
         self.namespace = namespace
         self._groups = groups

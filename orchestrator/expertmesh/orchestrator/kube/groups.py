@@ -1,16 +1,23 @@
 """Expert groups of a KubeRay ``RayService`` as the orchestrator's launcher (``orchestrator.elastic``).
 
-``KubeRayGroups.start`` adds a Serve application of one new, empty group to the RayService's
-``spec.serveConfigV2`` (``expertmesh-group-<name>``: the builder the chart's application names,
-``args.empty: [name]``, its own port, its island's resource and placement-group bundle as the chart
-renders them); KubeRay hands the config to Serve, whose replica starts the group, which registers its
-address in the state store: ``start`` returns once it is there and answers. ``stop`` takes that
-application out again and returns once the group's gRPC port no longer answers.
+Every group is a Serve application of its own in the RayService's ``spec.serveConfigV2``,
+``expertmesh-group-<name>`` (``group_app``: its ``directory`` ingress and its ``group-<name>`` deployment, its
+port in ``args.ports``, its island's resource and placement-group bundle): the chart renders one per group of
+``expertGroups.groups`` (holding its experts), and ``KubeRayGroups.start`` appends one for a new, empty group
+(``args.empty: [name]``). KubeRay hands the config to Serve, whose replica starts the group, which registers its
+address in the state store: ``start`` returns once it is there and answers. ``stop`` takes a group's application
+out again, the chart's groups' as well (drained first by the ``GroupController``), and returns once the group's
+gRPC port no longer answers.
 
-Why an application per group: under a RayService Serve versions every deployment of an application by
-the hash of the application's config (import path, runtime env, ``args``), so a changed ``args`` restarts
-all of its groups. An application added or removed leaves the others' configs, and replicas, untouched.
-So a group of the chart's own application (several groups) is not removed live: ``check_stop`` refuses it.
+Why an application per group: under a RayService Serve versions every deployment of an application by the
+hash of the application's config (import path, runtime env, ``args``), so a changed ``args`` restarts all of its
+groups. An application added or removed leaves the others' configs, and replicas, untouched. A release of the
+chart from before this (one application ``expertmesh-groups`` holding every chart group) has its groups
+refused by ``check_stop`` until ``helm upgrade``; so is the last group.
+
+``helm upgrade`` renders serveConfigV2 from the values again: a chart group removed live comes back (its
+application, holding the chart's experts for it) while the routing table no longer lists it, so it takes no
+tokens; lower ``expertGroups.groups`` to make a removal last.
 
 Every write is a JSON merge patch carrying the resourceVersion it was computed from (409 Conflict: read
 again, recompute; KubeRay writes the object too). ``serve_config_change`` and ``refusal`` are pure.
@@ -43,6 +50,7 @@ __all__ = [
     "added_app",
     "app_failure",
     "fixed_groups",
+    "group_app",
     "groups_of",
     "refusal",
     "serve_config_change",
@@ -52,8 +60,11 @@ log = logging.getLogger(__name__)
 
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayservices"
 BUILDER = "expertmesh.expert_group.deployment:build_app"
-#: the application of one group added live
+#: the application of one group (``group_app``)
 APP_PREFIX = "expertmesh-group-"
+#: the ``args`` every group's application shares (the chart's values), beside its own placement, port, GPUs
+#: and island
+COMMON_ARGS = ("model", "dtype", "state_url", "deployment", "host", "port_base", "num_cpus", "budget_bytes", "warm_up")
 #: seconds a group added live may take until it serves (KubeRay, Serve placing it, its start)
 START_TIMEOUT_S = 600.0
 #: seconds a group removed may take until its port stops answering
@@ -74,23 +85,25 @@ def groups_of(app: dict) -> list[str]:
     return sorted({*map(str, placed), *args.get("empty", ())})
 
 
-def _main(config: dict) -> dict:
-    """The chart's groups application (the first expertmesh one that is not a group added live, else the first):
-    what a group added live takes its arguments and options from."""
+def _template(config: dict) -> dict:
+    """The application a group added live takes its arguments from: a chart group's (one with a placement: its
+    ``args`` are the chart's values), else any group's."""
     apps = _apps(config)
-    main = next((a for a in apps if not str(a.get("name", "")).startswith(APP_PREFIX)), apps[0] if apps else None)
-    if main is None:
+    chart = [a for a in apps if (a.get("args") or {}).get("placement")]
+    if not apps:
         raise GroupChangeRefused("the RayService's serveConfigV2 has no expertmesh groups application to add beside")
-    return main
+    return (chart or apps)[0]
 
 
 def _ports(config: dict) -> set[int]:
+    """The ports the groups of ``config`` listen on, as ``build_app`` gives them: group i of an application's
+    placement (in name order) on ``port_base + i``, unless ``ports`` names its own."""
     used: set[int] = set()
     for app in _apps(config):
         args = app.get("args") or {}
         placed = sorted(((args.get("placement") or {}).get("groups") or {}).keys())
-        used |= {int(args.get("port_base", 50100)) + i for i in range(len(placed))}
-        used |= {int(p) for p in (args.get("ports") or {}).values()}
+        ports = {g: int(args.get("port_base", 50100)) + i for i, g in enumerate(placed)}
+        used |= set((ports | {g: int(p) for g, p in (args.get("ports") or {}).items()}).values())
     return used
 
 
@@ -145,10 +158,10 @@ def refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | 
         return "--node: on Kubernetes a group lands on a worker pod of its island; name --island instead"
     config = serve_config(service) if config is None else config
     try:
-        main = _main(config)
+        main = _template(config)
     except GroupChangeRefused as err:
         return str(err)
-    gpu_chart = float((main.get("args") or {}).get("num_gpus", 0) or 0) > 0
+    gpu_chart = any(float((a.get("args") or {}).get("num_gpus", 0) or 0) > 0 for a in _apps(config))
     if gpus and not gpu_chart:
         return f"--gpus {gpus}: the chart runs its expert groups on CPU (mode: cpu); leave --gpus out"
     if island:
@@ -177,27 +190,26 @@ def refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | 
     return None
 
 
-def added_app(config: dict, name: str, *, gpus: int, island: str) -> dict:
-    """The Serve application of the empty group ``name``, beside the chart's: its arguments and options those
-    of the chart's groups, on the lowest port of the chart's range no group uses."""
-    main = _main(config)
-    base = dict(main.get("args") or {})
-    num_cpus = base.get("num_cpus", 1.0)
-    num_gpus = gpus or base.get("num_gpus", 0) or 0
-    used = _ports(config)
-    port = next(p for p in range(int(base.get("port_base", 50100)), 65536) if p not in used)
-    kept = ("model", "dtype", "state_url", "deployment", "host", "budget_bytes", "warm_up")
-    args = {k: base[k] for k in kept if k in base}
-    args |= {"empty": [name], "ports": {name: port}, "num_cpus": num_cpus, "num_gpus": num_gpus}
+def group_app(name: str, common: dict, *, port: int, gpus: float, island: str, experts: dict | None = None) -> dict:
+    """The Serve application of group ``name``: the one shape of every group's application, the chart's
+    (templates/rayservice.yaml renders the same; tests/helm checks it) and those added live. ``common``: the
+    ``COMMON_ARGS``; ``experts``: its placement (``{layer: [experts]}``, the chart's groups) or None (an empty
+    group, filled by live moves)."""
+    num_cpus = common.get("num_cpus", 1.0)
+    args = {k: common[k] for k in COMMON_ARGS if k in common} | {"ports": {name: port}, "num_gpus": gpus}
+    if experts is None:
+        args["empty"] = [name]
+    else:  # only its own experts: every expert hosted is the chart's placement's check, across the applications
+        args |= {"placement": {"groups": {name: experts}}, "placement_complete": False}
     options: dict = {"num_cpus": num_cpus}
-    if num_gpus:
-        options["num_gpus"] = num_gpus
+    if gpus:
+        options["num_gpus"] = gpus
     deployment: dict = {"name": f"group-{name}", "num_replicas": 1, "ray_actor_options": options}
     if island:
         resource = island_resource(island)
         options["resources"] = {resource: 1}
         args["resources"] = {name: {resource: 1}}
-        bundle = {"CPU": num_cpus, resource: 1, **({"GPU": num_gpus} if num_gpus else {})}
+        bundle = {"CPU": num_cpus, resource: 1, **({"GPU": gpus} if gpus else {})}
         deployment |= {"placement_group_bundles": [bundle], "placement_group_strategy": "STRICT_PACK"}
     return {
         "name": f"{APP_PREFIX}{name}",
@@ -206,6 +218,16 @@ def added_app(config: dict, name: str, *, gpus: int, island: str) -> dict:
         "args": args,
         "deployments": [{"name": "directory", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}, deployment],
     }
+
+
+def added_app(config: dict, name: str, *, gpus: int, island: str) -> dict:
+    """The Serve application of the empty group ``name``, beside the others: its arguments and options those
+    of the chart's groups, on the lowest port of the chart's range no group uses."""
+    base = _template(config).get("args") or {}
+    used = _ports(config)
+    port = next(p for p in range(int(base.get("port_base", 50100)), 65536) if p not in used)
+    num_gpus = gpus or base.get("num_gpus", 0) or 0
+    return group_app(name, base, port=port, gpus=num_gpus, island=island)
 
 
 def serve_config_change(config: dict, *, add: dict | None = None, remove: str | None = None) -> dict:
@@ -220,25 +242,29 @@ def serve_config_change(config: dict, *, add: dict | None = None, remove: str | 
 
 
 def stop_refusal(config: dict, name: str) -> str | None:
-    """Why group ``name`` cannot be stopped live (None: it can, or it does not run here): it is not in an
-    application of its own (one added live), but one of the chart's groups."""
-    for app in _apps(config):
+    """Why group ``name`` cannot be stopped live (None: it can, or it does not run here): it shares its
+    application with other groups (a release of the chart from before one application per group), or it is
+    the RayService's last group."""
+    apps = _apps(config)
+    for app in apps:
         groups = groups_of(app)
-        if name not in groups or str(app.get("name", "")).startswith(APP_PREFIX):
+        if name not in groups:
             continue
-        shared = f"one of the {len(groups)} groups" if len(groups) > 1 else "the one group"
-        return (
-            f"group {name} is {shared} of Serve application {app.get('name')} (the chart's expertGroups.groups): "
-            "taking it out would restart all of them; only groups added live (`expertmesh groups add`) are "
-            "removed live on Kubernetes"
-        )
+        if len(groups) > 1:
+            return (
+                f"group {name} is one of the {len(groups)} groups of Serve application {app.get('name')}, which a "
+                "release of the chart from before one application per group renders: taking it out would restart "
+                "all of them; `helm upgrade` to this chart's version first (it restarts the groups once)"
+            )
+        if len(apps) == 1:
+            return f"group {name} is the RayService's last expert group; add another first (`expertmesh groups add`)"
     return None
 
 
 def fixed_groups(config: dict) -> set[str]:
-    """The groups not added live, which the launcher cannot stop (``stop_refusal``): the chart's, which change only
-    with ``helm upgrade`` (an ExpertGroup never mirrors them)."""
-    return {g for app in _apps(config) for g in groups_of(app) if stop_refusal(config, g) is not None}
+    """The chart's groups (those its values place, holding experts): ``helm upgrade`` owns them, so an ExpertGroup
+    never mirrors one nor stands for one. The launcher stops them live all the same (``stop_refusal``)."""
+    return {g for app in _apps(config) if (app.get("args") or {}).get("placement") for g in groups_of(app)}
 
 
 def app_failure(service: dict, app: str) -> str | None:

@@ -30,6 +30,9 @@ Modules, one job each:
     Its API calls and the level-triggered loop: a created object quarantines, a
     deleted one releases, every quarantine made elsewhere gets a mirror object,
     status and Events follow the replicas.
+``polling``
+    The thread both level-triggered controllers run on (quarantines, groups): a pass every few seconds, errors
+    logged and retried.
 ``groups``
     Expert groups, the chart's and those added live, each a Serve application of the RayService's
     ``serveConfigV2``, added and removed live (``KubeRayGroups``, the orchestrator's launcher with ``--ray-service``).

@@ -25,14 +25,13 @@ removes it. Listing every pass rather than watching: the objects are few (one pe
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Collection
 
 from kubernetes.client.exceptions import ApiException
 
 from expertmesh.contracts.errors import ExpertMeshError, GroupNotFound
 from expertmesh.orchestrator.elastic.controller import GroupController, GroupRequest
-from expertmesh.orchestrator.kube.api import CustomObjectApi, EventType, KubeApiError, KubeConnection, api_errors
+from expertmesh.orchestrator.kube.api import CustomObjectApi, EventType, KubeConnection, api_errors
 from expertmesh.orchestrator.kube.group_objects import (
     KIND,
     PLURAL,
@@ -51,6 +50,7 @@ from expertmesh.orchestrator.kube.group_objects import (
     refused,
     status_of,
 )
+from expertmesh.orchestrator.kube.polling import PollingController
 from expertmesh.orchestrator.kube.resource import GROUP, VERSION
 
 __all__ = ["ExpertGroupApi", "ExpertGroupController", "start_group_objects_controller"]
@@ -77,7 +77,9 @@ class ExpertGroupApi(CustomObjectApi[ExpertGroup, GroupObjectStatus]):
                     raise
 
 
-class ExpertGroupController:
+class ExpertGroupController(PollingController):
+    kinds = "ExpertGroups"
+
     def __init__(
         self,
         api: ExpertGroupApi,
@@ -87,34 +89,14 @@ class ExpertGroupController:
         poll_s: float = 2.0,
     ):
         """``fixed``: the chart's groups (``KubeRayGroups.fixed_groups``), which no object stands for."""
+        super().__init__(namespace, poll_s, "expertmesh-kube-groups")
         self.api = api
-        self.namespace = namespace
         self._groups = groups
         self._fixed = fixed
-        self._poll_s = poll_s
         #: name -> the object as the last pass listed it
         self._seen: dict[str, ExpertGroup] = {}
         #: name -> a deleted object whose group's removal was refused: tried again next pass
         self._to_remove: dict[str, ExpertGroup] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="expertmesh-kube-groups", daemon=True)
-
-    def start(self) -> ExpertGroupController:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout_s)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._poll_s):
-            try:
-                self.sync_once()
-            except (KubeApiError, ConnectionError) as err:  # the API or the store: the next pass tries again
-                log.warning("ExpertGroups in %s: %s", self.namespace, err)
-            except Exception:  # a bug must not end the thread: objects would stop acting for good
-                log.exception("syncing ExpertGroups in %s failed", self.namespace)
 
     def sync_once(self) -> None:
         objects = {o.name: o for o in self.api.list(self.namespace)}

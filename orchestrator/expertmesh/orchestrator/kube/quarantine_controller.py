@@ -28,14 +28,14 @@ quarantined expert).
 from __future__ import annotations
 
 import logging
-import threading
 
 from kubernetes.client.exceptions import ApiException
 
 from expertmesh.contracts.errors import QuarantineRefused
 from expertmesh.orchestrator.health.monitor import HealthMonitor, ReplicaStatus
 from expertmesh.orchestrator.health.state import HealthState, Initiator
-from expertmesh.orchestrator.kube.api import CustomObjectApi, EventType, KubeApiError, KubeConnection, api_errors
+from expertmesh.orchestrator.kube.api import CustomObjectApi, EventType, KubeConnection, api_errors
+from expertmesh.orchestrator.kube.polling import PollingController
 from expertmesh.orchestrator.kube.quarantine import (
     KIND,
     PLURAL,
@@ -81,33 +81,15 @@ def _describe(spec: QuarantineSpec) -> str:
     return f"layer {spec.layer} expert {spec.expert}" + (f" on {spec.group}" if spec.group else "")
 
 
-class QuarantineController:
+class QuarantineController(PollingController):
+    kinds = "ExpertQuarantines"
+
     def __init__(self, api: QuarantineApi, monitor: HealthMonitor, namespace: str, poll_s: float = 2.0):
+        super().__init__(namespace, poll_s, "expertmesh-kube-quarantine")
         self.api = api
-        self.namespace = namespace
         self._monitor = monitor
-        self._poll_s = poll_s
         #: name -> the object as the last pass listed it
         self._seen: dict[str, ExpertQuarantine] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="expertmesh-kube-quarantine", daemon=True)
-
-    def start(self) -> QuarantineController:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout_s)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._poll_s):
-            try:
-                self.sync_once()
-            except (KubeApiError, ConnectionError) as err:  # the API or the store: the next pass tries again
-                log.warning("ExpertQuarantines in %s: %s", self.namespace, err)
-            except Exception:  # a bug must not end the thread: quarantines would stop showing for good
-                log.exception("syncing ExpertQuarantines in %s failed", self.namespace)
 
     def sync_once(self) -> None:
         objects = {o.name: o for o in self.api.list(self.namespace)}

@@ -78,6 +78,7 @@ CALLS = {
     "save_policy_quality": ("policy_quality", "write", lambda s: s.save_policy_quality("exact", b"{}")),
     "policy_quality": ("policy_quality", "read", lambda s: s.policy_quality()),
     "publish_anomalies": ("anomalies", "write", lambda s: s.publish_anomalies("r1", [])),
+    "remove_anomalies": ("anomalies", "write", lambda s: s.remove_anomalies("r9")),
     "anomalies": ("anomalies", "read", lambda s: s.anomalies()),
 }
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 from expertmesh.orchestrator.elastic.state import GroupPhase, GroupRecord
 from expertmesh.orchestrator.migration.state import Migration, MigrationMode, Phase, load_all, save
 from expertmesh.orchestrator.retention import RecordRetention, RetentionConfig
-from expertmesh.orchestrator.retention.policy import expired
-from expertmesh.store import open_store
+from expertmesh.orchestrator.retention.policy import expired, routers_gone
+from expertmesh.store import RouterHeartbeat, open_store
 
 NOW = 1_000_000.0
 DAY = 86_400.0
@@ -40,7 +41,13 @@ def test_ties_and_order_are_deterministic():
     assert expired(list(reversed(finished)), NOW, 1e9, 1, 0) == ["c", "a"]
 
 
-@pytest.mark.parametrize("field,value", [("keep_s", 0), ("keep_at_most", 0), ("interval_s", -1)])
+def test_a_router_silent_longer_than_router_gone_s_is_gone():
+    beats = [("live", NOW - 1), ("slow", NOW - 1199), ("gone", NOW - 1201)]
+    assert routers_gone(beats, NOW, 1200) == ["gone"]
+    assert routers_gone([], NOW, 1200) == []
+
+
+@pytest.mark.parametrize("field,value", [("keep_s", 0), ("keep_at_most", 0), ("interval_s", -1), ("router_gone_s", 59)])
 def test_settings_are_bounded(field, value):
     with pytest.raises(ValueError):
         RetentionConfig(**{field: value})
@@ -76,6 +83,37 @@ def test_the_manager_deletes_what_expired_and_never_a_record_in_flight(caplog):
     assert sorted(store.group_records()) == ["bad", "g8", "g9"] and forgotten == ["g7"]
     assert "deleted 2 finished migration records and 1 stopped group records" in caplog.text
     assert retention.update() == (0, 0)
+
+
+def test_every_record_of_a_router_gone_is_deleted_and_a_live_routers_kept(caplog):
+    """Routers that come and go (pods rescheduled under new names, crashes) used to leave their heartbeat, load
+    window, hidden-state samples and anomaly records in the store for ever."""
+    from expertmesh.contracts.load_report import LoadPulse
+    from expertmesh.contracts.routing_table import RoutingTable
+
+    store = open_store("memory://")
+    store.publish_routing_table(
+        RoutingTable(1, 2, {(0, 0): ("g0",), (0, 1): ("g0",), (2, 0): ("g0",), (2, 1): ("g0",)})
+    )
+    pulse = LoadPulse((0, 2), 2, 1, np.ones((2, 2)), written_at=NOW - 5, window_s=600.0)
+    for router, beat_at in (("live", NOW - 1), ("crashed", NOW - 1300)):
+        store.publish_router_heartbeat(RouterHeartbeat(router, 1, beat_at))
+        store.publish_load(router, pulse.to_bytes())
+        store.publish_load_detail(router, b"window")
+        for layer in (0, 2):
+            store.publish_hidden_sample(layer, router, b"sample")
+        store.publish_anomalies(router, [])
+    # stopped long ago (its heartbeat removed at stop): only its stale pulse is left
+    store.publish_load("stopped", LoadPulse((0, 2), 2, 1, np.ones((2, 2)), NOW - 1300, 600.0).to_bytes())
+    retention = RecordRetention(store, RetentionConfig(), 1800, clock=lambda: NOW)
+    caplog.set_level(logging.INFO, logger="expertmesh.orchestrator.retention")
+    assert retention.forget_routers(NOW) == ["crashed", "stopped"]
+    assert set(store.router_heartbeats()) == {"live"} and store.router_count() == 1
+    assert set(store.loads()) == set(store.load_details()) == {"live"}
+    assert all(set(store.hidden_samples(layer)) == {"live"} for layer in (0, 2))
+    assert store._kv.hgetall(store._key("anomalies")).keys() == {"live"}
+    assert "records of 2 routers gone" in caplog.text
+    assert retention.forget_routers(NOW) == []
 
 
 def test_a_capped_store_keeps_the_newest(caplog):

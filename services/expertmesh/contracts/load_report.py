@@ -23,7 +23,7 @@ Glossary
 - *stale*: a record written more than ``STALE_AFTER_WINDOWS`` windows ago (the router's wall clock). Every count in
   it has left its window since, and a live router rewrites its record at least every half window, so a stale
   record is a router gone (crashed, or stopped and never restarted under its id): readers leave it out, and the
-  drift loop deletes it (``StateStore.remove_load``). Without this the store kept every router that ever ran, and
+  orchestrator deletes it (``orchestrator.retention``). Without this the store kept every router that ever ran, and
   its last window counted for ever.
 
 Scaling: the store's inflow is at most the budget whatever the number of routers. A router's own counts cannot

@@ -14,7 +14,7 @@ refuses to publish one model's table over another's, ``StoreCollision``):
 - ``placement``             hash: ``digest`` -> the placement file last applied to the table
 - ``endpoints``             hash: group name -> "host:port" of its gRPC server
 - ``load``                  hash: router id -> the load of its window (a ``contracts.load_report`` pulse, .npz
-  bytes), rewritten every ``load_publish_s`` (longer in a fleet past its inflow budget); the drift loop deletes
+  bytes), rewritten every ``load_publish_s`` (longer in a fleet past its inflow budget); the orchestrator deletes
   a router's record (and its detail) once stale
 - ``load_detail``           hash: router id -> its whole load window (``LoadSnapshot.to_bytes``), rewritten every
   ``load_report.DETAIL_EVERY`` pulses
@@ -377,6 +377,10 @@ class StateStore:
     def publish_anomalies(self, router_id: str, records) -> None:
         """``router_id``'s latest ``AnomalyRecord``s, replacing those it published before."""
         self._kv.hset(self._key("anomalies"), router_id, json.dumps([asdict(r) for r in records]).encode())
+
+    def remove_anomalies(self, router_id: str) -> None:
+        """A router's anomaly records gone (the orchestrator's, once the router is gone)."""
+        self._kv.hdel(self._key("anomalies"), router_id)
 
     def anomalies(self) -> list[AnomalyRecord]:
         """Every router's published anomaly records (an unreadable one skipped, logged), by router then seq."""

@@ -73,18 +73,19 @@ LAYOUT: tuple[StoreKey, ...] = (
     _key("placement", HASH, set(), {ORCHESTRATOR}),
     # groups register themselves; the orchestrator's embedded form (`up`) registers the groups it starts
     _key("endpoints", HASH, {ROUTER}, {GROUP, ORCHESTRATOR}),
-    _key("load", HASH, {ORCHESTRATOR}, {ROUTER, ORCHESTRATOR}),  # the orchestrator deletes stale routers' records
+    # routers write their own records; the orchestrator deletes those of routers gone (``orchestrator.retention``)
+    _key("load", HASH, {ORCHESTRATOR}, {ROUTER, ORCHESTRATOR}),
     _key("load_detail", HASH, {ORCHESTRATOR}, {ROUTER, ORCHESTRATOR}),
-    _key("routers", HASH, {ORCHESTRATOR}, {ROUTER}),
+    _key("routers", HASH, {ORCHESTRATOR}, {ROUTER, ORCHESTRATOR}),
     _key("migrations", HASH, set(), {ORCHESTRATOR}),
     _key("groups", HASH, set(), {ORCHESTRATOR}),
     _key("quarantine", HASH, {ROUTER}, {ORCHESTRATOR}),
     _key("profiles", HASH, {ROUTER}, {ORCHESTRATOR}),
     _key("policy_quality", HASH, {ROUTER}, {ORCHESTRATOR}),
     _key("health", HASH, set(), {ORCHESTRATOR}),
-    _key("hidden_samples:*", HASH, {ORCHESTRATOR}, {ROUTER}),
+    _key("hidden_samples:*", HASH, {ORCHESTRATOR}, {ROUTER, ORCHESTRATOR}),
     _key("health_probes", HASH, set(), {ORCHESTRATOR}),
-    _key("anomalies", HASH, {ORCHESTRATOR}, {ROUTER}),
+    _key("anomalies", HASH, {ORCHESTRATOR}, {ROUTER, ORCHESTRATOR}),
 )
 
 #: Redis commands each kind of access uses (``store._redis.RedisBackend``): a compare-and-set of strings is

@@ -7,8 +7,7 @@ then neither a source nor a target, and its consecutive-scan count starts again,
 since nobody knows what it did meanwhile.
 
 A router's load record that is stale (``contracts.load_report``: its router gone
-for two windows) is left out of the sum and deleted from the store, so routers
-that come and go (pods rescheduled under new names) leave nothing behind.
+for two windows) is left out of the sum (``orchestrator.retention`` deletes it).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from expertmesh.contracts.errors import MigrationRefused
-from expertmesh.contracts.load_report import LoadPulse, stale_routers, summed_pulses
+from expertmesh.contracts.load_report import LoadPulse, summed_pulses
 from expertmesh.orchestrator.drift.state import ExpertLoad, GroupSample, Observation
 from expertmesh.orchestrator.migration.group_calls import GroupCallFailed, GroupChannels
 from expertmesh.orchestrator.migration.state import load_all
@@ -59,12 +58,7 @@ class Observer:
                 )
             )
         now = self._clock()
-        pulses = self._store.loads()
-        for router in stale_routers(pulses, now):
-            log.info("drift: router %r has not published its load for two windows; its record is deleted", router[:64])
-            self._store.remove_load(router)
-            del pulses[router]
-        snapshot = summed_pulses(pulses)  # the load alone: no co-activation decoded
+        snapshot = summed_pulses(self._store.loads(), now=now)  # the load alone, no router gone; no co-activation
         return Observation(
             at=now,
             table=table,

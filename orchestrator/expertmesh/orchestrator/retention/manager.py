@@ -1,5 +1,5 @@
 """The control loop's ``retention`` manager: deletes the finished migration and group records ``policy.expired``
-names, and logs how many went."""
+names and the records of routers gone (``policy.routers_gone``, stale load pulses), and logs how many went."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from collections.abc import Callable
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from expertmesh.contracts.load_report import stale_routers
 from expertmesh.orchestrator.elastic.state import GroupPhase, GroupRecord
 from expertmesh.orchestrator.migration.state import load_all
-from expertmesh.orchestrator.retention.policy import expired
+from expertmesh.orchestrator.retention.policy import expired, routers_gone
 from expertmesh.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,9 @@ class RetentionConfig(BaseSettings):
         5_000, ge=1, le=1_000_000, description="finished records of each kind kept at the most (the oldest go first)"
     )
     interval_s: float = Field(600.0, gt=0, description="seconds between the manager's rounds")
+    router_gone_s: float = Field(
+        1200.0, ge=60, description="a router whose heartbeat is older than this is gone: its records are deleted"
+    )
 
 
 class RecordRetention:
@@ -68,7 +72,28 @@ class RecordRetention:
                 c.keep_s,
                 c.keep_at_most,
             )
+        self.forget_routers(now)
         return len(migrations), len(groups)
+
+    def forget_routers(self, now: float) -> list[str]:
+        """Deletes every record of the routers gone; returns their ids."""
+        beats = self._store.router_heartbeats()
+        silent = routers_gone(((r, b.at) for r, b in beats.items()), now, self.config.router_gone_s)
+        stale = [r for r in stale_routers(self._store.loads(), now) if r not in beats]
+        gone = sorted({*silent, *stale})
+        if not gone:
+            return []
+        table = self._store.routing_table()
+        layers = sorted({layer for layer, _ in table.replicas}) if table is not None else []
+        for router in gone:
+            self._store.remove_router_heartbeat(router)
+            self._store.remove_load(router)
+            self._store.remove_hidden_samples(router, layers)
+            self._store.remove_anomalies(router)
+        log.info(
+            "retention: deleted the records of %d routers gone: %s", len(gone), ", ".join(r[:64] for r in gone[:8])
+        )
+        return gone
 
     def _stopped_groups(self) -> list[tuple[str, float]]:
         stopped = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["expired"]
+__all__ = ["expired", "routers_gone"]
 
 
 def expired(
@@ -28,3 +28,12 @@ def expired(
         for rank, (record, at) in enumerate(ordered)
         if now - at > keep_s or (rank < surplus and now - at > protect_s)
     ]
+
+
+def routers_gone(heartbeats: Iterable[tuple[str, float]], now: float, gone_s: float) -> list[str]:
+    """The routers (id, wall-clock second of its last heartbeat) silent for more than ``gone_s`` at ``now``, sorted.
+
+    >>> routers_gone([("a", 0.0), ("b", 990.0)], now=1000.0, gone_s=600.0)
+    ['a']
+    """
+    return sorted(router for router, at in heartbeats if now - at > gone_s)

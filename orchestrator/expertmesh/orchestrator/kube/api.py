@@ -225,6 +225,25 @@ class CustomObjectApi(Generic[T, S]):
         record_event(self._core, obj.namespace, obj.name, involved, kind, reason, message)
 
 
+class ListedObjectApi(CustomObjectApi[T, S]):
+    """A custom resource its controller lists every pass (level-triggered: ExpertQuarantine, ExpertGroup) and
+    deletes: the list and the delete, beside the calls every resource has."""
+
+    def list(self, namespace: str) -> list[T]:
+        with api_errors(f"list {self.plural}"):
+            doc = self._custom.list_namespaced_custom_object(GROUP, VERSION, namespace, self.plural)
+        return [type(self).parse(item) for item in doc.get("items") or ()]
+
+    def delete(self, obj: T) -> None:
+        """Gone already (404) is done too."""
+        with api_errors(f"delete {self.plural}/{obj.name}"):
+            try:
+                self._custom.delete_namespaced_custom_object(GROUP, VERSION, obj.namespace, self.plural, obj.name)
+            except ApiException as err:
+                if err.status != 404:
+                    raise
+
+
 class ExpertMigrationApi(CustomObjectApi[ExpertMigration, MigrationStatus]):
     kind, plural, parse = KIND, PLURAL, ExpertMigration.from_dict
 

@@ -27,11 +27,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from kubernetes.client.exceptions import ApiException
-
 from expertmesh.contracts.errors import ExpertMeshError, GroupNotFound
 from expertmesh.orchestrator.elastic.controller import GroupController, GroupRequest
-from expertmesh.orchestrator.kube.api import CustomObjectApi, EventType, KubeConnection, api_errors
+from expertmesh.orchestrator.kube.api import EventType, KubeConnection, ListedObjectApi
 from expertmesh.orchestrator.kube.group_objects import (
     KIND,
     PLURAL,
@@ -51,30 +49,16 @@ from expertmesh.orchestrator.kube.group_objects import (
     status_of,
 )
 from expertmesh.orchestrator.kube.polling import PollingController
-from expertmesh.orchestrator.kube.resource import GROUP, VERSION
 
 __all__ = ["ExpertGroupApi", "ExpertGroupController", "start_group_objects_controller"]
 
 log = logging.getLogger(__name__)
 
 
-class ExpertGroupApi(CustomObjectApi[ExpertGroup, GroupObjectStatus]):
+class ExpertGroupApi(ListedObjectApi[ExpertGroup, GroupObjectStatus]):
     """The ExpertGroup calls: list, get, create, delete, status patches, Events."""
 
     kind, plural, parse = KIND, PLURAL, ExpertGroup.from_dict
-
-    def list(self, namespace: str) -> list[ExpertGroup]:
-        with api_errors(f"list {PLURAL}"):
-            doc = self._custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
-        return [ExpertGroup.from_dict(item) for item in doc.get("items") or ()]
-
-    def delete(self, obj: ExpertGroup) -> None:
-        with api_errors(f"delete {PLURAL}/{obj.name}"):
-            try:
-                self._custom.delete_namespaced_custom_object(GROUP, VERSION, obj.namespace, PLURAL, obj.name)
-            except ApiException as err:
-                if err.status != 404:
-                    raise
 
 
 class ExpertGroupController(PollingController):

@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import logging
 
-from kubernetes.client.exceptions import ApiException
-
 from expertmesh.contracts.errors import QuarantineRefused
 from expertmesh.orchestrator.health.monitor import HealthMonitor, ReplicaStatus
 from expertmesh.orchestrator.health.state import HealthState, Initiator
-from expertmesh.orchestrator.kube.api import CustomObjectApi, EventType, KubeConnection, api_errors
+from expertmesh.orchestrator.kube.api import EventType, KubeConnection, ListedObjectApi
 from expertmesh.orchestrator.kube.polling import PollingController
 from expertmesh.orchestrator.kube.quarantine import (
     KIND,
@@ -50,7 +48,6 @@ from expertmesh.orchestrator.kube.quarantine import (
     refused,
     status_of,
 )
-from expertmesh.orchestrator.kube.resource import GROUP, VERSION
 
 log = logging.getLogger(__name__)
 
@@ -58,23 +55,10 @@ log = logging.getLogger(__name__)
 _WARNING_STATES = (State.QUARANTINED, State.SUSPECT, State.REFUSED)
 
 
-class QuarantineApi(CustomObjectApi[ExpertQuarantine, QuarantineStatus]):
+class QuarantineApi(ListedObjectApi[ExpertQuarantine, QuarantineStatus]):
     """The ExpertQuarantine calls: list, get, create, delete, status patches, Events."""
 
     kind, plural, parse = KIND, PLURAL, ExpertQuarantine.from_dict
-
-    def list(self, namespace: str) -> list[ExpertQuarantine]:
-        with api_errors(f"list {PLURAL}"):
-            doc = self._custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
-        return [ExpertQuarantine.from_dict(item) for item in doc.get("items") or ()]
-
-    def delete(self, obj: ExpertQuarantine) -> None:
-        with api_errors(f"delete {PLURAL}/{obj.name}"):
-            try:
-                self._custom.delete_namespaced_custom_object(GROUP, VERSION, obj.namespace, PLURAL, obj.name)
-            except ApiException as err:
-                if err.status != 404:
-                    raise
 
 
 def _describe(spec: QuarantineSpec) -> str:

@@ -196,19 +196,20 @@ def test_a_group_added_by_node_ip_where_nodes_share_a_host_name_is_pinned_to_tha
 def test_a_group_without_room_now_waits_for_it_when_the_platform_waits(gpu_cluster, monkeypatch):
     """``group_wait_for_room_s``: deployed all the same (its replica a pending demand the autoscaler sees), waited
     for that long; without it, refused with the way out."""
-    from expertmesh.contracts.errors import GroupChangeRefused
+    from expertmesh.contracts.errors import GroupChangeRefused, GroupSpecRefused
     from expertmesh.expert_group import deployment
 
     launcher, plane = gpu_cluster
     monkeypatch.setattr(deployment, "free_resources", lambda: {**GPU_FREE, "GPU": 0})
-    with pytest.raises(GroupChangeRefused, match=r"needs 1: remove a group first .*up --group-wait-for-room-s"):
+    with pytest.raises(GroupChangeRefused, match=r"needs 1: remove a group first .*up --group-wait-for-room-s") as now:
         launcher.check()
+    assert not isinstance(now.value, GroupSpecRefused)  # room may come: an ExpertGroup object waits for it
     plane.config = plane.config.model_copy(update={"group_wait_for_room_s": 900.0})
     launcher.check()  # no refusal: room may come
     launcher.start("g2")
     assert plane.groups_app.timeouts == [900.0]
-    with pytest.raises(GroupChangeRefused, match="--island nvl-9: no node of the Ray cluster declares it"):
-        launcher.check(island="nvl-9")  # what no room can fix is still refused
+    with pytest.raises(GroupSpecRefused, match="--island nvl-9: no node of the Ray cluster declares it"):
+        launcher.check(island="nvl-9")  # what no room can fix is still refused, and typed so
 
 
 # -- live: expertmesh up --orchestrator with its groups on Ray Serve ------------------------------------

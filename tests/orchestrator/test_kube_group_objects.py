@@ -12,7 +12,7 @@ import kubernetes
 import pytest
 
 from conftest import NAMESPACE
-from expertmesh.contracts.errors import GroupChangeRefused, GroupNotFound
+from expertmesh.contracts.errors import GroupChangeRefused, GroupNotFound, GroupSpecRefused
 from expertmesh.orchestrator.elastic.controller import GroupRequest
 from expertmesh.orchestrator.elastic.state import GroupPhase, GroupRecord
 from expertmesh.orchestrator.kube.api import KubeApiError, connect
@@ -192,6 +192,7 @@ class OneChangeAtATime:
     def __init__(self, records: list[GroupRecord]):
         self.records_ = {r.name: r for r in records}
         self.busy = ""
+        self.cpu_only = True
         self.calls: list[tuple[str, str]] = []
 
     def records(self) -> list[GroupRecord]:
@@ -203,6 +204,8 @@ class OneChangeAtATime:
 
     def add(self, request: GroupRequest) -> GroupRecord:
         self.calls.append(("add", request.name))
+        if request.gpus and self.cpu_only:  # what the launcher says of a spec it can never place
+            raise GroupSpecRefused(f"--gpus {request.gpus}: the chart runs its expert groups on CPU (mode: cpu)")
         self._refuse_if_busy()
         self.records_[request.name] = rec(request.name, GroupPhase.STARTING)
         return self.records_[request.name]
@@ -248,6 +251,20 @@ def test_an_add_refused_for_now_stays_pending_and_is_tried_again(connection):
     controller.sync_once()
     assert _statuses(api)["g5"].phase == "Starting"
     assert _events(connection, "g5") == [("Warning", "Pending"), ("Normal", "Starting")]
+
+
+def test_an_add_the_platform_can_never_place_is_refused_and_not_asked_again(connection):
+    """GPUs on a CPU chart: Pending and retried every pass (each a read of the RayService) before the launcher's
+    refusals were typed; now Refused, as a bad name is: another spec (a new object) or platform is needed."""
+    groups = OneChangeAtATime(list(CHART_RECORDS))
+    api = ExpertGroupApi(connection)
+    controller = ExpertGroupController(api, groups, lambda: CHART, NAMESPACE)
+    api.create(NAMESPACE, manifest("g5", GroupSpec(gpus=1)))
+    controller.sync_once()
+    status = _statuses(api)["g5"]
+    assert (status.phase, status.reason) == ("Refused", "GroupSpecRefused") and "on CPU" in status.message
+    controller.sync_once()
+    assert groups.calls == [("add", "g5")] and _events(connection, "g5") == [("Warning", "Refused")]
 
 
 def test_a_removal_refused_for_now_is_tried_again_after_the_object_is_gone(connection):

@@ -435,7 +435,7 @@ def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
 ):
     """``expertmesh orchestrator --kube --ray-service NAME`` (as the chart runs it): its admin API takes adds and
     removes through the RayService, refusing what that RayService cannot take, each with one line, and so does
-    its ExpertGroup controller (the object stays Pending with the line)."""
+    its ExpertGroup controller (an object asking for what the chart can never place is Refused with the line)."""
     import os
     import time
 
@@ -473,11 +473,11 @@ def test_the_orchestrator_process_takes_group_changes_through_its_ray_service(
                     call(request, timeout=30)
                 assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
                 assert message in refused.value.details()
-            # its ExpertGroup controller runs too: an object the RayService cannot take waits, saying why
+            # its ExpertGroup controller runs too: an object the RayService can never take is refused, saying why
             groups = ExpertGroupApi(connect(str(kubeconfig)))
             groups.create(NAMESPACE, manifest("g7", GroupSpec(gpus=1)))
             status = wait_for(lambda: (o := groups.get(NAMESPACE, "g7")).status.phase and o.status, "g7's status", 60)
-            assert (status.phase, status.reason) == ("Pending", "GroupChangeRefused"), status
+            assert (status.phase, status.reason) == ("Refused", "GroupSpecRefused"), status
             assert "--gpus 1: the chart runs its expert groups on CPU" in status.message
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0, "".join(stderr)[-3000:]

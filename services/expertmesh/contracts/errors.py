@@ -103,6 +103,12 @@ class GroupChangeRefused(ExpertMeshError, code=grpc.StatusCode.FAILED_PRECONDITI
     in flight, or a platform that cannot start groups."""
 
 
+class GroupSpecRefused(GroupChangeRefused):
+    """A group of that spec can never be placed on this platform (GPUs it does not have, an island it has no
+    workers for, a node where nodes cannot be named): asking again does not help; another spec or platform does.
+    An ExpertGroup object asking for one is Refused, not kept Pending."""
+
+
 class GroupNotFound(ExpertMeshError, code=grpc.StatusCode.NOT_FOUND):
     """No expert group of that name is known to the orchestrator."""
 

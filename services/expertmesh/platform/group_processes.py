@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from expertmesh.contracts.errors import GroupChangeRefused, GroupUnavailable
+from expertmesh.contracts.errors import GroupSpecRefused, GroupUnavailable
 from expertmesh.expert_group.runtime import BANNER
 
 if TYPE_CHECKING:
@@ -102,19 +102,19 @@ class ProcessGroups:
         """Any group can be stopped here."""
 
     def check(self, gpus: int = 0, island: str = "", node: str = "") -> None:
-        """Refuse what a group process on this host cannot be (GroupChangeRefused)."""
+        """Refuse what a group process on this host can never be (GroupSpecRefused)."""
         if island or node:
-            raise GroupChangeRefused(
+            raise GroupSpecRefused(
                 "--island and --node place a group on a Ray cluster or Kubernetes; `up --groups-as process` runs "
                 "its groups as processes on this host: leave them out (or run the groups on Ray)"
             )
         if gpus > 1:
-            raise GroupChangeRefused(f"a group process computes on one GPU at most, not {gpus}: use --gpus 1 or 0")
+            raise GroupSpecRefused(f"a group process computes on one GPU at most, not {gpus}: use --gpus 1 or 0")
         if gpus and not self._gpu:
             import torch
 
             if not torch.cuda.is_available():
-                raise GroupChangeRefused("--gpus 1: this host has no CUDA GPU; leave --gpus out to compute on CPU")
+                raise GroupSpecRefused("--gpus 1: this host has no CUDA GPU; leave --gpus out to compute on CPU")
 
     def start(self, name: str, gpus: int = 0, island: str = "", node: str = "") -> tuple[str, int]:
         """One more group, empty (``group serve --empty``): the orchestrator fills it by live moves. It starts

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from expertmesh.contracts.errors import GroupChangeRefused, GroupUnavailable
+from expertmesh.contracts.errors import GroupChangeRefused, GroupSpecRefused, GroupUnavailable
 from expertmesh.contracts.topology import ISLAND_RESOURCE_PREFIX, island_resource
 
 if TYPE_CHECKING:
@@ -138,9 +138,10 @@ class RayGroups:
     def running(self) -> dict[str, tuple[str, int]]:
         return self._app.replicas()
 
-    def _binding(self, gpus: int, island: str, node: str) -> tuple[dict, str | None, str | None]:
-        """The new group's GroupSpec hardware fields, why Ray cannot place them (None: it can), and what the
-        cluster lacks free now (None: nothing), which the platform may wait out (``group_wait_for_room_s``)."""
+    def _binding(self, gpus: int, island: str, node: str) -> tuple[dict, GroupChangeRefused | None, str | None]:
+        """The new group's GroupSpec hardware fields, why Ray cannot place them (None: it can; GroupSpecRefused:
+        never, whatever the free resources), and what the cluster lacks free now (None: nothing), which the platform
+        may wait out (``group_wait_for_room_s``)."""
         from expertmesh.expert_group import deployment
 
         nodes = [RayNode(n["id"], n["ip"], n["host"], n["resources"]) for n in deployment.cluster_nodes()]
@@ -150,9 +151,10 @@ class RayGroups:
         num_cpus = self._plane.config.group_num_cpus
         free = deployment.free_resources()
         waits = self._plane.config.group_wait_for_room_s > 0
-        why = placement_refusal(
-            nodes, free, gpus=num_gpus, island=island, node=node, num_cpus=num_cpus, need_room_now=not waits
-        )
+        placed = {"gpus": num_gpus, "island": island, "node": node, "num_cpus": num_cpus}
+        lasting = placement_refusal(nodes, free, **placed, need_room_now=False)
+        now = None if lasting is not None or waits else placement_refusal(nodes, free, **placed, need_room_now=True)
+        why = GroupSpecRefused(lasting) if lasting is not None else GroupChangeRefused(now) if now is not None else None
         short = room_shortfall(nodes, free, gpus=num_gpus, island=island, num_cpus=num_cpus) if waits else None
         resources: dict[str, float] = {}
         if island:
@@ -166,11 +168,11 @@ class RayGroups:
         """Any group can be stopped here."""
 
     def check(self, gpus: int = 0, island: str = "", node: str = "") -> None:
-        """Refuse what Ray cannot place (GroupChangeRefused): also what it has no room for now, unless the
-        platform waits for room."""
+        """Refuse what Ray can never place (GroupSpecRefused), and what it has no room for now (GroupChangeRefused)
+        unless the platform waits for room."""
         _, why, _ = self._binding(gpus, island, node)
         if why is not None:
-            raise GroupChangeRefused(why)
+            raise why
 
     def start(self, name: str, gpus: int = 0, island: str = "", node: str = "") -> tuple[str, int]:
         """One more group deployment, empty: the orchestrator fills it by live moves. (address, pid) once it
@@ -181,7 +183,7 @@ class RayGroups:
 
         hardware, why, short = self._binding(gpus, island, node)
         if why is not None:
-            raise GroupChangeRefused(why)
+            raise why
         plane = self._plane
         timeout_s = ADD_TIMEOUT_S
         if short is not None:

@@ -12,8 +12,9 @@ the namespace's objects and ``GroupController.records()`` (``group_objects`` has
    deleted after its ``Stopped`` Event.
 
 ``GroupController`` runs one change at a time and raises for a second one (``checked_add`` /
-``checked_remove``): an add refused that way, or by the launcher (an island full), leaves its object
-``Pending`` with the reason and is tried again every pass; a removal refused is kept and tried again too.
+``checked_remove``): an add refused that way, or by the launcher for now (an island full), leaves its object
+``Pending`` with the reason and is tried again every pass; one the launcher can never place (``GroupSpecRefused``:
+GPUs on a CPU chart) is ``Refused``. A removal refused is kept and tried again.
 
 No finalizers: deletion is seen as absence, as for ExpertQuarantines, which keeps the verbs the chart grants to
 list, create, delete and patch status (a finalizer needs update on every object, and an orchestrator that is
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from expertmesh.contracts.errors import ExpertMeshError, GroupNotFound
+from expertmesh.contracts.errors import ExpertMeshError, GroupNotFound, GroupSpecRefused
 from expertmesh.orchestrator.elastic.controller import GroupController, GroupRequest
 from expertmesh.orchestrator.kube.api import EventType, KubeConnection, ListedObjectApi
 from expertmesh.orchestrator.kube.group_objects import (
@@ -116,9 +117,13 @@ class ExpertGroupController(PollingController):
         self._seen, self._to_remove = objects, retry
 
     def _add(self, obj: ExpertGroup, spec: GroupSpec) -> dict[str, GroupObjectStatus]:
-        """Ask for group ``obj.name``; {} once asked (its record says the rest), else its Pending status."""
+        """Ask for group ``obj.name``; {} once asked (its record says the rest), else its Pending status, or
+        Refused for a spec the platform can never place."""
         try:
             self._groups.add(GroupRequest(obj.name, spec.gpus, spec.island, spec.node))
+        except GroupSpecRefused as err:  # never placeable as the chart stands: asking again would not help
+            log.warning("%s/%s: refused: %s", self.namespace, obj.name, err)
+            return {obj.name: refused(obj, type(err).__name__, str(err))}
         except (ExpertMeshError, ConnectionError) as err:  # one change at a time, an island full, the store: retried
             if obj.status.message != str(err):
                 log.info("%s/%s: pending: %s", self.namespace, obj.name, err)

@@ -40,7 +40,7 @@ import kubernetes
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from expertmesh.contracts.errors import GroupChangeRefused, GroupUnavailable
+from expertmesh.contracts.errors import GroupChangeRefused, GroupSpecRefused, GroupUnavailable
 from expertmesh.contracts.topology import ISLAND_RESOURCE_PREFIX, island_resource
 from expertmesh.orchestrator.kube.api import MERGE_PATCH, KubeApiError, KubeConnection, api_errors
 from expertmesh.store import StateStore
@@ -150,19 +150,19 @@ def serve_config(service: dict) -> dict:
     return yaml.safe_load((service.get("spec") or {}).get("serveConfigV2") or "") or {}
 
 
-def refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | None = None) -> str | None:
-    """Why the RayService cannot take a group of ``gpus`` GPUs on ``island`` (``node``: never, on Kubernetes a
-    group lands on its island's worker pod); None when it can. ``config``: its serve config, when not the
-    service's own. One line a person can act on."""
+def _gpu_chart(config: dict) -> bool:
+    """Any of the chart's groups computes on GPUs."""
+    return any(float((a.get("args") or {}).get("num_gpus", 0) or 0) > 0 for a in _apps(config))
+
+
+def lasting_refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | None = None) -> str | None:
+    """Why the RayService can never take a group of ``gpus`` GPUs on ``island`` as the chart stands (``node``:
+    never, on Kubernetes a group lands on its island's worker pod; GPUs on a CPU chart; an island without a worker
+    group); None when it can, given room. ``config``: its serve config, when not the service's own."""
     if node:
         return "--node: on Kubernetes a group lands on a worker pod of its island; name --island instead"
     config = serve_config(service) if config is None else config
-    try:
-        main = _template(config)
-    except GroupChangeRefused as err:
-        return str(err)
-    gpu_chart = any(float((a.get("args") or {}).get("num_gpus", 0) or 0) > 0 for a in _apps(config))
-    if gpus and not gpu_chart:
+    if gpus and not _gpu_chart(config):
         return f"--gpus {gpus}: the chart runs its expert groups on CPU (mode: cpu); leave --gpus out"
     if island:
         capacity = _island_capacity(service)
@@ -171,6 +171,22 @@ def refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | 
                 f"--island {island}: the RayService has no worker group for it (its islands: "
                 f"{', '.join(sorted(capacity)) or 'none'}); add it to expertGroups.islands and upgrade the chart"
             )
+    return None
+
+
+def refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | None = None) -> str | None:
+    """Why the RayService cannot take a group of ``gpus`` GPUs on ``island`` now: ``lasting_refusal``'s reasons,
+    or its island's slots or GPUs all held; None when it can. One line a person can act on."""
+    config = serve_config(service) if config is None else config
+    lasting = lasting_refusal(service, gpus=gpus, island=island, node=node, config=config)
+    if lasting is not None:
+        return lasting
+    try:
+        main = _template(config)
+    except GroupChangeRefused as err:
+        return str(err)
+    if island:
+        capacity = _island_capacity(service)
         users = _island_users(config, island)
         if len(users) >= capacity[island]:
             return (
@@ -182,12 +198,22 @@ def refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | 
             float((d.get("ray_actor_options") or {}).get("num_gpus", 0)) for d in _island_deployments(config, island)
         )
         have = _island_gpus(service, island)
-        if gpu_chart and used + need > have:
+        if _gpu_chart(config) and used + need > have:
             return (
                 f"--island {island}: its worker pod has {have:g} GPUs, {used:g} held by groups {', '.join(users)}, "
                 f"and the group needs {need:g}; remove one first (`expertmesh groups remove NAME`)"
             )
     return None
+
+
+def _raise_refusal(service: dict, *, gpus: int, island: str, node: str, config: dict | None = None) -> None:
+    """GroupSpecRefused for what the chart can never take, GroupChangeRefused for what it cannot take now."""
+    lasting = lasting_refusal(service, gpus=gpus, island=island, node=node, config=config)
+    if lasting is not None:
+        raise GroupSpecRefused(lasting)
+    why = refusal(service, gpus=gpus, island=island, node=node, config=config)
+    if why is not None:
+        raise GroupChangeRefused(why)
 
 
 def group_app(name: str, common: dict, *, port: int, gpus: float, island: str, experts: dict | None = None) -> dict:
@@ -362,9 +388,7 @@ class KubeRayGroups:
         return {g: (endpoints.get(g, ""), 0) for app in _apps(config) for g in groups_of(app)}
 
     def check(self, gpus: int = 0, island: str = "", node: str = "") -> None:
-        why = refusal(self.service(), gpus=gpus, island=island, node=node)
-        if why is not None:
-            raise GroupChangeRefused(why)
+        _raise_refusal(self.service(), gpus=gpus, island=island, node=node)
 
     def check_stop(self, name: str) -> None:
         why = stop_refusal(serve_config(self.service()), name)
@@ -382,9 +406,7 @@ class KubeRayGroups:
             def add(config: dict) -> dict:
                 if any(name in groups_of(app) for app in _apps(config)):
                     raise GroupChangeRefused(f"the RayService runs a group {name!r} already")
-                why = refusal(service, gpus=gpus, island=island, node=node, config=config)
-                if why is not None:
-                    raise GroupChangeRefused(why)
+                _raise_refusal(service, gpus=gpus, island=island, node=node, config=config)
                 return serve_config_change(config, add=added_app(config, name, gpus=gpus, island=island))
 
             service = self.service()

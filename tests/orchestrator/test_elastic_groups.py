@@ -486,3 +486,22 @@ def test_a_change_keeps_no_more_migrations_in_flight_than_the_runner_runs(mesh):
         runner.close()
     with pytest.raises(ValueError):
         GroupController(mesh.store, submit, None, max_active=0)
+
+
+def test_a_stopped_group_that_registers_again_is_serving_again(mesh, controller):
+    """On Kubernetes a `helm upgrade` renders a chart group removed live back: its replica registers again. The
+    orchestrator lists it SERVING again (no routing table lists it), so it can be removed again."""
+    controller.add(GroupRequest("g2"))
+    assert _done(controller, "g2", GroupPhase.SERVING).phase is GroupPhase.SERVING
+    controller.remove("g2")
+    assert _done(controller, "g2", GroupPhase.STOPPED).phase is GroupPhase.STOPPED
+    assert "g2" not in mesh.store.endpoints()
+    controller.launcher.running_groups["g2"] = (mesh.groups["g2"].address, 0)  # its platform started it again,
+    mesh.store.set_endpoint("g2", mesh.groups["g2"].address)  # and it registered
+    back = controller.get("g2")
+    assert back.phase is GroupPhase.SERVING and "no routing table lists it" in back.reason
+    assert "g2" not in mesh.store.routing_table().groups()
+    controller.remove("g2")
+    again = _done(controller, "g2", GroupPhase.STOPPED)
+    assert again.phase is GroupPhase.STOPPED and again.moves_planned == 0, again.reason
+    assert controller.launcher.stopped == ["g2", "g2"]

@@ -120,10 +120,6 @@ class LoadPulse:
         """The window's pulse now (sums its load buckets, nothing else), stamped with the wall clock."""
         return cls(window.moe_layers, window.num_experts, window.top_k, window.load(), written_at, window.window_s)
 
-    def stale(self, now: float) -> bool:
-        """Written more than ``STALE_AFTER_WINDOWS`` windows before ``now``: its router is gone."""
-        return self.written_at > 0 and now - self.written_at > STALE_AFTER_WINDOWS * self.window_s
-
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         np.savez_compressed(

@@ -260,7 +260,7 @@ class StateStore:
         return self._kv.hgetall(self._key("load"))
 
     def remove_load(self, router_id: str) -> None:
-        """A router's pulse and detail gone (the drift loop's, once its pulse is stale: ``load_report``)."""
+        """A router's pulse and detail gone (the orchestrator's retention, once the router is gone)."""
         self._kv.hdel(self._key("load"), router_id)
         self._kv.hdel(self._key("load_detail"), router_id)
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from expertmesh.bench.report import BenchError, format_table, parse_int_list, percentile
+from expertmesh.bench.report import MAX_SHAPES, BenchError, format_table, parse_int_list, parse_shapes, percentile
 from expertmesh.cli.main import main
 from expertmesh.models.tiny import make_tiny_checkpoint
 
@@ -74,6 +74,11 @@ def test_percentile_and_int_lists():
             "no query of the classifier's eval split fits --prompt-tokens 8",
         ),
         (["serve", "--guard", "self", "--sweep", "1,2"], "--sweep and --guard are different runs; choose one"),
+        (["serve", "--shapes", "480"], "--shapes takes PROMPTxNEW pairs of positive token counts"),
+        (["serve", "--shapes", "8x0"], "--shapes takes PROMPTxNEW pairs of positive token counts"),
+        (["serve", "--shapes", "8x4,8X4"], "--shapes names a shape twice"),
+        (["serve", "--shapes", "8x4,100x64"], f"--shapes 100x64 is above the model's context of {CONTEXT} tokens"),
+        (["serve", "--shapes", "8x4", "--shared-prefix", 8], "--shapes and --shared-prefix are different runs"),
         (["serve", "--guard", "self", "--target", "127.0.0.1:1"], "drop --target"),
         (["serve", "--guard", "self", "--guard-policies", "delta_gap,exact"], "exact is the reference"),
         (["serve", "--guard", "self", "--guard-policies", ","], "name at least one routing policy"),
@@ -449,6 +454,54 @@ def test_serve_against_a_running_target_checks_it_serves_the_checkpoint(capsys, 
             assert all(p.startswith("[expertmesh] bench serve:") for p in progress)
         finally:
             server.drain_and_stop()
+
+
+def test_shapes_parse_as_prompt_and_answer_lengths_within_bounds():
+    assert parse_shapes("480x96, 64X256,") == [(480, 96), (64, 256)]
+    assert len(parse_shapes(",".join(f"{n}x1" for n in range(1, MAX_SHAPES + 1)))) == MAX_SHAPES
+    with pytest.raises(BenchError, match=f"at most {MAX_SHAPES} shapes"):
+        parse_shapes(",".join(f"{n}x1" for n in range(1, MAX_SHAPES + 2)))
+    for bad in ("", ",", "x", "8x", "x8", "-8x4", "8x4x2", "a x 4"):
+        with pytest.raises(BenchError, match="--shapes takes PROMPTxNEW pairs"):
+            parse_shapes(bad)
+
+
+@slow
+def test_serve_shapes_run_the_benchmark_at_each_prompt_and_answer_length(capsys, checkpoint, ray_session, tmp_path):
+    """--shapes: one whole run per (prompt, answer) length, each point's requests streaming exactly its answer
+    length over prompts of its prompt length, one table row each with the shape in it."""
+    out_file = tmp_path / "shapes.json"
+    code, out, _ = _run(
+        capsys,
+        "serve",
+        "--model",
+        checkpoint,
+        "--shapes",
+        "12x3,6x5",
+        "--clients",
+        2,
+        "--requests-per-client",
+        1,
+        "--equal-prompts",
+        "--threads",
+        1,
+        "--out",
+        out_file,
+    )
+    assert code == 0
+    result = json.loads(out_file.read_text())
+    points = result["points"]
+    assert result["benchmark"] == "serve-sweep" and len(points) == 2
+    assert [(p["clients"], p["prompt_tokens"], p["max_new_tokens"]) for p in points] == [(2, 12, 3), (2, 6, 5)]
+    for p in points:
+        setup, platform = p["result"]["setup"], p["result"]["runs"][0]
+        assert setup["prompt_lengths"] == [p["prompt_tokens"]] * 2
+        assert platform["tokens"] == 2 * p["max_new_tokens"] and p["same_answers"] is True
+    lines = out.splitlines()
+    head = next(line for line in lines if line.startswith("clients"))
+    assert head.split()[:3] == ["clients", "prompt", "new"] and "prompt and new tokens per row" in out
+    rows = [line.split() for line in lines if line[:1].isdigit()]
+    assert [r[:3] for r in rows[:2]] == [["2", "12", "3"], ["2", "6", "5"]]
 
 
 @slow

@@ -67,6 +67,26 @@ def test_a_sweep_point_and_its_row_carry_vllms_figures_beside_generates():
     assert row.split()[-4:] == ["100.0", "0.50", "150", "200"] and "PASS" in row.split()
 
 
+def test_a_sweep_over_shapes_shows_each_points_lengths_and_both_sides_itl():
+    points = []
+    for prompt, new, vllm in ((480, 96, 100.0), (64, 256, 80.0)):
+        runs = [_row("platform: 2 streaming clients", None, 50.0), _row("vLLM (2 streaming clients)", "vllm", vllm)]
+        result = _result(runs, None)
+        result["setup"].update(prompt_tokens=prompt, max_new_tokens=new)
+        points.append(sweep_point(2, result))
+    assert [(p["prompt_tokens"], p["max_new_tokens"]) for p in points] == [(480, 96), (64, 256)]
+    text = sweep_table({"model": points[0]["result"]["model"], "points": points})
+    title, head, _, first, second = text.splitlines()[:5]
+    assert "prompt and new tokens per row" in title and "96 new tokens" not in title
+    assert head.split()[:3] == ["clients", "prompt", "new"]
+    assert first.split()[:3] == ["2", "480", "96"] and second.split()[:3] == ["2", "64", "256"]
+    assert "vLLM ITL p50 ms" in head and "vLLM ITL p99 ms" in head and "ITL p99 ms" in head
+    assert first.split()[-7:] == ["20.0", "10.0", "20.0", "100.0", "0.50", "150", "200"]
+    assert second.split()[-4:-2] == ["80.0", "0.62"]
+    one_shape = sweep_table({"model": points[0]["result"]["model"], "points": points[:1]})
+    assert one_shape.splitlines()[1].split()[:2] == ["clients", "platform"] and "96 new tokens" in one_shape
+
+
 def test_vllm_alone_is_compared_for_speed_and_agreement_is_not_claimed():
     runs = [_row("platform: 2 streaming clients", None, 50.0), _row("vLLM (2 streaming clients)", "vllm", 100.0)]
     result = _result(runs, None)

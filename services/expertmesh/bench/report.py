@@ -110,6 +110,33 @@ def parse_int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+#: at most this many --shapes: each is a whole benchmark (a fresh platform and every baseline)
+MAX_SHAPES = 16
+
+
+def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int]]:
+    """``"480x96,64x256"`` -> [(480, 96), (64, 256)]: (prompt tokens, new tokens) pairs, each positive, distinct,
+    at most MAX_SHAPES; else BenchError naming the flag."""
+    shapes = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        prompt, x, new = part.lower().partition("x")
+        if not (x and prompt.strip().isdigit() and new.strip().isdigit()) or not int(prompt) or not int(new):
+            raise BenchError(
+                f"{flag} takes PROMPTxNEW pairs of positive token counts separated by commas (e.g. 480x96,64x256), "
+                f"got {part!r}"
+            )
+        shapes.append((int(prompt), int(new)))
+    if not shapes:
+        raise BenchError(f"{flag} takes PROMPTxNEW pairs separated by commas (e.g. 480x96,64x256), got {text!r}")
+    if len(shapes) > MAX_SHAPES:
+        raise BenchError(f"{flag} takes at most {MAX_SHAPES} shapes (each is a whole benchmark), got {len(shapes)}")
+    if len(set(shapes)) != len(shapes):
+        raise BenchError(f"{flag} names a shape twice: {text!r}")
+    return shapes
+
+
 def check_positive(value: int, flag: str) -> int:
     if value < 1:
         raise BenchError(f"{flag} must be at least 1, got {value}")

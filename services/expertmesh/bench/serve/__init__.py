@@ -59,6 +59,11 @@ sequences it advanced: the in-process engine's own step totals, ``serving.step_t
 the batched ``generate`` streamer's calls after the first token), the KV pool's peak and
 preemptions. ``--equal-prompts`` makes every prompt ``--prompt-tokens`` long, so the
 sequences of a point are of equal length (issue 22's flat decode step per sequence).
+``--shapes 480x96,64x256`` runs the benchmark at each prompt and answer length (tokens; long prompts with
+short answers, short prompts with long answers) in place of ``--prompt-tokens`` and ``--max-new-tokens``, and
+with ``--sweep`` at each client count of each: one row per (shape, clients), the shape in the row (issue 41's
+sweep against vLLM: ``--baseline vllm --sweep 1,8,16,32,64 --shapes 480x96,64x256``). Every shape is checked
+against the model's context before the first point starts.
 
 ``--shared-prefix P`` runs the prefix cache's benchmark instead (``bench.shared_prefix``);
 ``--guard SCORER`` the consistency guard's at load (``bench.guarded_serve``).

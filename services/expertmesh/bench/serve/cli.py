@@ -8,7 +8,7 @@ from typing import Callable
 
 from expertmesh.bench.cost import check_price
 from expertmesh.bench.platform import add_platform_arguments
-from expertmesh.bench.report import check_positive, parse_int_list, print_and_write
+from expertmesh.bench.report import check_positive, parse_int_list, parse_shapes, print_and_write
 from expertmesh.bench.serve.options import Options, check_modes
 from expertmesh.config.settings import add_guard_arguments
 
@@ -88,6 +88,13 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         "(default: off)",
     )
     p.add_argument(
+        "--shapes",
+        metavar="PROMPTxNEW,...",
+        help="comma-separated prompt and answer lengths in tokens (e.g. 480x96,64x256: long prompts with short "
+        "answers, short prompts with long answers): the benchmark at each, in place of --prompt-tokens and "
+        "--max-new-tokens; with --sweep, at each client count too (default: off)",
+    )
+    p.add_argument(
         "--shared-prefix",
         type=int,
         default=0,
@@ -154,6 +161,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         groups_as=args.groups_as,
         device=args.device,
         sweep=tuple(parse_int_list(args.sweep, "--sweep")) if args.sweep else (),
+        shapes=tuple(parse_shapes(args.shapes)) if args.shapes else (),
         shared_prefix=args.shared_prefix and check_positive(args.shared_prefix, "--shared-prefix"),
         guard=args.guard or "",
         guard_policies=tuple(p.strip() for p in args.guard_policies.split(",") if p.strip()),
@@ -178,7 +186,7 @@ def _chosen(options: Options) -> tuple[Callable[[Options], dict], Callable[[dict
     from expertmesh.bench.serve.drivers import run, run_sweep
     from expertmesh.bench.serve.tables import sweep_table, table
 
-    return (run_sweep, sweep_table) if options.sweep else (run, table)
+    return (run_sweep, sweep_table) if options.sweep or options.shapes else (run, table)
 
 
 def _model(args: argparse.Namespace) -> Path:

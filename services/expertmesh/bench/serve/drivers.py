@@ -14,7 +14,7 @@ from expertmesh.bench.report import machine, model_summary, options_summary, tor
 from expertmesh.bench.serve.baselines import BASELINES
 from expertmesh.bench.serve.baselines.base import BaselineRun, BaselineSetup, Load
 from expertmesh.bench.serve.classifier_runs import classifier_runs, classifier_summary
-from expertmesh.bench.serve.options import Options, validate
+from expertmesh.bench.serve.options import Options, shaped, validate
 from expertmesh.bench.serve.served import (
     RUNNERS,
     calibrate,
@@ -81,8 +81,15 @@ def run(options: Options) -> dict:
 
 
 def run_sweep(options: Options) -> dict:
-    """The benchmark at each of ``options.sweep`` client counts; one summary row per point."""
-    points = [sweep_point(n, run(dataclasses.replace(options, clients=n, sweep=()))) for n in options.sweep]
+    """The benchmark at each of ``options.shapes`` (prompt and answer lengths; none: the lengths given) and, for
+    each, at each of ``options.sweep`` client counts (none: ``clients``); one summary row per point. Every shape is
+    checked against the model before the first point starts."""
+    validate(options)
+    points = [
+        sweep_point(n, run(dataclasses.replace(shape, clients=n, sweep=())))
+        for shape in shaped(options)
+        for n in options.sweep or (options.clients,)
+    ]
     return {"benchmark": "serve-sweep", "model": points[0]["result"]["model"], "points": points}
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from expertmesh.bench.report import BenchError
 
-__all__ = ["Options", "check_modes", "validate"]
+__all__ = ["Options", "check_modes", "shaped", "validate"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class Options:
     groups_as: str = "ray"  # "ray": Ray Serve deployments; "process": `expertmesh group serve` processes
     device: str = "auto"  # of the router's model and the baseline: auto, cpu, cuda, cuda:N
     sweep: tuple[int, ...] = ()  # client counts: the whole benchmark at each (see the package's docstring)
+    #: (prompt tokens, new tokens) pairs: the whole benchmark at each, crossed with ``sweep`` (or at ``clients``)
+    shapes: tuple[tuple[int, int], ...] = ()
     shared_prefix: int = 0  # tokens of a prompt prefix all requests share: the prefix-cache run instead
     guard: str = ""  # a consistency-guard scorer: the guard's run at load instead (bench.guarded_serve)
     guard_policies: tuple[str, ...] = ("delta_gap", "restrict")
@@ -49,8 +51,10 @@ class Options:
 
 def check_modes(options: Options) -> None:
     """One kind of run per command, and each run's own limits (nothing read yet: no model, no platform)."""
-    modes = [f for f, on in (("--sweep", options.sweep), ("--shared-prefix", options.shared_prefix),
-                             ("--guard", options.guard)) if on]  # fmt: skip
+    modes = [f for f, on in (("--sweep", options.sweep), ("--shapes", options.shapes),
+                             ("--shared-prefix", options.shared_prefix), ("--guard", options.guard)) if on]  # fmt: skip
+    if options.sweep and options.shapes:  # one run, swept over both: clients x shapes
+        modes.remove("--shapes")
     if len(modes) > 1:
         raise BenchError(f"{' and '.join(modes)} are different runs; choose one")
     if len(options.threads) > 1 and (options.shared_prefix or options.guard):
@@ -100,8 +104,16 @@ def _check_guard(options: Options) -> None:
         raise BenchError(f"--guard-threshold must be between 0 and 1, got {options.guard_threshold:g}")
 
 
+def shaped(options: Options) -> list[Options]:
+    """``options`` at each of its ``shapes`` (prompt and new tokens), or as given without shapes."""
+    if not options.shapes:
+        return [options]
+    return [replace(options, prompt_tokens=p, max_new_tokens=n, shapes=()) for p, n in options.shapes]
+
+
 def validate(options: Options):
-    """The checkpoint of ``options.model``, once the options fit it (its context, its experts per group)."""
+    """The checkpoint of ``options.model``, once the options fit it (its context, its experts per group; every
+    one of its ``shapes``)."""
     from expertmesh.models.checkpoint import Checkpoint
 
     checkpoint = Checkpoint(options.model)
@@ -112,9 +124,12 @@ def validate(options: Options):
             f"{spec.num_experts * (options.groups - 1)} redundant replicas of a layer's {spec.num_experts} experts"
         )
     context = spec.max_context
-    if context and options.prompt_tokens + options.max_new_tokens > context:
-        raise BenchError(
-            f"--prompt-tokens {options.prompt_tokens} + --max-new-tokens {options.max_new_tokens} "
-            f"is above the model's context of {context} tokens"
-        )
+    for shape in shaped(options):
+        if context and shape.prompt_tokens + shape.max_new_tokens > context:
+            what = (
+                f"--shapes {shape.prompt_tokens}x{shape.max_new_tokens}"
+                if options.shapes
+                else f"--prompt-tokens {shape.prompt_tokens} + --max-new-tokens {shape.max_new_tokens}"
+            )
+            raise BenchError(f"{what} is above the model's context of {context} tokens")
     return checkpoint

@@ -138,8 +138,11 @@ def sweep_point(clients: int, result: dict) -> dict:
             run = run.get(key) if isinstance(run, dict) else None
         return run
 
+    setup = result.get("setup", {})
     return {
         "clients": clients,
+        "prompt_tokens": setup.get("prompt_tokens"),
+        "max_new_tokens": setup.get("max_new_tokens"),
         "platform_tokens_per_s": platform["tokens_per_s"],
         "generate_batched_tokens_per_s": of(batched, "tokens_per_s"),
         "ratio_to_batched": batched and platform["tokens_per_s"] / batched["tokens_per_s"] or None,

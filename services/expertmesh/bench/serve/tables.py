@@ -123,14 +123,17 @@ def _classifier_line(c: dict) -> str:
 
 
 def sweep_table(result: dict) -> str:
-    """``drivers.run_sweep``'s result: a title, one row per client count, and each point's placement."""
+    """``drivers.run_sweep``'s result: a title, one row per point (client count, and prompt and answer lengths when
+    they vary), and each point's placement."""
     setup = result["points"][0]["result"]["setup"]
     best_of = isinstance(setup["threads"], list)
     with_vllm = any(p.get("vllm_tokens_per_s") is not None for p in result["points"])
     priced = setup.get("price_per_hour") is not None
+    shaped = len({(p.get("prompt_tokens"), p.get("max_new_tokens")) for p in result["points"]}) > 1
     rows = [
         [
             p["clients"],
+            *((p["prompt_tokens"], p["max_new_tokens"]) if shaped else ()),
             p["platform_tokens_per_s"],
             p["generate_batched_tokens_per_s"],
             p["ratio_to_batched"],
@@ -143,7 +146,15 @@ def sweep_table(result: dict) -> str:
             {True: "PASS", False: "FAIL", None: "-"}[p["same_answers"]],
             *((p["threads"]["platform"], p["threads"]["generate_batched"]) if best_of else ()),
             *(
-                (p["vllm_tokens_per_s"], p["ratio_to_vllm"], p["ttft_p50_ms"]["platform"], p["ttft_p50_ms"]["vllm"])
+                (
+                    p["itl_p99_ms"]["platform"],
+                    p["itl_p50_ms"]["vllm"],
+                    p["itl_p99_ms"]["vllm"],
+                    p["vllm_tokens_per_s"],
+                    p["ratio_to_vllm"],
+                    p["ttft_p50_ms"]["platform"],
+                    p["ttft_p50_ms"]["vllm"],
+                )
                 if with_vllm
                 else ()
             ),
@@ -152,17 +163,25 @@ def sweep_table(result: dict) -> str:
         ]
         for p in result["points"]
     ]
+    lengths = (
+        f"prompt and new tokens per row (prompts {'exactly' if setup.get('equal_prompts') else 'half to'} that)"
+        if shaped
+        else f"{setup['max_new_tokens']} new tokens, prompts {_prompts_note(setup)}"
+    )
     title = (
         f"bench serve --sweep: {result['model']['model_type']} {Path(result['model']['path']).name}, {setup['dtype']}; "
-        f"{setup['max_new_tokens']} new tokens, prompts {_prompts_note(setup)}, "
-        f"{setup['requests_per_client']} request(s) per client; {_threads_note(setup['threads'])}"
+        f"{lengths}, {setup['requests_per_client']} request(s) per client; {_threads_note(setup['threads'])}"
     )
-    headers = ["clients", "platform tok/s", "generate batched tok/s", "ratio", "ITL p50 ms", "generate ITL p50 ms"]
+    headers = ["clients", *(("prompt", "new") if shaped else ()), "platform tok/s", "generate batched tok/s", "ratio"]
+    headers += ["ITL p50 ms", "generate ITL p50 ms"]
     headers += ["decode ms/token", "generate decode ms/token", "KV peak %", "preemptions", "same answers"]
     headers += ["platform threads", "generate threads"] if best_of else []
-    headers += ["vLLM tok/s", "ratio to vLLM", "TTFT p50 ms", "vLLM TTFT p50 ms"] if with_vllm else []
-    formats = ["d", ".1f", ".1f", ".2f", ".1f", ".1f", ".2f", ".2f", ".1f", "d", "", *(("d", "d") if best_of else ())]
-    formats += [".1f", ".2f", ".0f", ".0f"] if with_vllm else []
+    if with_vllm:
+        headers += ["ITL p99 ms", "vLLM ITL p50 ms", "vLLM ITL p99 ms"]
+        headers += ["vLLM tok/s", "ratio to vLLM", "TTFT p50 ms", "vLLM TTFT p50 ms"]
+    formats = ["d", *(("d", "d") if shaped else ()), ".1f", ".1f", ".2f", ".1f", ".1f", ".2f", ".2f", ".1f", "d", ""]
+    formats += ["d", "d"] if best_of else []
+    formats += [".1f", ".1f", ".1f", ".1f", ".2f", ".0f", ".0f"] if with_vllm else []
     if priced:
         headers += ["platform $/M tok"] + (["vLLM $/M tok"] if with_vllm else [])
         formats += [".2f"] + ([".2f"] if with_vllm else [])

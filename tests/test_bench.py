@@ -461,7 +461,8 @@ def test_shapes_parse_as_prompt_and_answer_lengths_within_bounds():
     assert len(parse_shapes(",".join(f"{n}x1" for n in range(1, MAX_SHAPES + 1)))) == MAX_SHAPES
     with pytest.raises(BenchError, match=f"at most {MAX_SHAPES} shapes"):
         parse_shapes(",".join(f"{n}x1" for n in range(1, MAX_SHAPES + 2)))
-    for bad in ("", ",", "x", "8x", "x8", "-8x4", "8x4x2", "a x 4"):
+    assert parse_shapes(" 480 x 96") == [(480, 96)]
+    for bad in ("", ",", "x", "8x", "x8", "-8x4", "8x-4", "0x4", "8x4x2", "a x 4", "\u00b2x4", "8.5x4"):
         with pytest.raises(BenchError, match="--shapes takes PROMPTxNEW pairs"):
             parse_shapes(bad)
 

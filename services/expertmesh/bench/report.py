@@ -122,12 +122,16 @@ def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int]]:
         if not part:
             continue
         prompt, x, new = part.lower().partition("x")
-        if not (x and prompt.strip().isdigit() and new.strip().isdigit()) or not int(prompt) or not int(new):
+        try:  # as parse_int_list reads its counts: int() says what a number is, then each must be positive
+            shape = (int(prompt), int(new)) if x else None
+        except ValueError:
+            shape = None
+        if shape is None or min(shape) < 1:
             raise BenchError(
                 f"{flag} takes PROMPTxNEW pairs of positive token counts separated by commas (e.g. 480x96,64x256), "
                 f"got {part!r}"
             )
-        shapes.append((int(prompt), int(new)))
+        shapes.append(shape)
     if not shapes:
         raise BenchError(f"{flag} takes PROMPTxNEW pairs separated by commas (e.g. 480x96,64x256), got {text!r}")
     if len(shapes) > MAX_SHAPES:

@@ -537,6 +537,15 @@ def test_the_device_chooses_greedy_only_tokens_and_sends_the_host_only_what_it_r
     assert torch.equal(host[1], logits[1:2]) and torch.equal(host[4], logits[3:4])
     assert torch.isnan(host[3]).any(), "the broken row went to the host, whose choice refuses it"
 
+    # A decode step of greedy requests only (every row is a last row), one row of finite values whose sum
+    # overflows: still chosen here (finite is isfinite's answer, not the sum's); an Inf row goes to the host
+    decoding = [chunk(f"g{i}", Rows.LAST) for i in range(3)]
+    huge = torch.finfo(torch.float32).max
+    logits = torch.tensor([[huge, huge, 0.0, 1.0], [0.0, 1.0, 2.0, 2.0], [0.0, float("inf"), 0.0, 0.0]])
+    host, sampled = split_logits(logits, [1, 1, 1], decoding)
+    assert sampled == (0, 2, None) and host[:2] == [None, None]
+    assert torch.equal(host[2], logits[2:3])
+
 
 def test_a_steps_layout_in_the_pool_is_plain_data_from_the_block_tables():
     """``attention_backends.attention_metadata``: what a block-table backend (FlashInfer's plan) is given. Two
@@ -594,3 +603,65 @@ def test_one_clients_burst_does_not_hold_every_slot_while_another_waits(model):
     tokens, _ = _run(engine, [*burst, other])
     assert joined[:3] == ["a0", "b", "a1"]
     assert tokens["b"] == stock_greedy(model, other.prompt_ids, 4)
+
+
+def test_a_chunk_with_no_past_attends_to_the_steps_own_keys_and_the_others_read_the_cache():
+    """``paged_attention``: a prompt's first chunk (no past before the step) attends to the new keys and values
+    the module hands over, with no gather from the pool (they are the values the cache now holds); a sequence
+    with a past reads it from the cache. Each sequence's output is torch SDPA over its own keys alone (causal
+    for the chunk), placed at its rows, beside the decode rows of the batched kernel."""
+    from torch import nn
+
+    from expertmesh.serving.paged_attention import (
+        FULL,
+        SequenceRows,
+        StepAttention,
+        batched_decode_attend,
+        per_sequence_attend,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    heads, d = 2, 8
+    fresh, decoding = (3, 0), [(1, 4), (1, 2)]  # (tokens this step, past before it)
+    pasts = {1: torch.randn(2, 1, heads, 5, d, generator=g), 2: torch.randn(2, 1, heads, 3, d, generator=g)}
+    new_keys, new_values = torch.randn(2, 1, heads, 5, d, generator=g)  # [1, h, T, d] each: 3 + 1 + 1 tokens
+    for i, (n, start) in enumerate(decoding, start=1):  # the cache holds each decode row's own new key too
+        pasts[i][:, :, :, start:] = torch.stack((new_keys, new_values))[:, :, :, 2 + i : 3 + i]
+    query = torch.randn(1, heads, 5, d, generator=g)  # [1, H, T, d]
+    read: list[int] = []
+
+    class Cache:  # the pool's reader: only what a sequence with a past needs
+        def past(self, layer, sequence, first):
+            read.append(sequence)
+            return pasts[sequence][0][:, :, first:], pasts[sequence][1][:, :, first:]
+
+        def padded_slots(self, sequences, firsts):
+            return torch.tensor([[s] * 5 for s in sequences]), [pasts[s].shape[3] for s in sequences]
+
+        def padded_pasts(self, layer, slots):
+            def padded(s, t):
+                return torch.cat([t, t[:, :, -1:].expand(-1, -1, 5 - t.shape[2], -1)], dim=2)
+
+            keys = torch.cat([padded(s, pasts[s][0]) for s in slots[:, 0].tolist()])
+            values = torch.cat([padded(s, pasts[s][1]) for s in slots[:, 0].tolist()])
+            return keys, values
+
+    module = nn.Module()
+    module.layer_idx, module.num_key_value_groups, module.is_causal = 0, 1, True
+    sequences = [SequenceRows(0, fresh[0], fresh[1]), SequenceRows(3, 1, 4), SequenceRows(4, 1, 2)]
+    step = StepAttention(sequences, Cache(), "sdpa", (FULL,), None, torch.float32)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    expected = torch.cat(
+        [
+            sdpa(query[:, :, :3], new_keys[:, :, :3], new_values[:, :, :3], is_causal=True),
+            sdpa(query[:, :, 3:4], pasts[1][0], pasts[1][1]),
+            sdpa(query[:, :, 4:5], pasts[2][0], pasts[2][1]),
+        ],
+        dim=2,
+    ).transpose(1, 2)  # [1, T, H, d]
+    for attend in (per_sequence_attend, batched_decode_attend):
+        read.clear()
+        out = attend(module, query, new_keys, new_values, step, FULL, {})
+        assert 0 not in read, f"{attend.__name__}: the fresh chunk's keys were read back from the cache"
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert read == [], "the batched kernel reads the decode rows' pasts padded, side by side"

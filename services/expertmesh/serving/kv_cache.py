@@ -4,10 +4,15 @@ Glossary (blocks, block tables and the prefix cache: ``serving.kv_blocks``)
 - *pool* (``KVPool``): per attention layer, the two tensors that layer hands to
   ``cache.update`` (keys and values, or DeepSeek-V3's compressed latent and
   rotary key, each with its own heads and width), preallocated for every slot:
-  ``[heads, num_blocks * block_size, dim]`` each. Allocated up front from the
+  ``[num_blocks * block_size, heads, dim]`` each. Allocated up front from the
   model's config (``layer_shapes``), as vLLM allocates its KV cache at start; a
   layer whose first update brings other shapes (a family the config's formula
   does not describe) is allocated again from them, once, with a warning.
+  Slot-major: a slot's heads side by side, so a read gathers one contiguous row
+  per slot, and hands attention ``[1, heads, L, dim]`` views of the gathered
+  rows. At 64 decoding sequences with ~150 tokens of past each, a step's gathers
+  (torch profiler, 16 steps of the 214M Mixtral) took 12.7 ms head-major (a
+  256-byte row per slot and head) and 9.7 ms slot-major (512-byte rows).
 - *slot*: one token position of one block, ``block * block_size + offset``.
 - *step cache* (``PackedCache``): what one packed forward gets as its ``cache``.
   Every attention layer calls ``update`` once with the step's new states of all
@@ -86,7 +91,7 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
-        # layer -> (first [h, slots, d1], second [h', slots, d2])
+        # layer -> (first [slots, h, d1], second [slots, h', d2])
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: layers allocated again at their first update (the config's shapes were not theirs)
         self.reallocated: set[int] = set()
@@ -96,14 +101,14 @@ class KVPool:
         slots = self.num_blocks * self.block_size
         for layer in range(layers):
             self._layers[layer] = tuple(
-                torch.empty((heads, slots, width), dtype=dtype, device=self.device) for heads, width in shapes
+                torch.empty((slots, heads, width), dtype=dtype, device=self.device) for heads, width in shapes
             )
 
     def write(self, layer: int, first: torch.Tensor, second: torch.Tensor, slots: torch.Tensor) -> None:
         """Store ``first``/``second`` [1, h, T, d] of ``layer`` in ``slots`` [T]."""
         held = self._layers.get(layer)
         if held is None or any(
-            (t.shape[0], t.shape[2], t.dtype) != (new.shape[1], new.shape[3], new.dtype)
+            (t.shape[1], t.shape[2], t.dtype) != (new.shape[1], new.shape[3], new.dtype)
             for t, new in zip(held, (first, second))
         ):
             if held is not None:
@@ -111,20 +116,21 @@ class KVPool:
                     "KV pool: layer %d caches %s, not the %s its config describes; allocated again",
                     layer,
                     [tuple(n.shape[1::2]) for n in (first, second)],
-                    [tuple(t.shape[::2]) for t in held],
+                    [tuple(t.shape[1:]) for t in held],
                 )
                 self.reallocated.add(layer)
             self._layers[layer] = tuple(
-                new.new_empty((new.shape[1], self.num_blocks * self.block_size, new.shape[3]))
+                new.new_empty((self.num_blocks * self.block_size, new.shape[1], new.shape[3]))
                 for new in (first, second)
             )
         for store, new in zip(self._layers[layer], (first, second)):
-            store.index_copy_(1, slots, new[0])
+            store.index_copy_(0, slots, new[0].transpose(0, 1))  # [T, h, d] rows
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer``'s two tensors at ``slots`` [L], [1, h, L, d] each (a gather: a copy of L rows)."""
+        """``layer``'s two tensors at ``slots`` [L], [1, h, L, d] each (a gather: a copy of L rows, [L, h, d], seen
+        head-major)."""
         first, second = self._layers[layer]
-        return first.index_select(1, slots)[None], second.index_select(1, slots)[None]
+        return first.index_select(0, slots).transpose(0, 1)[None], second.index_select(0, slots).transpose(0, 1)[None]
 
     def bytes(self) -> int:
         """What the layers allocated so far hold."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -29,6 +30,7 @@ from opentelemetry import trace
 from transformers import DynamicCache
 
 from expertmesh.contracts.errors import ExpertMeshError, GroupUnavailable
+from expertmesh.infra.finite import finite_rows
 from expertmesh.infra.telemetry.setup import tracer
 from expertmesh.router.dispatch.step_choices import StepChoices
 from expertmesh.router.dispatch.step_context import StepContext
@@ -314,8 +316,14 @@ def split_logits(
     ends = [i for i in ends if chunks[i].request.greedy_only]
     chosen: dict[int, int] = {}
     if ends:
-        last = torch.stack([parts[i][-1] for i in ends]).float()  # [G, V]
-        ids, finite = last.argmax(-1).cpu().tolist(), torch.isfinite(last).all(-1).cpu().tolist()  # [G] each
+        # Each greedy chunk's last row, by one index (a decode step's G = R rows are all of them: no copy); the
+        # rows' finiteness by their sums, element by element only when one is not (``finite_rows``): at 64
+        # decoding sequences of a 32000-token vocabulary, isfinite over all rows cost 3.5 ms a step
+        ends_at = list(accumulate(rows_per_chunk))
+        last_rows = [ends_at[i] - 1 for i in ends]  # [G]
+        last = logits if last_rows == list(range(logits.shape[0])) else logits[torch.tensor(last_rows)]
+        last = last.float()  # [G, V]
+        ids, finite = last.argmax(-1).cpu().tolist(), finite_rows(last).cpu().tolist()  # [G] each
         chosen = {i: token for i, token, ok in zip(ends, ids, finite) if ok}
     host = [
         None if not n or i in chosen else part.float().cpu() for i, (part, n) in enumerate(zip(parts, rows_per_chunk))

@@ -6,7 +6,9 @@ as the keyword ``STEP``, which transformers passes through every decoder layer t
 continuous batching passes ``cu_seq_lens``. The model's attention module has just stored the step's
 new keys and values with ``cache.update``; this function then, sequence by sequence, reads that
 sequence's past for the layer (``cache.past``: only the window on a sliding layer) and runs the
-model's own attention on it with a mask of that sequence alone:
+model's own attention on it with a mask of that sequence alone. A chunk with no past before the step (a
+prompt's first chunk) attends to the step's own new keys and values as the module handed them over, the
+same values the cache now holds: nothing to gather.
 
 - ``sdpa`` models: the registry's ``sdpa`` (torch SDPA) with a boolean mask;
 - ``eager`` models: the module's own ``eager_attention_forward`` (found in its modeling module, so
@@ -114,7 +116,8 @@ class StepAttention:
     window: int | None  # tokens a sliding layer sees, itself included
     dtype: torch.dtype
     device: torch.device | str = "cpu"
-    #: the attention backend's kernel: (module, query [1, H, T, d], this, layer kind, kwargs) -> [1, T, H, dv]
+    #: the attention backend's kernel: (module, query [1, H, T, d], the step's new keys and values [1, h, T, d] each,
+    #: this, layer kind, kwargs) -> [1, T, H, dv]
     attend: Callable[..., torch.Tensor] = lambda *args: per_sequence_attend(*args)
     #: (sequence, kind) -> (first key position, mask [1, 1, n, L]); the same for every layer of a kind
     _masks: dict[tuple[int, str], tuple[int, torch.Tensor]] = field(default_factory=dict)
@@ -197,18 +200,35 @@ def _inner(module: torch.nn.Module, implementation: str):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
+def _past(
+    module: torch.nn.Module, step: StepAttention, i: int, first: int, new: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step sequence ``i``'s keys and values on ``module``'s layer from position ``first``, [1, h, L, d] each: the
+    step's ``new`` ones [1, h, T, d] when its chunk is all of its past (read back from the cache, they would be
+    the same values), else gathered from the cache; expanded where the cache holds latents."""
+    rows = step.sequences[i]
+    expand = getattr(module, "expand_kv", None)  # MLA: the cache holds latents, expanded per use
+    if expand is None and rows.start == 0 and first == 0:
+        return tuple(t[:, :, rows.offset : rows.offset + rows.n] for t in new)
+    past_first, past_second = step.cache.past(module.layer_idx, i, first)  # [1, h, L, d] each
+    return expand(past_first, past_second) if expand is not None else (past_first, past_second)
+
+
 def per_sequence_attend(
-    module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    step: StepAttention,
+    kind: str,
+    kwargs: dict,
 ) -> torch.Tensor:
     """query [1, H, T, d] -> [1, T, H, dv]: the model's own attention, sequence by sequence."""
-    layer = module.layer_idx
     attend = _inner(module, step.implementation)
-    expand = getattr(module, "expand_kv", None)  # MLA: the cache holds latents, expanded per use
     out = []
     for i, rows in enumerate(step.sequences):
         first, mask = step.mask(i, kind)
-        past_first, past_second = step.cache.past(layer, i, first)  # [1, h, L, d] each
-        keys, values = expand(past_first, past_second) if expand is not None else (past_first, past_second)
+        keys, values = _past(module, step, i, first, (new_keys, new_values))
         q = query[:, :, rows.offset : rows.offset + rows.n]  # [1, H, n, d]
         attended, _ = attend(module, q, keys, values, mask, **kwargs)  # [1, n, H, dv]
         out.append(attended)
@@ -216,31 +236,37 @@ def per_sequence_attend(
 
 
 def batched_decode_attend(
-    module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    step: StepAttention,
+    kind: str,
+    kwargs: dict,
 ) -> torch.Tensor:
     """query [1, H, T, d] -> [1, T, H, dv]: the decode rows in one padded call (``DecodeBatch``), every other
     sequence as ``per_sequence_attend`` does it."""
     batch = step.decode_batch(kind)
     if batch is None:
-        return per_sequence_attend(module, query, step, kind, kwargs)
-    layer = module.layer_idx
+        return per_sequence_attend(module, query, new_keys, new_values, step, kind, kwargs)
     attend = _inner(module, step.implementation)
-    keys, values = step.cache.padded_pasts(layer, batch.slots)  # [B, h, L, d] each
+    keys, values = step.cache.padded_pasts(module.layer_idx, batch.slots)  # [B, h, L, d] each
     q = query[0][:, batch.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]
     decoded, _ = attend(module, q, keys, values, batch.mask, **kwargs)  # [B, 1, H, dv]
-    out: list[torch.Tensor] = []
-    taken = dict(zip(batch.sequences, decoded.split(1)))  # sequence -> [1, 1, H, dv]
+    if len(batch.sequences) == len(step.sequences):  # a decode step: the B rows are the T tokens, in order
+        return decoded.transpose(0, 1)  # [1, T, H, dv]
+    # Each row where its token sits: no list of T one-row pieces to concatenate
+    out = decoded.new_empty((1, query.shape[2], *decoded.shape[2:]))  # [1, T, H, dv]
+    out[0, batch.rows] = decoded[:, 0]
+    decoding = set(batch.sequences)
     for i, rows in enumerate(step.sequences):
-        if i in taken:
-            out.append(taken[i])
+        if i in decoding:
             continue
         first, mask = step.mask(i, kind)
-        past_first, past_second = step.cache.past(layer, i, first)  # [1, h, L, d] each
-        attended, _ = attend(
-            module, query[:, :, rows.offset : rows.offset + rows.n], past_first, past_second, mask, **kwargs
-        )
-        out.append(attended)  # [1, n, H, dv]
-    return torch.cat(out, dim=1)
+        keys, values = _past(module, step, i, first, (new_keys, new_values))
+        q = query[:, :, rows.offset : rows.offset + rows.n]  # [1, H, n, d]
+        out[:, rows.offset : rows.offset + rows.n], _ = attend(module, q, keys, values, mask, **kwargs)
+    return out
 
 
 @functools.cache
@@ -254,7 +280,13 @@ def flash_varlen() -> Callable | None:
 
 
 def flash_varlen_attend(
-    module: torch.nn.Module, query: torch.Tensor, step: StepAttention, kind: str, kwargs: dict
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    step: StepAttention,
+    kind: str,
+    kwargs: dict,
 ) -> torch.Tensor:
     """query [1, H, T, d] -> [1, T, H, d]: one varlen call for all sequences (its causal mask is
     bottom-right aligned: each chunk's queries are the last of its keys)."""
@@ -281,7 +313,7 @@ def flash_varlen_attend(
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, d]
-    key: torch.Tensor,  # the step's new keys (already in the cache: unused)
+    key: torch.Tensor,  # [1, h, T, d] the step's new keys (already in the cache too)
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     **kwargs,
@@ -290,7 +322,7 @@ def paged_attention_forward(
     step: StepAttention | None = kwargs.pop(STEP, None)
     if step is None:  # another forward of the model while a step runs would get no causal mask: refuse it
         raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside the serving engine's step")
-    return step.attend(module, query, step, step.kinds[module.layer_idx], kwargs), None
+    return step.attend(module, query, key, value, step, step.kinds[module.layer_idx], kwargs), None
 
 
 AttentionInterface.register(IMPLEMENTATION, paged_attention_forward)

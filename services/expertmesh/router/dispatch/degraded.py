@@ -71,13 +71,17 @@ class DegradedTokens:
     ``tokens_per_sequence`` tokens of each, in order)."""
 
     def __init__(self, tokens_per_sequence: Sequence[int]):
-        counts = torch.tensor(list(tokens_per_sequence), dtype=torch.long)
-        self._owner = torch.repeat_interleave(torch.arange(len(counts)), counts)  # [T]
+        self._tokens_per_sequence = tokens_per_sequence
+        #: [T] each token's sequence, built at the first record: every step has one of these, few record anything
+        self._owner: torch.Tensor | None = None
         #: sequence -> (layer, expert) -> tokens
         self._found: dict[int, dict[tuple[int, int], int]] = {}
 
     def record(self, layer: int, chosen: torch.Tensor, fell: torch.Tensor) -> None:
         """chosen [T, K]: the stock gate's experts; fell [T, K]: which of them the fallback served."""
+        if self._owner is None:
+            counts = torch.tensor(list(self._tokens_per_sequence), dtype=torch.long)
+            self._owner = torch.repeat_interleave(torch.arange(len(counts)), counts)  # [T]
         rows, slots = fell.nonzero(as_tuple=True)
         for seq, expert in zip(self._owner[rows].tolist(), chosen[rows, slots].tolist()):
             pairs = self._found.setdefault(seq, {})

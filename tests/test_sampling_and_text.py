@@ -208,3 +208,66 @@ def test_a_stop_completed_by_a_token_that_starts_a_multibyte_character_is_not_le
     # without a stop in it, the incomplete character still waits for its byte
     stream = TextStream(tokenizer, ("XYZ",))
     assert stream.push(0) == "hello EN" and stream.push(1) == "" and stream.push(2) == "Dé more"
+
+
+def _llama_style_tokenizer():
+    """A SentencePiece-style tokenizer as Llama's and Mixtral's are (``▁`` for a space, byte-fallback tokens, the
+    decoder dropping the text's first space): the first id of a window decodes without its space, which is what
+    the incremental decode's context ids are for."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "▁hello", "▁world", "a", "é", "▁!"]
+    core = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True))
+    core.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    core.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+class _WholeDecode(TextStream):
+    """The stream as it was: every id decoded again on every token (the reference the windows must agree with)."""
+
+    def _text(self) -> str:
+        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+
+
+def test_the_released_text_is_the_whole_decodes_while_each_token_decodes_a_few(tokenizer):
+    """``TextStream`` decodes each token with the last few ids only (prefix and read offsets) and releases, token
+    by token, exactly what a stream decoding every id again releases (``_WholeDecode``), stops included: on the
+    project's byte-level tokenizer and a SentencePiece-style one, over random ids (special tokens, bytes that make
+    no character, characters split across tokens). A stream of whole characters decodes at most 4 ids a call,
+    however long it grows."""
+    import random
+
+    llama = _llama_style_tokenizer()
+    rng = random.Random(0)
+    for tok in (tokenizer, llama):
+        for trial in range(40):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))]
+            stop = (tok.decode(ids[3:5], skip_special_tokens=True)[:2],) if trial % 4 == 0 else ()
+            stop = tuple(s for s in stop if s)
+            streams = TextStream(tok, stop), _WholeDecode(tok, stop)
+            for token in ids:
+                pieces = [stream.push(token) for stream in streams]
+                assert pieces[0] == pieces[1] and streams[0].stopped == streams[1].stopped, (ids, stop)
+                if streams[0].stopped:
+                    break
+            assert streams[0].flush() == streams[1].flush()
+
+    class Counting:
+        def __init__(self, tok):
+            self.tok, self.lengths = tok, []
+
+        def decode(self, ids, skip_special_tokens=True):
+            self.lengths.append(len(ids))
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    for tok, word in ((tokenizer, "a b c é".encode()), (llama, None)):
+        counting = Counting(tok)
+        stream = TextStream(counting)
+        ids = tok("hello é world " * 40)["input_ids"] if word else [260, 261, 262, 263] * 100
+        text = "".join(stream.push(t) for t in ids) + stream.flush()
+        assert text == tok.decode(ids, skip_special_tokens=True)
+        assert max(counting.lengths) <= 4, f"a call decoded {max(counting.lengths)} of {len(ids)} ids"

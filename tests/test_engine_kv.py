@@ -558,7 +558,7 @@ def test_a_steps_layout_in_the_pool_is_plain_data_from_the_block_tables():
     md = attention_metadata([[5, 2], [-1, 9, 3]], starts=[6, 4], tokens=[1, 3], block_size=4)
     assert md.block_tables.tolist() == [[5, 2, -1], [-1, 9, 3]]
     assert md.num_computed_tokens.tolist() == [6, 4] and md.seq_lens.tolist() == [7, 7]
-    assert md.query_start_loc.tolist() == [0, 1, 4]
+    assert md.query_start_loc.tolist() == [0, 1, 4] and md.positions.tolist() == [6, 4, 5, 6]
     # position 6 of the first: block 2, offset 2; positions 4, 5, 6 of the second: block 9, offsets 0-2
     assert np.array_equal(md.slot_mapping, [2 * 4 + 2, 9 * 4, 9 * 4 + 1, 9 * 4 + 2])
 
@@ -571,11 +571,47 @@ def test_pack_reads_a_sequence_from_its_first_held_block():
     spec = MaskSpec("sdpa", ("sliding_attention",), 3, torch.float32)
     batch = pack([Chunk([FREED, 2], (9,), 6, Rows.LAST), Chunk([1], (5, 6), 0, Rows.LAST)], spec, KVPool(4, 4))
     cache = batch.cache
+    assert batch.positions.tolist() == [6, 0, 1]
     assert cache._write.tolist() == [10, 4, 5] and cache._read.tolist() == [8, 9, 10, 4, 5]
     assert cache.past_offsets() == [0, 3, 5] and cache._bases == [4, 0]
     assert batch.attention.first_key(batch.attention.sequences[0], "sliding_attention") == 4
     with pytest.raises(ValueError, match="position 3 of step sequence 0 is in a block it gave back"):
         cache.past(0, 0, 3)
+
+
+def test_a_steps_slots_are_each_sequences_own_computed_one_by_one():
+    """The step's layout is computed for all sequences at once; the oracle is each sequence on its own: its new
+    tokens' positions and slots, and the slots its past is read from (from its first held block to its end), over
+    random steps of many sequences with blocks given back behind a window and tables of different widths."""
+    import numpy as np
+
+    from expertmesh.serving.attention_backends import ATTENTION_BACKENDS, StepLayout, attention_metadata
+    from expertmesh.serving.kv_cache import KVPool
+
+    rng = np.random.default_rng(3)
+    pool = KVPool(256, 4)
+    layout = StepLayout("sdpa", ("full_attention",), None, torch.float32)
+    for _ in range(50):
+        tables, starts, tokens = [], [], []
+        for _ in range(int(rng.integers(1, 9))):
+            start, count = int(rng.integers(0, 30)), int(rng.integers(1, 6))
+            blocks = rng.choice(256, size=(start + count + 3) // 4, replace=False).tolist()
+            gone = int(rng.integers(0, start // 4 + 1))  # blocks wholly behind the window, given back
+            tables.append([-1] * gone + blocks[gone:])
+            starts.append(start)
+            tokens.append(count)
+        md = attention_metadata(tables, starts, tokens, 4)
+        cache, _ = ATTENTION_BACKENDS["batched-decode"].plan(md, pool, layout)
+        positions, writes, reads, bases = [], [], [], []
+        for table, start, count in zip(tables, starts, tokens):
+            mine = list(range(start, start + count))
+            positions += mine
+            writes += [table[p // 4] * 4 + p % 4 for p in mine]
+            base = next(i for i, b in enumerate(table) if b >= 0) * 4
+            bases.append(base)
+            reads += [table[p // 4] * 4 + p % 4 for p in range(base, start + count)]
+        assert md.positions.tolist() == positions and md.slot_mapping.tolist() == writes
+        assert cache._write.tolist() == writes and cache._read.tolist() == reads and cache._bases == bases
 
 
 def test_the_pool_is_reported_before_the_first_step(model):
@@ -614,6 +650,7 @@ def test_a_chunk_with_no_past_attends_to_the_steps_own_keys_and_the_others_read_
 
     from expertmesh.serving.paged_attention import (
         FULL,
+        LayerAttention,
         SequenceRows,
         StepAttention,
         batched_decode_attend,
@@ -661,7 +698,7 @@ def test_a_chunk_with_no_past_attends_to_the_steps_own_keys_and_the_others_read_
     ).transpose(1, 2)  # [1, T, H, d]
     for attend in (per_sequence_attend, batched_decode_attend):
         read.clear()
-        out = attend(module, query, new_keys, new_values, step, FULL, {})
+        out = attend(LayerAttention(module, query, new_keys, new_values, step, FULL, {}))
         assert 0 not in read, f"{attend.__name__}: the fresh chunk's keys were read back from the cache"
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     assert read == [], "the batched kernel reads the decode rows' pasts padded, side by side"

@@ -78,8 +78,18 @@ def test_a_long_prefill_records_a_bounded_sample():
     gate_bias = GateBias(model)
     reader = InMemoryMetricReader()
     record_gate_confidence(gate_bias, MeterProvider(metric_readers=[reader]).get_meter("test"))
+    seen = {}
+    for layer, gate in gate_bias.gates.items():
+        gate.register_forward_hook(lambda _m, _a, out, layer=layer: seen.__setitem__(layer, out[0].detach()))
     with torch.no_grad():
         model(input_ids=torch.randint(3, 100, (1, 200)))
     points = _points(reader)
     assert all(p.count == MAX_TOKENS_RECORDED for (name, _), p in points.items() if name != "expertmesh.gate.duration")
+    # the recorded tokens are evenly spaced over the 200, the first and the last among them
+    recorded = torch.linspace(0, 199, MAX_TOKENS_RECORDED).round().long()
+    assert recorded[0] == 0 and recorded[-1] == 199
+    for layer, logits in seen.items():
+        top1, margin = confidence(gate_scores(logits, sigmoid=False))
+        for name, values in (("expertmesh.gate.top1_probability", top1), ("expertmesh.gate.top2_margin", margin)):
+            assert points[(name, layer)].sum == pytest.approx(float(values[recorded].sum()), rel=1e-5)
     assert all(p.count == 1 for (name, _), p in points.items() if name == "expertmesh.gate.duration")  # one forward

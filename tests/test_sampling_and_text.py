@@ -271,3 +271,25 @@ def test_the_released_text_is_the_whole_decodes_while_each_token_decodes_a_few(t
         text = "".join(stream.push(t) for t in ids) + stream.flush()
         assert text == tok.decode(ids, skip_special_tokens=True)
         assert max(counting.lengths) <= 4, f"a call decoded {max(counting.lengths)} of {len(ids)} ids"
+
+
+def test_a_rust_backed_tokenizer_is_decoded_by_its_library_as_transformers_would(tokenizer):
+    """``text_stream._decoder``: the ``tokenizers`` library's own decode for a transformers tokenizer backed by it
+    with no space clean-up (the same text as ``decode`` over random ids, special tokens and split characters
+    included); ``decode`` itself where transformers would do more (clean-up asked for) or for any other object."""
+    import random
+
+    from expertmesh.serving.text_stream import _decoder
+
+    rng = random.Random(1)
+    llama = _llama_style_tokenizer()
+    for tok in (tokenizer, llama):
+        decode = _decoder(tok)
+        assert decode.func.__self__ is tok._tokenizer  # the library's own
+        for _ in range(200):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))]
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=True), ids
+    llama.clean_up_tokenization_spaces = True
+    assert _decoder(llama).func.__self__ is llama  # transformers' decode, its clean-up included
+    merged = _MergedBytesTokenizer([b"a", b"\xc3\xa9"])
+    assert _decoder(merged)([0, 1]) == "a\u00e9"

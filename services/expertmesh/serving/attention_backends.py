@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, get_args
+from typing import Protocol, get_args
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ import torch
 from expertmesh.serving import paged_attention
 from expertmesh.serving.kv_cache import KVPool, PackedCache
 from expertmesh.serving.paged_attention import (
+    AttendKernel,
     AttentionKernel,
     SequenceRows,
     StepAttention,
@@ -57,6 +58,7 @@ class AttentionMetadata:
     num_computed_tokens: np.ndarray  # [B] positions each sequence had before the step
     seq_lens: np.ndarray  # [B] its positions after the step
     query_start_loc: np.ndarray  # [B + 1] where each sequence's queries start among the T tokens
+    positions: np.ndarray  # [T] the position of each new token in its sequence
     slot_mapping: np.ndarray  # [T] the pool slot of each new token
     block_size: int
 
@@ -67,7 +69,8 @@ class AttentionMetadata:
 
 def attention_metadata(tables: Sequence[Sequence[int]], starts: Sequence[int], tokens: Sequence[int], block_size: int):
     """The metadata of a step whose sequence i feeds ``tokens[i]`` tokens from position ``starts[i]``, its block
-    table ``tables[i]`` holding them. Built in numpy: a torch op per sequence costs more than the arithmetic."""
+    table ``tables[i]`` holding them. Built in numpy over all sequences at once: a call per sequence (numpy's or
+    torch's) costs more than the arithmetic."""
     width = max(len(t) for t in tables)
     block_tables = np.full((len(tables), width), -1, dtype=np.int64)
     for i, table in enumerate(tables):
@@ -75,10 +78,21 @@ def attention_metadata(tables: Sequence[Sequence[int]], starts: Sequence[int], t
     starts_a, tokens_a = np.asarray(starts, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
     seq_lens = starts_a + tokens_a
     query_start_loc = np.concatenate([[0], np.cumsum(tokens_a)])
-    owner = np.repeat(np.arange(len(tables)), tokens_a)  # [T] the sequence of each token
-    positions = np.arange(query_start_loc[-1]) - query_start_loc[owner] + starts_a[owner]  # [T]
-    slot_mapping = block_tables[owner, positions // block_size] * block_size + positions % block_size
-    return AttentionMetadata(block_tables, starts_a, seq_lens, query_start_loc, slot_mapping, block_size)
+    positions, slot_mapping = _slots(block_tables, starts_a, tokens_a, block_size)
+    return AttentionMetadata(block_tables, starts_a, seq_lens, query_start_loc, positions, slot_mapping, block_size)
+
+
+def _slots(
+    block_tables: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """block_tables [B, M], starts [B], counts [B] -> (positions [N], slots [N]): sequence i's positions
+    ``starts[i]`` .. ``starts[i] + counts[i] - 1`` one after another, and the pool slot each is at.
+
+    Example: tables [[4, 7]], block size 4, start 2, count 4 -> positions [2, 3, 4, 5], slots [18, 19, 28, 29]."""
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    owner = np.repeat(np.arange(len(counts)), counts)  # [N] the sequence of each position
+    positions = np.arange(offsets[-1]) - offsets[owner] + starts[owner]
+    return positions, block_tables[owner, positions // block_size] * block_size + positions % block_size
 
 
 class AttentionBackend(Protocol):
@@ -105,23 +119,19 @@ class _GatheredPasts:
     """Backends that read each sequence's past as one gather of its slots, from its first held block to its end."""
 
     name: AttentionKernel
-    attend: Callable
+    attend: AttendKernel
 
     def plan(self, metadata: AttentionMetadata, pool: KVPool, layout: StepLayout) -> tuple[PackedCache, StepAttention]:
-        size = metadata.block_size
-        held = [int(np.argmax(row >= 0)) for row in metadata.block_tables]  # each table's first held block
-        bases = [h * size for h in held]
-        slots = []
-        for table, base, end in zip(metadata.block_tables, bases, metadata.seq_lens.tolist()):
-            positions = np.arange(base, end)
-            slots.append(table[positions // size] * size + positions % size)
-        read_offsets = np.cumsum([0, *(len(s) for s in slots)]).tolist()
+        size, tables = metadata.block_size, metadata.block_tables
+        bases = (tables >= 0).argmax(axis=1) * size  # [B] each table's first held block's first position
+        lengths = metadata.seq_lens - bases  # [B] what each sequence reads: from that block to its end
+        _, slots = _slots(tables, bases, lengths, size)
         cache = PackedCache(
             pool,
             torch.from_numpy(metadata.slot_mapping).to(pool.device),
-            torch.from_numpy(np.concatenate(slots)).to(pool.device),
-            read_offsets,
-            bases,
+            torch.from_numpy(slots).to(pool.device),
+            np.concatenate([[0], np.cumsum(lengths)]).tolist(),
+            bases.tolist(),
         )
         qsl = metadata.query_start_loc.tolist()
         sequences = [

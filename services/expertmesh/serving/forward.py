@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -117,7 +116,7 @@ def pack(chunks: list[Chunk], spec: MaskSpec, pool: KVPool) -> PackedBatch:
             rows.append(offset + k - 1)
     return PackedBatch(
         input_ids=torch.tensor([[t for c in chunks for t in c.token_ids]]),
-        positions=torch.from_numpy(np.concatenate([np.arange(c.start, c.start + k) for c, k in zip(chunks, tokens)])),
+        positions=torch.from_numpy(metadata.positions),
         attention=attention,
         logit_rows=torch.tensor(rows, dtype=torch.long),
         rows_per_chunk=[{Rows.NONE: 0, Rows.LAST: 1, Rows.ALL: k}[c.rows] for c, k in zip(chunks, tokens)],

@@ -18,7 +18,8 @@ Work per layer is therefore Σ (chunk × own past) rather than T × Σ past, and
 step's pasts side by side. A module that expands its cached latents after ``cache.update``
 (DeepSeek-V3's multi-head latent attention, ``expand_kv``) gets its past expanded here, per sequence.
 
-Kernels (the attention backends' ``attend``, ``attention_backends``, chosen once per model):
+Kernels (the attention backends' ``attend``, ``attention_backends``, chosen once per model; each an
+``AttendKernel``: one layer's call, ``LayerAttention``, in, that layer's output out):
 - ``per-sequence``: the loop above, over each sequence's gathered blocks; every device, every model.
 - ``batched-decode``: the loop above for the sequences that feed several tokens (prefill chunks), and the
   step's *decode rows* (sequences feeding one token, which need no mask but their length) in one call per
@@ -52,7 +53,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 __all__ = [
     "IMPLEMENTATION",
     "STEP",
+    "AttendKernel",
     "AttentionKernel",
+    "LayerAttention",
     "SequenceRows",
     "StepAttention",
     "DecodeBatch",
@@ -116,9 +119,8 @@ class StepAttention:
     window: int | None  # tokens a sliding layer sees, itself included
     dtype: torch.dtype
     device: torch.device | str = "cpu"
-    #: the attention backend's kernel: (module, query [1, H, T, d], the step's new keys and values [1, h, T, d] each,
-    #: this, layer kind, kwargs) -> [1, T, H, dv]
-    attend: Callable[..., torch.Tensor] = lambda *args: per_sequence_attend(*args)
+    #: the attention backend's kernel (``AttendKernel``)
+    attend: "AttendKernel" = lambda call: per_sequence_attend(call)
     #: (sequence, kind) -> (first key position, mask [1, 1, n, L]); the same for every layer of a kind
     _masks: dict[tuple[int, str], tuple[int, torch.Tensor]] = field(default_factory=dict)
     #: kind -> the step's decode rows on layers of that kind (``decode_batch``), built at the first such layer
@@ -193,6 +195,24 @@ class DecodeBatch:
         return cls(sequences, rows, slots, mask)
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """One attention layer's call in a packed step: what a kernel is handed."""
+
+    module: torch.nn.Module
+    query: torch.Tensor  # [1, H, T, d]
+    new_keys: torch.Tensor  # [1, h, T, d] the step's new keys (the cache holds them too)
+    new_values: torch.Tensor  # [1, h, T, dv]
+    step: StepAttention
+    kind: str  # the layer's kind: FULL or SLIDING
+    kwargs: dict  # the model's own attention arguments (scaling, dropout, ...)
+
+
+class AttendKernel(Protocol):
+    def __call__(self, call: LayerAttention) -> torch.Tensor:
+        """The layer's attention output [1, T, H, dv]."""
+
+
 def _inner(module: torch.nn.Module, implementation: str):
     """The model's own attention function for one sequence."""
     if implementation == "sdpa":
@@ -200,55 +220,39 @@ def _inner(module: torch.nn.Module, implementation: str):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
-def _past(
-    module: torch.nn.Module, step: StepAttention, i: int, first: int, new: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step sequence ``i``'s keys and values on ``module``'s layer from position ``first``, [1, h, L, d] each: the
-    step's ``new`` ones [1, h, T, d] when its chunk is all of its past (read back from the cache, they would be
-    the same values), else gathered from the cache; expanded where the cache holds latents."""
-    rows = step.sequences[i]
+def _past(call: LayerAttention, i: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step sequence ``i``'s keys and values on the call's layer from position ``first``, [1, h, L, d] each: the
+    step's new ones [1, h, T, d] when its chunk is all of its past (read back from the cache, they would be the
+    same values), else gathered from the cache; expanded where the cache holds latents."""
+    module, rows = call.module, call.step.sequences[i]
     expand = getattr(module, "expand_kv", None)  # MLA: the cache holds latents, expanded per use
     if expand is None and rows.start == 0 and first == 0:
-        return tuple(t[:, :, rows.offset : rows.offset + rows.n] for t in new)
-    past_first, past_second = step.cache.past(module.layer_idx, i, first)  # [1, h, L, d] each
+        return tuple(t[:, :, rows.offset : rows.offset + rows.n] for t in (call.new_keys, call.new_values))
+    past_first, past_second = call.step.cache.past(module.layer_idx, i, first)  # [1, h, L, d] each
     return expand(past_first, past_second) if expand is not None else (past_first, past_second)
 
 
-def per_sequence_attend(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    new_keys: torch.Tensor,
-    new_values: torch.Tensor,
-    step: StepAttention,
-    kind: str,
-    kwargs: dict,
-) -> torch.Tensor:
-    """query [1, H, T, d] -> [1, T, H, dv]: the model's own attention, sequence by sequence."""
+def per_sequence_attend(call: LayerAttention) -> torch.Tensor:
+    """[1, T, H, dv]: the model's own attention, sequence by sequence."""
+    module, query, step = call.module, call.query, call.step
     attend = _inner(module, step.implementation)
     out = []
     for i, rows in enumerate(step.sequences):
-        first, mask = step.mask(i, kind)
-        keys, values = _past(module, step, i, first, (new_keys, new_values))
+        first, mask = step.mask(i, call.kind)
+        keys, values = _past(call, i, first)
         q = query[:, :, rows.offset : rows.offset + rows.n]  # [1, H, n, d]
-        attended, _ = attend(module, q, keys, values, mask, **kwargs)  # [1, n, H, dv]
+        attended, _ = attend(module, q, keys, values, mask, **call.kwargs)  # [1, n, H, dv]
         out.append(attended)
     return torch.cat(out, dim=1)
 
 
-def batched_decode_attend(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    new_keys: torch.Tensor,
-    new_values: torch.Tensor,
-    step: StepAttention,
-    kind: str,
-    kwargs: dict,
-) -> torch.Tensor:
-    """query [1, H, T, d] -> [1, T, H, dv]: the decode rows in one padded call (``DecodeBatch``), every other
-    sequence as ``per_sequence_attend`` does it."""
-    batch = step.decode_batch(kind)
+def batched_decode_attend(call: LayerAttention) -> torch.Tensor:
+    """[1, T, H, dv]: the decode rows in one padded call (``DecodeBatch``), every other sequence as
+    ``per_sequence_attend`` does it."""
+    module, query, step, kwargs = call.module, call.query, call.step, call.kwargs
+    batch = step.decode_batch(call.kind)
     if batch is None:
-        return per_sequence_attend(module, query, new_keys, new_values, step, kind, kwargs)
+        return per_sequence_attend(call)
     attend = _inner(module, step.implementation)
     keys, values = step.cache.padded_pasts(module.layer_idx, batch.slots)  # [B, h, L, d] each
     q = query[0][:, batch.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]
@@ -262,8 +266,8 @@ def batched_decode_attend(
     for i, rows in enumerate(step.sequences):
         if i in decoding:
             continue
-        first, mask = step.mask(i, kind)
-        keys, values = _past(module, step, i, first, (new_keys, new_values))
+        first, mask = step.mask(i, call.kind)
+        keys, values = _past(call, i, first)
         q = query[:, :, rows.offset : rows.offset + rows.n]  # [1, H, n, d]
         out[:, rows.offset : rows.offset + rows.n], _ = attend(module, q, keys, values, mask, **kwargs)
     return out
@@ -279,18 +283,11 @@ def flash_varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def flash_varlen_attend(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    new_keys: torch.Tensor,
-    new_values: torch.Tensor,
-    step: StepAttention,
-    kind: str,
-    kwargs: dict,
-) -> torch.Tensor:
-    """query [1, H, T, d] -> [1, T, H, d]: one varlen call for all sequences (its causal mask is
-    bottom-right aligned: each chunk's queries are the last of its keys)."""
-    keys, values = step.cache.pasts(module.layer_idx)  # [1, h, ΣL, d] each
+def flash_varlen_attend(call: LayerAttention) -> torch.Tensor:
+    """[1, T, H, d]: one varlen call for all sequences (its causal mask is bottom-right aligned: each chunk's
+    queries are the last of its keys)."""
+    query, step, kind, kwargs = call.query, call.step, call.kind, call.kwargs
+    keys, values = step.cache.pasts(call.module.layer_idx)  # [1, h, ΣL, d] each
     cu_q = torch.tensor(
         [*(r.offset for r in step.sequences), query.shape[2]], dtype=torch.int32, device=query.device
     )  # [B+1]
@@ -322,7 +319,7 @@ def paged_attention_forward(
     step: StepAttention | None = kwargs.pop(STEP, None)
     if step is None:  # another forward of the model while a step runs would get no causal mask: refuse it
         raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside the serving engine's step")
-    return step.attend(module, query, key, value, step, step.kinds[module.layer_idx], kwargs), None
+    return step.attend(LayerAttention(module, query, key, value, step, step.kinds[module.layer_idx], kwargs)), None
 
 
 AttentionInterface.register(IMPLEMENTATION, paged_attention_forward)

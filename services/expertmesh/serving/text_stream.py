@@ -16,11 +16,16 @@ decoded this way. A window whose text does not begin with its
 first ids' own text (a tokenizer whose decoding of a token depends on what follows
 it) is decoded whole instead, so the text is always what ``decode`` of every id
 gives.
+
+A transformers tokenizer backed by the Rust ``tokenizers`` library, with no clean-up of spaces to do, is decoded by
+that library directly (``_decoder``): what transformers' ``decode`` calls after converting its argument and
+checking its options, 0.7 us for a token's two decodes against 4.2 through transformers.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from functools import partial
+from typing import Callable, Sequence
 
 # Every stop sequence is searched for in the decoded text on each new token, so a
 # request's per-token cost grows with how many it sends and how long they are.
@@ -45,9 +50,27 @@ def stop_problems(stop: Sequence[str]) -> list[str]:
     return out
 
 
+def _decoder(tokenizer) -> Callable[[list[int]], str]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=True)``: the Rust tokenizer's own decode where that is
+    all transformers' would do (its ``decode`` and ``_decode`` not overridden, no space clean-up asked for)."""
+    from transformers import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        return partial(tokenizer._tokenizer.decode, skip_special_tokens=True)
+    return partial(tokenizer.decode, skip_special_tokens=True)
+
+
 class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self._tokenizer = tokenizer
+        self._decode = _decoder(tokenizer) if tokenizer is not None else None
         self._stop = tuple(s for s in stop if s)
         self._ids: list[int] = []
         self._released = 0  # characters of the decoded text already handed out
@@ -85,11 +108,11 @@ class TextStream:
 
     def _text(self) -> str:
         """``decode`` of every id so far, from a decode of the ids since the prefix offset (see the module)."""
-        ids = self._ids
-        before = self._tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=True)
-        window = self._tokenizer.decode(ids[self._prefix :], skip_special_tokens=True)
+        ids, decode = self._ids, self._decode
+        before = decode(ids[self._prefix : self._read])
+        window = decode(ids[self._prefix :])
         if not window.startswith(before):  # this tokenizer decodes an id by what follows it: everything, then
-            text = self._tokenizer.decode(ids, skip_special_tokens=True)
+            text = decode(ids)
             if not text.endswith("\ufffd"):
                 self._final, self._prefix, self._read = text, len(ids) - 1, len(ids)
             return text

@@ -27,14 +27,28 @@ def serving_address(banner: str) -> str:
     return re.search(r" on (\S+:\d+) ", banner).group(1)
 
 
-def wait_for(predicate, what: str, timeout_s: float = 60.0, poll_s: float = 0.1):
+def wait_for(predicate, what: str, timeout_s: float = 60.0, poll_s: float = 0.1, explain=None):
     """``predicate()``'s first truthy value, polled every ``poll_s``; fails the test naming ``what`` past
-    ``timeout_s`` (a bound on waiting, never a figure the test asserts)."""
+    ``timeout_s`` (a bound on waiting, never a figure the test asserts), with ``explain()``'s text when given:
+    where things stood, for a failure seen once on a loaded machine."""
     deadline = time.monotonic() + timeout_s
     while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (f"\n{explain()}" if explain else ""))
         time.sleep(poll_s)
     return value
+
+
+def thread_stacks(*prefixes: str) -> str:
+    """The stacks of this process's threads whose names start with one of ``prefixes`` (every thread without)."""
+    import traceback
+
+    frames = sys._current_frames()
+    shown = []
+    for thread in threading.enumerate():
+        if thread.ident in frames and (not prefixes or thread.name.startswith(prefixes)):
+            shown.append(f"--- thread {thread.name}\n" + "".join(traceback.format_stack(frames[thread.ident])))
+    return "\n".join(shown)
 
 
 def wait_stopped(pid: int, timeout_s: float = 10) -> None:

@@ -32,13 +32,15 @@ from expertmesh.contracts import shared_buffer, wire
 from expertmesh.contracts.frames import STREAM_METHOD
 from expertmesh.expert_group.local_server import LocalServer, runtime_dir
 from expertmesh.expert_group.service import SERVICE_NAME, ExpertGroupServicer, GroupServer
-from expertmesh.infra.group_channels import group_channel
+from expertmesh.infra.group_channels import GroupClients, group_channel
 from expertmesh.infra.grpc_server import GrpcServer
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.platform.group_processes import start_groups
 from expertmesh.router.transport import build
+from expertmesh.router.transport.auto import AutoTransport
 from expertmesh.router.transport.base import GroupRequest, TransportError
+from expertmesh.router.transport.unary import GrpcTransport
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 from helpers import wait_stopped
@@ -318,6 +320,71 @@ def test_a_group_from_before_the_fast_paths_gets_unary_calls(checkpoint):
     finally:
         transport.close()
         server.stop(0)
+
+
+class _MovedAfterLookup(GroupClients):
+    """GroupClients whose stub lookup is followed at once by the group's move (``update`` to ``to``, which
+    closes the old channel): the interleaving of a router's step thread starting a call while its endpoint
+    watcher follows a group to a new address, made certain rather than left to a race."""
+
+    def __init__(self, to: str):
+        super().__init__()
+        self._to, self.moved = to, False
+
+    def stub(self, group: str):
+        stub = super().stub(group)
+        if not self.moved and stub is not None:
+            self.moved = True
+            self.update({group: self._to})
+        return stub
+
+
+@pytest.mark.parametrize("name", ["grpc-unary", "grpc"])
+def test_a_group_moving_under_a_call_is_unavailable_and_the_next_call_reaches_its_new_address(checkpoint, name):
+    """A group's address changes in the store (a replica restarted elsewhere) while calls go to it: the old
+    channel is closed under them. On unary calls, a call in flight on it and a call started on it just after
+    the lookup fail with UNAVAILABLE, the code the dispatcher resends or fails over on (grpc said CANCELLED
+    for the first and raised ValueError "Channel closed!" for the second, which failed the whole step); on
+    the stream paths both go down the list to the group's new channel. The next call is answered exactly at
+    the new address. Two real group servers on loopback."""
+    slow, fast = _servicer(checkpoint), _servicer(checkpoint)
+    compute = slow.compute
+    slow.compute = lambda *a, **kw: (time.sleep(1.0), compute(*a, **kw))[1]
+    old, new = GroupServer(slow).start(), GroupServer(fast).start()
+    first, second = f"127.0.0.1:{old.port}", f"127.0.0.1:{new.port}"
+    expected = _unary(second, *_tensors())
+    transport = build(name)
+    try:
+        transport.update({"g0": first})
+        in_flight = transport.send("g0", _request(), 30)
+        assert not in_flight.wait(0.2)
+        transport.update({"g0": second})
+        if name == "grpc-unary":
+            with pytest.raises(TransportError) as err:
+                in_flight.result()
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+        else:  # its same-host stream broke as a path: the call went down the list, to the group's new channel
+            assert torch.equal(in_flight.result().partial, expected)
+        assert torch.equal(transport.send("g0", _request(), 30).result().partial, expected)
+    finally:
+        transport.close()
+
+    clients = _MovedAfterLookup(to=second)
+    transport = GrpcTransport(clients) if name == "grpc-unary" else AutoTransport(shared_memory=False, clients=clients)
+    try:
+        clients.update({"g0": first})
+        if name == "grpc-unary":  # the last path: the dispatcher sends again
+            with pytest.raises(TransportError) as err:
+                transport.send("g0", _request(), 30)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE and "channel was closed" in err.value.details
+        else:  # the route's stream path was made on the closed channel: the call goes down to the group's new one
+            assert torch.equal(transport.send("g0", _request(), 30).result().partial, expected)
+        assert clients.moved
+        assert torch.equal(transport.send("g0", _request(), 30).result().partial, expected)
+    finally:
+        transport.close()
+        old.stop(0)
+        new.stop(0)
 
 
 def test_cuda_ipc_is_chosen_by_the_device_query_and_falls_back_to_host_memory(checkpoint, monkeypatch, caplog):

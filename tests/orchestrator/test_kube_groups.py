@@ -46,7 +46,7 @@ from expertmesh.orchestrator.kube.groups import (
     stop_refusal,
 )
 from expertmesh.orchestrator.migration.executor import MigrationExecutor
-from helpers import held_pairs, wait_for
+from helpers import held_pairs, thread_stacks, wait_for
 
 NAMESPACE = "expertmesh"
 SERVICE = "expertmesh-rs"
@@ -144,10 +144,11 @@ class KubeRay:
         self.code_versions: dict[str, list[str]] = {}
         self.errors: list[str] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kuberay", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        from ray.serve._private.constants import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S
         from ray.serve._private.deploy_utils import get_app_code_version
         from ray.serve.schema import ServeDeploySchema
 
@@ -184,7 +185,13 @@ class KubeRay:
             for group in [g for g in self.processes if g not in live]:
                 proc = self.processes.pop(group)
                 proc.send_signal(signal.SIGTERM)
-                self.exit_codes[group] = proc.wait(timeout=60)
+                try:
+                    self.exit_codes[group] = proc.wait(timeout=DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S)
+                except subprocess.TimeoutExpired:  # as Serve kills a replica past its graceful shutdown
+                    proc.kill()
+                    self.exit_codes[group] = proc.wait()
+                    grace = DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S
+                    self.errors.append(f"group {group} was killed: it did not stop within {grace} s of SIGTERM")
 
     def _start(self, group: str, port: int) -> None:
         argv = [sys.executable, "-m", "expertmesh.cli.main", "group", "serve", "--group", group, "--empty"]
@@ -521,14 +528,38 @@ def _events(connection, name: str) -> list[tuple[str, str]]:
             if e.involved_object.name == name]  # fmt: skip
 
 
-def _synced_until(objects: ExpertGroupController, done: Callable[[dict[str, ExpertGroup]], object], what: str):
-    """Passes (as the controller's thread makes them) until ``done(objects by name)``."""
+def _synced_until(
+    objects: ExpertGroupController, done: Callable[[dict[str, ExpertGroup]], object], what: str, live: LiveGroups
+):
+    """Passes (as the controller's thread makes them) until ``done(objects by name)``; past the wait, where the
+    groups, their migrations, the KubeRay stand-in and the threads stood."""
 
     def step():
         objects.sync_once()
         return done({o.name: o for o in objects.api.list(NAMESPACE)})
 
-    return wait_for(step, what, 120, poll_s=0.05)
+    def explain() -> str:
+        from expertmesh.orchestrator.migration.state import load_all
+
+        records = [
+            f"{r.name}: {r.phase} {r.moves_done}/{r.moves_planned} {r.reason}" for r in live.controller.records()
+        ]
+        migrations = [
+            f"{m.describe()}: {m.phase} {m.reason}" for m in load_all(live.mesh.store) if not m.phase.terminal
+        ]
+        processes = {g: p.poll() for g, p in live.kuberay.processes.items()}
+        return "\n".join(
+            [
+                f"records: {records}",
+                f"migrations in flight: {migrations}",
+                f"endpoints: {live.mesh.store.endpoints()}",
+                f"KubeRay: processes (exit status) {processes}, stopped {live.kuberay.exit_codes}, "
+                f"errors {live.kuberay.errors}",
+                thread_stacks("expertmesh-group-", "expertmesh-migration", "kuberay"),
+            ]
+        )
+
+    return wait_for(step, what, 120, poll_s=0.05, explain=explain)
 
 
 def test_expert_group_objects_add_and_remove_groups_and_mirror_those_added_another_way(
@@ -559,7 +590,9 @@ def test_expert_group_objects_add_and_remove_groups_and_mirror_those_added_anoth
         assert {r.name for r in live.controller.records()} == {"g0", "g1", "g3"}, "the refused change nothing"
         assert live.controller.get("g0").phase is GroupPhase.SERVING
 
-        serving = _synced_until(objects, lambda o: o["g3"].status.phase in ("Serving", "Failed") and o["g3"], "g3")
+        serving = _synced_until(
+            objects, lambda o: o["g3"].status.phase in ("Serving", "Failed") and o["g3"], "g3", live
+        )
         record = live.controller.get("g3")
         assert serving.status.phase == "Serving", serving.status.message
         assert serving.status.endpoint == record.address and serving.status.moves == f"{record.moves_done}/" + str(
@@ -571,7 +604,9 @@ def test_expert_group_objects_add_and_remove_groups_and_mirror_those_added_anoth
         assert set(live.controller.get(n).phase for n in ("g0", "g1")) == {GroupPhase.SERVING}
 
         live.controller.add(GroupRequest("g4"))  # `expertmesh groups add --name g4`
-        mirror = _synced_until(objects, lambda o: "g4" in o and o["g4"].status.phase == "Serving" and o["g4"], "g4")
+        mirror = _synced_until(
+            objects, lambda o: "g4" in o and o["g4"].status.phase == "Serving" and o["g4"], "g4", live
+        )
         assert mirror.mirror and mirror.spec == GroupSpec()
 
         for name in ("g3", "g4"):
@@ -585,6 +620,7 @@ def test_expert_group_objects_add_and_remove_groups_and_mirror_those_added_anoth
                 live.controller.get(n).phase in (GroupPhase.STOPPED, GroupPhase.FAILED) for n in ("g3", "g4")
             ),
             "g3 and g4 removed",
+            live,
         )
         for name in ("g3", "g4"):
             record = live.controller.get(name)

@@ -286,6 +286,8 @@ class AutoTransport:
         try:
             timeout = min(HANDSHAKE_TIMEOUT_S, time_left(deadline, "the group was asked how to reach it"))
             return stub.Transports(pb.TransportsRequest(), timeout=timeout)
+        except ValueError:  # its channel was closed as the group's address changed: ask at the next call
+            return None
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 return None

@@ -54,6 +54,29 @@ def time_left(deadline: float, what: str) -> float:
     return left
 
 
+def call_failed(code: grpc.StatusCode, details: str) -> TransportError:
+    """A gRPC call's failure as the dispatcher reads it. CANCELLED is reported as UNAVAILABLE: this router
+    never reads a call it gave up itself (``PendingCall.cancel``), so a call that ends CANCELLED had its
+    channel closed under it (the group's address changed: ``Transport.update``) or was cancelled by the
+    group's server as it stopped. Either way the group went away from that address: the dispatcher looks it
+    up again and fails over or resends, as for any group gone, rather than failing the step."""
+    if code == grpc.StatusCode.CANCELLED:
+        why = details or "cancelled"
+        return TransportError(
+            grpc.StatusCode.UNAVAILABLE, f"the call was cancelled under it ({why}): the group moved or stopped"
+        )
+    return TransportError(code, details)
+
+
+def channel_closed(group: str, err: ValueError) -> TransportError:
+    """A call started on a channel closed meanwhile (grpc raises ValueError: "Cannot invoke RPC: Channel
+    closed!"): ``Transport.update`` closed it as the group's address changed, between the stub's lookup and
+    the call. UNAVAILABLE, as for a group gone: the dispatcher sends again to its address now."""
+    return TransportError(
+        grpc.StatusCode.UNAVAILABLE, f"expert group {group}'s channel was closed as its address changed ({err})"
+    )
+
+
 def status_code(value: int) -> grpc.StatusCode:
     """The gRPC status code an answer frame carries as a number."""
     return _CODES.get(value, grpc.StatusCode.UNKNOWN)

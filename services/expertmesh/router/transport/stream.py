@@ -31,7 +31,14 @@ from expertmesh.contracts import frames as wire_frames
 from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.contracts.frames import STREAM_METHOD
 from expertmesh.infra.telemetry.setup import tracing_enabled
-from expertmesh.router.transport.base import GroupReply, GroupRequest, PathBroken, TransportError, status_code
+from expertmesh.router.transport.base import (
+    GroupReply,
+    GroupRequest,
+    PathBroken,
+    TransportError,
+    call_failed,
+    status_code,
+)
 from expertmesh.v1 import experts_pb2 as pb
 
 _END = object()
@@ -61,7 +68,10 @@ class _Stream:
         self._waiting: dict[int, concurrent.futures.Future] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.alive = True
-        self._call = channel.stream_stream(STREAM_METHOD)(iter(self._outbox.get, _END))  # bytes both ways
+        try:
+            self._call = channel.stream_stream(STREAM_METHOD)(iter(self._outbox.get, _END))  # bytes both ways
+        except ValueError as err:  # grpc: the channel was closed as the group's address changed (Transport.update)
+            raise PathBroken(f"the group's channel was closed ({err})") from None
         threading.Thread(target=self._read, name="expertmesh-stream-reader", daemon=True).start()
 
     def submit(self, call_id: int, data: bytes) -> concurrent.futures.Future:
@@ -97,7 +107,7 @@ class _Stream:
             error = (
                 PathBroken(f"{code.name}: {details}")
                 if self._same_host or code in _NOT_THIS_WAY
-                else TransportError(code, details)
+                else call_failed(code, details)
             )
         with self._lock:
             self.alive = False

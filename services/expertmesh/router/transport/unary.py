@@ -8,7 +8,14 @@ import grpc
 from expertmesh.contracts import wire
 from expertmesh.contracts.errors import InvalidRequest
 from expertmesh.infra.group_channels import GroupClients
-from expertmesh.router.transport.base import GroupReply, GroupRequest, PendingCall, TransportError
+from expertmesh.router.transport.base import (
+    GroupReply,
+    GroupRequest,
+    PendingCall,
+    TransportError,
+    call_failed,
+    channel_closed,
+)
 from expertmesh.v1 import experts_pb2 as pb
 
 
@@ -29,7 +36,7 @@ class _UnaryPending:
         try:
             response = self._future.result()
         except grpc.RpcError as err:
-            raise TransportError(err.code(), err.details() or "") from None
+            raise call_failed(err.code(), err.details() or "") from None
         return decode_reply(response.partial_sums, response.ByteSize())
 
     def wait(self, timeout_s: float) -> bool:
@@ -84,7 +91,10 @@ class GrpcTransport:
             routing_table_version=request.table_version,
             model_fingerprint=request.model,
         )
-        return _UnaryPending(stub.Dispatch.future(message, timeout=timeout_s))
+        try:
+            return _UnaryPending(stub.Dispatch.future(message, timeout=timeout_s))
+        except ValueError as err:
+            raise channel_closed(group, err) from None
 
     def close(self) -> None:
         self._clients.close()

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from expertmesh.contracts.errors import CheckpointError
-from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.models.checkpoint import Checkpoint, experts_modules, interface_forward
 from expertmesh.models.tiny import MOE_ARCHITECTURES
 from expertmesh.router.model import build_router_model
 
@@ -109,3 +109,19 @@ def test_out_of_range_expert_request(tiny_checkpoints):
         ckpt.expert_weights(0, [9], torch.float32)
     with pytest.raises(CheckpointError, match="layer 7 is not an MoE layer"):
         ckpt.expert_weights(7, [0], torch.float32)
+
+
+@pytest.mark.parametrize("family, decorated", [("ergo", "ErgoExpertProjections"), ("mixtral", "MixtralExperts")])
+def test_a_group_computes_the_experts_interface_not_a_subclass_wrapped_around_it(family, decorated):
+    """Ergo's experts class subclasses the class transformers' experts interface decorates and norms each expert's
+    output around the interface's call: stock code the router runs around the dispatch. A group runs the
+    decorated class's forward (Mixtral's experts class is that class itself). Meta skeletons: no weights."""
+    from expertmesh.models.tiny import family_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(family_config(family))
+    (_, module), *_ = experts_modules(model).values()
+    forward = interface_forward(module)
+    assert forward.__self__ is module and forward.__qualname__ == f"{decorated}.forward"
+    with pytest.raises(CheckpointError, match="not an experts class"):
+        interface_forward(torch.nn.Linear(2, 2))

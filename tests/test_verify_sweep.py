@@ -246,6 +246,7 @@ FAST_SUBSET = (
     "lara_mini",  # a fused tensor split into several parameters, linear attention
     "zaya",  # a router MLP before the logits linear, with a skip class (E + 1 logits)
     "hunyuan_v1_moe",  # a gate wrapping its linear
+    "ergo",  # a subclass of the interface's class wrapping work around it (a per-expert output norm): on the router
 )
 
 

@@ -29,7 +29,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -84,6 +84,19 @@ def experts_modules(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
                 raise CheckpointError(f"experts module {name!r} is not under a numbered decoder layer")
             found[int(match.group(1))] = (name, module)
     return found
+
+
+def interface_forward(module: nn.Module) -> Callable[..., torch.Tensor]:
+    """``module``'s forward as transformers' experts interface runs it: that of the class its
+    ``use_experts_implementation`` decorated, bound to ``module``. A subclass may wrap work around that call
+    (Ergo's experts give each route a row of its own, norm each expert's output by a per-expert weight, and sum
+    the routes): stock code that runs on the router, around the dispatch that takes the interface's place. A
+    group computes what the interface does, no more; its own forward would do that work a second time."""
+    for cls in type(module).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is not None and "use_experts_implementation" in getattr(forward, "__code__", forward).co_qualname:
+            return forward.__get__(module)
+    raise CheckpointError(f"{type(module).__name__} is not an experts class of transformers' experts interface")
 
 
 def _targets_of(target_key: str, converter) -> list[str]:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from expertmesh.infra.row_sums import add_rows
+from expertmesh.models.checkpoint import interface_forward
 from expertmesh.models.linear_kernels import PackedRows
 
 __all__ = ["rows_forward", "matches_stock"]
@@ -100,7 +101,7 @@ def matches_stock(module: nn.Module, hidden_size: int, dtype: torch.dtype, devic
     weights = torch.rand(len(local), 1, generator=generator).to(device, dtype)  # [3, 1]
     try:
         with torch.no_grad():
-            stock = module(hidden, torch.tensor(local, device=device)[:, None], weights)
+            stock = interface_forward(module)(hidden, torch.tensor(local, device=device)[:, None], weights)
             mine = rows_forward(module, hidden, local, weights)
     except Exception:  # not the interface this module describes (a missing attribute, other shapes): never fatal
         return False

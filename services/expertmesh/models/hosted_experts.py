@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, replace
 from functools import cached_property
 from types import MappingProxyType
-from typing import Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ from torch import nn
 from expertmesh.contracts.errors import InvalidRequest, NotHosted, OverBudget
 from expertmesh.infra.finite import all_finite, finite_rows
 from expertmesh.infra.row_sums import add_rows
-from expertmesh.models.checkpoint import Checkpoint, experts_modules
+from expertmesh.models.checkpoint import Checkpoint, experts_modules, interface_forward
 from expertmesh.models.expert_rows import matches_stock, rows_forward
 from expertmesh.models.fingerprint import fingerprint
 from expertmesh.models.linear_kernels import LinearKernel, PackedRows, choose_linear_kernel
@@ -132,6 +132,11 @@ class _LayerExperts:
     packs: Mapping[str, PackedRows] | None = None
 
     @cached_property
+    def forward(self) -> Callable[..., torch.Tensor]:
+        """The module's forward as the experts interface runs it (``checkpoint.interface_forward``)."""
+        return interface_forward(self.module)
+
+    @cached_property
     def local_index(self) -> Mapping[int, int]:
         """global id -> local row, of the held ids only (``local_of`` for plain Python)."""
         return MappingProxyType({e: i for i, e in enumerate(self.ids)})
@@ -188,6 +193,11 @@ class HostedExperts:
         for template in self._templates.values():
             for name in self.spec.expert_params:
                 template._parameters[name] = None
+            # A submodule's parameters (Ergo's per-expert output norm) serve a subclass's work around the interface,
+            # which the router does (``interface_forward``): not held here, rather than held uninitialised.
+            for owner in template.modules():
+                if owner is not template:
+                    owner._parameters.update(dict.fromkeys(owner._parameters))
         #: layer -> its experts; replaced whole (one assignment), never mutated
         self._layers: Mapping[int, _LayerExperts] = MappingProxyType({})
         self._lock = threading.Lock()  # serialises load and unload
@@ -423,7 +433,7 @@ class HostedExperts:
                 else:
                     # Each (token, expert) pair is its own row with top-k 1, so the stock eager loop sees
                     # no sentinels (GPT-OSS's has no slot for one) and computes every pair exactly once.
-                    rows = held.module(hidden[token_idx], local.unsqueeze(1), row_weights.unsqueeze(1))  # [S, H]
+                    rows = held.forward(hidden[token_idx], local.unsqueeze(1), row_weights.unsqueeze(1))  # [S, H]
                 add_rows(partial, token_idx, rows)
             if record:
                 self._record(held, local, row_weights, rows)
@@ -460,7 +470,7 @@ class HostedExperts:
                 rows = rows_forward(held.module, hidden[token_idx], local, row_weights, held.packs)  # [S, H]
             else:
                 local_rows = torch.tensor(local, dtype=torch.long, device=self.device).unsqueeze(1)  # [S, 1]
-                rows = held.module(hidden[token_idx], local_rows, row_weights)
+                rows = held.forward(hidden[token_idx], local_rows, row_weights)
             add_rows(partial, token_idx, rows)
         if record:
             self._record_small(held, local, [abs(w) for w in picked], rows)

@@ -270,6 +270,23 @@ def test_openai_client_streams(scripted):
     assert "".join(c.choices[0].text for c in chunks) == "Hello" and chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_streamed_text_with_unicode_line_separators_keeps_each_event_on_one_line(scripted):
+    """U+2028, U+2029 and U+0085 may stand raw in a JSON string, and ``str.splitlines`` ends a line at each: a client
+    reading the stream by lines that way (httpx's ``iter_lines``, which guidellm uses) had an event cut in two
+    (guidellm's "Unterminated string" in a CI run, on a tiny model's random text). They go escaped; the text
+    the clients put together is the same."""
+    said = ("a\u2028b", "c\x85d", "e\u2029f")
+    scripted.engine.script = _says(*said, reason="length")
+    body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 3}
+    with httpx2.stream("POST", f"{scripted.url}/v1/completions", json=body, timeout=30) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines), lines
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(said)
+    streamed = _openai(scripted.url).completions.create(model=MODEL, prompt="x", stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "".join(said)
+
+
 def _says(*texts: str, reason: str = "eos"):
     """A script: these texts, a token each, then the finish ``reason``."""
 

@@ -94,7 +94,8 @@ def interface_forward(module: nn.Module) -> Callable[..., torch.Tensor]:
     group computes what the interface does, no more; its own forward would do that work a second time."""
     for cls in type(module).__mro__:
         forward = cls.__dict__.get("forward")
-        if forward is not None and "use_experts_implementation" in getattr(forward, "__code__", forward).co_qualname:
+        code = getattr(forward, "__code__", None)  # the decorator's wrapper, whose name wraps() did not copy
+        if code is not None and "use_experts_implementation" in code.co_qualname:
             return forward.__get__(module)
     raise CheckpointError(f"{type(module).__name__} is not an experts class of transformers' experts interface")
 

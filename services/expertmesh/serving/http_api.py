@@ -457,8 +457,14 @@ def _json(model: BaseModel) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"))
 
 
+#: characters JSON leaves raw in a string that ``str.splitlines`` ends a line at: a client reading the stream by
+#: lines that way (httpx's ``aiter_lines``, so guidellm) would cut an event in two at a generated U+2028
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(model: BaseModel) -> bytes:
-    return b"data: " + model.model_dump_json().encode() + b"\n\n"
+    """One server-sent event; its JSON on one line for every line splitter (the three characters escaped)."""
+    return b"data: " + model.model_dump_json().translate(_LINE_BREAKS_JSON_KEEPS).encode() + b"\n\n"
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -78,19 +78,20 @@ def attention_metadata(tables: Sequence[Sequence[int]], starts: Sequence[int], t
     starts_a, tokens_a = np.asarray(starts, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
     seq_lens = starts_a + tokens_a
     query_start_loc = np.concatenate([[0], np.cumsum(tokens_a)])
-    positions, slot_mapping = _slots(block_tables, starts_a, tokens_a, block_size)
+    positions, slot_mapping = _slots(block_tables, starts_a, query_start_loc, block_size)
     return AttentionMetadata(block_tables, starts_a, seq_lens, query_start_loc, positions, slot_mapping, block_size)
 
 
 def _slots(
-    block_tables: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_size: int
+    block_tables: np.ndarray, starts: np.ndarray, offsets: np.ndarray, block_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """block_tables [B, M], starts [B], counts [B] -> (positions [N], slots [N]): sequence i's positions
-    ``starts[i]`` .. ``starts[i] + counts[i] - 1`` one after another, and the pool slot each is at.
+    """block_tables [B, M], starts [B], offsets [B + 1] -> (positions [N], slots [N]): sequence i's
+    ``offsets[i + 1] - offsets[i]`` positions from ``starts[i]``, one sequence after another (at ``offsets[i]``),
+    and the pool slot each is at.
 
-    Example: tables [[4, 7]], block size 4, start 2, count 4 -> positions [2, 3, 4, 5], slots [18, 19, 28, 29]."""
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    owner = np.repeat(np.arange(len(counts)), counts)  # [N] the sequence of each position
+    Example: tables [[4, 7]], block size 4, start 2, offsets [0, 4] -> positions [2, 3, 4, 5],
+    slots [18, 19, 28, 29]."""
+    owner = np.repeat(np.arange(len(starts)), np.diff(offsets))  # [N] the sequence of each position
     positions = np.arange(offsets[-1]) - offsets[owner] + starts[owner]
     return positions, block_tables[owner, positions // block_size] * block_size + positions % block_size
 
@@ -124,13 +125,14 @@ class _GatheredPasts:
     def plan(self, metadata: AttentionMetadata, pool: KVPool, layout: StepLayout) -> tuple[PackedCache, StepAttention]:
         size, tables = metadata.block_size, metadata.block_tables
         bases = (tables >= 0).argmax(axis=1) * size  # [B] each table's first held block's first position
-        lengths = metadata.seq_lens - bases  # [B] what each sequence reads: from that block to its end
-        _, slots = _slots(tables, bases, lengths, size)
+        # where each sequence's read starts among them all: from that block to its end
+        read_offsets = np.concatenate([[0], np.cumsum(metadata.seq_lens - bases)])  # [B + 1]
+        _, slots = _slots(tables, bases, read_offsets, size)
         cache = PackedCache(
             pool,
             torch.from_numpy(metadata.slot_mapping).to(pool.device),
             torch.from_numpy(slots).to(pool.device),
-            np.concatenate([[0], np.cumsum(lengths)]).tolist(),
+            read_offsets.tolist(),
             bases.tolist(),
         )
         qsl = metadata.query_start_loc.tolist()

@@ -229,8 +229,12 @@ def _llama_style_tokenizer():
 class _WholeDecode(TextStream):
     """The stream as it was: every id decoded again on every token (the reference the windows must agree with)."""
 
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        super().__init__(tokenizer, stop)
+        self._reference = tokenizer
+
     def _text(self) -> str:
-        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        return self._reference.decode(self._ids, skip_special_tokens=True)
 
 
 def test_the_released_text_is_the_whole_decodes_while_each_token_decodes_a_few(tokenizer):

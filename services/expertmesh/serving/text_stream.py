@@ -69,7 +69,7 @@ def _decoder(tokenizer) -> Callable[[list[int]], str]:
 
 class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self._tokenizer = tokenizer
+        #: ids -> text; None for a model without a tokenizer (it streams token ids only)
         self._decode = _decoder(tokenizer) if tokenizer is not None else None
         self._stop = tuple(s for s in stop if s)
         self._ids: list[int] = []
@@ -84,7 +84,7 @@ class TextStream:
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became final (maybe empty)."""
         self._ids.append(token_id)
-        if self._tokenizer is None:  # a model without a tokenizer streams token ids only
+        if self._decode is None:
             return ""
         text = self._text()
         # A stop is looked for before an incomplete UTF-8 sequence at the end too: the token that completes
@@ -102,7 +102,7 @@ class TextStream:
 
     def flush(self) -> str:
         """At the end of generation: everything not yet released (held stop prefixes are real text)."""
-        if self.stopped or self._tokenizer is None:
+        if self.stopped or self._decode is None:
             return ""
         return self._release(self._text(), None)
 

@@ -313,7 +313,7 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, cau
     return torch.cat(out)  # [T, H, d]
 
 
-@pytest.mark.parametrize("kernel", ["per-sequence", "batched-decode", "flash-varlen"])
+@pytest.mark.parametrize("kernel", ["per-sequence", "batched-decode", "cpu-paged-decode", "flash-varlen"])
 @pytest.mark.parametrize(
     "arch, overrides",
     [("mixtral", {"sliding_window": 5}), ("qwen2_moe", {}), ("gpt_oss", {})],
@@ -323,13 +323,21 @@ def test_every_kernel_keeps_the_tokens_stock(tiny_checkpoints, monkeypatch, arch
     """Each kernel on an sdpa model with and without a sliding window, and (not flash-varlen, which takes no
     attention sinks) on an eager model with sinks; flash-varlen's inputs (cu_seqlens, layouts, window) against a
     torch model of flash-attn's contract (flash-attn is not installed here). The requests' prompts differ in
-    length, so batched-decode's decode rows are padded and masked."""
+    length, so the batched kernels' decode rows are padded (and masked, or cut at their lengths in place); on the
+    eager model the in-place kernel's calls go the padded way (it computes sdpa's attention, not sinks)."""
     if kernel == "flash-varlen" and arch == "gpt_oss":
         pytest.skip("flash-varlen is chosen for sdpa models only (choose_backend); GPT-OSS's sinks need eager")
 
-    from expertmesh.serving import paged_attention
+    from expertmesh.serving import cpu_paged_decode, paged_attention
 
     monkeypatch.setattr(paged_attention, "flash_varlen", lambda: _reference_varlen)
+    if kernel == "cpu-paged-decode":
+        assert cpu_paged_decode.load(), "the kernel builds on this host (g++ and ninja)"
+    in_place = []
+    kernel_call = cpu_paged_decode.paged_decode
+    monkeypatch.setattr(
+        cpu_paged_decode, "paged_decode", lambda q, *a: in_place.append(q.shape[0]) or kernel_call(q, *a)
+    )
     model = AutoModelForCausalLM.from_pretrained(
         tiny_checkpoints(arch, **overrides), experts_implementation="batched_mm"
     ).eval()
@@ -347,19 +355,24 @@ def test_every_kernel_keeps_the_tokens_stock(tiny_checkpoints, monkeypatch, arch
     tokens, _ = _run(engine, uneven)
     for r in uneven:
         assert tokens[r.request_id] == stock_greedy(model, r.prompt_ids, r.max_new_tokens), r.request_id
-    if kernel == "batched-decode":  # it ran, and on decode rows of different lengths
+    if kernel in ("batched-decode", "cpu-paged-decode"):  # it ran, and on decode rows of different lengths
         assert any(b.mask is not None and len(b.sequences) > 1 for b in batches)
+    sdpa_in_place = kernel == "cpu-paged-decode" and arch != "gpt_oss"
+    assert bool(in_place) == sdpa_in_place, f"the in-place kernel ran {len(in_place)} times"
 
 
-def test_the_varlen_kernel_only_where_it_computes_the_models_attention(monkeypatch):
+def test_each_kernel_only_where_it_computes_the_models_attention(monkeypatch):
     """The attention backend chosen for a model on its device: the device query faked (this host has no GPU)."""
-    from expertmesh.serving import paged_attention
+    from expertmesh.serving import cpu_paged_decode, paged_attention
     from expertmesh.serving.attention_backends import choose_backend as choose_kernel
 
     cuda, cpu, half = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
     monkeypatch.setattr(paged_attention, "flash_varlen", lambda: _reference_varlen)
     assert choose_kernel(cuda, "sdpa", False, half) == "flash-varlen"
-    assert choose_kernel(cpu, "sdpa", False, half) == "batched-decode"
+    assert choose_kernel(cpu, "sdpa", False, half) == "batched-decode", "the in-place kernel takes float32 only"
+    assert choose_kernel(cpu, "sdpa", False, torch.float32) == "cpu-paged-decode"
+    monkeypatch.setattr(cpu_paged_decode, "load", lambda: False)
+    assert choose_kernel(cpu, "sdpa", False, torch.float32) == "batched-decode", "the kernel did not build"
     assert choose_kernel(cpu, "eager", False, torch.float32) == "batched-decode"
     assert choose_kernel(cuda, "eager", False, half) == "batched-decode", "eager models may have sinks (GPT-OSS)"
     assert choose_kernel(cuda, "sdpa", True, half) == "per-sequence", "MLA expands its latents"

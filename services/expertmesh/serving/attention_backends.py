@@ -10,10 +10,12 @@ Backends (``ATTENTION_BACKENDS``, keyed by ``AttentionKernel``):
   or its eager function); every device, every model.
 - ``batched-decode``: as ``per-sequence``, with the step's decode rows (one query each) in one padded call per
   layer (``paged_attention.DecodeBatch``); every device, every model but those caching latents.
+- ``cpu-paged-decode``: as ``batched-decode``, the decode rows by a CPU kernel reading their slots in the pool in
+  place (``cpu_paged_decode``, as vLLM's CPU paged attention reads its block tables); CPU, float32, sdpa models.
 - ``flash-varlen``: flash-attn's varlen kernel over the gathered pasts, one call per layer; CUDA, half precision,
   plain sdpa models (``paged_attention``'s docstring says why only there).
-A backend that reads the pool through the block tables themselves (FlashInfer's paged kernels, vLLM's CPU
-paged-attention) plugs in here: its ``plan`` takes the metadata as it is.
+A backend that reads the pool through the block tables themselves on a GPU (FlashInfer's paged kernels) plugs in
+here: its ``plan`` takes the metadata as it is.
 
 Shapes: B sequences, T tokens in the step, M the widest block table; tables hold -1 where a sequence has no block
 (given back behind a sliding window, or past its end).
@@ -28,7 +30,7 @@ from typing import Protocol, get_args
 import numpy as np
 import torch
 
-from expertmesh.serving import paged_attention
+from expertmesh.serving import cpu_paged_decode, paged_attention
 from expertmesh.serving.kv_cache import KVPool, PackedCache
 from expertmesh.serving.paged_attention import (
     AttendKernel,
@@ -36,6 +38,7 @@ from expertmesh.serving.paged_attention import (
     SequenceRows,
     StepAttention,
     batched_decode_attend,
+    cpu_paged_decode_attend,
     flash_varlen_attend,
     per_sequence_attend,
 )
@@ -156,6 +159,11 @@ class BatchedDecodeBackend(_GatheredPasts):
     attend = staticmethod(batched_decode_attend)
 
 
+class CpuPagedDecodeBackend(_GatheredPasts):
+    name: AttentionKernel = "cpu-paged-decode"
+    attend = staticmethod(cpu_paged_decode_attend)
+
+
 class FlashVarlenBackend(_GatheredPasts):
     name: AttentionKernel = "flash-varlen"
     attend = staticmethod(flash_varlen_attend)
@@ -164,6 +172,7 @@ class FlashVarlenBackend(_GatheredPasts):
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "per-sequence": PerSequenceBackend(),
     "batched-decode": BatchedDecodeBackend(),
+    "cpu-paged-decode": CpuPagedDecodeBackend(),
     "flash-varlen": FlashVarlenBackend(),
 }
 assert set(ATTENTION_BACKENDS) == set(get_args(AttentionKernel)), "every backend the type names, and no other"
@@ -171,8 +180,9 @@ assert set(ATTENTION_BACKENDS) == set(get_args(AttentionKernel)), "every backend
 
 def choose_backend(device: torch.device, implementation: str, latent: bool, dtype: torch.dtype) -> AttentionKernel:
     """``flash-varlen`` where it computes what the model's own attention does (CUDA, sdpa, no latent expansion,
-    half precision, flash-attn importable); else ``batched-decode``, or ``per-sequence`` for a model whose cache
-    holds latents (expanded per sequence)."""
+    half precision, flash-attn importable); ``cpu-paged-decode`` on CPU for sdpa models without latents in float32
+    where its kernel builds (``cpu_paged_decode.load``); else ``batched-decode``, or ``per-sequence`` for a model
+    whose cache holds latents (expanded per sequence)."""
     if (
         device.type == "cuda"
         and implementation == "sdpa"
@@ -181,4 +191,8 @@ def choose_backend(device: torch.device, implementation: str, latent: bool, dtyp
         and paged_attention.flash_varlen() is not None
     ):
         return "flash-varlen"
-    return "per-sequence" if latent else "batched-decode"
+    if latent:
+        return "per-sequence"
+    if device.type == "cpu" and implementation == "sdpa" and dtype == torch.float32 and cpu_paged_decode.load():
+        return "cpu-paged-decode"
+    return "batched-decode"

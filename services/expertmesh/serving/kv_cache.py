@@ -132,6 +132,10 @@ class KVPool:
         first, second = self._layers[layer]
         return first.index_select(0, slots).transpose(0, 1)[None], second.index_select(0, slots).transpose(0, 1)[None]
 
+    def tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s two tensors as the pool holds them, [slots, h, d] each (read in place by a kernel)."""
+        return self._layers[layer]
+
     def bytes(self) -> int:
         """What the layers allocated so far hold."""
         return sum(t.numel() * t.element_size() for pair in self._layers.values() for t in pair)
@@ -200,6 +204,10 @@ class PackedCache:
         offsets = torch.arange(width)[None, :].clamp_max(torch.tensor(lengths)[:, None] - 1)  # [B, L]
         index = torch.tensor([start for start, _ in spans])[:, None] + offsets
         return self._read[index.to(self._read.device)], lengths
+
+    def layer_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s two pool tensors, [slots, h, d] each: where ``padded_slots``' slots point."""
+        return self._pool.tensors(layer)
 
     def padded_pasts(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s two tensors at ``slots`` [B, L], [B, h, L, d] each (one gather for the B sequences)."""

@@ -27,6 +27,10 @@ Kernels (the attention backends' ``attend``, ``attention_backends``, chosen once
   (``DecodeBatch``). A decode step of B sequences then costs a layer one gather and one attention call instead
   of B of each: the per-call overhead was most of a decode step's attention on CPU. Every device; not for
   models whose cache holds latents (``expand_kv``), which the loop expands per sequence.
+- ``cpu-paged-decode``: as ``batched-decode``, the decode rows computed by a CPU kernel that reads their keys
+  and values in the pool where they lie (``cpu_paged_decode``: no gather into a padded copy, the pool read once);
+  on CPU, float32, sdpa models, where the kernel builds. On a layer call where it would not compute what the
+  model's sdpa does (dropout, a soft cap, a position bias), that call's rows go the padded way.
 - ``flash-varlen``: flash-attn's ``flash_attn_varlen_func``, one call per layer for all the step's
   sequences over their gathered pasts (bottom-right causal, its ``window_size`` for sliding layers);
   on CUDA, when flash-attn is importable, for plain sdpa models in half precision (no attention
@@ -50,6 +54,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from expertmesh.serving import cpu_paged_decode
+
 __all__ = [
     "IMPLEMENTATION",
     "STEP",
@@ -60,6 +66,7 @@ __all__ = [
     "StepAttention",
     "DecodeBatch",
     "batched_decode_attend",
+    "cpu_paged_decode_attend",
     "flash_varlen_attend",
     "per_sequence_attend",
 ]
@@ -70,7 +77,7 @@ STEP = "expertmesh_step"
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-AttentionKernel = Literal["per-sequence", "batched-decode", "flash-varlen"]
+AttentionKernel = Literal["per-sequence", "batched-decode", "cpu-paged-decode", "flash-varlen"]
 
 
 class PastReader(Protocol):
@@ -92,6 +99,9 @@ class PastReader(Protocol):
     def padded_slots(self, sequences: list[int], firsts: list[int]) -> tuple[torch.Tensor, list[int]]:
         """The pool slots of step sequences ``sequences`` from positions ``firsts`` to their ends, right-padded
         with each one's last slot, [B, L]; and each one's length."""
+
+    def layer_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s two pool tensors, [slots, h, d] each, which ``padded_slots``' slots index."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +189,7 @@ class DecodeBatch:
     sequences: list[int]  # [B] step sequence indices, ascending
     rows: torch.Tensor  # [B] each one's query row among the step's T tokens
     slots: torch.Tensor  # [B, L] pool slots of each one's key range, right-padded
+    lengths: torch.Tensor  # [B] int64, each one's key range's length (the rest of its row of slots is padding)
     mask: torch.Tensor | None  # [B, 1, 1, L]: boolean (sdpa) or additive (eager); None without padding
 
     @classmethod
@@ -192,7 +203,7 @@ class DecodeBatch:
                 allowed = torch.where(allowed, torch.zeros((), dtype=step.dtype), torch.finfo(step.dtype).min)
             mask = allowed[:, None, None, :].to(step.device)
         rows = torch.tensor([step.sequences[i].offset for i in sequences], device=step.device)
-        return cls(sequences, rows, slots, mask)
+        return cls(sequences, rows, slots, torch.tensor(lengths, device=slots.device), mask)
 
 
 @dataclass(frozen=True)
@@ -249,19 +260,33 @@ def per_sequence_attend(call: LayerAttention) -> torch.Tensor:
 def batched_decode_attend(call: LayerAttention) -> torch.Tensor:
     """[1, T, H, dv]: the decode rows in one padded call (``DecodeBatch``), every other sequence as
     ``per_sequence_attend`` does it."""
+    return _decode_rows_together(call, _padded_rows)
+
+
+def cpu_paged_decode_attend(call: LayerAttention) -> torch.Tensor:
+    """[1, T, H, dv]: as ``batched_decode_attend``, the decode rows computed by the CPU kernel that reads their
+    keys and values in the pool where they lie (``cpu_paged_decode``) wherever it computes what the model's sdpa
+    would (``_in_place_computes``); else padded, as there."""
+    return _decode_rows_together(call, _in_place_rows if _in_place_computes(call) else _padded_rows)
+
+
+DecodeRows = Callable[[LayerAttention, "DecodeBatch"], torch.Tensor]
+
+
+def _decode_rows_together(call: LayerAttention, decode_rows: DecodeRows) -> torch.Tensor:
+    """[1, T, H, dv]: the step's decode rows by ``decode_rows`` (``[B, H, dv]`` for the batch), each other sequence
+    as ``per_sequence_attend`` does it."""
     module, query, step, kwargs = call.module, call.query, call.step, call.kwargs
     batch = step.decode_batch(call.kind)
     if batch is None:
         return per_sequence_attend(call)
-    attend = _inner(module, step.implementation)
-    keys, values = step.cache.padded_pasts(module.layer_idx, batch.slots)  # [B, h, L, d] each
-    q = query[0][:, batch.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]
-    decoded, _ = attend(module, q, keys, values, batch.mask, **kwargs)  # [B, 1, H, dv]
+    decoded = decode_rows(call, batch)  # [B, H, dv]
     if len(batch.sequences) == len(step.sequences):  # a decode step: the B rows are the T tokens, in order
-        return decoded.transpose(0, 1)  # [1, T, H, dv]
+        return decoded[None]  # [1, T, H, dv]
     # Each row where its token sits: no list of T one-row pieces to concatenate
-    out = decoded.new_empty((1, query.shape[2], *decoded.shape[2:]))  # [1, T, H, dv]
-    out[0, batch.rows] = decoded[:, 0]
+    out = decoded.new_empty((1, query.shape[2], *decoded.shape[1:]))  # [1, T, H, dv]
+    out[0, batch.rows] = decoded
+    attend = _inner(module, step.implementation)
     decoding = set(batch.sequences)
     for i, rows in enumerate(step.sequences):
         if i in decoding:
@@ -271,6 +296,48 @@ def batched_decode_attend(call: LayerAttention) -> torch.Tensor:
         q = query[:, :, rows.offset : rows.offset + rows.n]  # [1, H, n, d]
         out[:, rows.offset : rows.offset + rows.n], _ = attend(module, q, keys, values, mask, **kwargs)
     return out
+
+
+def _padded_rows(call: LayerAttention, batch: "DecodeBatch") -> torch.Tensor:
+    """[B, H, dv]: the decode rows' pasts gathered side by side, right-padded, in one call of the model's own
+    attention (the padding masked)."""
+    module, step = call.module, call.step
+    keys, values = step.cache.padded_pasts(module.layer_idx, batch.slots)  # [B, h, L, d] each
+    q = call.query[0][:, batch.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]
+    decoded, _ = _inner(module, step.implementation)(module, q, keys, values, batch.mask, **call.kwargs)
+    return decoded[:, 0]  # [B, 1, H, dv] -> [B, H, dv]
+
+
+def _in_place_computes(call: LayerAttention) -> bool:
+    """Whether the in-place kernel computes what the model's attention would for one query: torch SDPA's
+    ``softmax(scale * q . k) . v`` (the sdpa implementation, which ignores every other keyword; no dropout, soft
+    cap or position bias), float32 throughout, keys and values as the pool holds them (no latents to expand)."""
+    kwargs = call.kwargs
+    return (
+        call.step.implementation == "sdpa"
+        and not kwargs.get("dropout")
+        and kwargs.get("softcap") is None
+        and kwargs.get("position_bias") is None
+        and getattr(call.module, "expand_kv", None) is None
+        and call.query.dtype == torch.float32
+        and call.new_keys.dtype == torch.float32
+        and call.new_values.dtype == torch.float32
+    )
+
+
+def _in_place_rows(call: LayerAttention, batch: "DecodeBatch") -> torch.Tensor:
+    """[B, H, dv]: the decode rows by the CPU kernel, over their slots in the layer's pool."""
+    query, step = call.query[0], call.step  # [H, T, d]
+    keys, values = step.cache.layer_pool(call.module.layer_idx)  # [S, h, d], [S, h, dv]
+    if len(batch.sequences) == len(step.sequences):
+        q = query.transpose(0, 1)  # [T, H, d]: the rows are the step's tokens, in order
+    else:
+        q = query[:, batch.rows].transpose(0, 1)  # [B, H, d]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    scale = call.kwargs.get("scaling")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return cpu_paged_decode.paged_decode(q, keys, values, batch.slots, batch.lengths, scale)
 
 
 @functools.cache

@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 REDIS_PORT ?= 6399
 RUN_DIR := .run
 
-.PHONY: install proto run test lint test-tools clients-venv perf-venv vllm-venv redis-start redis-stop clean gpu-wheels
+.PHONY: install proto kernels run test lint test-tools clients-venv perf-venv vllm-venv redis-start redis-stop clean gpu-wheels
 
 # A pinned CPU torch first: an unpinned one pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -16,7 +16,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-install: $(VENV)/.installed proto
+install: $(VENV)/.installed proto kernels
+
+# The CPU decode-attention kernel (services/expertmesh/serving/cpu_paged_decode.cpp), built once per machine into
+# torch's extensions folder (~25 s; g++ and ninja), so neither `make run`'s first start nor a test's router waits
+# for it. A machine that cannot build it serves with the gathering kernel instead (the router logs why).
+kernels: $(VENV)/.installed
+	@$(PY) -c "import sys; from expertmesh.serving import cpu_paged_decode as k; sys.exit(not k.load())" \
+		|| echo "expertmesh: the CPU paged-decode attention kernel did not build; decode attention gathers instead"
 
 proto: $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=services --grpc_python_out=services \

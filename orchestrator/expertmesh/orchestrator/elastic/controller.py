@@ -138,10 +138,12 @@ class GroupController:
                 record = self._records.get(name)
                 if record is None:
                     self._records[name] = GroupRecord(name, GroupPhase.SERVING, address=address)
-                elif record.phase is GroupPhase.STOPPED:
+                elif record.phase is GroupPhase.STOPPED and self._store.endpoints().get(name) == address:
                     # Its endpoint is removed after its stop, so its platform started it again: on Kubernetes a
                     # `helm upgrade` renders a chart group removed live back. No routing table lists it; SERVING
-                    # again, so it can be removed again (or given experts by the next change's plan).
+                    # again, so it can be removed again (or given experts by the next change's plan). Read again
+                    # under the lock: the snapshot above may predate the stop's removal of the endpoint (a remove
+                    # then marks the record STOPPED after it), and would bring a group just stopped back to life.
                     log.info("expert group %s: registered again at %s after it was stopped", name, address)
                     self._keep(
                         GroupRecord(

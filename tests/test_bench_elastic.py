@@ -80,10 +80,10 @@ def test_group_figures_come_from_the_records():
     assert (add["moves"], add["moves_planned"], add["bytes_moved"], add["experts_held"]) == (8, 8, 3 << 20, 8)
     unfinished = add_figures(_record(first_listed_at=0.0, finished_at=0.0), None, None)
     assert unfinished["to_listed_s"] is None and unfinished["to_serving_s"] is None
-    removed = remove_figures(_record(name="g0", phase="stopped", experts=0, exit_code=0), process_ended=True)
+    removed = remove_figures(_record(name="g0", phase="stopped", experts=0, exit_code=0), group_ended=True)
     # a removal's registered_at is when its last expert left it
     assert removed["to_drained_s"] == 2.0 and removed["to_stopped_s"] == 6.0 and removed["stop_after_drain_s"] == 4.0
-    assert removed["exit_code"] == 0 and removed["process_ended"]
+    assert removed["exit_code"] == 0 and removed["group_ended"]
 
 
 def _result(cycles: list[dict]) -> dict:

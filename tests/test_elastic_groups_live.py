@@ -1,6 +1,7 @@
 """Expert groups added and removed live, end to end on the embedded platform, through a short
 ``expertmesh bench elastic`` run (``bench.elastic.run``): ``expertmesh up --orchestrator
---groups-as process`` (real ``group serve`` processes, no Ray) serving looping streaming greedy
+--groups-as process`` (real ``group serve`` processes, no Ray; and ``--groups-as in-process``, the groups in the
+platform's own process) serving looping streaming greedy
 clients while AddGroup starts an empty group that the planner fills by live moves, a load step
 up, RemoveGroup of g0 (drained by make-before-break moves, its process stopped), and the step down.
 
@@ -40,11 +41,14 @@ def model(tiny_checkpoints):
     return tiny_checkpoints("mixtral", num_local_experts=8)
 
 
+@pytest.mark.parametrize("groups_as", ["process", "in-process"])
 def test_groups_added_and_removed_under_streaming_load_fail_nothing_and_change_no_token(
-    model, tmp_path, monkeypatch, record_property
+    model, tmp_path, monkeypatch, record_property, groups_as
 ):
+    """Also with the groups in the platform's own process (``up --groups-as in-process``): the new group starts
+    there, is called in place once filled, and the removed one's server closes (its process is the router's)."""
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path / "home"))
-    result = run(short_run(model))
+    result = run(short_run(model, groups_as=groups_as))
     print("\n" + table(result))
 
     (cycle,) = result["cycles"]
@@ -78,12 +82,16 @@ def test_groups_added_and_removed_under_streaming_load_fail_nothing_and_change_n
 
     # -- remove: g0 drained by make-before-break moves, then its process stopped
     assert remove["group"] == "g0" and remove["phase"] == "stopped", remove["reason"]
-    assert remove["experts"] == 0 and remove["exit_code"] == 0 and remove["process_ended"]
+    assert remove["experts"] == 0 and remove["exit_code"] == 0 and remove["group_ended"]
     assert remove["moves"] == remove["moves_planned"] > 0
     assert 0 < remove["to_drained_s"] <= remove["to_stopped_s"] and remove["stop_after_drain_s"] >= 0
 
     # nothing else restarts: g1 is the process it was; g1 and g2 serve every (layer, expert) pair once
     assert after["g1"]["pid"] == before["g1"]["pid"]
+    if groups_as == "in-process":  # every group is the platform's process
+        assert after["g1"]["pid"] == after["g2"]["pid"] == before["g0"]["pid"]
+    else:
+        assert len({before["g0"]["pid"], after["g1"]["pid"], after["g2"]["pid"]}) == 3
     assert sorted(n for n, g in after.items() if g["phase"] == "serving") == ["g1", "g2"]
     assert sum(g["experts"] for g in after.values()) == 2 * 8
     assert result["platform_served_on"] and result["platform_exit_code"] == 0

@@ -277,7 +277,7 @@ def test_ray_serve_groups_added_and_removed_under_streaming_load_fail_nothing_an
 
     # -- remove: g0 drained, then its deployment deleted (Serve stopped its replica; its worker ended)
     assert remove["group"] == "g0" and remove["phase"] == "stopped", remove["reason"]
-    assert remove["experts"] == 0 and remove["exit_code"] == 0 and remove["process_ended"]
+    assert remove["experts"] == 0 and remove["exit_code"] == 0 and remove["group_ended"]
     assert remove["moves"] == remove["moves_planned"] > 0
 
     # Serve's deployments: g0, g1 -> + g2 -> - g0 (the last set seen while the platform still served)

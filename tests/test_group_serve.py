@@ -232,9 +232,14 @@ def test_bench_dispatch_runs_on_plain_process_groups_without_ray(tiny_checkpoint
     assert memory["router_bytes"] >= memory["baseline_bytes"]
 
 
-def test_bench_serve_runs_on_plain_process_groups_without_ray(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize(
+    "groups_as, runner", [("process", "groups as plain processes"), ("in-process", "groups in its process")]
+)
+def test_bench_serve_runs_on_groups_on_this_host_without_ray(tiny_checkpoints, tmp_path, groups_as, runner):
     """`bench serve --groups-as process`, as the GPU machine runs it: the serving engine, its gRPC API and the
-    groups without Ray, redis-py or the OpenTelemetry SDK; the streamed tokens are transformers' own."""
+    groups without Ray, redis-py or the OpenTelemetry SDK; the streamed tokens are transformers' own. The same
+    with the groups in the router's process, called in place (`--groups-as in-process`): every MoE layer's call
+    went in place (the router's per-transport call counts), and the answers are still transformers' own."""
     out = tmp_path / "serve.json"
     result = subprocess.run(
         [
@@ -246,7 +251,7 @@ def test_bench_serve_runs_on_plain_process_groups_without_ray(tiny_checkpoints, 
             "--model",
             str(tiny_checkpoints("mixtral")),
             "--groups-as",
-            "process",
+            groups_as,
             "--clients",
             "2",
             "--requests-per-client",
@@ -265,7 +270,10 @@ def test_bench_serve_runs_on_plain_process_groups_without_ray(tiny_checkpoints, 
     )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["setup"]["platform"].startswith("in-process expertmesh up (local data plane, groups as plain processes")
+    assert data["setup"]["platform"].startswith(f"in-process expertmesh up (local data plane, {runner}")
+    assert data["setup"]["transports"] == {
+        g: "in-process" if groups_as == "in-process" else "shm" for g in ("g0", "g1")
+    }
     assert data["setup"]["device"] == "cpu" and data["agreement"]["passed"]
     assert [r["tokens"] for r in data["runs"]] == [8, 8, 8]
     assert "same answers: PASS" in result.stdout and "starting Ray" not in result.stderr

@@ -315,3 +315,102 @@ def test_the_grpc_stream_works_under_mutual_tls(pki, tiny_checkpoints):  # noqa:
         plaintext.close()
     finally:
         server.stop(0)
+
+
+def _in_this_process(server):
+    """``InProcessGroups.lookup`` over one group server of this process: its servicer by its shared-memory token."""
+    groups = {server.local.token: server.servicer}
+    return groups, groups.get
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_a_group_in_this_process_is_called_in_place_with_the_unary_paths_partial_sums(served, tokens):
+    """``up --groups-as in-process``: ``auto`` finds the group by the token its server drew and calls its compute
+    on this thread; the partial sums are unary Dispatch's bit for bit, and the group counts the calls."""
+    checkpoint, address, server = served
+    _, lookup = _in_this_process(server)
+    unary, in_place = build("grpc-unary"), build("auto", lookup)
+    for transport in (unary, in_place):
+        transport.update({"g0": address})
+    try:
+        calls_before = _use(address).get("in-process", (0, 0))[1]
+        for seed in range(3):
+            request = _request(checkpoint, tokens, seed)
+            expected, got = _call(unary, request), _call(in_place, request)
+            assert got.shape == (tokens, checkpoint.spec.hidden_size) and torch.equal(got, expected)
+        assert in_place.kind("g0") == "in-process"
+        assert [p.name for p in in_place._routes["g0"].paths][:2] == ["in-process", "shm"]
+        assert _use(address)["in-process"][1] == calls_before + 3
+    finally:
+        unary.close()
+        in_place.close()
+
+
+def test_only_auto_calls_in_place_and_only_the_server_that_drew_the_token(served):
+    """The ``grpc`` transport (no shared memory) keeps to its stream; a token no group of this process drew
+    (another process's group on this host) gets the same-host paths, never a call in place."""
+    checkpoint, address, server = served
+    _, lookup = _in_this_process(server)
+    stream, elsewhere = build("grpc", lookup), build("auto", {b"another group's token": server.servicer}.get)
+    try:
+        for transport, kind in ((stream, "grpc-stream"), (elsewhere, "shm")):
+            transport.update({"g0": address})
+            _call(transport, _request(checkpoint, 3, 0))
+            assert transport.kind("g0") == kind
+            assert "in-process" not in [p.name for p in transport._routes["g0"].paths]
+    finally:
+        stream.close()
+        elsewhere.close()
+
+
+def test_a_refusal_in_place_carries_the_groups_status_as_on_the_wire(served):
+    """A layer the group does not hold, an id past the model's experts: the same status code and message as
+    unary Dispatch, raised from ``result()``, never out of ``send`` into the router's step."""
+    checkpoint, address, server = served
+    _, lookup = _in_this_process(server)
+    unary, in_place = build("grpc-unary"), build("auto", lookup)
+    for transport in (unary, in_place):
+        transport.update({"g0": address})
+    good = _request(checkpoint, 4, 0)
+    bad_ids = good.expert_ids.clone()
+    bad_ids[0, 0] = checkpoint.spec.num_experts + 5
+    wrong = [
+        GroupRequest(checkpoint.spec.num_layers + 7, 1, good.hidden, good.tokens, good.expert_ids, good.weights),
+        GroupRequest(LAYER, 1, good.hidden, good.tokens, bad_ids, good.weights),
+        GroupRequest(LAYER, 1, good.hidden, good.tokens, good.expert_ids, good.weights, model="another-checkpoint"),
+    ]
+    try:
+        for request in wrong:
+            errors = []
+            for transport in (unary, in_place):
+                pending = transport.send("g0", request, 30)
+                with pytest.raises(TransportError) as err:
+                    pending.result()
+                errors.append(err.value)
+            assert errors[0].code == errors[1].code != grpc.StatusCode.OK
+            assert errors[1].details == errors[0].details
+        assert torch.equal(_call(in_place, good), _call(unary, good))  # and it goes on serving
+    finally:
+        unary.close()
+        in_place.close()
+
+
+def test_a_group_gone_from_this_process_is_not_called_in_place_any_more(tiny_checkpoints):
+    """Once the group stops (``InProcessGroups.stop`` drops its token first), its route's in-place path is
+    broken: the call goes down the list to the wire, which finds the server gone (UNAVAILABLE)."""
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    server, address = _group(checkpoint)
+    groups, lookup = _in_this_process(server)
+    transport = build("auto", lookup)
+    transport.update({"g0": address})
+    try:
+        _call(transport, _request(checkpoint, 3, 0))
+        assert transport.kind("g0") == "in-process"
+        groups.clear()
+        server.stop(0)
+        with pytest.raises(TransportError) as err:
+            transport.send("g0", _request(checkpoint, 3, 1), 10).result()
+        assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert transport.kind("g0") != "in-process"
+    finally:
+        transport.close()

@@ -451,16 +451,23 @@ def test_the_admin_api_the_cli_and_the_kubectl_plugin(mesh, capsys):
         (dict(gpus=1), "this host has no CUDA GPU"),
     ],
 )
-def test_the_embedded_platform_refuses_placements_it_cannot_make(request_, message):
+@pytest.mark.parametrize("groups_as", ["process", "in-process"])
+def test_the_embedded_platform_refuses_placements_it_cannot_make(request_, message, groups_as):
+    """Group processes and groups in the platform's own process alike (each launcher's ``check``)."""
     import torch
 
+    from expertmesh.expert_group.runtime import GroupSpec
     from expertmesh.platform.group_processes import ProcessGroups
+    from expertmesh.platform.in_process_groups import InProcessGroups
 
     if request_.get("gpus") == 1 and torch.cuda.is_available():
         pytest.skip("this host has a GPU")
-    with pytest.raises(GroupChangeRefused, match=message):
-        ProcessGroups([]).check(**request_)
-    ProcessGroups([]).check()  # CPU, anywhere on this host: fine
+    launcher = ProcessGroups([]) if groups_as == "process" else InProcessGroups(GroupSpec("", "unused", ()))
+    with pytest.raises(GroupChangeRefused, match=message) as refused:
+        launcher.check(**request_)
+    if "--island" in message:
+        assert f"`up --groups-as {groups_as}`" in str(refused.value)
+    launcher.check()  # CPU, anywhere on this host: fine
 
 
 def test_a_change_keeps_no_more_migrations_in_flight_than_the_runner_runs(mesh):

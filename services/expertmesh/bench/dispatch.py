@@ -542,7 +542,9 @@ def table(result: dict) -> str:
                 wire["overhead_vs_min"],
             ]
         )
-    runner = "Ray Serve" if setup["groups_as"] == "ray" else "plain processes"
+    runner = {"ray": "Ray Serve", "process": "plain processes", "in-process": "in the router's process"}[
+        setup["groups_as"]
+    ]
     carried = ", ".join(sorted(set(setup["transports"].values()))) or "-"
     title = (
         f"{model['model_type']} {Path(model['path']).name}: {model['moe_layers']} MoE layers x "

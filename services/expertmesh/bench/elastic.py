@@ -108,9 +108,10 @@ def add_command(bench_commands) -> None:
     add_load_arguments(p, groups=2, groups_help="expert groups at the start")
     p.add_argument(
         "--groups-as",
-        choices=("process", "ray"),
+        choices=("process", "ray", "in-process"),
         default="process",
-        help="the platform's groups as `group serve` processes or as Ray Serve deployments (default: %(default)s)",
+        help="the platform's groups as `group serve` processes, as Ray Serve deployments or in the platform's own "
+        "process (default: %(default)s)",
     )
     p.add_argument("--step-clients", type=int, default=4, help="clients added for the load step (default 4)")
     p.add_argument("--prompt-tokens", type=int, default=8, help="prompt tokens per request (default 8)")
@@ -249,7 +250,7 @@ def add_figures(record: dict, first_token_s: float | None, held: int | None) -> 
     }
 
 
-def remove_figures(record: dict, process_ended: bool) -> dict:
+def remove_figures(record: dict, group_ended: bool) -> dict:
     """The remove's figures from the removed group's record; ``registered_at`` of a removal is when its last
     expert left it."""
     return {
@@ -263,7 +264,7 @@ def remove_figures(record: dict, process_ended: bool) -> dict:
         "bytes_moved": record["bytes_moved"],
         "experts": record["experts"],
         "exit_code": record["exit_code"],
-        "process_ended": process_ended,
+        "group_ended": group_ended,
         "reason": record["reason"],
     }
 
@@ -343,7 +344,7 @@ def _cycle_table(cycle: dict) -> str:
 
 
 #: how the table's title says the groups run
-_AS = {"process": "processes", "ray": "Ray Serve deployments"}
+_AS = {"process": "processes", "ray": "Ray Serve deployments", "in-process": "in the router's process"}
 
 
 # -- the run ----------------------------------------------------------------------------------------------
@@ -512,6 +513,22 @@ def _timed_phase(
     return Window(name, traffic.active, start, time.perf_counter(), before)
 
 
+def _closed(address: str, within_s: float = 10.0) -> bool:
+    """Whether nothing accepts connections at ``address`` (host:port) any more, or does not within ``within_s``."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except OSError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 def _ended(pid: int, within_s: float = 10.0) -> bool:
     """Whether process ``pid`` (on this host) has ended, or does within ``within_s`` (a Ray Serve replica's
     worker exits just after Serve has stopped the replica)."""
@@ -623,7 +640,7 @@ def _cycle(options: Options, admin: _Admin, traffic: LoopingClients) -> dict:
     traffic.grow(options.step_clients)
     windows.append(_timed_phase("step up", traffic, options, "baseline"))
 
-    pid = before[victim]["pid"]
+    pid, address = before[victim]["pid"], before[victim]["address"]
     started = time.perf_counter()
     admin.remove(victim)
     progress(f"bench elastic: removing group {victim}; waiting until it is stopped")
@@ -631,12 +648,13 @@ def _cycle(options: Options, admin: _Admin, traffic: LoopingClients) -> dict:
     windows.append(Window(f"remove {victim}", traffic.active, started, time.perf_counter(), "step up", True))
     if removed["phase"] != "stopped":
         raise BenchError(f"group {victim} ended {removed['phase']}: {removed['reason']}")
-    process_ended = _ended(pid)
+    # a group in the platform's process ends with its server; any other with its own process
+    group_ended = _closed(address) if options.groups_as == "in-process" else _ended(pid)
 
     traffic.shrink(options.step_clients)
     windows.append(_timed_phase("step down", traffic, options, "baseline"))
     return {
         "windows": windows,
         "add": add_figures(added, first_token_s, held),
-        "remove": remove_figures(removed, process_ended),
+        "remove": remove_figures(removed, group_ended),
     }

@@ -1,11 +1,12 @@
 """The platform the benchmarks measure, and where it computes.
 
 A router (``DataPlane``) over the contiguous split of the experts into expert
-groups, which run either as Ray Serve deployments (``DataPlane.start``) or as
-plain ``expertmesh group serve`` processes whose addresses the router is handed
-in an in-process store (``DataPlane.attach``): neither Ray nor Redis, as on the
-GPU machine. ``--device`` puts the router's model (and each benchmark's stock
-transformers baseline) on a GPU; process groups then compute on that GPU too.
+groups, which run either as Ray Serve deployments (``DataPlane.start``), as
+plain ``expertmesh group serve`` processes, or in the router's own process,
+whose addresses the router is handed in an in-process store
+(``DataPlane.attach``): neither Ray nor Redis, as on the GPU machine.
+``--device`` puts the router's model (and each benchmark's stock transformers
+baseline) on a GPU; the groups on this host then compute on that GPU too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from expertmesh.config.settings import DataPlaneConfig
     from expertmesh.platform.data_plane import DataPlane
 
-GROUPS_AS = ("ray", "process")
+GROUPS_AS = ("ray", "process", "in-process")
 
 
 def add_platform_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +30,8 @@ def add_platform_arguments(p: argparse.ArgumentParser) -> None:
         "--groups-as",
         choices=GROUPS_AS,
         default="ray",
-        help="expert groups as Ray Serve deployments, or as plain `expertmesh group serve` processes (no Ray)",
+        help="expert groups as Ray Serve deployments, as plain `expertmesh group serve` processes (no Ray), or in "
+        "the router's process, called in place (no Ray, no copies)",
     )
     p.add_argument(
         "--device",
@@ -59,26 +61,31 @@ def started(config: DataPlaneConfig, groups_as: str, bench: str) -> Iterator[Dat
             progress(f"bench {bench}: stopping the platform")
             plane.close()
         return
-    groups, store = _group_processes(config, bench)
+    groups, store = _local_groups(config, groups_as, bench)
     try:
-        plane = DataPlane.attach(config, store=store)
+        lookup = groups.lookup if groups_as == "in-process" else None
+        plane = DataPlane.attach(config, store=store, in_process=lookup)
         try:
             yield plane
         finally:
             plane.close()
     finally:
-        progress(f"bench {bench}: stopping the group processes")
-        for group in groups.values():
-            group.stop()
+        progress(f"bench {bench}: stopping the expert groups")
+        groups.stop_all()
 
 
-def _group_processes(config: DataPlaneConfig, bench: str):
-    """``expertmesh group serve`` processes for the contiguous split, and an in-process store that lists
-    them and their routing table (as ``DataPlane.start`` publishes it): neither Ray nor Redis."""
+def _local_groups(config: DataPlaneConfig, groups_as: str, bench: str):
+    """The groups of the contiguous split on this host (``expertmesh group serve`` processes, or in this process),
+    and an in-process store that lists them and their routing table (as ``DataPlane.start`` publishes it):
+    neither Ray nor Redis."""
     from expertmesh.platform.group_processes import start_process_groups
+    from expertmesh.platform.in_process_groups import start_in_process_groups
     from expertmesh.store import open_store
 
-    progress(f"bench {bench}: starting {config.groups} expert groups as plain processes (expertmesh group serve)")
+    config = config.model_copy(update={"state_url": "memory://", "placement": None})
     store = open_store("memory://")
-    groups = start_process_groups(config.model_copy(update={"state_url": "memory://", "placement": None}), store)
-    return groups.groups, store
+    if groups_as == "in-process":
+        progress(f"bench {bench}: starting {config.groups} expert groups in this process")
+        return start_in_process_groups(config, store), store
+    progress(f"bench {bench}: starting {config.groups} expert groups as plain processes (expertmesh group serve)")
+    return start_process_groups(config, store), store

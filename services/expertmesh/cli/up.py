@@ -47,10 +47,11 @@ def add_command(commands) -> None:
     )
     parser.add_argument(
         "--groups-as",
-        choices=("ray", "process"),
+        choices=("ray", "process", "in-process"),
         default="ray",
-        help="expert groups as Ray Serve deployments, or as plain `expertmesh group serve` processes on this host "
-        "(no Ray); either way, with --orchestrator groups can be added and removed live (`expertmesh groups add`, "
+        help="expert groups as Ray Serve deployments, as plain `expertmesh group serve` processes on this host "
+        "(no Ray), or in this process, called in place (no Ray, no copies: the fastest on one host of few cores); "
+        "either way, with --orchestrator groups can be added and removed live (`expertmesh groups add`, "
         "`groups remove`) (default: %(default)s)",
     )
     parser.add_argument(
@@ -119,15 +120,15 @@ def _main(args: argparse.Namespace) -> int:
     )
     if telemetry.prometheus_port is not None:
         progress(f"Prometheus metrics on :{telemetry.prometheus_port}/metrics")
-    processes = None
+    local_groups = None
     if args.router_only:
         if data_config.state_url.startswith("memory://"):
             raise InputError("--router-only needs a shared --state-url (redis://host:port/db) with a routing table")
-        if args.groups_as == "process":
+        if args.groups_as != "ray":
             raise InputError("--router-only starts no groups: leave --groups-as out")
         plane = DataPlane.attach(data_config, wait_s=args.wait_for_table)
-    elif args.groups_as == "process":
-        plane, processes = _process_plane(data_config)
+    elif args.groups_as in ("process", "in-process"):
+        plane, local_groups = _local_plane(data_config, args.groups_as)
     else:
         plane = DataPlane.start(data_config)
     _set_router_threads(data_config)
@@ -151,7 +152,7 @@ def _main(args: argparse.Namespace) -> int:
                 capacity=capacity,
                 managers=_table_keeper(plane, monitor),
                 model_fingerprint=plane.checkpoint.spec.fingerprint,
-                launcher=_launcher(plane, processes),
+                launcher=_launcher(plane, local_groups),
             )
             progress(f"orchestrator admin gRPC on {serving_config.host}:{orchestrator.server.port}")
         apis = start_apis(plane, serving_config)
@@ -171,23 +172,23 @@ def _main(args: argparse.Namespace) -> int:
     finally:
         if orchestrator is not None:
             orchestrator.stop()
-        if processes is None:
+        if local_groups is None:
             progress("stopping expert groups and Ray")
             plane.close()
         else:
-            progress("stopping the expert group processes")
+            progress("stopping the expert groups")
             plane.close()
-            processes.stop_all()
+            local_groups.stop_all()
         telemetry.shutdown()
     return 0
 
 
-def _launcher(plane, processes):
-    """What the orchestrator adds and removes groups through, as the platform runs them: group processes, or
-    deployments of the plane's Ray Serve groups application; None for a router alone (Kubernetes: the
-    RayService's groups are not this process's to change)."""
-    if processes is not None:
-        return processes
+def _launcher(plane, local_groups):
+    """What the orchestrator adds and removes groups through, as the platform runs them: the groups on this
+    host (processes, or in this process), or deployments of the plane's Ray Serve groups application; None for
+    a router alone (Kubernetes: the RayService's groups are not this process's to change)."""
+    if local_groups is not None:
+        return local_groups
     if plane.groups_app is None:
         return None
     from expertmesh.platform.ray_groups import RayGroups
@@ -195,28 +196,35 @@ def _launcher(plane, processes):
     return RayGroups(plane)
 
 
-def _process_plane(config):
-    """The router over ``config.groups`` plain group processes (``platform.group_processes``), no Ray: the
-    plane and the processes (the orchestrator's launcher). The store is the config's (in-process by default)."""
+def _local_plane(config, groups_as: str):
+    """The router over ``config.groups`` groups on this host, no Ray: plain group processes
+    (``platform.group_processes``) or groups in this process (``platform.in_process_groups``). Returns the
+    plane and the groups (the orchestrator's launcher). The store is the config's (in-process by default)."""
     from expertmesh.infra.console import progress
     from expertmesh.platform.data_plane import DataPlane
     from expertmesh.platform.group_processes import start_process_groups
+    from expertmesh.platform.in_process_groups import start_in_process_groups
     from expertmesh.store import open_store
 
     store = open_store(config.state_url, config.deployment)
-    progress("starting the expert groups as processes (expertmesh group serve)")
+    in_process = groups_as == "in-process"
+    progress(
+        "starting the expert groups in this process"
+        if in_process
+        else "starting the expert groups as processes (expertmesh group serve)"
+    )
     try:
-        processes = start_process_groups(config, store)
+        groups = start_in_process_groups(config, store) if in_process else start_process_groups(config, store)
     except BaseException:
         store.close()
         raise
     try:
-        plane = DataPlane.attach(config, store=store)
+        plane = DataPlane.attach(config, store=store, in_process=groups.lookup if in_process else None)
     except BaseException:
-        processes.stop_all()
+        groups.stop_all()
         raise
-    progress("data plane ready: " + ", ".join(f"{g}@{a}" for g, (a, _) in sorted(processes.running().items())))
-    return plane, processes
+    progress("data plane ready: " + ", ".join(f"{g}@{a}" for g, (a, _) in sorted(groups.running().items())))
+    return plane, groups
 
 
 def _set_router_threads(config) -> None:

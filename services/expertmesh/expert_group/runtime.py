@@ -121,9 +121,11 @@ def node_ip() -> str:
 
 class RunningGroup:
     """``spec``'s group serving in this process; ``address`` is what routers dial. ``advertise``
-    gives the address to advertise when the server binds every interface (0.0.0.0 or ::)."""
+    gives the address to advertise when the server binds every interface (0.0.0.0 or ::). ``in_router``:
+    this process is the router's (``up --groups-as in-process``): its CPUs, environment, torch threads and
+    telemetry are the router's, and the group takes none of them over."""
 
-    def __init__(self, spec: GroupSpec, advertise: Callable[[], str] = node_ip):
+    def __init__(self, spec: GroupSpec, advertise: Callable[[], str] = node_ip, *, in_router: bool = False):
         import torch
 
         from expertmesh.expert_group.service import start_server
@@ -132,14 +134,16 @@ class RunningGroup:
         from expertmesh.models.checkpoint import Checkpoint
         from expertmesh.models.hosted_experts import HostedExperts
 
-        if spec.numa is not None:
-            pin_to_numa_node(spec.numa)
-        os.environ.update(spec.inherited_env)
-        self._telemetry = setup_telemetry("expertmesh-expert-group")
+        self._telemetry = None
+        if not in_router:
+            if spec.numa is not None:
+                pin_to_numa_node(spec.numa)
+            os.environ.update(spec.inherited_env)
+            self._telemetry = setup_telemetry("expertmesh-expert-group")
+            # Intra-op threads follow the CPU share: oversubscribing a small host costs more than it gains.
+            torch.set_num_threads(group_threads(spec.num_cpus))
         self._registration = None
         self.server = None
-        # Intra-op threads follow the CPU share: oversubscribing a small host costs more than it gains.
-        torch.set_num_threads(group_threads(spec.num_cpus))
         self.device = "cuda" if spec.num_gpus and torch.cuda.is_available() else "cpu"
         store = None
         try:
@@ -197,4 +201,5 @@ class RunningGroup:
         if self.server is not None:
             self.server.stop()
             self.server = None
-        self._telemetry.shutdown()
+        if self._telemetry is not None:
+            self._telemetry.shutdown()

@@ -188,6 +188,10 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
         finally:
             self._slots.release()
 
+    def called(self, transport: str) -> None:
+        """One call carried by ``transport``, counted (what Describe reports per transport)."""
+        self.transport_use.called(transport)
+
     def check_model(self, model: str) -> None:
         """ForeignCheckpoint unless ``model`` (a caller's checkpoint fingerprint; "": not said) is this group's."""
         mine = self.hosted.spec.fingerprint

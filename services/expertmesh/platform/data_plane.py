@@ -70,10 +70,16 @@ def _gpu_layout(config: DataPlaneConfig, spec):
 
 
 def _router(
-    checkpoint: Checkpoint, store: StateStore, config: DataPlaneConfig, device: torch.device, resolve_endpoints=None
+    checkpoint: Checkpoint,
+    store: StateStore,
+    config: DataPlaneConfig,
+    device: torch.device,
+    resolve_endpoints=None,
+    in_process=None,
 ):
     """The router over ``store``'s tables: its model, the table watcher keeping its view (started, with the
-    heartbeat) and the layer dispatcher its experts calls go to."""
+    heartbeat) and the layer dispatcher its experts calls go to. ``in_process``: the groups this process runs
+    (``InProcessGroups.lookup``), which the transport calls in place."""
     from expertmesh.router.assembly import assemble_router
     from expertmesh.router.dispatch.heartbeat import Heartbeat
     from expertmesh.router.dispatch.hedging import HedgePolicy
@@ -87,7 +93,7 @@ def _router(
     router = assemble_router(
         store,
         spec.moe_layers,
-        build_transport(config.transport),
+        build_transport(config.transport, in_process),
         checkpoint=checkpoint,
         dtype=getattr(torch, config.dtype),
         device=device,
@@ -190,9 +196,12 @@ class DataPlane:
         )
 
     @classmethod
-    def attach(cls, config: DataPlaneConfig, wait_s: float = 300.0, store: StateStore | None = None) -> "DataPlane":
+    def attach(
+        cls, config: DataPlaneConfig, wait_s: float = 300.0, store: StateStore | None = None, in_process=None
+    ) -> "DataPlane":
         """The router alone, over groups and a routing table that others publish in the shared store
-        (``store``, which the plane then owns; default: ``config.state_url``'s)."""
+        (``store``, which the plane then owns; default: ``config.state_url``'s). ``in_process``: the groups
+        among them that run in this process (``InProcessGroups.lookup``), called in place."""
         device = router_device(config.router_device)
         checkpoint = Checkpoint(config.model)
         store = store if store is not None else open_store(config.state_url, config.deployment)
@@ -212,7 +221,7 @@ class DataPlane:
             placement_mod.validate(placement, checkpoint.spec)
         except InputError as err:
             raise InputError(f"the published routing table does not fit {checkpoint.path}: {err}") from None
-        dispatcher, heartbeat, watcher, model = _router(checkpoint, store, config, device)
+        dispatcher, heartbeat, watcher, model = _router(checkpoint, store, config, device, in_process=in_process)
         progress(f"router attached to routing table version {table.version} ({len(placement.groups)} groups)")
         return cls(
             config,

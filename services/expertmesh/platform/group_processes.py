@@ -103,18 +103,7 @@ class ProcessGroups:
 
     def check(self, gpus: int = 0, island: str = "", node: str = "") -> None:
         """Refuse what a group process on this host can never be (GroupSpecRefused)."""
-        if island or node:
-            raise GroupSpecRefused(
-                "--island and --node place a group on a Ray cluster or Kubernetes; `up --groups-as process` runs "
-                "its groups as processes on this host: leave them out (or run the groups on Ray)"
-            )
-        if gpus > 1:
-            raise GroupSpecRefused(f"a group process computes on one GPU at most, not {gpus}: use --gpus 1 or 0")
-        if gpus and not self._gpu:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise GroupSpecRefused("--gpus 1: this host has no CUDA GPU; leave --gpus out to compute on CPU")
+        check_on_this_host(gpus, island, node, self._gpu, "process")
 
     def start(self, name: str, gpus: int = 0, island: str = "", node: str = "") -> tuple[str, int]:
         """One more group, empty (``group serve --empty``): the orchestrator fills it by live moves. It starts
@@ -140,31 +129,47 @@ class ProcessGroups:
             group.stop()
 
 
-def start_process_groups(config: "DataPlaneConfig", store: "StateStore") -> ProcessGroups:
-    """``config.groups`` ``expertmesh group serve`` processes for the contiguous split of the model's experts,
-    their endpoints and first routing table in ``store`` (as ``DataPlane.start`` publishes them for Ray Serve
-    groups). With a shared store the groups also register themselves there."""
+def check_on_this_host(gpus: int, island: str, node: str, gpu: bool, groups_as: str) -> None:
+    """Refuse (GroupSpecRefused) what a group ``up --groups-as GROUPS_AS`` starts on this host can never be;
+    ``gpu``: the platform's groups compute on this host's GPU already."""
+    if island or node:
+        raise GroupSpecRefused(
+            f"--island and --node place a group on a Ray cluster or Kubernetes; `up --groups-as {groups_as}` runs "
+            "its groups on this host: leave them out (or run the groups on Ray)"
+        )
+    if gpus > 1:
+        raise GroupSpecRefused(f"a group here computes on one GPU at most, not {gpus}: use --gpus 1 or 0")
+    if gpus and not gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise GroupSpecRefused("--gpus 1: this host has no CUDA GPU; leave --gpus out to compute on CPU")
+
+
+def first_placement(config: "DataPlaneConfig"):
+    """The model's ``Checkpoint`` and the platform's first ``GroupPlacement``: ``config.placement``'s file, else
+    the contiguous split into ``config.groups``, validated."""
     from expertmesh.contracts import group_map as placement_mod
-    from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
-    from expertmesh.infra.devices import router_device
     from expertmesh.models.checkpoint import Checkpoint
 
-    spec = Checkpoint(config.model).spec
+    checkpoint = Checkpoint(config.model)
+    spec = checkpoint.spec
     if config.placement is not None:
         placement = placement_mod.load(config.placement, spec)
     else:
         placement = placement_mod.contiguous(spec, config.groups)
     placement_mod.validate(placement, spec)
-    args = ["--model", str(config.model), "--dtype", config.dtype]
-    args += ["--placement", str(config.placement)] if config.placement is not None else ["--groups", str(config.groups)]
-    if not config.state_url.startswith("memory://"):
-        args += ["--state-url", config.state_url, "--deployment", store.namespace.removeprefix("expertmesh:")]
-    gpu = router_device(config.router_device).type == "cuda"  # the groups compute beside the router, on its GPU
-    groups = ProcessGroups(args, gpu=gpu)
-    groups.start_all(sorted(placement.groups))
+    return checkpoint, placement
+
+
+def publish_first_table(store: "StateStore", spec, placement, groups) -> None:
+    """The started ``groups``' endpoints (``running()``) and their first routing table in ``store``, as
+    ``DataPlane.start`` publishes them for Ray Serve groups; the groups are stopped if that fails."""
+    from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
+
     try:
-        for name, group in groups.groups.items():
-            store.set_endpoint(name, group.address)
+        for name, (address, _) in groups.running().items():
+            store.set_endpoint(name, address)
         table = RoutingTable.from_placement(
             placement, spec.num_experts, version=store.routing_table_version() + 1, model=ModelIdentity.of(spec)
         )
@@ -173,4 +178,21 @@ def start_process_groups(config: "DataPlaneConfig", store: "StateStore") -> Proc
     except BaseException:
         groups.stop_all()
         raise
+
+
+def start_process_groups(config: "DataPlaneConfig", store: "StateStore") -> ProcessGroups:
+    """``config.groups`` ``expertmesh group serve`` processes for the contiguous split of the model's experts,
+    their endpoints and first routing table in ``store`` (as ``DataPlane.start`` publishes them for Ray Serve
+    groups). With a shared store the groups also register themselves there."""
+    from expertmesh.infra.devices import router_device
+
+    checkpoint, placement = first_placement(config)
+    args = ["--model", str(config.model), "--dtype", config.dtype]
+    args += ["--placement", str(config.placement)] if config.placement is not None else ["--groups", str(config.groups)]
+    if not config.state_url.startswith("memory://"):
+        args += ["--state-url", config.state_url, "--deployment", store.namespace.removeprefix("expertmesh:")]
+    gpu = router_device(config.router_device).type == "cuda"  # the groups compute beside the router, on its GPU
+    groups = ProcessGroups(args, gpu=gpu)
+    groups.start_all(sorted(placement.groups))
+    publish_first_table(store, checkpoint.spec, placement, groups)
     return groups

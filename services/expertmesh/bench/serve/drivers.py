@@ -58,6 +58,8 @@ class _Measured:
     kv: dict | None = None  # the in-process platform's KV pool (kv_summary); None for a --target
     placement: dict = field(default_factory=dict)  # the planned placement's summary (--redundant)
     runner: dict = field(default_factory=dict)  # the in-process engine's model runner (ModelRunner.describe)
+    #: what carried each group's calls at the end (group -> "in-process", "shm", ...; empty against a --target)
+    transports: dict = field(default_factory=dict)
 
 
 def run(options: Options) -> dict:
@@ -108,16 +110,18 @@ def _served_here(inputs: _Inputs) -> _Measured:
     prefix cache emptied before each platform run, its engine's steps and KV pool reported."""
     options = inputs.options
     placement: dict = {}
+    planes: list = []
 
-    def place(plane, target: str) -> None:
-        from expertmesh.bench.planned_placement import place_by_load
+    def ready(plane, target: str) -> None:
+        planes.append(plane)
+        if options.redundant is not None:
+            from expertmesh.bench.planned_placement import place_by_load
 
-        placement.update(
-            place_by_load(plane, options.redundant, partial(calibrate, target, options, inputs.vocab_size))
-        )
+            placement.update(
+                place_by_load(plane, options.redundant, partial(calibrate, target, options, inputs.vocab_size))
+            )
 
     device = inputs.baseline.device
-    ready = place if options.redundant is not None else None
     with served_here(options, inputs.checkpoint, device, ready=ready) as server:
         target = f"127.0.0.1:{server.port}"
         classified = classifier_runs(target, options, inputs.queries)
@@ -125,7 +129,9 @@ def _served_here(inputs: _Inputs) -> _Measured:
         platform, baselines = _best_threads(options, lambda: _interleaved(target, inputs, fresh, steps))
         kv = server.engine.kv_usage()
         runner = server.engine.runner.describe()
-    return _Measured(platform, baselines, classified, None if kv is None else kv_summary(kv), placement, runner)
+        transports = planes[0].dispatcher.transports()
+    kv = None if kv is None else kv_summary(kv)
+    return _Measured(platform, baselines, classified, kv, placement, runner, transports)
 
 
 def _interleaved(
@@ -219,6 +225,8 @@ def _result(inputs: _Inputs, threads: int, measured: _Measured) -> dict:
         result["placement"] = measured.placement
     if measured.runner:
         result["runner"] = measured.runner
+    if measured.transports:
+        result["setup"]["transports"] = measured.transports
     if options.price_per_hour is not None:
         for run in result["runs"]:
             run["usd_per_million_output_tokens"] = per_million_tokens(options.price_per_hour, run["tokens_per_s"])

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["RUNNERS", "calibrate", "check_target", "platform_run", "served_here", "settled_step_totals"]
 
 #: ``--groups-as`` in the report's words
-RUNNERS = {"ray": "groups on Ray Serve", "process": "groups as plain processes"}
+RUNNERS = {"ray": "groups on Ray Serve", "process": "groups as plain processes", "in-process": "groups in its process"}
 
 #: prompts of the run's shape that ``--redundant``'s calibration sends, and tokens each generates
 CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 8, 8

@@ -6,11 +6,13 @@ reached. The group's answer carries the boot id of its kernel; only when that is
 this router's (same host) and the group's socket files exist here are the
 same-host paths tried. A group's calls then go, in order of preference:
 
-1. through shared memory (``local``; CUDA IPC for tensors on the
+1. in place, when the group runs in this very process (``in_process``: ``up --groups-as in-process``;
+   ``auto`` only);
+2. through shared memory (``local``; CUDA IPC for tensors on the
    group's GPU), unless ``shared_memory`` is off (the ``grpc`` transport);
-2. on a gRPC stream over the group's unix socket (same host);
-3. on a gRPC stream over TCP: the portable path between hosts;
-4. as unary Dispatch calls, which every group serves.
+3. on a gRPC stream over the group's unix socket (same host);
+4. on a gRPC stream over TCP: the portable path between hosts;
+5. as unary Dispatch calls, which every group serves.
 
 A path that fails as a path (``PathBroken``: a socket, a refused stream, a
 buffer) is skipped for ``RETRY_PATH_S`` and the call goes down the list at
@@ -45,6 +47,7 @@ import grpc
 from expertmesh.contracts import shared_buffer
 from expertmesh.infra.group_channels import GroupClients, group_channel
 from expertmesh.router.transport.base import GroupReply, GroupRequest, PathBroken, PendingCall, time_left
+from expertmesh.router.transport.in_process import InProcessPath, Lookup
 from expertmesh.router.transport.local import LocalPath
 from expertmesh.router.transport.stream import StreamPath
 from expertmesh.router.transport.unary import GrpcTransport
@@ -193,9 +196,14 @@ def _is_socket(path: str) -> bool:
 
 
 class AutoTransport:
-    def __init__(self, shared_memory: bool = True, clients: GroupClients | None = None):
+    def __init__(
+        self, shared_memory: bool = True, clients: GroupClients | None = None, in_process: Lookup | None = None
+    ):
+        """``in_process``: the groups this process runs, by their servers' shared-memory token (``auto`` calls
+        those in place: ``in_process``); None: none here."""
         self.name = "auto" if shared_memory else "grpc"
         self._shared_memory = shared_memory
+        self._in_process = in_process if shared_memory else None
         self._clients = clients or GroupClients()
         self._unary = GrpcTransport(self._clients)
         self._lock = threading.Lock()
@@ -295,6 +303,8 @@ class AutoTransport:
 
     def _paths(self, group: str, info: pb.TransportsResponse) -> list[_Path]:
         paths: list[_Path] = []
+        if self._in_process is not None and info.shm_token and self._in_process(info.shm_token) is not None:
+            paths.append(InProcessPath(info.shm_token, self._in_process))
         if info.host_id == shared_buffer.host_id():
             if self._shared_memory and _is_socket(info.shm_socket):
                 paths.append(LocalPath(info.shm_socket, info.shm_token, info.gpu_uuid))

@@ -1,0 +1,113 @@
+"""Calls to a group that runs in this very process (``expertmesh up --groups-as in-process``): the group
+computes on the calling thread, no copy and no wake-up of another process.
+
+On a host of a few cores the router and its groups share the same cores anyway; over shared memory each MoE
+layer's call still costs a frame each way, a sleeping process woken on each side (whose first op after a
+sleep runs on cold caches) and the group's own framing. In the router's process the call is a function
+call: the group's ``compute`` (the same one every other path ends in: its checks, its Dispatch slots, its
+statistics) reads the router's rows where they lie and its partial sums are the reply.
+
+Which group a route reaches is the group's own answer to the Transports RPC: its shared-memory token (a
+secret each group server draws at start) is looked up among the groups this process runs (``Lookup``).
+Only the very server that answered matches it: a group stopped, or restarted at the same address, is not
+found, and the call goes down the route's list to the paths any group serves.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Protocol
+
+import grpc
+import torch
+
+from expertmesh.contracts.errors import ExpertMeshError
+from expertmesh.router.transport.base import GroupReply, GroupRequest, PathBroken, TransportError
+
+log = logging.getLogger(__name__)
+
+NAME = "in-process"
+
+
+class InProcessGroup(Protocol):
+    """What a group in this process computes a call with (``expert_group.service.ExpertGroupServicer``)."""
+
+    def compute(
+        self,
+        layer: int,
+        version: int,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        parent=None,
+        model: str = "",
+    ) -> torch.Tensor:
+        """hidden [T, H], ids [T, K], weights [T, K] -> partial sums [T, H]; raises ExpertMeshError."""
+        ...
+
+    def called(self, transport: str) -> None:
+        """Count one call carried by ``transport`` (the group's per-transport use)."""
+        ...
+
+
+#: the group of this process whose server drew a shared-memory token (None: no group here drew it)
+Lookup = Callable[[bytes], "InProcessGroup | None"]
+
+
+class _Done:
+    """A call already answered (or failed) when ``send`` returned: the group computed on the sending thread."""
+
+    transport = NAME
+
+    def __init__(self, reply: GroupReply | None, error: TransportError | None = None):
+        self._reply, self._error = reply, error
+
+    def result(self) -> GroupReply:
+        if self._error is not None:
+            raise self._error
+        assert self._reply is not None
+        return self._reply
+
+    def wait(self, timeout_s: float) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        pass
+
+
+class InProcessPath:
+    """One group of this process, found by the token its server drew (``lookup``) at each call: a group that
+    stopped since is PathBroken, and the call goes another way (and finds it gone)."""
+
+    name = NAME
+
+    def __init__(self, token: bytes, lookup: Lookup):
+        self._token, self._lookup = token, lookup
+
+    def send(self, request: GroupRequest, timeout_s: float) -> _Done:
+        group = self._lookup(self._token)
+        if group is None:
+            raise PathBroken("the group no longer runs in this process")
+        group.called(NAME)
+        try:
+            partial = group.compute(
+                request.layer,
+                request.table_version,
+                request.rows(),
+                request.expert_ids,
+                request.weights,
+                model=request.model,
+            )
+        except ExpertMeshError as err:  # the group's refusal, as the other paths carry it back
+            return _Done(None, TransportError(err.code, str(err)))
+        except Exception as err:  # what a group process answers INTERNAL, never an exception out of the step
+            log.exception("expert group compute in this process failed")
+            return _Done(None, TransportError(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"))
+        return _Done(GroupReply(partial, request.row_bytes))
+
+    def prepare(self, deadline: float) -> None:
+        if self._lookup(self._token) is None:
+            raise PathBroken("the group no longer runs in this process")
+
+    def close(self) -> None:
+        pass

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.grouped_experts import GroupedRows
 from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.models.linear_kernels import (
     PackedLinear,
@@ -107,17 +108,20 @@ def test_the_router_model_computes_on_the_kernel_it_is_given(tiny_checkpoints):
     torch.testing.assert_close(logits[0], logits[1])
 
 
-def test_a_groups_experts_compute_on_the_packed_kernel_and_a_fault_reaches_them(tiny_checkpoints):
-    """A group's decode- and prefill-sized calls on the packed kernel agree with torch's own to float32
-    rounding; an injected fault changes what the packed copies compute (they follow the weights)."""
+@pytest.mark.parametrize("grouped", [False, True], ids=["onednn-per-expert", "grouped"])
+def test_a_groups_experts_compute_on_the_packed_kernel_and_a_fault_reaches_them(tiny_checkpoints, grouped):
+    """A group's decode- and prefill-sized calls on the packed kernel (oneDNN's per expert, or the grouped
+    kernel, ``models.grouped_experts``) agree with torch's own to float32 rounding; an injected fault changes what
+    the packed copies compute (they follow the weights)."""
     checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
     spec = checkpoint.spec
     layer = spec.moe_layers[0]
     pairs = [(layer, e) for e in range(spec.num_experts)]
-    packed, plain = HostedExperts(checkpoint), HostedExperts(checkpoint, linear_kernel="blas")
+    packed, plain = HostedExperts(checkpoint, grouped=grouped), HostedExperts(checkpoint, linear_kernel="blas")
     packed.load(pairs)
     plain.load(pairs)
-    assert packed._layers[layer].packs is not None and plain._layers[layer].packs is None
+    kind = GroupedRows if grouped else PackedRows
+    assert all(isinstance(p, kind) for p in packed._layers[layer].packs.values()) and plain._layers[layer].packs is None
     g = torch.Generator().manual_seed(0)
     for tokens in (2, 40):  # the small path and the tensor path
         hidden = torch.randn(tokens, spec.hidden_size, generator=g)
@@ -147,16 +151,19 @@ def test_a_layer_built_by_a_live_load_or_unload_is_packed_before_it_serves(tiny_
     assert all(stats.calls == 0 for stats in held.stats.values())  # the warm-up recorded nothing
 
 
-def test_a_fault_torch_does_not_see_still_changes_the_fingerprint(tiny_checkpoints):
+@pytest.mark.parametrize("grouped", [False, True], ids=["onednn-per-expert", "grouped"])
+def test_a_fault_torch_does_not_see_still_changes_the_fingerprint(tiny_checkpoints, grouped):
     """A write through ``.data`` (a memory fault's stand-in) bypasses the version counter: the stored weights and
-    the packed copy the products use are then apart, and the fingerprint says so whichever of them changed."""
+    the packed copy the products use are then apart, and the fingerprint says so whichever of them changed (the
+    oneDNN per-expert copies and the grouped kernel's, ``models.grouped_experts``)."""
     checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
     spec = checkpoint.spec
     layer = spec.moe_layers[0]
-    hosted = HostedExperts(checkpoint)
+    hosted = HostedExperts(checkpoint, grouped=grouped)
     hosted.load([(layer, e) for e in range(spec.num_experts)])
     hosted.warm_up()  # every expert's products made once: their packed copies exist
     held = hosted._layers[layer]
+    assert isinstance(held.packs["down_proj"], GroupedRows if grouped else PackedRows)
 
     def now() -> str:
         (_, _, at_load, current), *_ = hosted.fingerprints([(layer, 0)])
@@ -168,7 +175,10 @@ def test_a_fault_torch_does_not_see_still_changes_the_fingerprint(tiny_checkpoin
     assert now() != "as loaded"
     held.module.down_proj.data[0].copy_(loaded)  # back as loaded
     assert now() == "as loaded"
-    # the copy the products use changes (its memory is oneDNN's: the fault stood in for by another copy's values)
-    copy = held.packs["down_proj"].row(0)
-    copy._packed = torch.ops.mkldnn._reorder_linear_weight(held.module.down_proj[0] * 2.0, 8)
+    # the copy the products use changes (its memory is the kernel's: the fault stood in for by other values)
+    if grouped:
+        held.packs["down_proj"].packed()[0].mul_(2.0)
+    else:
+        copy = held.packs["down_proj"].row(0)
+        copy._packed = torch.ops.mkldnn._reorder_linear_weight(held.module.down_proj[0] * 2.0, 8)
     assert now() != "as loaded"

@@ -46,6 +46,7 @@ from expertmesh.infra.row_sums import add_rows
 from expertmesh.models.checkpoint import Checkpoint, experts_modules, interface_forward
 from expertmesh.models.expert_rows import matches_stock, rows_forward
 from expertmesh.models.fingerprint import fingerprint
+from expertmesh.models.grouped_experts import GroupedRows, agrees, grouped_rows_forward, usable
 from expertmesh.models.linear_kernels import LinearKernel, PackedRows, choose_linear_kernel
 from expertmesh.models.weight_layout import input_major, prefers_input_major
 
@@ -128,8 +129,17 @@ class _LayerExperts:
     #: calls go through ``expert_rows.rows_forward`` (it matched the module's forward at build)
     rows_fast: bool = False
     #: stacked weight name -> its experts' packed copies, where ``rows_forward`` multiplies by the
-    #: ``onednn-packed`` kernel (``linear_kernels``); None: the products are torch's own
-    packs: Mapping[str, PackedRows] | None = None
+    #: ``onednn-packed`` kernel (``linear_kernels``), or all of them for the grouped kernel (``grouped_experts``);
+    #: None: the products are torch's own
+    packs: Mapping[str, PackedRows] | Mapping[str, GroupedRows] | None = None
+
+    def rows(self, hidden: torch.Tensor, local: list[int], weights: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H], ``local`` [S], weights [S, 1] -> each row through its local expert, weighted, [S, H]
+        (``rows_fast`` modules only): on the grouped kernel, else the stock loop's operations."""
+        packs = self.packs
+        if packs is not None and isinstance(next(iter(packs.values())), GroupedRows):
+            return grouped_rows_forward(self.module, hidden, local, weights, packs)
+        return rows_forward(self.module, hidden, local, weights, packs)
 
     @cached_property
     def forward(self) -> Callable[..., torch.Tensor]:
@@ -169,6 +179,7 @@ class HostedExperts:
         budget_bytes: int | None = None,
         max_rows: int = MAX_ROWS,
         linear_kernel: LinearKernel | None = None,
+        grouped: bool = True,
     ):
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
@@ -176,6 +187,9 @@ class HostedExperts:
         self.device = torch.device(device)
         #: what the experts' products run on (``linear_kernels``; None: the device's best)
         self.linear_kernel = linear_kernel or choose_linear_kernel(self.device, dtype)
+        #: with ``onednn-packed``: the experts' products on the grouped kernel where a module can use it
+        #: (``grouped_experts``: one call for all of a call's rows); False: one product per expert
+        self.grouped = grouped
         #: most bytes of expert weights held at once; None = unlimited
         self.budget_bytes = budget_bytes
         self.max_rows = max_rows
@@ -338,8 +352,12 @@ class HostedExperts:
         fast = matches_stock(module, self.spec.hidden_size, self.dtype, self.device)
         packs = None
         if fast and self.linear_kernel == "onednn-packed":
-            first = "gate_up_proj" if module.has_gate else "up_proj"
-            packs = {name: PackedRows(getattr(module, name), module.is_transposed) for name in (first, "down_proj")}
+            names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+            if self.grouped and usable(module, self.device, self.dtype):
+                grouped = {name: GroupedRows(getattr(module, name), module.is_transposed) for name in names}
+                packs = grouped if agrees(module, self.spec.hidden_size, grouped) else None
+            if packs is None:
+                packs = {name: PackedRows(getattr(module, name), module.is_transposed) for name in names}
         built = replace(built, fingerprints=MappingProxyType(prints), rows_fast=fast, packs=packs)
         self._warm(layer, built)
         return built
@@ -429,7 +447,7 @@ class HostedExperts:
             with torch.no_grad():
                 if held.packs is not None:  # the stock loop's operations, its products on the packed kernel
                     pairs = hidden[token_idx], local.tolist(), row_weights.unsqueeze(1)  # [S, H], [S], [S, 1]
-                    rows = rows_forward(held.module, *pairs, held.packs)  # [S, H]
+                    rows = held.rows(*pairs)  # [S, H]
                 else:
                     # Each (token, expert) pair is its own row with top-k 1, so the stock eager loop sees
                     # no sentinels (GPT-OSS's has no slot for one) and computes every pair exactly once.
@@ -467,7 +485,7 @@ class HostedExperts:
         row_weights = torch.tensor(picked, dtype=weights.dtype, device=self.device).unsqueeze(1)  # [S, 1]
         with torch.no_grad():
             if held.rows_fast:
-                rows = rows_forward(held.module, hidden[token_idx], local, row_weights, held.packs)  # [S, H]
+                rows = held.rows(hidden[token_idx], local, row_weights)  # [S, H]
             else:
                 local_rows = torch.tensor(local, dtype=torch.long, device=self.device).unsqueeze(1)  # [S, 1]
                 rows = held.forward(hidden[token_idx], local_rows, row_weights)

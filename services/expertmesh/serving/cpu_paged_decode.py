@@ -8,11 +8,9 @@ does the same from its block tables). Measured on this project's 2-core host (8 
 positions, 8 query and 2 key heads of 64, caches cold): 10.1 ms against 23.2 for the gather and SDPA on two
 threads, 18.9 against 30.1 on one (docs/how-it-works.md has the serving figures).
 
-Built with torch's C++ extension loader (``torch.utils.cpp_extension.load_inline``: g++ and ninja, the
-``ninja`` package a dependency) for the host's vector unit, into torch's extensions folder
-(``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``), so a machine compiles it once (~25 s, logged) and
-every later process loads it in well under a second. Where it cannot be built (no compiler), ``load`` says why
-once and returns False, and the model keeps ``batched-decode``: slower, the same answers.
+Built once per machine for the host's vector unit (``infra.native_kernels``: ~25 s, logged; later processes load
+it in well under a second). Where it cannot be built (no compiler), ``load`` says why once and returns False, and
+the model keeps ``batched-decode``: slower, the same answers.
 
 Shapes: B decode rows, H query heads, h key heads, d / dv key / value width, S pool slots, L the widest key range.
 """
@@ -20,13 +18,13 @@ Shapes: B decode rows, H query heads, h key heads, d / dv key / value width, S p
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import threading
-import time
 from pathlib import Path
 
 import torch
+
+from expertmesh.infra.native_kernels import load_cpu_kernel
 
 __all__ = ["load", "paged_decode"]
 
@@ -42,35 +40,14 @@ def load() -> bool:
     """Whether the kernel is built and registered (``torch.ops.expertmesh_cpu.paged_decode``); builds it on the
     first call of a machine. Never raises: a failed build is logged once and gives False."""
     with _lock:
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            started = time.monotonic()
-            log.info("CPU paged-decode attention kernel: loading (compiled once per machine, ~25 s the first time)")
-            load_inline(
-                f"{_NAME}_{_host_vector_unit()}",
-                cpp_sources=[_SOURCE.read_text()],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-            )
-            torch.ops.expertmesh_cpu.paged_decode  # noqa: B018 (registered, or AttributeError)
-        except Exception as err:  # a missing compiler or ninja, a failed build: the slower backend serves
-            log.warning("CPU paged-decode attention kernel unavailable (%s); decode attention gathers instead", err)
-            return False
-        log.info("CPU paged-decode attention kernel: ready in %.1f s", time.monotonic() - started)
-        return True
-
-
-def _host_vector_unit() -> str:
-    """A short digest of the host CPU's feature flags: a build for one host's ``-march=native`` is never loaded
-    on another (a shared extensions folder, an image moved between nodes)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+        return load_cpu_kernel(
+            _NAME,
+            _SOURCE,
+            "CPU paged-decode attention kernel",
+            "decode attention gathers instead",
+            lambda: torch.ops.expertmesh_cpu.paged_decode,
+            log,
+        )
 
 
 def paged_decode(

@@ -1,0 +1,112 @@
+// A group's experts' products in one call per stacked weight: every held expert's rows of a call through its own
+// matrix, the (expert, column tile) pairs shared out over the intra-op threads in one parallel region
+// (grouped_experts.py says why and what it measured). Built for the host's vector unit (-march=native).
+//
+// Shapes: x [S, K] float32, its rows grouped by expert (starts [E + 1]: expert e's rows are starts[e] ..
+// starts[e + 1]); packed [E, T, K, NR] (each expert's [N, K] matrix in tiles of NR output columns, each tile's
+// K rows of NR contiguous); out [S, N], N <= T * NR. Each output is a plain dot product over K in order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+constexpr int64_t NR = 32;  // output columns a tile: two vectors of 16
+constexpr int MR = 8;       // rows a register block: 16 accumulators
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// M rows of x (row stride K) through one tile [K, NR]: y[m, n0 .. n0 + cols) (row stride N), cols <= NR.
+template <int M>
+inline void block(const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0, int64_t cols) {
+  v16 acc0[M], acc1[M];
+  for (int m = 0; m < M; ++m) {
+    acc0[m] = v16{};
+    acc1[m] = v16{};
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const v16 w0 = load16(tile + k * NR), w1 = load16(tile + k * NR + 16);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const float xv = x[m * K + k];
+      acc0[m] += xv * w0;
+      acc1[m] += xv * w1;
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float* dst = y + m * N + n0;
+    if (cols == NR) {
+      std::memcpy(dst, &acc0[m], sizeof(v16));
+      std::memcpy(dst + 16, &acc1[m], sizeof(v16));
+    } else {  // the last tile of an N that is not a multiple of NR: its padding columns are not written
+      float full[NR];
+      std::memcpy(full, &acc0[m], sizeof(v16));
+      std::memcpy(full + 16, &acc1[m], sizeof(v16));
+      std::memcpy(dst, full, cols * sizeof(float));
+    }
+  }
+}
+
+void rows_through_tile(const float* x, int64_t rows, int64_t K, const float* tile, float* y, int64_t N, int64_t n0,
+                       int64_t cols) {
+  int64_t r = 0;
+  for (; r + MR <= rows; r += MR) block<MR>(x + r * K, K, tile, y + r * N, N, n0, cols);
+  const float* xr = x + r * K;
+  float* yr = y + r * N;
+  switch (rows - r) {
+    case 7: block<7>(xr, K, tile, yr, N, n0, cols); break;
+    case 6: block<6>(xr, K, tile, yr, N, n0, cols); break;
+    case 5: block<5>(xr, K, tile, yr, N, n0, cols); break;
+    case 4: block<4>(xr, K, tile, yr, N, n0, cols); break;
+    case 3: block<3>(xr, K, tile, yr, N, n0, cols); break;
+    case 2: block<2>(xr, K, tile, yr, N, n0, cols); break;
+    case 1: block<1>(xr, K, tile, yr, N, n0, cols); break;
+    default: break;
+  }
+}
+
+at::Tensor grouped_linear(const at::Tensor& x_in, at::IntArrayRef starts, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "grouped_linear: float32 rows and weights");
+  TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 4 && packed.size(3) == NR && packed.is_contiguous(),
+              "grouped_linear: x [S, K] and packed [E, T, K, 32], contiguous");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t S = x.size(0), K = x.size(1), E = packed.size(0), T = packed.size(1);
+  TORCH_CHECK(packed.size(2) == K, "grouped_linear: the weights' inputs as wide as the rows");
+  TORCH_CHECK(n > (T - 1) * NR && n <= T * NR, "grouped_linear: n within the packed tiles");
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == E + 1 && starts[0] == 0 && starts[E] == S,
+              "grouped_linear: starts [E + 1] from 0 to the rows");
+  for (int64_t e = 0; e < E; ++e) TORCH_CHECK(starts[e] <= starts[e + 1], "grouped_linear: starts ascending");
+  auto y = at::empty({S, n}, x.options());
+  if (S == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const std::vector<int64_t> st(starts.begin(), starts.end());
+  // Tile-major, expert-minor: each thread's share spans every expert, so uneven rows per expert still balance.
+  at::parallel_for(0, T * E, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / E, e = i % E, r0 = st[e], rows = st[e + 1] - st[e];
+      if (rows == 0) continue;
+      const int64_t n0 = t * NR, cols = std::min<int64_t>(NR, n - n0);
+      rows_through_tile(xp + r0 * K, rows, K, wp + (e * T + t) * K * NR, yp + r0 * n, n, n0, cols);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(expertmesh_experts, m) {
+  m.def("grouped_linear(Tensor x, int[] starts, Tensor packed, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(expertmesh_experts, CPU, m) { m.impl("grouped_linear", &grouped_linear); }

@@ -1,0 +1,116 @@
+"""The grouped experts kernel (``models.grouped_experts`` and its C++ source): every row of a call through its own
+expert in one call per stacked weight, what the per-expert products give to float32 rounding, whatever the rows
+per expert (none, one, more than a register block), the output width (a partial last tile) or the stack's
+orientation; bad shapes refused with a message; the packed copy follows in-place writes; a group uses it where
+it builds and keeps the per-expert products where it does not.
+
+The real kernel, compiled on this machine by torch's extension loader (as ``expertmesh up`` builds it), and real
+transformers checkpoints (tiny, random weights); nothing is faked but a failed build (a missing compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertmesh.models import grouped_experts
+from expertmesh.models.checkpoint import Checkpoint
+from expertmesh.models.expert_rows import rows_forward
+from expertmesh.models.grouped_experts import GroupedRows, grouped_rows_forward, usable
+from expertmesh.models.hosted_experts import HostedExperts
+from expertmesh.models.linear_kernels import PackedRows
+
+pytestmark = pytest.mark.skipif(not grouped_experts.load(), reason="no C++ compiler here: the kernel cannot build")
+
+
+def _grouped_linear(x: torch.Tensor, starts: list[int], rows: GroupedRows) -> torch.Tensor:
+    return torch.ops.expertmesh_experts.grouped_linear(x, starts, rows.packed(), rows.outputs)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out"])
+@pytest.mark.parametrize("outputs", [64, 48, 7], ids=["whole-tiles", "partial-tile", "one-partial-tile"])
+def test_each_experts_rows_get_that_experts_product(transposed, outputs):
+    g = torch.Generator().manual_seed(outputs)
+    experts, inputs = 4, 40
+    stacked = torch.randn(experts, outputs, inputs, generator=g)  # [E, N, K]
+    stored = stacked.transpose(1, 2).contiguous() if transposed else stacked  # [E, K, N] as a module stores it
+    rows = GroupedRows(stored, transposed)
+    counts = [3, 0, 1, 17]  # an expert with no rows, one with one, one past a register block of 8
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    x = torch.randn(starts[-1], inputs, generator=g)  # [S, K], grouped by expert
+    expected = torch.cat([x[starts[e] : starts[e + 1]] @ stacked[e].t() for e in range(experts)])  # [S, N]
+    got = _grouped_linear(x, starts, rows)
+    assert got.shape == (starts[-1], outputs)
+    torch.testing.assert_close(got, expected)
+    assert _grouped_linear(x[:0], [0] * (experts + 1), rows).shape == (0, outputs)
+
+
+def test_bad_shapes_are_refused_with_a_message():
+    rows = GroupedRows(torch.randn(2, 32, 16), transposed=False)
+    x = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="starts"):
+        _grouped_linear(x, [0, 3], rows)  # one start short
+    with pytest.raises(RuntimeError, match="starts"):
+        _grouped_linear(x, [0, 3, 2], rows)  # not ending at the rows
+    with pytest.raises(RuntimeError, match="starts ascending"):
+        _grouped_linear(x, [0, 5, 4], rows)
+    with pytest.raises(RuntimeError, match="as wide"):
+        _grouped_linear(torch.randn(4, 8), [0, 2, 4], rows)
+    with pytest.raises(RuntimeError, match="float32"):
+        _grouped_linear(x.double(), [0, 2, 4], rows)
+
+
+def test_the_packed_copy_follows_in_place_writes_and_reads_back():
+    g = torch.Generator().manual_seed(0)
+    stacked = torch.randn(3, 40, 16, generator=g)  # [E, N, K]
+    rows = GroupedRows(stacked, transposed=False)
+    assert rows.computed(1) is None  # nothing packed before the first product
+    x = torch.randn(2, 16, generator=g)
+    before = _grouped_linear(x, [0, 0, 2, 2], rows)
+    assert torch.equal(rows.computed(1), stacked[1])
+    stacked[1].mul_(2.0)  # a write torch sees (a fault injected, a hot update)
+    torch.testing.assert_close(_grouped_linear(x, [0, 0, 2, 2], rows), 2.0 * before)
+    transposed = GroupedRows(stacked.transpose(1, 2), transposed=True)
+    transposed.packed()
+    assert torch.equal(transposed.computed(2), stacked.transpose(1, 2)[2])
+
+
+def test_a_modules_rows_match_its_per_expert_products(tiny_checkpoints):
+    """The module path: rows in any order over any experts give each row its own expert's weighted output, as
+    ``expert_rows.rows_forward`` does one product per expert."""
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    spec = checkpoint.spec
+    layer = spec.moe_layers[0]
+    hosted = HostedExperts(checkpoint, linear_kernel="blas")  # the module, its products torch's own
+    hosted.load([(layer, e) for e in range(spec.num_experts)])
+    module = hosted._layers[layer].module
+    packs = {name: GroupedRows(getattr(module, name), module.is_transposed) for name in ("gate_up_proj", "down_proj")}
+    g = torch.Generator().manual_seed(1)
+    for size in (1, 2, 13, 70):
+        local = torch.randint(0, spec.num_experts, (size,), generator=g).tolist()
+        hidden = torch.randn(size, spec.hidden_size, generator=g)
+        weights = torch.rand(size, 1, generator=g)
+        with torch.no_grad():
+            expected = rows_forward(module, hidden, local, weights)
+            got = grouped_rows_forward(module, hidden, local, weights, packs)
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_group_uses_it_where_it_can_and_keeps_per_expert_products_elsewhere(tiny_checkpoints, monkeypatch):
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    layer = checkpoint.spec.moe_layers[0]
+
+    def kinds(hosted: HostedExperts) -> set[type]:
+        hosted.load([(layer, 0), (layer, 1)])
+        return {type(p) for p in hosted._layers[layer].packs.values()}
+
+    hosted = HostedExperts(checkpoint)
+    assert kinds(hosted) == {GroupedRows}
+    assert kinds(HostedExperts(checkpoint, grouped=False)) == {PackedRows}
+    module = hosted._layers[layer].module
+    assert usable(module, torch.device("cpu"), torch.float32)
+    assert not usable(module, torch.device("cpu"), torch.bfloat16)
+    assert not usable(module, torch.device("meta"), torch.float32)  # a GPU's weights stood in for
+    monkeypatch.setattr(grouped_experts, "load", lambda: False)  # the kernel did not build (no compiler)
+    assert kinds(HostedExperts(checkpoint)) == {PackedRows}

@@ -188,9 +188,21 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
         finally:
             self._slots.release()
 
-    def called(self, transport: str) -> None:
-        """One call carried by ``transport``, counted (what Describe reports per transport)."""
-        self.transport_use.called(transport)
+    def attempt(
+        self, transport: str, call: Callable[[], torch.Tensor]
+    ) -> tuple[torch.Tensor | None, grpc.StatusCode, str]:
+        """One call carried by ``transport`` (counted: what Describe reports per transport), run by ``call`` (its
+        tensors read and ``compute``): (partial sums [T, H], OK, "") or (None, the refusal's status, its message).
+        Never raises: one bad call must not end the stream, connection or step it came on, let alone the group.
+        The fast paths' answer (``answer``) and the router's calls in this process both take it."""
+        try:
+            self.transport_use.called(transport)
+            return call(), grpc.StatusCode.OK, ""
+        except ExpertMeshError as err:
+            return None, err.code, str(err)
+        except Exception as err:  # what the unary path's guard answers INTERNAL
+            log.exception("Dispatch over %s failed", transport)
+            return None, grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"
 
     def check_model(self, model: str) -> None:
         """ForeignCheckpoint unless ``model`` (a caller's checkpoint fingerprint; "": not said) is this group's."""
@@ -209,19 +221,18 @@ class ExpertGroupServicer(pb_grpc.ExpertGroupServicer):
         None. ``tensors()`` reads the call's tensors (validating them). Never raises: one bad frame must
         not end the stream or connection it came on, let alone the group."""
         answer = pb.DispatchFrame(call_id=frame.call_id, layer=frame.layer)
-        try:
-            self.transport_use.called(transport)
+
+        def call() -> torch.Tensor:
             hidden, ids, weights = tensors()
             parent = propagate.extract(frame.trace_context) if frame.trace_context else None
-            return answer, self.compute(
+            return self.compute(
                 frame.layer, frame.routing_table_version, hidden, ids, weights, parent, frame.model_fingerprint
             )
-        except ExpertMeshError as err:
-            answer.code, answer.message = err.code.value[0], str(err)
-        except Exception as err:
-            log.exception("Dispatch over %s failed", transport)
-            answer.code, answer.message = grpc.StatusCode.INTERNAL.value[0], f"{type(err).__name__}: {err}"
-        return answer, None
+
+        partial, code, message = self.attempt(transport, call)
+        if partial is None:
+            answer.code, answer.message = code.value[0], message
+        return answer, partial
 
     @guarded
     def Dispatch(self, request: pb.DispatchRequest, context) -> pb.DispatchResponse:

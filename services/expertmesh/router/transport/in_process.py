@@ -15,16 +15,12 @@ found, and the call goes down the route's list to the paths any group serves.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Protocol
 
 import grpc
 import torch
 
-from expertmesh.contracts.errors import ExpertMeshError
 from expertmesh.router.transport.base import GroupReply, GroupRequest, PathBroken, TransportError
-
-log = logging.getLogger(__name__)
 
 NAME = "in-process"
 
@@ -42,11 +38,14 @@ class InProcessGroup(Protocol):
         parent=None,
         model: str = "",
     ) -> torch.Tensor:
-        """hidden [T, H], ids [T, K], weights [T, K] -> partial sums [T, H]; raises ExpertMeshError."""
+        """hidden [T, H], ids [T, K], weights [T, K] -> partial sums [T, H]; raises the group's refusals."""
         ...
 
-    def called(self, transport: str) -> None:
-        """Count one call carried by ``transport`` (the group's per-transport use)."""
+    def attempt(
+        self, transport: str, call: Callable[[], torch.Tensor]
+    ) -> tuple[torch.Tensor | None, grpc.StatusCode, str]:
+        """``call()`` counted as one call of ``transport``: (partial sums, OK, "") or (None, status, message) of
+        its refusal, as the wire carries it back. Never raises."""
         ...
 
 
@@ -88,21 +87,19 @@ class InProcessPath:
         group = self._lookup(self._token)
         if group is None:
             raise PathBroken("the group no longer runs in this process")
-        group.called(NAME)
-        try:
-            partial = group.compute(
+        partial, code, message = group.attempt(
+            NAME,
+            lambda: group.compute(
                 request.layer,
                 request.table_version,
                 request.rows(),
                 request.expert_ids,
                 request.weights,
                 model=request.model,
-            )
-        except ExpertMeshError as err:  # the group's refusal, as the other paths carry it back
-            return _Done(None, TransportError(err.code, str(err)))
-        except Exception as err:  # what a group process answers INTERNAL, never an exception out of the step
-            log.exception("expert group compute in this process failed")
-            return _Done(None, TransportError(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"))
+            ),
+        )
+        if partial is None:  # the group's refusal, as the other paths carry it back; never out of the step
+            return _Done(None, TransportError(code, message))
         return _Done(GroupReply(partial, request.row_bytes))
 
     def prepare(self, deadline: float) -> None:

@@ -50,7 +50,7 @@ def test_a_forward_records_each_layers_histograms(arch):
     for layer, gate in gate_bias.gates.items():
         gate.register_forward_hook(lambda _m, _a, out, layer=layer: seen.__setitem__(layer, out[0].detach()))
     with torch.no_grad():
-        model(input_ids=torch.arange(3, 15)[None])  # 12 tokens
+        model(input_ids=torch.arange(3, 3 + MAX_TOKENS_RECORDED)[None])  # every token of the forward recorded
     points = _points(reader)
     assert {name for name, _ in points} == {
         "expertmesh.gate.top1_probability",
@@ -67,7 +67,7 @@ def test_a_forward_records_each_layers_histograms(arch):
         top1, margin = confidence(gate_scores(logits, sigmoid=arch == "deepseek_v3"))
         for name, values in (("expertmesh.gate.top1_probability", top1), ("expertmesh.gate.top2_margin", margin)):
             point = points[(name, layer)]
-            assert point.count == 12 and point.sum == pytest.approx(float(values.sum()), rel=1e-5)
+            assert point.count == MAX_TOKENS_RECORDED and point.sum == pytest.approx(float(values.sum()), rel=1e-5)
             assert tuple(point.explicit_bounds) == BOUNDARIES
             assert point.max == pytest.approx(float(values.max())) and point.min == pytest.approx(float(values.min()))
 

@@ -11,6 +11,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -344,6 +345,53 @@ def test_a_group_in_this_process_is_called_in_place_with_the_unary_paths_partial
     finally:
         unary.close()
         in_place.close()
+
+
+def test_calls_in_place_side_by_side_give_the_same_partial_sums_and_refusals(served, monkeypatch):
+    """``side_by_side=2`` (``router.in_process_side_by_side``, two groups here): of two calls sent before either
+    is read, a lane computes one and the reading thread the other; every partial sum is unary Dispatch's bit for
+    bit, and a refusal computed on the lane comes back from ``result()`` with unary's status and message."""
+    checkpoint, address, server = served
+    _, lookup = _in_this_process(server)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)  # one lane at one intra-op thread, the reading thread narrowed to one beside it
+    unary, in_place = build("grpc-unary"), build("auto", lookup, side_by_side=2)
+    computed_on: list[str] = []
+    compute = server.servicer.compute
+
+    def watched(*args, **kwargs):
+        computed_on.append(threading.current_thread().name)
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(server.servicer, "compute", watched)
+    for transport in (unary, in_place):
+        transport.update({"g0": address})
+    try:
+        for seed in range(3):
+            requests = [_request(checkpoint, 300, seed), _request(checkpoint, 7, seed + 10)]  # the lane: time to wake
+            pending = [in_place.send("g0", r, 30) for r in requests]  # both queued before either is read
+            got = [p.result() for p in pending]
+            for request, reply in zip(requests, got):
+                assert not reply.problem and torch.equal(reply.partial, _call(unary, request))
+        assert in_place.kind("g0") == "in-process"
+        lanes = [name for name in computed_on if name.startswith("expertmesh-lane")]
+        mine = [name for name in computed_on if name == threading.current_thread().name]
+        assert lanes and mine, computed_on  # both sides computed (each pair: the lane the first, this thread one)
+        assert torch.get_num_threads() == 2  # this thread's threads back after computing beside the lane
+        good = _request(checkpoint, 4, 0)
+        wrong = GroupRequest(checkpoint.spec.num_layers + 7, 1, good.hidden, good.tokens, good.expert_ids, good.weights)
+        errors = []
+        for transport in (unary, in_place):
+            pending = [transport.send("g0", wrong, 30), transport.send("g0", good, 30)]
+            with pytest.raises(TransportError) as err:
+                pending[0].result()
+            errors.append(err.value)
+            assert not pending[1].result().problem  # the other call of the layer is answered all the same
+        assert errors[0].code == errors[1].code != grpc.StatusCode.OK and errors[1].details == errors[0].details
+    finally:
+        unary.close()
+        in_place.close()
+        torch.set_num_threads(threads_before)
 
 
 def test_only_auto_calls_in_place_and_only_the_server_that_drew_the_token(served):

@@ -115,6 +115,12 @@ class DataPlaneConfig(BaseSettings):
         description="torch intra-op threads of `expertmesh up`'s router; 0: auto, every CPU of the host (the router "
         "and its local expert groups take turns each MoE layer, and idle OpenMP threads sleep)",
     )
+    in_process_side_by_side: bool = Field(
+        True,
+        description="`up --groups-as in-process`: a MoE layer's calls to the groups in the router's process computed "
+        "side by side, each on an equal share of the router's intra-op threads (faster on a host of few cores: small "
+        "products spread over every thread wait on each other); false: one after another, each on all of them",
+    )
     group_host: str = Field("127.0.0.1", description="address group gRPC servers bind; 0.0.0.0 in a cluster")
     group_budget_bytes: int | None = Field(
         None,

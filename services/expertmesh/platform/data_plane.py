@@ -93,7 +93,11 @@ def _router(
     router = assemble_router(
         store,
         spec.moe_layers,
-        build_transport(config.transport, in_process),
+        build_transport(
+            config.transport,
+            in_process,
+            side_by_side=config.groups if in_process is not None and config.in_process_side_by_side else 1,
+        ),
         checkpoint=checkpoint,
         dtype=getattr(torch, config.dtype),
         device=device,

@@ -43,8 +43,10 @@ import time
 from typing import Callable, Protocol
 
 import grpc
+import torch
 
 from expertmesh.contracts import shared_buffer
+from expertmesh.infra.compute_lanes import ComputeLanes, split_threads
 from expertmesh.infra.group_channels import GroupClients, group_channel
 from expertmesh.router.transport.base import GroupReply, GroupRequest, PathBroken, PendingCall, time_left
 from expertmesh.router.transport.in_process import InProcessPath, Lookup
@@ -197,13 +199,21 @@ def _is_socket(path: str) -> bool:
 
 class AutoTransport:
     def __init__(
-        self, shared_memory: bool = True, clients: GroupClients | None = None, in_process: Lookup | None = None
+        self,
+        shared_memory: bool = True,
+        clients: GroupClients | None = None,
+        in_process: Lookup | None = None,
+        side_by_side: int = 1,
     ):
         """``in_process``: the groups this process runs, by their servers' shared-memory token (``auto`` calls
-        those in place: ``in_process``); None: none here."""
+        those in place: ``in_process``); None: none here. ``side_by_side``: how many of a layer's calls to them
+        may compute at once (``infra.compute_lanes``; their number, at most the intra-op threads; 1: each on the
+        sending thread in turn)."""
         self.name = "auto" if shared_memory else "grpc"
         self._shared_memory = shared_memory
         self._in_process = in_process if shared_memory else None
+        self._side_by_side = side_by_side
+        self._lanes: ComputeLanes | None = None
         self._clients = clients or GroupClients()
         self._unary = GrpcTransport(self._clients)
         self._lock = threading.Lock()
@@ -304,7 +314,7 @@ class AutoTransport:
     def _paths(self, group: str, info: pb.TransportsResponse) -> list[_Path]:
         paths: list[_Path] = []
         if self._in_process is not None and info.shm_token and self._in_process(info.shm_token) is not None:
-            paths.append(InProcessPath(info.shm_token, self._in_process))
+            paths.append(InProcessPath(info.shm_token, self._in_process, self._in_process_lanes()))
         if info.host_id == shared_buffer.host_id():
             if self._shared_memory and _is_socket(info.shm_socket):
                 paths.append(LocalPath(info.shm_socket, info.shm_token, info.gpu_uuid))
@@ -315,9 +325,22 @@ class AutoTransport:
         paths.append(_UnaryPath(self._unary, group))
         return paths
 
+    def _in_process_lanes(self) -> ComputeLanes | None:
+        """The lanes the calls to groups in this process share, made at the first such route: the intra-op
+        threads are the sending thread's by then (``up`` sets the router's after attaching the data plane)."""
+        with self._lock:
+            if self._lanes is None and self._side_by_side > 1:
+                lanes, each = split_threads(torch.get_num_threads(), self._side_by_side)
+                if lanes:
+                    self._lanes = ComputeLanes(lanes, each)
+            return self._lanes
+
     def close(self) -> None:
         with self._lock:
             routes, self._routes = list(self._routes.values()), {}
+            lanes, self._lanes, self._side_by_side = self._lanes, None, 1
         for route in routes:
             route.close()
+        if lanes is not None:
+            lanes.close()
         self._clients.close()

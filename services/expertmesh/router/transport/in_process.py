@@ -19,7 +19,9 @@ from typing import Callable, Protocol
 
 import grpc
 import torch
+from opentelemetry import context
 
+from expertmesh.infra.compute_lanes import ComputeLanes, Work
 from expertmesh.router.transport.base import GroupReply, GroupRequest, PathBroken, TransportError
 
 NAME = "in-process"
@@ -74,33 +76,64 @@ class _Done:
         pass
 
 
+class _OnLane:
+    """A call queued to be computed side by side with the layer's other calls (``ComputeLanes``): by a lane, or
+    by the thread that waits on it (``result``), which helps with whatever is queued meanwhile."""
+
+    transport = NAME
+
+    def __init__(self, lanes: ComputeLanes, work: Work):
+        self._lanes, self._work = lanes, work
+
+    def result(self) -> GroupReply:
+        self._lanes.wait(self._work)
+        return self._work.result().result()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._lanes.wait(self._work, max(0.0, timeout_s))
+
+    def cancel(self) -> None:
+        self._lanes.cancel(self._work)
+
+
 class InProcessPath:
     """One group of this process, found by the token its server drew (``lookup``) at each call: a group that
-    stopped since is PathBroken, and the call goes another way (and finds it gone)."""
+    stopped since is PathBroken, and the call goes another way (and finds it gone). With ``lanes``, a call is
+    queued there and computed side by side with the layer's other calls; without, on the sending thread."""
 
     name = NAME
 
-    def __init__(self, token: bytes, lookup: Lookup):
-        self._token, self._lookup = token, lookup
+    def __init__(self, token: bytes, lookup: Lookup, lanes: ComputeLanes | None = None):
+        self._token, self._lookup, self._lanes = token, lookup, lanes
 
-    def send(self, request: GroupRequest, timeout_s: float) -> _Done:
+    def send(self, request: GroupRequest, timeout_s: float) -> _Done | _OnLane:
         group = self._lookup(self._token)
         if group is None:
             raise PathBroken("the group no longer runs in this process")
-        partial, code, message = group.attempt(
-            NAME,
-            lambda: group.compute(
-                request.layer,
-                request.table_version,
-                request.rows(),
-                request.expert_ids,
-                request.weights,
-                model=request.model,
-            ),
-        )
-        if partial is None:  # the group's refusal, as the other paths carry it back; never out of the step
-            return _Done(None, TransportError(code, message))
-        return _Done(GroupReply(partial, request.row_bytes))
+        # The OpenTelemetry context is the sending thread's: the group's span nests under the call's wherever
+        # the call is computed.
+        parent = context.get_current()
+
+        def answered() -> _Done:
+            partial, code, message = group.attempt(
+                NAME,
+                lambda: group.compute(
+                    request.layer,
+                    request.table_version,
+                    request.rows(),
+                    request.expert_ids,
+                    request.weights,
+                    parent,
+                    model=request.model,
+                ),
+            )
+            if partial is None:  # the group's refusal, as the other paths carry it back; never out of the step
+                return _Done(None, TransportError(code, message))
+            return _Done(GroupReply(partial, request.row_bytes))
+
+        if self._lanes is None:
+            return answered()
+        return _OnLane(self._lanes, self._lanes.submit(answered))
 
     def prepare(self, deadline: float) -> None:
         if self._lookup(self._token) is None:

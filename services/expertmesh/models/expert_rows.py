@@ -25,7 +25,7 @@ Glossary
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -34,7 +34,10 @@ from expertmesh.infra.row_sums import add_rows
 from expertmesh.models.checkpoint import interface_forward
 from expertmesh.models.linear_kernels import PackedRows
 
-__all__ = ["rows_forward", "matches_stock"]
+__all__ = ["agrees_with_stock", "matches_stock", "rows_forward"]
+
+#: (module, hidden [S, H], each row's local expert [S], weights [S, 1]) -> weighted rows [S, H]
+RowsForward = Callable[[nn.Module, torch.Tensor, list[int], torch.Tensor], torch.Tensor]
 
 
 def _project(
@@ -91,18 +94,34 @@ def rows_forward(
     return out
 
 
-def matches_stock(module: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``rows_forward`` gives exactly the module's own forward on rows of its loaded weights: three
-    rows over its first two local experts (one of them twice), seeded."""
+def agrees_with_stock(
+    module: nn.Module,
+    hidden_size: int,
+    forward: RowsForward,
+    local: list[int],
+    same: Callable[[torch.Tensor, torch.Tensor], bool],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> bool:
+    """Whether ``forward`` (``rows_forward``'s signature) gives the module's own forward by ``same`` (exactly:
+    ``torch.equal``; to rounding: ``torch.allclose``) on seeded rows of its loaded weights, one per entry of
+    ``local`` (each row's local expert, clamped to the module's). False, never an error, for a module that does
+    not compute as transformers' experts interface describes it (a missing attribute, other shapes)."""
     experts = module.num_experts
-    local = [0, min(1, experts - 1), 0]
+    local = [min(e, experts - 1) for e in local]
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(len(local), hidden_size, generator=generator).to(device, dtype)  # [3, H]
-    weights = torch.rand(len(local), 1, generator=generator).to(device, dtype)  # [3, 1]
+    hidden = torch.randn(len(local), hidden_size, generator=generator).to(device, dtype)  # [S, H]
+    weights = torch.rand(len(local), 1, generator=generator).to(device, dtype)  # [S, 1]
     try:
         with torch.no_grad():
             stock = interface_forward(module)(hidden, torch.tensor(local, device=device)[:, None], weights)
-            mine = rows_forward(module, hidden, local, weights)
-    except Exception:  # not the interface this module describes (a missing attribute, other shapes): never fatal
+            mine = forward(module, hidden, local, weights)
+    except Exception:  # not the interface this module describes: never fatal
         return False
-    return stock.shape == mine.shape and torch.equal(stock, mine)
+    return stock.shape == mine.shape and same(stock, mine)
+
+
+def matches_stock(module: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``rows_forward`` gives exactly the module's own forward: three rows over its first two local
+    experts (one of them twice)."""
+    return agrees_with_stock(module, hidden_size, rows_forward, [0, 1, 0], torch.equal, dtype, device)

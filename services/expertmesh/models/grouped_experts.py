@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from expertmesh.infra.native_kernels import load_cpu_kernel
-from expertmesh.models.checkpoint import interface_forward
+from expertmesh.models.expert_rows import agrees_with_stock
 
 __all__ = ["GroupedRows", "agrees", "grouped_rows_forward", "load", "usable"]
 
@@ -132,7 +132,8 @@ def grouped_rows_forward(
     """hidden [S, H], ``local`` [S] (each row's local expert), weights [S, 1] -> each row through its expert,
     weighted, [S, H]: ``expert_rows.rows_forward``'s result, its products on the grouped kernel."""
     first = "gate_up_proj" if module.has_gate else "up_proj"
-    experts = packs[first].packed().shape[0]
+    first_packed = packs[first].packed()  # [E, T, K, 32]
+    experts = first_packed.shape[0]
     order = sorted(range(len(local)), key=local.__getitem__)  # stable: each expert's rows in their order
     counts = [0] * experts
     for e in local:
@@ -143,7 +144,7 @@ def grouped_rows_forward(
     in_order = order == list(range(len(local)))
     index = None if in_order else torch.tensor(order, device=hidden.device)  # [S]
     rows = hidden if index is None else hidden.index_select(0, index)  # [S, H], grouped by expert
-    h = torch.ops.expertmesh_experts.grouped_linear(rows, starts, packs[first].packed(), packs[first].outputs)
+    h = torch.ops.expertmesh_experts.grouped_linear(rows, starts, first_packed, packs[first].outputs)
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [S, I]
     down = packs["down_proj"]
     out = torch.ops.expertmesh_experts.grouped_linear(h, starts, down.packed(), down.outputs)  # [S, H]
@@ -156,16 +157,13 @@ def grouped_rows_forward(
 def agrees(module: nn.Module, hidden_size: int, packs: Mapping[str, GroupedRows]) -> bool:
     """Whether the grouped kernel gives the module's own forward to float32 rounding on rows of its loaded
     weights: five rows over its first experts, seeded (each expert's output checked, not only their sum)."""
-    experts = module.num_experts
-    local = [min(i, experts - 1) for i in (1, 0, 2, 0, 1)]
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(len(local), hidden_size, generator=generator)  # [5, H]
-    weights = torch.rand(len(local), 1, generator=generator)  # [5, 1]
-    try:
-        with torch.no_grad():
-            stock = interface_forward(module)(hidden, torch.tensor(local)[:, None], weights)
-            mine = grouped_rows_forward(module, hidden, local, weights, packs)
-    except Exception:  # not the interface this module describes: never fatal
+    ok = agrees_with_stock(
+        module,
+        hidden_size,
+        lambda m, hidden, local, weights: grouped_rows_forward(m, hidden, local, weights, packs),
+        [1, 0, 2, 0, 1],
+        lambda stock, mine: torch.allclose(stock, mine, rtol=1e-4, atol=1e-5),
+    )
+    if not ok:
         log.warning("grouped experts kernel: %s computes another way; its products stay per expert", type(module))
-        return False
-    return stock.shape == mine.shape and torch.allclose(stock, mine, rtol=1e-4, atol=1e-5)
+    return ok

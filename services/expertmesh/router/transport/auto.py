@@ -314,7 +314,7 @@ class AutoTransport:
     def _paths(self, group: str, info: pb.TransportsResponse) -> list[_Path]:
         paths: list[_Path] = []
         if self._in_process is not None and info.shm_token and self._in_process(info.shm_token) is not None:
-            paths.append(InProcessPath(info.shm_token, self._in_process, self._in_process_lanes()))
+            paths.append(InProcessPath(info.shm_token, self._in_process, self._in_process_lanes))
         if info.host_id == shared_buffer.host_id():
             if self._shared_memory and _is_socket(info.shm_socket):
                 paths.append(LocalPath(info.shm_socket, info.shm_token, info.gpu_uuid))
@@ -326,13 +326,18 @@ class AutoTransport:
         return paths
 
     def _in_process_lanes(self) -> ComputeLanes | None:
-        """The lanes the calls to groups in this process share, made at the first such route: the intra-op
-        threads are the sending thread's by then (``up`` sets the router's after attaching the data plane)."""
+        """The lanes the calls to groups in this process share, made at the first call that asks: from the
+        sending thread's intra-op threads (the router's engine thread; a route can be made earlier, on the table
+        watcher's thread, before ``up`` sets the router's threads)."""
+        if self._lanes is not None or self._side_by_side <= 1:  # every call but the first
+            return self._lanes
         with self._lock:
             if self._lanes is None and self._side_by_side > 1:
                 lanes, each = split_threads(torch.get_num_threads(), self._side_by_side)
                 if lanes:
                     self._lanes = ComputeLanes(lanes, each)
+                else:  # one intra-op thread: nothing to share out
+                    self._side_by_side = 1
             return self._lanes
 
     def close(self) -> None:

@@ -103,7 +103,9 @@ class InProcessPath:
 
     name = NAME
 
-    def __init__(self, token: bytes, lookup: Lookup, lanes: ComputeLanes | None = None):
+    def __init__(self, token: bytes, lookup: Lookup, lanes: Callable[[], ComputeLanes | None] = lambda: None):
+        """``lanes``: the lanes the calls of this process share (made at the first call that asks, from the sending
+        thread's intra-op threads); None: none."""
         self._token, self._lookup, self._lanes = token, lookup, lanes
 
     def send(self, request: GroupRequest, timeout_s: float) -> _Done | _OnLane:
@@ -131,9 +133,10 @@ class InProcessPath:
                 return _Done(None, TransportError(code, message))
             return _Done(GroupReply(partial, request.row_bytes))
 
-        if self._lanes is None:
+        lanes = self._lanes()
+        if lanes is None:
             return answered()
-        return _OnLane(self._lanes, self._lanes.submit(answered))
+        return _OnLane(lanes, lanes.submit(answered))
 
     def prepare(self, deadline: float) -> None:
         if self._lookup(self._token) is None:

@@ -1,5 +1,7 @@
 """Calls to a group that runs in this very process (``expertmesh up --groups-as in-process``): the group
-computes on the calling thread, no copy and no wake-up of another process.
+computes in this process, no copy and no wake-up of another process: on the calling thread, or, where the
+transport shares out a layer's calls (``infra.compute_lanes``), side by side with the layer's other calls on a
+helper thread and the calling thread.
 
 On a host of a few cores the router and its groups share the same cores anyway; over shared memory each MoE
 layer's call still costs a frame each way, a sleeping process woken on each side (whose first op after a
@@ -104,8 +106,8 @@ class InProcessPath:
     name = NAME
 
     def __init__(self, token: bytes, lookup: Lookup, lanes: Callable[[], ComputeLanes | None] = lambda: None):
-        """``lanes``: the lanes the calls of this process share (made at the first call that asks, from the sending
-        thread's intra-op threads); None: none."""
+        """``lanes()``: the lanes the calls of this process share (made at the first call that asks, from the
+        sending thread's intra-op threads), or None: each call on the sending thread."""
         self._token, self._lookup, self._lanes = token, lookup, lanes
 
     def send(self, request: GroupRequest, timeout_s: float) -> _Done | _OnLane:

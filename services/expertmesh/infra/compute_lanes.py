@@ -85,19 +85,14 @@ class ComputeLanes:
         self._threads = [
             threading.Thread(target=self._lane, name=f"{name}-{i}", daemon=True) for i in range(max(0, lanes))
         ]
-        ready = threading.Barrier(len(self._threads) + 1)
-        self._ready = ready
+        self._ready = threading.Barrier(len(self._threads) + 1)
         restore = torch.get_num_threads()
         for thread in self._threads:
             thread.start()
-        ready.wait()
+        self._ready.wait()
         # Each lane narrowed its own threads, which also sets torch's process-wide default that threads
         # started later take; the default goes back to what it was (the lanes keep theirs).
         torch.set_num_threads(restore)
-
-    @property
-    def lanes(self) -> int:
-        return len(self._threads)
 
     def submit(self, fn: Callable[[], Any]) -> Work:
         work = Work(fn)

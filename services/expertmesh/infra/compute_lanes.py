@@ -46,10 +46,10 @@ class WorkState(enum.Enum):
 class Work:
     """One submitted callable: its state and, once DONE, its value or the exception it raised."""
 
-    __slots__ = ("_fn", "state", "value", "error")
+    __slots__ = ("fn", "state", "value", "error")
 
     def __init__(self, fn: Callable[[], Any]):
-        self._fn = fn
+        self.fn = fn
         self.state = WorkState.QUEUED
         self.value: Any = None
         self.error: BaseException | None = None
@@ -120,6 +120,7 @@ class ComputeLanes:
                         return False
                     self._cond.wait(left)
             if beside and self.threads_each < torch.get_num_threads():
+                # (torch's process-wide default follows for the while: a thread started meanwhile takes it)
                 restore = torch.get_num_threads()
                 torch.set_num_threads(self.threads_each)
                 try:
@@ -144,8 +145,8 @@ class ComputeLanes:
         for thread in self._threads:
             thread.join(timeout=5.0)
 
-    def _take(self, preferred: Work | None = None) -> Work:
-        """Under the lock: the preferred work if queued, else the oldest; marked RUNNING."""
+    def _take(self, preferred: Work | None = None, lane: bool = False) -> Work:
+        """Under the lock: the preferred work if queued, else the oldest; marked RUNNING and counted."""
         if preferred is not None and preferred.state is WorkState.QUEUED:
             self._queue.remove(preferred)
             work = preferred
@@ -153,19 +154,19 @@ class ComputeLanes:
             work = self._queue.popleft()
         work.state = WorkState.RUNNING
         self._computing += 1
+        self._lanes_computing += lane
         return work
 
     def _run(self, work: Work, lane: bool) -> None:
         try:
-            work.value = work._fn()
+            work.value = work.fn()
         except BaseException as err:  # handed to whoever reads the result
             work.error = err
         finally:
             with self._cond:
                 work.state = WorkState.DONE
                 self._computing -= 1
-                if lane:
-                    self._lanes_computing -= 1
+                self._lanes_computing -= lane
                 self._cond.notify_all()
 
     def _lane(self) -> None:
@@ -178,6 +179,5 @@ class ComputeLanes:
                     self._cond.wait()
                 if self._closed:
                     return
-                work = self._take()
-                self._lanes_computing += 1
+                work = self._take(lane=True)
             self._run(work, lane=True)

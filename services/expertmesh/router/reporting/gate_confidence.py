@@ -86,8 +86,8 @@ def record_gate_confidence(gate_bias: GateBias, metrics_meter=None) -> None:
         logits = out[0] if isinstance(out, tuple) else out
         if not isinstance(logits, torch.Tensor) or logits.shape[-1] < 2:
             return
-        # scores are per token: only the recorded tokens' are computed (a 64-sequence step's other 48 no one reads)
-        rows = _evenly(logits.detach().reshape(-1, logits.shape[-1]), MAX_TOKENS_RECORDED)  # [<= 16, E]
+        # scores are per token: only the recorded tokens' are computed (a 64-sequence step's other 60 no one reads)
+        rows = _evenly(logits.detach().reshape(-1, logits.shape[-1]), MAX_TOKENS_RECORDED)  # [<= 4, E]
         firsts, gaps = torch.stack(confidence(gate_scores(rows, hasattr(gate, "e_score_correction_bias")))).tolist()
         attributes = {"layer": layer}
         for value in firsts:

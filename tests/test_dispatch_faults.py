@@ -22,6 +22,7 @@ import time
 from collections import Counter
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -1045,3 +1046,38 @@ def test_a_group_a_new_table_brings_is_prepared_before_the_table_is_served():
     assert watcher.view.version == 3
     assert prepared == [("g0", None), ("g1", 1)]  # each before the view that brought it; g1 once
     transport.close()
+
+
+def test_a_steps_load_is_counted_when_its_forward_is_done(cluster):
+    """The load window counts a serving step's MoE layers together when the step's block ends: the counts of
+    recording each layer's choices alone, positions included; nothing before the end; a step whose forward
+    failed counts nothing (its tokens are routed again when the engine retries them). A dispatch outside any
+    step counts at once."""
+    from expertmesh.contracts.load_window import LoadWindow
+    from expertmesh.router.dispatch.step_context import StepContext
+
+    window, expected = LoadWindow(LAYERS, 4, 2), LoadWindow(LAYERS, 4, 2)
+    dispatcher = _dispatcher(_store(cluster), TRANSPORTS[0], load_window=window)
+    hidden, index, weights = _inputs()
+    positions = torch.arange(12) * 300  # [T]
+    dispatcher.begin_step()  # as the engine does before each step: the routing view is read
+    with dispatcher.step(StepContext(positions, [12])):
+        for layer in LAYERS:
+            dispatcher.experts(layer, hidden, index.roll(layer, dims=0), weights)
+        assert window.since_start().sum() == 0, "counted before the step's forward was done"
+    for layer in LAYERS:
+        expected.record(layer, index.roll(layer, dims=0), positions)
+    got, want = window.snapshot(), expected.snapshot()
+    assert got.load.sum() == 2 * 12 * 2
+    assert all(np.array_equal(getattr(got, n), getattr(want, n)) for n in ("load", "coactivation", "position_load"))
+
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        with dispatcher.step(StepContext(positions, [12])):
+            dispatcher.experts(0, hidden, index, weights)
+            raise RuntimeError("the forward failed")
+    assert np.array_equal(window.since_start(), expected.since_start())
+
+    dispatcher.dispatch(1, hidden, index, weights)
+    expected.record(1, index)
+    assert np.array_equal(window.since_start(), expected.since_start())
+    dispatcher.close()

@@ -13,6 +13,7 @@ from expertmesh.router.policy.routing_policy import gate_scores
 from expertmesh.router.reporting.gate_confidence import (
     BOUNDARIES,
     MAX_TOKENS_RECORDED,
+    RECORD_EVERY,
     confidence,
     record_gate_confidence,
 )
@@ -93,3 +94,26 @@ def test_a_long_prefill_records_a_bounded_sample():
         for name, values in (("expertmesh.gate.top1_probability", top1), ("expertmesh.gate.top2_margin", margin)):
             assert points[(name, layer)].sum == pytest.approx(float(values[recorded].sum()), rel=1e-5)
     assert all(p.count == 1 for (name, _), p in points.items() if name == "expertmesh.gate.duration")  # one forward
+
+
+def test_each_gate_records_its_first_forward_and_every_record_every_th_after():
+    """The sample over forwards: of 2 * RECORD_EVERY + 1 forwards, each layer records 3 (the first, and every
+    RECORD_EVERY-th after it), their durations and their tokens' scores; the others record nothing."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIG_BUILDERS["mixtral"]()).eval()
+    gate_bias = GateBias(model)
+    reader = InMemoryMetricReader()
+    record_gate_confidence(gate_bias, MeterProvider(metric_readers=[reader]).get_meter("test"))
+    seen = {layer: [] for layer in gate_bias.gates}
+    for layer, gate in gate_bias.gates.items():
+        gate.register_forward_hook(lambda _m, _a, out, layer=layer: seen[layer].append(out[0].detach()))
+    with torch.no_grad():
+        for i in range(2 * RECORD_EVERY + 1):
+            model(input_ids=torch.tensor([[3 + i, 4 + i]]))  # 2 tokens a forward
+    points = _points(reader)
+    for layer, logits in seen.items():
+        assert points[("expertmesh.gate.duration", layer)].count == 3
+        recorded = torch.cat([logits[i] for i in (0, RECORD_EVERY, 2 * RECORD_EVERY)])  # [6, E]
+        top1, _ = confidence(gate_scores(recorded, sigmoid=False))
+        point = points[("expertmesh.gate.top1_probability", layer)]
+        assert point.count == 6 and point.sum == pytest.approx(float(top1.sum()), rel=1e-5)

@@ -92,3 +92,39 @@ def test_load_stats_come_in_pages_that_merge_back_to_the_whole():
     assert json.loads(snap.stats_page(0)[0])["num_layers"] == 8 and snap.stats_page(0)[1] == 0
     with pytest.raises(ValueError, match="first_row 8 is past the 8 MoE layers"):
         snap.stats_page(8)
+
+
+def test_layers_recorded_together_count_as_each_recorded_alone():
+    """``record_layers`` (a serving step's MoE layers in one pass) leaves every count ``record`` layer by layer
+    leaves, to the bit: sentinels (>= num_experts, negative) skipped, a repeated id counted once, positions and
+    domains as given; a layer listed twice counts twice."""
+    g = np.random.default_rng(0)
+    layers, E, T = (1, 3, 4), 6, 9
+    ids = g.integers(-1, E + 3, size=(len(layers), T, 3))  # [L', T, K] with sentinels on both sides
+    ids[0, 0] = [2, 2, 5]  # a repeated id
+    positions = torch.tensor(g.integers(0, 5000, size=T))
+    domains = (torch.tensor(g.integers(-1, 2, size=T)), ("code", "math"))
+    together, alone = (LoadWindow(layers, E, 2, clock=Clock(), max_context=4096) for _ in range(2))
+    together.record_layers(layers, ids, positions, domains)
+    for i, layer in enumerate(layers):
+        alone.record(layer, torch.from_numpy(ids[i]), positions, domains)
+    a, b = together.snapshot(), alone.snapshot()
+    for name in ("load", "coactivation", "position_load"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.load.sum() > 0 and a.domain_load.keys() == b.domain_load.keys() == {"code", "math"}
+    assert all(np.array_equal(a.domain_load[d], b.domain_load[d]) for d in a.domain_load)
+    assert np.array_equal(together.since_start(), alone.since_start())
+    assert all(np.array_equal(a.load[i], _load_of(ids[i], E)) for i in range(len(layers)))  # by hand too
+
+    twice = LoadWindow(layers, E, 2, clock=Clock())
+    twice.record_layers((1, 1), ids[:2])
+    assert np.array_equal(twice.snapshot().load[0], _load_of(ids[0], E) + _load_of(ids[1], E))
+
+
+def _load_of(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """[T, K] ids -> [E] tokens per expert (each token once per expert; sentinels skipped), by hand."""
+    out = np.zeros(num_experts)
+    for row in ids:
+        for e in set(int(x) for x in row if 0 <= x < num_experts):
+            out[e] += 1
+    return out

@@ -240,46 +240,62 @@ class LoadWindow:
         positions: torch.Tensor | None = None,
         domains: tuple[torch.Tensor, tuple[str, ...]] | None = None,
     ) -> None:
-        """top_k_index [T, K] global expert ids; ids >= num_experts (expert-parallel sentinels) are skipped.
+        """top_k_index [T, K] global expert ids of MoE layer ``layer``; ids >= num_experts (expert-parallel
+        sentinels) and negative ones are skipped.
         positions [T] (optional): sequence position of each token.
         domains (optional): (domain_ids [T] int64, -1 for none; the domain names they index)."""
-        # In numpy: on the serving step's path once per MoE layer, where each torch op costs microseconds.
+        self.record_layers((layer,), top_k_index.detach().to("cpu", torch.long).numpy()[None], positions, domains)
+
+    def record_layers(
+        self,
+        layers: tuple[int, ...],
+        top_k_index: np.ndarray,
+        positions: torch.Tensor | None = None,
+        domains: tuple[torch.Tensor, tuple[str, ...]] | None = None,
+    ) -> None:
+        """``record`` of several MoE layers that routed the same T tokens (a serving step's), in one pass:
+        top_k_index [L', T, K] int global expert ids, ``layers`` [L'] the MoE layers they are of (each once).
+        The counts are ``record``'s layer by layer, to the bit: they are sums of ones."""
+        # In numpy and once a step (not once a MoE layer): on the serving step's path, where each call costs
+        # tens of microseconds whatever its size.
         E = self.num_experts
-        ids = top_k_index.detach().to("cpu", torch.long).numpy()  # [T, K]
-        tokens = np.arange(ids.shape[0])[:, None]  # [T, 1]
-        onehot = np.zeros((ids.shape[0], E + 1), dtype=np.float32)  # [T, E+1]; the last column collects sentinels
-        onehot[tokens, np.minimum(ids, E)] = 1.0
-        onehot = onehot[:, :E]
-        counts = onehot.sum(axis=0)  # [E]
-        coact = onehot.T @ onehot  # [E, E]
-        np.fill_diagonal(coact, 0)
+        ids = np.asarray(top_k_index, dtype=np.int64)  # [L', T, K]
+        ids = np.where((ids < 0) | (ids > E), E, ids)  # [L', T, K]; E: the column that collects sentinels
+        L, T = ids.shape[0], ids.shape[1]
+        rows = [self._row[layer] for layer in layers]  # [L']
+        onehot = np.zeros((L, T, E + 1), dtype=np.float32)  # [L', T, E+1]
+        onehot[np.arange(L)[:, None, None], np.arange(T)[None, :, None], ids] = 1.0  # a repeated id counts once
+        onehot = onehot[:, :, :E]  # [L', T, E]
+        counts = onehot.sum(axis=1)  # [L', E]
+        coact = onehot.transpose(0, 2, 1) @ onehot  # [L', E, E]
+        coact[:, np.arange(E), np.arange(E)] = 0
         by_bin = None
         if positions is not None:
             # positions are never negative; np.clip would cost more than the rest of the bins together
             bins = np.minimum(
                 positions.to("cpu", torch.long).numpy() * self._bins // self.max_context, self._bins - 1
             )  # [T]
-            in_bin = np.zeros((ids.shape[0], self._bins), dtype=np.float32)  # [T, P]
-            in_bin[tokens[:, 0], bins] = 1.0
-            by_bin = in_bin.T @ onehot  # [P, E]
+            in_bin = np.zeros((T, self._bins), dtype=np.float32)  # [T, P]
+            in_bin[np.arange(T), bins] = 1.0
+            by_bin = in_bin.T @ onehot  # [L', P, E]
         by_domain = {}
         if domains is not None:
             domain_ids, names = domains
             domain_ids = domain_ids.to("cpu", torch.long).numpy()  # [T]
             for d, name in enumerate(names):
-                by_domain[name] = onehot[domain_ids == d].sum(axis=0, dtype=np.float64)  # [E]
-        row = self._row[layer]
+                by_domain[name] = onehot[:, domain_ids == d].sum(axis=1, dtype=np.float64)  # [L', E]
         with self._lock:
             b = self._bucket()
-            self._load[b, row] += counts
-            self._since_start[row] += counts
-            self._coact[b, row] += coact
+            # np.add.at: a layer listed twice counts twice, as two ``record`` calls would
+            np.add.at(self._load[b], rows, counts)
+            np.add.at(self._since_start, rows, counts)
+            np.add.at(self._coact[b], rows, coact)
             if by_bin is not None:
-                self._position[b, row] += by_bin
+                np.add.at(self._position[b], rows, by_bin)
             for name, counts_d in by_domain.items():
                 if name not in self._domains and len(self._domains) >= MAX_DOMAINS:
                     name = name.split("/")[0]  # past the cap, a sub-domain counts under its top-level domain
-                self._domains.setdefault(name, np.zeros(self._since_start.shape))[row] += counts_d
+                np.add.at(self._domains.setdefault(name, np.zeros(self._since_start.shape)), rows, counts_d)
 
     def record_sequence(
         self,

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Literal
 
 import grpc
+import numpy as np
 import torch
 from opentelemetry import trace
 from opentelemetry.trace import Link, Status, StatusCode
@@ -279,7 +280,8 @@ class LayerDispatcher:
         """Within this block, the model's forward is one step of the serving engine, which has begun it
         (``begin_step``): every MoE layer dispatches with ``context`` (positions, links, routing, deadline, the
         collectors) on one routing view (``TableWatcher.step``), set into ``context.view`` here. One step at a
-        time: the engine's thread is the model's only user while it serves."""
+        time: the engine's thread is the model's only user while it serves. When the block ends without an error,
+        the load window counts the step's choices (a failed step's tokens are routed again when it is retried)."""
         if self._step is not None:
             raise RuntimeError("a serving step is already running on this dispatcher")
         with self._watcher.step() as view:
@@ -293,6 +295,27 @@ class LayerDispatcher:
                     yield context
             finally:
                 self._step = None
+        self._count_load(context)
+
+    def _count_load(self, context: StepContext) -> None:
+        """The load window's counts of a step whose forward is done: its MoE layers' choices in one pass (layers
+        of another token count, a forward the engine did not pack, one at a time)."""
+        routed, context.routed = context.routed, []
+        if self.load_window is None or not routed:
+            return
+        routing = context.routing
+        domains = (routing.domain_ids, routing.domains) if routing is not None and routing.domains else None
+        tokens = context.positions.shape[0]
+        together = [(layer, index) for layer, index in routed if index.shape[0] == tokens]
+        if together:
+            width = max(index.shape[1] for _, index in together)  # a dynamic-k layer may take one more
+            stacked = np.full((len(together), tokens, width), -1, dtype=np.int64)  # [L', T, K]; -1: empty
+            for i, (_, index) in enumerate(together):
+                stacked[i, :, : index.shape[1]] = index.numpy()
+            self.load_window.record_layers(tuple(layer for layer, _ in together), stacked, context.positions, domains)
+        for layer, index in routed:
+            if index.shape[0] != tokens:
+                self.load_window.record(layer, index)
 
     def on_forward(self) -> None:
         """Forward pre-hook: a new step, unless the serving engine already began this one."""
@@ -348,9 +371,10 @@ class LayerDispatcher:
         flights = [self._send(view, layer, source, call, links, timeout) for call in calls]
         # While the groups compute, what needs none of their answers: off the step's critical path
         if self.load_window is not None:
-            routing = step.routing if step is not None else None
-            domains = (routing.domain_ids, routing.domains) if routing is not None and routing.domains else None
-            self.load_window.record(layer, index, step.positions if step is not None else None, domains)
+            if step is not None:  # counted with the step's other layers when its forward is done
+                step.routed.append((layer, index))
+            else:
+                self.load_window.record(layer, index)
         if self.hidden_sampler is not None:
             self.hidden_sampler.offer(layer, source.to("cpu"))
         choices = step.choices if step is not None else None

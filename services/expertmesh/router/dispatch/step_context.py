@@ -44,6 +44,9 @@ class StepContext:
     #: epoch it was built in (None: no view yet)
     view: RoutingView | None = None
     epoch: int | None = None
+    #: each MoE layer's expert choices [T, K] as the step dispatched them, in order: the load window counts a
+    #: step's layers together once its forward is done (``LayerDispatcher.step``), one pass instead of one a layer
+    routed: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.degraded = DegradedTokens(self.tokens_per_sequence)

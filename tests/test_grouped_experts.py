@@ -114,3 +114,30 @@ def test_a_group_uses_it_where_it_can_and_keeps_per_expert_products_elsewhere(ti
     assert not usable(module, torch.device("meta"), torch.float32)  # a GPU's weights stood in for
     monkeypatch.setattr(grouped_experts, "load", lambda: False)  # the kernel did not build (no compiler)
     assert kinds(HostedExperts(checkpoint)) == {PackedRows}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "gpt_oss"])
+def test_a_silu_gated_mlp_is_one_call_with_the_same_bits_and_any_other_gate_stays_op_by_op(tiny_checkpoints, arch):
+    """``grouped_silu_glu`` (the gated MLP in one call) gives the op-by-op path's bits, rows in and out of order;
+    a group takes it where the module's gate is SiLU's GLU (Mixtral, Qwen2-MoE), and keeps the op-by-op path for
+    another gate (GPT-OSS: clamped, with its own activation and biases, never on the grouped kernel at all)."""
+    checkpoint = Checkpoint(tiny_checkpoints(arch))
+    spec = checkpoint.spec
+    layer = spec.moe_layers[0]
+    hosted = HostedExperts(checkpoint)
+    hosted.load([(layer, e) for e in range(spec.num_experts)])
+    held = hosted._layers[layer]
+    if arch == "gpt_oss":
+        assert not held.silu_glu and not any(isinstance(p, GroupedRows) for p in (held.packs or {}).values())
+        return
+    assert held.silu_glu and grouped_experts.fuses(held.module, spec.hidden_size, held.packs)
+    g = torch.Generator().manual_seed(2)
+    for local in ([0], [1, 0], list(range(spec.num_experts)), torch.randint(0, spec.num_experts, (37,)).tolist()):
+        hidden = torch.randn(len(local), spec.hidden_size, generator=g)
+        weights = torch.rand(len(local), 1, generator=g)
+        with torch.no_grad():
+            steps = grouped_rows_forward(held.module, hidden, local, weights, held.packs)
+            one = grouped_rows_forward(held.module, hidden, local, weights, held.packs, silu_glu=True)
+        assert torch.equal(one, steps), local
+    held.module.act_fn = torch.nn.GELU()  # another gate: the check sees it
+    assert not grouped_experts.fuses(held.module, spec.hidden_size, held.packs)

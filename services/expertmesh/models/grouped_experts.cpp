@@ -73,6 +73,20 @@ void rows_through_tile(const float* x, int64_t rows, int64_t K, const float* til
   }
 }
 
+// The products of rows grouped by expert (x [S, K], starts [E + 1]) through packed [E, T, K, NR] into y [S, n].
+void products(const float* xp, const std::vector<int64_t>& st, int64_t K, const float* wp, int64_t E, int64_t T,
+              int64_t n, float* yp) {
+  // Tile-major, expert-minor: each thread's share spans every expert, so uneven rows per expert still balance.
+  at::parallel_for(0, T * E, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / E, e = i % E, r0 = st[e], rows = st[e + 1] - st[e];
+      if (rows == 0) continue;
+      const int64_t n0 = t * NR, cols = std::min<int64_t>(NR, n - n0);
+      rows_through_tile(xp + r0 * K, rows, K, wp + (e * T + t) * K * NR, yp + r0 * n, n, n0, cols);
+    }
+  });
+}
+
 at::Tensor grouped_linear(const at::Tensor& x_in, at::IntArrayRef starts, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
               "grouped_linear: float32 rows and weights");
@@ -87,26 +101,39 @@ at::Tensor grouped_linear(const at::Tensor& x_in, at::IntArrayRef starts, const 
   for (int64_t e = 0; e < E; ++e) TORCH_CHECK(starts[e] <= starts[e + 1], "grouped_linear: starts ascending");
   auto y = at::empty({S, n}, x.options());
   if (S == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const std::vector<int64_t> st(starts.begin(), starts.end());
-  // Tile-major, expert-minor: each thread's share spans every expert, so uneven rows per expert still balance.
-  at::parallel_for(0, T * E, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / E, e = i % E, r0 = st[e], rows = st[e + 1] - st[e];
-      if (rows == 0) continue;
-      const int64_t n0 = t * NR, cols = std::min<int64_t>(NR, n - n0);
-      rows_through_tile(xp + r0 * K, rows, K, wp + (e * T + t) * K * NR, yp + r0 * n, n, n0, cols);
-    }
-  });
+  products(x.data_ptr<float>(), st, K, packed.data_ptr<float>(), E, T, n, y.data_ptr<float>());
   return y;
+}
+
+// A gated (SiLU) expert MLP of rows in one call: grouped_experts.py's grouped_rows_forward, its ops the same ATen
+// ops in the same order (so the same bits), without a trip through Python between them. hidden [S, K] in the
+// call's order; order [S] (None: already grouped) the row at each grouped position; weights [S, 1].
+at::Tensor grouped_silu_glu(const at::Tensor& hidden, const c10::optional<at::Tensor>& order, at::IntArrayRef starts,
+                            const at::Tensor& gate_up, int64_t n_gate_up, const at::Tensor& down, int64_t n_down,
+                            const at::Tensor& weights) {
+  TORCH_CHECK(n_gate_up % 2 == 0, "grouped_silu_glu: gate and up outputs as many");
+  const bool permuted = order.has_value();
+  const at::Tensor rows = permuted ? hidden.index_select(0, *order) : hidden;  // [S, K] grouped by expert
+  const at::Tensor h = grouped_linear(rows, starts, gate_up, n_gate_up);       // [S, 2I]
+  const auto halves = h.chunk(2, -1);
+  const at::Tensor gated = at::silu(halves[0]) * halves[1];                    // [S, I]
+  at::Tensor out = grouped_linear(gated, starts, down, n_down);                // [S, H]
+  out = out * (permuted ? weights.index_select(0, *order) : weights);
+  if (!permuted) return out;
+  return at::empty_like(out).index_copy_(0, *order, out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(expertmesh_experts, m) {
   m.def("grouped_linear(Tensor x, int[] starts, Tensor packed, int n) -> Tensor");
+  m.def(
+      "grouped_silu_glu(Tensor hidden, Tensor? order, int[] starts, Tensor gate_up, int n_gate_up, Tensor down, "
+      "int n_down, Tensor weights) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(expertmesh_experts, CPU, m) { m.impl("grouped_linear", &grouped_linear); }
+TORCH_LIBRARY_IMPL(expertmesh_experts, CPU, m) {
+  m.impl("grouped_linear", &grouped_linear);
+  m.impl("grouped_silu_glu", &grouped_silu_glu);
+}

@@ -46,7 +46,7 @@ from expertmesh.infra.row_sums import add_rows
 from expertmesh.models.checkpoint import Checkpoint, experts_modules, interface_forward
 from expertmesh.models.expert_rows import matches_stock, rows_forward
 from expertmesh.models.fingerprint import fingerprint
-from expertmesh.models.grouped_experts import GroupedRows, agrees, grouped_rows_forward, usable
+from expertmesh.models.grouped_experts import GroupedRows, agrees, fuses, grouped_rows_forward, usable
 from expertmesh.models.linear_kernels import LinearKernel, PackedRows, choose_linear_kernel
 from expertmesh.models.weight_layout import input_major, prefers_input_major
 
@@ -132,13 +132,15 @@ class _LayerExperts:
     #: ``onednn-packed`` kernel (``linear_kernels``), or all of them for the grouped kernel (``grouped_experts``);
     #: None: the products are torch's own
     packs: Mapping[str, PackedRows] | Mapping[str, GroupedRows] | None = None
+    #: with the grouped kernel: the module's gated MLP is SiLU's GLU, computed in one call (``grouped_experts.fuses``)
+    silu_glu: bool = False
 
     def rows(self, hidden: torch.Tensor, local: list[int], weights: torch.Tensor) -> torch.Tensor:
         """hidden [S, H], ``local`` [S], weights [S, 1] -> each row through its local expert, weighted, [S, H]
         (``rows_fast`` modules only): on the grouped kernel, else the stock loop's operations."""
         packs = self.packs
         if packs is not None and isinstance(next(iter(packs.values())), GroupedRows):
-            return grouped_rows_forward(self.module, hidden, local, weights, packs)
+            return grouped_rows_forward(self.module, hidden, local, weights, packs, self.silu_glu)
         return rows_forward(self.module, hidden, local, weights, packs)
 
     @cached_property
@@ -350,15 +352,16 @@ class HostedExperts:
         )
         prints = {e: old.fingerprints[e] if e in old_row else fingerprint(built.rows_of(e)) for e in ids}
         fast = matches_stock(module, self.spec.hidden_size, self.dtype, self.device)
-        packs = None
+        packs, silu_glu = None, False
         if fast and self.linear_kernel == "onednn-packed":
             names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
             if self.grouped and usable(module, self.device, self.dtype):
                 grouped = {name: GroupedRows(getattr(module, name), module.is_transposed) for name in names}
                 packs = grouped if agrees(module, self.spec.hidden_size, grouped) else None
+                silu_glu = packs is not None and fuses(module, self.spec.hidden_size, grouped)
             if packs is None:
                 packs = {name: PackedRows(getattr(module, name), module.is_transposed) for name in names}
-        built = replace(built, fingerprints=MappingProxyType(prints), rows_fast=fast, packs=packs)
+        built = replace(built, fingerprints=MappingProxyType(prints), rows_fast=fast, packs=packs, silu_glu=silu_glu)
         self._warm(layer, built)
         return built
 

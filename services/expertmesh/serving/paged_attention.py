@@ -170,13 +170,15 @@ class StepAttention:
             self._masks[key] = first, formatted[None, None].to(self.device)
         return self._masks[key]
 
-    def decode_batch(self, kind: str) -> "DecodeBatch | None":
+    def decode_batch(self, kind: str, least: int = 2) -> "DecodeBatch | None":
         """The step's decode rows on a ``kind`` layer in one padded batch (built once a step), or None when fewer
-        than two sequences feed a single token (the loop costs the same then)."""
+        than ``least`` sequences feed a single token. Two for a padded gather (a lone sequence's own call costs the
+        same); one for the in-place kernel, which reads even a lone sequence's keys where they lie (no gather)."""
         if kind not in self._decode:
             decoding = [i for i, rows in enumerate(self.sequences) if rows.n == 1]
-            self._decode[kind] = DecodeBatch.of(self, decoding, kind) if len(decoding) > 1 else None
-        return self._decode[kind]
+            self._decode[kind] = DecodeBatch.of(self, decoding, kind) if decoding else None
+        batch = self._decode[kind]
+        return batch if batch is not None and len(batch.sequences) >= least else None
 
 
 @dataclass(frozen=True)
@@ -265,19 +267,21 @@ def batched_decode_attend(call: LayerAttention) -> torch.Tensor:
 
 def cpu_paged_decode_attend(call: LayerAttention) -> torch.Tensor:
     """[1, T, H, dv]: as ``batched_decode_attend``, the decode rows computed by the CPU kernel that reads their
-    keys and values in the pool where they lie (``cpu_paged_decode``) wherever it computes what the model's sdpa
-    would (``_in_place_computes``); else padded, as there."""
-    return _decode_rows_together(call, _in_place_rows if _in_place_computes(call) else _padded_rows)
+    keys and values in the pool where they lie (``cpu_paged_decode``), a lone decoding sequence's too, wherever it
+    computes what the model's sdpa would (``_in_place_computes``); else padded, as there."""
+    if _in_place_computes(call):
+        return _decode_rows_together(call, _in_place_rows, least=1)
+    return _decode_rows_together(call, _padded_rows)
 
 
 DecodeRows = Callable[[LayerAttention, "DecodeBatch"], torch.Tensor]
 
 
-def _decode_rows_together(call: LayerAttention, decode_rows: DecodeRows) -> torch.Tensor:
-    """[1, T, H, dv]: the step's decode rows by ``decode_rows`` (``[B, H, dv]`` for the batch), each other sequence
-    as ``per_sequence_attend`` does it."""
+def _decode_rows_together(call: LayerAttention, decode_rows: DecodeRows, least: int = 2) -> torch.Tensor:
+    """[1, T, H, dv]: the step's decode rows by ``decode_rows`` (``[B, H, dv]`` for the batch) when there are at
+    least ``least`` (``StepAttention.decode_batch``), each other sequence as ``per_sequence_attend`` does it."""
     module, query, step, kwargs = call.module, call.query, call.step, call.kwargs
-    batch = step.decode_batch(call.kind)
+    batch = step.decode_batch(call.kind, least)
     if batch is None:
         return per_sequence_attend(call)
     decoded = decode_rows(call, batch)  # [B, H, dv]

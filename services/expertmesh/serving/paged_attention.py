@@ -134,7 +134,7 @@ class StepAttention:
     #: (sequence, kind) -> (first key position, mask [1, 1, n, L]); the same for every layer of a kind
     _masks: dict[tuple[int, str], tuple[int, torch.Tensor]] = field(default_factory=dict)
     #: kind -> the step's decode rows on layers of that kind (``decode_batch``), built at the first such layer
-    _decode: dict[str, "DecodeBatch | None"] = field(default_factory=dict)
+    _decode: dict[str, "DecodeBatch"] = field(default_factory=dict)
 
     def first_key(self, rows: SequenceRows, kind: str) -> int:
         return max(0, rows.start - self.window + 1) if kind == SLIDING else 0
@@ -174,11 +174,17 @@ class StepAttention:
         """The step's decode rows on a ``kind`` layer in one padded batch (built once a step), or None when fewer
         than ``least`` sequences feed a single token. Two for a padded gather (a lone sequence's own call costs the
         same); one for the in-place kernel, which reads even a lone sequence's keys where they lie (no gather)."""
+        decoding = self._decoding
+        if len(decoding) < least:  # nothing built: a batch no layer of the step will use
+            return None
         if kind not in self._decode:
-            decoding = [i for i, rows in enumerate(self.sequences) if rows.n == 1]
-            self._decode[kind] = DecodeBatch.of(self, decoding, kind) if decoding else None
-        batch = self._decode[kind]
-        return batch if batch is not None and len(batch.sequences) >= least else None
+            self._decode[kind] = DecodeBatch.of(self, decoding, kind)
+        return self._decode[kind]
+
+    @functools.cached_property
+    def _decoding(self) -> list[int]:
+        """The step's sequences that feed a single token, ascending."""
+        return [i for i, rows in enumerate(self.sequences) if rows.n == 1]
 
 
 @dataclass(frozen=True)

@@ -596,8 +596,9 @@ def test_pack_reads_a_sequence_from_its_first_held_block():
 
 def test_a_steps_slots_are_each_sequences_own_computed_one_by_one():
     """The step's layout is computed for all sequences at once; the oracle is each sequence on its own: its new
-    tokens' positions and slots, and the slots its past is read from (from its first held block to its end), over
-    random steps of many sequences with blocks given back behind a window and tables of different widths."""
+    tokens' positions and slots, and the slots its past is read from (from its first held block to its end, or from
+    any held position: alone, padded beside others, or as the block table a kernel reads), over random steps of
+    many sequences with blocks given back behind a window and tables of different widths."""
     import numpy as np
 
     from expertmesh.serving.attention_backends import ATTENTION_BACKENDS, StepLayout, attention_metadata
@@ -605,6 +606,8 @@ def test_a_steps_slots_are_each_sequences_own_computed_one_by_one():
 
     rng = np.random.default_rng(3)
     pool = KVPool(256, 4)
+    pool.allocate(1, ((1, 1), (1, 1)), torch.float32)
+    pool.tensors(0)[0].copy_(torch.arange(256 * 4.0)[:, None, None])  # each slot's key: its own number
     layout = StepLayout("sdpa", ("full_attention",), None, torch.float32)
     for _ in range(50):
         tables, starts, tokens = [], [], []
@@ -617,7 +620,7 @@ def test_a_steps_slots_are_each_sequences_own_computed_one_by_one():
             tokens.append(count)
         md = attention_metadata(tables, starts, tokens, 4)
         cache, _ = ATTENTION_BACKENDS["batched-decode"].plan(md, pool, layout)
-        positions, writes, reads, bases = [], [], [], []
+        positions, writes, reads, bases, firsts, own_reads = [], [], [], [], [], []
         for table, start, count in zip(tables, starts, tokens):
             mine = list(range(start, start + count))
             positions += mine
@@ -625,8 +628,20 @@ def test_a_steps_slots_are_each_sequences_own_computed_one_by_one():
             base = next(i for i, b in enumerate(table) if b >= 0) * 4
             bases.append(base)
             reads += [table[p // 4] * 4 + p % 4 for p in range(base, start + count)]
+            firsts.append(int(rng.integers(base, start + count)))  # a key range from a held position
+            own_reads.append([table[p // 4] * 4 + p % 4 for p in range(firsts[-1], start + count)])
         assert md.positions.tolist() == positions and md.slot_mapping.tolist() == writes
         assert cache._write.tolist() == writes and cache._read.tolist() == reads and cache._bases == bases
+        # each sequence's own reads: one at a time (``past``), padded side by side, or through its block table
+        for i, first in enumerate(firsts):
+            keys, _ = cache.past(0, i, first)  # [1, h, L, d]: the slots' numbers
+            assert keys.flatten().tolist() == own_reads[i]
+        chosen = sorted(rng.choice(len(tables), size=int(rng.integers(1, len(tables) + 1)), replace=False).tolist())
+        padded, lengths = cache.padded_slots(chosen, [firsts[i] for i in chosen])
+        assert lengths == [len(own_reads[i]) for i in chosen]
+        for row, i in zip(padded.tolist(), chosen):  # its own slots, then its last one again
+            assert row == own_reads[i] + own_reads[i][-1:] * (padded.shape[1] - len(own_reads[i]))
+        assert cache.block_tables(chosen).tolist() == md.block_tables[chosen].tolist()
 
 
 def test_the_pool_is_reported_before_the_first_step(model):

@@ -10,8 +10,8 @@ Backends (``ATTENTION_BACKENDS``, keyed by ``AttentionKernel``):
   or its eager function); every device, every model.
 - ``batched-decode``: as ``per-sequence``, with the step's decode rows (one query each) in one padded call per
   layer (``paged_attention.DecodeBatch``); every device, every model but those caching latents.
-- ``cpu-paged-decode``: as ``batched-decode``, the decode rows by a CPU kernel reading their slots in the pool in
-  place (``cpu_paged_decode``, as vLLM's CPU paged attention reads its block tables); CPU, float32, sdpa models.
+- ``cpu-paged-decode``: as ``batched-decode``, the decode rows by a CPU kernel reading the pool in place through
+  their block tables (``cpu_paged_decode``, as vLLM's CPU paged attention does); CPU, float32, sdpa models.
 - ``flash-varlen``: flash-attn's varlen kernel over the gathered pasts, one call per layer; CUDA, half precision,
   plain sdpa models (``paged_attention``'s docstring says why only there).
 A backend that reads the pool through the block tables themselves on a GPU (FlashInfer's paged kernels) plugs in
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from expertmesh.serving import cpu_paged_decode, paged_attention
-from expertmesh.serving.kv_cache import KVPool, PackedCache
+from expertmesh.serving.kv_cache import KVPool, PackedCache, positions_and_slots
 from expertmesh.serving.paged_attention import (
     AttendKernel,
     AttentionKernel,
@@ -81,22 +81,8 @@ def attention_metadata(tables: Sequence[Sequence[int]], starts: Sequence[int], t
     starts_a, tokens_a = np.asarray(starts, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
     seq_lens = starts_a + tokens_a
     query_start_loc = np.concatenate([[0], np.cumsum(tokens_a)])
-    positions, slot_mapping = _slots(block_tables, starts_a, query_start_loc, block_size)
+    positions, slot_mapping = positions_and_slots(block_tables, starts_a, query_start_loc, block_size)
     return AttentionMetadata(block_tables, starts_a, seq_lens, query_start_loc, positions, slot_mapping, block_size)
-
-
-def _slots(
-    block_tables: np.ndarray, starts: np.ndarray, offsets: np.ndarray, block_size: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """block_tables [B, M], starts [B], offsets [B + 1] -> (positions [N], slots [N]): sequence i's
-    ``offsets[i + 1] - offsets[i]`` positions from ``starts[i]``, one sequence after another (at ``offsets[i]``),
-    and the pool slot each is at.
-
-    Example: tables [[4, 7]], block size 4, start 2, offsets [0, 4] -> positions [2, 3, 4, 5],
-    slots [18, 19, 28, 29]."""
-    owner = np.repeat(np.arange(len(starts)), np.diff(offsets))  # [N] the sequence of each position
-    positions = np.arange(offsets[-1]) - offsets[owner] + starts[owner]
-    return positions, block_tables[owner, positions // block_size] * block_size + positions % block_size
 
 
 class AttentionBackend(Protocol):
@@ -120,7 +106,8 @@ class StepLayout:
 
 
 class _GatheredPasts:
-    """Backends that read each sequence's past as one gather of its slots, from its first held block to its end."""
+    """Backends that read each sequence's past from its first held block to its end: gathered by its slots, or
+    (``cpu-paged-decode``'s decode rows) in place through its block table."""
 
     name: AttentionKernel
     attend: AttendKernel
@@ -128,16 +115,8 @@ class _GatheredPasts:
     def plan(self, metadata: AttentionMetadata, pool: KVPool, layout: StepLayout) -> tuple[PackedCache, StepAttention]:
         size, tables = metadata.block_size, metadata.block_tables
         bases = (tables >= 0).argmax(axis=1) * size  # [B] each table's first held block's first position
-        # where each sequence's read starts among them all: from that block to its end
-        read_offsets = np.concatenate([[0], np.cumsum(metadata.seq_lens - bases)])  # [B + 1]
-        _, slots = _slots(tables, bases, read_offsets, size)
-        cache = PackedCache(
-            pool,
-            torch.from_numpy(metadata.slot_mapping).to(pool.device),
-            torch.from_numpy(slots).to(pool.device),
-            read_offsets.tolist(),
-            bases.tolist(),
-        )
+        write_slots = torch.from_numpy(metadata.slot_mapping).to(pool.device)
+        cache = PackedCache(pool, write_slots, tables, bases, metadata.seq_lens, size)
         qsl = metadata.query_start_loc.tolist()
         sequences = [
             SequenceRows(qsl[i], qsl[i + 1] - qsl[i], int(start))

@@ -24,12 +24,22 @@ Glossary (blocks, block tables and the prefix cache: ``serving.kv_blocks``)
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
+import numpy as np
 import torch
 
-__all__ = ["KVPool", "PackedCache", "auto_cache_bytes", "host_free_bytes", "layer_shapes", "token_bytes"]
+__all__ = [
+    "KVPool",
+    "PackedCache",
+    "auto_cache_bytes",
+    "host_free_bytes",
+    "layer_shapes",
+    "positions_and_slots",
+    "token_bytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -141,27 +151,49 @@ class KVPool:
         return sum(t.numel() * t.element_size() for pair in self._layers.values() for t in pair)
 
 
+def positions_and_slots(
+    block_tables: np.ndarray, starts: np.ndarray, offsets: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """block_tables [B, M], starts [B], offsets [B + 1] -> (positions [N], slots [N]): sequence i's
+    ``offsets[i + 1] - offsets[i]`` positions from ``starts[i]``, one sequence after another (at ``offsets[i]``),
+    and the pool slot each is at. All sequences in one numpy pass: a call per sequence costs more than the
+    arithmetic.
+
+    Example: tables [[4, 7]], block size 4, start 2, offsets [0, 4] -> positions [2, 3, 4, 5],
+    slots [18, 19, 28, 29]."""
+    owner = np.repeat(np.arange(len(starts)), np.diff(offsets))  # [N] the sequence of each position
+    positions = np.arange(offsets[-1]) - offsets[owner] + starts[owner]
+    return positions, block_tables[owner, positions // block_size] * block_size + positions % block_size
+
+
 class PackedCache:
     """The ``cache`` of one packed forward over the pool.
 
-    ``write_slots`` [T]: where each of the step's tokens goes; ``read_slots`` [ΣL]: every step sequence's
-    slots of positions ``read_bases[i]`` .. its end, one sequence after another (a sequence's base is
-    past the blocks it gave back, else 0); ``read_offsets[i]``: where sequence i's begin.
+    ``write_slots`` [T]: where each of the step's tokens goes. A sequence's past is read through its block table
+    (``block_tables`` [B, M], -1 where it holds no block) from its base (``read_bases`` [B]: past the blocks it
+    gave back, else 0) to its end (``seq_lens`` [B]); ``read_slots`` [ΣL]: those slots of every step sequence,
+    one sequence after another (sequence i's from ``past_offsets()[i]``), built only when a reader asks for them
+    all (``pasts``): a kernel that reads the block tables in place (``block_tables``) needs no list of every past
+    position's slot.
     """
 
     def __init__(
         self,
         pool: KVPool,
         write_slots: torch.Tensor,
-        read_slots: torch.Tensor,
-        read_offsets: list[int],
-        read_bases: list[int],
+        block_tables: np.ndarray,
+        read_bases: np.ndarray,
+        seq_lens: np.ndarray,
+        block_size: int,
     ):
         self._pool = pool
         self._write = write_slots
-        self._read = read_slots
-        self._offsets = read_offsets
-        self._bases = read_bases
+        self._tables = block_tables
+        self._block_size = block_size
+        self._lens = seq_lens
+        self._bases = read_bases.tolist()
+        self._offsets = np.concatenate([[0], np.cumsum(seq_lens - read_bases)]).tolist()  # [B + 1]
+        self._pasts: dict[tuple[int, int], torch.Tensor] = {}  # (sequence, first) -> its slots, for ``past``
 
     def update(
         self, first: torch.Tensor, second: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -171,14 +203,30 @@ class PackedCache:
         self._pool.write(layer_idx, first, second, self._write)
         return first, second
 
+    @functools.cached_property
+    def _read(self) -> torch.Tensor:
+        """read_slots [ΣL] (see the class)."""
+        _, slots = positions_and_slots(
+            self._tables, np.asarray(self._bases, dtype=np.int64), np.asarray(self._offsets), self._block_size
+        )
+        return torch.from_numpy(slots).to(self._pool.device)
+
+    def _check_held(self, sequence: int, first: int) -> None:
+        if first < self._bases[sequence]:
+            raise ValueError(
+                f"position {first} of step sequence {sequence} is in a block it gave back (from {self._bases[sequence]}"
+                " on)"
+            )
+
     def past(self, layer: int, sequence: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's ``sequence``-th sequence's past on ``layer`` from position ``first``, [1, h, L, d] each."""
-        start, end, base = self._offsets[sequence], self._offsets[sequence + 1], self._bases[sequence]
-        if first < base:
-            raise ValueError(
-                f"position {first} of step sequence {sequence} is in a block it gave back (from {base} on)"
-            )
-        return self._pool.read(layer, self._read[start + first - base : end])
+        key = (sequence, first)
+        if key not in self._pasts:  # the same for every layer of the step
+            self._check_held(sequence, first)
+            positions = np.arange(first, self._lens[sequence])
+            slots = self._tables[sequence, positions // self._block_size] * self._block_size
+            self._pasts[key] = torch.from_numpy(slots + positions % self._block_size).to(self._pool.device)
+        return self._pool.read(layer, self._pasts[key])
 
     def pasts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every step sequence's past on ``layer`` from its base, one after another, [1, h, ΣL, d] each."""
@@ -190,20 +238,24 @@ class PackedCache:
     def padded_slots(self, sequences: list[int], firsts: list[int]) -> tuple[torch.Tensor, list[int]]:
         """The slots of step sequences ``sequences`` from positions ``firsts`` to their ends, right-padded with each
         one's last slot, [B, L]; and each one's length."""
-        spans = []
         for sequence, first in zip(sequences, firsts):
-            start, end, base = self._offsets[sequence], self._offsets[sequence + 1], self._bases[sequence]
-            if first < base:
-                raise ValueError(
-                    f"position {first} of step sequence {sequence} is in a block it gave back (from {base} on)"
-                )
-            spans.append((start + first - base, end))
-        lengths = [end - start for start, end in spans]
-        width = max(lengths)
-        # index [B, L] into read_slots: each row its own span, then its last slot again
-        offsets = torch.arange(width)[None, :].clamp_max(torch.tensor(lengths)[:, None] - 1)  # [B, L]
-        index = torch.tensor([start for start, _ in spans])[:, None] + offsets
-        return self._read[index.to(self._read.device)], lengths
+            self._check_held(sequence, first)
+        chosen, starts = np.asarray(sequences), np.asarray(firsts, dtype=np.int64)
+        lengths = self._lens[chosen] - starts  # [B]
+        # each row's positions, then its last one again
+        positions = starts[:, None] + np.minimum(np.arange(lengths.max())[None, :], lengths[:, None] - 1)  # [B, L]
+        size = self._block_size
+        slots = np.take_along_axis(self._tables[chosen], positions // size, axis=1) * size + positions % size
+        return torch.from_numpy(slots).to(self._pool.device), lengths.tolist()
+
+    def block_tables(self, sequences: list[int]) -> torch.Tensor:
+        """The block tables of step sequences ``sequences``, [B, M] int64 (-1 where a sequence holds no block):
+        what a kernel reading the pool in place (``layer_pool``) is handed."""
+        return torch.from_numpy(self._tables[sequences]).to(self._pool.device)
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
 
     def layer_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s two pool tensors, [slots, h, d] each: where ``padded_slots``' slots point."""

@@ -103,6 +103,13 @@ class PastReader(Protocol):
     def layer_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s two pool tensors, [slots, h, d] each, which ``padded_slots``' slots index."""
 
+    def block_tables(self, sequences: list[int]) -> torch.Tensor:
+        """Step sequences ``sequences``' block tables, [B, M] int64 (-1: no block): where ``layer_pool`` holds
+        their positions (position p in slot ``table[p // block_size] * block_size + p % block_size``)."""
+
+    @property
+    def block_size(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class SequenceRows:
@@ -189,29 +196,54 @@ class StepAttention:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """The step's single-query sequences of one layer kind, side by side (B of them, L the longest key range).
+    """The step's single-query sequences of one layer kind, side by side (B of them, L the longest key range):
+    each one's key range as positions (``firsts``, ``lengths``), for a kernel that reads them in place through
+    the block tables (``tables``); or as pool slots right-padded to L (``slots``, ``mask``), for a padded call.
+    Each form is built at its first use, once a step.
 
     Padding keys are each sequence's own last key, masked out; a batch whose key ranges are all as long has no
     mask, like a lone decoding sequence's call."""
 
     sequences: list[int]  # [B] step sequence indices, ascending
     rows: torch.Tensor  # [B] each one's query row among the step's T tokens
-    slots: torch.Tensor  # [B, L] pool slots of each one's key range, right-padded
-    lengths: torch.Tensor  # [B] int64, each one's key range's length (the rest of its row of slots is padding)
-    mask: torch.Tensor | None  # [B, 1, 1, L]: boolean (sdpa) or additive (eager); None without padding
+    firsts: list[int]  # [B] each one's first key position
+    lengths: torch.Tensor  # [B] int64, each one's key range's length
+    step: "StepAttention"
 
     @classmethod
     def of(cls, step: "StepAttention", sequences: list[int], kind: str) -> "DecodeBatch":
         firsts = [step.first_key(step.sequences[i], kind) for i in sequences]
-        slots, lengths = step.cache.padded_slots(sequences, firsts)  # [B, L]
-        mask = None
-        if min(lengths) != slots.shape[1]:
-            allowed = torch.arange(slots.shape[1])[None, :] < torch.tensor(lengths)[:, None]  # [B, L]
-            if step.implementation == "eager":  # added to the scores
-                allowed = torch.where(allowed, torch.zeros((), dtype=step.dtype), torch.finfo(step.dtype).min)
-            mask = allowed[:, None, None, :].to(step.device)
+        lengths = torch.tensor([step.sequences[i].end - first for i, first in zip(sequences, firsts)])
         rows = torch.tensor([step.sequences[i].offset for i in sequences], device=step.device)
-        return cls(sequences, rows, slots, torch.tensor(lengths, device=slots.device), mask)
+        return cls(sequences, rows, firsts, lengths.to(step.device), step)
+
+    @functools.cached_property
+    def slots(self) -> torch.Tensor:
+        """[B, L]: pool slots of each one's key range, right-padded with its last."""
+        return self.step.cache.padded_slots(self.sequences, self.firsts)[0]
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, 1, L]: boolean (sdpa) or additive (eager), which of ``slots`` each one attends to; None without
+        padding."""
+        lengths, step = self.lengths.cpu(), self.step
+        width = int(lengths.max())
+        if int(lengths.min()) == width:
+            return None
+        allowed = torch.arange(width)[None, :] < lengths[:, None]  # [B, L]
+        if step.implementation == "eager":  # added to the scores
+            allowed = torch.where(allowed, torch.zeros((), dtype=step.dtype), torch.finfo(step.dtype).min)
+        return allowed[:, None, None, :].to(step.device)
+
+    @functools.cached_property
+    def tables(self) -> torch.Tensor:
+        """[B, M]: each one's block table."""
+        return self.step.cache.block_tables(self.sequences)
+
+    @functools.cached_property
+    def first_positions(self) -> torch.Tensor:
+        """[B] int64: ``firsts`` as a tensor."""
+        return torch.tensor(self.firsts, device=self.lengths.device)
 
 
 @dataclass(frozen=True)
@@ -336,7 +368,8 @@ def _in_place_computes(call: LayerAttention) -> bool:
 
 
 def _in_place_rows(call: LayerAttention, batch: "DecodeBatch") -> torch.Tensor:
-    """[B, H, dv]: the decode rows by the CPU kernel, over their slots in the layer's pool."""
+    """[B, H, dv]: the decode rows by the CPU kernel, over their positions in the layer's pool (through their
+    block tables)."""
     query, step = call.query[0], call.step  # [H, T, d]
     keys, values = step.cache.layer_pool(call.module.layer_idx)  # [S, h, d], [S, h, dv]
     if len(batch.sequences) == len(step.sequences):
@@ -347,7 +380,10 @@ def _in_place_rows(call: LayerAttention, batch: "DecodeBatch") -> torch.Tensor:
         q = q.contiguous()
     scale = call.kwargs.get("scaling")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return cpu_paged_decode.paged_decode(q, keys, values, batch.slots, batch.lengths, scale)
+    size = step.cache.block_size
+    return cpu_paged_decode.paged_decode(
+        q, keys, values, batch.tables, batch.first_positions, batch.lengths, size, scale
+    )
 
 
 @functools.cache

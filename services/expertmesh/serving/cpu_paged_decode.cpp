@@ -18,9 +18,9 @@
 //
 // Work: the rows' slots walked from their tables first, on the calling thread (one pass, ~1 % of the kernel; walked
 // inside each thread's share instead it measured ~5 % slower); then parallel over sequences (torch's intra-op
-// threads); a sequence reads each of its slot rows once (every key
-// head of a slot is one contiguous row of the slot-major pool), scores in float32, a max-subtracted softmax with
-// Sleef's exp (1 ULP, as ATen's own kernels use), the values summed in float32.
+// threads); a sequence reads each of its slot rows once (every key head of a slot is one contiguous row of the
+// slot-major pool), scores in float32, a max-subtracted softmax with Sleef's exp (1 ULP, as ATen's own kernels
+// use), the values summed in float32.
 
 #if defined(__AVX512F__)
 #define CPU_CAPABILITY_AVX512

@@ -15,6 +15,7 @@ from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.grouped_experts import GroupedRows
 from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.models.linear_kernels import (
+    BLAS_MAX_ELEMENTS,
     PackedLinear,
     PackedRows,
     PackedWeight,
@@ -78,6 +79,9 @@ def test_pack_linears_keeps_every_parameter_and_the_state_dict():
     assert all(p is params[name] for name, p in model.named_parameters())  # the same tensors, the same names
     assert list(model.state_dict()) == keys
     assert pack_linears(nn.Sequential(nn.Linear(2, 2)), "blas") == 0
+    small = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2))  # weights of 128 and 32 elements
+    assert pack_linears(small, "onednn-packed", blas_max_elements=32) == 1
+    assert isinstance(small[0], PackedLinear) and type(small[1]) is nn.Linear
 
 
 def test_a_packed_linear_follows_a_replaced_parameter():
@@ -92,14 +96,19 @@ def test_a_packed_linear_follows_a_replaced_parameter():
 
 
 def test_the_router_model_computes_on_the_kernel_it_is_given(tiny_checkpoints):
-    """Every ``nn.Linear`` of the router's model (attention, gates, head) packed on CPU; its logits those of
-    the same model on torch's own kernel, to float32 rounding."""
-    checkpoint = Checkpoint(tiny_checkpoints("mixtral"))
+    """Every ``nn.Linear`` of the router's model (attention, gates, head) above ``BLAS_MAX_ELEMENTS`` packed on
+    CPU, the rest on torch's own; its logits those of the same model on torch's own kernel, to float32 rounding."""
+    # a vocabulary whose head [8200, 32] is above BLAS_MAX_ELEMENTS: the tiny model's other weights are below it
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral", vocab_size=8200))
     packed = build_router_model(checkpoint, torch.float32)
     plain = build_router_model(checkpoint, torch.float32, linear_kernel="blas")
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
-    assert not any(type(m) is nn.Linear for m in packed.modules())
+    # each product on the kernel its weight's size picks: the largest packed, the smallest on blas
+    linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
+    assert {type(m) for m in linears} == {nn.Linear, PackedLinear}
+    for m in linears:
+        assert isinstance(m, PackedLinear) == (m.weight.numel() > BLAS_MAX_ELEMENTS), m
     ids = torch.randint(
         0, checkpoint.config.get_text_config().vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)
     )

@@ -20,7 +20,7 @@ from torch import nn
 
 from expertmesh.contracts.errors import CheckpointError
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
-from expertmesh.models.linear_kernels import LinearKernel, choose_linear_kernel, pack_linears
+from expertmesh.models.linear_kernels import BLAS_MAX_ELEMENTS, LinearKernel, choose_linear_kernel, pack_linears
 from expertmesh.models.weight_layout import input_major, prefers_input_major
 from expertmesh.router.dispatch.dispatcher import LayerDispatcher
 from expertmesh.router.dispatch.experts_impl import IMPLEMENTATION
@@ -65,7 +65,8 @@ def build_router_model(
     kernel = linear_kernel or choose_linear_kernel(device, dtype)
     if kernel == "blas":
         _lay_out_head(model, device)
-    pack_linears(model, kernel)  # attention, shared experts, gates and the head: every step reads them all
+    # attention, shared experts, gates and the head: every step reads them all (the smallest stay on blas)
+    pack_linears(model, kernel, BLAS_MAX_ELEMENTS)
     return model
 
 

@@ -17,11 +17,13 @@ import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-# Before torch loads its OpenMP runtime, which reads this once: idle OpenMP threads then sleep
-# rather than spin. A router spends most of a step waiting for expert groups, and embedded (CPU)
-# they compute on the same cores; threads spinning meanwhile take those cores from them (measured:
-# 5x slower dispatch on 2 cores). Set OMP_WAIT_POLICY to override.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from expertmesh.infra import openmp_wait
+
+# Before torch loads its OpenMP runtime, which reads them once: how idle OpenMP threads wait, sleeping at once
+# where expert groups in other processes compute on the same cores, spinning a while first where the groups
+# compute in this process (infra/openmp_wait.py says why and what it measured). Set OMP_WAIT_POLICY or
+# GOMP_SPINCOUNT to override.
+openmp_wait.apply(sys.argv[1:], os.environ)
 
 from expertmesh.contracts.errors import ExpertMeshError  # noqa: E402
 from expertmesh.infra.console import set_quiet  # noqa: E402

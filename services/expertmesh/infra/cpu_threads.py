@@ -3,7 +3,8 @@
 Each expert group computes with ``max(1, int(num_cpus))`` threads of its own. The router computes with every
 core of the host: it and its local groups take turns each MoE layer (the router waits while the groups compute,
 the groups wait while it computes), and its idle OpenMP threads sleep rather than spin (``OMP_WAIT_POLICY``
-PASSIVE, set by the CLI), so its threads do not take cores from them. Measured (2 cores, 2 local groups, the
+PASSIVE, set by the CLI; with the groups in its own process they spin a short while first: ``infra.openmp_wait``),
+so its threads do not take cores from them. Measured (2 cores, 2 local groups, the
 214 M Mixtral, 2026-12-05, clients in their own process, each setting twice, interleaved): 2 router threads
 against 1 gave 71.8 / 78.9 against 69.4 / 72.0 tok/s at 8 clients of 480-token prompts and 96-token answers,
 134.3 / 140.0 against 125.2 / 130.2 at 32, 104.5 against 101.6 at 8 clients of 64 / 256 (decode-heavy), and

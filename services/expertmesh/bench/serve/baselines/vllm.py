@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,9 +32,10 @@ from expertmesh.bench.report import BenchError
 from expertmesh.bench.serve.baselines.base import BaselineRun, BaselineSetup, Load
 from expertmesh.bench.serve.clients import stream_clients
 from expertmesh.bench.serve.stats import TimedRequest
+from expertmesh.infra import openmp_wait
 from expertmesh.infra.console import progress
 
-__all__ = ["VllmServer", "started", "venv_python"]
+__all__ = ["VllmServer", "started", "venv_python", "vllm_env"]
 
 #: where ``make vllm-venv`` puts it, relative to the repository root (the working directory of a make target)
 DEFAULT_VENV = Path("build/vllm-venv")
@@ -57,6 +58,20 @@ def venv_python() -> Path:
     return python
 
 
+def vllm_env(environ: Mapping[str, str], cores: int, ours: Mapping[str, str]) -> dict[str, str]:
+    """The environment vLLM's server starts in: this process's, without the OpenMP settings our own CLI added to it
+    (``ours``: ``openmp_wait.ADDED``; vLLM's threads wait as vLLM has them, the user's own settings kept), its OpenMP
+    threads on every core and 4 GiB of KV cache unless the environment says otherwise, offline, and none of our
+    Python path (ours would shadow the venv's transformers)."""
+    return {
+        **{k: v for k, v in environ.items() if ours.get(k) != v},
+        "VLLM_CPU_OMP_THREADS_BIND": environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+        "VLLM_CPU_KVCACHE_SPACE": environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": "",
+    }
+
+
 @contextmanager
 def started(setup: BaselineSetup) -> Iterator[VllmServer]:
     """vLLM's server on ``setup.model`` for every repeat of a measurement, stopped on exit."""
@@ -65,13 +80,7 @@ def started(setup: BaselineSetup) -> Iterator[VllmServer]:
     python, port = venv_python(), free_port()
     context = _context_length(setup.model)
     cores = os.cpu_count() or 1
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": "",  # ours would shadow the venv's transformers
-    }
+    env = vllm_env(os.environ, cores, openmp_wait.ADDED)
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(setup.model),
         "--dtype", setup.dtype, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,

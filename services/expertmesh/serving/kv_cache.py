@@ -166,6 +166,14 @@ def positions_and_slots(
     return positions, block_tables[owner, positions // block_size] * block_size + positions % block_size
 
 
+def slots_at(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """block_tables [B, M], positions [B, L] (row b's positions in sequence b) -> the pool slot of each, [B, L]
+    (``positions_and_slots``' formula for rows of positions, each read through its own table).
+
+    Example: tables [[4, 7]], block size 4, positions [[2, 5]] -> [[18, 29]]."""
+    return np.take_along_axis(block_tables, positions // block_size, axis=1) * block_size + positions % block_size
+
+
 class PackedCache:
     """The ``cache`` of one packed forward over the pool.
 
@@ -223,9 +231,9 @@ class PackedCache:
         key = (sequence, first)
         if key not in self._pasts:  # the same for every layer of the step
             self._check_held(sequence, first)
-            positions = np.arange(first, self._lens[sequence])
-            slots = self._tables[sequence, positions // self._block_size] * self._block_size
-            self._pasts[key] = torch.from_numpy(slots + positions % self._block_size).to(self._pool.device)
+            positions = np.arange(first, self._lens[sequence])[None, :]  # [1, L]
+            slots = slots_at(self._tables[sequence : sequence + 1], positions, self._block_size)[0]  # [L]
+            self._pasts[key] = torch.from_numpy(slots).to(self._pool.device)
         return self._pool.read(layer, self._pasts[key])
 
     def pasts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,8 +252,7 @@ class PackedCache:
         lengths = self._lens[chosen] - starts  # [B]
         # each row's positions, then its last one again
         positions = starts[:, None] + np.minimum(np.arange(lengths.max())[None, :], lengths[:, None] - 1)  # [B, L]
-        size = self._block_size
-        slots = np.take_along_axis(self._tables[chosen], positions // size, axis=1) * size + positions % size
+        slots = slots_at(self._tables[chosen], positions, self._block_size)  # [B, L]
         return torch.from_numpy(slots).to(self._pool.device), lengths.tolist()
 
     def block_tables(self, sequences: list[int]) -> torch.Tensor:

@@ -14,44 +14,66 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-constexpr int64_t NR = 32;  // output columns a tile: two vectors of 16
-constexpr int MR = 8;       // rows a register block: 16 accumulators
+// The register block fits the host's vector unit: the tile's 32 columns are VEC-wide vectors, and MR rows of
+// them stay in registers (MR x NR / VEC accumulators, a few registers left for the weights and a row's value).
+// AVX-512: 32 registers of 16 floats, 8 rows (16 accumulators). AVX/AVX2: 16 registers of 8, 3 rows (12): a
+// 64-byte vector there is two halves the compiler spills, measured 20-30x slower than this on an AVX2 host.
+// Otherwise (SSE): 16 registers of 4, one row (8). The bits do not depend on the block: each output is its own
+// dot product over K in order.
+#if defined(__AVX512F__)
+constexpr int VEC = 16;
+constexpr int MR = 8;
+#elif defined(__AVX__)
+constexpr int VEC = 8;
+constexpr int MR = 3;
+#else
+constexpr int VEC = 4;
+constexpr int MR = 1;
+#endif
+// Loads and stores through this type are plain unaligned vector moves (may_alias: it reads float arrays). Not
+// memcpy: a host tuned for 16-byte moves splits a 32-byte memcpy into two and reads it back through the stack,
+// stalling every product on store forwarding (measured 4x slower than oneDNN at one row on an AVX2 host).
+typedef float vec __attribute__((vector_size(VEC * sizeof(float)), aligned(4), may_alias));
+constexpr int64_t NR = 32;     // output columns a tile (grouped_experts.py's TILE)
+constexpr int CV = NR / VEC;  // vectors a tile's row
 
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
+
+inline void store(float* p, vec v) { *reinterpret_cast<vec*>(p) = v; }
 
 // M rows of x (row stride K) through one tile [K, NR]: y[m, n0 .. n0 + cols) (row stride N), cols <= NR.
 template <int M>
 inline void block(const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0, int64_t cols) {
-  v16 acc0[M], acc1[M];
-  for (int m = 0; m < M; ++m) {
-    acc0[m] = v16{};
-    acc1[m] = v16{};
-  }
+  vec acc[M][CV];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < CV; ++c) acc[m][c] = vec{};
   for (int64_t k = 0; k < K; ++k) {
-    const v16 w0 = load16(tile + k * NR), w1 = load16(tile + k * NR + 16);
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const float xv = x[m * K + k];
-      acc0[m] += xv * w0;
-      acc1[m] += xv * w1;
+    for (int c = 0; c < CV; ++c) {
+      const vec w = load(tile + k * NR + c * VEC);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[m][c] += x[m * K + k] * w;
     }
   }
   for (int m = 0; m < M; ++m) {
     float* dst = y + m * N + n0;
     if (cols == NR) {
-      std::memcpy(dst, &acc0[m], sizeof(v16));
-      std::memcpy(dst + 16, &acc1[m], sizeof(v16));
+      for (int c = 0; c < CV; ++c) store(dst + c * VEC, acc[m][c]);
     } else {  // the last tile of an N that is not a multiple of NR: its padding columns are not written
       float full[NR];
-      std::memcpy(full, &acc0[m], sizeof(v16));
-      std::memcpy(full + 16, &acc1[m], sizeof(v16));
+      for (int c = 0; c < CV; ++c) store(full + c * VEC, acc[m][c]);
       std::memcpy(dst, full, cols * sizeof(float));
     }
+  }
+}
+
+// The last rows - r < MR rows of a tile, M of them at most.
+template <int M>
+inline void tail(int64_t rest, const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0,
+                 int64_t cols) {
+  if constexpr (M > 0) {
+    if (rest == M) return block<M>(x, K, tile, y, N, n0, cols);
+    tail<M - 1>(rest, x, K, tile, y, N, n0, cols);
   }
 }
 
@@ -59,18 +81,7 @@ void rows_through_tile(const float* x, int64_t rows, int64_t K, const float* til
                        int64_t cols) {
   int64_t r = 0;
   for (; r + MR <= rows; r += MR) block<MR>(x + r * K, K, tile, y + r * N, N, n0, cols);
-  const float* xr = x + r * K;
-  float* yr = y + r * N;
-  switch (rows - r) {
-    case 7: block<7>(xr, K, tile, yr, N, n0, cols); break;
-    case 6: block<6>(xr, K, tile, yr, N, n0, cols); break;
-    case 5: block<5>(xr, K, tile, yr, N, n0, cols); break;
-    case 4: block<4>(xr, K, tile, yr, N, n0, cols); break;
-    case 3: block<3>(xr, K, tile, yr, N, n0, cols); break;
-    case 2: block<2>(xr, K, tile, yr, N, n0, cols); break;
-    case 1: block<1>(xr, K, tile, yr, N, n0, cols); break;
-    default: break;
-  }
+  tail<MR - 1>(rows - r, x + r * K, K, tile, y + r * N, N, n0, cols);
 }
 
 // The products of rows grouped by expert (x [S, K], starts [E + 1]) through packed [E, T, K, NR] into y [S, n].

@@ -22,6 +22,13 @@ rows an expert       grouped      oneDNN packed
 
 (a prompt chunk of the engine's 512 tokens gives each expert ~128 rows; past that oneDNN's cache blocking wins.)
 
+The register block follows the host's vector unit (``grouped_experts.cpp``: 8 rows of two 16-float vectors with
+AVX-512, 3 rows of four 8-float vectors with AVX2). On an AVX2 host (AMD EPYC, znver3; ``gmb.py`` in the session
+notes), the same experts, two threads, against ``F.linear`` an expert at a time: 22.5 / 29.4 / 57.9 / 99.9 ms at
+1 / 4 / 16 / 32 rows an expert against 47.9 / 90.1 / 105.4 / 132.5 (2 rows a block: 30.6 / 32.2 / 65.7 / 107.8;
+4 rows, which spill: 37.8 / 50.2 / 105.0 / 192.5). Its loads are plain vector moves, not ``memcpy``: that host's
+tuning split each into two 16-byte moves through the stack, 20-30x slower.
+
 Each output is a plain float32 dot product over its inputs in order, so its last bits are this kernel's (as they
 are oneDNN's on the packed path); ``agrees`` checks a module against its own forward before a group uses it, and
 ``expertmesh verify`` and the engine's tests check the tokens stay stock's. The gate between the two products is

@@ -1,8 +1,8 @@
 """The grouped experts kernel (``models.grouped_experts`` and its C++ source): every row of a call through its own
 expert in one call per stacked weight, what the per-expert products give to float32 rounding, whatever the rows
-per expert (none, one, more than a register block), the output width (a partial last tile) or the stack's
-orientation; bad shapes refused with a message; the packed copy follows in-place writes; a group uses it where
-it builds and keeps the per-expert products where it does not.
+per expert (none, one, more than a register block, every remainder of one), the output width (a partial last
+tile) or the stack's orientation; bad shapes refused with a message; the packed copy follows in-place writes; a
+group uses it where it builds and keeps the per-expert products where it does not.
 
 The real kernel, compiled on this machine by torch's extension loader (as ``expertmesh up`` builds it), and real
 transformers checkpoints (tiny, random weights); nothing is faked but a failed build (a missing compiler)."""
@@ -30,11 +30,13 @@ def _grouped_linear(x: torch.Tensor, starts: list[int], rows: GroupedRows) -> to
 @pytest.mark.parametrize("outputs", [64, 48, 7], ids=["whole-tiles", "partial-tile", "one-partial-tile"])
 def test_each_experts_rows_get_that_experts_product(transposed, outputs):
     g = torch.Generator().manual_seed(outputs)
-    experts, inputs = 4, 40
+    experts, inputs = 8, 40
     stacked = torch.randn(experts, outputs, inputs, generator=g)  # [E, N, K]
     stored = stacked.transpose(1, 2).contiguous() if transposed else stacked  # [E, K, N] as a module stores it
     rows = GroupedRows(stored, transposed)
-    counts = [3, 0, 1, 17]  # an expert with no rows, one with one, one past a register block of 8
+    # an expert with no rows, one with one, one past two register blocks; with the rest every remainder of the
+    # kernel's block on any host (3 rows with AVX2, 8 with AVX-512)
+    counts = [3, 0, 1, 17, 2, 5, 6, 7]
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from expertmesh.models import linear_kernels
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.grouped_experts import GroupedRows
 from expertmesh.models.hosted_experts import HostedExperts
@@ -32,9 +33,29 @@ pytestmark = pytest.mark.skipif(
 
 def test_the_packed_kernel_is_chosen_for_cpu_float_weights_only():
     assert choose_linear_kernel(torch.device("cpu"), torch.float32) == "onednn-packed"
-    assert choose_linear_kernel(torch.device("cpu"), torch.bfloat16) == "onednn-packed"
     assert choose_linear_kernel(torch.device("cpu"), torch.float16) == "blas"
     assert choose_linear_kernel(torch.device("cuda", 0), torch.float32) == "blas"
+
+
+@pytest.mark.parametrize("supported", [True, False], ids=["bf16-cpu", "avx2-only-cpu"])
+def test_bfloat16_is_packed_only_where_the_cpu_runs_onednns_bfloat16_path(supported, monkeypatch):
+    """On a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT oneDNN refuses to pack a bfloat16 weight: such weights
+    stay on torch's own product. The CPU's answer is faked both ways (the one device query)."""
+    monkeypatch.setattr(linear_kernels, "_cpu_runs_onednn_bf16", lambda: supported)
+    assert choose_linear_kernel(torch.device("cpu"), torch.bfloat16) == ("onednn-packed" if supported else "blas")
+    assert choose_linear_kernel(torch.device("cpu"), torch.float32) == "onednn-packed"
+
+
+def test_a_bfloat16_model_packs_with_the_kernel_chosen_for_this_cpu():
+    """What failed on an AVX2-only host before the check: the kernel chosen for bfloat16 weights here (nothing
+    faked) packs them and computes what the module did."""
+    chosen = choose_linear_kernel(torch.device("cpu"), torch.bfloat16)
+    model = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    expected = model(x)
+    pack_linears(model, chosen)
+    assert isinstance(model[0], PackedLinear) == (chosen == "onednn-packed")
+    torch.testing.assert_close(model(x), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 8, 100])

@@ -78,9 +78,18 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def _cpu_runs_onednn_bf16() -> bool:
+    """Whether this CPU has what oneDNN's bfloat16 products need (AVX-512 BW/VL/DQ, or AVX-NE-CONVERT): without
+    them its reorder refuses a bfloat16 weight ("bf16 path needs the cpu support ..."), as on an AVX2-only host."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def choose_linear_kernel(device: torch.device, dtype: torch.dtype) -> LinearKernel:
-    """``onednn-packed`` for CPU weights of float32 or bfloat16 where torch has oneDNN; else ``blas``."""
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _onednn_available():
+    """``onednn-packed`` for CPU weights of float32, or bfloat16 where the CPU runs oneDNN's bfloat16 path, where
+    torch has oneDNN; else ``blas``."""
+    if device.type != "cpu" or not _onednn_available():
+        return "blas"
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and _cpu_runs_onednn_bf16()):
         return "onednn-packed"
     return "blas"
 

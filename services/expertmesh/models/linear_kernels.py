@@ -20,7 +20,8 @@ the same, 512 rows, 1 thread                   124 ms          106 ms
 Kernels (``LINEAR_KERNELS``, keyed by ``LinearKernel``):
 - ``blas``: ``nn.functional.linear`` as torch computes it: every device and dtype.
 - ``onednn-packed``: the weight reordered by ``torch.ops.mkldnn._reorder_linear_weight`` and multiplied by
-  ``torch.ops.mkldnn._linear_pointwise``: CPU tensors of float32 or bfloat16 where torch is built with oneDNN.
+  ``torch.ops.mkldnn._linear_pointwise``: CPU tensors of float32, or of bfloat16 where the CPU runs oneDNN's
+  bfloat16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), where torch is built with oneDNN.
 The products' last bits may differ from ``blas``'s, as they already do with the number of rows in a call;
 ``expertmesh verify`` and the engine's tests check the tokens stay stock's.
 

@@ -32,7 +32,8 @@ constexpr int MR = 1;
 #endif
 // Loads and stores through this type are plain unaligned vector moves (may_alias: it reads float arrays). Not
 // memcpy: a host tuned for 16-byte moves splits a 32-byte memcpy into two and reads it back through the stack,
-// stalling every product on store forwarding (measured 4x slower than oneDNN at one row on an AVX2 host).
+// stalling every product on store forwarding (one row of a [3584, 512] expert on an AVX2 host: 2.1 ms so,
+// 0.15 ms with these moves, torch's own product 0.55).
 typedef float vec __attribute__((vector_size(VEC * sizeof(float)), aligned(4), may_alias));
 constexpr int64_t NR = 32;     // output columns a tile (grouped_experts.py's TILE)
 constexpr int CV = NR / VEC;  // vectors a tile's row

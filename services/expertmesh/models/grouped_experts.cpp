@@ -17,7 +17,7 @@ namespace {
 // The register block fits the host's vector unit: the tile's 32 columns are VEC-wide vectors, and MR rows of
 // them stay in registers (MR x NR / VEC accumulators, a few registers left for the weights and a row's value).
 // AVX-512: 32 registers of 16 floats, 8 rows (16 accumulators). AVX/AVX2: 16 registers of 8, 3 rows (12): a
-// 64-byte vector there is two halves the compiler spills, measured 20-30x slower than this on an AVX2 host.
+// 64-byte vector there is two halves the compiler spills, with memcpy loads 3-30x slower than this on an AVX2 host.
 // Otherwise (SSE): 16 registers of 4, one row (8). The bits do not depend on the block: each output is its own
 // dot product over K in order.
 #if defined(__AVX512F__)

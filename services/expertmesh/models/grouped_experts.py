@@ -27,7 +27,7 @@ AVX-512, 3 rows of four 8-float vectors with AVX2). On an AVX2 host (AMD EPYC, z
 notes), the same experts, two threads, against ``F.linear`` an expert at a time: 22.5 / 29.4 / 57.9 / 99.9 ms at
 1 / 4 / 16 / 32 rows an expert against 47.9 / 90.1 / 105.4 / 132.5 (2 rows a block: 30.6 / 32.2 / 65.7 / 107.8;
 4 rows, which spill: 37.8 / 50.2 / 105.0 / 192.5). Its loads are plain vector moves, not ``memcpy``: that host's
-tuning split each into two 16-byte moves through the stack, 20-30x slower.
+tuning split each into two 16-byte moves through the stack: with the spills, 3-30x slower (1 to 32 rows).
 
 Each output is a plain float32 dot product over its inputs in order, so its last bits are this kernel's (as they
 are oneDNN's on the packed path); ``agrees`` checks a module against its own forward before a group uses it, and

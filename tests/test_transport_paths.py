@@ -29,6 +29,7 @@ from expertmesh.router.transport.auto import AutoTransport
 from expertmesh.router.transport.base import TRANSPORTS, GroupRequest, TransportError
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
+from helpers import wait_for
 from test_security import pki  # noqa: F401  (that module's certificate fixture, reused)
 
 LAYER = 1
@@ -138,10 +139,7 @@ def test_prepare_sets_up_the_first_calls_path_ahead_of_it_and_never_raises(tiny_
                 transport.prepare("g0", 10.0)
                 assert transport.kind("g0") == kind
                 # the server counts a stream once its handler has run, a moment after the client opened it
-                deadline = time.monotonic() + 10
-                while kind not in _use(address) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                connections, calls = _use(address)[kind]
+                connections, calls = wait_for(lambda: _use(address).get(kind), f"the group to count its {kind}", 10)
                 assert connections >= 1 and calls == 0
                 _call(transport, _request(checkpoint, 3, 0))
                 assert _use(address)[kind] == (connections, 1)  # the prepared connection carried it

@@ -1,11 +1,24 @@
-"""``out[index[i]] += rows[i]`` for every i, in order: a few rows at the cost of a few rows.
+"""``out[index[i]] += rows[i]`` for every i, in order: the same bits every call, a few rows at the cost of a few
+rows, many at the cost of many.
 
-``Tensor.index_add_`` runs its CPU kernel as a parallel region whatever the size; with the idle OpenMP threads
-asleep (``OMP_WAIT_POLICY=PASSIVE``, as the CLI sets it so they leave the cores to the expert groups in other
-processes: ``infra.openmp_wait``) each call
-pays for waking them: 170-300 us for a decode step's 16 rows of 512 on this project's 2-vCPU host, against 5.6 us
-for ``index_put_`` with ``accumulate=True``, which adds serially in index order, as ``index_add_`` does, so the
-sums are the same to the bit (repeated indices included). A serving step makes dozens of these calls.
+Two ATen ops add rows by index; which one is right on the CPU depends on the size (on a GPU, ``index_put_``:
+it accumulates through a stable sort of the indices there, where ``index_add_`` adds atomically):
+
+- ``index_put_`` with ``accumulate=True`` adds serially in index order below torch's grain (32768 elements,
+  TensorIterator's ``GRAIN_SIZE``) and runs no parallel region. From the grain on, with more than one intra-op
+  thread, it adds in parallel with atomic adds, in whatever order the threads reach an element: not the loop's
+  bits, and not the same bits twice (50 calls on 128 rows of 512 repeating 8 indices, two threads: 50 different
+  results), and ~10x slower an element (64 rows of 512, a 32-sequence decode step's pairs: 89 us against 8.5 for
+  32 rows; 1024 rows of 512, a 512-token prompt chunk's: 1.4 ms).
+- ``Tensor.index_add_`` adds row by row in index order, each row one vectorized add: the loop's bits on any
+  number of threads; 7.6 us for 64 rows of 512, 28 us for 1024. But each add is its own parallel region, and
+  with the idle OpenMP threads asleep (``OMP_WAIT_POLICY=PASSIVE``, as the CLI sets it where the expert groups run
+  in other processes: ``infra.openmp_wait``) waking them costs ~50 us a call: 52.7 us for 16 rows of 512 against
+  index_put_'s 10.1.
+
+So on the CPU below the grain ``index_put_``, from it ``index_add_`` (measured on this project's 2-core host, two
+threads); ``tests/test_row_sums.py`` checks the loop's bits on both sides, repeated indices included, call after
+call. A serving step makes dozens of these calls.
 
 Shapes: out [T, ...], index [S] int64 on out's device, rows [S, ...].
 """
@@ -16,7 +29,15 @@ import torch
 
 __all__ = ["add_rows"]
 
+#: elements of ``rows`` from which ``index_put_`` accumulates in parallel (TensorIterator's GRAIN_SIZE) and
+#: ``index_add_`` takes over
+SERIAL_LIMIT = 32768
+
 
 def add_rows(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """out[index[i]] += rows[i] for every i, in order (``out.index_add_(0, index, rows)``); returns ``out``."""
-    return out.index_put_((index,), rows.to(out.dtype), accumulate=True)
+    rows = rows.to(out.dtype)
+    # (on CUDA index_put_ accumulates through a stable sort of the indices, index_add_ with atomic adds)
+    if out.device.type != "cpu" or rows.numel() < SERIAL_LIMIT:
+        return out.index_put_((index,), rows, accumulate=True)
+    return out.index_add_(0, index, rows)

@@ -1,8 +1,10 @@
-"""The router's intra-op threads beside expert groups on the same host (``infra.cpu_threads``): pure functions."""
+"""The router's intra-op threads beside expert groups on the same host (``infra.cpu_threads``): pure functions, and
+the narrowing of a small step (real torch thread settings, restored after)."""
 
 import pytest
+import torch
 
-from expertmesh.infra.cpu_threads import group_threads, router_threads
+from expertmesh.infra.cpu_threads import group_threads, one_thread_while, router_threads
 
 
 @pytest.mark.parametrize("num_cpus, threads", [(0.25, 1), (1, 1), (1.5, 1), (2, 2), (8.0, 8)])
@@ -21,3 +23,18 @@ def test_a_group_computes_with_its_whole_cpus_and_at_least_one_thread(num_cpus, 
 )
 def test_the_router_computes_on_every_core_unless_set(setting, cpus, threads):
     assert router_threads(setting, cpus) == threads
+
+
+@pytest.mark.parametrize("serial, inside", [(True, 1), (False, 2)])
+def test_one_thread_while_narrows_only_when_asked_and_restores(serial, inside):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread_while(serial):
+            assert torch.get_num_threads() == inside
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), one_thread_while(serial):
+            raise RuntimeError("a failed step")
+        assert torch.get_num_threads() == 2, "restored after an error too"
+    finally:
+        torch.set_num_threads(threads)

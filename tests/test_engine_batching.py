@@ -39,6 +39,17 @@ def _recording_experts(module, hidden, top_k_index, top_k_weights):  # hidden [T
 
 ExpertsInterface.register(RECORDING, _recording_experts)
 
+THREADS = "expertmesh_test_threads"
+THREADS_SEEN: list[tuple[int, int]] = []  # (tokens, the calling thread's intra-op threads) of every experts call
+
+
+def _threads_experts(module, hidden, top_k_index, top_k_weights):
+    THREADS_SEEN.append((hidden.shape[0], torch.get_num_threads()))
+    return ALL_EXPERTS_FUNCTIONS["batched_mm"](module, hidden, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register(THREADS, _threads_experts)
+
 
 @pytest.fixture(scope="module")
 def models(tiny_checkpoints):
@@ -92,6 +103,27 @@ def test_packed_steps_match_stock_greedy_alone(models, arch):
     assert {thread for thread, _ in CALLS} == {engine._thread.ident}, "all on the engine's thread"
     assert max(tokens for _, tokens in CALLS) == 8, "prompt chunks fill the step's budget"
     assert engine.steps < sum(n for _, n in REQUESTS) / 2
+
+
+def test_small_steps_run_on_one_intra_op_thread_and_the_rest_on_all(models):
+    """A step of at most ``serial_step_tokens`` tokens runs on one of the engine thread's intra-op threads, a larger
+    one on all of them (``infra.cpu_threads.one_thread_while``); the tokens stay stock's."""
+    model = models("mixtral", THREADS)
+    prompt = tuple(range(3, 9))  # 6 tokens: a prompt step of 6, then decode steps of 1
+    expected = stock_greedy(model, prompt, 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the engine's thread starts from the process's setting
+    THREADS_SEEN.clear()
+    engine = Engine(model, None, StepDispatcher(), EngineLimits(4, 4, serial_step_tokens=2), max_context=64)
+    try:
+        events = _serve(engine, [GenerationRequest("a", prompt, max_new_tokens=4, stop_at_eos=False)])
+    finally:
+        engine.stop()
+        torch.set_num_threads(threads)
+    assert _tokens(events["a"]) == expected
+    by_size = {(tokens, n) for tokens, n in THREADS_SEEN}  # the warm-up's steps (a chunk, a decode step) too
+    assert {(6, 2), (1, 1)} <= by_size, by_size
+    assert all(n == (1 if tokens <= 2 else 2) for tokens, n in by_size), by_size
 
 
 def test_a_long_prompt_alone_is_read_in_chunks(models):

@@ -396,6 +396,36 @@ def test_calls_in_place_side_by_side_give_the_same_partial_sums_and_refusals(ser
         torch.set_num_threads(threads_before)
 
 
+def test_lanes_take_the_routers_threads_even_from_a_narrowed_first_call(served, monkeypatch):
+    """With ``threads`` given (the router's, ``platform.data_plane``), the lanes are made from them even when the
+    first call comes from a thread narrowed to one (a small engine step: ``infra.cpu_threads.one_thread_while``),
+    which alone would give no lane at all."""
+    checkpoint, address, server = served
+    _, lookup = _in_this_process(server)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    in_place = build("auto", lookup, side_by_side=2, threads=2)
+    computed_on: list[str] = []
+    compute = server.servicer.compute
+
+    def watched(*args, **kwargs):
+        computed_on.append(threading.current_thread().name)
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(server.servicer, "compute", watched)
+    in_place.update({"g0": address})
+    try:
+        for seed in range(3):
+            requests = [_request(checkpoint, 300, seed), _request(checkpoint, 7, seed + 10)]
+            for p in [in_place.send("g0", r, 30) for r in requests]:
+                assert not p.result().problem
+        assert any(name.startswith("expertmesh-lane") for name in computed_on), computed_on
+        assert torch.get_num_threads() == 1  # this thread's setting as it was
+    finally:
+        in_place.close()
+        torch.set_num_threads(threads_before)
+
+
 def test_only_auto_calls_in_place_and_only_the_server_that_drew_the_token(served):
     """The ``grpc`` transport (no shared memory) keeps to its stream; a token no group of this process drew
     (another process's group on this host) gets the same-host paths, never a call in place."""

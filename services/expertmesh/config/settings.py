@@ -245,6 +245,15 @@ class ServingConfig(BaseSettings):
         "larger prefills faster, smaller keeps streams flowing while a long prompt comes in",
     )
     prefix_caching: bool = Field(True, description="share the KV blocks of equal prompt prefixes between requests")
+    serial_step_tokens: int = Field(
+        16,
+        ge=0,
+        le=MAX_STEP_TOKENS,
+        description="an engine step of at most this many tokens (a decode step of that many sequences) runs the "
+        "router's own work on one torch intra-op thread (local groups' lanes keep theirs): a parallel region per "
+        "small op costs more than it saves there, and the idle thread it wakes takes a core from the groups; "
+        "0: every step on all of the router's threads",
+    )
     default_max_new_tokens: int = Field(64, ge=1, description="when a request does not say")
     max_new_tokens_cap: int = Field(1024, ge=1, description="requests asking for more are refused")
     max_routing_trace_entries: int = Field(
@@ -731,6 +740,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_flag(parser, ServingConfig, "kv_cache_bytes")
     add_setting_flag(parser, ServingConfig, "kv_block_size")
     add_setting_flag(parser, ServingConfig, "max_step_tokens")
+    add_setting_flag(parser, ServingConfig, "serial_step_tokens")
     add_setting_flag(parser, ServingConfig, "prefix_caching")
     add_setting_flag(parser, ServingConfig, "default_max_new_tokens")
     add_setting_flag(parser, ServingConfig, "max_new_tokens_cap")

@@ -85,6 +85,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
             kv_cache_bytes=config.kv_cache_bytes or None,
             kv_block_size=config.kv_block_size,
             prefix_caching=config.prefix_caching,
+            serial_step_tokens=config.serial_step_tokens,
         ),
         max_context=info.max_context,
         model_fingerprint=plane.checkpoint.spec.fingerprint,

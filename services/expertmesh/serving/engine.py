@@ -61,6 +61,8 @@ class EngineLimits:
     kv_block_size: int = 16
     #: share the KV blocks of equal prompt prefixes between requests
     prefix_caching: bool = True
+    #: a step of at most this many tokens runs on one intra-op thread of the engine's (``model_runner``); 0: none
+    serial_step_tokens: int = 16
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Engine:
             mask_spec,
             self.batching,
             max_step_tokens=limits.max_step_tokens,
+            serial_step_tokens=limits.serial_step_tokens,
             keep_choices=load_window is not None,
         )
         eos = model.generation_config.eos_token_id

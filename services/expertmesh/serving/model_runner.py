@@ -30,6 +30,7 @@ from opentelemetry import trace
 from transformers import DynamicCache
 
 from expertmesh.contracts.errors import ExpertMeshError, GroupUnavailable
+from expertmesh.infra.cpu_threads import one_thread_while
 from expertmesh.infra.finite import finite_rows
 from expertmesh.infra.telemetry.setup import tracer
 from expertmesh.router.dispatch.step_choices import StepChoices
@@ -112,11 +113,14 @@ class ModelRunner:
         batching: Batching,
         max_step_tokens: int = 512,
         keep_choices: bool = False,
+        serial_step_tokens: int = 0,
     ):
         """``batching``: packed (``kv`` is then a ``PagedKVCacheManager``) or the per-sequence fallback.
         ``max_step_tokens``: the scheduler's step budget (the input buckets'). ``keep_choices``: every step collects
-        its expert choices (a load window keeps them)."""
+        its expert choices (a load window keeps them). ``serial_step_tokens``: a step of at most this many tokens
+        runs on one intra-op thread of the calling thread's (``infra.cpu_threads.one_thread_while``); 0: none."""
         self.model = model
+        self._serial_step_tokens = serial_step_tokens
         self._dispatcher = dispatcher
         self._kv = kv
         self._keep_choices = keep_choices
@@ -163,9 +167,10 @@ class ModelRunner:
             unreadable = GroupUnavailable(f"cannot read the routing table: {err}")
             return ModelRunnerOutput.failed(len(chunks), unreadable, reached_model=False)
         self.steps += 1  # before any of its tokens go out: whoever saw them sees the step counted
-        if self.batching.packed:
-            return self._packed(chunks)
-        return self._alone(chunks)
+        with one_thread_while(plan.num_tokens <= self._serial_step_tokens):
+            if self.batching.packed:
+                return self._packed(chunks)
+            return self._alone(chunks)
 
     # -- the warm-up ------------------------------------------------------------------------------
 

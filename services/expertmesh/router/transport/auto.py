@@ -204,15 +204,18 @@ class AutoTransport:
         clients: GroupClients | None = None,
         in_process: Lookup | None = None,
         side_by_side: int = 1,
+        threads: int | None = None,
     ):
         """``in_process``: the groups this process runs, by their servers' shared-memory token (``auto`` calls
         those in place: ``in_process``); None: none here. ``side_by_side``: how many of a layer's calls to them
         may compute at once (``infra.compute_lanes``; their number, at most the intra-op threads; 1: each on the
-        sending thread in turn)."""
+        sending thread in turn). ``threads``: the intra-op threads they share out (the router's); None: the
+        sending thread's at the first call (which a small engine step runs on one: ``infra.cpu_threads``)."""
         self.name = "auto" if shared_memory else "grpc"
         self._shared_memory = shared_memory
         self._in_process = in_process if shared_memory else None
         self._side_by_side = side_by_side
+        self._threads = threads
         self._lanes: ComputeLanes | None = None
         self._clients = clients or GroupClients()
         self._unary = GrpcTransport(self._clients)
@@ -326,14 +329,14 @@ class AutoTransport:
         return paths
 
     def _in_process_lanes(self) -> ComputeLanes | None:
-        """The lanes the calls to groups in this process share, made at the first call that asks: from the
-        sending thread's intra-op threads (the router's engine thread; a route can be made earlier, on the table
-        watcher's thread, before ``up`` sets the router's threads)."""
+        """The lanes the calls to groups in this process share, made at the first call that asks: from
+        ``threads``, else the sending thread's intra-op threads (the router's engine thread; a route can be made
+        earlier, on the table watcher's thread, before ``up`` sets the router's threads)."""
         if self._lanes is not None or self._side_by_side <= 1:  # every call but the first
             return self._lanes
         with self._lock:
             if self._lanes is None and self._side_by_side > 1:
-                lanes, each = split_threads(torch.get_num_threads(), self._side_by_side)
+                lanes, each = split_threads(self._threads or torch.get_num_threads(), self._side_by_side)
                 if lanes:
                     self._lanes = ComputeLanes(lanes, each)
                 else:  # one intra-op thread: nothing to share out

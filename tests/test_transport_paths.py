@@ -349,6 +349,19 @@ def test_a_group_in_this_process_is_called_in_place_with_the_unary_paths_partial
         in_place.close()
 
 
+def _computing_threads(server, monkeypatch) -> list[str]:
+    """The names of the threads the group's ``compute`` runs on from now, in order (filled as calls come)."""
+    computed_on: list[str] = []
+    compute = server.servicer.compute
+
+    def watched(*args, **kwargs):
+        computed_on.append(threading.current_thread().name)
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(server.servicer, "compute", watched)
+    return computed_on
+
+
 def test_calls_in_place_side_by_side_give_the_same_partial_sums_and_refusals(served, monkeypatch):
     """``side_by_side=2`` (``router.in_process_side_by_side``, two groups here): of two calls sent before either
     is read, a lane computes one and the reading thread the other; every partial sum is unary Dispatch's bit for
@@ -358,14 +371,7 @@ def test_calls_in_place_side_by_side_give_the_same_partial_sums_and_refusals(ser
     threads_before = torch.get_num_threads()
     torch.set_num_threads(2)  # one lane at one intra-op thread, the reading thread narrowed to one beside it
     unary, in_place = build("grpc-unary"), build("auto", lookup, side_by_side=2)
-    computed_on: list[str] = []
-    compute = server.servicer.compute
-
-    def watched(*args, **kwargs):
-        computed_on.append(threading.current_thread().name)
-        return compute(*args, **kwargs)
-
-    monkeypatch.setattr(server.servicer, "compute", watched)
+    computed_on = _computing_threads(server, monkeypatch)
     for transport in (unary, in_place):
         transport.update({"g0": address})
     try:
@@ -405,14 +411,7 @@ def test_lanes_take_the_routers_threads_even_from_a_narrowed_first_call(served, 
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     in_place = build("auto", lookup, side_by_side=2, threads=2)
-    computed_on: list[str] = []
-    compute = server.servicer.compute
-
-    def watched(*args, **kwargs):
-        computed_on.append(threading.current_thread().name)
-        return compute(*args, **kwargs)
-
-    monkeypatch.setattr(server.servicer, "compute", watched)
+    computed_on = _computing_threads(server, monkeypatch)
     in_place.update({"g0": address})
     try:
         for seed in range(3):

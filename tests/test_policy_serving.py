@@ -57,15 +57,18 @@ def _tokens(client, prompt, **kwargs):
     return [t for c in chunks for t in c.token_ids]
 
 
-def _refused_once_read(client, policy, detail: str, never: str) -> None:
+def _refused_once_read(client, policy, detail: str, never: str, timeout_s: float = 60.0) -> None:
     """``policy`` is refused (INVALID_ARGUMENT naming ``detail``) once the router has read a quality record just
-    saved: routers re-read records every few seconds, so it is asked again until then (``never`` if it never is)."""
-    for _ in range(200):
+    saved: routers re-read records every few seconds, so it is asked again until then, for ``timeout_s`` at most
+    however fast a request is answered (``never`` if it never is)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
             _tokens(client, "Hello", routing_policy=policy)
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in err.details()
             return
+        time.sleep(0.05)
     pytest.fail(never)
 
 

@@ -249,8 +249,12 @@ def test_invalid_utf8_is_invalid_argument(server):
 
 def test_deadline_is_honoured(server, client):
     stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
-    with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(generate_request([1, 2], max_new_tokens=64, stop_at_eos=False), timeout=0.3))
+    request = generate_request([1, 2], max_new_tokens=64, stop_at_eos=False)
+    started = time.monotonic()
+    list(stub.Generate(request))  # the whole request, as long as it takes on this host
+    whole = time.monotonic() - started
+    with pytest.raises(grpc.RpcError) as err:  # a deadline of a quarter of that: it cannot be met
+        list(stub.Generate(request, timeout=whole / 4))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_idle(server)
     assert client.generate_text([1, 2], max_new_tokens=3) is not None

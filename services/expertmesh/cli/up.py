@@ -230,17 +230,14 @@ def _local_plane(config, groups_as: str):
 
 def _set_router_threads(config) -> None:
     """The router's torch intra-op threads (``router_threads``; auto: every CPU of the host, see ``cpu_threads``)."""
-    import os
-
     import torch
 
     from expertmesh.infra.console import progress
-    from expertmesh.infra.cpu_threads import router_threads
+    from expertmesh.infra.cpu_threads import router_threads_here
 
-    cpus = len(os.sched_getaffinity(0))
-    threads = router_threads(config.router_threads, cpus)
+    threads = router_threads_here(config.router_threads)
     torch.set_num_threads(threads)
-    how = "set" if config.router_threads else f"auto: the host's {cpus} CPUs"
+    how = "set" if config.router_threads else f"auto: the host's {threads} CPUs"  # auto: as many as the CPUs
     progress(f"router: {threads} torch intra-op threads ({how})")
 
 

@@ -24,6 +24,7 @@ a decode step's median over ~250 steps, the router's threads at one for every st
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -42,15 +43,18 @@ def router_threads(setting: int, cpus: int) -> int:
     return max(1, cpus)
 
 
+def router_threads_here(setting: int) -> int:
+    """``router_threads`` on this host: ``setting`` if set, else every CPU this process may run on (its
+    affinity). What ``up`` sets the router's torch threads to and what the data plane's lanes share out."""
+    return router_threads(setting, len(os.sched_getaffinity(0)))
+
+
 @contextmanager
 def one_thread_while(serial: bool) -> Iterator[None]:
     """Within, the calling thread's torch ops run on one intra-op thread when ``serial`` (else as they were); its
     count is restored after."""
-    if not serial:
-        yield
-        return
     threads = torch.get_num_threads()
-    if threads == 1:
+    if not serial or threads == 1:
         yield
         return
     torch.set_num_threads(1)

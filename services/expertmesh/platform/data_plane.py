@@ -13,7 +13,6 @@ and the routing table and endpoints come from the shared state store.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from expertmesh.contracts.load_window import LoadWindow
 from expertmesh.contracts.routing_table import ModelIdentity, RoutingTable
 from expertmesh.infra import security, telemetry
 from expertmesh.infra.console import progress
-from expertmesh.infra.cpu_threads import router_threads
+from expertmesh.infra.cpu_threads import router_threads_here
 from expertmesh.infra.devices import router_device
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.store import StateStore, open_store
@@ -99,7 +98,7 @@ def _router(
             config.transport,
             in_process,
             side_by_side=config.groups if in_process is not None and config.in_process_side_by_side else 1,
-            threads=router_threads(config.router_threads, len(os.sched_getaffinity(0))),
+            threads=router_threads_here(config.router_threads),
         ),
         checkpoint=checkpoint,
         dtype=getattr(torch, config.dtype),

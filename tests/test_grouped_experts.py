@@ -9,9 +9,13 @@ transformers checkpoints (tiny, random weights); nothing is faked but a failed b
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from expertmesh.contracts.errors import NotHosted
+from expertmesh.infra import row_sums
 from expertmesh.models import grouped_experts
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.expert_rows import rows_forward
@@ -143,3 +147,51 @@ def test_a_silu_gated_mlp_is_one_call_with_the_same_bits_and_any_other_gate_stay
         assert torch.equal(one, steps), local
     held.module.act_fn = torch.nn.GELU()  # another gate: the check sees it
     assert not grouped_experts.fuses(held.module, spec.hidden_size, held.packs)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_a_whole_call_in_one_op_gives_the_step_paths_sums_statistics_and_refusals(tiny_checkpoints, arch):
+    """``grouped_call`` (the pairs, the plan, the kernel and the per-token sums in one op, what a group whose module
+    fuses runs) gives the Python paths' partial sums and expert statistics to the bit, at decode and prefill sizes
+    (plain-Python and tensor paths; sums below and past ``row_sums.SERIAL_LIMIT``), with empty slots, a token no
+    held expert serves, one more slot than top-k and no pair at all; and refuses the same ids with the same message."""
+    checkpoint = Checkpoint(tiny_checkpoints(arch))
+    spec = checkpoint.spec
+    layer = spec.moe_layers[0]
+    held_ids = [e for e in range(spec.num_experts) if e % 3 != 1]  # a group of some experts, not all
+
+    def group(fused: bool) -> HostedExperts:
+        hosted = HostedExperts(checkpoint)
+        hosted.load([(layer, e) for e in held_ids])
+        if not fused:
+            hosted._layers = {layer: dataclasses.replace(hosted._layers[layer], silu_glu=False)}
+        return hosted
+
+    one, steps = group(True), group(False)
+    assert one._layers[layer].silu_glu
+    g = torch.Generator().manual_seed(3)
+    held = torch.tensor(held_ids, dtype=torch.int32)
+    rows_past_serial = row_sums.SERIAL_LIMIT // spec.hidden_size + 7
+    for tokens, slots in ((1, 2), (3, 2), (9, 3), (40, 2), (rows_past_serial, 2), (5, 1)):
+        hidden = torch.randn(tokens, spec.hidden_size, generator=g)
+        ids = torch.randint(0, spec.num_experts, (tokens, slots), generator=g, dtype=torch.int32)
+        ids = torch.where(torch.isin(ids, held), ids, -1)  # another group's slots: empty here
+        ids[0] = -1  # a token none of this group's experts serves
+        weights = torch.rand(tokens, slots, generator=g)
+        got, expected = one.compute(layer, hidden, ids, weights), steps.compute(layer, hidden, ids, weights)
+        assert torch.equal(got, expected), (tokens, slots)
+    nothing = torch.full((2, 2), -1, dtype=torch.int32)
+    assert torch.equal(
+        one.compute(layer, torch.randn(2, spec.hidden_size), nothing, torch.rand(2, 2)),
+        torch.zeros(2, spec.hidden_size),
+    )
+    stats = lambda hosted: {e: vars(s) for e, s in hosted._layers[layer].stats.items()}  # noqa: E731
+    assert stats(one) == stats(steps) and stats(one)[held_ids[0]]["rows"] > 0
+    for bad in ([[1, held_ids[0]]], [[spec.num_experts + 2, held_ids[0]]]):
+        ids = torch.tensor(bad, dtype=torch.int32)
+        refusals = []
+        for hosted in (one, steps):
+            with pytest.raises(NotHosted) as refused:
+                hosted.compute(layer, torch.randn(1, spec.hidden_size), ids, torch.rand(1, 2))
+            refusals.append(str(refused.value))
+        assert refusals[0] == refusals[1] and str(bad[0][0]) in refusals[0]

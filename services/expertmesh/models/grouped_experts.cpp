@@ -9,7 +9,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -146,6 +148,76 @@ at::Tensor grouped_silu_glu(const at::Tensor& hidden, const c10::optional<at::Te
   return at::empty_like(out).index_copy_(0, *order, out);
 }
 
+// A group's whole call (grouped_experts.py's grouped_call): the (token, slot) pairs of expert_ids [T, K] (global
+// ids, -1 an empty slot) that this group holds (local_of [G]: global id -> local expert, -1 not held), in row
+// order; their rows through grouped_silu_glu, weighted; and their sum per token, added in pair order (as
+// row_sums.add_rows adds: the same bits). Returns (partial [T, H], rows [S, H] and local [S] int64 and row_weights
+// [S] in pair order, missing [M] int64): a call naming ids the group does not hold (or past G) computes nothing
+// and returns them, sorted, for the caller's NotHosted.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_silu_glu_call(
+    const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& weights, const at::Tensor& local_of,
+    const at::Tensor& gate_up, int64_t n_gate_up, const at::Tensor& down, int64_t n_down) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "grouped_silu_glu_call: hidden [T, H] float32");
+  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == hidden.size(0), "grouped_silu_glu_call: ids [T, K]");
+  TORCH_CHECK(weights.sizes() == expert_ids.sizes() && weights.scalar_type() == at::kFloat,
+              "grouped_silu_glu_call: weights [T, K] float32");
+  TORCH_CHECK(local_of.dim() == 1 && local_of.scalar_type() == at::kLong, "grouped_silu_glu_call: local_of [G] int64");
+  const at::Tensor ids = expert_ids.to(at::kLong).contiguous();
+  const at::Tensor w = weights.contiguous();
+  const at::Tensor map = local_of.contiguous();
+  const int64_t T = ids.size(0), K = ids.size(1), G = map.size(0), E = down.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* wp = w.data_ptr<float>();
+  const int64_t* lp = map.data_ptr<int64_t>();
+  std::vector<int64_t> token, local, missing;
+  std::vector<float> scale;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = id[t * K + k];
+      if (e < 0) continue;
+      const int64_t l = e < G ? lp[e] : -1;
+      if (l < 0 || l >= E) {
+        missing.push_back(e);
+        continue;
+      }
+      token.push_back(t);
+      local.push_back(l);
+      scale.push_back(wp[t * K + k]);
+    }
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  at::Tensor partial = at::zeros_like(hidden, at::MemoryFormat::Contiguous);  // [T, H]
+  if (!missing.empty()) {
+    std::sort(missing.begin(), missing.end());
+    missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
+    return {partial, hidden.new_empty({0, hidden.size(1)}), at::empty({0}, longs), weights.new_empty({0}),
+            at::tensor(missing, longs)};
+  }
+  const int64_t S = static_cast<int64_t>(token.size()), H = hidden.size(1);
+  at::Tensor local_t = at::tensor(local, longs);                                     // [S]
+  at::Tensor row_weights = at::tensor(scale, weights.options()).unsqueeze(1);        // [S, 1]
+  if (S == 0) return {partial, hidden.new_empty({0, H}), local_t, row_weights.squeeze(1), at::empty({0}, longs)};
+  // grouped_rows_forward's plan: a stable order of the pairs by expert, and where each expert's rows start
+  std::vector<int64_t> order(S), starts(E + 1, 0);
+  for (int64_t s = 0; s < S; ++s) order[s] = s;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return local[a] < local[b]; });
+  for (int64_t s = 0; s < S; ++s) ++starts[local[s] + 1];
+  for (int64_t e = 0; e < E; ++e) starts[e + 1] += starts[e];
+  bool in_order = true;
+  for (int64_t s = 0; s < S && in_order; ++s) in_order = order[s] == s;
+  const at::Tensor rows_in = hidden.index_select(0, at::tensor(token, longs));  // [S, H] in pair order
+  const c10::optional<at::Tensor> index = in_order ? c10::nullopt : c10::optional<at::Tensor>(at::tensor(order, longs));
+  at::Tensor rows = grouped_silu_glu(rows_in, index, starts, gate_up, n_gate_up, down, n_down, row_weights);  // [S, H]
+  rows = rows.contiguous();
+  float* out = partial.data_ptr<float>();
+  const float* rp = rows.data_ptr<float>();
+  for (int64_t s = 0; s < S; ++s) {
+    float* dst = out + token[s] * H;
+    const float* src = rp + s * H;
+    for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
+  }
+  return {partial, rows, local_t, row_weights.squeeze(1), at::empty({0}, longs)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(expertmesh_experts, m) {
@@ -153,9 +225,13 @@ TORCH_LIBRARY(expertmesh_experts, m) {
   m.def(
       "grouped_silu_glu(Tensor hidden, Tensor? order, int[] starts, Tensor gate_up, int n_gate_up, Tensor down, "
       "int n_down, Tensor weights) -> Tensor");
+  m.def(
+      "grouped_silu_glu_call(Tensor hidden, Tensor expert_ids, Tensor weights, Tensor local_of, Tensor gate_up, "
+      "int n_gate_up, Tensor down, int n_down) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(expertmesh_experts, CPU, m) {
   m.impl("grouped_linear", &grouped_linear);
   m.impl("grouped_silu_glu", &grouped_silu_glu);
+  m.impl("grouped_silu_glu_call", &grouped_silu_glu_call);
 }

@@ -46,7 +46,7 @@ from expertmesh.infra.row_sums import add_rows
 from expertmesh.models.checkpoint import Checkpoint, experts_modules, interface_forward
 from expertmesh.models.expert_rows import matches_stock, rows_forward
 from expertmesh.models.fingerprint import fingerprint
-from expertmesh.models.grouped_experts import GroupedRows, agrees, fuses, grouped_rows_forward, usable
+from expertmesh.models.grouped_experts import GroupedRows, agrees, fuses, grouped_call, grouped_rows_forward, usable
 from expertmesh.models.linear_kernels import LinearKernel, PackedRows, choose_linear_kernel
 from expertmesh.models.weight_layout import input_major, prefers_input_major
 
@@ -373,7 +373,7 @@ class HostedExperts:
         generator = torch.Generator().manual_seed(0)
         top_k = max(1, min(self.spec.top_k or 1, len(held.ids)))
         hidden, ids, weights = warm_up_call(held.ids, len(held.ids), top_k, self.spec.hidden_size, generator)
-        self._compute_small(layer, held, hidden.to(self.device, self.dtype), ids, weights, record=False)
+        self._computed(layer, held, hidden.to(self.device, self.dtype), ids, weights, record=False)
 
     # -- compute -------------------------------------------------------------------------
 
@@ -441,6 +441,28 @@ class HostedExperts:
             raise NotHosted(f"layer {layer} has no experts in this group (it holds layers {sorted(layers)})")
 
         hidden = hidden.to(self.device, self.dtype)
+        return self._computed(layer, held, hidden, expert_ids, weights, record)
+
+    def _computed(
+        self,
+        layer: int,
+        held: _LayerExperts,
+        hidden: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        record: bool = True,
+    ) -> torch.Tensor:
+        """``compute`` of a checked call on the hidden states in the group's device and dtype, by the path that fits
+        its size and the module (each the same rows, sums and statistics)."""
+        if held.silu_glu and weights.dtype == torch.float32:  # the whole call one kernel op
+            partial, rows, local, row_weights, missing = grouped_call(
+                hidden, expert_ids, weights, held.local_of, held.packs
+            )
+            if missing.numel():
+                raise _not_held(layer, held, missing.tolist())
+            if record and local.numel():
+                self._record(held, local, row_weights, rows)
+            return partial
         if expert_ids.numel() <= SMALL_RECORD_ROWS:  # a decode step: plain Python beats a dozen tiny ops
             return self._compute_small(layer, held, hidden, expert_ids, weights, record)
         token_idx, slot, local = self._pairs(layer, held, expert_ids)  # [S] each: one row per (token, expert) pair
@@ -475,9 +497,7 @@ class HostedExperts:
         pairs = [(t, k, e) for t, row in enumerate(expert_ids.tolist()) for k, e in enumerate(row) if e >= 0]
         missing = sorted({e for _, _, e in pairs if e not in index})
         if missing:
-            raise NotHosted(
-                f"experts {missing} of layer {layer} are not held by this group (it holds {list(held.ids)})"
-            )
+            raise _not_held(layer, held, missing)
         partial = torch.zeros_like(hidden)  # [T, H]
         if not pairs:
             return partial
@@ -509,9 +529,7 @@ class HostedExperts:
         local = held.local_of[global_ids.clamp(max=self.spec.num_experts - 1)]  # [S]
         missing = sorted(set(global_ids[unknown | (local < 0)].tolist()))
         if missing:
-            raise NotHosted(
-                f"experts {missing} of layer {layer} are not held by this group (it holds {list(held.ids)})"
-            )
+            raise _not_held(layer, held, missing)
         return token_idx, slot, local
 
     def _record_small(self, held: _LayerExperts, experts: list[int], scales: list[float], rows: torch.Tensor) -> None:
@@ -572,6 +590,11 @@ class HostedExperts:
         with self._stats_lock:
             for i, (rows_n, bad, k, mu, sq) in zip(hit.tolist(), table):
                 held.stats[held.ids[i]].merge(int(rows_n), int(bad), int(k), mu, sq)
+
+
+def _not_held(layer: int, held: _LayerExperts, missing: list[int]) -> NotHosted:
+    """The refusal of a call naming experts (``missing``, sorted) of ``layer`` this group does not hold."""
+    return NotHosted(f"experts {missing} of layer {layer} are not held by this group (it holds {list(held.ids)})")
 
 
 def warm_up_call(

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from expertmesh.models import linear_kernels
+from expertmesh.models import grouped_experts, linear_kernels
 from expertmesh.models.checkpoint import Checkpoint
-from expertmesh.models.grouped_experts import GroupedRows
+from expertmesh.models.grouped_experts import TILE, GroupedRows, GroupedWeight
 from expertmesh.models.hosted_experts import HostedExperts
 from expertmesh.models.linear_kernels import (
     BLAS_MAX_ELEMENTS,
@@ -31,10 +31,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_the_packed_kernel_is_chosen_for_cpu_float_weights_only():
+def test_the_packed_kernel_is_chosen_for_cpu_float_weights_only(monkeypatch):
     assert choose_linear_kernel(torch.device("cpu"), torch.float32) == "onednn-packed"
     assert choose_linear_kernel(torch.device("cpu"), torch.float16) == "blas"
     assert choose_linear_kernel(torch.device("cuda", 0), torch.float32) == "blas"
+    # the router's (grouped=True): the grouped kernel for CPU float32 where it builds, else as above
+    built = grouped_experts.load()
+    assert choose_linear_kernel(torch.device("cpu"), torch.float32, grouped=True) == (
+        "grouped" if built else "onednn-packed"
+    )
+    assert choose_linear_kernel(torch.device("cpu"), torch.bfloat16, grouped=True) != "grouped"
+    assert choose_linear_kernel(torch.device("cuda", 0), torch.float32, grouped=True) == "blas"
+    monkeypatch.setattr(grouped_experts, "load", lambda: False)  # the kernel did not build (no compiler)
+    assert choose_linear_kernel(torch.device("cpu"), torch.float32, grouped=True) == "onednn-packed"
 
 
 @pytest.mark.parametrize("supported", [True, False], ids=["bf16-cpu", "avx2-only-cpu"])
@@ -58,17 +67,37 @@ def test_a_bfloat16_model_packs_with_the_kernel_chosen_for_this_cpu():
     torch.testing.assert_close(model(x), expected, rtol=2e-2, atol=2e-2)
 
 
+PACKINGS = [PackedWeight] + ([GroupedWeight] if grouped_experts.load() else [])
+
+
+@pytest.mark.parametrize("packing", PACKINGS, ids=lambda p: p.__name__)
 @pytest.mark.parametrize("rows", [0, 1, 3, 8, 100])
-def test_packed_products_are_linears_with_any_rows_and_strides(rows):
+def test_packed_products_are_linears_with_any_rows_and_strides(rows, packing):
     g = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
+    weight, bias = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)  # 48: a tile and a partial one
     x = torch.randn(rows, 32, generator=g)
-    packed = PackedWeight(weight)
+    packed = packing(weight)
     torch.testing.assert_close(packed.linear(x, bias), nn.functional.linear(x, weight, bias))
     transposed = torch.randn(32, 48, generator=g)  # [in, out] seen as [out, in]: a GPT-OSS-style stored weight
-    torch.testing.assert_close(PackedWeight(transposed.t()).linear(x), x @ transposed)
+    torch.testing.assert_close(packing(transposed.t()).linear(x), x @ transposed)
     batched = torch.randn(2, rows, 32, generator=g)  # [B, T, in], as a model's hidden states
     torch.testing.assert_close(packed.linear(batched), nn.functional.linear(batched, weight))
+    assert torch.equal(packed.computed(), weight)  # what it multiplies by, read back
+    strided = torch.randn(rows, 64, generator=g)[:, ::2]  # rows of a wider tensor, every other column
+    torch.testing.assert_close(packed.linear(strided), nn.functional.linear(strided, weight))
+    with pytest.raises(RuntimeError, match="dtype"):  # torch's own refusal of rows of another dtype
+        packed.linear(x.double())
+
+
+@pytest.mark.parametrize("packing", PACKINGS, ids=lambda p: p.__name__)
+def test_a_packed_weight_follows_in_place_writes(packing):
+    """A fault injected or a hot update writes the weight in place: the next product uses the new values."""
+    weight = torch.randn(40, 16)
+    packed, x = packing(weight), torch.randn(3, 16)
+    before = packed.linear(x)
+    weight.mul_(2.0)
+    torch.testing.assert_close(packed.linear(x), 2.0 * before)
+    assert torch.equal(packed.computed(), weight)
 
 
 def test_a_packed_copy_follows_in_place_writes_to_its_weight():
@@ -116,20 +145,28 @@ def test_a_packed_linear_follows_a_replaced_parameter():
         torch.testing.assert_close(model(x), model[0].bias.expand(2, 4))
 
 
-def test_the_router_model_computes_on_the_kernel_it_is_given(tiny_checkpoints):
-    """Every ``nn.Linear`` of the router's model (attention, gates, head) above ``BLAS_MAX_ELEMENTS`` packed on
-    CPU, the rest on torch's own; its logits those of the same model on torch's own kernel, to float32 rounding."""
+@pytest.mark.parametrize("kernel", [None, "onednn-packed"], ids=["the-routers-choice", "onednn-packed"])
+def test_the_router_model_computes_on_the_kernel_it_is_given(tiny_checkpoints, kernel):
+    """Every ``nn.Linear`` of the router's model (attention, gates, head) on its kernel but the smallest: by default
+    (``grouped`` where its kernel builds) each of a tile's outputs or more, the gate of fewer on torch's own; on
+    ``onednn-packed`` those above ``BLAS_MAX_ELEMENTS``. Its logits those of the same model on torch's own kernel,
+    to float32 rounding."""
     # a vocabulary whose head [8200, 32] is above BLAS_MAX_ELEMENTS: the tiny model's other weights are below it
     checkpoint = Checkpoint(tiny_checkpoints("mixtral", vocab_size=8200))
-    packed = build_router_model(checkpoint, torch.float32)
+    packed = build_router_model(checkpoint, torch.float32, linear_kernel=kernel)
     plain = build_router_model(checkpoint, torch.float32, linear_kernel="blas")
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    chosen = kernel or choose_linear_kernel(torch.device("cpu"), torch.float32, grouped=True)
+    assert chosen == ("grouped" if grouped_experts.load() else "onednn-packed") or kernel is not None
     # each product on the kernel its weight's size picks: the largest packed, the smallest on blas
     linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
     assert {type(m) for m in linears} == {nn.Linear, PackedLinear}
     for m in linears:
-        assert isinstance(m, PackedLinear) == (m.weight.numel() > BLAS_MAX_ELEMENTS), m
+        expected = m.out_features >= TILE if chosen == "grouped" else m.weight.numel() > BLAS_MAX_ELEMENTS
+        assert isinstance(m, PackedLinear) == expected, m
+        if isinstance(m, PackedLinear):
+            assert isinstance(m._weight, GroupedWeight if chosen == "grouped" else PackedWeight)
     ids = torch.randint(
         0, checkpoint.config.get_text_config().vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)
     )

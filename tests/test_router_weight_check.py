@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 
 import httpx2
+import pytest
 import torch
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 from torch import nn
 
 from expertmesh.config.settings import DataPlaneConfig, read_config_file
+from expertmesh.models import grouped_experts
 from expertmesh.router.weight_check import WeightWatch, changed_tensors, router_tensors, tensor_fingerprints
 from helpers import wait_for
 from test_warm_up import _grpc_health, checkpoint, group, served_router  # noqa: F401 (fixtures)
@@ -96,6 +98,28 @@ def test_a_packed_copy_apart_from_its_weight_is_named():
     model[0]._weight._packed = torch.ops.mkldnn._reorder_linear_weight(model[0].weight.detach() * 2, 8)
     assert watch.check().changed == ("0.weight (packed copy)",)
     model[0]._weight._packed = torch.ops.mkldnn._reorder_linear_weight(model[0].weight.detach(), 8)
+    assert watch.check().ok
+    model[0].weight.data.mul_(2)  # not seen by the version counter: the copy keeps the old values
+    assert watch.check().changed == ("0.weight", "0.weight (packed copy)")
+
+
+@pytest.mark.skipif(not grouped_experts.load(), reason="no C++ compiler here: the grouped kernel cannot build")
+def test_a_grouped_kernels_copy_apart_from_its_weight_is_named():
+    """The same for a weight on the grouped kernel (the router's dense products where it builds): a fault in its
+    tiled copy is named as the copy; a write torch did not see names both."""
+    from expertmesh.models.linear_kernels import pack_linears
+
+    model = nn.Sequential(nn.Linear(8, 40))
+    assert pack_linears(model, "grouped") == 1
+    watch = WeightWatch(model, interval_s=0)
+    with torch.no_grad():
+        model(torch.randn(2, 8))  # the first product makes the copy
+    assert watch.check().ok
+    packed = model[0]._weight._rows.packed()  # [1, T, K, 32]
+    kept = packed[0, 1, 3, 5].item()
+    packed[0, 1, 3, 5] = kept + 1.0  # one value of the copy, not of the weight
+    assert watch.check().changed == ("0.weight (packed copy)",)
+    packed[0, 1, 3, 5] = kept
     assert watch.check().ok
     model[0].weight.data.mul_(2)  # not seen by the version counter: the copy keeps the old values
     assert watch.check().changed == ("0.weight", "0.weight (packed copy)")

@@ -67,7 +67,7 @@ from transformers.activations import SiLUActivation
 from expertmesh.infra.native_kernels import load_cpu_kernel
 from expertmesh.models.expert_rows import agrees_with_stock
 
-__all__ = ["GroupedRows", "agrees", "fuses", "grouped_call", "grouped_rows_forward", "load", "usable"]
+__all__ = ["GroupedRows", "GroupedWeight", "agrees", "fuses", "grouped_call", "grouped_rows_forward", "load", "usable"]
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,33 @@ class GroupedRows:
         tiles, k = self._packed.shape[1], self._packed.shape[2]
         dense = self._packed[expert].transpose(1, 2).reshape(tiles * TILE, k)[: self.outputs]  # [N, K]
         return dense.t() if self._transposed else dense
+
+
+class GroupedWeight:
+    """One weight [out, in] multiplied by the grouped kernel as a stack of one (``linear_kernels``' ``grouped``
+    kernel: the router's dense products); its packed copy follows the weight as ``GroupedRows`` does."""
+
+    __slots__ = ("weight", "_rows")
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight  # [out, in]
+        self._rows = GroupedRows(weight.unsqueeze(0), transposed=False)  # a view: the weight's writes bump it
+
+    def computed(self) -> torch.Tensor | None:
+        """The values its products use now, [out, in]; None before the first one."""
+        return self._rows.computed(0)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]: ``nn.functional.linear(x, weight, bias)`` to float32 rounding."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":  # what the kernel does not take: torch's product
+            return nn.functional.linear(x, self.weight, bias)
+        rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        out = torch.ops.expertmesh_experts.grouped_linear(
+            rows, [0, rows.shape[0]], self._rows.packed(), self._rows.outputs
+        )
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def grouped_rows_forward(

@@ -62,11 +62,11 @@ def build_router_model(
     model.to(device)  # read on the host first: safetensors and the fp32 rules above work there
     model.requires_grad_(False)
     model.eval()
-    kernel = linear_kernel or choose_linear_kernel(device, dtype)
+    kernel = linear_kernel or choose_linear_kernel(device, dtype, grouped=True)
     if kernel == "blas":
         _lay_out_head(model, device)
     # attention, shared experts, gates and the head: every step reads them all (the smallest stay on blas)
-    pack_linears(model, kernel, BLAS_MAX_ELEMENTS)
+    pack_linears(model, kernel, BLAS_MAX_ELEMENTS if kernel == "onednn-packed" else 0)
     return model
 
 

@@ -4,7 +4,7 @@ the narrowing of a small step (real torch thread settings, restored after)."""
 import pytest
 import torch
 
-from expertmesh.infra.cpu_threads import group_threads, one_thread_while, router_threads
+from expertmesh.infra.cpu_threads import WIDE_WORK, all_threads_for, group_threads, one_thread_while, router_threads
 
 
 @pytest.mark.parametrize("num_cpus, threads", [(0.25, 1), (1, 1), (1.5, 1), (2, 2), (8.0, 8)])
@@ -38,3 +38,29 @@ def test_one_thread_while_narrows_only_when_asked_and_restores(serial, inside):
         assert torch.get_num_threads() == 2, "restored after an error too"
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "work, threads, inside",
+    [
+        (WIDE_WORK, 2, 2),  # a large product in a narrowed step: the router's threads back
+        (WIDE_WORK - 1, 2, 1),  # a small one stays on one
+        (WIDE_WORK, 0, 1),  # no router threads given: as it is
+        (WIDE_WORK, 1, 1),
+    ],
+)
+def test_a_large_product_takes_the_routers_threads_back_in_a_narrowed_step(work, threads, inside):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread_while(True):
+            with all_threads_for(work, threads):
+                assert torch.get_num_threads() == inside
+            assert torch.get_num_threads() == 1, "narrowed again after the product"
+            with pytest.raises(RuntimeError), all_threads_for(work, threads):
+                raise RuntimeError("a failed product")
+            assert torch.get_num_threads() == 1, "restored after an error too"
+        with all_threads_for(WIDE_WORK, 2):  # a step that was not narrowed: left as it is
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

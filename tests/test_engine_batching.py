@@ -126,6 +126,38 @@ def test_small_steps_run_on_one_intra_op_thread_and_the_rest_on_all(models):
     assert all(n == (1 if tokens <= 2 else 2) for tokens, n in by_size), by_size
 
 
+def test_a_narrowed_steps_decode_attention_takes_the_routers_threads_back(models, monkeypatch):
+    """The engine's ``wide_threads`` reach the decode attention's kernel (``MaskSpec.threads`` -> the step's
+    ``StepAttention.threads``): each call asks ``all_threads_for`` for them with its [B, H, dv] outputs as its work
+    (the rule itself: ``test_cpu_threads``); the tokens stay stock's."""
+    from expertmesh.serving import paged_attention
+
+    asked: list[tuple[int, int]] = []
+    real = paged_attention.all_threads_for
+
+    def recording(work: int, threads: int):
+        asked.append((work, threads))
+        return real(work, threads)
+
+    monkeypatch.setattr(paged_attention, "all_threads_for", recording)
+    model = models("mixtral")
+    prompt = tuple(range(3, 9))
+    limits = EngineLimits(4, 4, serial_step_tokens=8, wide_threads=3)
+    engine = Engine(model, None, StepDispatcher(), limits, max_context=64)
+    if engine.runner.mask_spec.kernel != "cpu-paged-decode":
+        engine.stop()
+        pytest.skip("the paged-decode kernel did not build here (no C++ compiler)")
+    try:
+        events = _serve(engine, [GenerationRequest("a", prompt, max_new_tokens=4, stop_at_eos=False)])
+    finally:
+        engine.stop()
+    assert _tokens(events["a"]) == stock_greedy(model, prompt, 4)
+    assert engine.runner.mask_spec.threads == 3
+    heads = model.config.num_attention_heads
+    row_outputs = heads * (getattr(model.config, "head_dim", None) or model.config.hidden_size // heads)
+    assert asked and all(threads == 3 and work % row_outputs == 0 for work, threads in asked), asked
+
+
 def test_a_long_prompt_alone_is_read_in_chunks(models):
     """Steps that only read prompt need no logits at all; the first token comes with the last chunk."""
     model = models("olmoe")

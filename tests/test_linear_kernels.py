@@ -7,10 +7,13 @@ thing faked is the device a weight says it is on (a meta tensor stands in for a 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
 
+from expertmesh.infra.cpu_threads import WIDE_WORK, one_thread_while
 from expertmesh.models import grouped_experts, linear_kernels
 from expertmesh.models.checkpoint import Checkpoint
 from expertmesh.models.grouped_experts import TILE, GroupedRows, GroupedWeight
@@ -173,6 +176,36 @@ def test_the_router_model_computes_on_the_kernel_it_is_given(tiny_checkpoints, k
     with torch.no_grad():
         logits = [bind_dispatcher(m, ZeroExperts())(input_ids=ids).logits for m in (packed, plain)]  # [1, 12, V]
     torch.testing.assert_close(logits[0], logits[1])
+
+
+@pytest.mark.skipif(not grouped_experts.load(), reason="no C++ compiler here: the grouped kernel cannot build")
+def test_the_router_models_large_products_take_its_threads_back_in_a_narrowed_step(tiny_checkpoints, monkeypatch):
+    """``build_router_model(threads=...)``: every product on the grouped kernel asks ``all_threads_for`` for the
+    router's threads with its outputs as its work, so in a step narrowed to one thread the LM head (8200 outputs a
+    row) computes on them and the small attention projections stay on one (the rule: ``test_cpu_threads``)."""
+    seen: dict[int, int] = {}  # a product's outputs -> the intra-op threads it computed on
+    real = grouped_experts.all_threads_for
+
+    @contextlib.contextmanager
+    def recording(work: int, threads: int):
+        with real(work, threads):
+            seen[work] = torch.get_num_threads()
+            yield
+
+    monkeypatch.setattr(grouped_experts, "all_threads_for", recording)
+    checkpoint = Checkpoint(tiny_checkpoints("mixtral", vocab_size=8200))
+    model = build_router_model(checkpoint, torch.float32, linear_kernel="grouped", threads=2)
+    weights = [m._weight for m in model.modules() if isinstance(m, PackedLinear)]
+    assert weights and all(isinstance(w, GroupedWeight) and w.threads == 2 for w in weights)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread_while(True), torch.no_grad():
+            bind_dispatcher(model, ZeroExperts())(input_ids=torch.tensor([[5]]))  # one token: a decode step of one
+    finally:
+        torch.set_num_threads(before)
+    assert seen[8200] == 2, seen  # the LM head
+    assert all(threads == 1 for work, threads in seen.items() if work < WIDE_WORK), seen
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["onednn-per-expert", "grouped"])

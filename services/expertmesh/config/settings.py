@@ -246,12 +246,13 @@ class ServingConfig(BaseSettings):
     )
     prefix_caching: bool = Field(True, description="share the KV blocks of equal prompt prefixes between requests")
     serial_step_tokens: int = Field(
-        16,
+        64,
         ge=0,
         le=MAX_STEP_TOKENS,
         description="an engine step of at most this many tokens (a decode step of that many sequences) runs the "
-        "router's own work on one torch intra-op thread (local groups' lanes keep theirs): a parallel region per "
-        "small op costs more than it saves there, and the idle thread it wakes takes a core from the groups; "
+        "router's own work on one torch intra-op thread but its large products (the attention projections, the LM "
+        "head, the decode attention), which take all of them (local groups' lanes keep theirs): a parallel region "
+        "per small op costs more than it saves there, and the idle thread it wakes takes a core from the groups; "
         "0: every step on all of the router's threads",
     )
     default_max_new_tokens: int = Field(64, ge=1, description="when a request does not say")

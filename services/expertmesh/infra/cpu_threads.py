@@ -19,7 +19,13 @@ group's lane computes on. So the serving engine runs a step of at most ``serial_
 (``serving.model_runner``). Measured with ``up --groups-as in-process`` on the 214M Mixtral (2-core AVX-512 host,
 a decode step's median over ~250 steps, the router's threads at one for every step against two): 8 sequences
 29.7 against 33.1-33.7 ms, 16: 36.3 against 37.6, 1: 14.6 against 14.3-15.0, 32: 43.8 against 44.0-45.8, but 64:
-73.3 against 63.2 and a 480-token prompt's chunk 6% slower; hence 16 by default.
+73.3 against 63.2 and a 480-token prompt's chunk 6% slower; hence 16 then. What lost at 64 were the step's few
+large products (the attention projections, the LM head, the decode attention) on one thread: they now widen
+back to the router's threads for their own call (``all_threads_for``: a product of at least ``WIDE_WORK``
+outputs), and the step's other ops, a [64, 512] elementwise op just at torch's parallel grain among them, stay on
+one. Measured in one server, the two settings alternating every 5 steps (~60 steps each, the grouped kernel's
+products): 64 by default with the products widened against 16 without, a decode step of 8 / 16 / 32 / 64
+sequences 25.1 / 30.4 / 37.5 / 51.6 ms against 26.1 / 31.4 / 40.0 / 54.1, one sequence 14.5 against 14.9.
 """
 
 from __future__ import annotations
@@ -62,3 +68,24 @@ def one_thread_while(serial: bool) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+#: a product of at least this many outputs (rows x columns) computes on all of the router's threads in a step
+#: narrowed to one (``all_threads_for``): [16, 512] and up, where a second thread's share outweighs its wake-up
+WIDE_WORK = 8192
+
+
+@contextmanager
+def all_threads_for(work: int, threads: int) -> Iterator[None]:
+    """Within, the calling thread's torch ops run on ``threads`` intra-op threads when ``work`` (the outputs of the
+    one product inside) is at least ``WIDE_WORK`` and the thread runs on fewer now (a step narrowed by
+    ``one_thread_while``); else as they are. ``threads``: the router's (0: leave them)."""
+    now = torch.get_num_threads()
+    if work < WIDE_WORK or now >= threads:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(now)

@@ -64,6 +64,7 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
+from expertmesh.infra.cpu_threads import all_threads_for
 from expertmesh.infra.native_kernels import load_cpu_kernel
 from expertmesh.models.expert_rows import agrees_with_stock
 
@@ -153,10 +154,13 @@ class GroupedWeight:
     """One weight [out, in] multiplied by the grouped kernel as a stack of one (``linear_kernels``' ``grouped``
     kernel: the router's dense products); its packed copy follows the weight as ``GroupedRows`` does."""
 
-    __slots__ = ("weight", "_rows")
+    __slots__ = ("weight", "threads", "_rows")
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, threads: int = 0):
+        """``threads``: the router's intra-op threads, which a large product takes in a step narrowed to fewer
+        (``infra.cpu_threads.all_threads_for``); 0: the caller's."""
         self.weight = weight  # [out, in]
+        self.threads = threads
         self._rows = GroupedRows(weight.unsqueeze(0), transposed=False)  # a view: the weight's writes bump it
 
     def computed(self) -> torch.Tensor | None:
@@ -168,9 +172,10 @@ class GroupedWeight:
         if x.dtype != torch.float32 or x.device.type != "cpu":  # what the kernel does not take: torch's product
             return nn.functional.linear(x, self.weight, bias)
         rows = x.reshape(-1, x.shape[-1])  # [M, in]
-        out = torch.ops.expertmesh_experts.grouped_linear(
-            rows, [0, rows.shape[0]], self._rows.packed(), self._rows.outputs
-        )
+        with all_threads_for(rows.shape[0] * self._rows.outputs, self.threads):
+            out = torch.ops.expertmesh_experts.grouped_linear(
+                rows, [0, rows.shape[0]], self._rows.packed(), self._rows.outputs
+            )
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], out.shape[-1])

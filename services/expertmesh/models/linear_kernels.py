@@ -48,6 +48,7 @@ Shapes: x [..., in], W [out, in] (a view of any strides), bias [out]; a stacked 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Literal, Protocol, get_args
 
@@ -209,11 +210,12 @@ class PackedLinear(nn.Linear):
         return self._weight.linear(x, self.bias)
 
 
-def pack_linears(model: nn.Module, kernel: LinearKernel, blas_max_elements: int = 0) -> int:
+def pack_linears(model: nn.Module, kernel: LinearKernel, blas_max_elements: int = 0, threads: int = 0) -> int:
     """Every ``nn.Linear`` of ``model`` computed by ``kernel`` (a ``PackedLinear``; nothing changes for ``blas``)
     but those whose weight has at most ``blas_max_elements`` elements (left to ``blas``; see ``BLAS_MAX_ELEMENTS``)
     or, for ``grouped``, fewer outputs than its tile; returns how many were replaced. Only modules of the kernel's
-    dtypes on the CPU."""
+    dtypes on the CPU. ``threads``: ``grouped``'s large products take that many intra-op threads in a step narrowed
+    to fewer (``grouped_experts.GroupedWeight``)."""
     if kernel == "blas":
         return 0
     packing: Callable[[torch.Tensor], PackedProduct] = PackedWeight
@@ -221,7 +223,7 @@ def pack_linears(model: nn.Module, kernel: LinearKernel, blas_max_elements: int 
     if kernel == "grouped":
         from expertmesh.models.grouped_experts import TILE, GroupedWeight
 
-        packing, smallest_outputs = GroupedWeight, TILE
+        packing, smallest_outputs = functools.partial(GroupedWeight, threads=threads), TILE
     targets = [
         (parent, name, child)
         for parent in model.modules()

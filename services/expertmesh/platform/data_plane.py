@@ -100,6 +100,7 @@ def _router(
             side_by_side=config.groups if in_process is not None and config.in_process_side_by_side else 1,
             threads=router_threads_here(config.router_threads),
         ),
+        threads=router_threads_here(config.router_threads),
         checkpoint=checkpoint,
         dtype=getattr(torch, config.dtype),
         device=device,

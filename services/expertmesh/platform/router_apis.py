@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from expertmesh.config.settings import ServingConfig
 from expertmesh.infra.console import progress
+from expertmesh.infra.cpu_threads import router_threads_here
 from expertmesh.platform.data_plane import DataPlane
 from expertmesh.router.policy.profiles import ProfileFileError, fit_problem, read_profiles_file, save_profiles
 from expertmesh.router.reporting.anomaly import BaselineConfig
@@ -86,6 +87,7 @@ def serve_plane(plane: DataPlane, config: ServingConfig) -> InferenceServer:
             kv_block_size=config.kv_block_size,
             prefix_caching=config.prefix_caching,
             serial_step_tokens=config.serial_step_tokens,
+            wide_threads=router_threads_here(plane.config.router_threads),
         ),
         max_context=info.max_context,
         model_fingerprint=plane.checkpoint.spec.fingerprint,

@@ -45,13 +45,15 @@ def assemble_router(
     heartbeat: Heartbeat | None = None,
     poll_s: float = 0.25,
     max_backoff_s: float = 5.0,
+    threads: int = 0,
     **dispatch,
 ) -> Router:
     """The router over ``store``'s routing tables. ``checkpoint``: build its model too (else a bare
     dispatcher). ``identity``: refuse tables made for another model, and groups started from another
-    checkpoint (its fingerprint goes with every call). ``dispatch``: the rest of
+    checkpoint (its fingerprint goes with every call). ``threads``: the router's intra-op threads
+    (``build_router_model``). ``dispatch``: the rest of
     ``LayerDispatcher``'s settings (timeout, load window, endpoints, breakers, hidden sampler)."""
-    model = build_router_model(checkpoint, dtype, device) if checkpoint is not None else None
+    model = build_router_model(checkpoint, dtype, device, threads=threads) if checkpoint is not None else None
     gate_bias = GateBias(model) if model is not None else None
     watcher = TableWatcher(
         store,

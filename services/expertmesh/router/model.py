@@ -31,9 +31,11 @@ def build_router_model(
     dtype: torch.dtype,
     device: torch.device = torch.device("cpu"),
     linear_kernel: LinearKernel | None = None,
+    threads: int = 0,
 ) -> nn.Module:
     """The router's model of ``checkpoint`` on ``device``; its ``nn.Linear`` products on ``linear_kernel``
-    (``linear_kernels``; None: the device's best)."""
+    (``linear_kernels``; None: the device's best). ``threads``: the router's intra-op threads, which its large
+    products take in a step narrowed to fewer (0: the caller's)."""
     model = checkpoint.skeleton(IMPLEMENTATION, dtype)
     for layer, (_, module) in experts_modules(model).items():
         for name in checkpoint.spec.expert_params:
@@ -66,7 +68,7 @@ def build_router_model(
     if kernel == "blas":
         _lay_out_head(model, device)
     # attention, shared experts, gates and the head: every step reads them all (the smallest stay on blas)
-    pack_linears(model, kernel, BLAS_MAX_ELEMENTS if kernel == "onednn-packed" else 0)
+    pack_linears(model, kernel, BLAS_MAX_ELEMENTS if kernel == "onednn-packed" else 0, threads)
     return model
 
 

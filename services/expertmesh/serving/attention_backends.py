@@ -103,6 +103,7 @@ class StepLayout:
     kinds: tuple[str, ...]
     window: int | None
     dtype: torch.dtype
+    threads: int = 0  # the router's intra-op threads (``StepAttention.threads``)
 
 
 class _GatheredPasts:
@@ -123,7 +124,15 @@ class _GatheredPasts:
             for i, start in enumerate(metadata.num_computed_tokens.tolist())
         ]
         step = StepAttention(
-            sequences, cache, layout.implementation, layout.kinds, layout.window, layout.dtype, pool.device, self.attend
+            sequences,
+            cache,
+            layout.implementation,
+            layout.kinds,
+            layout.window,
+            layout.dtype,
+            pool.device,
+            self.attend,
+            threads=layout.threads,
         )
         return cache, step
 

@@ -62,7 +62,10 @@ class EngineLimits:
     #: share the KV blocks of equal prompt prefixes between requests
     prefix_caching: bool = True
     #: a step of at most this many tokens runs on one intra-op thread of the engine's (``model_runner``); 0: none
-    serial_step_tokens: int = 16
+    serial_step_tokens: int = 64
+    #: the router's intra-op threads, which such a step's large products take back (``cpu_threads.all_threads_for``:
+    #: the decode attention here, the dense products in the router's model); 0: none
+    wide_threads: int = 0
 
 
 @dataclass
@@ -95,7 +98,7 @@ class Engine:
         self.limits = limits
         self.anomalies = anomalies
         self.max_context = max_context
-        mask_spec = MaskSpec.of(model)
+        mask_spec = MaskSpec.of(model, limits.wide_threads)
         self.batching: Batching = batching_of(mask_spec, packed)
         if not self.batching.packed:
             log.warning("%s serves one forward per sequence: %s", type(model).__name__, self.batching.note)

@@ -64,16 +64,17 @@ class MaskSpec:
     window: int | None  # tokens a sliding layer sees, itself included
     dtype: torch.dtype
     kernel: AttentionKernel = "per-sequence"  # the attention backend's, for this model on its device
+    threads: int = 0  # the router's intra-op threads, which a large decode attention takes in a narrowed step
 
     @classmethod
-    def of(cls, model: nn.Module) -> "MaskSpec":
+    def of(cls, model: nn.Module, threads: int = 0) -> "MaskSpec":
         config = model.config.get_text_config()
         window = getattr(config, "sliding_window", None) or None  # Qwen2-MoE says 0 when it has none
         kinds = getattr(config, "layer_types", None) or [SLIDING if window else FULL] * config.num_hidden_layers
         implementation = config._attn_implementation
         latent = bool(getattr(config, "kv_lora_rank", None))
         kernel = choose_backend(model.device, implementation, latent, model.dtype)
-        return cls(implementation, tuple(kinds), window, model.dtype, kernel)
+        return cls(implementation, tuple(kinds), window, model.dtype, kernel, threads)
 
     def unsupported(self) -> str | None:
         """Why the packed step cannot run this model, or None when it can."""
@@ -106,7 +107,7 @@ def pack(chunks: list[Chunk], spec: MaskSpec, pool: KVPool) -> PackedBatch:
     attention backend."""
     tokens = [len(c.token_ids) for c in chunks]
     metadata = attention_metadata([c.cache for c in chunks], [c.start for c in chunks], tokens, pool.block_size)
-    layout = StepLayout(spec.implementation, spec.kinds, spec.window, spec.dtype)
+    layout = StepLayout(spec.implementation, spec.kinds, spec.window, spec.dtype, spec.threads)
     cache, attention = ATTENTION_BACKENDS[spec.kernel].plan(metadata, pool, layout)
     rows = []
     for chunk, offset, k in zip(chunks, metadata.query_start_loc.tolist(), tokens):

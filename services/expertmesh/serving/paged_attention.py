@@ -54,6 +54,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from expertmesh.infra.cpu_threads import all_threads_for
 from expertmesh.serving import cpu_paged_decode
 
 __all__ = [
@@ -138,6 +139,9 @@ class StepAttention:
     device: torch.device | str = "cpu"
     #: the attention backend's kernel (``AttendKernel``)
     attend: "AttendKernel" = lambda call: per_sequence_attend(call)
+    #: the router's intra-op threads, which the decode rows' kernel takes in a step narrowed to fewer
+    #: (``infra.cpu_threads.all_threads_for``); 0: the step's
+    threads: int = 0
     #: (sequence, kind) -> (first key position, mask [1, 1, n, L]); the same for every layer of a kind
     _masks: dict[tuple[int, str], tuple[int, torch.Tensor]] = field(default_factory=dict)
     #: kind -> the step's decode rows on layers of that kind (``decode_batch``), built at the first such layer
@@ -381,9 +385,10 @@ def _in_place_rows(call: LayerAttention, batch: "DecodeBatch") -> torch.Tensor:
     scale = call.kwargs.get("scaling")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     size = step.cache.block_size
-    return cpu_paged_decode.paged_decode(
-        q, keys, values, batch.tables, batch.first_positions, batch.lengths, size, scale
-    )
+    with all_threads_for(q.shape[0] * q.shape[1] * values.shape[-1], step.threads):  # [B, H, dv] out
+        return cpu_paged_decode.paged_decode(
+            q, keys, values, batch.tables, batch.first_positions, batch.lengths, size, scale
+        )
 
 
 @functools.cache

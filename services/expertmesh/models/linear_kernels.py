@@ -30,7 +30,7 @@ Kernels (``LINEAR_KERNELS``, keyed by ``LinearKernel``):
   / 399 and oneDNN's 155 / 132 / 244; the LM head [32000, 512] 1.64 / 1.75 / 8.7 ms against 4.0 / 7.4 / 23.3 and
   2.0 / 2.6 / 9.4 (two threads at 64 rows: 4.4 against 13.6 and 4.9). In ``up --groups-as in-process``, the
   attention projections and the head on it against MKL and oneDNN, interleaved runs: a decode step of 8 sequences
-  25.3 against 28.1 ms (medians of three), of 32 37.1 against 41.4.
+  25.3 against 27.9 ms (medians of three), of 32 37.1 against 41.4.
 The products' last bits may differ from ``blas``'s, as they already do with the number of rows in a call;
 ``expertmesh verify`` and the engine's tests check the tokens stay stock's.
 

@@ -78,14 +78,18 @@ def checkpoint(tiny_checkpoints):
     return Checkpoint(tiny_checkpoints("mixtral"))
 
 
-def test_a_group_warm_up_runs_both_compute_paths_of_every_held_layer_and_records_nothing(checkpoint, monkeypatch):
+def test_a_group_warm_up_runs_a_decode_and_a_prefill_sized_call_of_every_held_layer_and_records_nothing(checkpoint, monkeypatch):
     spec = checkpoint.spec
     hosted = HostedExperts(checkpoint)
     hosted.load([(layer, e) for layer in spec.moe_layers for e in (0, 1, 3)])
     calls = []
-    small, batched = hosted._compute_small, hosted._pairs
-    monkeypatch.setattr(hosted, "_compute_small", lambda layer, *a: calls.append(("decode", layer)) or small(layer, *a))
-    monkeypatch.setattr(hosted, "_pairs", lambda layer, *a: calls.append(("prefill", layer)) or batched(layer, *a))
+    computed = hosted._computed  # whichever path a call's size and the module take (the one fused op, or either)
+
+    def sized(layer, held, hidden, ids, *a, **k):
+        calls.append(("decode" if ids.numel() <= SMALL_RECORD_ROWS else "prefill", layer))
+        return computed(layer, held, hidden, ids, *a, **k)
+
+    monkeypatch.setattr(hosted, "_computed", sized)
 
     assert hosted.warm_up() > 0
     assert sorted(calls) == sorted((kind, layer) for layer in spec.moe_layers for kind in ("decode", "prefill"))

@@ -78,7 +78,7 @@ def checkpoint(tiny_checkpoints):
     return Checkpoint(tiny_checkpoints("mixtral"))
 
 
-def test_a_group_warm_up_runs_a_decode_and_a_prefill_sized_call_of_every_held_layer_and_records_nothing(checkpoint, monkeypatch):
+def test_a_group_warm_up_calls_every_held_layer_at_decode_and_prefill_size_and_records_nothing(checkpoint, monkeypatch):
     spec = checkpoint.spec
     hosted = HostedExperts(checkpoint)
     hosted.load([(layer, e) for layer in spec.moe_layers for e in (0, 1, 3)])

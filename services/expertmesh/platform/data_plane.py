@@ -91,6 +91,7 @@ def _router(
     progress(f"building the router on {device} (no routed-expert weights)")
     spec = checkpoint.spec
     heartbeat = Heartbeat(store, router_id(), config.heartbeat_s)
+    threads = router_threads_here(config.router_threads)  # the lanes share them out; the large products take them
     router = assemble_router(
         store,
         spec.moe_layers,
@@ -98,9 +99,9 @@ def _router(
             config.transport,
             in_process,
             side_by_side=config.groups if in_process is not None and config.in_process_side_by_side else 1,
-            threads=router_threads_here(config.router_threads),
+            threads=threads,
         ),
-        threads=router_threads_here(config.router_threads),
+        threads=threads,
         checkpoint=checkpoint,
         dtype=getattr(torch, config.dtype),
         device=device,

@@ -117,3 +117,18 @@ def test_after_close_the_waiter_computes_what_is_queued(two_threads):
     works = [lanes.submit(_where) for _ in range(3)]
     assert all(lanes.wait(w, TIMEOUT_S) for w in works)
     assert {w.result()[0] for w in works} == {threading.current_thread().name}
+
+
+def test_wide_work_runs_on_its_sender_at_once_at_all_the_lanes_threads(lanes):
+    """``run_wide`` computes on the calling thread, now, at the lanes' threads and its own together, even from a
+    thread narrowed to one (a small engine step); the caller's setting comes back after, and nothing is queued."""
+    torch.set_num_threads(1)
+    try:
+        assert lanes.run_wide(_where) == (threading.current_thread().name, 2)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(2)
+    assert lanes.run_wide(_where) == (threading.current_thread().name, 2)
+    with pytest.raises(ValueError, match="raised"):
+        lanes.run_wide(lambda: (_ for _ in ()).throw(ValueError("raised")))
+    assert torch.get_num_threads() == 2

@@ -27,6 +27,7 @@ from expertmesh.router.transport import build
 from expertmesh.router.transport import local as transport_local
 from expertmesh.router.transport.auto import AutoTransport
 from expertmesh.router.transport.base import TRANSPORTS, GroupRequest, TransportError
+from expertmesh.router.transport.in_process import WIDE_CALL_ROWS
 from expertmesh.v1 import experts_pb2 as pb
 from expertmesh.v1 import experts_pb2_grpc as pb_grpc
 from helpers import wait_for
@@ -376,7 +377,8 @@ def test_calls_in_place_side_by_side_give_the_same_partial_sums_and_refusals(ser
         transport.update({"g0": address})
     try:
         for seed in range(3):
-            requests = [_request(checkpoint, 300, seed), _request(checkpoint, 7, seed + 10)]  # the lane: time to wake
+            # below WIDE_CALL_ROWS, so queued: the first long enough for the lane to wake and take it
+            requests = [_request(checkpoint, WIDE_CALL_ROWS - 1, seed), _request(checkpoint, 7, seed + 10)]
             pending = [in_place.send("g0", r, 30) for r in requests]  # both queued before either is read
             got = [p.result() for p in pending]
             for request, reply in zip(requests, got):
@@ -415,12 +417,45 @@ def test_lanes_take_the_routers_threads_even_from_a_narrowed_first_call(served, 
     in_place.update({"g0": address})
     try:
         for seed in range(3):
-            requests = [_request(checkpoint, 300, seed), _request(checkpoint, 7, seed + 10)]
+            requests = [_request(checkpoint, WIDE_CALL_ROWS - 1, seed), _request(checkpoint, 7, seed + 10)]
             for p in [in_place.send("g0", r, 30) for r in requests]:
                 assert not p.result().problem
         assert any(name.startswith("expertmesh-lane") for name in computed_on), computed_on
         assert torch.get_num_threads() == 1  # this thread's setting as it was
     finally:
+        in_place.close()
+        torch.set_num_threads(threads_before)
+
+
+def test_a_wide_call_in_place_is_computed_by_its_sender_at_once_at_all_threads(served, monkeypatch):
+    """A call of ``WIDE_CALL_ROWS`` rows or more is not queued for a lane: the sending thread computes it inside
+    ``send``, at the lanes' threads and its own together even from a thread narrowed to one, and its partial sums
+    are unary Dispatch's bit for bit; a smaller call sent after it is still queued and answered."""
+    checkpoint, address, server = served
+    _, lookup = _in_this_process(server)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    unary, in_place = build("grpc-unary"), build("auto", lookup, side_by_side=2, threads=2)
+    computed_on: list[tuple[str, int]] = []
+    compute = server.servicer.compute
+
+    def watched(*args, **kwargs):
+        computed_on.append((threading.current_thread().name, torch.get_num_threads()))
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(server.servicer, "compute", watched)
+    for transport in (unary, in_place):
+        transport.update({"g0": address})
+    try:
+        wide, small = _request(checkpoint, WIDE_CALL_ROWS, 0), _request(checkpoint, 5, 1)
+        sent = in_place.send("g0", wide, 30)
+        assert computed_on == [(threading.current_thread().name, 2)]  # computed within send, at both threads
+        later = in_place.send("g0", small, 30)
+        assert torch.equal(sent.result().partial, _call(unary, wide))
+        assert torch.equal(later.result().partial, _call(unary, small))
+        assert torch.get_num_threads() == 1
+    finally:
+        unary.close()
         in_place.close()
         torch.set_num_threads(threads_before)
 

@@ -19,7 +19,8 @@ Glossary:
 
 A lane takes work only while someone else computes too or more than one work is queued: a layer's lone call
 is left to its sender, who computes it at all its threads (a lane would compute it at fewer while the sender
-sleeps).
+sleeps). Work large enough to keep every thread busy on its own is not queued at all: its sender computes it at
+once at all the lanes' threads (``run_wide``), one such work after another.
 """
 
 from __future__ import annotations
@@ -129,6 +130,19 @@ class ComputeLanes:
                     torch.set_num_threads(restore)
             else:
                 self._run(taken, lane=False)
+
+    def run_wide(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on this thread now, at all the threads the lanes share out (the lanes' and the sender's), even
+        from a thread narrowed to fewer; this thread's own setting comes back after."""
+        threads = self.threads_each * (len(self._threads) + 1)
+        restore = torch.get_num_threads()
+        if restore == threads:
+            return fn()
+        torch.set_num_threads(threads)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(restore)
 
     def cancel(self, work: Work) -> None:
         """Drop ``work`` if no one has started it; one running finishes and its result is not read."""

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from expertmesh.contracts.errors import InvalidRequest, NotHosted, OverBudget
+from expertmesh.infra import row_sums
 from expertmesh.infra.finite import all_finite, finite_rows
 from expertmesh.infra.row_sums import add_rows
 from expertmesh.models.checkpoint import Checkpoint, experts_modules, interface_forward
@@ -189,6 +190,8 @@ class HostedExperts:
         self.device = torch.device(device)
         #: what the experts' products run on (``linear_kernels``; None: the device's best)
         self.linear_kernel = linear_kernel or choose_linear_kernel(self.device, dtype)
+        if self.device.type == "cpu":
+            row_sums.load()  # each call's rows are added into its partial sums
         #: with ``onednn-packed``: the experts' products on the grouped kernel where a module can use it
         #: (``grouped_experts``: one call for all of a call's rows); False: one product per expert
         self.grouped = grouped

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from expertmesh.contracts.errors import CheckpointError
+from expertmesh.infra import row_sums
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.models.linear_kernels import BLAS_MAX_ELEMENTS, LinearKernel, choose_linear_kernel, pack_linears
 from expertmesh.models.weight_layout import input_major, prefers_input_major
@@ -65,6 +66,8 @@ def build_router_model(
     model.requires_grad_(False)
     model.eval()
     kernel = linear_kernel or choose_linear_kernel(device, dtype, grouped=True)
+    if torch.device(device).type == "cpu":
+        row_sums.load()  # the groups' partial sums are added on the host each layer
     if kernel == "blas":
         _lay_out_head(model, device)
     # attention, shared experts, gates and the head: every step reads them all (the smallest stay on blas)

@@ -42,8 +42,10 @@ from torch import nn
 
 from expertmesh.contracts.errors import InvalidRequest, NotHosted, OverBudget
 from expertmesh.infra import row_sums
-from expertmesh.infra.finite import all_finite, finite_rows
+from expertmesh.infra.finite import all_finite
 from expertmesh.infra.row_sums import add_rows
+from expertmesh.models import call_statistics
+from expertmesh.models.call_statistics import per_expert
 from expertmesh.models.checkpoint import Checkpoint, experts_modules, interface_forward
 from expertmesh.models.expert_rows import matches_stock, rows_forward
 from expertmesh.models.fingerprint import fingerprint
@@ -56,7 +58,8 @@ from expertmesh.models.weight_layout import input_major, prefers_input_major
 TOP_K_ALLOWANCE = 1
 #: Default cap on the (token, slot) pairs of one Dispatch, T·K.
 MAX_ROWS = 1 << 20
-#: Calls of up to this many (token, expert) rows (decode steps) keep their statistics in plain Python
+#: Calls of up to this many (token, slot) entries (decode steps) find their pairs in plain Python
+#: (``_compute_small``) where the module does not fuse (``grouped_experts.fuses``)
 SMALL_RECORD_ROWS = 64
 
 #: Tokens of the warm-up's calls per held layer: a decode-sized call (at most SMALL_RECORD_ROWS rows at any top-k
@@ -192,6 +195,7 @@ class HostedExperts:
         self.linear_kernel = linear_kernel or choose_linear_kernel(self.device, dtype)
         if self.device.type == "cpu":
             row_sums.load()  # each call's rows are added into its partial sums
+        call_statistics.load()  # each call's rows are summed into its experts' statistics (on the host)
         #: with ``onednn-packed``: the experts' products on the grouped kernel where a module can use it
         #: (``grouped_experts``: one call for all of a call's rows); False: one product per expert
         self.grouped = grouped
@@ -517,7 +521,7 @@ class HostedExperts:
                 rows = held.forward(hidden[token_idx], local_rows, row_weights)
             add_rows(partial, token_idx, rows)
         if record:
-            self._record_small(held, local, [abs(w) for w in picked], rows)
+            self._record(held, torch.tensor(local), row_weights.squeeze(1), rows)
         return partial
 
     def _pairs(
@@ -535,64 +539,13 @@ class HostedExperts:
             raise _not_held(layer, held, missing)
         return token_idx, slot, local
 
-    def _record_small(self, held: _LayerExperts, experts: list[int], scales: list[float], rows: torch.Tensor) -> None:
-        """``_record`` for a decode-sized call, in plain Python over the rows (``experts`` [S] local rows,
-        ``scales`` [S] |routing weight|): the same sums, in the same order and in double precision, so the
-        same statistics to the bit, for a fraction of the cost."""
-        norms = rows.float().norm(dim=1).tolist()  # [S]
-        # A NaN or an Inf in a row makes its norm one too, so finite norms clear every row at once; only a
-        # call with a non-finite norm (a bad row, or finite values whose squares overflow) checks row by row.
-        finite = [True] * len(norms) if all(map(math.isfinite, norms)) else finite_rows(rows).tolist()  # [S]
-        count: dict[int, int] = {}
-        bad: dict[int, int] = {}
-        normed: dict[int, int] = {}
-        total: dict[int, float] = {}
-        usable = []
-        for i, e in zip(range(len(experts)), experts):
-            count[e] = count.get(e, 0) + 1
-            bad[e] = bad.get(e, 0) + (not finite[i])
-            ok = finite[i] and scales[i] > 0
-            usable.append(ok)
-            if ok:
-                normed[e] = normed.get(e, 0) + 1
-                total[e] = total.get(e, 0.0) + norms[i] / scales[i]
-        mean = {e: total.get(e, 0.0) / max(normed.get(e, 0), 1) for e in count}
-        m2: dict[int, float] = {}
-        for i, e in enumerate(experts):
-            if usable[i]:
-                deviation = norms[i] / scales[i] - mean[e]
-                m2[e] = m2.get(e, 0.0) + deviation * deviation
-        with self._stats_lock:
-            for e in sorted(count):
-                held.stats[held.ids[e]].merge(count[e], bad[e], normed.get(e, 0), mean[e], m2.get(e, 0.0))
-
     def _record(self, held: _LayerExperts, local: torch.Tensor, row_weights: torch.Tensor, rows: torch.Tensor) -> None:
-        """Merge one call's output rows into each expert's statistics.
-
-        local [S] local rows, row_weights [S], rows [S, H] weighted outputs. The module
-        applies the routing weight itself, so an unweighted norm is the weighted one over
-        |weight|; rows with weight 0 (no norm to recover) or a non-finite output count in
-        rows but not in the norm statistics.
-        """
-        if len(local) <= SMALL_RECORD_ROWS:
-            self._record_small(held, local.tolist(), row_weights.abs().tolist(), rows)
-            return
-        n = len(held.ids)
-        finite = finite_rows(rows)  # [S]
-        scale = row_weights.abs().double()  # [S]
-        usable = finite & (scale > 0)  # [S]
-        norms = torch.where(usable, rows.float().norm(dim=1).double() / scale, 0.0)  # [S]
-        count = torch.bincount(local, minlength=n).double()  # [n]
-        non_finite = torch.bincount(local, weights=(~finite).double(), minlength=n)  # [n]
-        normed = torch.bincount(local, weights=usable.double(), minlength=n)  # [n]
-        mean = torch.bincount(local, weights=norms, minlength=n) / normed.clamp(min=1)  # [n]
-        deviation = torch.where(usable, norms - mean[local], 0.0)  # [S]
-        m2 = torch.bincount(local, weights=deviation * deviation, minlength=n)  # [n]
-        hit = count.nonzero().squeeze(1)  # [h]
-        table = torch.stack([count, non_finite, normed, mean, m2], dim=1)[hit].tolist()  # [h, 5]
+        """Merge one call's output rows into each expert's statistics (``call_statistics``): local [S] local rows,
+        row_weights [S], rows [S, H] weighted outputs."""
+        table = per_expert(local, row_weights, rows, len(held.ids))
         with self._stats_lock:
-            for i, (rows_n, bad, k, mu, sq) in zip(hit.tolist(), table):
-                held.stats[held.ids[i]].merge(int(rows_n), int(bad), int(k), mu, sq)
+            for e, rows_n, bad, normed, mean, m2 in table:
+                held.stats[held.ids[e]].merge(rows_n, bad, normed, mean, m2)
 
 
 def _not_held(layer: int, held: _LayerExperts, missing: list[int]) -> NotHosted:

@@ -171,24 +171,34 @@ def test_property_every_valid_slot_is_sent_exactly_once_to_a_holder(tokens, k, l
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 12), st.integers(1, 3), st.sampled_from([torch.float32, torch.bfloat16]), st.data())
-def test_property_small_layers_are_planned_in_python_exactly_as_with_tensors(tokens, k, dtype, data):
-    """Layer 0 has no replicated experts: a decode-sized plan takes the plain-Python path, which must
-    give the tensor path's calls bit for bit (the weights' dtype and every value, -1 / 0 elsewhere)."""
+@given(
+    st.integers(1, 40),
+    st.integers(1, 3),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    st.sampled_from([0, 1]),
+    st.data(),
+)
+def test_property_layers_without_replicas_are_planned_in_python_and_numpy_exactly_as_with_tensors(
+    tokens, k, dtype, layer, data
+):
+    """A layer with no replicated expert in play (layer 0; layer 1 where its replicated expert is not chosen) is
+    planned in plain Python (decode-sized) or numpy (larger, weights numpy holds): each must give the tensor path's
+    calls bit for bit (the weights' dtype and every value, -1 / 0 elsewhere), and plan_layer takes one of them."""
     view = RoutingView.build(_two_groups(), moe_layers=(0, 1))
+    highest = E if layer == 0 else E - 1  # layer 1: expert 3 (replicated) never chosen, the sentinel E is
     index = torch.tensor(
-        data.draw(st.lists(st.lists(st.integers(0, E), min_size=k, max_size=k), min_size=tokens, max_size=tokens))
+        data.draw(st.lists(st.lists(st.integers(0, highest), min_size=k, max_size=k), min_size=tokens, max_size=tokens))
     )
+    index[index == E - 1] = E if layer == 1 else E - 1
     weights = torch.rand(tokens, k).to(dtype)
-    small = plan_layer(view, 0, index, weights, [0, 0])
-    original = dispatch_plan.SMALL_PLAN_SLOTS
-    dispatch_plan.SMALL_PLAN_SLOTS = 0
-    try:
-        tensors = plan_layer(view, 0, index, weights, [0, 0])
-    finally:
-        dispatch_plan.SMALL_PLAN_SLOTS = original
-    assert [c.group for c in small] == [c.group for c in tensors]
-    for a, b in zip(small, tensors):
-        for name in ("tokens", "expert_ids", "weights"):
-            x, y = getattr(a, name), getattr(b, name)
-            assert x.dtype == y.dtype and torch.equal(x, y), name
+    tensors = dispatch_plan._plan_tensors(view, layer, index, weights, [0, 0])
+    paths = {"plan_layer": plan_layer(view, layer, index, weights, [0, 0])}
+    paths["python"] = dispatch_plan._plan_small(view.primary[layer].tolist(), E, index, weights)
+    if dtype is not torch.bfloat16:
+        paths["numpy"] = dispatch_plan._plan_primaries(view.primary[layer].numpy(), E, index, weights)
+    for path, calls in paths.items():
+        assert [c.group for c in calls] == [c.group for c in tensors], path
+        for a, b in zip(calls, tensors):
+            for name in ("tokens", "expert_ids", "weights"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert x.dtype == y.dtype and torch.equal(x, y), (path, name)

@@ -130,20 +130,27 @@ at::Tensor grouped_linear(const at::Tensor& x_in, at::IntArrayRef starts, const 
   return y;
 }
 
+// Rows already grouped by expert (starts) through their experts' gated (SiLU) MLP, each output row times its
+// weight ([S, 1]): grouped_rows_forward's ops after its gather, the same ATen ops in the same order.
+at::Tensor glu_grouped(const at::Tensor& rows, at::IntArrayRef starts, const at::Tensor& gate_up, int64_t n_gate_up,
+                       const at::Tensor& down, int64_t n_down, const at::Tensor& weights) {
+  TORCH_CHECK(n_gate_up % 2 == 0, "grouped_silu_glu: gate and up outputs as many");
+  const at::Tensor h = grouped_linear(rows, starts, gate_up, n_gate_up);  // [S, 2I]
+  const auto halves = h.chunk(2, -1);
+  const at::Tensor gated = at::silu(halves[0]) * halves[1];               // [S, I]
+  return grouped_linear(gated, starts, down, n_down).mul_(weights);       // [S, H]
+}
+
 // A gated (SiLU) expert MLP of rows in one call: grouped_experts.py's grouped_rows_forward, its ops the same ATen
 // ops in the same order (so the same bits), without a trip through Python between them. hidden [S, K] in the
 // call's order; order [S] (None: already grouped) the row at each grouped position; weights [S, 1].
 at::Tensor grouped_silu_glu(const at::Tensor& hidden, const c10::optional<at::Tensor>& order, at::IntArrayRef starts,
                             const at::Tensor& gate_up, int64_t n_gate_up, const at::Tensor& down, int64_t n_down,
                             const at::Tensor& weights) {
-  TORCH_CHECK(n_gate_up % 2 == 0, "grouped_silu_glu: gate and up outputs as many");
   const bool permuted = order.has_value();
   const at::Tensor rows = permuted ? hidden.index_select(0, *order) : hidden;  // [S, K] grouped by expert
-  const at::Tensor h = grouped_linear(rows, starts, gate_up, n_gate_up);       // [S, 2I]
-  const auto halves = h.chunk(2, -1);
-  const at::Tensor gated = at::silu(halves[0]) * halves[1];                    // [S, I]
-  at::Tensor out = grouped_linear(gated, starts, down, n_down);                // [S, H]
-  out = out * (permuted ? weights.index_select(0, *order) : weights);
+  const at::Tensor out = glu_grouped(rows, starts, gate_up, n_gate_up, down, n_down,
+                                     permuted ? weights.index_select(0, *order) : weights);  // [S, H]
   if (!permuted) return out;
   return at::empty_like(out).index_copy_(0, *order, out);
 }
@@ -152,8 +159,8 @@ at::Tensor grouped_silu_glu(const at::Tensor& hidden, const c10::optional<at::Te
 // ids, -1 an empty slot) that this group holds (local_of [G]: global id -> local expert, -1 not held), in row
 // order; their rows through grouped_silu_glu, weighted; and their sum per token, added in pair order (as
 // row_sums.add_rows adds: the same bits). Returns (partial [T, H], rows [S, H] and local [S] int64 and row_weights
-// [S] in pair order, missing [M] int64): a call naming ids the group does not hold (or past G) computes nothing
-// and returns them, sorted, for the caller's NotHosted.
+// [S] grouped by expert, each expert's in pair order, missing [M] int64): a call naming ids the group does not
+// hold (or past G) computes nothing and returns them, sorted, for the caller's NotHosted.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_silu_glu_call(
     const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& weights, const at::Tensor& local_of,
     const at::Tensor& gate_up, int64_t n_gate_up, const at::Tensor& down, int64_t n_down) {
@@ -193,29 +200,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_s
             at::tensor(missing, longs)};
   }
   const int64_t S = static_cast<int64_t>(token.size()), H = hidden.size(1);
-  at::Tensor local_t = at::tensor(local, longs);                                     // [S]
-  at::Tensor row_weights = at::tensor(scale, weights.options()).unsqueeze(1);        // [S, 1]
-  if (S == 0) return {partial, hidden.new_empty({0, H}), local_t, row_weights.squeeze(1), at::empty({0}, longs)};
+  if (S == 0)
+    return {partial, hidden.new_empty({0, H}), at::empty({0}, longs), weights.new_empty({0}), at::empty({0}, longs)};
   // grouped_rows_forward's plan: a stable order of the pairs by expert, and where each expert's rows start
   std::vector<int64_t> order(S), starts(E + 1, 0);
   for (int64_t s = 0; s < S; ++s) order[s] = s;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return local[a] < local[b]; });
   for (int64_t s = 0; s < S; ++s) ++starts[local[s] + 1];
   for (int64_t e = 0; e < E; ++e) starts[e + 1] += starts[e];
-  bool in_order = true;
-  for (int64_t s = 0; s < S && in_order; ++s) in_order = order[s] == s;
-  const at::Tensor rows_in = hidden.index_select(0, at::tensor(token, longs));  // [S, H] in pair order
-  const c10::optional<at::Tensor> index = in_order ? c10::nullopt : c10::optional<at::Tensor>(at::tensor(order, longs));
-  at::Tensor rows = grouped_silu_glu(rows_in, index, starts, gate_up, n_gate_up, down, n_down, row_weights);  // [S, H]
-  rows = rows.contiguous();
+  // Each pair's row gathered straight into its grouped place, with its weight and expert (a gather copies: the
+  // same rows as gathering in pair order and then by expert); the outputs stay grouped (position[s]: pair s's).
+  std::vector<int64_t> grouped_token(S), grouped_local(S), position(S);
+  std::vector<float> grouped_scale(S);
+  for (int64_t g = 0; g < S; ++g) {
+    grouped_token[g] = token[order[g]];
+    grouped_local[g] = local[order[g]];
+    grouped_scale[g] = scale[order[g]];
+    position[order[g]] = g;
+  }
+  const at::Tensor rows_in = hidden.index_select(0, at::tensor(grouped_token, longs));        // [S, H] grouped
+  const at::Tensor row_weights = at::tensor(grouped_scale, weights.options()).unsqueeze(1);  // [S, 1] grouped
+  const at::Tensor rows = glu_grouped(rows_in, starts, gate_up, n_gate_up, down, n_down, row_weights).contiguous();
+  // each token's sum in pair order (row_sums.add_rows' order, so its bits with any top-k)
   float* out = partial.data_ptr<float>();
   const float* rp = rows.data_ptr<float>();
   for (int64_t s = 0; s < S; ++s) {
     float* dst = out + token[s] * H;
-    const float* src = rp + s * H;
+    const float* src = rp + position[s] * H;
     for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
   }
-  return {partial, rows, local_t, row_weights.squeeze(1), at::empty({0}, longs)};
+  // the rows for the statistics in grouped order: each expert's rows in their pair order, so the same sums
+  return {partial, rows, at::tensor(grouped_local, longs), row_weights.squeeze(1), at::empty({0}, longs)};
 }
 
 }  // namespace

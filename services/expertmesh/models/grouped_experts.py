@@ -228,7 +228,8 @@ def grouped_call(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A group's whole call on a module that ``fuses``, in one op: hidden [T, H], expert_ids [T, K] (global ids, -1
     empty), weights [T, K] float32, local_of [G] (global id -> local expert, -1 not held) -> (partial sums [T, H];
-    rows [S, H], local [S] and row weights [S] of the held (token, slot) pairs in row order, for the statistics;
+    rows [S, H], local [S] and row weights [S] of the held (token, slot) pairs grouped by expert, each expert's in
+    row order (so each expert's statistics sum as in row order), for the statistics;
     missing [M]: the ids named that the group does not hold, sorted, where nothing was computed).
 
     The pairs, ``grouped_rows_forward``'s plan and ``row_sums.add_rows``' sums in C++, around the same

@@ -359,3 +359,13 @@ def issue_certificate(
         names = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(a)) for a in ips]
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return key, builder.sign(signer_key, hashes.SHA256())
+
+
+def kernel_or_fallback(param: str, monkeypatch, module) -> str:
+    """A test's path through ``module`` (one with a CPU kernel: ``load()`` and ``_built``): ``"kernel"`` builds it
+    (a failed build fails the test, never a silent fallback), anything else makes the module take its fallback."""
+    if param == "kernel":
+        assert module.load(), f"{module.__name__}'s kernel did not build"
+    else:
+        monkeypatch.setattr(module, "_built", False)
+    return param

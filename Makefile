@@ -20,13 +20,19 @@ install: $(VENV)/.installed proto kernels
 
 # The CPU kernels, built once per machine into torch's extensions folder (~25 s each; g++ and ninja), so neither
 # `make run`'s first start nor a test's router or group waits for them: decode attention
-# (services/expertmesh/serving/cpu_paged_decode.cpp) and a group's experts (services/expertmesh/models/
-# grouped_experts.cpp). A machine that cannot build one serves with the slower path beside it (the log says why).
+# (services/expertmesh/serving/cpu_paged_decode.cpp), a group's experts (services/expertmesh/models/
+# grouped_experts.cpp), the partial sums' adds (services/expertmesh/infra/row_sums.cpp) and the experts' statistics
+# (services/expertmesh/models/call_statistics.cpp). A machine that cannot build one serves with the slower path
+# beside it (the log says why).
 kernels: $(VENV)/.installed
 	@$(PY) -c "import sys; from expertmesh.serving import cpu_paged_decode as k; sys.exit(not k.load())" \
 		|| echo "expertmesh: the CPU paged-decode attention kernel did not build; decode attention gathers instead"
 	@$(PY) -c "import sys; from expertmesh.models import grouped_experts as k; sys.exit(not k.load())" \
 		|| echo "expertmesh: the grouped experts kernel did not build; experts compute one product at a time"
+	@$(PY) -c "import sys; from expertmesh.infra import row_sums as k; sys.exit(not k.load())" \
+		|| echo "expertmesh: the row sums kernel did not build; partial sums are added by ATen's index ops"
+	@$(PY) -c "import sys; from expertmesh.models import call_statistics as k; sys.exit(not k.load())" \
+		|| echo "expertmesh: the call statistics kernel did not build; expert statistics are summed in Python"
 
 proto: $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=services --grpc_python_out=services \

@@ -30,9 +30,12 @@ import enum
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
+
+from expertmesh.infra.cpu_threads import at_threads
 
 __all__ = ["ComputeLanes", "Work", "WorkState", "split_threads"]
 
@@ -120,29 +123,16 @@ class ComputeLanes:
                     if left is not None and left <= 0:
                         return False
                     self._cond.wait(left)
-            if beside and self.threads_each < torch.get_num_threads():
-                # (torch's process-wide default follows for the while: a thread started meanwhile takes it)
-                restore = torch.get_num_threads()
-                torch.set_num_threads(self.threads_each)
-                try:
-                    self._run(taken, lane=False)
-                finally:
-                    torch.set_num_threads(restore)
-            else:
+            # (torch's process-wide default follows for the while: a thread started meanwhile takes it)
+            narrow = beside and self.threads_each < torch.get_num_threads()
+            with at_threads(self.threads_each) if narrow else nullcontext():
                 self._run(taken, lane=False)
 
     def run_wide(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on this thread now, at all the threads the lanes share out (the lanes' and the sender's), even
         from a thread narrowed to fewer; this thread's own setting comes back after."""
-        threads = self.threads_each * (len(self._threads) + 1)
-        restore = torch.get_num_threads()
-        if restore == threads:
+        with at_threads(self.threads_each * (len(self._threads) + 1)):
             return fn()
-        torch.set_num_threads(threads)
-        try:
-            return fn()
-        finally:
-            torch.set_num_threads(restore)
 
     def cancel(self, work: Work) -> None:
         """Drop ``work`` if no one has started it; one running finishes and its result is not read."""

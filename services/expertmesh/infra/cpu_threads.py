@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -56,18 +56,26 @@ def router_threads_here(setting: int) -> int:
 
 
 @contextmanager
-def one_thread_while(serial: bool) -> Iterator[None]:
-    """Within, the calling thread's torch ops run on one intra-op thread when ``serial`` (else as they were); its
-    count is restored after."""
-    threads = torch.get_num_threads()
-    if not serial or threads == 1:
+def at_threads(threads: int) -> Iterator[None]:
+    """Within, the calling thread's torch ops run on ``threads`` intra-op threads; its own count is restored
+    after (nothing is set where it is already ``threads``)."""
+    now = torch.get_num_threads()
+    if threads == now:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(now)
+
+
+@contextmanager
+def one_thread_while(serial: bool) -> Iterator[None]:
+    """Within, the calling thread's torch ops run on one intra-op thread when ``serial`` (else as they were); its
+    count is restored after."""
+    with at_threads(1) if serial else nullcontext():
+        yield
 
 
 #: a product of at least this many outputs (rows x columns) computes on all of the router's threads in a step
@@ -80,12 +88,5 @@ def all_threads_for(work: int, threads: int) -> Iterator[None]:
     """Within, the calling thread's torch ops run on ``threads`` intra-op threads when ``work`` (the outputs of the
     one product inside) is at least ``WIDE_WORK`` and the thread runs on fewer now (a step narrowed by
     ``one_thread_while``); else as they are. ``threads``: the router's (0: leave them)."""
-    now = torch.get_num_threads()
-    if work < WIDE_WORK or now >= threads:
+    with at_threads(threads) if work >= WIDE_WORK and torch.get_num_threads() < threads else nullcontext():
         yield
-        return
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(now)

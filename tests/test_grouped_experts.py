@@ -195,3 +195,51 @@ def test_a_whole_call_in_one_op_gives_the_step_paths_sums_statistics_and_refusal
                 hosted.compute(layer, torch.randn(1, spec.hidden_size), ids, torch.rand(1, 2))
             refusals.append(str(refused.value))
         assert refusals[0] == refusals[1] and str(bad[0][0]) in refusals[0]
+
+
+def test_the_kernels_silu_is_at_silus_bits_and_the_check_would_see_another():
+    """``exact_silu``: the gated products' epilogue (Sleef's expf at ATen's vector width) gives ``at::silu``'s bits
+    here, on the check's whole spread of values; and that spread tells a SiLU a rounding away (the same formula on
+    a correctly rounded exp differs on hundreds of its values), so a torch whose SiLU changed would be seen."""
+    assert grouped_experts.exact_silu()
+    grid = torch.arange(-6400, 6400, dtype=torch.float32) / 64  # the check's spread
+    rounded_exp = torch.exp((-grid).double()).float()
+    other = grid / (1 + rounded_exp)
+    assert (other.view(torch.int32) != torch.nn.functional.silu(grid).view(torch.int32)).sum() > 100
+
+
+@pytest.mark.parametrize("intermediate", [96, 48], ids=["gate-at-a-tile-edge", "gate-inside-a-tile"])
+def test_a_fused_call_gives_the_unfused_calls_bits(intermediate):
+    """The whole call with the gate in the gate-and-up products' epilogue and the routing weights in the down
+    products' (``fused``) gives the ATen ops' bits: every output of the call, experts with no row, one, and past two
+    register blocks, rows in and out of expert order. A gate that does not end at a tile's edge (48 of 32-column
+    tiles) takes the unfused path whatever is asked (the same bits, by construction)."""
+    g = torch.Generator().manual_seed(intermediate)
+    experts, hidden_size, tokens = 3, 40, 29
+    gate_up = GroupedRows(torch.randn(experts, 2 * intermediate, hidden_size, generator=g) * 0.3, transposed=False)
+    down = GroupedRows(torch.randn(experts, hidden_size, intermediate, generator=g) * 0.3, transposed=False)
+    hidden = torch.randn(tokens, hidden_size, generator=g) * 2
+    ids = torch.randint(1, experts, (tokens, 2), generator=g)  # local expert 0 gets no row
+    ids[3, 0] = 0  # then one
+    weights = torch.rand(tokens, 2, generator=g)
+    local_of = torch.arange(experts)
+
+    def call(fused: bool):
+        return torch.ops.expertmesh_experts.grouped_silu_glu_call(
+            hidden, ids, weights, local_of, gate_up.packed(), 2 * intermediate, down.packed(), hidden_size, fused
+        )
+
+    fused, unfused = call(True), call(False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, unfused, strict=True))
+    assert fused[1].shape == (2 * tokens, hidden_size) and fused[0].abs().sum() > 0
+    order = torch.randperm(2 * tokens, generator=g)
+    rows = torch.randn(2 * tokens, hidden_size, generator=g)
+    starts = [0, 11, 11 + 17, 2 * tokens]
+    row_weights = torch.rand(2 * tokens, 1, generator=g)
+    one = [
+        torch.ops.expertmesh_experts.grouped_silu_glu(
+            rows, order, starts, gate_up.packed(), 2 * intermediate, down.packed(), hidden_size, row_weights, fused
+        )
+        for fused in (True, False)
+    ]
+    assert torch.equal(one[0], one[1])

@@ -9,7 +9,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <sleef.h>
+#include <immintrin.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -51,9 +55,11 @@ inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 
 inline void store(float* p, vec v) { *reinterpret_cast<vec*>(p) = v; }
 
-// M rows of x (row stride K) through one tile [K, NR]: y[m, n0 .. n0 + cols) (row stride N), cols <= NR.
+// M rows of x (row stride K) through one tile [K, NR]: y[m, n0 .. n0 + cols) (row stride N), cols <= NR; each
+// row times scale[m] where scale is given.
 template <int M>
-inline void block(const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0, int64_t cols) {
+inline void block(const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0, int64_t cols,
+                  const float* scale = nullptr) {
   vec acc[M][CV];
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < CV; ++c) acc[m][c] = vec{};
@@ -68,6 +74,9 @@ inline void block(const float* x, int64_t K, const float* tile, float* y, int64_
       for (int m = 0; m < M; ++m) acc[m][c] += x[m * K + k] * w;
     }
   }
+  if (scale != nullptr)  // each output row times its routing weight: ATen's mul_ of the product, the same rounding
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < CV; ++c) acc[m][c] *= scale[m];
   for (int m = 0; m < M; ++m) {
     float* dst = y + m * N + n0;
     if (cols == NR) {
@@ -80,61 +89,178 @@ inline void block(const float* x, int64_t K, const float* tile, float* y, int64_
   }
 }
 
-// The last rows - r < MR rows of a tile, M of them at most.
+// SiLU's GLU of NR gate and up values: silu(g) * u, silu as ATen's vectorized CPU kernel computes it (x / (1 +
+// exp(-x)), its exp Sleef's 1-ULP expf at the width ATen's kernel for this host runs: 16 floats with AVX-512, 8
+// with AVX2), rounded, then times u: the bits of at::silu(gate) * up. grouped_experts.py's exact_silu checks that
+// at load against at::silu on a spread of values, and the unfused path serves where it does not hold.
+inline void silu_glu_tile(const float* g, const float* u, float* dst) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  for (int c = 0; c < NR; c += VEC) {
+    const vec x = load(g + c);
+#if defined(__AVX512F__)
+    const vec e = reinterpret_cast<vec>(Sleef_expf16_u10(reinterpret_cast<__m512>(-x)));
+#else
+    const vec e = reinterpret_cast<vec>(Sleef_expf8_u10(reinterpret_cast<__m256>(-x)));
+#endif
+    const vec silu = x / (1.0f + e);
+    store(dst + c, silu * load(u + c));
+  }
+#else  // ATen's default kernel: std::exp a value at a time
+  for (int c = 0; c < NR; ++c) {
+    const float silu = g[c] / (1.0f + std::exp(-g[c]));
+    dst[c] = silu * u[c];
+  }
+#endif
+}
+
+// M rows of x through a gate tile and its up tile: y[m, n0 .. n0 + NR) = silu(x W_gate) * (x W_up) (row stride I),
+// the two products' blocks kept on the stack between the products and the gate.
+template <int M>
+inline void glu_block(const float* x, int64_t K, const float* gate_tile, const float* up_tile, float* y, int64_t I,
+                      int64_t n0) {
+  float g[M * NR], u[M * NR];
+  block<M>(x, K, gate_tile, g, NR, 0, NR);
+  block<M>(x, K, up_tile, u, NR, 0, NR);
+  for (int m = 0; m < M; ++m) silu_glu_tile(g + m * NR, u + m * NR, y + m * I + n0);
+}
+
+// The last rows - r < MR rows of a tile, M of them at most (tail: one tile; glu_tail: a gate tile and its up tile).
 template <int M>
 inline void tail(int64_t rest, const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0,
-                 int64_t cols) {
+                 int64_t cols, const float* scale) {
   if constexpr (M > 0) {
-    if (rest == M) return block<M>(x, K, tile, y, N, n0, cols);
-    tail<M - 1>(rest, x, K, tile, y, N, n0, cols);
+    if (rest == M) return block<M>(x, K, tile, y, N, n0, cols, scale);
+    tail<M - 1>(rest, x, K, tile, y, N, n0, cols, scale);
+  }
+}
+
+template <int M>
+inline void glu_tail(int64_t rest, const float* x, int64_t K, const float* gate_tile, const float* up_tile, float* y,
+                     int64_t I, int64_t n0) {
+  if constexpr (M > 0) {
+    if (rest == M) return glu_block<M>(x, K, gate_tile, up_tile, y, I, n0);
+    glu_tail<M - 1>(rest, x, K, gate_tile, up_tile, y, I, n0);
   }
 }
 
 void rows_through_tile(const float* x, int64_t rows, int64_t K, const float* tile, float* y, int64_t N, int64_t n0,
-                       int64_t cols) {
+                       int64_t cols, const float* scale) {
   int64_t r = 0;
-  for (; r + MR <= rows; r += MR) block<MR>(x + r * K, K, tile, y + r * N, N, n0, cols);
-  tail<MR - 1>(rows - r, x + r * K, K, tile, y + r * N, N, n0, cols);
+  for (; r + MR <= rows; r += MR)
+    block<MR>(x + r * K, K, tile, y + r * N, N, n0, cols, scale == nullptr ? nullptr : scale + r);
+  tail<MR - 1>(rows - r, x + r * K, K, tile, y + r * N, N, n0, cols, scale == nullptr ? nullptr : scale + r);
 }
 
-// The products of rows grouped by expert (x [S, K], starts [E + 1]) through packed [E, T, K, NR] into y [S, n].
+void rows_through_glu_tile(const float* x, int64_t rows, int64_t K, const float* gate_tile, const float* up_tile,
+                           float* y, int64_t I, int64_t n0) {
+  int64_t r = 0;
+  for (; r + MR <= rows; r += MR) glu_block<MR>(x + r * K, K, gate_tile, up_tile, y + r * I, I, n0);
+  glu_tail<MR - 1>(rows - r, x + r * K, K, gate_tile, up_tile, y + r * I, I, n0);
+}
+
+// The products of rows grouped by expert (x [S, K], starts [E + 1]) through packed [E, T, K, NR] into y [S, n],
+// each row times scale[row] where scale [S] is given.
 void products(const float* xp, const std::vector<int64_t>& st, int64_t K, const float* wp, int64_t E, int64_t T,
-              int64_t n, float* yp) {
+              int64_t n, float* yp, const float* scale = nullptr) {
   // Tile-major, expert-minor: each thread's share spans every expert, so uneven rows per expert still balance.
   at::parallel_for(0, T * E, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / E, e = i % E, r0 = st[e], rows = st[e + 1] - st[e];
       if (rows == 0) continue;
       const int64_t n0 = t * NR, cols = std::min<int64_t>(NR, n - n0);
-      rows_through_tile(xp + r0 * K, rows, K, wp + (e * T + t) * K * NR, yp + r0 * n, n, n0, cols);
+      rows_through_tile(xp + r0 * K, rows, K, wp + (e * T + t) * K * NR, yp + r0 * n, n, n0, cols,
+                        scale == nullptr ? nullptr : scale + r0);
     }
   });
 }
 
-at::Tensor grouped_linear(const at::Tensor& x_in, at::IntArrayRef starts, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+// The gated products of rows grouped by expert through a stacked gate and up weight packed [E, 2 * I / NR, K, NR]
+// (the gate's I outputs, then the up's; I a multiple of NR) into y [S, I] = silu(x W_gate) * (x W_up): each item
+// a gate tile and its up tile, so the [S, 2I] products are never written out, nor read back for the gate.
+void glu_products(const float* xp, const std::vector<int64_t>& st, int64_t K, const float* wp, int64_t E, int64_t I,
+                  float* yp) {
+  const int64_t half = I / NR, T = 2 * half;
+  at::parallel_for(0, half * E, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / E, e = i % E, r0 = st[e], rows = st[e + 1] - st[e];
+      if (rows == 0) continue;
+      rows_through_glu_tile(xp + r0 * K, rows, K, wp + (e * T + t) * K * NR, wp + (e * T + t + half) * K * NR,
+                            yp + r0 * I, I, t * NR);
+    }
+  });
+}
+
+// The shapes a grouped product takes (grouped_linear's and the gated products'): x [S, K] float32, packed [E, T,
+// K, NR] float32 contiguous, n outputs within its tiles, starts [E + 1] ascending from 0 to S.
+void check_products(const at::Tensor& x, at::IntArrayRef starts, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
               "grouped_linear: float32 rows and weights");
-  TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 4 && packed.size(3) == NR && packed.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(3) == NR && packed.is_contiguous(),
               "grouped_linear: x [S, K] and packed [E, T, K, 32], contiguous");
-  const at::Tensor x = x_in.contiguous();
   const int64_t S = x.size(0), K = x.size(1), E = packed.size(0), T = packed.size(1);
   TORCH_CHECK(packed.size(2) == K, "grouped_linear: the weights' inputs as wide as the rows");
   TORCH_CHECK(n > (T - 1) * NR && n <= T * NR, "grouped_linear: n within the packed tiles");
   TORCH_CHECK(static_cast<int64_t>(starts.size()) == E + 1 && starts[0] == 0 && starts[E] == S,
               "grouped_linear: starts [E + 1] from 0 to the rows");
   for (int64_t e = 0; e < E; ++e) TORCH_CHECK(starts[e] <= starts[e + 1], "grouped_linear: starts ascending");
+}
+
+// scale [S] (row_weights [S, 1]): each output row times its weight.
+at::Tensor grouped_linear_scaled(const at::Tensor& x_in, at::IntArrayRef starts, const at::Tensor& packed, int64_t n,
+                                 const float* scale) {
+  check_products(x_in, starts, packed, n);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t S = x.size(0), K = x.size(1), E = packed.size(0), T = packed.size(1);
   auto y = at::empty({S, n}, x.options());
   if (S == 0) return y;
   const std::vector<int64_t> st(starts.begin(), starts.end());
-  products(x.data_ptr<float>(), st, K, packed.data_ptr<float>(), E, T, n, y.data_ptr<float>());
+  products(x.data_ptr<float>(), st, K, packed.data_ptr<float>(), E, T, n, y.data_ptr<float>(), scale);
+  return y;
+}
+
+at::Tensor grouped_linear(const at::Tensor& x, at::IntArrayRef starts, const at::Tensor& packed, int64_t n) {
+  return grouped_linear_scaled(x, starts, packed, n, nullptr);
+}
+
+// Whether a gate-and-up weight of n_gate_up outputs splits into gate and up at a tile's edge (glu_products).
+bool glu_tiles(int64_t n_gate_up) { return n_gate_up % (2 * NR) == 0; }
+
+// silu(h[:, :I]) * h[:, I:] of h [S, 2I] (I a multiple of NR) by the gated products' epilogue: what exact_silu
+// compares with at::silu.
+at::Tensor silu_glu_epilogue(const at::Tensor& h_in) {
+  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat && glu_tiles(h_in.size(1)),
+              "silu_glu_epilogue: h [S, 2I] float32, I a multiple of 32");
+  const at::Tensor h = h_in.contiguous();
+  const int64_t S = h.size(0), I = h.size(1) / 2;
+  auto y = at::empty({S, I}, h.options());
+  const float* hp = h.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t c = 0; c < I; c += NR) silu_glu_tile(hp + s * 2 * I + c, hp + s * 2 * I + I + c, yp + s * I + c);
   return y;
 }
 
 // Rows already grouped by expert (starts) through their experts' gated (SiLU) MLP, each output row times its
 // weight ([S, 1]): grouped_rows_forward's ops after its gather, the same ATen ops in the same order.
+// fused: the gate computed in the gate-and-up products' epilogue and the weights in the down products' (the same
+// bits where exact_silu holds; else the ATen ops).
 at::Tensor glu_grouped(const at::Tensor& rows, at::IntArrayRef starts, const at::Tensor& gate_up, int64_t n_gate_up,
-                       const at::Tensor& down, int64_t n_down, const at::Tensor& weights) {
+                       const at::Tensor& down, int64_t n_down, const at::Tensor& weights, bool fused) {
   TORCH_CHECK(n_gate_up % 2 == 0, "grouped_silu_glu: gate and up outputs as many");
+  if (fused && glu_tiles(n_gate_up) && weights.scalar_type() == at::kFloat) {
+    check_products(rows, starts, gate_up, n_gate_up);
+    const at::Tensor x = rows.contiguous();
+    const at::Tensor w = weights.contiguous();  // [S, 1]
+    TORCH_CHECK(w.numel() == x.size(0), "grouped_silu_glu: a weight a row");
+    const int64_t S = x.size(0), I = n_gate_up / 2;
+    auto gated = at::empty({S, I}, x.options());  // [S, I]
+    if (S > 0) {
+      const std::vector<int64_t> st(starts.begin(), starts.end());
+      glu_products(x.data_ptr<float>(), st, x.size(1), gate_up.data_ptr<float>(), gate_up.size(0), I,
+                   gated.data_ptr<float>());
+    }
+    return grouped_linear_scaled(gated, starts, down, n_down, w.data_ptr<float>());  // [S, H]
+  }
   const at::Tensor h = grouped_linear(rows, starts, gate_up, n_gate_up);  // [S, 2I]
   const auto halves = h.chunk(2, -1);
   const at::Tensor gated = at::silu(halves[0]) * halves[1];               // [S, I]
@@ -146,11 +272,11 @@ at::Tensor glu_grouped(const at::Tensor& rows, at::IntArrayRef starts, const at:
 // call's order; order [S] (None: already grouped) the row at each grouped position; weights [S, 1].
 at::Tensor grouped_silu_glu(const at::Tensor& hidden, const c10::optional<at::Tensor>& order, at::IntArrayRef starts,
                             const at::Tensor& gate_up, int64_t n_gate_up, const at::Tensor& down, int64_t n_down,
-                            const at::Tensor& weights) {
+                            const at::Tensor& weights, bool fused) {
   const bool permuted = order.has_value();
   const at::Tensor rows = permuted ? hidden.index_select(0, *order) : hidden;  // [S, K] grouped by expert
   const at::Tensor out = glu_grouped(rows, starts, gate_up, n_gate_up, down, n_down,
-                                     permuted ? weights.index_select(0, *order) : weights);  // [S, H]
+                                     permuted ? weights.index_select(0, *order) : weights, fused);  // [S, H]
   if (!permuted) return out;
   return at::empty_like(out).index_copy_(0, *order, out);
 }
@@ -163,7 +289,7 @@ at::Tensor grouped_silu_glu(const at::Tensor& hidden, const c10::optional<at::Te
 // hold (or past G) computes nothing and returns them, sorted, for the caller's NotHosted.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_silu_glu_call(
     const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& weights, const at::Tensor& local_of,
-    const at::Tensor& gate_up, int64_t n_gate_up, const at::Tensor& down, int64_t n_down) {
+    const at::Tensor& gate_up, int64_t n_gate_up, const at::Tensor& down, int64_t n_down, bool fused) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "grouped_silu_glu_call: hidden [T, H] float32");
   TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == hidden.size(0), "grouped_silu_glu_call: ids [T, K]");
   TORCH_CHECK(weights.sizes() == expert_ids.sizes() && weights.scalar_type() == at::kFloat,
@@ -220,7 +346,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_s
   }
   const at::Tensor rows_in = hidden.index_select(0, at::tensor(grouped_token, longs));        // [S, H] grouped
   const at::Tensor row_weights = at::tensor(grouped_scale, weights.options()).unsqueeze(1);  // [S, 1] grouped
-  const at::Tensor rows = glu_grouped(rows_in, starts, gate_up, n_gate_up, down, n_down, row_weights).contiguous();
+  const at::Tensor rows = glu_grouped(rows_in, starts, gate_up, n_gate_up, down, n_down, row_weights, fused).contiguous();
   // each token's sum in pair order (row_sums.add_rows' order, so its bits with any top-k)
   float* out = partial.data_ptr<float>();
   const float* rp = rows.data_ptr<float>();
@@ -239,14 +365,16 @@ TORCH_LIBRARY(expertmesh_experts, m) {
   m.def("grouped_linear(Tensor x, int[] starts, Tensor packed, int n) -> Tensor");
   m.def(
       "grouped_silu_glu(Tensor hidden, Tensor? order, int[] starts, Tensor gate_up, int n_gate_up, Tensor down, "
-      "int n_down, Tensor weights) -> Tensor");
+      "int n_down, Tensor weights, bool fused) -> Tensor");
   m.def(
       "grouped_silu_glu_call(Tensor hidden, Tensor expert_ids, Tensor weights, Tensor local_of, Tensor gate_up, "
-      "int n_gate_up, Tensor down, int n_down) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "int n_gate_up, Tensor down, int n_down, bool fused) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("silu_glu_epilogue(Tensor h) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(expertmesh_experts, CPU, m) {
   m.impl("grouped_linear", &grouped_linear);
   m.impl("grouped_silu_glu", &grouped_silu_glu);
   m.impl("grouped_silu_glu_call", &grouped_silu_glu_call);
+  m.impl("silu_glu_epilogue", &silu_glu_epilogue);
 }

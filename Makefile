@@ -21,8 +21,9 @@ install: $(VENV)/.installed proto kernels
 # The CPU kernels, built once per machine into torch's extensions folder (~25 s each; g++ and ninja), so neither
 # `make run`'s first start nor a test's router or group waits for them: decode attention
 # (services/expertmesh/serving/cpu_paged_decode.cpp), a group's experts (services/expertmesh/models/
-# grouped_experts.cpp), the partial sums' adds (services/expertmesh/infra/row_sums.cpp) and the experts' statistics
-# (services/expertmesh/models/call_statistics.cpp). A machine that cannot build one serves with the slower path
+# grouped_experts.cpp), the partial sums' adds (services/expertmesh/infra/row_sums.cpp), the experts' statistics
+# (services/expertmesh/models/call_statistics.cpp) and the router's RMS norms (services/expertmesh/models/
+# rms_norm.cpp). A machine that cannot build one serves with the slower path
 # beside it (the log says why).
 kernels: $(VENV)/.installed
 	@$(PY) -c "import sys; from expertmesh.serving import cpu_paged_decode as k; sys.exit(not k.load())" \
@@ -33,6 +34,8 @@ kernels: $(VENV)/.installed
 		|| echo "expertmesh: the row sums kernel did not build; partial sums are added by ATen's index ops"
 	@$(PY) -c "import sys; from expertmesh.models import call_statistics as k; sys.exit(not k.load())" \
 		|| echo "expertmesh: the call statistics kernel did not build; expert statistics are summed in Python"
+	@$(PY) -c "import sys; from expertmesh.models import rms_norm as k; sys.exit(not k.load())" \
+		|| echo "expertmesh: the RMS norm kernel did not build; the router's norms run their own ops"
 
 proto: $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=services --grpc_python_out=services \

@@ -22,6 +22,7 @@ from expertmesh.contracts.errors import CheckpointError
 from expertmesh.infra import row_sums
 from expertmesh.models.checkpoint import Checkpoint, experts_modules
 from expertmesh.models.linear_kernels import BLAS_MAX_ELEMENTS, LinearKernel, choose_linear_kernel, pack_linears
+from expertmesh.models.rms_norm import fuse_rms_norms
 from expertmesh.models.weight_layout import input_major, prefers_input_major
 from expertmesh.router.dispatch.dispatcher import LayerDispatcher
 from expertmesh.router.dispatch.experts_impl import IMPLEMENTATION
@@ -72,6 +73,8 @@ def build_router_model(
         _lay_out_head(model, device)
     # attention, shared experts, gates and the head: every step reads them all (the smallest stay on blas)
     pack_linears(model, kernel, BLAS_MAX_ELEMENTS if kernel == "onednn-packed" else 0, threads)
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        fuse_rms_norms(model)  # each norm one op, where it gives the module's own bits
     return model
 
 

@@ -19,8 +19,8 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed proto kernels
 
 # The CPU kernels, built once per machine into torch's extensions folder (~25 s each; g++ and ninja), so neither
-# `make run`'s first start nor a test's router or group waits for them: decode attention
-# (services/expertmesh/serving/cpu_paged_decode.cpp), a group's experts (services/expertmesh/models/
+# `make run`'s first start nor a test's router or group waits for them: decode and prompt attention
+# (services/expertmesh/serving/cpu_paged_decode.cpp, cpu_prefill_attention.cpp), a group's experts (services/expertmesh/models/
 # grouped_experts.cpp), the partial sums' adds (services/expertmesh/infra/row_sums.cpp), the experts' statistics
 # (services/expertmesh/models/call_statistics.cpp) and the router's RMS norms (services/expertmesh/models/
 # rms_norm.cpp). A machine that cannot build one serves with the slower path
@@ -28,6 +28,8 @@ install: $(VENV)/.installed proto kernels
 kernels: $(VENV)/.installed
 	@$(PY) -c "import sys; from expertmesh.serving import cpu_paged_decode as k; sys.exit(not k.load())" \
 		|| echo "expertmesh: the CPU paged-decode attention kernel did not build; decode attention gathers instead"
+	@$(PY) -c "import sys; from expertmesh.serving import cpu_prefill_attention as k; sys.exit(not k.load())" \
+		|| echo "expertmesh: the CPU prefill attention kernel did not build; prompts attend with torch's SDPA"
 	@$(PY) -c "import sys; from expertmesh.models import grouped_experts as k; sys.exit(not k.load())" \
 		|| echo "expertmesh: the grouped experts kernel did not build; experts compute one product at a time"
 	@$(PY) -c "import sys; from expertmesh.infra import row_sums as k; sys.exit(not k.load())" \

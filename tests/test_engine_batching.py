@@ -327,3 +327,40 @@ def test_pack_lets_each_token_see_its_own_sequence_only(window):
             else:
                 assert mask[0, 0].tolist() == expected
     assert batch.logit_rows.tolist() == [0, 6, 7, 8, 9] and batch.rows_per_chunk == [1, 0, 1, 3]
+
+
+def test_prompts_attend_on_the_cpu_prefill_kernel_with_stock_tokens(tiny_checkpoints, monkeypatch):
+    """With heads the CPU prefill kernel takes (32 wide), a prompt's chunks attend on it (``cpu_paged_decode_attend``
+    -> ``cpu_prefill_attention``): the first chunk over its own keys, the next over the cached ones too; a prompt
+    that joins while others decode, and the same prompt again; every request gets stock transformers' greedy
+    tokens. A spy records the kernel's calls (nothing is faked)."""
+    from expertmesh.serving import cpu_prefill_attention
+
+    calls: list[tuple[int, int]] = []  # (queries, keys) of each call
+    real = cpu_prefill_attention.causal_attention
+
+    def recording(query, keys, values, scale):
+        calls.append((query.shape[2], keys.shape[2]))
+        return real(query, keys, values, scale)
+
+    monkeypatch.setattr(cpu_prefill_attention, "causal_attention", recording)
+    path = tiny_checkpoints("mixtral", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)  # heads of 32
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=RECORDING).eval()
+    long_prompt = tuple(range(3, 73))  # 70 tokens: chunks of 40 and 30
+    requests = [
+        GenerationRequest("long", long_prompt, max_new_tokens=5, stop_at_eos=False),
+        GenerationRequest("short", tuple(3 + i * 7 % 90 for i in range(35)), max_new_tokens=8, stop_at_eos=False),
+    ]
+    again = GenerationRequest("again", long_prompt, max_new_tokens=5, stop_at_eos=False)
+    engine = Engine(model, None, StepDispatcher(), EngineLimits(8, 8, max_step_tokens=40), max_context=128)
+    if engine.runner.mask_spec.kernel != "cpu-paged-decode" or not cpu_prefill_attention.load():
+        engine.stop()
+        pytest.skip("the CPU attention kernels did not build here (no C++ compiler)")
+    try:
+        events = _serve(engine, requests[:1], late=requests[1:])
+        events["again"] = list(engine.submit(again))
+    finally:
+        engine.stop()
+    assert _tokens(events["long"]) == _tokens(events["again"]) == stock_greedy(model, long_prompt, 5)
+    assert _tokens(events["short"]) == stock_greedy(model, requests[1].prompt_ids, 8)
+    assert (40, 40) in calls and (30, 70) in calls, calls  # a first chunk and a later one

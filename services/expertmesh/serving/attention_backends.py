@@ -30,7 +30,7 @@ from typing import Protocol, get_args
 import numpy as np
 import torch
 
-from expertmesh.serving import cpu_paged_decode, paged_attention
+from expertmesh.serving import cpu_paged_decode, cpu_prefill_attention, paged_attention
 from expertmesh.serving.kv_cache import KVPool, PackedCache, positions_and_slots
 from expertmesh.serving.paged_attention import (
     AttendKernel,
@@ -182,5 +182,6 @@ def choose_backend(device: torch.device, implementation: str, latent: bool, dtyp
     if latent:
         return "per-sequence"
     if device.type == "cpu" and implementation == "sdpa" and dtype == torch.float32 and cpu_paged_decode.load():
+        cpu_prefill_attention.load()  # its prompts' rows on the sibling kernel, built now rather than at a first prompt
         return "cpu-paged-decode"
     return "batched-decode"

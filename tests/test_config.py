@@ -271,7 +271,7 @@ def test_kv_cache_settings_from_flags_file_and_environment(tmp_path, monkeypatch
         16,
         True,
     )
-    assert ServingConfig().max_step_tokens == 512
+    assert ServingConfig().max_step_tokens == 1024
     args = _up(
         "--kv-cache-bytes", 1 << 20, "--kv-block-size", 8, "--prefix-caching", "false", "--max-step-tokens", 2048
     )

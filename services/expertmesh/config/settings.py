@@ -238,7 +238,7 @@ class ServingConfig(BaseSettings):
     )
     kv_block_size: int = Field(16, ge=1, description="token positions per KV-cache block")
     max_step_tokens: int = Field(
-        512,
+        1024,
         ge=1,
         le=MAX_STEP_TOKENS,
         description="tokens one engine step feeds at most (decoding sequences first; longer prompts are chunked): "

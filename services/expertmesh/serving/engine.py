@@ -53,7 +53,7 @@ class EngineLimits:
     max_active: int = 32
     max_queued: int = 128
     #: tokens one step feeds at most, decoding requests' tokens first; prompts beyond it are chunked
-    max_step_tokens: int = 512
+    max_step_tokens: int = 1024
     #: the KV pool's size (None: ``kv_cache.auto_cache_bytes``, at most what max_active requests of the whole
     #: context need); the packed step only
     kv_cache_bytes: int | None = None

@@ -111,7 +111,7 @@ class ModelRunner:
         kv: KVCacheManager,
         mask_spec: MaskSpec,
         batching: Batching,
-        max_step_tokens: int = 512,
+        max_step_tokens: int = 1024,
         keep_choices: bool = False,
         serial_step_tokens: int = 0,
     ):

@@ -50,7 +50,7 @@ class SchedulerLimits:
     max_active: int = 32
     max_queued: int = 128
     #: tokens one step feeds at most, decoding requests' tokens first; prompts beyond it are chunked
-    max_step_tokens: int = 512
+    max_step_tokens: int = 1024
 
 
 @dataclass(frozen=True)

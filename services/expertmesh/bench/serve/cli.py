@@ -49,7 +49,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-step-tokens",
         type=int,
-        help="the platform started here feeds at most this many tokens a step (`up --max-step-tokens`; default 512)",
+        help="the platform started here feeds at most this many tokens a step (`up --max-step-tokens`; default 1024)",
     )
     p.add_argument(
         "--threads",

@@ -341,7 +341,7 @@ def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
         "pinned_staging": False,
         "greedy_tokens_chosen": "on the device",
     }
-    assert result["runner"]["input_buckets"][-1] == 512, "the largest bucket is the step's token budget"
+    assert result["runner"]["input_buckets"][-1] == 1024, "the largest bucket is the step's token budget"
     assert "model runner: cpu, packed, attention cpu-paged-decode, capture eager" in out
     # decode steps: batched generate's 2 batches of 2 make 2 decode steps each; the engine's are its own count
     batched_decode = result["runs"][2]["decode_steps"]

@@ -56,12 +56,30 @@ class _WeightOutside(MixtralRMSNorm):
         return hidden_states * (self.weight * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def test_a_norm_computed_another_way_keeps_its_own_forward():
-    model = torch.nn.Sequential(_norm(512, 0), _WeightOutside(512, eps=1e-5))
+class _Gated(MixtralRMSNorm):
+    """A gated RMS norm (Kimi-Linear's, GraniteMoeHybrid's): the same formula without a gate, a second input."""
+
+    def forward(self, hidden_states, gate=None):
+        out = super().forward(hidden_states)
+        return out if gate is None else out * torch.sigmoid(gate)
+
+
+class _GateRequired(MixtralRMSNorm):
+    """A gated norm that cannot run without its gate (Lara-Mini's, Kimi-Linear's)."""
+
+    def forward(self, hidden_states, gate):
+        return super().forward(hidden_states) * torch.sigmoid(gate)
+
+
+def test_a_norm_computed_another_way_or_taking_a_gate_keeps_its_own_forward():
+    model = torch.nn.Sequential(
+        _norm(512, 0), _WeightOutside(512, eps=1e-5), _Gated(512, eps=1e-5), _GateRequired(512, eps=1e-5)
+    )
     model[1].weight.data = torch.rand(512, generator=torch.Generator().manual_seed(1)) + 0.5
-    assert agreeing_lanes(model[1]) is None
+    assert agreeing_lanes(model[1]) is None and agreeing_lanes(model[2]) is None and agreeing_lanes(model[3]) is None
     assert fuse_rms_norms(model) == 1
-    assert isinstance(model[0], FusedRMSNorm) and type(model[1]) is _WeightOutside
+    assert isinstance(model[0], FusedRMSNorm)
+    assert [type(m) for m in model[1:]] == [_WeightOutside, _Gated, _GateRequired]
     assert fuse_rms_norms(model) == 0  # a fused norm is not fused again
 
 

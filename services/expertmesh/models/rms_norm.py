@@ -25,6 +25,7 @@ Shapes: x [..., H] float32, weight [H].
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 from pathlib import Path
@@ -61,10 +62,12 @@ def load() -> bool:
 
 def _candidate(module: nn.Module) -> bool:
     """A module written as transformers' RMS norms are: a float32 [H] ``weight`` on the CPU, a float
-    ``variance_epsilon``, nothing else held."""
+    ``variance_epsilon``, nothing else held, and a forward of the rows alone (not a gated norm's ``(hidden, gate)``:
+    Kimi-Linear's, GraniteMoeHybrid's)."""
     weight = getattr(module, "weight", None)
     return (
         not isinstance(module, FusedRMSNorm)
+        and _takes_rows_alone(type(module).forward)
         and isinstance(weight, nn.Parameter)
         and weight.dim() == 1
         and weight.dtype == torch.float32
@@ -73,6 +76,15 @@ def _candidate(module: nn.Module) -> bool:
         and not any(True for _ in module.children())
         and [name for name, _ in module.named_parameters()] == ["weight"]
     )
+
+
+def _takes_rows_alone(forward) -> bool:
+    """Whether ``forward(self, x)`` is all the forward takes: no other parameter, not even an optional one."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(parameters) == 2 and all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 def agreeing_lanes(module: nn.Module) -> int | None:
@@ -84,7 +96,10 @@ def agreeing_lanes(module: nn.Module) -> int | None:
     g = torch.Generator().manual_seed(0)
     rows = [torch.randn(shape, generator=g) * 3 for shape in ((1, width), (3, 7, width), (37, width))]
     with torch.no_grad():
-        stock = [module(x) for x in rows]
+        try:
+            stock = [module(x) for x in rows]
+        except Exception:  # a module that does not take plain rows so is not one to replace
+            return None
         for lanes in SUM_LANES:
             fused = [torch.ops.expertmesh_norm.rms_norm(x, module.weight, module.variance_epsilon, lanes) for x in rows]
             if all(torch.equal(a, b) for a, b in zip(fused, stock, strict=True)):

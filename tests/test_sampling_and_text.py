@@ -5,7 +5,14 @@ import torch
 
 from expertmesh.contracts.errors import NonFiniteLogits
 from expertmesh.models.tokenizer import save_byte_tokenizer
-from expertmesh.serving.sampling import MIN_TEMPERATURE, SamplingParams, greedy_tokens, make_generator, next_token
+from expertmesh.serving.sampling import (
+    MIN_TEMPERATURE,
+    SamplingParams,
+    greedy_tokens,
+    make_generator,
+    next_token,
+    row_argmax,
+)
 from expertmesh.serving.text_stream import MAX_STOP_BYTES, MAX_STOP_SEQUENCES, TextStream, stop_problems
 
 
@@ -104,6 +111,22 @@ def test_greedy_tokens_for_a_step_are_next_tokens_row_by_row():
     assert greedy_tokens(rows) == expected
     half = [r.to(torch.bfloat16) for r in rows]  # compared in float32, as next_token does
     assert greedy_tokens(half) == [next_token(r, SamplingParams(), None) for r in half]
+
+
+def test_row_argmax_is_torchs_argmax_row_by_row():
+    """The host's vectorised argmax (numpy's) picks torch's ids: the first of tied maxima, +Inf over any finite
+    value, a NaN over everything (the first NaN), a row of -Inf its first id; on strided rows too."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(-3, 4, (64, 300), generator=g).float()  # many ties
+    rows[0, 7] = float("inf")
+    rows[1, 9], rows[1, 4] = float("nan"), float("inf")
+    rows[2, 11], rows[2, 12] = float("nan"), float("nan")
+    rows[3] = float("-inf")
+    rows[4, 5], rows[4, 6] = float("inf"), float("inf")
+    rows[5] = torch.randn(300, generator=g)
+    for scores in (rows, rows[::3], rows[:, 1::2], torch.randn(8, 32000, generator=g), rows[:1]):
+        assert row_argmax(scores) == scores.argmax(dim=-1).tolist()
+    assert row_argmax(rows)[:5] == [7, 9, 11, 0, 5]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

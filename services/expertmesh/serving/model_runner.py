@@ -43,6 +43,7 @@ from expertmesh.serving.graph_capture import CAPTURES, choose_capture
 from expertmesh.serving.input_buffers import InputBuffers, plan_for
 from expertmesh.serving.kv_cache_manager import KVCacheManager
 from expertmesh.serving.request import request_span
+from expertmesh.serving.sampling import row_argmax
 from expertmesh.serving.scheduler import Rows, ScheduledChunk, SchedulerOutput
 from expertmesh.serving.warmup import WarmUpPlan
 
@@ -328,7 +329,7 @@ def split_logits(
         last_rows = [ends_at[i] - 1 for i in ends]  # [G]
         last = logits if last_rows == list(range(logits.shape[0])) else logits[torch.tensor(last_rows)]
         last = last.float()  # [G, V]
-        ids, finite = last.argmax(-1).cpu().tolist(), finite_rows(last).cpu().tolist()  # [G] each
+        ids, finite = row_argmax(last), finite_rows(last).cpu().tolist()  # [G] each
         chosen = {i: token for i, token, ok in zip(ends, ids, finite) if ok}
     host = [
         None if not n or i in chosen else part.float().cpu() for i, (part, n) in enumerate(zip(parts, rows_per_chunk))

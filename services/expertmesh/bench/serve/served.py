@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 from expertmesh.bench.platform import started
 from expertmesh.bench.report import BenchError
-from expertmesh.bench.serve.clients import stream_clients
+from expertmesh.bench.serve.clients import stream_clients_async
 from expertmesh.bench.serve.stats import TimedRequest, decode_steps, summary
 from expertmesh.bench.serve.workload import prompts
 from expertmesh.infra.console import bar, progress
@@ -140,29 +140,34 @@ def _stream_all(target: str, options: Options, work: list, extras: list[dict]) -
 
 
 def _stream_here(target: str, options: Options, work: list, extras: list[dict]) -> list[TimedRequest]:
-    """The timed requests from this process: ``clients.stream_clients`` with a gRPC client each."""
+    """The timed requests from this process: ``clients.stream_clients_async`` with a ``grpc.aio`` client each, all on
+    one loop (see ``clients``: N client threads would take twice the CPU a token from the cores the server runs on)."""
+    import asyncio
+
     import grpc
 
-    from expertmesh.client import Client
+    from expertmesh.client import AsyncClient
 
-    def stream(client: Client, i: int, timed: TimedRequest) -> None:
+    async def stream(client: AsyncClient, i: int, timed: TimedRequest) -> None:
         try:
-            for chunk in client.generate(
+            async for chunk in client.generate(
                 work[i], max_new_tokens=options.max_new_tokens, stop_at_eos=False, **extras[i]
             ):
                 if chunk.token_ids:
                     timed.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
                     timed.ids.extend(chunk.token_ids)
-        except grpc.RpcError as err:
+        except grpc.RpcError as err:  # grpc.aio's AioRpcError is one
             raise BenchError(f"a streaming request to {target} failed: {err.code().name}: {err.details()}") from None
 
     with bar(options.clients * options.requests_per_client, "bench serve: requests", unit="request") as done:
-        return stream_clients(
-            options.clients,
-            options.requests_per_client,
-            stream,
-            connect=lambda: Client(target, timeout=600),
-            finished=done.update,
+        return asyncio.run(
+            stream_clients_async(
+                options.clients,
+                options.requests_per_client,
+                stream,
+                connect=lambda: AsyncClient(target, timeout=600),
+                finished=done.update,
+            )
         )
 
 

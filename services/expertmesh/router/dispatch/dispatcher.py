@@ -361,7 +361,7 @@ class LayerDispatcher:
         # [T, H] where the model computes: each transport takes its rows from there (CUDA IPC on the
         # router's GPU, a copy to host memory for the others)
         source = hidden.detach()
-        links = [Link(c) for c in (step.links if step is not None else ()) if c.is_valid]
+        links = step.span_links if step is not None else []
         if layer in view.fallback:
             weights_cpu = self._route_around(view, layer, index, weights_cpu, step)
 

@@ -8,11 +8,12 @@ step's T tokens by sequence (``tokens_per_sequence``, in the order the step pack
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-from opentelemetry.trace import SpanContext
+from opentelemetry.trace import Link, SpanContext
 
 from expertmesh.router.dispatch.degraded import DegradedTokens
 from expertmesh.router.dispatch.routing_view import RoutingView
@@ -50,3 +51,9 @@ class StepContext:
 
     def __post_init__(self) -> None:
         self.degraded = DegradedTokens(self.tokens_per_sequence)
+
+    @functools.cached_property
+    def span_links(self) -> list[Link]:
+        """The links each group call's span carries to the step's requests (their valid contexts): the same for every
+        layer of the step, made once (a step of 64 sequences made 64 a layer)."""
+        return [Link(c) for c in self.links if c.is_valid]

@@ -340,7 +340,12 @@ def test_serve_reports_platform_both_generate_baselines_and_the_classifier_runs(
         "input_buckets": result["runner"]["input_buckets"],
         "pinned_staging": False,
         "greedy_tokens_chosen": "on the device",
+        "fused_decode_attention_layers": result["runner"]["fused_decode_attention_layers"],
     }
+    # each attention layer's decode steps on the one op, where it builds (``cpu_decode_attention``)
+    from expertmesh.serving import cpu_decode_attention
+
+    assert result["runner"]["fused_decode_attention_layers"] == (2 if cpu_decode_attention.load() else 0)
     assert result["runner"]["input_buckets"][-1] == 1024, "the largest bucket is the step's token budget"
     assert "model runner: cpu, packed, attention cpu-paged-decode, capture eager" in out
     # decode steps: batched generate's 2 batches of 2 make 2 decode steps each; the engine's are its own count

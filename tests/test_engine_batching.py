@@ -128,9 +128,10 @@ def test_small_steps_run_on_one_intra_op_thread_and_the_rest_on_all(models):
 
 def test_a_narrowed_steps_decode_attention_takes_the_routers_threads_back(models, monkeypatch):
     """The engine's ``wide_threads`` reach the decode attention's kernel (``MaskSpec.threads`` -> the step's
-    ``StepAttention.threads``): each call asks ``all_threads_for`` for them with its [B, H, dv] outputs as its work
+    ``StepAttention.threads``): each call asks ``all_threads_for`` for them with its [B, H, dv] outputs as its work,
+    or, where the decode step's attention half is one op (``cpu_decode_attention``), its widest product's [B, N]
     (the rule itself: ``test_cpu_threads``); the tokens stay stock's."""
-    from expertmesh.serving import paged_attention
+    from expertmesh.serving import cpu_decode_attention, paged_attention
 
     asked: list[tuple[int, int]] = []
     real = paged_attention.all_threads_for
@@ -140,6 +141,7 @@ def test_a_narrowed_steps_decode_attention_takes_the_routers_threads_back(models
         return real(work, threads)
 
     monkeypatch.setattr(paged_attention, "all_threads_for", recording)
+    monkeypatch.setattr(cpu_decode_attention, "all_threads_for", recording)
     model = models("mixtral")
     prompt = tuple(range(3, 9))
     limits = EngineLimits(4, 4, serial_step_tokens=8, wide_threads=3)

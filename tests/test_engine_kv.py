@@ -347,6 +347,7 @@ def test_every_kernel_keeps_the_tokens_stock(tiny_checkpoints, monkeypatch, arch
         paged_attention.DecodeBatch, "of", classmethod(lambda cls, *a: batches.append(of(*a)) or batches[-1])
     )
     engine = _engine(model, 64, max_step_tokens=8)
+    in_place.clear()  # the engine's own check of its decode attention op at start (``cpu_decode_attention.agrees``)
     engine.runner.mask_spec = dataclasses.replace(engine.runner.mask_spec, kernel=kernel)
     uneven = [
         GenerationRequest(f"u{n}", tuple(range(3 + n, 3 + 2 * n)), max_new_tokens=14, stop_at_eos=False)

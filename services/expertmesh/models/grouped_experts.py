@@ -189,6 +189,11 @@ class GroupedWeight:
         """The values its products use now, [out, in]; None before the first one."""
         return self._rows.computed(0)
 
+    def operands(self) -> tuple[torch.Tensor, int]:
+        """What ``grouped_linear`` multiplies by, for a caller of the op itself (a fused native op): the packed copy
+        of the weight as it is now [1, T, in, 32] and its outputs."""
+        return self._rows.packed(), self._rows.outputs
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out]: ``nn.functional.linear(x, weight, bias)`` to float32 rounding."""
         if x.dtype != torch.float32 or x.device.type != "cpu":  # what the kernel does not take: torch's product

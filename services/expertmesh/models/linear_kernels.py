@@ -204,10 +204,14 @@ class PackedLinear(nn.Linear):
         """The values its products use now, [out, in] (the packed copy read back); None before its first one."""
         return None if self._weight.weight is not self.weight else self._weight.computed()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self) -> PackedProduct:
+        """The packed copy its products use now (made again when the parameter itself was replaced)."""
         if self._weight.weight is not self.weight:  # the parameter itself replaced (a load with assign=True)
             self._weight = self._packing(self.weight)
-        return self._weight.linear(x, self.bias)
+        return self._weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product().linear(x, self.bias)
 
 
 def pack_linears(model: nn.Module, kernel: LinearKernel, blas_max_elements: int = 0, threads: int = 0) -> int:

@@ -264,6 +264,11 @@ class PackedCache:
     def block_size(self) -> int:
         return self._block_size
 
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """[T] int64: the pool slot each of the step's new tokens' keys and values go to (``update``'s)."""
+        return self._write
+
     def layer_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s two pool tensors, [slots, h, d] each: where ``padded_slots``' slots point."""
         return self._pool.tensors(layer)

@@ -38,6 +38,7 @@ from expertmesh.router.dispatch.step_context import StepContext
 from expertmesh.router.model import ZeroExperts, experts_answered_by
 from expertmesh.router.policy.routing_policy import StepRouting, step_routing
 from expertmesh.router.policy.token_rules import QueueSignal
+from expertmesh.serving.cpu_decode_attention import fuse_decode_attention
 from expertmesh.serving.forward import Chunk, MaskSpec, forward_alone, forward_packed, pack
 from expertmesh.serving.graph_capture import CAPTURES, choose_capture
 from expertmesh.serving.input_buffers import InputBuffers, plan_for
@@ -127,6 +128,12 @@ class ModelRunner:
         self._keep_choices = keep_choices
         self.mask_spec = mask_spec
         self.batching = batching
+        #: attention modules whose decode steps run as one native op (``cpu_decode_attention``)
+        self.fused_attention = (
+            fuse_decode_attention(model, mask_spec.kinds, mask_spec.window)
+            if batching.packed and mask_spec.kernel == "cpu-paged-decode"
+            else 0
+        )
         #: the packed forward's inputs, preallocated by size bucket on the model's device
         self.buffers = InputBuffers(max_step_tokens, plan_for(model.device)) if batching.packed else None
         #: how a packed forward runs: eager, or (a GPU's) captured piecewise between the MoE layers
@@ -151,6 +158,7 @@ class ModelRunner:
             "input_buckets": list(self.buffers.buckets) if self.buffers is not None else [],
             "pinned_staging": bool(self.buffers is not None and self.buffers.plan.pinned_staging),
             "greedy_tokens_chosen": "on the device" if self.batching.packed else "on the host",
+            "fused_decode_attention_layers": self.fused_attention,
         }
 
     def execute(self, plan: SchedulerOutput, exact_routing: bool = False) -> ModelRunnerOutput:

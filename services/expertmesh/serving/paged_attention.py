@@ -199,6 +199,11 @@ class StepAttention:
             self._decode[kind] = DecodeBatch.of(self, decoding, kind)
         return self._decode[kind]
 
+    @property
+    def decode_only(self) -> bool:
+        """Whether every sequence of the step feeds a single token (its T tokens are its B sequences, in order)."""
+        return len(self._decoding) == len(self.sequences)
+
     @functools.cached_property
     def _decoding(self) -> list[int]:
         """The step's sequences that feed a single token, ascending."""

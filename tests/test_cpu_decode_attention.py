@@ -26,9 +26,17 @@ from expertmesh.serving.paged_attention import STEP
 pytestmark = pytest.mark.skipif(not cpu_decode_attention.load(), reason="no C++ compiler here: the op cannot build")
 
 #: architecture -> whether its attention modules take the op: the plain ones (Mixtral's, Qwen2-MoE's with its
-#: biases, PhiMoE's, GraniteMoE's with its own scaling) do; a norm of queries and keys (Qwen3-MoE, OLMoE) or
-#: attention sinks in eager attention (GPT-OSS) do not
-FUSES = {"mixtral": True, "qwen2_moe": True, "phimoe": True, "granitemoe": True, "qwen3_moe": False, "olmoe": False}
+#: biases, PhiMoE's, GraniteMoE's with its own scaling) do; a norm of queries and keys (Qwen3-MoE, OLMoE) or a
+#: rotary embedding of part of each head (GLM-4-MoE) do not
+FUSES = {
+    "mixtral": True,
+    "qwen2_moe": True,
+    "phimoe": True,
+    "granitemoe": True,
+    "qwen3_moe": False,
+    "olmoe": False,
+    "glm4_moe": False,
+}
 
 
 def _router(tiny_checkpoints, arch: str, **kwargs):
@@ -204,3 +212,10 @@ def test_bad_inputs_are_refused_with_a_message(tiny_checkpoints):
         call(torch.tensor([0, 4]), width=torch.ones(2, module.head_dim // 2))
     with pytest.raises(RuntimeError, match="widths"):
         call(torch.tensor([0, 4]), pool=torch.zeros(8, 1, module.head_dim))
+
+
+def test_a_host_where_the_op_does_not_build_keeps_every_modules_forward(tiny_checkpoints, monkeypatch):
+    model, spec = _router(tiny_checkpoints, "mixtral")
+    monkeypatch.setattr(cpu_decode_attention, "load", lambda: False)
+    assert fuse_decode_attention(model, spec.kinds, spec.window) == 0
+    assert not any(_fused(m) for m in _attention_modules(model))

@@ -184,11 +184,13 @@ def _fused_class(cls: type) -> type:
     return type(f"FusedDecode{cls.__name__}", (_FusedDecodeAttention, cls), {"__module__": cls.__module__})
 
 
-def agrees(module: nn.Module, kinds: tuple[str, ...], window: int | None) -> bool:
+def agrees(module: nn.Module, kinds: tuple[str, ...], window: int | None, rotary: nn.Module | None = None) -> bool:
     """Whether the op computes what ``module``'s own forward (not yet fused) does on a decode step of three
-    sequences (pasts of 3, 6 and 1 positions in a pool of blocks of 4; seeded rows, angles over whole heads, keys and
-    values): the same output and the same keys and values stored, bit for bit. ``kinds``/``window``: the model's
-    layer kinds and sliding window."""
+    sequences (pasts of 3, 6 and 1 positions in a pool of blocks of 4; seeded rows, keys and values): the same output
+    and the same keys and values stored, bit for bit. ``kinds``/``window``: the model's layer kinds and sliding
+    window. ``rotary``: the model's rotary embedding module, whose cos and sin at those positions the step is
+    handed (a model rotating part of each head fails here, as its steps would fall back); None: seeded angles over
+    whole heads."""
     from expertmesh.serving.attention_backends import ATTENTION_BACKENDS, StepLayout, attention_metadata
 
     products, heads = _products(module), _heads(module)
@@ -207,8 +209,12 @@ def agrees(module: nn.Module, kinds: tuple[str, ...], window: int | None) -> boo
     metadata = attention_metadata([[0], [1, 2], [3]], [3, 6, 1], [1, 1, 1], pool.block_size)
     layout = StepLayout("sdpa", kinds, window, torch.float32)
     hidden = torch.randn(1, 3, module.q_proj.in_features, generator=generator)  # [1, T, hidden]
-    angles = torch.rand(1, 3, width // 2, generator=generator) * 100
-    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)  # [1, T, d]
+    if rotary is not None:
+        with torch.no_grad():
+            cos, sin = rotary(hidden, torch.tensor([[3, 6, 1]]))  # [1, T, rotated width]
+    else:
+        angles = torch.rand(1, 3, width // 2, generator=generator) * 100
+        cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)  # [1, T, d]
     before = [t.clone() for t in pool.tensors(module.layer_idx)]
     config, own = module.config, module.config._attn_implementation
     config._attn_implementation = IMPLEMENTATION
@@ -244,11 +250,13 @@ def fuse_decode_attention(model: nn.Module, kinds: tuple[str, ...], window: int 
     ]
     if not candidates or not load():
         return 0
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    rotary = rotaries[0] if len(rotaries) == 1 else None  # one for every layer: the cos and sin its steps get
     fused = 0
     for module in candidates:
         if isinstance(module, _FusedDecodeAttention):
             fused += 1
-        elif agrees(module, kinds, window):
+        elif agrees(module, kinds, window, rotary):
             module.__class__ = _fused_class(type(module))
             fused += 1
     if fused < len(candidates):

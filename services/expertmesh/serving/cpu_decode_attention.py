@@ -10,10 +10,12 @@ where the products and the attention themselves take ~0.1. The op makes the same
 output product.
 
 Which modules (``fuse_decode_attention``): an attention module of the router's model whose four products are on the
-grouped kernel (``linear_kernels.PackedLinear`` of a ``grouped_experts.GroupedWeight``) and whose own forward the
-op matches bit for bit on seeded rows, keys and values (``agrees``: the outputs and the keys and values it stores,
-through the ``cpu-paged-decode`` backend the op stands in for). A module whose forward computes anything else (a
-norm of the queries, partial rotary, latents, a soft cap, sinks) fails the check and keeps its forward. A fused
+grouped kernel (``linear_kernels.PackedLinear`` of a ``grouped_experts.GroupedWeight``) or torch's own (a plain
+``nn.Linear``, which the op computes by ``at::linear`` over the same [1, B, in] rows) and whose own forward the op
+matches bit for bit on seeded rows, keys and values with the model's rotary embedding (``agrees``: the outputs and
+the keys and values it stores, through the ``cpu-paged-decode`` backend the op stands in for). A module whose
+forward computes anything else (a norm of the queries, partial rotary, latents, a soft cap, sinks) fails the check
+and keeps its forward. A fused
 module is the same object with the same parameters; its class becomes a subclass of its own
 (``_FusedDecodeAttention`` first), so ``isinstance`` checks, the state dict and the stock forward are unchanged.
 

@@ -346,7 +346,7 @@ def _decode_rows_together(
     if batch is None:
         return per_sequence_attend(call, sequence_rows)
     decoded = decode_rows(call, batch)  # [B, H, dv]
-    if len(batch.sequences) == len(step.sequences):  # a decode step: the B rows are the T tokens, in order
+    if step.decode_only:  # the B rows are the T tokens, in order
         return decoded[None]  # [1, T, H, dv]
     # Each row where its token sits: no list of T one-row pieces to concatenate
     out = decoded.new_empty((1, query.shape[2], *decoded.shape[1:]))  # [1, T, H, dv]
@@ -408,7 +408,7 @@ def _in_place_rows(call: LayerAttention, batch: "DecodeBatch") -> torch.Tensor:
     block tables)."""
     query, step = call.query[0], call.step  # [H, T, d]
     keys, values = step.cache.layer_pool(call.module.layer_idx)  # [S, h, d], [S, h, dv]
-    if len(batch.sequences) == len(step.sequences):
+    if step.decode_only:
         q = query.transpose(0, 1)  # [T, H, d]: the rows are the step's tokens, in order
     else:
         q = query[:, batch.rows].transpose(0, 1)  # [B, H, d]

@@ -52,6 +52,41 @@ def test_each_experts_rows_get_that_experts_product(transposed, outputs):
     assert _grouped_linear(x[:0], [0] * (experts + 1), rows).shape == (0, outputs)
 
 
+def test_rows_past_a_register_block_give_each_rows_own_bits():
+    """Many rows of an expert go through a tile in chunks of its K rows, every block of rows through each chunk
+    before the next (the kernel's ``KC``), where one block takes the whole tile at once: each row's output is, bit
+    for bit, what the row gives alone. K of 150 and 160 (two whole chunks of 64 and a partial one), experts of 1, 8
+    (one block on AVX-512), 9, 17 and 40 rows; the plain products, scaled products and a whole gated call."""
+    g = torch.Generator().manual_seed(7)
+    counts, inputs, intermediate = [1, 8, 9, 17, 40], 150, 160
+    experts, tokens = len(counts), sum(counts)
+    owner = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))  # [S] each row's expert, grouped
+    starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+
+    def alone(e: int) -> list[int]:  # the starts of a call of one row of expert e
+        return [0] * (e + 1) + [1] * (experts - e)
+
+    plain = GroupedRows(torch.randn(experts, 70, inputs, generator=g), transposed=False)  # a partial last tile
+    x = torch.randn(tokens, inputs, generator=g)
+    together = _grouped_linear(x, starts, plain)
+    each = torch.cat([_grouped_linear(x[i : i + 1], alone(int(owner[i])), plain) for i in range(tokens)])
+    assert torch.equal(together, each)
+
+    gate_up = GroupedRows(torch.randn(experts, 2 * intermediate, inputs, generator=g) * 0.1, transposed=False)
+    down = GroupedRows(torch.randn(experts, inputs, intermediate, generator=g) * 0.1, transposed=False)
+    ids, weights = owner.unsqueeze(1), torch.rand(tokens, 1, generator=g)  # [T, 1] top-1: a token a row
+    shuffled = torch.randperm(tokens, generator=g)  # tokens out of expert order
+    ids, weights, hidden = ids[shuffled], weights[shuffled], torch.randn(tokens, inputs, generator=g)
+
+    def call(rows: slice):
+        return torch.ops.expertmesh_experts.grouped_silu_glu_call(
+            hidden[rows], ids[rows], weights[rows], torch.arange(experts), gate_up.packed(), 2 * intermediate,
+            down.packed(), inputs, True,
+        )[0]  # fmt: skip
+
+    assert torch.equal(call(slice(None)), torch.cat([call(slice(i, i + 1)) for i in range(tokens)]))
+
+
 def test_bad_shapes_are_refused_with_a_message():
     rows = GroupedRows(torch.randn(2, 32, 16), transposed=False)
     x = torch.randn(4, 16)

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -55,15 +56,11 @@ inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 
 inline void store(float* p, vec v) { *reinterpret_cast<vec*>(p) = v; }
 
-// M rows of x (row stride K) through one tile [K, NR]: y[m, n0 .. n0 + cols) (row stride N), cols <= NR; each
-// row times scale[m] where scale is given.
+// M rows of x (row stride K) times tile rows k0 .. k1 of a tile [K, NR], added to acc [M][NR / VEC]: every output's
+// dot product over K runs in order of k, whether its k come in one run or in chunks (the same bits either way).
 template <int M>
-inline void block(const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0, int64_t cols,
-                  const float* scale = nullptr) {
-  vec acc[M][CV];
-  for (int m = 0; m < M; ++m)
-    for (int c = 0; c < CV; ++c) acc[m][c] = vec{};
-  for (int64_t k = 0; k < K; ++k) {
+inline void accumulate(const float* x, int64_t K, const float* tile, vec (&acc)[M][CV], int64_t k0, int64_t k1) {
+  for (int64_t k = k0; k < k1; ++k) {
     // the tile's row PREFETCH ahead (two 64-byte lines), asked for now so it is on its way while these are used
     __builtin_prefetch(tile + (k + PREFETCH) * NR, 0, 3);
     __builtin_prefetch(tile + (k + PREFETCH) * NR + NR / 2, 0, 3);
@@ -74,6 +71,11 @@ inline void block(const float* x, int64_t K, const float* tile, float* y, int64_
       for (int m = 0; m < M; ++m) acc[m][c] += x[m * K + k] * w;
     }
   }
+}
+
+// acc's M rows, each times scale[m] where scale is given, into y[m, n0 .. n0 + cols) (row stride N), cols <= NR.
+template <int M>
+inline void write_rows(vec (&acc)[M][CV], float* y, int64_t N, int64_t n0, int64_t cols, const float* scale) {
   if (scale != nullptr)  // each output row times its routing weight: ATen's mul_ of the product, the same rounding
     for (int m = 0; m < M; ++m)
       for (int c = 0; c < CV; ++c) acc[m][c] *= scale[m];
@@ -86,6 +88,40 @@ inline void block(const float* x, int64_t K, const float* tile, float* y, int64_
       for (int c = 0; c < CV; ++c) store(full + c * VEC, acc[m][c]);
       std::memcpy(dst, full, cols * sizeof(float));
     }
+  }
+}
+
+// M rows of x (row stride K) through one tile [K, NR]: y[m, n0 .. n0 + cols) (row stride N), cols <= NR; each
+// row times scale[m] where scale is given.
+template <int M>
+inline void block(const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0, int64_t cols,
+                  const float* scale = nullptr) {
+  vec acc[M][CV];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < CV; ++c) acc[m][c] = vec{};
+  accumulate<M>(x, K, tile, acc, 0, K);
+  write_rows<M>(acc, y, N, n0, cols, scale);
+}
+
+// block's products over tile rows k0 .. k1 only, its M rows' running sums kept in sums [M, NR] between the chunks
+// (k0 == 0: the first chunk, started from zero).
+template <int M>
+inline void block_chunk(const float* x, int64_t K, const float* tile, float* sums, int64_t k0, int64_t k1) {
+  vec acc[M][CV];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < CV; ++c) acc[m][c] = k0 == 0 ? vec{} : load(sums + m * NR + c * VEC);
+  accumulate<M>(x, K, tile, acc, k0, k1);
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < CV; ++c) store(sums + m * NR + c * VEC, acc[m][c]);
+}
+
+// f(std::integral_constant<int, rest>) for a rest of 1 .. M rows (0: nothing): a row count known at run time to
+// a block's, known at compile time.
+template <int M, class F>
+inline void with_rows(int64_t rest, F&& f) {
+  if constexpr (M > 0) {
+    if (rest == M) return f(std::integral_constant<int, M>{});
+    with_rows<M - 1>(rest, f);
   }
 }
 
@@ -113,6 +149,55 @@ inline void silu_glu_tile(const float* g, const float* u, float* dst) {
 #endif
 }
 
+// Each of a tile's row blocks from the memory once: past one block of rows, the tile is taken KC of its rows at a
+// time (16 KB of a gate tile and its up tile, in the L1 cache) and every block of rows goes through those before the
+// next, the blocks' running sums kept between (block_chunk); a tile read whole for each block would come from the
+// memory for the first and from L2 for the others, and the first block's reads would not overlap the others'
+// products (grouped_experts.py: what it measured; 32 or 128 rows a chunk were slower than 64).
+constexpr int64_t KC = 64;
+
+// The running sums of a call's row blocks between chunks: one buffer a thread, grown to the largest call it ran.
+float* chunk_sums(int64_t floats) {
+  thread_local std::vector<float> sums;
+  if (static_cast<int64_t>(sums.size()) < floats) sums.resize(floats);
+  return sums.data();
+}
+
+// The rows of one block short of MR: M of them at most (tail: one tile; glu_tail: a gate tile and its up tile).
+template <int M>
+inline void tail(int64_t rest, const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0,
+                 int64_t cols, const float* scale) {
+  if constexpr (M > 0) {
+    if (rest == M) return block<M>(x, K, tile, y, N, n0, cols, scale);
+    tail<M - 1>(rest, x, K, tile, y, N, n0, cols, scale);
+  }
+}
+
+void rows_through_tile(const float* x, int64_t rows, int64_t K, const float* tile, float* y, int64_t N, int64_t n0,
+                       int64_t cols, const float* scale) {
+  auto scaled = [&](int64_t r) { return scale == nullptr ? nullptr : scale + r; };
+  if (rows <= MR) {  // one block: the tile read once either way
+    if (rows == MR) return block<MR>(x, K, tile, y, N, n0, cols, scale);
+    return tail<MR - 1>(rows, x, K, tile, y, N, n0, cols, scale);
+  }
+  float* sums = chunk_sums(rows * NR);  // [rows, NR]
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t k1 = std::min(K, k0 + KC);
+    for (int64_t r = 0; r < rows; r += MR)
+      with_rows<MR>(std::min<int64_t>(MR, rows - r), [&](auto m) {
+        block_chunk<decltype(m)::value>(x + r * K, K, tile, sums + r * NR, k0, k1);
+      });
+  }
+  for (int64_t r = 0; r < rows; r += MR)
+    with_rows<MR>(std::min<int64_t>(MR, rows - r), [&](auto m) {
+      constexpr int M = decltype(m)::value;
+      vec acc[M][CV];
+      for (int i = 0; i < M; ++i)
+        for (int c = 0; c < CV; ++c) acc[i][c] = load(sums + (r + i) * NR + c * VEC);
+      write_rows<M>(acc, y + r * N, N, n0, cols, scaled(r));
+    });
+}
+
 // M rows of x through a gate tile and its up tile: y[m, n0 .. n0 + NR) = silu(x W_gate) * (x W_up) (row stride I),
 // the two products' blocks kept on the stack between the products and the gate.
 template <int M>
@@ -124,16 +209,6 @@ inline void glu_block(const float* x, int64_t K, const float* gate_tile, const f
   for (int m = 0; m < M; ++m) silu_glu_tile(g + m * NR, u + m * NR, y + m * I + n0);
 }
 
-// The last rows - r < MR rows of a tile, M of them at most (tail: one tile; glu_tail: a gate tile and its up tile).
-template <int M>
-inline void tail(int64_t rest, const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0,
-                 int64_t cols, const float* scale) {
-  if constexpr (M > 0) {
-    if (rest == M) return block<M>(x, K, tile, y, N, n0, cols, scale);
-    tail<M - 1>(rest, x, K, tile, y, N, n0, cols, scale);
-  }
-}
-
 template <int M>
 inline void glu_tail(int64_t rest, const float* x, int64_t K, const float* gate_tile, const float* up_tile, float* y,
                      int64_t I, int64_t n0) {
@@ -143,19 +218,23 @@ inline void glu_tail(int64_t rest, const float* x, int64_t K, const float* gate_
   }
 }
 
-void rows_through_tile(const float* x, int64_t rows, int64_t K, const float* tile, float* y, int64_t N, int64_t n0,
-                       int64_t cols, const float* scale) {
-  int64_t r = 0;
-  for (; r + MR <= rows; r += MR)
-    block<MR>(x + r * K, K, tile, y + r * N, N, n0, cols, scale == nullptr ? nullptr : scale + r);
-  tail<MR - 1>(rows - r, x + r * K, K, tile, y + r * N, N, n0, cols, scale == nullptr ? nullptr : scale + r);
-}
-
 void rows_through_glu_tile(const float* x, int64_t rows, int64_t K, const float* gate_tile, const float* up_tile,
                            float* y, int64_t I, int64_t n0) {
-  int64_t r = 0;
-  for (; r + MR <= rows; r += MR) glu_block<MR>(x + r * K, K, gate_tile, up_tile, y + r * I, I, n0);
-  glu_tail<MR - 1>(rows - r, x + r * K, K, gate_tile, up_tile, y + r * I, I, n0);
+  if (rows <= MR) {
+    if (rows == MR) return glu_block<MR>(x, K, gate_tile, up_tile, y, I, n0);
+    return glu_tail<MR - 1>(rows, x, K, gate_tile, up_tile, y, I, n0);
+  }
+  float* g = chunk_sums(2 * rows * NR);  // [rows, NR] the gate's, then [rows, NR] the up's
+  float* u = g + rows * NR;
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t k1 = std::min(K, k0 + KC);
+    for (int64_t r = 0; r < rows; r += MR)
+      with_rows<MR>(std::min<int64_t>(MR, rows - r), [&](auto m) {
+        block_chunk<decltype(m)::value>(x + r * K, K, gate_tile, g + r * NR, k0, k1);
+        block_chunk<decltype(m)::value>(x + r * K, K, up_tile, u + r * NR, k0, k1);
+      });
+  }
+  for (int64_t r = 0; r < rows; ++r) silu_glu_tile(g + r * NR, u + r * NR, y + r * I + n0);
 }
 
 // The products of rows grouped by expert (x [S, K], starts [E + 1]) through packed [E, T, K, NR] into y [S, n],

@@ -34,6 +34,16 @@ expert its products no longer hide the memory's latency (on an AVX-512 host, the
 / 17.6 / 29.3 ms at 4 / 8 / 16 / 32 rows an expert against 18.4 / 18.2 / 20.5 / 36.6 without; a 32-sequence decode
 step of ``up --groups-as in-process`` 44.0 against 45.8 ms; one sequence unchanged).
 
+Past one register block of rows an expert, a tile goes through its blocks 64 of its K rows at a time (``KC``), each
+block's running sums kept between: each 16 KB chunk of a gate tile and its up tile comes from the memory once and
+serves every block from the L1 cache, where a whole tile (128 KB) read again for each block came from the memory for
+the first and from L2 for the others, the first block's reads not overlapped by the others' products. The same
+bits: each output's sum still runs over K in order. A call of 4 experts alone at one thread, weights out of the
+caches (medians of two runs each): 12 / 16 / 24 / 32 / 64 rows an expert 1.63-1.75 / 1.77-1.97 / 2.46-2.66 /
+3.24-3.45 / 6.5-6.8 ms against 2.55 / 2.31-2.38 / 3.12-3.20 / 3.92 / 6.84-6.88; 1-8 rows (one block) and 120 the
+same. In ``up --groups-as in-process``, one server switching every 5 steps (a slow hour): decode steps of 64
+sequences 81.1 -> 75.5 ms, of 32 55.1 -> 52.8.
+
 Each output is a plain float32 dot product over its inputs in order, so its last bits are this kernel's (as they
 are oneDNN's on the packed path); ``agrees`` checks a module against its own forward before a group uses it, and
 ``expertmesh verify`` and the engine's tests check the tokens stay stock's. The gate between the two products is

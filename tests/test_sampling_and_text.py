@@ -115,7 +115,8 @@ def test_greedy_tokens_for_a_step_are_next_tokens_row_by_row():
 
 def test_row_argmax_is_torchs_argmax_row_by_row():
     """The host's vectorised argmax (numpy's) picks torch's ids: the first of tied maxima, +Inf over any finite
-    value, a NaN over everything (the first NaN), a row of -Inf its first id; on strided rows too."""
+    value, a NaN over everything (the first NaN), a row of -Inf its first id; on strided rows too. No rows give no
+    ids, and rows of no scores are refused (IndexError) as torch refuses them."""
     g = torch.Generator().manual_seed(0)
     rows = torch.randint(-3, 4, (64, 300), generator=g).float()  # many ties
     rows[0, 7] = float("inf")
@@ -127,6 +128,12 @@ def test_row_argmax_is_torchs_argmax_row_by_row():
     for scores in (rows, rows[::3], rows[:, 1::2], torch.randn(8, 32000, generator=g), rows[:1]):
         assert row_argmax(scores) == scores.argmax(dim=-1).tolist()
     assert row_argmax(rows)[:5] == [7, 9, 11, 0, 5]
+    assert row_argmax(rows[:0]) == [] == rows[:0].argmax(dim=-1).tolist()  # no rows: no ids
+    for empty in (torch.empty(2, 0), torch.empty(0, 0)):  # rows of no scores: refused as torch refuses them
+        with pytest.raises(IndexError):
+            empty.argmax(dim=-1)
+        with pytest.raises(IndexError, match="no scores"):
+            row_argmax(empty)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -163,6 +163,17 @@ float* chunk_sums(int64_t floats) {
   return sums.data();
 }
 
+// f(rows of the block, its first row, k0, k1) for each chunk of KC of a tile's K rows, and in it for each block of
+// rows (MR, the last maybe fewer): every block through a chunk before the next chunk.
+template <class F>
+inline void through_chunks(int64_t rows, int64_t K, F&& f) {
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t k1 = std::min(K, k0 + KC);
+    for (int64_t r = 0; r < rows; r += MR)
+      with_rows<MR>(std::min<int64_t>(MR, rows - r), [&](auto m) { f(m, r, k0, k1); });
+  }
+}
+
 // The rows of one block short of MR: M of them at most (tail: one tile; glu_tail: a gate tile and its up tile).
 template <int M>
 inline void tail(int64_t rest, const float* x, int64_t K, const float* tile, float* y, int64_t N, int64_t n0,
@@ -181,13 +192,9 @@ void rows_through_tile(const float* x, int64_t rows, int64_t K, const float* til
     return tail<MR - 1>(rows, x, K, tile, y, N, n0, cols, scale);
   }
   float* sums = chunk_sums(rows * NR);  // [rows, NR]
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t k1 = std::min(K, k0 + KC);
-    for (int64_t r = 0; r < rows; r += MR)
-      with_rows<MR>(std::min<int64_t>(MR, rows - r), [&](auto m) {
-        block_chunk<decltype(m)::value>(x + r * K, K, tile, sums + r * NR, k0, k1);
-      });
-  }
+  through_chunks(rows, K, [&](auto m, int64_t r, int64_t k0, int64_t k1) {
+    block_chunk<decltype(m)::value>(x + r * K, K, tile, sums + r * NR, k0, k1);
+  });
   for (int64_t r = 0; r < rows; r += MR)
     with_rows<MR>(std::min<int64_t>(MR, rows - r), [&](auto m) {
       constexpr int M = decltype(m)::value;
@@ -226,14 +233,10 @@ void rows_through_glu_tile(const float* x, int64_t rows, int64_t K, const float*
   }
   float* g = chunk_sums(2 * rows * NR);  // [rows, NR] the gate's, then [rows, NR] the up's
   float* u = g + rows * NR;
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t k1 = std::min(K, k0 + KC);
-    for (int64_t r = 0; r < rows; r += MR)
-      with_rows<MR>(std::min<int64_t>(MR, rows - r), [&](auto m) {
-        block_chunk<decltype(m)::value>(x + r * K, K, gate_tile, g + r * NR, k0, k1);
-        block_chunk<decltype(m)::value>(x + r * K, K, up_tile, u + r * NR, k0, k1);
-      });
-  }
+  through_chunks(rows, K, [&](auto m, int64_t r, int64_t k0, int64_t k1) {
+    block_chunk<decltype(m)::value>(x + r * K, K, gate_tile, g + r * NR, k0, k1);
+    block_chunk<decltype(m)::value>(x + r * K, K, up_tile, u + r * NR, k0, k1);
+  });
   for (int64_t r = 0; r < rows; ++r) silu_glu_tile(g + r * NR, u + r * NR, y + r * I + n0);
 }
 
